@@ -1,0 +1,389 @@
+"""The sans-I/O state machine of one decode rank: staging ring owner and fan-in.
+
+A room's state is created by whichever comes first, the local OpenRoom or a
+writer's message, so clock skew between processes cannot lose a request. A chunk
+is scattered exactly once, when all its writers arrived (counted by identity), and
+its region is freed only after the scatter completed. A room is done when it was
+opened, every writer said done and every chunk was scattered (or, on the slice
+path, landed), in any arrival order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.events import (
+    AbortRoom,
+    Action,
+    Event,
+    OpenRoom,
+    Peer,
+    RoomDone,
+    RoomFailed,
+    Scatter,
+    ScatterDone,
+    Send,
+    Tick,
+)
+from shared.layout import Chunk, Geometry, LayoutError, room_pages
+from shared.machine import MachineBase, ProtocolConfig
+from shared.protocol import (
+    Abort,
+    Bootstrap,
+    ChunkReady,
+    StagingReq,
+    StagingRsp,
+    Watermark,
+    WriterDone,
+)
+from shared.ring import Allocation, StagingRing, WatermarkPos
+
+
+@dataclass(slots=True)
+class _Room:
+    room: int
+    created: float
+    chunks: list[Chunk] | None = None  # known once opened
+    dst_page_base: int = 0
+    allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
+    req_pages: dict[int, int] = field(default_factory=dict)  # chunk -> num_pages asked
+    arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
+    first_arrival: dict[int, float] = field(default_factory=dict)
+    scattering: set[int] = field(default_factory=set)
+    complete: set[int] = field(default_factory=set)  # scattered, or landed via slice
+    writers_done: dict[int, int] = field(default_factory=dict)  # writer -> num_chunks claimed
+
+
+@dataclass(slots=True)
+class _InFlightScatter:
+    alloc_id: int
+    start: float
+    room_live: bool = True
+
+
+class DecodeMachine(MachineBase):
+    role = "decode"
+
+    def __init__(
+        self, rank: int, geometry: Geometry, pool_bytes: int, config: ProtocolConfig | None = None
+    ) -> None:
+        super().__init__(rank, geometry, config or ProtocolConfig())
+        if not 0 <= rank < geometry.decode_tp:
+            raise ValueError(f"decode rank {rank} out of range 0..{geometry.decode_tp - 1}")
+        self.ring = StagingRing(pool_bytes)
+        self.writers = geometry.writers(rank)
+        self._writer_of = {p: w for w, p in enumerate(self.writers)}
+        self._rooms: dict[int, _Room] = {}
+        self._subscribers: list[int] = []  # prefill sessions, in subscription order
+        self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
+        self._last_wm = self.ring.watermark
+        self._region_cache: dict[int, int] = {}
+        self.scatters_issued = 0
+
+    # --- public -------------------------------------------------------------------------
+    @property
+    def live_rooms(self) -> int:
+        return len(self._rooms)
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        out: list[Action] = []
+        handler = self._HANDLERS.get(type(event))
+        if handler is None:
+            self._drop(out, now, f"decode cannot handle {type(event).__name__}")
+        else:
+            handler(self, event, now, out)
+        self._fire_timeouts(now, out)
+        self._broadcast_if_moved(now, out)
+        return out
+
+    # --- local events -------------------------------------------------------------------
+    def _on_open(self, ev: OpenRoom, now: float, out: list[Action]) -> None:
+        if self.is_finished(ev.room):
+            self._drop(out, now, "OpenRoom for a finished room", ev.room)
+            return
+        room = self._rooms.get(ev.room)
+        if room is not None and room.chunks is not None:
+            self._drop(out, now, "room opened twice", ev.room)
+            return
+        try:
+            pages = room_pages(ev.prompt_tokens, ev.prefix_tokens, self.geometry.page_size)
+        except LayoutError as exc:
+            if room is None:
+                room = self._new_room(ev.room, now)
+            self._fail(room, str(exc), now, out)
+            return
+        if room is None:
+            room = self._new_room(ev.room, now)
+        room.chunks = self.geometry.chunks(pages)
+        room.dst_page_base = ev.dst_page_base
+        self._record(out, "room_open", now, now, room=ev.room, bytes=pages)
+        for p in self.writers:
+            out.append(Send(Peer("prefill", p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
+        # Requests that came before the open are checked against the grid now.
+        for chunk, num_pages in room.req_pages.items():
+            if chunk >= len(room.chunks) or room.chunks[chunk].num_pages != num_pages:
+                self._fail(room, f"STAGING_REQ for chunk {chunk} of {num_pages} pages does not "
+                           f"match the room's chunk grid ({len(room.chunks)} chunks)", now, out)
+                return
+        for chunk in list(room.arrived):
+            self._chunk_maybe_complete(room, chunk, now, out)
+        self._maybe_done(room, now, out)
+
+    def _on_scatter_done(self, ev: ScatterDone, now: float, out: list[Action]) -> None:
+        flight = self._scatters.pop((ev.room, ev.chunk), None)
+        if flight is None:
+            self._drop(out, now, "ScatterDone for no scatter in flight", ev.room, ev.chunk)
+            return
+        alloc = self.ring.get(flight.alloc_id)
+        self._record(
+            out, "scatter", flight.start, now, room=ev.room, chunk=ev.chunk,
+            offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
+        )
+        self._free(ev.room, ev.chunk, flight.alloc_id, now, out)
+        room = self._rooms.get(ev.room)
+        if room is None:
+            return  # the room failed while its scatter ran; the region is free now
+        room.scattering.discard(ev.chunk)
+        room.complete.add(ev.chunk)
+        self._maybe_done(room, now, out)
+
+    def _on_abort_local(self, ev: AbortRoom, now: float, out: list[Action]) -> None:
+        room = self._rooms.get(ev.room)
+        if room is not None:
+            self._fail(room, ev.reason, now, out)
+
+    def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
+        pass
+
+    # --- messages -----------------------------------------------------------------------
+    def _writer_for(self, msg, now: float, out: list[Action]) -> int | None:
+        """The writer index of the message's session, or None (dropped) if not ours."""
+        w = self._writer_of.get(msg.session)
+        if msg.decode_rank != self.rank or w is None:
+            self._drop(out, now, f"{type(msg).__name__} from session {msg.session} to decode rank "
+                       f"{msg.decode_rank}: not a writer of decode rank {self.rank} "
+                       f"(writers {self.writers})", getattr(msg, "room", -1))
+            return None
+        if hasattr(msg, "writer") and msg.writer != w:
+            self._drop(out, now, f"{type(msg).__name__} claims writer {msg.writer} but session "
+                       f"{msg.session} is writer {w}", msg.room)
+            return None
+        return w
+
+    def _live_room(self, msg, now: float, out: list[Action]) -> _Room | None:
+        """The message's room, created if unknown; None if it already finished."""
+        if self.is_finished(msg.room):
+            self._record(out, "dropped", now, now, room=msg.room, chunk=getattr(msg, "chunk", -1),
+                         detail=f"late {type(msg).__name__} for a finished room")
+            return None
+        room = self._rooms.get(msg.room)
+        if room is None:
+            room = self._new_room(msg.room, now)
+        return room
+
+    def _on_req(self, msg: StagingReq, now: float, out: list[Action]) -> None:
+        w = self._writer_for(msg, now, out)
+        if w is None:
+            return
+        self._subscribe(msg.session, now, out)
+        room = self._live_room(msg, now, out)
+        if room is None:
+            return
+        if room.chunks is not None and (
+            msg.chunk >= len(room.chunks) or room.chunks[msg.chunk].num_pages != msg.num_pages
+        ):
+            self._drop(out, now, f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
+                       f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
+            return
+        if msg.chunk not in room.allocs:
+            if room.chunks is None:
+                known = room.req_pages.get(msg.chunk)
+                if known is not None and known != msg.num_pages:
+                    self._drop(out, now, "STAGING_REQ disagrees with an earlier one", msg.room, msg.chunk)
+                    return
+                room.req_pages[msg.chunk] = msg.num_pages
+            room.allocs[msg.chunk] = self.ring.assign(self._region_bytes(msg.num_pages))
+        alloc = room.allocs[msg.chunk]
+        if alloc is None:
+            rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.session, self.rank)
+        else:
+            rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.session, self.rank)
+        out.append(Send(Peer("prefill", msg.session), rsp))
+        self._record(
+            out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.session,
+            offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
+            ring_used=self.ring.used_bytes, detail="" if alloc else "oversized",
+        )
+
+    def _on_ready(self, msg: ChunkReady, now: float, out: list[Action]) -> None:
+        w = self._writer_for(msg, now, out)
+        if w is None:
+            return
+        room = self._live_room(msg, now, out)
+        if room is None:
+            return
+        if self.config.path == "staging" and msg.chunk not in room.allocs:
+            self._drop(out, now, "CHUNK_READY for a chunk with no staging region", msg.room, msg.chunk)
+            return
+        arrived = room.arrived.setdefault(msg.chunk, set())
+        if w in arrived:
+            return  # duplicate CHUNK_READY: identity, not count, decides
+        if not arrived:
+            room.first_arrival[msg.chunk] = now
+        arrived.add(w)
+        self._chunk_maybe_complete(room, msg.chunk, now, out)
+        self._maybe_done(room, now, out)
+
+    def _on_writer_done(self, msg: WriterDone, now: float, out: list[Action]) -> None:
+        w = self._writer_for(msg, now, out)
+        if w is None:
+            return
+        room = self._live_room(msg, now, out)
+        if room is None:
+            return
+        room.writers_done.setdefault(w, msg.num_chunks)
+        self._maybe_done(room, now, out)
+
+    def _on_abort_msg(self, msg: Abort, now: float, out: list[Action]) -> None:
+        if self._writer_for(msg, now, out) is None:
+            return
+        room = self._rooms.get(msg.room)
+        if room is not None:
+            self._fail(room, f"aborted by prefill rank {msg.session}: {msg.reason}", now, out,
+                       skip_session=msg.session)
+
+    def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
+        self._drop(out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1))
+
+    # --- fan-in and completion ------------------------------------------------------------
+    def _chunk_maybe_complete(self, room: _Room, chunk: int, now: float, out: list[Action]) -> None:
+        if room.chunks is None or chunk in room.complete or chunk in room.scattering:
+            return
+        if chunk >= len(room.chunks):
+            self._fail(room, f"CHUNK_READY for chunk {chunk} beyond the room's {len(room.chunks)} chunks", now, out)
+            return
+        if len(room.arrived.get(chunk, ())) < len(self.writers):
+            return
+        c = room.chunks[chunk]
+        self._record(out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk)
+        alloc = room.allocs.get(chunk)
+        if alloc is None:  # slice path or OVERSIZED: the bytes are already in the KV pool
+            room.complete.add(chunk)
+            return
+        room.scattering.add(chunk)
+        self._scatters[(room.room, chunk)] = _InFlightScatter(alloc.id, now)
+        self.scatters_issued += 1
+        out.append(Scatter(room.room, chunk, alloc.offset, alloc.nbytes, c.page_start, c.num_pages, room.dst_page_base))
+
+    def _maybe_done(self, room: _Room, now: float, out: list[Action]) -> None:
+        if room.chunks is None or len(room.writers_done) < len(self.writers):
+            return
+        if len(room.complete) < len(room.chunks):
+            return
+        claimed = set(room.writers_done.values())
+        if claimed != {len(room.chunks)}:
+            self._fail(room, f"writers claim {sorted(claimed)} chunks, room has {len(room.chunks)}", now, out)
+            return
+        del self._rooms[room.room]
+        self._finish(room.room, ok=True)
+        self._record(out, "room_done", now, now, room=room.room, ring_used=self.ring.used_bytes)
+        out.append(RoomDone(room.room))
+
+    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_session: int = -1) -> None:
+        """Fail a room: release every region it holds (after any running scatter), tell writers."""
+        del self._rooms[room.room]
+        for chunk, alloc in room.allocs.items():
+            if alloc is None:
+                continue
+            if chunk in room.scattering:
+                self._scatters[(room.room, chunk)].room_live = False  # freed on ScatterDone
+            else:
+                self._free(room.room, chunk, alloc.id, now, out)
+        for p in self.writers:
+            if p != skip_session:
+                out.append(Send(Peer("prefill", p), Abort(room.room, p, self.rank, True, reason[:512])))
+        self._finish(room.room, ok=False)
+        self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
+        out.append(RoomFailed(room.room, reason))
+
+    def _fire_timeouts(self, now: float, out: list[Action]) -> None:
+        for room_id in self._expired(now):
+            room = self._rooms.get(room_id)
+            if room is not None:
+                self._fail(room, self._stall_reason(room), now, out)
+
+    def _stall_reason(self, room: _Room) -> str:
+        waits = []
+        if room.chunks is None:
+            waits.append("the room to open locally")
+        else:
+            missing = {}
+            for c in room.chunks:
+                if c.index not in room.complete and c.index not in room.scattering:
+                    got = room.arrived.get(c.index, set())
+                    missing[c.index] = [self.writers[w] for w in range(len(self.writers)) if w not in got]
+            if missing:
+                first = list(missing.items())[:4]
+                waits.append("CHUNK_READY from " + ", ".join(f"chunk {c}: prefill {p}" for c, p in first))
+            if room.scattering:
+                waits.append(f"scatter of chunks {sorted(room.scattering)[:8]}")
+        not_done = [p for w, p in enumerate(self.writers) if w not in room.writers_done]
+        if not_done:
+            waits.append(f"WRITER_DONE from prefill ranks {not_done}")
+        return f"decode rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + "; ".join(waits)
+
+    # --- ring and watermark ----------------------------------------------------------------
+    def _new_room(self, room_id: int, now: float) -> _Room:
+        room = _Room(room_id, now)
+        self._rooms[room_id] = room
+        self._arm_deadline(room_id, now)
+        return room
+
+    def _free(self, room: int, chunk: int, alloc_id: int, now: float, out: list[Action]) -> None:
+        alloc = self.ring.get(alloc_id)
+        if alloc is None or not self.ring.free(alloc_id):
+            return
+        wm = self.ring.watermark
+        self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
+                     ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
+
+    def _subscribe(self, session: int, now: float, out: list[Action]) -> None:
+        if session in self._subscribers:
+            return
+        self._subscribers.append(session)
+        wm = self.ring.watermark
+        out.append(Send(Peer("prefill", session), Watermark(wm.round, wm.tail, session, self.rank)))
+
+    def _broadcast_if_moved(self, now: float, out: list[Action]) -> None:
+        wm = self.ring.watermark
+        if wm == self._last_wm:
+            return
+        assert wm > self._last_wm, f"watermark went backwards: {self._last_wm} -> {wm}"
+        self._last_wm = wm
+        for s in self._subscribers:
+            out.append(Send(Peer("prefill", s), Watermark(wm.round, wm.tail, s, self.rank)))
+        self._record(out, "watermark", now, now, ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
+
+    def _region_bytes(self, num_pages: int) -> int:
+        size = self._region_cache.get(num_pages)
+        if size is None:
+            size = self._region_cache[num_pages] = self.geometry.region_bytes(num_pages)
+        return size
+
+    @property
+    def watermark(self) -> WatermarkPos:
+        return self.ring.watermark
+
+    _HANDLERS = {
+        OpenRoom: _on_open,
+        ScatterDone: _on_scatter_done,
+        AbortRoom: _on_abort_local,
+        Tick: _on_tick,
+        StagingReq: _on_req,
+        ChunkReady: _on_ready,
+        WriterDone: _on_writer_done,
+        Abort: _on_abort_msg,
+        StagingRsp: _on_unexpected,
+        Watermark: _on_unexpected,
+        Bootstrap: _on_unexpected,
+    }

@@ -1,0 +1,171 @@
+"""Local events a driver feeds into the state machines, and the actions they return.
+
+Messages from peers (shared.protocol) are events too. Every `handle(event, now)`
+returns a list of actions; the driver carries them out (a SimPy process with a
+modeled duration, or a ZMQ send / NIXL write / torch kernel) and reports their
+completion back as the matching *Done event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.layout import HeadSlice
+from shared.protocol import Message
+from shared.trace import TraceRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A rank as a destination: role is "prefill" or "decode"."""
+
+    role: str
+    rank: int
+
+
+# --- events ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRoom:
+    """A request arrived at this rank. dst_page_base: decode KV pages reserved for it."""
+
+    room: int
+    prompt_tokens: int
+    prefix_tokens: int = 0
+    dst_page_base: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkComputed:
+    """Prefill: the KV of this chunk exists in the local pool (start = forward start)."""
+
+    room: int
+    chunk: int
+    start: float = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatherDone:
+    room: int
+    chunk: int
+    decode_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """A Write or SliceWrite finished; ok=False means the engine reported failure."""
+
+    room: int
+    chunk: int
+    decode_rank: int
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterDone:
+    room: int
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed; lets the machine fire timeouts."""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRoom:
+    """Local abort of a room (user, fault injection)."""
+
+    room: int
+    reason: str
+
+
+Event = (
+    Message | OpenRoom | ChunkComputed | GatherDone | WriteDone | ScatterDone | Tick | AbortRoom
+)
+
+
+# --- actions --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    dest: Peer
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """Prefill: copy the chunk's pages (heads `heads.src...`) into a contiguous block."""
+
+    room: int
+    chunk: int
+    decode_rank: int
+    writer: int
+    src_page: int  # first page in the prompt (prefix pages + chunk page_start)
+    num_pages: int
+    heads: HeadSlice
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Prefill: one bulk write of the gathered block to decode staging bytes [dst_offset, +nbytes)."""
+
+    room: int
+    chunk: int
+    decode_rank: int
+    writer: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SliceWrite:
+    """Prefill: the slice path, `requests` small writes straight into the decode KV pool."""
+
+    room: int
+    chunk: int
+    decode_rank: int
+    writer: int
+    src_page: int
+    page_start: int  # chunk's first page relative to the room's transferred pages
+    num_pages: int
+    dst_page_base: int
+    heads: HeadSlice
+    requests: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter:
+    """Decode: copy a chunk's staging region [offset, +nbytes) into the room's KV pages."""
+
+    room: int
+    chunk: int
+    offset: int
+    nbytes: int
+    page_start: int
+    num_pages: int
+    dst_page_base: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomDone:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailed:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    record: TraceRecord
+
+
+Action = Send | Gather | Write | SliceWrite | Scatter | RoomDone | RoomFailed | Record

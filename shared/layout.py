@@ -1,0 +1,293 @@
+"""KV geometry under a tensor-parallel mismatch: who writes which heads where.
+
+Everything here is a pure function of integers, so the simulator, the hardware
+drivers, the CLI and the tests all agree on one mapping (DESIGN.md, "Rank mapping"
+and "Head slices").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DTYPE_BYTES: dict[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class LayoutError(ValueError):
+    """A TP / head geometry that the staging protocol cannot map."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """Heads one prefill rank sends to one decode rank.
+
+    `src_head_start` indexes the prefill rank's local heads, `dst_head_start` the
+    decode rank's local heads; both slices are `num_heads` long.
+    """
+
+    src_head_start: int
+    num_heads: int
+    dst_head_start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of a room: pages [page_start, page_start + num_pages) after the prefix."""
+
+    index: int
+    page_start: int
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriterBlock:
+    """One writer's block inside a chunk's staging region."""
+
+    writer: int  # writer index on this decode rank (0..W-1)
+    prefill_rank: int
+    offset: int  # bytes from the region start
+    nbytes: int
+    heads: HeadSlice
+
+
+@dataclass(frozen=True, slots=True)
+class StagingLayout:
+    """Byte layout of one chunk's staging region on one decode rank."""
+
+    decode_rank: int
+    num_tokens: int
+    blocks: tuple[WriterBlock, ...]
+    region_bytes: int
+
+
+def _check_tp(name: str, tp: int) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise LayoutError(f"{name} must be a positive integer, got {tp!r}")
+
+
+def validate_tp(prefill_tp: int, decode_tp: int, total_kv_heads: int) -> None:
+    """Reject geometries the rank mapping cannot express, naming what is allowed."""
+    _check_tp("prefill_tp", prefill_tp)
+    _check_tp("decode_tp", decode_tp)
+    _check_tp("total_kv_heads", total_kv_heads)
+    big, small = max(prefill_tp, decode_tp), min(prefill_tp, decode_tp)
+    if big % small:
+        raise LayoutError(
+            f"prefill_tp={prefill_tp} and decode_tp={decode_tp} must divide one another "
+            "(allowed: one is a multiple of the other, e.g. 8 and 2)"
+        )
+    for name, tp in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
+        if tp % total_kv_heads and total_kv_heads % tp:
+            raise LayoutError(
+                f"{name}={tp} and total_kv_heads={total_kv_heads} must divide one another "
+                "(allowed: the TP size divides the KV head count, or is a multiple of it)"
+            )
+
+
+def heads_per_rank(tp: int, total_kv_heads: int) -> int:
+    """Local KV heads of one rank; with replication (tp > heads) each rank holds one."""
+    return max(1, total_kv_heads // tp)
+
+
+def owned_heads(tp: int, rank: int, total_kv_heads: int) -> range:
+    """Global KV heads a rank holds. With tp > heads, tp/heads consecutive ranks share one."""
+    per = heads_per_rank(tp, total_kv_heads)
+    replication = max(1, tp // total_kv_heads)
+    start = (rank // replication) * per
+    return range(start, start + per)
+
+
+def writers_of(decode_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """Prefill ranks that write to `decode_rank`, in writer order."""
+    if not 0 <= decode_rank < decode_tp:
+        raise LayoutError(f"decode_rank={decode_rank} out of range 0..{decode_tp - 1}")
+    if prefill_tp > decode_tp:
+        fan_in = prefill_tp // decode_tp
+        return list(range(decode_rank * fan_in, (decode_rank + 1) * fan_in))
+    return [decode_rank // (decode_tp // prefill_tp)]
+
+
+def targets_of(prefill_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """Decode ranks that `prefill_rank` writes to (one with fan-in, several with fan-out)."""
+    if not 0 <= prefill_rank < prefill_tp:
+        raise LayoutError(f"prefill_rank={prefill_rank} out of range 0..{prefill_tp - 1}")
+    if prefill_tp > decode_tp:
+        return [prefill_rank // (prefill_tp // decode_tp)]
+    fan_out = decode_tp // prefill_tp
+    return list(range(prefill_rank * fan_out, (prefill_rank + 1) * fan_out))
+
+
+def writer_index(prefill_rank: int, decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
+    """Position of `prefill_rank` among the writers of `decode_rank`."""
+    writers = writers_of(decode_rank, prefill_tp, decode_tp)
+    try:
+        return writers.index(prefill_rank)
+    except ValueError:
+        raise LayoutError(
+            f"prefill rank {prefill_rank} does not write to decode rank {decode_rank} "
+            f"(its writers are {writers})"
+        ) from None
+
+
+def head_slice(
+    prefill_tp: int, decode_tp: int, prefill_rank: int, decode_rank: int, total_kv_heads: int
+) -> HeadSlice:
+    """The heads `prefill_rank` sends to `decode_rank` (DESIGN.md "Head slices")."""
+    validate_tp(prefill_tp, decode_tp, total_kv_heads)
+    writer_index(prefill_rank, decode_rank, prefill_tp, decode_tp)  # raises if not paired
+    sh = heads_per_rank(prefill_tp, total_kv_heads)
+    dh = heads_per_rank(decode_tp, total_kv_heads)
+    if prefill_tp > decode_tp:
+        dst = ((prefill_rank // max(1, prefill_tp // total_kv_heads)) * sh) % dh
+        return HeadSlice(src_head_start=0, num_heads=sh, dst_head_start=dst)
+    # Integer division, not modulo: with replication consecutive decode ranks share a head.
+    src = ((decode_rank // max(1, decode_tp // total_kv_heads)) * dh) % sh
+    return HeadSlice(src_head_start=src, num_heads=dh, dst_head_start=0)
+
+
+def grid_pages(page_size: int, chunked_prefill_size: int = 8192) -> int:
+    """Pages per chunk of the chunk grid."""
+    return max(1, chunked_prefill_size // page_size)
+
+
+def chunk_grid(num_pages: int, page_size: int, chunked_prefill_size: int = 8192) -> list[Chunk]:
+    """Split a room of `num_pages` pages into chunks; the last one holds the rest."""
+    if num_pages < 0:
+        raise LayoutError(f"num_pages must be >= 0, got {num_pages}")
+    if page_size < 1:
+        raise LayoutError(f"page_size must be >= 1, got {page_size}")
+    step = grid_pages(page_size, chunked_prefill_size)
+    return [
+        Chunk(index=i, page_start=start, num_pages=min(step, num_pages - start))
+        for i, start in enumerate(range(0, num_pages, step))
+    ]
+
+
+def room_pages(prompt_tokens: int, prefix_tokens: int, page_size: int) -> int:
+    """Pages a room transfers: the prompt after the decode-side cached prefix.
+
+    A prefix that is not page aligned would shift every page, so it is refused
+    with a clear reason instead of mis-offsetting the copy.
+    """
+    if prefix_tokens % page_size:
+        raise LayoutError(
+            f"decode prefix of {prefix_tokens} tokens is not a multiple of page_size={page_size}"
+        )
+    if prefix_tokens > prompt_tokens:
+        raise LayoutError(f"decode prefix {prefix_tokens} exceeds the prompt ({prompt_tokens} tokens)")
+    return math.ceil((prompt_tokens - prefix_tokens) / page_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """All the numbers the protocol needs about model, TP sizes and paging."""
+
+    prefill_tp: int
+    decode_tp: int
+    total_kv_heads: int
+    layers: int
+    head_dim: int
+    dtype_bytes: int
+    page_size: int
+    chunked_prefill_size: int = 8192
+
+    def __post_init__(self) -> None:
+        validate_tp(self.prefill_tp, self.decode_tp, self.total_kv_heads)
+        for name in ("layers", "head_dim", "dtype_bytes", "page_size", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def prefill_heads(self) -> int:
+        return heads_per_rank(self.prefill_tp, self.total_kv_heads)
+
+    @property
+    def decode_heads(self) -> int:
+        return heads_per_rank(self.decode_tp, self.total_kv_heads)
+
+    @property
+    def grid_pages(self) -> int:
+        return grid_pages(self.page_size, self.chunked_prefill_size)
+
+    def writers(self, decode_rank: int) -> list[int]:
+        return writers_of(decode_rank, self.prefill_tp, self.decode_tp)
+
+    def targets(self, prefill_rank: int) -> list[int]:
+        return targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
+
+    def head_slice(self, prefill_rank: int, decode_rank: int) -> HeadSlice:
+        return head_slice(
+            self.prefill_tp, self.decode_tp, prefill_rank, decode_rank, self.total_kv_heads
+        )
+
+    def chunks(self, num_pages: int) -> list[Chunk]:
+        return chunk_grid(num_pages, self.page_size, self.chunked_prefill_size)
+
+    # --- bytes -----------------------------------------------------------------
+    def head_token_bytes(self, heads: int) -> int:
+        """Bytes of `heads` heads of one token in one layer for K or V."""
+        return heads * self.head_dim * self.dtype_bytes
+
+    def kv_bytes_per_token(self) -> int:
+        """Whole model, all heads, K and V: what one prompt token costs in KV."""
+        return 2 * self.layers * self.head_token_bytes(self.total_kv_heads)
+
+    def block_bytes(self, num_tokens: int, heads: int) -> int:
+        """One writer block: [K layer 0..L-1, V layer 0..L-1] x [T][heads][head_dim]."""
+        return 2 * self.layers * num_tokens * self.head_token_bytes(heads)
+
+    def staging_layout(self, decode_rank: int, num_pages: int) -> StagingLayout:
+        """Writer blocks back to back for one chunk of `num_pages` pages on `decode_rank`."""
+        tokens = num_pages * self.page_size
+        blocks = []
+        offset = 0
+        for w, p in enumerate(self.writers(decode_rank)):
+            hs = self.head_slice(p, decode_rank)
+            nbytes = self.block_bytes(tokens, hs.num_heads)
+            blocks.append(WriterBlock(w, p, offset, nbytes, hs))
+            offset += nbytes
+        return StagingLayout(decode_rank, tokens, tuple(blocks), offset)
+
+    def region_bytes(self, num_pages: int) -> int:
+        """Staging bytes one chunk of `num_pages` needs on a decode rank (same on every rank)."""
+        return self.staging_layout(0, num_pages).region_bytes
+
+    def chunk_bytes(self) -> int:
+        """Staging bytes of one full chunk on one decode rank."""
+        return self.region_bytes(self.grid_pages)
+
+    def pool_chunks(self, pool_bytes: int) -> int:
+        """How many full chunks a staging pool of `pool_bytes` holds at once."""
+        return pool_bytes // self.chunk_bytes()
+
+    # --- the slice path --------------------------------------------------------
+    def slice_contiguous_pages(self, prefill_rank: int, decode_rank: int) -> bool:
+        """True when a head slice is a whole token row on both sides.
+
+        Then a page of tokens is one contiguous run and costs one request per
+        (page, layer, K/V); otherwise every token is its own strided piece.
+        """
+        hs = self.head_slice(prefill_rank, decode_rank)
+        return hs.num_heads == self.prefill_heads == self.decode_heads
+
+    def slice_requests(self, prefill_rank: int, decode_rank: int, num_pages: int) -> int:
+        """Transfer requests one writer issues for `num_pages` pages on the slice path."""
+        per_kv_layer = (
+            num_pages
+            if self.slice_contiguous_pages(prefill_rank, decode_rank)
+            else num_pages * self.page_size
+        )
+        return 2 * self.layers * per_kv_layer
+
+
+def staging_address(
+    geometry: Geometry, layout: StagingLayout, writer: int, kv: int, layer: int, token: int, head: int
+) -> int:
+    """Byte offset, from the region start, of element 0 of (writer, K/V, layer, token, head)."""
+    block = layout.blocks[writer]
+    heads = block.heads.num_heads
+    t = layout.num_tokens
+    b = geometry.dtype_bytes
+    d = geometry.head_dim
+    return block.offset + (kv * geometry.layers + layer) * t * heads * d * b + (token * heads + head) * d * b

@@ -1,0 +1,88 @@
+"""What the prefill and decode state machines have in common.
+
+Both keep rooms with deadlines, remember finished rooms so late messages are
+ignored safely, and emit trace records stamped with the driver's `now`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from shared.events import Action, Record
+from shared.layout import Geometry
+from shared.trace import TraceRecord
+
+PATHS = ("staging", "slice")
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolConfig:
+    """Protocol knobs shared by every rank of a run."""
+
+    path: str = "staging"  # "staging" | "slice"
+    room_timeout_s: float = 60.0
+    # Rooms remembered as finished, so that late or duplicate messages about them
+    # are dropped instead of resurrecting state. Oldest forgotten first.
+    finished_memory: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"transfer path {self.path!r} not allowed (allowed: {', '.join(PATHS)})")
+        if not self.room_timeout_s > 0:
+            raise ValueError(f"room_timeout_s must be > 0, got {self.room_timeout_s}")
+
+
+class MachineBase:
+    """Room bookkeeping shared by `PrefillMachine` and `DecodeMachine`."""
+
+    role = ""
+
+    def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig) -> None:
+        self.rank = rank
+        self.geometry = geometry
+        self.config = config
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, room), lazy deletion
+        self._finished: dict[int, bool] = {}  # room -> True if done, False if failed
+        self.rooms_done = 0
+        self.rooms_failed = 0
+        self.dropped = 0
+
+    # --- trace ------------------------------------------------------------------
+    def _record(self, out: list[Action], phase: str, start: float, end: float, **kw) -> None:
+        out.append(Record(TraceRecord(self.role, self.rank, phase, start, end, **kw)))
+
+    def _drop(self, out: list[Action], now: float, why: str, room: int = -1, chunk: int = -1) -> None:
+        """A message that cannot apply: count it, trace it, change nothing."""
+        self.dropped += 1
+        self._record(out, "dropped", now, now, room=room, chunk=chunk, detail=why)
+
+    # --- room lifetime ----------------------------------------------------------
+    def _arm_deadline(self, room: int, now: float) -> float:
+        deadline = now + self.config.room_timeout_s
+        heapq.heappush(self._deadlines, (deadline, room))
+        return deadline
+
+    def _finish(self, room: int, ok: bool) -> None:
+        self._finished[room] = ok
+        if ok:
+            self.rooms_done += 1
+        else:
+            self.rooms_failed += 1
+        if len(self._finished) > self.config.finished_memory:
+            self._finished.pop(next(iter(self._finished)))
+
+    def is_finished(self, room: int) -> bool:
+        return room in self._finished
+
+    def _expired(self, now: float) -> list[int]:
+        """Rooms whose deadline passed (the caller checks they are still live)."""
+        rooms = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            rooms.append(heapq.heappop(self._deadlines)[1])
+        return rooms
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When the driver should Tick next for timeouts to fire on time."""
+        return self._deadlines[0][0] if self._deadlines else None

@@ -1,0 +1,413 @@
+"""The sans-I/O state machine of one prefill rank.
+
+Per room and per decode rank it writes to (a *target*), a chunk goes:
+
+    REQ sent -> RSP known -+-> computed -> ready by watermark -> Gather -> Write -> CHUNK_READY
+                           +-> OVERSIZED or slice path: Bootstrap known -> SliceWrite -> CHUNK_READY
+
+and when every chunk of a target was written, WRITER_DONE. A chunk that is not
+ready waits in a per-target heap ordered like the ring, and is re-examined only
+when a WATERMARK from that decode rank moves the view: no spinning.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from shared.events import (
+    AbortRoom,
+    Action,
+    ChunkComputed,
+    Event,
+    Gather,
+    GatherDone,
+    OpenRoom,
+    Peer,
+    RoomDone,
+    RoomFailed,
+    Send,
+    SliceWrite,
+    Tick,
+    Write,
+    WriteDone,
+)
+from shared.layout import Chunk, Geometry, HeadSlice, LayoutError, room_pages
+from shared.machine import MachineBase, ProtocolConfig
+from shared.protocol import (
+    Abort,
+    Bootstrap,
+    ChunkReady,
+    StagingReq,
+    StagingRsp,
+    Watermark,
+    WriterDone,
+)
+from shared.ring import WatermarkPos, is_ready
+
+# Bootstraps for rooms not yet opened here are kept, but never without bound:
+# a peer sending garbage room ids must not grow memory forever.
+MAX_EARLY_BOOTSTRAPS = 1 << 16
+
+
+@dataclass(slots=True)
+class _Target:
+    decode_rank: int
+    writer: int
+    heads: HeadSlice
+    rsp: dict[int, StagingRsp] = field(default_factory=dict)
+    dst_page_base: int | None = None
+    busy: dict[int, float] = field(default_factory=dict)  # chunk -> start of gather/write
+    written: set[int] = field(default_factory=set)
+    wait_since: dict[int, float] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Room:
+    room: int
+    prefix_pages: int
+    chunks: list[Chunk]
+    targets: dict[int, _Target]
+    computed: set[int] = field(default_factory=set)
+
+
+class PrefillMachine(MachineBase):
+    role = "prefill"
+
+    def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None) -> None:
+        super().__init__(rank, geometry, config or ProtocolConfig())
+        if not 0 <= rank < geometry.prefill_tp:
+            raise ValueError(f"prefill rank {rank} out of range 0..{geometry.prefill_tp - 1}")
+        self.targets = geometry.targets(rank)
+        self._writer = {d: geometry.writers(d).index(rank) for d in self.targets}
+        self._heads = {d: geometry.head_slice(rank, d) for d in self.targets}
+        self._rooms: dict[int, _Room] = {}
+        self._wm: dict[int, WatermarkPos] = {d: WatermarkPos(0, 0) for d in self.targets}
+        # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
+        self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
+        self._early_boot: dict[tuple[int, int], int] = {}
+        self._block_offset_cache: dict[tuple[int, int], int] = {}
+
+    # --- public ---------------------------------------------------------------------
+    @property
+    def live_rooms(self) -> int:
+        return len(self._rooms)
+
+    def watermark_view(self, decode_rank: int) -> WatermarkPos:
+        return self._wm[decode_rank]
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        out: list[Action] = []
+        handler = self._HANDLERS.get(type(event))
+        if handler is None:
+            self._drop(out, now, f"prefill cannot handle {type(event).__name__}")
+        else:
+            handler(self, event, now, out)
+        self._fire_timeouts(now, out)
+        return out
+
+    # --- local events -----------------------------------------------------------------
+    def _on_open(self, ev: OpenRoom, now: float, out: list[Action]) -> None:
+        if ev.room in self._rooms or self.is_finished(ev.room):
+            self._drop(out, now, "room opened twice", ev.room)
+            return
+        g = self.geometry
+        try:
+            pages = room_pages(ev.prompt_tokens, ev.prefix_tokens, g.page_size)
+        except LayoutError as exc:
+            self._record(out, "room_failed", now, now, room=ev.room, detail=str(exc))
+            out.append(RoomFailed(ev.room, str(exc)))
+            self._finish(ev.room, ok=False)
+            return
+        targets = {
+            d: _Target(d, self._writer[d], self._heads[d]) for d in self.targets
+        }
+        room = _Room(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
+        self._rooms[ev.room] = room
+        self._arm_deadline(ev.room, now)
+        self._record(out, "room_open", now, now, room=ev.room, bytes=pages)
+        for d, t in targets.items():
+            boot = self._early_boot.pop((ev.room, d), None)
+            if boot is not None:
+                t.dst_page_base = boot
+            if self.config.path == "staging":
+                # Ask for every chunk's region now, so the decode allocates while
+                # this rank is still computing the prefill forward.
+                for c in room.chunks:
+                    out.append(
+                        Send(Peer("decode", d), StagingReq(ev.room, c.index, c.num_pages, self.rank, d))
+                    )
+                    self._record(out, "req", now, now, room=ev.room, chunk=c.index, writer=t.writer, peer=d)
+        if not room.chunks:  # nothing to send: empty room (prompt == prefix)
+            for t in targets.values():
+                self._maybe_writer_done(room, t, now, out)
+
+    def _on_computed(self, ev: ChunkComputed, now: float, out: list[Action]) -> None:
+        room = self._rooms.get(ev.room)
+        if room is None or not 0 <= ev.chunk < len(room.chunks) or ev.chunk in room.computed:
+            return  # room failed meanwhile, or a duplicate: nothing to do
+        room.computed.add(ev.chunk)
+        start = ev.start if ev.start >= 0 else now
+        self._record(out, "compute", start, now, room=ev.room, chunk=ev.chunk)
+        for t in room.targets.values():
+            self._advance(room, t, ev.chunk, now, out)
+
+    def _on_gather_done(self, ev: GatherDone, now: float, out: list[Action]) -> None:
+        room = self._rooms.get(ev.room)
+        t = room.targets.get(ev.decode_rank) if room else None
+        if t is None or ev.chunk not in t.busy:
+            return
+        rsp = t.rsp[ev.chunk]
+        c = room.chunks[ev.chunk]
+        self._record(
+            out, "gather", t.busy[ev.chunk], now, room=ev.room, chunk=ev.chunk, writer=t.writer,
+            peer=t.decode_rank, bytes=self._block_bytes(c.num_pages, t.heads),
+        )
+        t.busy[ev.chunk] = now
+        offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
+        out.append(
+            Write(ev.room, ev.chunk, t.decode_rank, t.writer, offset, self._block_bytes(c.num_pages, t.heads))
+        )
+
+    def _on_write_done(self, ev: WriteDone, now: float, out: list[Action]) -> None:
+        room = self._rooms.get(ev.room)
+        t = room.targets.get(ev.decode_rank) if room else None
+        if t is None or ev.chunk not in t.busy:
+            return
+        start = t.busy.pop(ev.chunk)
+        c = room.chunks[ev.chunk]
+        rsp = t.rsp.get(ev.chunk)
+        nbytes = self._block_bytes(c.num_pages, t.heads)
+        if rsp is not None and not rsp.oversized:
+            offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
+            self._record(
+                out, "write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
+                peer=t.decode_rank, offset=offset, bytes=nbytes, requests=1,
+            )
+        else:
+            self._record(
+                out, "slice_write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
+                peer=t.decode_rank, bytes=nbytes,
+                requests=self.geometry.slice_requests(self.rank, t.decode_rank, c.num_pages),
+            )
+        if not ev.ok:
+            self._fail(room, f"write of chunk {ev.chunk} to decode rank {t.decode_rank} failed: {ev.error}", now, out)
+            return
+        t.written.add(ev.chunk)
+        out.append(
+            Send(
+                Peer("decode", t.decode_rank),
+                ChunkReady(ev.room, ev.chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank),
+            )
+        )
+        self._maybe_writer_done(room, t, now, out)
+
+    def _on_abort_local(self, ev: AbortRoom, now: float, out: list[Action]) -> None:
+        room = self._rooms.get(ev.room)
+        if room is not None:
+            self._fail(room, ev.reason, now, out)
+
+    def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
+        pass  # timeouts fire in handle()
+
+    # --- messages -----------------------------------------------------------------------
+    def _check_peer(self, msg, now: float, out: list[Action]) -> bool:
+        if msg.session != self.rank or msg.decode_rank not in self._wm:
+            self._drop(
+                out, now, f"{type(msg).__name__} for session {msg.session} from decode rank "
+                f"{msg.decode_rank}: not a peer of prefill rank {self.rank}", getattr(msg, "room", -1),
+            )
+            return False
+        return True
+
+    def _on_rsp(self, msg: StagingRsp, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        room = self._rooms.get(msg.room)
+        if room is None:
+            if not self.is_finished(msg.room):
+                self._drop(out, now, "STAGING_RSP for an unknown room", msg.room, msg.chunk)
+            return
+        if not 0 <= msg.chunk < len(room.chunks):
+            self._drop(out, now, f"STAGING_RSP chunk {msg.chunk} out of range", msg.room, msg.chunk)
+            return
+        t = room.targets[msg.decode_rank]
+        if msg.chunk in t.rsp:
+            return  # duplicate answer: the first one stands
+        want = self.geometry.region_bytes(room.chunks[msg.chunk].num_pages)
+        if not msg.oversized and msg.end - msg.offset != want:
+            self._fail(room, f"decode rank {msg.decode_rank} gave chunk {msg.chunk} a region of "
+                       f"{msg.end - msg.offset} bytes, expected {want}", now, out)
+            return
+        t.rsp[msg.chunk] = msg
+        self._record(
+            out, "rsp", now, now, room=msg.room, chunk=msg.chunk, writer=t.writer, peer=msg.decode_rank,
+            offset=-1 if msg.oversized else msg.offset, bytes=0 if msg.oversized else want,
+            detail="oversized" if msg.oversized else "",
+        )
+        self._advance(room, t, msg.chunk, now, out)
+
+    def _on_watermark(self, msg: Watermark, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        d = msg.decode_rank
+        new = WatermarkPos(msg.round, msg.tail)
+        if new <= self._wm[d]:
+            return  # stale or reordered: keeping the max is only conservative
+        self._wm[d] = new
+        heap = self._waiting[d]
+        while heap and is_ready(heap[0][0], heap[0][1], new):
+            _, _, room_id, chunk = heapq.heappop(heap)
+            room = self._rooms.get(room_id)
+            if room is not None:
+                self._advance(room, room.targets[d], chunk, now, out)
+
+    def _on_bootstrap(self, msg: Bootstrap, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        room = self._rooms.get(msg.room)
+        if room is None:
+            if self.is_finished(msg.room):
+                return
+            if len(self._early_boot) >= MAX_EARLY_BOOTSTRAPS:
+                self._drop(out, now, "too many bootstraps for unopened rooms", msg.room)
+                return
+            self._early_boot[(msg.room, msg.decode_rank)] = msg.dst_page_base
+            return
+        t = room.targets[msg.decode_rank]
+        if t.dst_page_base is not None:
+            return
+        t.dst_page_base = msg.dst_page_base
+        for c in room.chunks:
+            self._advance(room, t, c.index, now, out)
+
+    def _on_abort_msg(self, msg: Abort, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        room = self._rooms.get(msg.room)
+        if room is not None:
+            self._fail(room, f"aborted by decode rank {msg.decode_rank}: {msg.reason}", now, out, notify=False)
+
+    def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
+        self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))
+
+    # --- the chunk pipeline ---------------------------------------------------------------
+    def _advance(self, room: _Room, t: _Target, chunk: int, now: float, out: list[Action]) -> None:
+        """Start the next step of `chunk` toward target `t` if its inputs are all there."""
+        if chunk in t.written or chunk in t.busy or chunk not in room.computed:
+            return
+        c = room.chunks[chunk]
+        rsp = t.rsp.get(chunk)
+        if self.config.path == "staging" and (rsp is None or not rsp.oversized):
+            if rsp is None:
+                return
+            if not is_ready(rsp.round, rsp.end, self._wm[t.decode_rank]):
+                if chunk not in t.wait_since:
+                    t.wait_since[chunk] = now
+                    heapq.heappush(self._waiting[t.decode_rank], (rsp.round, rsp.end, room.room, chunk))
+                return
+            waited = t.wait_since.pop(chunk, None)
+            if waited is not None:
+                wm = self._wm[t.decode_rank]
+                self._record(
+                    out, "wm_wait", waited, now, room=room.room, chunk=chunk, writer=t.writer,
+                    peer=t.decode_rank, wm_round=wm.round, wm_tail=wm.tail,
+                )
+            t.busy[chunk] = now
+            out.append(
+                Gather(room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
+                       c.num_pages, t.heads, self._block_bytes(c.num_pages, t.heads))
+            )
+            return
+        # Slice path, or the fallback for an OVERSIZED chunk: needs the decode's pages.
+        if t.dst_page_base is None:
+            return
+        t.busy[chunk] = now
+        out.append(
+            SliceWrite(
+                room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
+                c.page_start, c.num_pages, t.dst_page_base, t.heads,
+                self.geometry.slice_requests(self.rank, t.decode_rank, c.num_pages),
+                self._block_bytes(c.num_pages, t.heads),
+            )
+        )
+
+    def _maybe_writer_done(self, room: _Room, t: _Target, now: float, out: list[Action]) -> None:
+        if t.done or len(t.written) < len(room.chunks):
+            return
+        t.done = True
+        out.append(
+            Send(Peer("decode", t.decode_rank), WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank))
+        )
+        if all(x.done for x in room.targets.values()):
+            del self._rooms[room.room]
+            self._finish(room.room, ok=True)
+            self._record(out, "room_done", now, now, room=room.room)
+            out.append(RoomDone(room.room))
+
+    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], notify: bool = True) -> None:
+        del self._rooms[room.room]
+        # Heap entries of the gone room are skipped when popped.
+        for t in room.targets.values():
+            if notify:
+                out.append(Send(Peer("decode", t.decode_rank), Abort(room.room, self.rank, t.decode_rank, False, reason[:512])))
+        self._finish(room.room, ok=False)
+        self._record(out, "room_failed", now, now, room=room.room, detail=reason)
+        out.append(RoomFailed(room.room, reason))
+
+    def _fire_timeouts(self, now: float, out: list[Action]) -> None:
+        for room_id in self._expired(now):
+            room = self._rooms.get(room_id)
+            if room is not None:
+                self._fail(room, self._stall_reason(room), now, out)
+
+    def _stall_reason(self, room: _Room) -> str:
+        waits = []
+        missing_compute = [c.index for c in room.chunks if c.index not in room.computed]
+        if missing_compute:
+            waits.append(f"forward of chunks {missing_compute[:8]}")
+        for t in room.targets.values():
+            if self.config.path == "staging":
+                no_rsp = [c.index for c in room.chunks if c.index not in t.rsp]
+                if no_rsp:
+                    waits.append(f"STAGING_RSP from decode rank {t.decode_rank} for chunks {no_rsp[:8]}")
+            if t.wait_since:
+                waits.append(f"watermark of decode rank {t.decode_rank} (view {tuple(self._wm[t.decode_rank])}) for chunks {sorted(t.wait_since)[:8]}")
+            if t.busy:
+                waits.append(f"gather/write completion of chunks {sorted(t.busy)[:8]} to decode rank {t.decode_rank}")
+            if t.dst_page_base is None and (self.config.path == "slice" or any(r.oversized for r in t.rsp.values())):
+                waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
+        return f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + (
+            "; ".join(waits) or "nothing pending (internal error)"
+        )
+
+    # --- geometry helpers (cached: hot in the simulator) -----------------------------------
+    def _block_bytes(self, num_pages: int, heads: HeadSlice) -> int:
+        return self.geometry.block_bytes(num_pages * self.geometry.page_size, heads.num_heads)
+
+    def _block_offset(self, decode_rank: int, num_pages: int, writer: int) -> int:
+        key = (decode_rank, num_pages)
+        base = self._block_offset_cache.get(key)
+        if base is None:
+            # all blocks of a region have the same size, so offset = writer * size
+            layout = self.geometry.staging_layout(decode_rank, num_pages)
+            base = layout.blocks[1].offset if len(layout.blocks) > 1 else layout.blocks[0].nbytes
+            self._block_offset_cache[key] = base
+        return writer * base
+
+    _HANDLERS = {
+        OpenRoom: _on_open,
+        ChunkComputed: _on_computed,
+        GatherDone: _on_gather_done,
+        WriteDone: _on_write_done,
+        AbortRoom: _on_abort_local,
+        Tick: _on_tick,
+        StagingRsp: _on_rsp,
+        Watermark: _on_watermark,
+        Bootstrap: _on_bootstrap,
+        Abort: _on_abort_msg,
+        StagingReq: _on_unexpected,
+        ChunkReady: _on_unexpected,
+        WriterDone: _on_unexpected,
+    }
