@@ -116,7 +116,7 @@ class DecodeMachine(MachineBase):
             room = self._new_room(ev.room, now)
         room.chunks = self.geometry.chunks(pages)
         room.dst_page_base = ev.dst_page_base
-        self._record(out, "room_open", now, now, room=ev.room, bytes=pages)
+        self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for p in self.writers:
             out.append(Send(Peer("prefill", p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
         # Requests that came before the open are checked against the grid now.

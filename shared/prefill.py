@@ -126,7 +126,7 @@ class PrefillMachine(MachineBase):
         room = _Room(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
         self._rooms[ev.room] = room
         self._arm_deadline(ev.room, now)
-        self._record(out, "room_open", now, now, room=ev.room, bytes=pages)
+        self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for d, t in targets.items():
             boot = self._early_boot.pop((ev.room, d), None)
             if boot is not None:

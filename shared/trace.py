@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 # Phases, in the order a chunk meets them.
 PHASES: tuple[str, ...] = (
-    "room_open",  # room known at this rank
+    "room_open",  # room known at this rank; `chunk` holds the room's chunk count
     "req",  # STAGING_REQ sent (prefill) / received and answered (decode)
     "rsp",  # STAGING_RSP received (prefill)
     "compute",  # prefill forward of a chunk finished (start = forward start when known)

@@ -6,6 +6,7 @@ import pytest
 
 from protocol_harness import World
 from shared.decode import DecodeMachine
+from shared.invariants import check_records
 from shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
 from shared.layout import Geometry
 from shared.machine import ProtocolConfig
@@ -23,6 +24,8 @@ CASES = [(2, 1, 8), (4, 2, 8), (8, 2, 8), (1, 2, 8), (2, 8, 8), (16, 4, 8), (2, 
 
 def _check_clean_end(w: World, rooms: int) -> None:
     assert not w.violations, w.violations[:3]
+    found = check_records(w.records, w.config.path)
+    assert not found, "\n".join(v.format() for v in found[:3])
     for d in w.decode:
         assert d.rooms_done == rooms, w.failed
         assert d.ring.empty and d.ring.watermark == d.ring.head, "leak: ring not empty at the end"

@@ -1,0 +1,210 @@
+"""The five invariants of DESIGN.md, checked from trace records.
+
+`InvariantChecker.observe(record)` runs live inside a driver (records arrive as
+the machines emit them, roughly in time order, each at its span's end), and the
+same class checks a finished run's trace. Violations carry the room, chunk, rank,
+time and the records seen just before, so a report says where to look.
+
+1. Safety: two chunks' data never occupy overlapping staging bytes of one decode
+   rank at overlapping times (a chunk's data lives from its first write's start
+   until its scatter ended, or its region was freed).
+2. Exactly once: a chunk is scattered at most once, and every chunk of a room
+   that finished is scattered (staging) or landed (slice).
+3. No leak: at the end every decode ring is empty.
+4. Liveness: every room that opened finished (done or failed with a reason).
+5. Monotone watermark at every decode rank and in every prefill view.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.trace import TraceRecord
+
+CONTEXT_RECORDS = 12
+
+
+class InvariantViolation(AssertionError):
+    """Raised by `InvariantChecker.raise_if_violated`."""
+
+
+@dataclass
+class Violation:
+    invariant: str  # "safety" | "exactly_once" | "no_leak" | "liveness" | "monotone_watermark"
+    message: str
+    time: float
+    role: str = ""
+    rank: int = -1
+    room: int = -1
+    chunk: int = -1
+    context: list[TraceRecord] = field(default_factory=list)
+
+    def format(self) -> str:
+        head = (
+            f"[{self.invariant}] t={self.time:.6f}s {self.role} rank {self.rank} "
+            f"room {self.room} chunk {self.chunk}: {self.message}"
+        )
+        lines = [head]
+        if self.context:
+            lines.append("  records just before:")
+            for r in self.context:
+                lines.append(
+                    f"    {r.end:.6f} {r.role}[{r.rank}] {r.phase} room={r.room} chunk={r.chunk} "
+                    f"writer={r.writer} peer={r.peer} off={r.offset} bytes={r.bytes} {r.detail}"
+                )
+        return "\n".join(lines)
+
+
+@dataclass
+class _Data:
+    lo: int
+    hi: int
+    born: float
+    died: float | None = None
+
+
+class InvariantChecker:
+    def __init__(self, expect_path: str = "staging") -> None:
+        self.expect_path = expect_path
+        self.violations: list[Violation] = []
+        self._recent: deque[TraceRecord] = deque(maxlen=CONTEXT_RECORDS)
+        # per decode rank: (room, chunk) -> data ranges currently in staging
+        self._live: dict[int, dict[tuple[int, int], list[_Data]]] = {}
+        self._closed: dict[int, deque[tuple[tuple[int, int], _Data]]] = {}
+        self._max_write = 0.0
+        self._scattered: dict[tuple[int, int, int], int] = {}
+        self._landed: dict[tuple[int, int], set[int]] = {}  # (decode, room) -> chunks complete
+        self._open: dict[tuple[str, int, int], int] = {}  # (role, rank, room) -> chunk count
+        self._wm: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self._ring_used: dict[int, int] = {}
+        self.records_seen = 0
+
+    # --- feeding ------------------------------------------------------------------------
+    def observe(self, r: TraceRecord) -> None:
+        self.records_seen += 1
+        phase = r.phase
+        if phase == "write":
+            self._on_write(r)
+        elif phase == "scatter":
+            self._on_scatter(r)
+        elif phase == "free":
+            self._close(r.rank, (r.room, r.chunk), r.end)
+        elif phase == "chunk_ready" and r.role == "decode":
+            if self.expect_path == "slice":
+                self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
+        elif phase == "room_open":
+            self._open[(r.role, r.rank, r.room)] = r.chunk
+        elif phase in ("room_done", "room_failed"):
+            self._on_room_end(r)
+        if r.wm_round >= 0 and phase in ("watermark", "free", "wm_wait"):
+            key = (r.role, r.rank, r.peer if r.role == "prefill" else -1)
+            wm = (r.wm_round, r.wm_tail)
+            prev = self._wm.get(key)
+            if prev is not None and wm < prev and phase != "wm_wait":
+                self._violate("monotone_watermark", f"watermark moved back from {prev} to {wm}", r)
+            self._wm[key] = max(wm, prev) if prev else wm
+        if r.role == "decode" and r.ring_used >= 0:
+            self._ring_used[r.rank] = r.ring_used
+        self._recent.append(r)
+
+    def _on_write(self, r: TraceRecord) -> None:
+        d, key = r.peer, (r.room, r.chunk)
+        lo, hi = r.offset, r.offset + r.bytes
+        self._max_write = max(self._max_write, r.end - r.start)
+        live = self._live.setdefault(d, {})
+        for other, spans in live.items():
+            if other == key:
+                continue
+            for s in spans:
+                if s.lo < hi and lo < s.hi:
+                    self._violate(
+                        "safety",
+                        f"write [{lo},{hi}) on decode rank {d} overlaps live data of room {other[0]} "
+                        f"chunk {other[1]} [{s.lo},{s.hi}) not yet scattered",
+                        r,
+                    )
+        closed = self._closed.setdefault(d, deque())
+        while closed and closed[0][1].died < r.end - 2 * self._max_write - 1e-9:
+            closed.popleft()
+        for other, s in closed:
+            if other != key and s.died > r.start and s.lo < hi and lo < s.hi:
+                self._violate(
+                    "safety",
+                    f"write [{lo},{hi}) on decode rank {d} started at {r.start:.6f}s while data of "
+                    f"room {other[0]} chunk {other[1]} [{s.lo},{s.hi}) lived until {s.died:.6f}s",
+                    r,
+                )
+        live.setdefault(key, []).append(_Data(lo, hi, r.start))
+
+    def _on_scatter(self, r: TraceRecord) -> None:
+        key = (r.rank, r.room, r.chunk)
+        n = self._scattered.get(key, 0) + 1
+        self._scattered[key] = n
+        if n > 1:
+            self._violate("exactly_once", f"chunk scattered {n} times", r)
+        self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
+        self._close(r.rank, (r.room, r.chunk), r.end)
+
+    def _close(self, d: int, key: tuple[int, int], when: float) -> None:
+        spans = self._live.get(d, {}).pop(key, None)
+        if not spans:
+            return
+        closed = self._closed.setdefault(d, deque())
+        for s in spans:
+            s.died = when
+            closed.append((key, s))
+
+    def _on_room_end(self, r: TraceRecord) -> None:
+        chunks = self._open.pop((r.role, r.rank, r.room), None)
+        if r.role != "decode":
+            return
+        landed = self._landed.pop((r.rank, r.room), set())
+        if r.phase == "room_done" and chunks is not None and len(landed) != chunks:
+            missing = sorted(set(range(chunks)) - landed)[:8]
+            self._violate("exactly_once", f"room done but chunks {missing} never scattered", r)
+        # data of a failed room's chunks that were never scattered is dropped with its free
+        for key in [k for k in self._live.get(r.rank, {}) if k[0] == r.room and r.phase == "room_done"]:
+            self._close(r.rank, key, r.end)
+
+    # --- end of run ---------------------------------------------------------------------
+    def finish(self, end_time: float, ring_used: dict[int, int] | None = None) -> list[Violation]:
+        """Close the run: rooms never ended, rings not empty."""
+        for (role, rank, room), _ in sorted(self._open.items()):
+            self.violations.append(
+                Violation("liveness", "room never finished (neither done nor failed)", end_time, role, rank, room)
+            )
+        self._open.clear()
+        used = dict(self._ring_used)
+        used.update(ring_used or {})
+        for d, u in sorted(used.items()):
+            if u:
+                self.violations.append(
+                    Violation("no_leak", f"staging ring holds {u} bytes at the end", end_time, "decode", d)
+                )
+        return self.violations
+
+    def _violate(self, invariant: str, message: str, r: TraceRecord) -> None:
+        self.violations.append(
+            Violation(invariant, message, r.end, r.role, r.rank, r.room, r.chunk, list(self._recent))
+        )
+
+    def report(self, limit: int = 20) -> str:
+        lines = [v.format() for v in self.violations[:limit]]
+        if len(self.violations) > limit:
+            lines.append(f"... and {len(self.violations) - limit} more")
+        return "\n".join(lines)
+
+    def raise_if_violated(self) -> None:
+        if self.violations:
+            raise InvariantViolation(f"{len(self.violations)} invariant violation(s):\n{self.report()}")
+
+
+def check_records(records, expect_path: str = "staging") -> list[Violation]:
+    """Check a complete trace (sorted by end time) and return every violation."""
+    checker = InvariantChecker(expect_path)
+    end = 0.0
+    for r in sorted(records, key=lambda x: (x.end, x.start)):
+        checker.observe(r)
+        end = max(end, r.end)
+    return checker.finish(end)
