@@ -1,0 +1,77 @@
+"""`kvstage validate`'s derived-layout tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from shared.layout import owned_heads, room_pages
+from shared.scenario import Scenario
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.2f} MiB"
+
+
+def request_costs(s: Scenario, prompt_tokens: int) -> dict[str, int]:
+    """Bytes, chunks and transfer requests of one request of `prompt_tokens` tokens."""
+    g = s.geometry()
+    prefix = min(s.decode.prefix_tokens, prompt_tokens // g.page_size * g.page_size)
+    pages = room_pages(prompt_tokens, prefix, g.page_size)
+    chunks = g.chunks(pages)
+    staging_requests = slice_requests = staging_bytes = 0
+    for d in range(g.decode_tp):
+        for c in chunks:
+            staging_bytes += g.region_bytes(c.num_pages)
+            for p in g.writers(d):
+                staging_requests += 1
+                slice_requests += g.slice_requests(p, d, c.num_pages)
+    return {
+        "pages": pages,
+        "chunks": len(chunks),
+        "bytes": staging_bytes,
+        "staging_requests": staging_requests,
+        "slice_requests": slice_requests,
+    }
+
+
+def layout_report(s: Scenario, console: Console) -> None:
+    g = s.geometry()
+    ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {g.total_kv_heads} KV heads")
+    for col in ("decode rank", "owns heads", "writer", "prefill rank", "src heads", "dst heads", "block bytes/token"):
+        ranks.add_column(col)
+    for d in range(g.decode_tp):
+        own = owned_heads(g.decode_tp, d, g.total_kv_heads)
+        for w, p in enumerate(g.writers(d)):
+            hs = g.head_slice(p, d)
+            ranks.add_row(
+                str(d) if w == 0 else "",
+                f"{own.start}..{own.stop - 1}" if w == 0 else "",
+                str(w),
+                str(p),
+                f"{hs.src_head_start}..{hs.src_head_start + hs.num_heads - 1}",
+                f"{hs.dst_head_start}..{hs.dst_head_start + hs.num_heads - 1}",
+                f"{g.block_bytes(1, hs.num_heads):,}",
+            )
+    console.print(ranks)
+
+    prompt = s.workload.prompt_tokens
+    cost = request_costs(s, prompt)
+    chunk = g.chunk_bytes()
+    sizes = Table(title="sizes", show_header=False)
+    sizes.add_column("what")
+    sizes.add_column("value", justify="right")
+    sizes.add_row("KV bytes per token (whole model)", f"{g.kv_bytes_per_token():,} B")
+    sizes.add_row("staging bytes per token per decode rank", f"{g.region_bytes(1) // g.page_size:,} B")
+    sizes.add_row(f"chunk grid", f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens")
+    sizes.add_row("staging bytes per full chunk per decode rank", f"{chunk:,} B ({_mib(chunk)})")
+    sizes.add_row("staging pool per decode rank", f"{s.pool_bytes:,} B ({_mib(s.pool_bytes)})")
+    sizes.add_row("full chunks the pool holds", f"{g.pool_chunks(s.pool_bytes) if chunk else 0}")
+    sizes.add_row(f"request of {prompt} tokens: pages / chunks", f"{cost['pages']} / {cost['chunks']}")
+    sizes.add_row("request: staging bytes, all decode ranks", f"{cost['bytes']:,} B ({_mib(cost['bytes'])})")
+    sizes.add_row("request: transfer requests, staging path", f"{cost['staging_requests']:,}")
+    sizes.add_row("request: transfer requests, slice path", f"{cost['slice_requests']:,}")
+    ratio = cost["slice_requests"] / max(1, cost["staging_requests"])
+    sizes.add_row("slice / staging requests", f"{ratio:,.0f}x")
+    sizes.add_row("transfer path of this scenario", s.transfer.path)
+    console.print(sizes)

@@ -1,0 +1,62 @@
+"""`kvstage sim`: simulate, write the run directory, print the summary table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvstage.metrics import summarize
+from kvstage.runs import make_run_dir, write_run
+from kvstage.summary_table import print_summary
+from shared.scenario import Scenario
+from sim.driver import Simulation
+
+
+def run_simulation(
+    scenario: Scenario,
+    *,
+    out: Path | None = None,
+    trace_format: str = "parquet",
+    progress: bool = True,
+    console: Console | None = None,
+) -> int:
+    """Simulate `scenario`, write its run directory; 0 if no invariant broke, else 1."""
+    console = console or Console()
+    total = scenario.workload.requests
+    bar = Progress(
+        TextColumn("[bold]simulating[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not progress or total < 50,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(scenario.name, total=total)
+        sim = Simulation(scenario, progress=lambda done, _n: bar.update(task, completed=done))
+        result = sim.run()
+    summary = summarize(result.records, mode="sim", pool_bytes=scenario.pool_bytes, requests=len(result.requests))
+    summary.update(
+        {
+            "scenario": scenario.name,
+            "transfer_path": scenario.transfer.path,
+            "events": result.events,
+            "sim_time_s": result.sim_time_s,
+            "wall_s": result.wall_s,
+            "invariant_violations": len(result.violations),
+            "failures": {str(k): v for k, v in sorted(result.failures.items())[:20]},
+        }
+    )
+    run_dir = make_run_dir(scenario, "sim", out)
+    write_run(run_dir, scenario, result.records, summary, "sim", trace_format)
+    print_summary(summary, console, title=f"{scenario.name} (simulation)")
+    console.print(f"run directory: {run_dir}")
+    if result.violations:
+        console.print(f"[bold red]{len(result.violations)} invariant violation(s):[/]")
+        for v in result.violations[:10]:
+            console.print(v.format(), markup=False, highlight=False)
+        return 1
+    return 0
