@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 DTYPE_BYTES: dict[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -145,6 +146,9 @@ def head_slice(
     return HeadSlice(src_head_start=src, num_heads=dh, dst_head_start=0)
 
 
+_cached_head_slice = lru_cache(maxsize=65536)(head_slice)
+
+
 def grid_pages(page_size: int, chunked_prefill_size: int = 8192) -> int:
     """Pages per chunk of the chunk grid."""
     return max(1, chunked_prefill_size // page_size)
@@ -217,7 +221,7 @@ class Geometry:
         return targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
 
     def head_slice(self, prefill_rank: int, decode_rank: int) -> HeadSlice:
-        return head_slice(
+        return _cached_head_slice(
             self.prefill_tp, self.decode_tp, prefill_rank, decode_rank, self.total_kv_heads
         )
 
@@ -239,15 +243,7 @@ class Geometry:
 
     def staging_layout(self, decode_rank: int, num_pages: int) -> StagingLayout:
         """Writer blocks back to back for one chunk of `num_pages` pages on `decode_rank`."""
-        tokens = num_pages * self.page_size
-        blocks = []
-        offset = 0
-        for w, p in enumerate(self.writers(decode_rank)):
-            hs = self.head_slice(p, decode_rank)
-            nbytes = self.block_bytes(tokens, hs.num_heads)
-            blocks.append(WriterBlock(w, p, offset, nbytes, hs))
-            offset += nbytes
-        return StagingLayout(decode_rank, tokens, tuple(blocks), offset)
+        return _staging_layout(self, decode_rank, num_pages)
 
     def region_bytes(self, num_pages: int) -> int:
         """Staging bytes one chunk of `num_pages` needs on a decode rank (same on every rank)."""
@@ -279,6 +275,20 @@ class Geometry:
             else num_pages * self.page_size
         )
         return 2 * self.layers * per_kv_layer
+
+
+@lru_cache(maxsize=4096)
+def _staging_layout(g: Geometry, decode_rank: int, num_pages: int) -> StagingLayout:
+    # Cached: the simulator asks for the same few chunk sizes hundreds of thousands of times.
+    tokens = num_pages * g.page_size
+    blocks = []
+    offset = 0
+    for w, p in enumerate(g.writers(decode_rank)):
+        hs = g.head_slice(p, decode_rank)
+        nbytes = g.block_bytes(tokens, hs.num_heads)
+        blocks.append(WriterBlock(w, p, offset, nbytes, hs))
+        offset += nbytes
+    return StagingLayout(decode_rank, tokens, tuple(blocks), offset)
 
 
 def staging_address(

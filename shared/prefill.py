@@ -110,7 +110,7 @@ class PrefillMachine(MachineBase):
     # --- local events -----------------------------------------------------------------
     def _on_open(self, ev: OpenRoom, now: float, out: list[Action]) -> None:
         if ev.room in self._rooms or self.is_finished(ev.room):
-            self._drop(out, now, "room opened twice", ev.room)
+            self._drop(out, now, "room already opened or failed before it opened", ev.room)
             return
         g = self.geometry
         try:
@@ -285,9 +285,18 @@ class PrefillMachine(MachineBase):
     def _on_abort_msg(self, msg: Abort, now: float, out: list[Action]) -> None:
         if not self._check_peer(msg, now, out):
             return
+        reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
         room = self._rooms.get(msg.room)
         if room is not None:
-            self._fail(room, f"aborted by decode rank {msg.decode_rank}: {msg.reason}", now, out, notify=False)
+            self._fail(room, reason, now, out, notify=False)
+        elif not self.is_finished(msg.room):
+            # Not opened here yet (still queued for the forward): remember the
+            # failure so the later OpenRoom is refused instead of starting a room
+            # the decode already gave up on.
+            self._early_boot = {k: v for k, v in self._early_boot.items() if k[0] != msg.room}
+            self._finish(msg.room, ok=False)
+            self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
+            out.append(RoomFailed(msg.room, reason))
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))

@@ -86,8 +86,7 @@ class Simulation:
         self.progress = progress
         self.events = 0
         self._failures: dict[int, str] = {}
-        self._finished_rooms: dict[tuple[str, int], int] = {}
-        self._decode_done = 0
+        self._ranks_done = 0
         self._all_done = self.env.event()
         self._tick_at: dict[tuple[str, int], float] = {}
         self._build_hardware()
@@ -175,16 +174,14 @@ class Simulation:
             self._room_finished(machine)
 
     def _room_finished(self, machine) -> None:
-        if machine.role != "decode":
-            return
-        key = (machine.role, machine.rank)
-        self._finished_rooms[key] = self._finished_rooms.get(key, 0) + 1
-        if self._finished_rooms[key] == len(self.requests):
-            self._decode_done += 1
-        if self.progress is not None and machine.rank == 0:
-            self.progress(self._finished_rooms[key], len(self.requests))
-        if self._decode_done == len(self.decode) and not self._all_done.triggered:
-            self._all_done.succeed()
+        """Count rooms ended per rank; the run ends when every rank ended every room."""
+        n = machine.rooms_done + machine.rooms_failed
+        if n == len(self.requests):
+            self._ranks_done += 1
+            if self._ranks_done == len(self.prefill) + len(self.decode) and not self._all_done.triggered:
+                self._all_done.succeed()
+        if self.progress is not None and machine.role == "decode" and machine.rank == 0:
+            self.progress(n, len(self.requests))
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
