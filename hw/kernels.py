@@ -1,0 +1,275 @@
+"""Torch gather / scatter between paged KV pools and staging regions, and slice-path ops.
+
+Everything here copies bytes, never floats: pools and staging buffers are accessed
+through uint8 (or a wider integer) views, so NaN payloads and fp8 values move bit
+for bit. The same code runs on CPU and CUDA tensors.
+
+Staging writer block layout (DESIGN.md "Staging region"; shared.layout.staging_address):
+[K layer 0..L-1, V layer 0..L-1] x [T tokens][heads][head_dim]. A KV pool is
+[2, L, tokens, heads, head_dim] (hw.kvpool.KVPool), so a writer block is exactly the
+pool slice [:, :, pages, heads] made contiguous: one copy_ moves all layers and both
+K and V.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hw.kvpool import KVPool, PoolDesc
+from shared.layout import Geometry, StagingLayout
+
+# Widest integer dtype per element width: copying 8-byte words instead of bytes lets
+# the copy kernel move larger units on both CPU and CUDA.
+_WORD_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
+
+
+def _word(row_bytes: int, *flat: torch.Tensor) -> tuple[int, torch.dtype]:
+    """Widest word that divides a head row and keeps every given tensor's start aligned."""
+    for size, dtype in _WORD_DTYPES:
+        if row_bytes % size == 0 and all(
+            t.storage_offset() % size == 0 and t.data_ptr() % size == 0 for t in flat
+        ):
+            return size, dtype
+    return 1, torch.uint8
+
+
+def _pool_words(pool: KVPool, dtype: torch.dtype, size: int) -> torch.Tensor:
+    """The pool as [2, L, tokens, heads, row_words] of `dtype`."""
+    return pool.bytes.view(dtype).view(
+        2, pool.layers, pool.num_tokens, pool.heads, pool.token_bytes_per_head // size
+    )
+
+
+def _check_flat(buf: torch.Tensor, what: str, pool: KVPool) -> None:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(
+            f"{what} must be a flat contiguous uint8 tensor, got {buf.dtype} {tuple(buf.shape)}"
+        )
+    if buf.device != pool.device:
+        raise ValueError(f"{what} is on {buf.device}, the pool on {pool.device}")
+
+
+def _check_heads(pool: KVPool, start: int, num: int, what: str) -> None:
+    if num < 1 or start < 0 or start + num > pool.heads:
+        raise ValueError(
+            f"{what} heads [{start}, {start + num}) outside the pool's {pool.heads} heads"
+        )
+
+
+def block_bytes(pool: KVPool, num_pages: int, num_heads: int) -> int:
+    """Bytes of one writer block of `num_pages` pages and `num_heads` heads from this pool."""
+    return 2 * pool.layers * num_pages * pool.page_size * num_heads * pool.token_bytes_per_head
+
+
+def gather(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    src_head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+) -> None:
+    """Copy a room's pages, heads [src_head_start, +num_heads), all layers, K and V, into `out`.
+
+    `out` is the flat uint8 slice of a (registered) staging buffer holding exactly one
+    writer block; after the copy it holds [K/V][layer][token][head][head_dim].
+    """
+    pool.check_pages(first_page, num_pages)
+    _check_heads(pool, src_head_start, num_heads, "source")
+    _check_flat(out, "out", pool)
+    need = block_bytes(pool, num_pages, num_heads)
+    if out.numel() != need:
+        raise ValueError(f"out holds {out.numel()} bytes, the writer block needs {need}")
+    ps = pool.page_size
+    size, dtype = _word(pool.token_bytes_per_head, out)
+    src = _pool_words(pool, dtype, size)[
+        :,
+        :,
+        first_page * ps : (first_page + num_pages) * ps,
+        src_head_start : src_head_start + num_heads,
+    ]
+    out.view(dtype).view(src.shape).copy_(src)
+
+
+def scatter(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    region: torch.Tensor,
+    layout: StagingLayout,
+) -> None:
+    """Copy every writer block of a chunk's staging region into the decode pool's pages.
+
+    `region` is the flat uint8 staging region of this chunk (starting at the region's
+    offset in the ring, at least layout.region_bytes long). Each block lands at its
+    dst heads [dst_head_start, +num_heads); replicated writers carrying the same head
+    land on the same bytes with identical data, so their order does not matter.
+    """
+    pool.check_pages(first_page, num_pages)
+    _check_flat(region, "region", pool)
+    ps = pool.page_size
+    if layout.num_tokens != num_pages * ps:
+        raise ValueError(
+            f"layout is for {layout.num_tokens} tokens, {num_pages} pages hold {num_pages * ps}"
+        )
+    if region.numel() < layout.region_bytes:
+        raise ValueError(
+            f"region holds {region.numel()} bytes, the layout needs {layout.region_bytes}"
+        )
+    tokens = slice(first_page * ps, (first_page + num_pages) * ps)
+    for block in layout.blocks:
+        hs = block.heads
+        _check_heads(pool, hs.dst_head_start, hs.num_heads, f"writer {block.writer} destination")
+        need = block_bytes(pool, num_pages, hs.num_heads)
+        if block.nbytes != need:
+            raise ValueError(
+                f"writer {block.writer} block is {block.nbytes} bytes, this pool's geometry "
+                f"makes it {need}: layout and pool do not match"
+            )
+        src = region[block.offset : block.offset + block.nbytes]
+        size, dtype = _word(pool.token_bytes_per_head, src)
+        dst = _pool_words(pool, dtype, size)[
+            :, :, tokens, hs.dst_head_start : hs.dst_head_start + hs.num_heads
+        ]
+        dst.copy_(src.view(dtype).view(dst.shape))
+
+
+# --- the slice path -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SliceOps:
+    """Transfer requests of the slice path as three parallel int64 arrays.
+
+    Request i copies nbytes[i] bytes from local (prefill) address src[i] to remote
+    (decode) address dst[i]. Arrays rather than a list of tuples: building and handing
+    over tens of thousands of requests stays vectorised. A transport consumes them as
+    - NIXL: `descs("src", dev)` / `descs("dst", dev)` -> (N, 3) [addr, len, device] arrays
+      that `nixl_agent.get_xfer_descs(array, mem_type)` takes directly;
+    - Mooncake: `src.tolist()`, `dst.tolist()`, `nbytes.tolist()` for batch_transfer_*;
+    - anything else: `tuples()` -> [(src, dst, nbytes), ...].
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def tuples(self) -> list[tuple[int, int, int]]:
+        return list(zip(self.src.tolist(), self.dst.tolist(), self.nbytes.tolist(), strict=True))
+
+    def descs(self, side: str, device_id: int = 0) -> np.ndarray:
+        """(N, 3) uint64 [address, length, device id] rows for one side ("src" or "dst")."""
+        if side not in ("src", "dst"):
+            raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
+        addrs = self.src if side == "src" else self.dst
+        out = np.empty((len(self), 3), dtype=np.uint64)
+        out[:, 0] = addrs
+        out[:, 1] = self.nbytes
+        out[:, 2] = device_id
+        return out
+
+
+def _check_desc(desc: PoolDesc, geometry: Geometry, heads: int, side: str) -> None:
+    got = (desc.layers, desc.head_dim, desc.elem_bytes, desc.page_size, desc.heads)
+    want = (geometry.layers, geometry.head_dim, geometry.dtype_bytes, geometry.page_size, heads)
+    if got != want:
+        raise ValueError(
+            f"{side} pool (layers, head_dim, elem_bytes, page_size, heads) = {got} "
+            f"does not match the geometry's {want}"
+        )
+
+
+def _check_desc_pages(desc: PoolDesc, first_page: int, num_pages: int, side: str) -> None:
+    if first_page < 0 or num_pages < 0 or first_page + num_pages > desc.num_pages:
+        raise ValueError(
+            f"{side} pages [{first_page}, {first_page + num_pages}) outside the pool "
+            f"(0..{desc.num_pages - 1})"
+        )
+
+
+def slice_ops(
+    geometry: Geometry,
+    prefill_rank: int,
+    decode_rank: int,
+    src: PoolDesc,
+    src_first_page: int,
+    dst: PoolDesc,
+    dst_first_page: int,
+    num_pages: int,
+) -> SliceOps:
+    """The slice path's requests for one writer and one chunk of `num_pages` pages.
+
+    `src` describes the local prefill pool, `dst` the decode pool as received in the
+    peer's metadata, so the prefill computes remote addresses itself. Requests are
+    ordered [K/V][layer][page or token], like a staging block. One request per
+    (page, layer, K/V) when Geometry.slice_contiguous_pages holds (a page of whole token
+    rows is one run on both sides), otherwise one per (token, layer, K/V) covering the
+    head slice. len(result) == geometry.slice_requests(prefill_rank, decode_rank, num_pages).
+    """
+    hs = geometry.head_slice(prefill_rank, decode_rank)
+    _check_desc(src, geometry, geometry.prefill_heads, "source")
+    _check_desc(dst, geometry, geometry.decode_heads, "destination")
+    _check_desc_pages(src, src_first_page, num_pages, "source")
+    _check_desc_pages(dst, dst_first_page, num_pages, "destination")
+    ps = geometry.page_size
+    row = geometry.head_token_bytes(1)
+    if geometry.slice_contiguous_pages(prefill_rank, decode_rank):
+        # Whole token rows: a page is ps consecutive rows on both sides.
+        unit_tokens, units, nbytes = ps, num_pages, ps * geometry.head_token_bytes(hs.num_heads)
+    else:
+        unit_tokens, units, nbytes = 1, num_pages * ps, geometry.head_token_bytes(hs.num_heads)
+    kvl = np.arange(2 * geometry.layers, dtype=np.int64).reshape(-1, 1)  # kv * L + layer
+    tok = np.arange(units, dtype=np.int64).reshape(1, -1) * unit_tokens
+
+    def addrs(desc: PoolDesc, first_page: int, head: int) -> np.ndarray:
+        rows = (kvl * desc.num_tokens + first_page * ps + tok) * desc.heads + head
+        return (desc.base_addr + rows * row).reshape(-1)
+
+    s = addrs(src, src_first_page, hs.src_head_start)
+    d = addrs(dst, dst_first_page, hs.dst_head_start)
+    return SliceOps(src=s, dst=d, nbytes=np.full(s.shape, nbytes, dtype=np.int64))
+
+
+def _tensor_span(t: torch.Tensor) -> tuple[int, int]:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("apply_ops needs contiguous CPU tensors")
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def apply_ops(ops: SliceOps, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Test helper: perform `ops` in-process with memmove, as a transport would.
+
+    Every request is bounds-checked against the two tensors first, so an address bug
+    fails the test instead of corrupting the interpreter's memory.
+    """
+    if len(ops) == 0:
+        return
+    for name, addrs, tensor in (("source", ops.src, src), ("destination", ops.dst, dst)):
+        lo, hi = _tensor_span(tensor)
+        bad = (addrs < lo) | (addrs + ops.nbytes > hi) | (ops.nbytes < 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"request {i}: {name} [{int(addrs[i]):#x}, +{int(ops.nbytes[i])}) is outside "
+                f"the tensor [{lo:#x}, {hi:#x})"
+            )
+    memmove = ctypes.memmove
+    for s, d, n in ops.tuples():
+        memmove(d, s, n)
