@@ -1,0 +1,330 @@
+"""Closed-form checks of the simulator's physical models (sim/links.py, sim/gpu.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import simpy
+
+from sim.gpu import GpuParams, SerialStream, Stream, copy_time, forward_time
+from sim.links import Fabric, LinkParams, Nic
+
+GB = 1e9
+# Round numbers so the hand computations below stay readable.
+RDMA = LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6)
+BARE = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=0.0)
+
+
+def approx(x: float) -> Any:
+    return pytest.approx(x, rel=1e-12, abs=1e-15)
+
+
+def start_at(env: simpy.Environment, t: float, fab: Fabric, src: Nic, dst: Nic, nbytes: int,
+             params: LinkParams, requests: int = 1) -> simpy.Process:  # fmt: skip
+    """A transfer issued at simulated time ``t``; its value is the finish time."""
+
+    def proc() -> Generator[simpy.Event, Any, float]:
+        yield env.timeout(t)
+        return (yield fab.transfer(src, dst, nbytes, params, requests))
+
+    return env.process(proc())
+
+
+def fabric(*bandwidths: float) -> tuple[simpy.Environment, Fabric, list[Nic]]:
+    env = simpy.Environment()
+    fab = Fabric(env)
+    return env, fab, [fab.add_nic(f"n{i}", bw) for i, bw in enumerate(bandwidths)]
+
+
+# -- links ------------------------------------------------------------------
+
+
+def test_single_transfer_closed_form() -> None:
+    env, fab, (a, b) = fabric(50 * GB, 50 * GB)
+    nbytes = 64 << 20
+    ev = fab.transfer(a, b, nbytes, RDMA)
+    env.run()
+    expected = RDMA.latency_s + RDMA.per_request_s + nbytes / (50 * GB)
+    assert ev.value == approx(expected)
+    assert env.now == approx(expected)
+    assert fab.bytes_moved == nbytes and fab.transfers_done == 1 and fab.active_flows == 0
+    assert a.bytes_sent == nbytes and b.bytes_received == nbytes
+
+
+def test_two_equal_transfers_share_the_sender() -> None:
+    env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
+    nbytes = 10**9
+    e1 = fab.transfer(a, b, nbytes, RDMA)
+    e2 = fab.transfer(a, c, nbytes, RDMA)
+    env.run()
+    alone = nbytes / (10 * GB)
+    fixed = RDMA.latency_s + RDMA.per_request_s
+    assert e1.value == approx(fixed + 2 * alone)
+    assert e2.value == approx(fixed + 2 * alone)
+
+
+def test_short_transfer_during_long_one_is_processor_shared() -> None:
+    env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
+    C = 10 * GB
+    long_b, short_b, t1 = 10 * 10**9, 2 * 10**9, 0.3
+    long = start_at(env, 0.0, fab, a, b, long_b, BARE)
+    short = start_at(env, t1, fab, a, c, short_b, BARE)
+    env.run()
+    # Long alone on [0, t1); both at C/2 until the short drains; the sender never
+    # idles, so the long ends when the sum of both has gone through at rate C.
+    assert short.value == approx(t1 + 2 * short_b / C)
+    assert long.value == approx((long_b + short_b) / C)
+
+
+def test_receive_side_sharing() -> None:
+    env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
+    e1 = fab.transfer(a, c, 10**9, BARE)
+    e2 = fab.transfer(b, c, 3 * 10**9, BARE)
+    env.run()
+    # Both at 5 GB/s while two; the first drains at 0.2 s, then the second alone at 10.
+    assert e1.value == approx(0.2)
+    assert e2.value == approx(0.2 + 2 * 10**9 / (10 * GB))
+
+
+def test_full_duplex_sides_are_independent() -> None:
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    e1 = fab.transfer(a, b, 10**9, BARE)
+    e2 = fab.transfer(b, a, 10**9, BARE)
+    env.run()
+    assert e1.value == approx(0.1) and e2.value == approx(0.1)
+
+
+def test_max_min_unequal_bottlenecks() -> None:
+    # A: n1->n2 and B: n1->n3 share n1 (100); n3 is slower (30): B gets 30, A the other 70.
+    env, fab, (n1, n2, n3) = fabric(100.0, 100.0, 30.0)
+    a = fab.transfer(n1, n2, 1400, BARE)
+    b = fab.transfer(n1, n3, 300, BARE)
+    env.run(until=1.0)
+    assert sorted(r for _, _, r in fab.rates()) == [approx(30.0), approx(70.0)]
+    fab.check_invariants()
+    env.run()
+    assert b.value == approx(10.0)  # 300 B at 30 B/s
+    assert a.value == approx(10.0 + (1400 - 700) / 100.0)  # then alone at 100
+
+
+def test_max_min_chain_of_bottlenecks() -> None:
+    # f1: a->x, f2: a->y, f3: b->y with y=4 the tightest: f2, f3 get 2; f1 takes a's other 8.
+    env, fab, (a, b, x, y) = fabric(10.0, 100.0, 100.0, 4.0)
+    f1 = fab.transfer(a, x, 80, BARE)
+    f2 = fab.transfer(a, y, 20, BARE)
+    f3 = fab.transfer(b, y, 40, BARE)
+    env.run(until=1.0)
+    assert [r for _, _, r in fab.rates()] == [approx(8.0), approx(2.0), approx(2.0)]
+    fab.check_invariants()
+    env.run()
+    # t=10: f1 (80 at 8) and f2 (20 at 2) drain together; f3 has 20 left, alone at 4.
+    assert f1.value == approx(10.0) and f2.value == approx(10.0)
+    assert f3.value == approx(15.0)
+
+
+def test_same_path_flows_share_one_clock() -> None:
+    # Three flows on one path: processor sharing among members of one path class.
+    env, fab, (a, b) = fabric(100.0, 100.0)
+    evs = [fab.transfer(a, b, nbytes, BARE) for nbytes in (100, 200, 300)]
+    late_long = start_at(env, 10.0, fab, a, b, 300, BARE)
+    late_short = start_at(env, 11.0, fab, a, b, 100, BARE)
+    env.run()
+    # 3 at 33.3 until the 100 B one drains (t=3), 2 at 50 for the next 100 B (t=5), 1 at 100.
+    assert [e.value for e in evs] == [approx(3.0), approx(5.0), approx(6.0)]
+    # Joining mid-way: the 300 B one had 100 B alone, then both at 50 B/s.
+    assert late_short.value == approx(13.0)
+    assert late_long.value == approx(14.0)
+
+
+def test_far_from_time_zero() -> None:
+    # Float time near 1e6 s: completions must still fire once, at the right instant.
+    env, fab, (a, b, c) = fabric(3.0, 7.0, 7.0)
+    t = 1e6 + 0.1
+    e1 = start_at(env, t, fab, a, b, 1, BARE)
+    e2 = start_at(env, t, fab, a, c, 2, BARE)
+    env.run()
+    assert e1.value == pytest.approx(t + 2 / 3.0, rel=1e-13)
+    assert e2.value == pytest.approx(t + 1.0, rel=1e-13)
+    assert fab.active_flows == 0 and fab.bytes_moved == 3
+
+
+def test_path_cap_below_nic_bandwidth() -> None:
+    env, fab, (a, b, c) = fabric(100.0, 100.0, 100.0)
+    capped = LinkParams(bandwidth_Bps=25.0, latency_s=0.0, per_request_s=0.0)
+    e1 = fab.transfer(a, b, 250, capped)
+    e2 = fab.transfer(a, c, 750, BARE)  # uncapped neighbour takes what the cap leaves
+    env.run(until=1.0)
+    assert [r for _, _, r in fab.rates()] == [approx(25.0), approx(75.0)]
+    env.run()
+    assert e1.value == approx(10.0) and e2.value == approx(10.0)
+
+
+def test_requests_add_posting_cost() -> None:
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    one = fab.transfer(a, b, 10**6, RDMA, requests=1)
+    env.run()
+    env2, fab2, (a2, b2) = fabric(10 * GB, 10 * GB)
+    many = fab2.transfer(a2, b2, 10**6, RDMA, requests=1000)
+    env2.run()
+    assert many.value - one.value == approx(999 * RDMA.per_request_s)
+
+
+def test_zero_bytes() -> None:
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    ev = fab.transfer(a, b, 0, RDMA, requests=3)
+    env.run()
+    assert ev.value == approx(RDMA.latency_s + 3 * RDMA.per_request_s)
+    assert fab.bytes_moved == 0 and fab.transfers_done == 1 and fab.active_flows == 0
+    env2, fab2, (a2, b2) = fabric(10 * GB, 10 * GB)
+    ev2 = fab2.transfer(a2, b2, 0, BARE, requests=0)
+    env2.run()
+    assert ev2.value == 0.0
+
+
+def test_message_is_a_plain_delay() -> None:
+    env, fab, _ = fabric(1.0)
+    ev = fab.message(7e-6)
+    env.run()
+    assert env.now == approx(7e-6) and ev.processed and fab.messages_sent == 1
+
+
+def test_bad_inputs_rejected() -> None:
+    env, fab, (a, b) = fabric(1.0, 1.0)
+    with pytest.raises(ValueError):
+        fab.add_nic("n0", 1.0)
+    with pytest.raises(ValueError):
+        fab.add_nic("z", 0.0)
+    with pytest.raises(ValueError):
+        LinkParams(bandwidth_Bps=0.0, latency_s=0.0, per_request_s=0.0)
+    with pytest.raises(ValueError):
+        fab.transfer(a, b, -1, BARE)
+
+
+def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
+               ) -> tuple[Fabric, list[tuple[int, float]], list[tuple[int, float, float]]]:  # fmt: skip
+    """``n`` transfers with Poisson arrivals at ~60% load; returns (fabric, finishes, specs).
+
+    Random: 32 NICs, any sender to any receiver (one big component, hundreds of
+    distinct paths: the worst case for re-rating). Fan-in: 16 prefill NICs write
+    into 4 decode NICs, as a disaggregated deployment does (few distinct paths).
+    """
+    rng = random.Random(seed)
+    env = simpy.Environment()
+    fab = Fabric(env)
+    if fan_in:
+        senders = [fab.add_nic(f"p{i}", 25 * GB) for i in range(16)]
+        receivers = [fab.add_nic(f"d{i}", 50 * GB) for i in range(4)]
+        capacity = 4 * 50 * GB
+    else:
+        senders = receivers = [
+            fab.add_nic(f"n{i}", rng.choice([25 * GB, 50 * GB])) for i in range(32)
+        ]
+        capacity = sum(nic.bandwidth_Bps for nic in senders)
+    paths = [
+        LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6),
+        LinkParams(bandwidth_Bps=20 * GB, latency_s=2e-6, per_request_s=2e-7),
+    ]
+    mean_size = 4 << 20
+    rate = 0.6 * capacity / mean_size
+    done: list[tuple[int, float]] = []
+    specs: list[tuple[int, float, float]] = []  # (bytes, issue time, lower bound duration)
+
+    def one(i: int, src: Nic, dst: Nic, nbytes: int, p: LinkParams, reqs: int
+            ) -> Generator[simpy.Event, Any, None]:  # fmt: skip
+        t = yield fab.transfer(src, dst, nbytes, p, reqs)
+        done.append((i, t))
+
+    def source() -> Generator[simpy.Event, Any, None]:
+        for i in range(n):
+            yield env.timeout(rng.expovariate(rate))
+            src = rng.choice(senders)
+            dst = rng.choice([r for r in receivers if r is not src])
+            nbytes = 0 if rng.random() < 0.01 else int(rng.expovariate(1 / mean_size))
+            p = rng.choice(paths)
+            reqs = rng.randint(1, 8)
+            bw = min(src.bandwidth_Bps, dst.bandwidth_Bps, p.bandwidth_Bps)
+            specs.append((nbytes, env.now, p.latency_s + reqs * p.per_request_s + nbytes / bw))
+            env.process(one(i, src, dst, nbytes, p, reqs))
+            if check_every and i % check_every == 0:
+                fab.check_invariants()
+
+    env.process(source())
+    env.run()
+    return fab, done, specs
+
+
+def test_deterministic_event_order() -> None:
+    _, done1, _ = run_random(seed=7, n=1000)
+    _, done2, _ = run_random(seed=7, n=1000)
+    assert done1 == done2
+    _, done3, _ = run_random(seed=8, n=1000)
+    assert done1 != done3
+
+
+@pytest.mark.parametrize(
+    "fan_in",
+    [pytest.param(False, id="random", marks=pytest.mark.slow), pytest.param(True, id="fan_in")],
+)
+def test_stress_20k_flows_conserve_bytes(fan_in: bool) -> None:
+    n = 20_000
+    t0 = time.perf_counter()
+    fab, done, specs = run_random(seed=1, n=n, fan_in=fan_in, check_every=500)
+    wall = time.perf_counter() - t0
+    print(f"\nstress {'fan-in' if fan_in else 'random'}: {n} transfers in {wall:.2f} s wall"
+          f" = {n / wall:,.0f} transfers/s; {fab.env.now * 1e3:.1f} ms simulated")  # fmt: skip
+    assert len(done) == n == fab.transfers_done
+    assert fab.active_flows == 0
+    total = sum(b for b, _, _ in specs)
+    assert fab.bytes_moved == total
+    assert sum(nic.bytes_sent for nic in fab.nics.values()) == total
+    assert sum(nic.bytes_received for nic in fab.nics.values()) == total
+    # Rates integrate to the sizes: at completion no flow had bytes left over.
+    assert fab.max_residual_bytes < 1.0
+    # Sharing can only slow a transfer down relative to having the path alone.
+    finish = dict(done)
+    for i, (_, issued, lower) in enumerate(specs):
+        assert finish[i] - issued >= lower * (1 - 1e-9)
+
+
+# -- gpu --------------------------------------------------------------------
+
+H100 = GpuParams(mem_bandwidth_Bps=3.0e12, launch_s=5e-6, tflops=400.0, tokens_per_s=None)
+
+
+def test_copy_time_formula() -> None:
+    assert copy_time(H100, 3 * 10**9) == approx(5e-6 + 2 * 3e9 / 3.0e12)
+    assert copy_time(H100, 0, launches=4) == approx(4 * 5e-6)
+
+
+def test_forward_time_formula() -> None:
+    flops_per_token = 2 * 8e9  # 2 * parameters
+    assert forward_time(H100, 8192, flops_per_token) == approx(8192 * 2 * 8e9 / 400e12)
+    measured = GpuParams(mem_bandwidth_Bps=3.0e12, launch_s=5e-6, tflops=400.0, tokens_per_s=2e4)
+    assert forward_time(measured, 8192, flops_per_token) == approx(8192 / 2e4)
+    with pytest.raises(ValueError):
+        forward_time(GpuParams(3.0e12, 5e-6, None, None), 1, 1.0)
+
+
+def test_stream_serialises_jobs() -> None:
+    env = simpy.Environment()
+    stream = Stream(env, "rank0")
+    j1 = stream.submit(2.0)
+    j2 = env.process(stream.run(3.0))
+    env.run()
+    assert j1.value == (0.0, 2.0)
+    assert j2.value == (2.0, 5.0)
+    assert stream.busy_s == 5.0 and stream.jobs_done == 2 and stream.queued == 0
+
+
+def test_serial_stream_books_in_order() -> None:
+    s = SerialStream()
+    assert s.reserve(0.0, 2.0) == 2.0
+    assert s.free_at(1.0) == 2.0
+    assert s.reserve(1.0, 3.0) == 5.0  # waits behind the first job
+    assert s.reserve(9.0, 1.0) == 10.0  # stream was idle: starts at once
+    assert s.busy_s == 6.0 and s.jobs == 3
