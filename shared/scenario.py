@@ -470,14 +470,14 @@ class Scenario(_Table):
             # The slice path writes straight into the KV pool, so any pool (even 0)
             # is fine there; staging needs room for at least one full chunk.
             geo = self.geometry()
-            _check_pool(geo, self.pool_bytes, {"decode.staging_pool_mb": self.decode.staging_pool_mb})
+            _check_pool(
+                geo, self.pool_bytes, {"decode.staging_pool_mb": self.decode.staging_pool_mb}
+            )
             sd = self.hardware.scale_down
             if sd.staging_pool_mb is not None:
                 sgeo = _scaled_geometry(geo, sd)
                 pool = min(self.pool_bytes, _mib_to_bytes(sd.staging_pool_mb))
-                _check_pool(
-                    sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb}
-                )
+                _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         return self
 
     # --- derived numbers ---------------------------------------------------------
@@ -615,7 +615,7 @@ def _check_pool(geo: Geometry, pool_bytes: int, fields: dict[str, Any]) -> None:
         f"the staging pool ({_fmt_mib(pool_bytes)} MiB) is smaller than one full chunk on "
         f"a decode rank ({_fmt_mib(need)} MiB = {tokens} tokens x {geo.layers} layers x K,V "
         f"x {heads} heads x {geo.head_dim} x {geo.dtype_bytes} B); the minimum is "
-        f"{math.ceil(need / MIB)} MiB (or use transfer.path = \"slice\")",
+        f'{math.ceil(need / MIB)} MiB (or use transfer.path = "slice")',
     )
 
 
@@ -695,7 +695,9 @@ def _read_profile(path: Path, profile: str) -> _ProfileFile:
     try:
         return _ProfileFile.model_validate(data)
     except ValidationError as exc:
-        raise _FieldProblem({"profile": profile}, str(_explain(exc, str(path), _ProfileFile))) from None
+        raise _FieldProblem(
+            {"profile": profile}, str(_explain(exc, str(path), _ProfileFile))
+        ) from None
 
 
 def _resolve_links(

@@ -104,8 +104,7 @@ def read_trace(path: str | Path) -> list[TraceRow]:
                     continue
                 if len(cells) != len(header):
                     raise ScenarioError(
-                        f"{where}: {len(cells)} fields, expected {len(header)} "
-                        f"({','.join(header)})"
+                        f"{where}: {len(cells)} fields, expected {len(header)} ({','.join(header)})"
                     )
                 row = dict(zip(header, cells, strict=True))
                 try:
@@ -116,14 +115,11 @@ def read_trace(path: str | Path) -> list[TraceRow]:
                     ) from None
                 if not math.isfinite(arrival) or arrival < 0:
                     raise ScenarioError(
-                        f"{where}: arrival_s = {row['arrival_s']!r}: must be a finite "
-                        "number >= 0"
+                        f"{where}: arrival_s = {row['arrival_s']!r}: must be a finite number >= 0"
                     )
                 prompt = _parse_int(row["prompt_tokens"], "prompt_tokens", where, 1)
                 prefix_text = row.get("prefix_tokens", "").strip()
-                prefix = (
-                    _parse_int(prefix_text, "prefix_tokens", where, 0) if prefix_text else None
-                )
+                prefix = _parse_int(prefix_text, "prefix_tokens", where, 0) if prefix_text else None
                 rows.append(TraceRow(arrival, prompt, prefix, reader.line_num))
         except csv.Error as exc:
             raise ScenarioError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
@@ -169,9 +165,11 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     arrival_rng = random.Random(master.getrandbits(64))
     prompt_rng = random.Random(master.getrandbits(64))
 
-    rows = read_trace(w.trace_csv) if w.trace_csv and (
-        w.arrival == "trace" or w.prompt == "csv"
-    ) else []
+    rows = (
+        read_trace(w.trace_csv)
+        if w.trace_csv and (w.arrival == "trace" or w.prompt == "csv")
+        else []
+    )
     if w.arrival == "trace":
         rows = rows[: w.requests]
         n = len(rows)
@@ -184,7 +182,9 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     items: list[tuple[float, int, int]] = []
     for i in range(n):
         row = rows[i % len(rows)] if rows else None
-        prompt = row.prompt_tokens if (w.prompt == "csv" and row is not None) else _prompt(w, prompt_rng)
+        prompt = (
+            row.prompt_tokens if (w.prompt == "csv" and row is not None) else _prompt(w, prompt_rng)
+        )
         prompt = max(1, prompt if cap is None else min(prompt, cap))
         prefix = scenario.decode.prefix_tokens
         if row is not None and row.prefix_tokens is not None:

@@ -1,0 +1,352 @@
+"""The workload generator: a pure, seeded function of the scenario."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
+from shared.workload import Request, generate_requests, read_trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def scenario(
+    base_dir: Path | None = None, decode: dict[str, Any] | None = None, **workload: Any
+) -> Scenario:
+    data = {
+        "model": {"preset": "llama-3-8b"},
+        "prefill": {"tp": 4},
+        "decode": {"tp": 2, **(decode or {})},
+        "workload": workload,
+    }
+    return scenario_from_dict(data, base_dir)
+
+
+def check_basic(reqs: list[Request], n: int) -> None:
+    assert len(reqs) == n
+    assert [r.room for r in reqs] == list(range(n))
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:], strict=False))
+    assert all(r.prompt_tokens >= 1 and 0 <= r.prefix_tokens <= r.prompt_tokens for r in reqs)
+
+
+# --------------------------------------------------------------------------- purity
+
+
+def test_deterministic() -> None:
+    s = scenario(requests=50, prompt="lognormal")
+    a, b = generate_requests(s), generate_requests(s)
+    assert a == b
+    # A freshly loaded copy of the same scenario gives the same list too.
+    path = REPO / "scenarios" / "llama3-70b-p8-d2.toml"
+    assert generate_requests(load_scenario(path)) == generate_requests(load_scenario(path))
+
+
+def test_seed_changes_the_list() -> None:
+    a = generate_requests(scenario(requests=20, prompt="uniform", seed=0))
+    b = generate_requests(scenario(requests=20, prompt="uniform", seed=1))
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in b]
+    assert [r.prompt_tokens for r in a] != [r.prompt_tokens for r in b]
+
+
+def test_global_random_untouched() -> None:
+    random.seed(1234)
+    expected = random.random()
+    random.seed(1234)
+    generate_requests(scenario(requests=30, prompt="lognormal"))
+    assert random.random() == expected
+
+
+def test_prompt_distribution_does_not_move_arrivals() -> None:
+    a = generate_requests(scenario(requests=40, prompt="fixed"))
+    b = generate_requests(scenario(requests=40, prompt="lognormal"))
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in b]
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+def test_fixed_spacing_is_exact() -> None:
+    reqs = generate_requests(scenario(requests=10, arrival="fixed", rate_per_s=4.0))
+    check_basic(reqs, 10)
+    assert [r.arrival_s for r in reqs] == [i / 4.0 for i in range(10)]
+
+
+def test_burst_grouping() -> None:
+    reqs = generate_requests(scenario(requests=20, arrival="burst", burst_size=8, rate_per_s=2.0))
+    check_basic(reqs, 20)
+    times = [r.arrival_s for r in reqs]
+    # Groups of 8 together, a group every 8 / 2 = 4 s; the last group is partial.
+    assert times == [0.0] * 8 + [4.0] * 8 + [8.0] * 4
+
+
+def test_poisson_rate() -> None:
+    n, rate = 2000, 5.0
+    reqs = generate_requests(scenario(requests=n, arrival="poisson", rate_per_s=rate))
+    check_basic(reqs, n)
+    assert reqs[0].arrival_s == 0.0
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:], strict=False)]
+    mean = statistics.fmean(gaps)
+    # Standard error of the mean is (1/rate)/sqrt(n) ~ 2.2 % here; allow 10 %.
+    assert mean == pytest.approx(1 / rate, rel=0.10)
+    # Exponential gaps: coefficient of variation 1.
+    assert statistics.stdev(gaps) / mean == pytest.approx(1.0, abs=0.15)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_fixed_prompt() -> None:
+    reqs = generate_requests(scenario(requests=5, prompt="fixed", prompt_tokens=3000))
+    assert {r.prompt_tokens for r in reqs} == {3000}
+
+
+def test_uniform_prompt() -> None:
+    reqs = generate_requests(
+        scenario(requests=2000, prompt="uniform", prompt_min=1000, prompt_max=3000)
+    )
+    lengths = [r.prompt_tokens for r in reqs]
+    assert min(lengths) >= 1000 and max(lengths) <= 3000
+    assert statistics.fmean(lengths) == pytest.approx(2000, rel=0.03)
+    assert min(lengths) < 1050 and max(lengths) > 2950
+
+
+def test_lognormal_prompt() -> None:
+    reqs = generate_requests(
+        scenario(
+            requests=2000,
+            prompt="lognormal",
+            prompt_tokens=4096,
+            prompt_sigma=0.5,
+            prompt_min=1,
+            prompt_max=10**6,
+        )
+    )
+    lengths = [r.prompt_tokens for r in reqs]
+    # The sample median's standard error is ~1.25 * sigma / sqrt(n) ~ 1.4 % in log space.
+    assert statistics.median(lengths) == pytest.approx(4096, rel=0.06)
+    logs = [math.log(x) for x in lengths]
+    assert statistics.stdev(logs) == pytest.approx(0.5, rel=0.1)
+
+
+def test_lognormal_clamped() -> None:
+    reqs = generate_requests(
+        scenario(
+            requests=500,
+            prompt="lognormal",
+            prompt_tokens=4096,
+            prompt_sigma=1.5,
+            prompt_min=2048,
+            prompt_max=8192,
+        )
+    )
+    lengths = [r.prompt_tokens for r in reqs]
+    assert min(lengths) == 2048 and max(lengths) == 8192
+
+
+def test_max_prompt_tokens_caps_everything() -> None:
+    reqs = generate_requests(
+        scenario(
+            requests=200, prompt="uniform", prompt_min=1000, prompt_max=9000, max_prompt_tokens=2000
+        )
+    )
+    assert max(r.prompt_tokens for r in reqs) == 2000
+
+
+# --------------------------------------------------------------------------- prefix
+
+
+def test_prefix_capped_at_page_floor_of_prompt() -> None:
+    s = scenario(
+        decode={"prefix_tokens": 4096},
+        requests=300,
+        prompt="uniform",
+        prompt_min=1000,
+        prompt_max=6000,
+    )
+    for r in generate_requests(s):
+        assert r.prefix_tokens == min(4096, r.prompt_tokens // 16 * 16)
+        assert r.prefix_tokens % 16 == 0
+
+
+# --------------------------------------------------------------------------- traces
+
+
+TRACE = """\
+# a comment line
+arrival_s,prompt_tokens,prefix_tokens
+0.5,1000,
+0.0,2000,512
+
+0.25,300,100
+1.0,4000,8000
+"""
+
+
+def write_trace(tmp_path: Path, text: str = TRACE) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    return path
+
+
+def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
+    write_trace(tmp_path)
+    s = scenario(
+        tmp_path,
+        decode={"prefix_tokens": 64},
+        requests=100,
+        arrival="trace",
+        prompt="csv",
+        trace_csv="trace.csv",
+    )
+    reqs = generate_requests(s)
+    check_basic(reqs, 4)
+    assert [(r.arrival_s, r.prompt_tokens, r.prefix_tokens) for r in reqs] == [
+        (0.0, 2000, 512),
+        (0.25, 300, 100),  # not page aligned: kept, the protocol must fail the room
+        (0.5, 1000, 64),  # no prefix in the row: decode.prefix_tokens
+        (1.0, 4000, 4000),  # capped at the prompt
+    ]
+    # At most `requests` rows, the first ones of the file.
+    reqs = generate_requests(
+        scenario(tmp_path, requests=2, arrival="trace", prompt="csv", trace_csv="trace.csv")
+    )
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5]
+
+
+def test_trace_arrivals_with_sampled_prompts(tmp_path: Path) -> None:
+    write_trace(tmp_path)
+    reqs = generate_requests(
+        scenario(
+            tmp_path, arrival="trace", trace_csv="trace.csv", prompt="fixed", prompt_tokens=777
+        )
+    )
+    assert [r.prompt_tokens for r in reqs] == [777] * 4
+
+
+def test_csv_prompts_with_generated_arrivals_cycle(tmp_path: Path) -> None:
+    write_trace(tmp_path)
+    reqs = generate_requests(
+        scenario(
+            tmp_path,
+            requests=6,
+            arrival="fixed",
+            rate_per_s=1.0,
+            prompt="csv",
+            trace_csv="trace.csv",
+        )
+    )
+    assert [r.prompt_tokens for r in reqs] == [1000, 2000, 300, 4000, 1000, 2000]
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("arrival_s,prompt_tokens\n0,100\nzero,100\n", "trace.csv:3: arrival_s = 'zero'"),
+        ("arrival_s,prompt_tokens\n0,100\n1,0\n", "trace.csv:3: prompt_tokens = 0"),
+        ("arrival_s,prompt_tokens\n-1,100\n", "trace.csv:2: arrival_s = '-1'"),
+        ("arrival_s,prompt_tokens\nnan,100\n", "trace.csv:2: arrival_s = 'nan'"),
+        ("arrival_s,prompt_tokens\n0,100,5\n", "trace.csv:2: 3 fields, expected 2"),
+        ("arrival_s,prompt_tokens\n0,1.5\n", "trace.csv:2: prompt_tokens = '1.5'"),
+        ("arrival_s,prompt_tokens,prefix_tokens\n0,100,-16\n", "prefix_tokens = -16"),
+        ("arrival,prompt_tokens\n0,100\n", "trace.csv:1: bad header"),
+        ("arrival_s,arrival_s,prompt_tokens\n", "bad header"),
+        ("arrival_s,prompt_tokens\n", "trace has no data rows"),
+        ('arrival_s,prompt_tokens\n"0,100\n', "trace.csv"),
+    ],
+)
+def test_bad_trace(tmp_path: Path, text: str, expected: str) -> None:
+    write_trace(tmp_path, text)
+    s = scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+    with pytest.raises(ScenarioError) as info:
+        generate_requests(s)
+    assert expected in str(info.value)
+
+
+def test_missing_trace(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="no such trace file"):
+        read_trace(tmp_path / "gone.csv")
+    # The loader already refuses a scenario naming a missing trace.
+    with pytest.raises(ScenarioError, match="workload.trace_csv"):
+        scenario(tmp_path, arrival="trace", trace_csv="gone.csv")
+    # And the generator says so if it disappears after loading.
+    path = write_trace(tmp_path)
+    s = scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+    path.unlink()
+    with pytest.raises(ScenarioError, match="trace.csv"):
+        generate_requests(s)
+
+
+# --------------------------------------------------------------------------- scaled
+
+
+def test_scaled_workload_fits() -> None:
+    s = load_scenario(
+        REPO / "scenarios" / "llama3-70b-p8-d2.toml", ["hardware.scale_down.enabled=true"]
+    ).scaled()
+    reqs = generate_requests(s)
+    check_basic(reqs, 8)
+    assert max(r.prompt_tokens for r in reqs) <= 2048
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    n=st.integers(1, 60),
+    arrival=st.sampled_from(["poisson", "fixed", "burst"]),
+    prompt=st.sampled_from(["fixed", "uniform", "lognormal"]),
+    rate=st.floats(0.01, 1000),
+    burst=st.integers(1, 10),
+    bounds=st.tuples(st.integers(1, 5000), st.integers(1, 5000)).map(sorted),
+    sigma=st.floats(0, 3),
+    prefix_pages=st.integers(0, 400),
+    page_log2=st.integers(0, 7),
+    cap=st.one_of(st.none(), st.integers(1, 5000)),
+)
+def test_generated_lists_are_well_formed(
+    seed: int,
+    n: int,
+    arrival: str,
+    prompt: str,
+    rate: float,
+    burst: int,
+    bounds: list[int],
+    sigma: float,
+    prefix_pages: int,
+    page_log2: int,
+    cap: int | None,
+) -> None:
+    page = 2**page_log2
+    lo, hi = bounds
+    s = scenario(
+        decode={"page_size": page, "prefix_tokens": prefix_pages * page, "staging_pool_mb": 1e6},
+        requests=n,
+        arrival=arrival,
+        prompt=prompt,
+        rate_per_s=rate,
+        burst_size=burst,
+        prompt_min=lo,
+        prompt_max=hi,
+        prompt_tokens=lo,
+        prompt_sigma=sigma,
+        seed=seed,
+        max_prompt_tokens=cap,
+    )
+    reqs = generate_requests(s)
+    check_basic(reqs, n)
+    assert reqs == generate_requests(s)
+    for r in reqs:
+        assert r.prefix_tokens % page == 0
+        assert r.prefix_tokens <= r.prompt_tokens // page * page
+        if cap is not None:
+            assert r.prompt_tokens <= cap
+        if prompt != "fixed" and cap is None:
+            assert lo <= r.prompt_tokens <= hi
