@@ -78,6 +78,8 @@ class DecodeMachine(MachineBase):
         self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
         self._last_wm = self.ring.watermark
         self._region_cache: dict[int, int] = {}
+        # failed rooms' regions kept out of reuse: room -> (allocs, writers not yet confirmed)
+        self._quarantine: dict[int, tuple[list[tuple[int, int]], set[int]]] = {}
         self.scatters_issued = 0
 
     # --- public -------------------------------------------------------------------------
@@ -251,6 +253,8 @@ class DecodeMachine(MachineBase):
         if room is not None:
             self._fail(room, f"aborted by prefill rank {msg.session}: {msg.reason}", now, out,
                        skip_session=msg.session)
+        else:
+            self._confirm_abort(msg.room, msg.session, now, out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1))
@@ -290,15 +294,29 @@ class DecodeMachine(MachineBase):
         out.append(RoomDone(room.room))
 
     def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_session: int = -1) -> None:
-        """Fail a room: release every region it holds (after any running scatter), tell writers."""
+        """Fail a room: release every region it holds, tell its writers.
+
+        A region being scattered is freed when its scatter completes. The others
+        stay quarantined until every writer confirmed the abort (its ABORT comes
+        after its own in-flight writes finished) or `abort_grace_s` passed, so a
+        late write cannot land on a region that was handed out again.
+        """
         del self._rooms[room.room]
+        held = []
         for chunk, alloc in room.allocs.items():
             if alloc is None:
                 continue
             if chunk in room.scattering:
                 self._scatters[(room.room, chunk)].room_live = False  # freed on ScatterDone
             else:
-                self._free(room.room, chunk, alloc.id, now, out)
+                held.append((chunk, alloc.id))
+        waiting = {p for p in self.writers if p != skip_session}
+        if held and waiting:
+            self._quarantine[room.room] = (held, waiting)
+            self._arm_deadline(room.room, now, self.config.abort_grace_s)
+        else:
+            for chunk, alloc_id in held:
+                self._free(room.room, chunk, alloc_id, now, out)
         for p in self.writers:
             if p != skip_session:
                 out.append(Send(Peer("prefill", p), Abort(room.room, p, self.rank, True, reason[:512])))
@@ -311,6 +329,21 @@ class DecodeMachine(MachineBase):
             room = self._rooms.get(room_id)
             if room is not None:
                 self._fail(room, self._stall_reason(room), now, out)
+            elif room_id in self._quarantine:
+                self._release_quarantine(room_id, now, out, "abort grace expired")
+
+    def _confirm_abort(self, room_id: int, session: int, now: float, out: list[Action]) -> None:
+        q = self._quarantine.get(room_id)
+        if q is None:
+            return
+        q[1].discard(session)
+        if not q[1]:
+            self._release_quarantine(room_id, now, out, "every writer confirmed the abort")
+
+    def _release_quarantine(self, room_id: int, now: float, out: list[Action], why: str) -> None:
+        held, _ = self._quarantine.pop(room_id)
+        for chunk, alloc_id in held:
+            self._free(room_id, chunk, alloc_id, now, out)
 
     def _stall_reason(self, room: _Room) -> str:
         waits = []

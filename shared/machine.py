@@ -22,6 +22,10 @@ class ProtocolConfig:
 
     path: str = "staging"  # "staging" | "slice"
     room_timeout_s: float = 60.0
+    # After a room fails, its staging regions stay out of reuse until every writer
+    # confirmed (by its own ABORT, sent once its in-flight writes finished) or this
+    # long: a write still in flight must never land on a region handed out again.
+    abort_grace_s: float = 5.0
     # Rooms remembered as finished, so that late or duplicate messages about them
     # are dropped instead of resurrecting state. Oldest forgotten first.
     finished_memory: int = 1 << 16
@@ -58,8 +62,8 @@ class MachineBase:
         self._record(out, "dropped", now, now, room=room, chunk=chunk, detail=why)
 
     # --- room lifetime ----------------------------------------------------------
-    def _arm_deadline(self, room: int, now: float) -> float:
-        deadline = now + self.config.room_timeout_s
+    def _arm_deadline(self, room: int, now: float, after: float | None = None) -> float:
+        deadline = now + (self.config.room_timeout_s if after is None else after)
         heapq.heappush(self._deadlines, (deadline, room))
         return deadline
 

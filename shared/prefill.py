@@ -87,6 +87,8 @@ class PrefillMachine(MachineBase):
         # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
         self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
         self._early_boot: dict[tuple[int, int], int] = {}
+        # failed rooms whose gathers/writes are still in flight: room -> (pending, targets, reason)
+        self._draining: dict[int, tuple[set[tuple[int, int]], list[int], str]] = {}
         self._block_offset_cache: dict[tuple[int, int], int] = {}
 
     # --- public ---------------------------------------------------------------------
@@ -157,6 +159,7 @@ class PrefillMachine(MachineBase):
         room = self._rooms.get(ev.room)
         t = room.targets.get(ev.decode_rank) if room else None
         if t is None or ev.chunk not in t.busy:
+            self._drained(ev.room, ev.decode_rank, ev.chunk, now, out)
             return
         rsp = t.rsp[ev.chunk]
         c = room.chunks[ev.chunk]
@@ -174,6 +177,7 @@ class PrefillMachine(MachineBase):
         room = self._rooms.get(ev.room)
         t = room.targets.get(ev.decode_rank) if room else None
         if t is None or ev.chunk not in t.busy:
+            self._drained(ev.room, ev.decode_rank, ev.chunk, now, out)
             return
         start = t.busy.pop(ev.chunk)
         c = room.chunks[ev.chunk]
@@ -288,7 +292,9 @@ class PrefillMachine(MachineBase):
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
         room = self._rooms.get(msg.room)
         if room is not None:
-            self._fail(room, reason, now, out, notify=False)
+            # Our ABORT back (after in-flight writes drained) tells the decode that
+            # this writer will not touch the room's regions again.
+            self._fail(room, reason, now, out)
         elif not self.is_finished(msg.room):
             # Not opened here yet (still queued for the forward): remember the
             # failure so the later OpenRoom is refused instead of starting a room
@@ -297,6 +303,7 @@ class PrefillMachine(MachineBase):
             self._finish(msg.room, ok=False)
             self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
             out.append(RoomFailed(msg.room, reason))
+            self._send_aborts(msg.room, self.targets, reason, out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))
@@ -355,21 +362,43 @@ class PrefillMachine(MachineBase):
             self._record(out, "room_done", now, now, room=room.room)
             out.append(RoomDone(room.room))
 
-    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], notify: bool = True) -> None:
+    def _fail(self, room: _Room, reason: str, now: float, out: list[Action]) -> None:
+        """Fail a room here; tell its decode ranks once no gather/write of it is in flight."""
         del self._rooms[room.room]
-        # Heap entries of the gone room are skipped when popped.
-        for t in room.targets.values():
-            if notify:
-                out.append(Send(Peer("decode", t.decode_rank), Abort(room.room, self.rank, t.decode_rank, False, reason[:512])))
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, detail=reason)
         out.append(RoomFailed(room.room, reason))
+        # Heap entries of the gone room are skipped when popped.
+        pending = {(t.decode_rank, c) for t in room.targets.values() for c in t.busy}
+        targets = list(room.targets)
+        if pending:
+            self._draining[room.room] = (pending, targets, reason)
+            self._arm_deadline(room.room, now, self.config.abort_grace_s)
+        else:
+            self._send_aborts(room.room, targets, reason, out)
+
+    def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
+        drain = self._draining.get(room_id)
+        if drain is None:
+            return
+        drain[0].discard((decode_rank, chunk))
+        if not drain[0]:
+            del self._draining[room_id]
+            self._send_aborts(room_id, drain[1], drain[2], out)
+
+    def _send_aborts(self, room_id: int, targets: list[int], reason: str, out: list[Action]) -> None:
+        for d in targets:
+            out.append(Send(Peer("decode", d), Abort(room_id, self.rank, d, False, reason[:512])))
 
     def _fire_timeouts(self, now: float, out: list[Action]) -> None:
         for room_id in self._expired(now):
             room = self._rooms.get(room_id)
             if room is not None:
                 self._fail(room, self._stall_reason(room), now, out)
+            elif room_id in self._draining:
+                # writes that never reported back: give up waiting, say so
+                pending, targets, reason = self._draining.pop(room_id)
+                self._send_aborts(room_id, targets, reason + f" (in-flight writes {sorted(pending)[:4]} unconfirmed)", out)
 
     def _stall_reason(self, room: _Room) -> str:
         waits = []

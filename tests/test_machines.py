@@ -131,6 +131,9 @@ def test_abort_releases_everything_and_late_messages_are_ignored():
     out = m.handle(Abort(0, 1, 0, False, "user cancelled"), 0.2)
     assert any(isinstance(a, RoomFailed) for a in out)
     assert any(isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.session == 0 for a in out)
+    # writer 0 may still have writes in flight: its regions stay out of reuse
+    assert m.ring.live_count == 4
+    m.handle(Abort(0, 0, 0, False, "drained"), 0.25)  # writer 0 confirms
     assert m.ring.live_count == 1  # the region being scattered waits for its scatter
     m.handle(ScatterDone(0, 0), 0.3)
     assert m.ring.empty
@@ -155,6 +158,10 @@ def test_timeout_fails_with_reason_and_releases():
     out = m.handle(Tick(), 5.0)
     failed = [a for a in out if isinstance(a, RoomFailed)]
     assert failed and "timed out" in failed[0].reason and "chunk 0: prefill [1]" in failed[0].reason
+    # quarantined until both writers confirm (or the grace passes)
+    assert m.ring.live_count == 1
+    m.handle(Abort(0, 0, 0, False, "drained"), 5.1)
+    m.handle(Abort(0, 1, 0, False, "drained"), 5.1)
     assert m.ring.empty
 
 
@@ -211,3 +218,40 @@ def test_stale_watermark_and_duplicate_rsp_are_harmless():
     assert not out or not any(isinstance(a, Gather) for a in out)
     out = p.handle(Watermark(4, 0, 0, 0), 0.2)
     assert sum(isinstance(a, Gather) for a in out) == 1
+
+
+def test_quarantine_released_after_grace_without_confirmation():
+    from shared.events import Tick
+
+    g = geo(2, 1, 8)
+    m = DecodeMachine(0, g, g.chunk_bytes() * 4, ProtocolConfig(abort_grace_s=2.0))
+    m.handle(OpenRoom(0, prompt_tokens=32), 0.0)
+    for p in (0, 1):
+        m.handle(StagingReq(0, 0, 4, p, 0), 0.0)
+    m.handle(AbortRoom(0, "test"), 1.0)
+    assert m.ring.live_count == 1
+    m.handle(Tick(), 2.9)
+    assert m.ring.live_count == 1
+    m.handle(Tick(), 3.0)
+    assert m.ring.empty
+
+
+def test_prefill_abort_waits_for_in_flight_writes():
+    from shared.events import ChunkComputed, Gather, GatherDone, Write, WriteDone
+    from shared.prefill import PrefillMachine
+    from shared.protocol import Watermark
+
+    g = geo(1, 1, 8)
+    p = PrefillMachine(0, g)
+    p.handle(OpenRoom(0, prompt_tokens=16), 0.0)
+    p.handle(Watermark(0, 0, 0, 0), 0.0)
+    p.handle(ChunkComputed(0, 0), 0.0)
+    out = p.handle(StagingRsp(0, 0, 0, 0, g.region_bytes(4), False, 0, 0), 0.1)
+    assert any(isinstance(a, Gather) for a in out)
+    out = p.handle(GatherDone(0, 0, 0), 0.2)
+    assert any(isinstance(a, Write) for a in out)
+    out = p.handle(AbortRoom(0, "user"), 0.3)  # the write is in flight
+    assert any(isinstance(a, RoomFailed) for a in out)
+    assert not any(isinstance(a, Send) and isinstance(a.msg, Abort) for a in out)
+    out = p.handle(WriteDone(0, 0, 0), 0.4)
+    assert any(isinstance(a, Send) and isinstance(a.msg, Abort) for a in out)
