@@ -97,6 +97,72 @@ def sim(
 
 
 @app.command()
+def hw(
+    scenario: ScenarioArg,
+    set_: SetOpt = None,
+    backend: Annotated[Optional[str], typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: the scenario's).")] = None,
+    verify: Annotated[Optional[str], typer.Option(help="full, sample or off (default: the scenario's).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<scenario>-hw-<time>/).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Workload seed (overrides workload.seed).")] = None,
+    scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")] = True,
+    timeout: Annotated[float, typer.Option(help="Fail the run if it is not finished after this many seconds.")] = 600.0,
+    spawn: Annotated[bool, typer.Option(help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank).")] = True,
+    port: Annotated[int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")] = 0,
+    trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
+) -> None:
+    """Run the scenario on real transfers: P prefill and D decode rank processes on this
+    machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
+    the same trace and summary as the simulation are written. Exits 1 if a rank failed,
+    a byte was wrong, staging leaked or an invariant broke."""
+    from kvstage.hwrun import run_hardware
+
+    sets = list(set_ or [])
+    for key, value, allowed in (("backend", backend, ("nixl", "mooncake")), ("device", device, None), ("verify", verify, ("full", "sample", "off"))):
+        if value is None:
+            continue
+        if allowed and value not in allowed:
+            _fail(f"--{key} {value!r} not allowed (allowed: {', '.join(allowed)})")
+        sets.append(f"hardware.{key}={value}")
+    if trace_format not in ("parquet", "jsonl"):
+        _fail(f"--trace-format {trace_format!r} not allowed (allowed: parquet, jsonl)")
+    s = _load(scenario, sets, seed)
+    if scaled and not s.hardware.scale_down.enabled:
+        s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
+    s = s.scaled()
+    if not spawn:
+        console.print("waiting for ranks to register (start them with `kvstage hw-rank ... --rendezvous HOST:PORT`)")
+    code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
+                           port=port, console=console)
+    raise typer.Exit(code)
+
+
+@app.command("hw-rank")
+def hw_rank(
+    scenario: ScenarioArg,
+    role: Annotated[str, typer.Option(help="prefill or decode.")],
+    rank: Annotated[int, typer.Option(help="This rank's index in its role.")],
+    rendezvous: Annotated[str, typer.Option(help="HOST:PORT of the rendezvous (kvstage hw --no-spawn --port N).")],
+    set_: SetOpt = None,
+    backend: Annotated[Optional[str], typer.Option(help="nixl or mooncake.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N.")] = None,
+    host: Annotated[str, typer.Option(help="Address this rank's control socket binds.")] = "127.0.0.1",
+) -> None:
+    """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
+    Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
+    from hw.rank_main import main as rank_main
+
+    argv = [str(scenario), "--role", role, "--rank", str(rank), "--rendezvous", rendezvous, "--host", host]
+    for item in set_ or []:
+        argv += ["--set", item]
+    if backend:
+        argv += ["--backend", backend]
+    if device:
+        argv += ["--device", device]
+    raise typer.Exit(rank_main(argv))
+
+
+@app.command()
 def check(
     run: Annotated[Path, typer.Argument(help="Run directory or trace file.")],
 ) -> None:

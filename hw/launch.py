@@ -1,0 +1,138 @@
+"""Local launcher of hardware mode: P prefill + D decode rank processes and a rendezvous.
+
+It watches every child: a rank that exits before reporting (crash, kill) fails the
+whole run within `poll` time, with a message naming the rank and the tail of its
+log, and every other process is terminated — nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hw.control import RendezvousServer, rank_name
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class LaunchResult:
+    reports: dict[str, dict[str, Any]]
+    wall_s: float
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def rank_names(prefill_tp: int, decode_tp: int) -> list[str]:
+    return [rank_name("prefill", p) for p in range(prefill_tp)] + [rank_name("decode", d) for d in range(decode_tp)]
+
+
+def launch(
+    scenario_path: Path,
+    prefill_tp: int,
+    decode_tp: int,
+    log_dir: Path,
+    *,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_s: float = 600.0,
+    spawn: bool = True,
+    port: int = 0,
+    on_started=None,
+) -> LaunchResult:
+    """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones)."""
+    names = rank_names(prefill_tp, decode_tp)
+    server = RendezvousServer(names, port=port)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Path] = {}
+    start = time.monotonic()
+    errors: list[str] = []
+    env = dict(os.environ)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    try:
+        if spawn:
+            for name in names:
+                role = "prefill" if name.startswith("prefill") else "decode"
+                rank = int(name[len(role):])
+                cmd = [sys.executable, "-m", "hw.rank_main", str(scenario_path), "--role", role,
+                       "--rank", str(rank), "--rendezvous", server.address]
+                if backend:
+                    cmd += ["--backend", backend]
+                if device:
+                    cmd += ["--device", device]
+                logs[name] = log_dir / f"{name}.log"
+                with logs[name].open("w") as fh:
+                    procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                                   start_new_session=True)
+        if on_started is not None:
+            on_started(server.address, procs)
+        while not server.all_reported:
+            server.poll(0.1)
+            for name, proc in procs.items():
+                code = proc.poll()
+                if code is not None and name not in server.reports:
+                    why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                    raise LaunchError(f"rank {name} died before finishing ({why}); its log {logs[name]}:\n{_tail(logs[name])}")
+            if time.monotonic() - start > timeout_s:
+                missing = sorted(set(names) - set(server.reports))
+                stage = "register" if not server.started else "finish"
+                raise LaunchError(f"ranks {missing} did not {stage} within {timeout_s:.0f}s")
+        server.release()
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                errors.append(f"rank {name} did not exit after the run; killed")
+        reports = {name: msg for name, (_, msg) in server.reports.items()}
+        for name, rep in sorted(reports.items()):
+            if rep.get("error"):
+                errors.append(rep["error"])
+        return LaunchResult(reports, time.monotonic() - start, errors)
+    except LaunchError as exc:
+        server.abort(str(exc))
+        return LaunchResult({n: m for n, (_, m) in server.reports.items()}, time.monotonic() - start, [str(exc)])
+    finally:
+        _terminate(procs)
+        server.close()
+
+
+def _terminate(procs: dict[str, subprocess.Popen]) -> None:
+    """Make sure no child (or anything it started) outlives the launcher."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in alive:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=5)

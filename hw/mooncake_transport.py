@@ -1,0 +1,159 @@
+"""Mooncake adapter: P2PHANDSHAKE (no etcd), protocol "tcp" on CPU, "rdma" when asked.
+
+Thin on purpose: envelope, validation, waiting and counters live in hw/transport.py.
+
+Posting and completion. ``batch_transfer_async_write`` submits the whole batch to the
+engine and returns at once, so a write is really posted when write() returns. Its
+companion ``get_batch_transfer_status`` is not a poll: it blocks (GIL released) until
+the batch completes, fails, or the engine's own timeout (MC_TRANSFER_TIMEOUT, 30 s, plus
+1 ns per byte) runs out. So each batch gets a small daemon thread that makes that one
+blocking call and sets an event; poll() reads the event. Measured here, async + waiter
+and batch_transfer_sync_write in a thread move bytes at the same speed; the async form
+keeps submission errors on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hw.transport import PeerInfo, TransferError, Transport
+
+# batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not
+# answer the handshake); the C++ code can also return (uint64)-1. Neither is a batch.
+_BAD_BATCH_IDS = (0, -1, 2**64 - 1)
+_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+
+
+@dataclass
+class _McBatch:
+    batch_id: int
+    event: threading.Event = field(default_factory=threading.Event)
+    rc: int | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+
+class MooncakeTransport(Transport):
+    name: ClassVar[str] = "mooncake"
+    engine_module: ClassVar[str] = "mooncake.engine"
+    install_hint: ClassVar[str] = (
+        'pip install "mooncake-transfer-engine-non-cuda==0.3.13.post1" (CPU; needs the '
+        "Debian package libibverbs1) or mooncake-transfer-engine (CUDA)"
+    )
+    engine_env_defaults: ClassVar[dict[str, str]] = {
+        "MC_LOG_LEVEL": "ERROR",
+        # The TCP transport queues at most 1024 transfers per peer (+1024 waiting for
+        # admission) and FAILS a larger batch outright; worse, the failure leaves the
+        # connection to that peer unusable (every later batch fails too). A KV chunk
+        # in slice mode is thousands of ops, so raise both to the engine's maximum.
+        _QUEUE_ENV: "65535",
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    }
+
+    def __init__(
+        self,
+        agent_name: str,
+        device: str = "cpu",
+        *,
+        protocol: str = "tcp",
+        host: str = "127.0.0.1",
+        device_name: str = "",
+    ) -> None:
+        super().__init__(agent_name, device)
+        # Keep the TCP data path on the advertised address (loopback in tests).
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+        mod = self._import_engine()
+        self.protocol = protocol
+        self._engine = mod.TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(
+                f"mooncake: agent {agent_name!r} could not initialize (host {host}, protocol "
+                f"{protocol!r}, device {device_name!r}): initialize returned {rc}"
+            )
+        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        # Refuse (before posting) a batch the TCP queue would reject, so one oversized
+        # batch cannot poison the connection for the rest of the run.
+        self._max_ops = int(os.environ.get(_QUEUE_ENV, "1024")) if protocol == "tcp" else None
+        self._batches: list[_McBatch] = []
+
+    def _register_native(self, addr: int, nbytes: int) -> None:
+        # "*" lets the engine find the memory's NUMA node; on GPU name the device.
+        location = "*" if self.device_type == "cpu" else f"cuda:{self.device_id}"
+        rc = self._engine.register_memory(addr, nbytes, location)
+        if rc != 0:
+            raise RuntimeError(f"register_memory returned {rc}")
+
+    def _native_metadata(self) -> bytes:
+        return self.session.encode()
+
+    def _add_peer_native(self, peer: PeerInfo) -> Any:
+        session = peer.engine_blob.decode(errors="replace")
+        host, _, port = session.rpartition(":")
+        if not host or not port.isdigit():
+            raise TransferError(f"mooncake: peer {peer.name!r} has a bad session name {session!r}")
+        return session  # the handshake happens on the first write
+
+    def _post(self, peer: PeerInfo, ops: np.ndarray) -> _McBatch:
+        if self._max_ops is not None and len(ops) > self._max_ops:
+            raise RuntimeError(
+                f"{len(ops)} ops exceed the TCP queue of {self._max_ops} per peer "
+                f"({_QUEUE_ENV}); raise it or post smaller batches"
+            )
+        batch_id = self._engine.batch_transfer_async_write(
+            peer.native, ops[:, 0].tolist(), ops[:, 1].tolist(), ops[:, 2].tolist()
+        )
+        if batch_id in _BAD_BATCH_IDS:
+            raise RuntimeError(
+                f"batch_transfer_async_write to session {peer.native} was refused "
+                f"(returned {batch_id}); is the peer alive?"
+            )
+        batch = _McBatch(batch_id)
+        batch.thread = threading.Thread(
+            target=self._await_batch, args=(batch,), name=f"mooncake-wait-{batch_id:x}", daemon=True
+        )
+        batch.thread.start()
+        self._batches.append(batch)
+        return batch
+
+    def _await_batch(self, batch: _McBatch) -> None:
+        try:
+            batch.rc = self._engine.get_batch_transfer_status([batch.batch_id])
+        except BaseException as e:  # surfaced by _check on the owner's thread
+            batch.error = e
+        finally:
+            batch.event.set()
+
+    def _check(self, native: _McBatch) -> bool:
+        if not native.event.is_set():
+            return False
+        if native.error is not None:
+            raise RuntimeError(f"get_batch_transfer_status raised {native.error!r}")
+        if native.rc != 0:
+            raise RuntimeError(
+                f"get_batch_transfer_status returned {native.rc} (the engine log has the cause; "
+                "after a failed TCP batch the connection to this peer may stay unusable)"
+            )
+        return True
+
+    def _release(self, native: _McBatch) -> None:
+        if native in self._batches:
+            self._batches.remove(native)
+
+    def _idle(self, handle: Any, seconds: float) -> None:
+        # The waiter thread sets the event, so wake on completion instead of sleeping.
+        handle.native.event.wait(seconds)
+
+    def _close_native(self, in_flight: bool) -> None:
+        if in_flight or any(not b.event.is_set() for b in self._batches):
+            # A waiter thread is still inside the engine: destroying it now would crash
+            # the process. Keep engine and registrations alive until exit.
+            return
+        for region in self.regions:
+            self._engine.unregister_memory(region.addr)
+        del self._engine

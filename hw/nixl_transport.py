@@ -1,0 +1,128 @@
+"""NIXL adapter: UCX backend, DRAM segments on cpu, VRAM on cuda.
+
+Thin on purpose: envelope, validation, waiting and counters live in hw/transport.py.
+Metadata is shipped by the caller (no NIXL listen thread), after registration, so the
+peer never sees a snapshot that lacks our memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hw.transport import PeerInfo, TransferError, Transport
+
+_MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+@dataclass
+class _NixlXfer:
+    handle: Any  # nixl_xfer_handle
+    done: bool
+
+
+class NixlTransport(Transport):
+    name: ClassVar[str] = "nixl"
+    engine_module: ClassVar[str] = "nixl._api"
+    install_hint: ClassVar[str] = 'pip install "torch==2.13.0" "nixl==1.5.1" (CPU)'
+    # NIXL's Python logger prints INFO on stdout; WARN keeps rank logs readable.
+    engine_env_defaults: ClassVar[dict[str, str]] = {"NIXL_LOG_LEVEL": "WARN"}
+
+    def __init__(self, agent_name: str, device: str = "cpu") -> None:
+        super().__init__(agent_name, device)
+        api = self._import_engine()
+        config = api.nixl_agent_config(
+            enable_prog_thread=True,  # UCX progresses in the background between polls
+            enable_listen_thread=False,  # we ship metadata ourselves; no port to pick
+            backends=["UCX"],
+        )
+        try:
+            self._agent = api.nixl_agent(agent_name, config)
+        except Exception as e:
+            raise TransferError(f"nixl: cannot create agent {agent_name!r}: {e}") from e
+        # nixl_agent only warns when a plugin is missing; without UCX nothing moves.
+        if "UCX" not in self._agent.backends:
+            raise TransferError(
+                f"nixl: agent {agent_name!r} has no UCX backend "
+                f"(plugins found: {self._agent.get_plugin_list()})"
+            )
+        self._mem_type = _MEM_TYPE[self.device_type]
+        self._reg_descs: list[Any] = []
+
+    def _register_native(self, addr: int, nbytes: int) -> None:
+        descs = self._agent.register_memory([(addr, nbytes, self.device_id, "")], self._mem_type)
+        if descs is None:
+            raise TransferError(f"nixl: register_memory returned nothing for {nbytes} B at {addr:#x}")
+        self._reg_descs.append(descs)
+
+    def _native_metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def _add_peer_native(self, peer: PeerInfo) -> Any:
+        if peer.device_type not in _MEM_TYPE:
+            raise TransferError(f"nixl: peer {peer.name!r} has unknown device {peer.device_type!r}")
+        loaded = self._agent.add_remote_agent(peer.engine_blob)
+        # add_remote_agent returns the name as bytes in nixl 1.5.
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != peer.name:
+            raise TransferError(f"nixl: metadata for peer {peer.name!r} loaded agent {loaded!r}")
+        # Connect now so the first write does not pay the UCX wire-up.
+        self._agent.make_connection(peer.name)
+        return _MEM_TYPE[peer.device_type]
+
+    def _post(self, peer: PeerInfo, ops: np.ndarray) -> _NixlXfer:
+        # One initialize_xfer over N descriptors. Measured here against
+        # prep_xfer_dlist + make_prepped_xfer for 1024 x 64 KiB, 4096 x 512 B and
+        # 16384 x 256 B: same transfer time, and creating the request was cheaper
+        # (0.20 vs 0.32 ms, 0.35 vs 0.62 ms, 7.8 vs 10.5 ms). Prepped lists only pay off
+        # when the same descriptor list is reused, which arbitrary ops are not.
+        n = len(ops)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = ops[:, 0]
+        local[:, 1] = ops[:, 2]
+        local[:, 2] = self.device_id
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = ops[:, 1]
+        remote[:, 1] = ops[:, 2]
+        remote[:, 2] = peer.device_id
+        local_descs = self._agent.get_xfer_descs(local, self._mem_type)
+        remote_descs = self._agent.get_xfer_descs(remote, peer.native)
+        handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.name)
+        try:
+            state = self._agent.transfer(handle)  # raises e.g. NIXL_ERR_REMOTE_DISCONNECT
+            if state == "ERR":
+                raise RuntimeError("transfer() returned ERR")
+        except BaseException:
+            try:
+                handle.release()
+            except Exception:
+                pass  # the post failed; a leaked request handle is the lesser problem
+            raise
+        return _NixlXfer(handle, done=state == "DONE")
+
+    def _check(self, native: _NixlXfer) -> bool:
+        if native.done:
+            return True
+        state = self._agent.check_xfer_state(native.handle)
+        if state == "ERR":
+            raise RuntimeError("check_xfer_state returned ERR")
+        native.done = state == "DONE"
+        return native.done
+
+    def _release(self, native: _NixlXfer) -> None:
+        native.handle.release()
+
+    def _close_native(self, in_flight: bool) -> None:
+        if in_flight:
+            return  # keep agent and registrations: UCX may still be writing
+        for name in self.peers:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:
+                pass  # the peer may be gone already; nothing to undo
+        for descs in self._reg_descs:
+            self._agent.deregister_memory(descs)
+        self._reg_descs.clear()
+        del self._agent

@@ -1,0 +1,54 @@
+"""Entry point of one rank process: `python -m hw.rank_main ...` (also `kvstage hw-rank`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hw.rank_main",
+        description="Run one prefill or decode rank of a kvstage hardware-mode run. Start one per "
+        "rank (srun, torchrun or mpirun can place them on different nodes); they find each other "
+        "through the rendezvous that `kvstage hw` (or `kvstage hw --no-spawn`) runs.",
+    )
+    p.add_argument("scenario", help="scenario TOML (use the run directory's scenario.toml)")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--rank", required=True, type=int)
+    p.add_argument("--rendezvous", required=True, help="HOST:PORT of the rendezvous")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="scenario override key=value")
+    p.add_argument("--backend", choices=["nixl", "mooncake"], default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    p.add_argument("--host", default=os.environ.get("KVSTAGE_HOST", "127.0.0.1"),
+                   help="address this rank's control socket binds (default 127.0.0.1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
+    from hw.rank import RankError, RankProcess
+    from shared.scenario import ScenarioError, load_scenario
+
+    try:
+        scenario = load_scenario(args.scenario, overrides=args.sets)
+        rank = RankProcess(scenario, args.role, args.rank, args.rendezvous, backend=args.backend,
+                           device=args.device, host=args.host)
+    except (ScenarioError, RankError, ValueError) as exc:
+        print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
+        return 2
+    report = rank.run()
+    if report["error"]:
+        print(report["error"], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`kvstage hw`: launch the ranks, merge their traces, check, summarise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from hw.launch import launch
+from kvstage.metrics import summarize
+from kvstage.runs import make_run_dir, write_run
+from kvstage.summary_table import print_summary
+from shared.invariants import check_records
+from shared.scenario import Scenario
+from shared.trace import TRACE_FIELDS, TraceRecord
+
+
+def run_hardware(
+    scenario: Scenario,
+    *,
+    out: Path | None = None,
+    trace_format: str = "parquet",
+    timeout_s: float = 600.0,
+    spawn: bool = True,
+    port: int = 0,
+    console: Console | None = None,
+    on_started=None,
+) -> tuple[int, Path]:
+    """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right
+    and no invariant broke; 1 otherwise."""
+    console = console or Console()
+    hw = scenario.hardware
+    run_dir = make_run_dir(scenario, "hw", out)
+    scenario_path = run_dir / "scenario.toml"
+    scenario_path.write_text(scenario.to_toml())
+    g = scenario.geometry()
+    console.print(
+        f"hardware run: {scenario.name}, prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, "
+        f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
+    )
+    result = launch(scenario_path, g.prefill_tp, g.decode_tp, run_dir / "logs", backend=hw.backend,
+                    device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started)
+    records: list[TraceRecord] = []
+    for rep in result.reports.values():
+        records.extend(TraceRecord(*row) for row in rep.get("records", []))
+    records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+    errors = list(result.errors)
+    violations = check_records(records, scenario.transfer.path) if result.ok else []
+    reports = [r for n, r in sorted(result.reports.items())]
+    summary = summarize(records, mode="hw", pool_bytes=scenario.pool_bytes, requests=scenario.workload.requests)
+    verified = sum(r.get("bytes_verified", 0) for r in reports)
+    wrong = sum(r.get("bytes_wrong", 0) for r in reports)
+    failures: dict[str, str] = {}
+    for r in reports:
+        failures.update(r.get("failures", {}))
+    summary.update(
+        {
+            "scenario": scenario.name,
+            "transfer_path": scenario.transfer.path,
+            "backend": hw.backend,
+            "device": hw.device,
+            "verify": hw.verify,
+            "bytes_verified": verified,
+            "bytes_wrong": wrong,
+            "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
+            "events": len(records),
+            "wall_s": result.wall_s,
+            "ring_used_at_end": {r["rank"]: r.get("ring_used", 0) for r in reports if r["role"] == "decode"},
+            "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
+            "malformed_messages": sum(r.get("malformed", 0) for r in reports),
+            "invariant_violations": len(violations),
+            "errors": errors,
+            "failures": dict(sorted(failures.items())[:20]),
+        }
+    )
+    write_run(run_dir, scenario, records, summary, "hw", trace_format)
+    print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
+    console.print(f"run directory: {run_dir}")
+    code = 0
+    for e in errors:
+        console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        code = 1
+    if wrong:
+        console.print(f"[bold red]{wrong} byte(s) wrong[/] in rooms {summary['wrong_rooms'][:10]}")
+        code = 1
+    if any(summary["ring_used_at_end"].values()):
+        console.print(f"[bold red]staging leak:[/] ring bytes at the end {summary['ring_used_at_end']}")
+        code = 1
+    for v in violations[:10]:
+        console.print(v.format(), markup=False, highlight=False)
+        code = 1
+    return code, run_dir
