@@ -12,6 +12,7 @@ in turn, so the machine is only ever touched from one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -63,6 +64,17 @@ PAGE_QUARANTINE_S = 2.0
 
 class RankError(RuntimeError):
     pass
+
+
+def _shift_dst_heads(layout, decode_heads: int):
+    """Test-only corruption (faults.corrupt_dst_head): land every block one head off,
+    to prove that verification catches a wrong head offset."""
+    blocks = []
+    for b in layout.blocks:
+        room = decode_heads - b.heads.num_heads + 1
+        shifted = dataclasses.replace(b.heads, dst_head_start=(b.heads.dst_head_start + 1) % max(1, room))
+        blocks.append(dataclasses.replace(b, heads=shifted))
+    return dataclasses.replace(layout, blocks=tuple(blocks))
 
 
 class ByteArena:
@@ -178,6 +190,7 @@ class RankProcess:
         self.decode_rooms: dict[int, tuple[Request, int, int]] = {}  # room -> (req, first_page, pages)
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (release time, first page, pages)
         self.compute: tuple[float, int, int, float] | None = None  # (done_at, room, chunk, start)
+        self.verify_queue: deque[int] = deque()
         self.faults = dict(getattr(scenario.faults, "model_extra", None) or {})
         self.abort_rooms = set(int(r) for r in self.faults.get("abort_rooms", []))
 
@@ -254,6 +267,7 @@ class RankProcess:
             m.rooms_done + m.rooms_failed >= len(self.requests)
             and not self.pending
             and not self.open_queue
+            and not self.verify_queue
             and not getattr(m, "_draining", None)
         )
 
@@ -281,8 +295,13 @@ class RankProcess:
                 wait = min(wait, max(0.0, arrivals[0].arrival_s - self.now()))
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - self.now()))
-            for msg in self.control.receive(wait):
+            if self.verify_queue and not busy:
+                wait = 0.0
+            messages = self.control.receive(wait)
+            for msg in messages:
                 self._feed(msg)
+            if self.verify_queue and not messages and not self.pending:
+                self._verify_one()
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -374,6 +393,9 @@ class RankProcess:
             if delay <= 0:
                 self.compute = None
                 self._feed(ChunkComputed(pr.req.room, c.index, start))
+            # One chunk per turn of the loop: messages and completions must not wait
+            # behind a whole queue of forwards.
+            return
 
     # --- actions --------------------------------------------------------------------------
     def _carry(self, a) -> None:
@@ -469,23 +491,31 @@ class RankProcess:
     def _scatter(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         layout = self.g.staging_layout(self.rank, a.num_pages)
+        if self.faults.get("corrupt_dst_head"):
+            layout = _shift_dst_heads(layout, self.g.decode_heads)
         scatter(self.pool, a.dst_page_base + a.page_start, a.num_pages, region, layout)
         if self.device == "cuda":
             torch.cuda.synchronize()
         self._feed(ScatterDone(a.room, a.chunk))
 
     def _room_done(self, room: int) -> None:
-        if self.role == "decode":
-            entry = self.decode_rooms.get(room)
-            if entry is not None and self.verify_mode != "off":
-                req, first, pages = entry
-                checked, wrong = verify(self.pool, first, pages, room, req.prefix_tokens, self.global_heads,
-                                        sample=self.verify_mode == "sample")
-                self.bytes_verified += checked
-                self.bytes_wrong += wrong
-                self.rooms_verified += 1
-                if wrong:
-                    self.wrong_rooms.append(room)
+        if self.role == "decode" and room in self.decode_rooms and self.verify_mode != "off":
+            # Checked when the loop is idle, so verification never delays the protocol;
+            # the room's pages stay allocated until then.
+            self.verify_queue.append(room)
+            return
+        self._release_room(room, failed=False)
+
+    def _verify_one(self) -> None:
+        room = self.verify_queue.popleft()
+        req, first, pages = self.decode_rooms[room]
+        checked, wrong = verify(self.pool, first, pages, room, req.prefix_tokens, self.global_heads,
+                                sample=self.verify_mode == "sample")
+        self.bytes_verified += checked
+        self.bytes_wrong += wrong
+        self.rooms_verified += 1
+        if wrong:
+            self.wrong_rooms.append(room)
         self._release_room(room, failed=False)
 
     def _release_room(self, room: int, failed: bool) -> None:

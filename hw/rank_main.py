@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
+    import torch
+
+    # Many ranks share this machine's cores: one intra-op thread each avoids
+    # oversubscription that would stall every rank's event loop.
+    torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
     from hw.rank import RankError, RankProcess
     from shared.scenario import ScenarioError, load_scenario
 
