@@ -106,7 +106,7 @@ def launch(
             except subprocess.TimeoutExpired:
                 errors.append(f"rank {name} did not exit after the run; killed")
         reports = {name: msg for name, (_, msg) in server.reports.items()}
-        for name, rep in sorted(reports.items()):
+        for _name, rep in sorted(reports.items()):
             if rep.get("error"):
                 errors.append(rep["error"])
         return LaunchResult(reports, time.monotonic() - start, errors)

@@ -196,7 +196,7 @@ class RankProcess:
 
     # --- sizing -----------------------------------------------------------------------
     def _pool_pages(self) -> int:
-        g, s = self.g, self.s
+        g = self.g
         if self.role == "prefill":
             pages = [-(-r.prompt_tokens // g.page_size) for r in self.requests]
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 MAGIC = b"KVS1:"
 MAX_REASON_BYTES = 1024
@@ -131,7 +131,7 @@ class Abort:
     reason: str
 
 
-Message = Union[StagingReq, StagingRsp, Watermark, ChunkReady, WriterDone, Bootstrap, Abort]
+Message = StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort
 MESSAGE_TYPES: tuple[type, ...] = (
     StagingReq,
     StagingRsp,
@@ -193,7 +193,7 @@ def encode(msg: Message) -> list[bytes]:
     if codec is None:
         raise ProtocolError(f"not a kvstage message: {type(msg).__name__}")
     values = [getattr(msg, n) for n in codec.int_fields]
-    for n, v in zip(codec.int_fields, values):
+    for n, v in zip(codec.int_fields, values, strict=True):
         _check_range(codec.cls.__name__, n, v)
     frames = [MAGIC + codec.cls.TAG, codec.packer.pack(*values)]
     if codec.str_field is not None:
@@ -233,7 +233,7 @@ def _decode(frames: list[bytes]) -> Message:
         )
     values = codec.packer.unpack(frames[1])
     kwargs: dict[str, object] = {}
-    for n, v in zip(codec.int_fields, values):
+    for n, v in zip(codec.int_fields, values, strict=True):
         if n in codec.bool_fields:
             kwargs[n] = bool(v)
         else:

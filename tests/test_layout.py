@@ -79,7 +79,7 @@ def test_every_decode_rank_gets_exactly_its_heads(P, D, H):
         # writers' blocks never overlap in the staging region
         layout = g.staging_layout(d, 3)
         spans = sorted((b.offset, b.offset + b.nbytes) for b in layout.blocks)
-        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        for (_a0, a1), (b0, _b1) in zip(spans, spans[1:], strict=False):
             assert a1 <= b0
         assert spans[-1][1] == layout.region_bytes
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from protocol_harness import World
+
 from shared.decode import DecodeMachine
-from shared.invariants import check_records
 from shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
+from shared.invariants import check_records
 from shared.layout import Geometry
 from shared.machine import ProtocolConfig
 from shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, WriterDone
@@ -33,7 +33,7 @@ def _check_clean_end(w: World, rooms: int) -> None:
     for p in w.prefill:
         assert p.rooms_done == rooms and p.live_rooms == 0
     # exactly once: every chunk of every room scattered once on every decode rank
-    for d, m in enumerate(w.decode):
+    for d in range(len(w.decode)):
         for room in range(rooms):
             n = len(w.geometry.chunks(-(-(37 + 13 * room - 4 * (room % 2)) // w.geometry.page_size)))
             for c in range(n):
@@ -176,8 +176,8 @@ def test_misaligned_prefix_fails_on_both_sides():
 
 
 def test_prefill_timeout_names_the_wait():
-    from shared.prefill import PrefillMachine
     from shared.events import Tick
+    from shared.prefill import PrefillMachine
 
     g = geo(2, 1, 8)
     p = PrefillMachine(0, g, ProtocolConfig(room_timeout_s=2.0))
