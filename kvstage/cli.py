@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from shared.scenario import Scenario, ScenarioError, load_scenario
 
@@ -28,7 +27,7 @@ err = Console(stderr=True)
 
 ScenarioArg = Annotated[Path, typer.Argument(help="Scenario TOML file (see scenarios/README.md).")]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option(
         "--set",
         help="Override a scenario field, e.g. --set decode.staging_pool_mb=512 (repeatable).",
@@ -76,8 +75,8 @@ def validate(scenario: ScenarioArg, set_: SetOpt = None) -> None:
 def sim(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<scenario>-sim-<time>/).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Workload seed (overrides workload.seed).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<scenario>-sim-<time>/).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
     trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -100,11 +99,11 @@ def sim(
 def hw(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    backend: Annotated[Optional[str], typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: the scenario's).")] = None,
-    verify: Annotated[Optional[str], typer.Option(help="full, sample or off (default: the scenario's).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/<scenario>-hw-<time>/).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Workload seed (overrides workload.seed).")] = None,
+    backend: Annotated[str | None, typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the scenario's).")] = None,
+    verify: Annotated[str | None, typer.Option(help="full, sample or off (default: the scenario's).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<scenario>-hw-<time>/).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")] = True,
     timeout: Annotated[float, typer.Option(help="Fail the run if it is not finished after this many seconds.")] = 600.0,
     spawn: Annotated[bool, typer.Option(help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank).")] = True,
@@ -144,8 +143,8 @@ def hw_rank(
     rank: Annotated[int, typer.Option(help="This rank's index in its role.")],
     rendezvous: Annotated[str, typer.Option(help="HOST:PORT of the rendezvous (kvstage hw --no-spawn --port N).")],
     set_: SetOpt = None,
-    backend: Annotated[Optional[str], typer.Option(help="nixl or mooncake.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N.")] = None,
+    backend: Annotated[str | None, typer.Option(help="nixl or mooncake.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.")] = None,
     host: Annotated[str, typer.Option(help="Address this rank's control socket binds.")] = "127.0.0.1",
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).

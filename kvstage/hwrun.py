@@ -12,7 +12,7 @@ from kvstage.runs import make_run_dir, write_run
 from kvstage.summary_table import print_summary
 from shared.invariants import check_records
 from shared.scenario import Scenario
-from shared.trace import TRACE_FIELDS, TraceRecord
+from shared.trace import TraceRecord
 
 
 def run_hardware(

@@ -63,7 +63,7 @@ def layout_report(s: Scenario, console: Console) -> None:
     sizes.add_column("value", justify="right")
     sizes.add_row("KV bytes per token (whole model)", f"{g.kv_bytes_per_token():,} B")
     sizes.add_row("staging bytes per token per decode rank", f"{g.region_bytes(1) // g.page_size:,} B")
-    sizes.add_row(f"chunk grid", f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens")
+    sizes.add_row("chunk grid", f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens")
     sizes.add_row("staging bytes per full chunk per decode rank", f"{chunk:,} B ({_mib(chunk)})")
     sizes.add_row("staging pool per decode rank", f"{s.pool_bytes:,} B ({_mib(s.pool_bytes)})")
     sizes.add_row("full chunks the pool holds", f"{g.pool_chunks(s.pool_bytes) if chunk else 0}")

@@ -106,8 +106,8 @@ def test_every_byte_lands(tmp_path, backend, path, case):
     s = load_scenario(run_dir / "scenario.toml")
     g = s.geometry()
     expected = 0
-    from shared.workload import generate_requests
     from shared.layout import room_pages
+    from shared.workload import generate_requests
 
     for req in generate_requests(s):
         pages = room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size)

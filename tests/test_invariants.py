@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from protocol_harness import World
+
 from shared import decode as decode_mod
 from shared import prefill as prefill_mod
 from shared.invariants import check_records
