@@ -187,6 +187,15 @@ def check(
     raise typer.Exit(1)
 
 
+def _register_command_modules() -> None:
+    from kvstage.commands import register_all
+
+    register_all(app)
+
+
+_register_command_modules()
+
+
 def main() -> None:
     try:
         app()
