@@ -197,7 +197,8 @@ class DecodeMachine(MachineBase):
             self._drop(out, now, f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
                        f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
             return
-        if msg.chunk not in room.allocs:
+        duplicate = msg.chunk in room.allocs
+        if not duplicate:
             if room.chunks is None:
                 known = room.req_pages.get(msg.chunk)
                 if known is not None and known != msg.num_pages:
@@ -211,6 +212,10 @@ class DecodeMachine(MachineBase):
         else:
             rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.session, self.rank)
         out.append(Send(Peer("prefill", msg.session), rsp))
+        if duplicate:
+            # a re-sent REQ means the writer may have lost our RSP or a WATERMARK
+            wm = self.ring.watermark
+            out.append(Send(Peer("prefill", msg.session), Watermark(wm.round, wm.tail, msg.session, self.rank)))
         self._record(
             out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.session,
             offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,

@@ -26,6 +26,11 @@ class ProtocolConfig:
     # confirmed (by its own ABORT, sent once its in-flight writes finished) or this
     # long: a write still in flight must never land on a region handed out again.
     abort_grace_s: float = 5.0
+    # A prefill that hears nothing for this long re-sends STAGING_REQ for chunks with
+    # no answer or stuck behind the watermark (a lost RSP or WATERMARK); the decode
+    # replays its answer and its current watermark. Doubling backoff, bounded count.
+    retry_s: float = 1.0
+    max_retries: int = 4
     # Rooms remembered as finished, so that late or duplicate messages about them
     # are dropped instead of resurrecting state. Oldest forgotten first.
     finished_memory: int = 1 << 16

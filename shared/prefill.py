@@ -70,6 +70,8 @@ class _Room:
     chunks: list[Chunk]
     targets: dict[int, _Target]
     computed: set[int] = field(default_factory=set)
+    deadline: float = 0.0
+    retries: int = 0
 
 
 class PrefillMachine(MachineBase):
@@ -127,7 +129,9 @@ class PrefillMachine(MachineBase):
         }
         room = _Room(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
         self._rooms[ev.room] = room
-        self._arm_deadline(ev.room, now)
+        room.deadline = self._arm_deadline(ev.room, now)
+        if self.config.path == "staging":
+            self._arm_deadline(ev.room, now, self.config.retry_s)
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for d, t in targets.items():
             boot = self._early_boot.pop((ev.room, d), None)
@@ -377,6 +381,26 @@ class PrefillMachine(MachineBase):
         else:
             self._send_aborts(room.room, targets, reason, out)
 
+    def _retry(self, room: _Room, now: float, out: list[Action]) -> None:
+        """Re-ask for what a lost message would explain; the decode answers idempotently."""
+        if room.retries >= self.config.max_retries:
+            return
+        asked = False
+        for t in room.targets.values():
+            missing = [c for c in room.chunks if c.index not in t.rsp]
+            if t.wait_since:
+                # stuck behind the watermark: one duplicate REQ brings the current one
+                first = min(t.wait_since)
+                missing.append(room.chunks[first])
+            for c in missing:
+                out.append(Send(Peer("decode", t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
+                self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
+                             peer=t.decode_rank, detail=f"retry {room.retries + 1}")
+                asked = True
+        if asked:
+            room.retries += 1
+        self._arm_deadline(room.room, now, self.config.retry_s * (2 ** room.retries))
+
     def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
         drain = self._draining.get(room_id)
         if drain is None:
@@ -394,7 +418,10 @@ class PrefillMachine(MachineBase):
         for room_id in self._expired(now):
             room = self._rooms.get(room_id)
             if room is not None:
-                self._fail(room, self._stall_reason(room), now, out)
+                if now >= room.deadline:
+                    self._fail(room, self._stall_reason(room), now, out)
+                else:
+                    self._retry(room, now, out)
             elif room_id in self._draining:
                 # writes that never reported back: give up waiting, say so
                 pending, targets, reason = self._draining.pop(room_id)

@@ -122,17 +122,29 @@ class World:
                     )
         self.live_data[a.decode_rank].setdefault((a.room, a.chunk), []).append((lo, hi))
 
-    def run(self, max_steps: int = 10**6, drop=None) -> None:
+    def run(self, max_steps: int = 10**6, drop=None, until_quiet: bool = False) -> None:
+        """Deliver in random order. `drop(role, rank, event)` loses a message; with
+        `until_quiet`, time then jumps to the next machine deadline (retries,
+        timeouts) until no machine has anything left to do."""
         steps = 0
-        while self.bag:
-            steps += 1
-            assert steps < max_steps, "no progress: livelock"
-            i = self.rng.randrange(len(self.bag))
-            self.bag[i], self.bag[-1] = self.bag[-1], self.bag[i]
-            role, rank, event = self.bag.pop()
-            if drop is not None and drop(role, rank, event):
-                continue
-            self.deliver(role, rank, event)
+        while True:
+            while self.bag:
+                steps += 1
+                assert steps < max_steps, "no progress: livelock"
+                i = self.rng.randrange(len(self.bag))
+                self.bag[i], self.bag[-1] = self.bag[-1], self.bag[i]
+                role, rank, event = self.bag.pop()
+                if drop is not None and drop(role, rank, event):
+                    continue
+                self.deliver(role, rank, event)
+            if not until_quiet:
+                return
+            pending = [d for m in self.prefill + self.decode if (d := m.next_deadline) is not None]
+            live = any(m.live_rooms for m in self.prefill + self.decode) or any(
+                m._quarantine for m in self.decode) or any(m._draining for m in self.prefill)
+            if not pending or not live:
+                return
+            self.tick_all(max(self.now, min(pending)) + 1e-9)
 
     def tick_all(self, now: float) -> None:
         self.now = now

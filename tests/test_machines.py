@@ -255,3 +255,46 @@ def test_prefill_abort_waits_for_in_flight_writes():
     assert not any(isinstance(a, Send) and isinstance(a.msg, Abort) for a in out)
     out = p.handle(WriteDone(0, 0, 0), 0.4)
     assert any(isinstance(a, Send) and isinstance(a.msg, Abort) for a in out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lost_rsp_and_watermark_recovered_by_retry(seed):
+    """Drop 30% of STAGING_RSP and WATERMARK messages: retries bring every room home."""
+    import random as _random
+
+    from shared.protocol import Watermark
+
+    g = geo(4, 2, 8)
+    cfg = ProtocolConfig(retry_s=0.05, max_retries=12, room_timeout_s=100.0)
+    w = World(g, pool_bytes=g.chunk_bytes() * 2, seed=seed, config=cfg)
+    lose = _random.Random(seed)
+    for room in range(5):
+        w.open_room(room, prompt_tokens=37 + 13 * room, prefix_tokens=4 * (room % 2))
+    w.run(drop=lambda role, rank, ev: isinstance(ev, (StagingRsp, Watermark)) and lose.random() < 0.3,
+          until_quiet=True)
+    _check_clean_end(w, 5)
+    retries = [r for r in w.records if r.phase == "req" and r.detail.startswith("retry")]
+    assert retries, "nothing was lost?"
+
+
+def test_lost_chunk_ready_fails_room_with_reason_and_frees():
+    g = geo(2, 1, 8)
+    cfg = ProtocolConfig(room_timeout_s=1.0, abort_grace_s=0.5)
+    # a pool big enough that room 1 is not stuck behind room 0's pinned region
+    w = World(g, pool_bytes=g.chunk_bytes() * 10, seed=1, config=cfg)
+    w.open_room(0, prompt_tokens=40)
+    w.open_room(1, prompt_tokens=40)
+    dropped = []
+
+    def drop(role, rank, ev):
+        if isinstance(ev, ChunkReady) and ev.room == 0 and not dropped:
+            dropped.append(ev)
+            return True
+        return False
+
+    w.run(drop=drop, until_quiet=True)
+    assert w.decode[0].rooms_done == 1 and w.decode[0].rooms_failed == 1
+    reason = w.failed[("decode", 0)][0]
+    assert "CHUNK_READY" in reason and "timed out" in reason
+    assert w.decode[0].ring.empty
+    assert not check_records(w.records)
