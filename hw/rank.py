@@ -13,8 +13,10 @@ in turn, so the machine is only ever touched from one thread.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import os
+import signal
 import time
 import traceback
 from collections import deque
@@ -45,6 +47,7 @@ from shared.events import (
     Write,
     WriteDone,
 )
+from shared.faults import FaultPlan
 from shared.layout import LayoutError, owned_heads, room_pages
 from shared.machine import ProtocolConfig
 from shared.prefill import PrefillMachine
@@ -191,8 +194,12 @@ class RankProcess:
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (release time, first page, pages)
         self.compute: tuple[float, int, int, float] | None = None  # (done_at, room, chunk, start)
         self.verify_queue: deque[int] = deque()
-        self.faults = dict(getattr(scenario.faults, "model_extra", None) or {})
-        self.abort_rooms = set(int(r) for r in self.faults.get("abort_rooms", []))
+        self.faults = FaultPlan(scenario.faults, scenario.workload.seed, stream=(role == "decode") * 4096 + rank)
+        self.delayed: list[tuple[float, int, str, Any]] = []  # (due, seq, peer, msg): delayed sends
+        self.delayed_events: list[tuple[float, int, Any]] = []  # (due, seq, event): stalled scatters
+        self._seq = 0
+        kill = [k for k in scenario.faults.kill if k.role == role and k.rank == rank]
+        self.kill_at = kill[0].at_s if kill else None
 
     # --- sizing -----------------------------------------------------------------------
     def _pool_pages(self) -> int:
@@ -275,13 +282,19 @@ class RankProcess:
         self.t0 = t0
         arrivals = deque(self.requests)
         hard_deadline = (arrivals[-1].arrival_s if arrivals else 0) + self.config.room_timeout_s * 3 + 30
-        while time.time() < t0:
-            time.sleep(min(0.01, max(0.0, t0 - time.time())))
+        # a late session (fault injection) joins the run delay_s after everyone else
+        t_start = t0 + (self.faults.session_delay_s(self.rank) if self.role == "prefill" else 0.0)
+        while time.time() < t_start:
+            time.sleep(min(0.01, max(0.0, t_start - time.time())))
         while not self._finished():
             now = self.now()
             if now > hard_deadline:
                 raise RankError(f"{self.name}: run did not finish within {hard_deadline:.0f}s "
                                 f"({self.machine.rooms_done} done, {self.machine.rooms_failed} failed of {len(self.requests)})")
+            if self.kill_at is not None and now >= self.kill_at:
+                log.warning("%s: fault injection: killing this rank at %.3fs", self.name, now)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._flush_delayed(now)
             while arrivals and arrivals[0].arrival_s <= now:
                 self._arrive(arrivals.popleft(), now)
             self._progress_local()
@@ -289,7 +302,8 @@ class RankProcess:
             deadline = self.machine.next_deadline
             if deadline is not None and deadline <= self.now():
                 self._feed(Tick())
-            busy = bool(self.pending or self.waiting_gathers or self.compute or self.forward_queue)
+            busy = bool(self.pending or self.waiting_gathers or self.compute or self.forward_queue
+                        or self.delayed or self.delayed_events)
             wait = BUSY_POLL_S if busy else IDLE_POLL_S
             if arrivals:
                 wait = min(wait, max(0.0, arrivals[0].arrival_s - self.now()))
@@ -345,6 +359,8 @@ class RankProcess:
             if pages:
                 self.decode_rooms[req.room] = (req, first, pages)
             self._feed(OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=first))
+            if self.faults.abort_at(req.room, "open"):
+                self._feed(AbortRoom(req.room, "fault injection: aborted at open"))
 
     def _forward(self) -> None:
         """The prefill forward: one chunk at a time, filling the KV pattern as its 'compute'."""
@@ -403,7 +419,13 @@ class RankProcess:
         if kind is Record:
             self.records.append(a.record)
         elif kind is Send:
-            self.control.send(rank_name(a.dest.role, a.dest.rank), a.msg)
+            peer = rank_name(a.dest.role, a.dest.rank)
+            for d in self.faults.on_send(a.msg):
+                if d.extra_delay_s > 0:
+                    self._seq += 1
+                    heapq.heappush(self.delayed, (self.now() + d.extra_delay_s, self._seq, peer, d.msg))
+                else:
+                    self.control.send(peer, d.msg)
         elif kind is Gather:
             self._gather(a)
         elif kind is Write:
@@ -422,6 +444,10 @@ class RankProcess:
         pr = self.prefill_rooms.get(a.room)
         if pr is None:
             return
+        if self.faults.abort_at(a.room, "gather"):
+            self._feed(AbortRoom(a.room, "fault injection: aborted at gather"))
+            self._feed(GatherDone(a.room, a.chunk, a.decode_rank))  # nothing left in flight
+            return
         slot = self.arena.alloc(a.nbytes)
         if slot is None:
             self.waiting_gathers.append(a)  # retried when a write frees send-buffer space
@@ -439,10 +465,8 @@ class RankProcess:
         local = int(self.send_buf.data_ptr()) + slot[0]
         remote = int(peer.extra["ring_addr"]) + a.dst_offset
         self._post(peer.agent, [(local, remote, a.nbytes)], WriteDone(a.room, a.chunk, a.decode_rank), slot)
-        if a.room in self.abort_rooms and self.rank == 0:
-            # fault injection: abort this room while its first write is in flight
-            self.abort_rooms.discard(a.room)
-            self._feed(AbortRoom(a.room, "fault injection: aborted mid-transfer"))
+        if self.faults.abort_at(a.room, "write"):
+            self._feed(AbortRoom(a.room, "fault injection: aborted mid-transfer (write in flight)"))
 
     def _slice_write(self, a: SliceWrite) -> None:
         pr = self.prefill_rooms.get(a.room)
@@ -491,12 +515,27 @@ class RankProcess:
     def _scatter(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         layout = self.g.staging_layout(self.rank, a.num_pages)
-        if self.faults.get("corrupt_dst_head"):
+        if self.faults.config.corrupt_dst_head:
             layout = _shift_dst_heads(layout, self.g.decode_heads)
         scatter(self.pool, a.dst_page_base + a.page_start, a.num_pages, region, layout)
         if self.device == "cuda":
             torch.cuda.synchronize()
-        self._feed(ScatterDone(a.room, a.chunk))
+        stall = self.faults.scatter_stall_s(a.room, a.chunk)
+        if stall:
+            self._seq += 1
+            heapq.heappush(self.delayed_events, (self.now() + stall, self._seq, ScatterDone(a.room, a.chunk)))
+        else:
+            self._feed(ScatterDone(a.room, a.chunk))
+        if self.faults.abort_at(a.room, "scatter"):
+            self._feed(AbortRoom(a.room, "fault injection: aborted while scattering"))
+
+    def _flush_delayed(self, now: float) -> None:
+        while self.delayed and self.delayed[0][0] <= now:
+            _, _, peer, msg = heapq.heappop(self.delayed)
+            self.control.send(peer, msg)
+        while self.delayed_events and self.delayed_events[0][0] <= now:
+            _, _, event = heapq.heappop(self.delayed_events)
+            self._feed(event)
 
     def _room_done(self, room: int) -> None:
         if self.role == "decode" and room in self.decode_rooms and self.verify_mode != "off":
@@ -553,5 +592,6 @@ class RankProcess:
             "dropped": m.dropped,
             "malformed": self.control.malformed,
             "requests_posted": self.transport.requests_posted,
+            "faults_injected": self.faults.injected,
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         }

@@ -37,6 +37,7 @@ from pydantic import (
     model_validator,
 )
 
+from shared.faults import FaultsConfig
 from shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 
 __all__ = [
@@ -423,12 +424,6 @@ class HardwareConfig(_Table):
     verify: Literal["full", "sample", "off"] = "full"
     forward_delay: bool = False  # sleep for the modeled prefill forward time
     scale_down: ScaleDown = Field(default_factory=ScaleDown)
-
-
-class FaultsConfig(BaseModel):
-    """[faults]: accepted as is for now; a later schema gives it fields."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
 
 
 _OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults")
@@ -947,6 +942,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                     sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
                     if last and _is_str_field(ann) and not isinstance(value, str):
                         value = raw.strip()
+                    if not last and sub is None and get_origin(ann) is dict:
+                        # a mapping field (faults.drop.WATERMARK=0.01): keys are
+                        # checked by the schema when the scenario validates
+                        cls = None
+                        node = node.setdefault(part, {})
+                        continue
                     if not last and sub is None:
                         raise ScenarioError(
                             f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, "

@@ -188,9 +188,15 @@ def test_slice_path_allows_any_pool() -> None:
     assert s.pool_bytes == 0
 
 
-def test_faults_table_is_free_form() -> None:
-    s = scenario_from_dict(minimal(faults={"drop": {"rate": 0.1}, "kinds": ["a", "b"]}))
-    assert s.model_dump()["faults"] == {"drop": {"rate": 0.1}, "kinds": ["a", "b"]}
+def test_faults_table_is_validated() -> None:
+    s = scenario_from_dict(minimal(faults={"drop": {"STAGING_RSP": 0.1}, "abort": [{"room": 2, "phase": "write"}]}))
+    assert s.faults.drop == {"STAGING_RSP": 0.1} and s.faults.abort[0].room == 2
+    with pytest.raises(ScenarioError, match=r"faults.drop.*STAGING_REQ.*WATERMARK"):
+        scenario_from_dict(minimal(faults={"drop": {"rate": 0.1}}))
+    with pytest.raises(ScenarioError, match=r"faults.kinds: unknown key; allowed keys in \[faults\]"):
+        scenario_from_dict(minimal(faults={"kinds": ["a"]}))
+    with pytest.raises(ScenarioError, match=r"faults.drop.WATERMARK"):
+        scenario_from_dict(minimal(faults={"drop": {"WATERMARK": 1.5}}))
 
 
 # --------------------------------------------------------------------------- errors
@@ -374,8 +380,8 @@ def test_overrides_apply(tmp_path: Path) -> None:
             "name=123",  # a string field keeps the text
             "links.inter_bandwidth_gbps=100",
             "hardware.scale_down.layers=2",
-            "faults.drop.rate=0.5",
-            "faults.kinds=[1, 2]",
+            "faults.drop.WATERMARK=0.5",
+            "faults.delay_s=0.01",
         ],
     )
     assert s.decode.page_size == 32 and s.decode.staging_pool_mb == 1024.0
@@ -384,7 +390,7 @@ def test_overrides_apply(tmp_path: Path) -> None:
     assert s.name == "123"
     assert s.links.resolved().link.bandwidth_bytes_s == pytest.approx(100e9 / 8)
     assert s.hardware.scale_down.layers == 2
-    assert s.model_dump()["faults"] == {"drop": {"rate": 0.5}, "kinds": [1, 2]}
+    assert s.faults.drop == {"WATERMARK": 0.5} and s.faults.delay_s == 0.01
     # The input dict is not mutated.
     data = {"decode": {"tp": 2}}
     apply_overrides(data, ["decode.tp=4"])
@@ -532,7 +538,7 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path) -> None:
     s = scenario_from_dict(
         minimal(
             workload={"arrival": "trace", "trace_csv": "t.csv"},
-            faults={"a key": {"x": [1, 2.5, "s"]}, "when": 1e-7, "t": {"deep": {"er": True}}},
+            faults={"drop": {"WATERMARK": 1e-7}, "abort": [{"room": 3, "phase": "gather"}], "match": [{"type": "CHUNK_READY", "room": 1}], "corrupt_dst_head": True},
         )
         | {"description": 'quote " backslash \\ newline \n tab \t bell \x07 ünï'},
         tmp_path,

@@ -1,0 +1,179 @@
+"""Fault injection, decided once for both modes.
+
+`FaultPlan` is a seeded, pure decision maker: drivers ask it, at the message and
+action boundary, what happens to a message (dropped, duplicated, delayed) and
+whether a room is aborted at a phase, a scatter stalls, a session starts late or
+a rank dies. In simulation every decision is reproducible from the seed alone
+(the driver asks in event order); in hardware mode each rank has its own stream.
+The schema (`FaultsConfig`) is the scenario's `[faults]` table.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.protocol import (
+    Abort,
+    Bootstrap,
+    ChunkReady,
+    Message,
+    StagingReq,
+    StagingRsp,
+    Watermark,
+    WriterDone,
+)
+
+MESSAGE_NAMES: dict[type, str] = {
+    StagingReq: "STAGING_REQ",
+    StagingRsp: "STAGING_RSP",
+    Watermark: "WATERMARK",
+    ChunkReady: "CHUNK_READY",
+    WriterDone: "WRITER_DONE",
+    Bootstrap: "BOOTSTRAP",
+    Abort: "ABORT",
+}
+MessageName = Literal["STAGING_REQ", "STAGING_RSP", "WATERMARK", "CHUNK_READY", "WRITER_DONE", "BOOTSTRAP", "ABORT"]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+AbortPhase = Literal["open", "rsp", "gather", "write", "scatter"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class MessageMatch(_Strict):
+    """One exact message to act on: type plus any of room / chunk / writer."""
+
+    type: MessageName
+    action: Literal["drop", "duplicate", "delay"] = "drop"
+    room: int | None = None
+    chunk: int | None = None
+    writer: int | None = None
+    times: Annotated[int, Field(ge=1)] = 1  # how many matching messages (first ones)
+
+
+class AbortAt(_Strict):
+    room: Annotated[int, Field(ge=0)]
+    phase: AbortPhase = "write"
+
+
+class StallScatter(_Strict):
+    room: Annotated[int, Field(ge=0)]
+    chunk: Annotated[int, Field(ge=0)] = 0
+    seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
+
+
+class LateSession(_Strict):
+    prefill_rank: Annotated[int, Field(ge=0)]
+    delay_s: Annotated[float, Field(gt=0, le=3600)]
+
+
+class KillRank(_Strict):
+    role: Literal["prefill", "decode"]
+    rank: Annotated[int, Field(ge=0)]
+    at_s: Annotated[float, Field(ge=0, le=86400)]
+
+
+class FaultsConfig(_Strict):
+    """[faults] of a scenario. Probabilities are per message of that type."""
+
+    seed: int | None = None  # default: the workload seed
+    drop: dict[MessageName, Probability] = Field(default_factory=dict)
+    duplicate: dict[MessageName, Probability] = Field(default_factory=dict)
+    delay: dict[MessageName, Probability] = Field(default_factory=dict)
+    delay_s: Annotated[float, Field(ge=0, le=3600)] = 0.002  # extra latency of a delayed message (reorders it)
+    match: list[MessageMatch] = Field(default_factory=list)
+    abort: list[AbortAt] = Field(default_factory=list)
+    stall_scatter: list[StallScatter] = Field(default_factory=list)
+    late_session: list[LateSession] = Field(default_factory=list)
+    kill: list[KillRank] = Field(default_factory=list)
+    # test-only: the decode lands every block one head off (hardware mode), to prove
+    # that byte verification catches a wrong head offset
+    corrupt_dst_head: bool = False
+
+    @property
+    def any_message_fault(self) -> bool:
+        return bool(self.drop or self.duplicate or self.delay or self.match)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One copy of a message to deliver, `extra_delay_s` after its normal latency."""
+
+    extra_delay_s: float
+    msg: Message
+
+
+class FaultPlan:
+    def __init__(self, config: FaultsConfig, seed: int, stream: int = 0) -> None:
+        self.config = config
+        self.rng = random.Random(f"{config.seed if config.seed is not None else seed}:{stream}")
+        self._match_left = [m.times for m in config.match]
+        self._aborts = {(a.room, a.phase) for a in config.abort}
+        self._stalls = {(s.room, s.chunk): s.seconds for s in config.stall_scatter}
+        self._late = {s.prefill_rank: s.delay_s for s in config.late_session}
+        self.injected: dict[str, int] = {}
+
+    def _count(self, what: str) -> None:
+        self.injected[what] = self.injected.get(what, 0) + 1
+
+    def on_send(self, msg: Message) -> list[Delivery]:
+        """What becomes of one message: [] dropped, one copy, or two (duplicated)."""
+        c = self.config
+        if not c.any_message_fault:
+            return [Delivery(0.0, msg)]
+        name = MESSAGE_NAMES[type(msg)]
+        action = self._exact(name, msg)
+        if action is None:
+            r = self.rng.random()
+            p_drop, p_dup, p_delay = c.drop.get(name, 0.0), c.duplicate.get(name, 0.0), c.delay.get(name, 0.0)
+            if r < p_drop:
+                action = "drop"
+            elif r < p_drop + p_dup:
+                action = "duplicate"
+            elif r < p_drop + p_dup + p_delay:
+                action = "delay"
+        if action is None:
+            return [Delivery(0.0, msg)]
+        self._count(f"{action}:{name}")
+        if action == "drop":
+            return []
+        if action == "duplicate":
+            return [Delivery(0.0, msg), Delivery(c.delay_s * self.rng.random(), msg)]
+        return [Delivery(c.delay_s, msg)]
+
+    def _exact(self, name: str, msg: Message) -> str | None:
+        for i, m in enumerate(self.config.match):
+            if self._match_left[i] <= 0 or m.type != name:
+                continue
+            if m.room is not None and getattr(msg, "room", None) != m.room:
+                continue
+            if m.chunk is not None and getattr(msg, "chunk", None) != m.chunk:
+                continue
+            if m.writer is not None and getattr(msg, "writer", None) != m.writer:
+                continue
+            self._match_left[i] -= 1
+            return m.action
+        return None
+
+    def abort_at(self, room: int, phase: str) -> bool:
+        """True once for a (room, phase) the scenario aborts (then forgotten)."""
+        key = (room, phase)
+        if key in self._aborts:
+            self._aborts.discard(key)
+            self._count(f"abort:{phase}")
+            return True
+        return False
+
+    def scatter_stall_s(self, room: int, chunk: int) -> float:
+        stall = self._stalls.pop((room, chunk), 0.0)
+        if stall:
+            self._count("stall_scatter")
+        return stall
+
+    def session_delay_s(self, prefill_rank: int) -> float:
+        return self._late.get(prefill_rank, 0.0)
