@@ -78,6 +78,10 @@ class InvariantChecker:
         self._open: dict[tuple[str, int, int], int] = {}  # (role, rank, room) -> chunk count
         self._wm: dict[tuple[str, int, int], tuple[int, int]] = {}
         self._ring_used: dict[int, int] = {}
+        # per (decode rank, room, chunk): last write end, scatter span, free time
+        self._write_end: dict[tuple[int, int, int], float] = {}
+        self._scatter_span: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self._freed_at: dict[tuple[int, int, int], float] = {}
         self.records_seen = 0
 
     # --- feeding ------------------------------------------------------------------------
@@ -89,7 +93,7 @@ class InvariantChecker:
         elif phase == "scatter":
             self._on_scatter(r)
         elif phase == "free":
-            self._close(r.rank, (r.room, r.chunk), r.end)
+            self._on_free(r)
         elif phase == "chunk_ready" and r.role == "decode":
             if self.expect_path == "slice":
                 self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
@@ -136,6 +140,12 @@ class InvariantChecker:
                     r,
                 )
         live.setdefault(key, []).append(_Data(lo, hi, r.start))
+        ck = (d, r.room, r.chunk)
+        self._write_end[ck] = max(r.end, self._write_end.get(ck, r.end))
+        span = self._scatter_span.get(ck)
+        if span is not None and r.end > span[0]:
+            self._violate("exactly_once", f"writer {r.writer}'s block landed at {r.end:.6f}s, after the chunk's "
+                          f"scatter started at {span[0]:.6f}s: the scatter read incomplete data", r)
 
     def _on_scatter(self, r: TraceRecord) -> None:
         key = (r.rank, r.room, r.chunk)
@@ -144,6 +154,22 @@ class InvariantChecker:
         if n > 1:
             self._violate("exactly_once", f"chunk scattered {n} times", r)
         self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
+        self._close(r.rank, (r.room, r.chunk), r.end)
+        self._scatter_span[key] = (r.start, r.end)
+        written = self._write_end.get(key)
+        if written is not None and written > r.start:
+            self._violate("exactly_once", f"scatter started at {r.start:.6f}s before the last block "
+                          f"landed at {written:.6f}s", r)
+        freed = self._freed_at.get(key)
+        if freed is not None and freed < r.end and freed >= r.start:
+            self._violate("safety", f"region freed at {freed:.6f}s while its scatter ran until {r.end:.6f}s", r)
+
+    def _on_free(self, r: TraceRecord) -> None:
+        key = (r.rank, r.room, r.chunk)
+        self._freed_at[key] = r.end
+        span = self._scatter_span.get(key)
+        if span is not None and span[0] <= r.end < span[1]:
+            self._violate("safety", f"region freed at {r.end:.6f}s while its scatter ran until {span[1]:.6f}s", r)
         self._close(r.rank, (r.room, r.chunk), r.end)
 
     def _close(self, d: int, key: tuple[int, int], when: float) -> None:

@@ -46,3 +46,73 @@ def test_leaked_region_is_reported(monkeypatch):
     # with a big pool everything finishes, but the ring is not empty at the end
     found = check_records(_run(pool_chunks=50).records)
     assert [v.invariant for v in found] == ["no_leak"]
+
+
+# --- deliberate breakages of the core: each must be caught --------------------------
+
+
+def _geometry(P=2, D=1):
+    return Geometry(P, D, 8, layers=2, head_dim=4, dtype_bytes=2, page_size=4, chunked_prefill_size=16)
+
+
+def test_counting_writers_by_number_is_caught(monkeypatch):
+    from shared import decode as decode_mod
+
+    def on_ready_by_count(self, msg, now, out):
+        w = self._writer_for(msg, now, out)
+        if w is None:
+            return
+        room = self._live_room(msg, now, out)
+        if room is None:
+            return
+        arrived = room.arrived.setdefault(msg.chunk, [])
+        arrived.append(w)  # a list: a duplicate counts as another writer
+        if len(arrived) == 1:
+            room.first_arrival[msg.chunk] = now
+        self._chunk_maybe_complete(room, msg.chunk, now, out)
+        self._maybe_done(room, now, out)
+
+    monkeypatch.setitem(decode_mod.DecodeMachine._HANDLERS, decode_mod.ChunkReady, on_ready_by_count)
+    found = []
+    for seed in range(6):
+        w = World(_geometry(4, 1), pool_bytes=_geometry(4, 1).chunk_bytes() * 2, seed=seed, dup_p=0.5)
+        for room in range(4):
+            w.open_room(room, prompt_tokens=37 + 13 * room)
+        w.run(until_quiet=True)
+        found += check_records(w.records)
+    assert any(v.invariant == "exactly_once" and "incomplete data" in v.message for v in found)
+
+
+def test_freeing_before_scatter_completes_is_caught(monkeypatch):
+    from shared import decode as decode_mod
+
+    real = decode_mod.DecodeMachine._chunk_maybe_complete
+
+    def free_early(self, room, chunk, now, out):
+        real(self, room, chunk, now, out)
+        if chunk in room.scattering:  # free the region as soon as the scatter is issued
+            self._free(room.room, chunk, room.allocs[chunk].id, now, out)
+
+    monkeypatch.setattr(decode_mod.DecodeMachine, "_chunk_maybe_complete", free_early)
+    w = _run(seed=1, rooms=4, pool_chunks=1)
+    found = check_records(w.records)
+    assert any(v.invariant == "safety" and "while its scatter ran" in v.message for v in found)
+
+
+def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
+    from shared import decode as decode_mod
+    from shared.events import AbortRoom
+
+    def fail_without_release(self, room, reason, now, out, skip_session=-1):
+        del self._rooms[room.room]
+        self._finish(room.room, ok=False)
+        self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
+
+    monkeypatch.setattr(decode_mod.DecodeMachine, "_fail", fail_without_release)
+    g = _geometry()
+    w = World(g, pool_bytes=g.chunk_bytes() * 8, seed=2)
+    w.open_room(0, prompt_tokens=40)
+    w.bag.append(("decode", 0, AbortRoom(0, "test abort")))
+    w.run(until_quiet=True)
+    found = check_records(w.records)
+    assert any(v.invariant == "no_leak" for v in found)
