@@ -101,7 +101,8 @@ def test_freeing_before_scatter_completes_is_caught(monkeypatch):
 
 def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
     from shared import decode as decode_mod
-    from shared.events import AbortRoom
+    from shared.machine import ProtocolConfig
+    from shared.protocol import ChunkReady
 
     def fail_without_release(self, room, reason, now, out, skip_session=-1):
         del self._rooms[room.room]
@@ -110,9 +111,10 @@ def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
 
     monkeypatch.setattr(decode_mod.DecodeMachine, "_fail", fail_without_release)
     g = _geometry()
-    w = World(g, pool_bytes=g.chunk_bytes() * 8, seed=2)
+    w = World(g, pool_bytes=g.chunk_bytes() * 8, seed=2, config=ProtocolConfig(room_timeout_s=2.0))
     w.open_room(0, prompt_tokens=40)
-    w.bag.append(("decode", 0, AbortRoom(0, "test abort")))
-    w.run(until_quiet=True)
+    # writers never report: the decode's timeout fails the room, holding 3 regions
+    w.run(drop=lambda role, rank, ev: isinstance(ev, ChunkReady), until_quiet=True)
+    assert w.decode[0].rooms_failed == 1
     found = check_records(w.records)
     assert any(v.invariant == "no_leak" for v in found)
