@@ -18,6 +18,7 @@ from shared.events import (
     Event,
     OpenRoom,
     Peer,
+    PeerLost,
     RoomDone,
     RoomFailed,
     Scatter,
@@ -116,6 +117,10 @@ class DecodeMachine(MachineBase):
             return
         if room is None:
             room = self._new_room(ev.room, now)
+        if self.dead_peers:
+            dead = ", ".join(f"{r}{k}" for (r, k) in self.dead_peers)
+            self._fail(room, f"decode rank {self.rank}: writer {dead} is gone", now, out)
+            return
         room.chunks = self.geometry.chunks(pages)
         room.dst_page_base = ev.dst_page_base
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
@@ -156,6 +161,17 @@ class DecodeMachine(MachineBase):
 
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
         pass
+
+    def _on_peer_lost(self, ev: PeerLost, now: float, out: list[Action]) -> None:
+        """A writer is gone: every room needs it, so fail them and stop sending to it."""
+        if ev.role != "prefill" or ev.rank not in self._writer_of:
+            return
+        self.dead_peers[(ev.role, ev.rank)] = ev.reason or "lost"
+        if ev.rank in self._subscribers:
+            self._subscribers.remove(ev.rank)
+        for room in list(self._rooms.values()):
+            self._fail(room, f"writer prefill rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out,
+                       skip_session=ev.rank)
 
     # --- messages -----------------------------------------------------------------------
     def _writer_for(self, msg, now: float, out: list[Action]) -> int | None:
@@ -417,6 +433,7 @@ class DecodeMachine(MachineBase):
         ScatterDone: _on_scatter_done,
         AbortRoom: _on_abort_local,
         Tick: _on_tick,
+        PeerLost: _on_peer_lost,
         StagingReq: _on_req,
         ChunkReady: _on_ready,
         WriterDone: _on_writer_done,

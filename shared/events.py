@@ -75,6 +75,15 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerLost:
+    """The driver's failure detector says a peer rank is gone for good."""
+
+    role: str
+    rank: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class AbortRoom:
     """Local abort of a room (user, fault injection)."""
 
@@ -83,7 +92,15 @@ class AbortRoom:
 
 
 Event = (
-    Message | OpenRoom | ChunkComputed | GatherDone | WriteDone | ScatterDone | Tick | AbortRoom
+    Message
+    | OpenRoom
+    | ChunkComputed
+    | GatherDone
+    | WriteDone
+    | ScatterDone
+    | Tick
+    | AbortRoom
+    | PeerLost
 )
 
 

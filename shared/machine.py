@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from shared.events import Action, Record
+from shared.events import Action, Peer, Record
 from shared.layout import Geometry
 from shared.trace import TraceRecord
 
@@ -46,6 +46,7 @@ class MachineBase:
     """Room bookkeeping shared by `PrefillMachine` and `DecodeMachine`."""
 
     role = ""
+    peer_role = ""  # the other side: where this machine's messages go
 
     def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig) -> None:
         self.rank = rank
@@ -53,9 +54,18 @@ class MachineBase:
         self.config = config
         self._deadlines: list[tuple[float, int]] = []  # (deadline, room), lazy deletion
         self._finished: dict[int, bool] = {}  # room -> True if done, False if failed
+        self.dead_peers: dict[tuple[str, int], str] = {}  # (role, rank) -> why
         self.rooms_done = 0
         self.rooms_failed = 0
         self.dropped = 0
+        self._peers: dict[int, Peer] = {}
+
+    def _peer(self, rank: int) -> Peer:
+        """The destination `rank` on the other side (immutable, so built once per rank)."""
+        peer = self._peers.get(rank)
+        if peer is None:
+            peer = self._peers[rank] = Peer(self.peer_role, rank)
+        return peer
 
     # --- trace ------------------------------------------------------------------
     def _record(self, out: list[Action], phase: str, start: float, end: float, **kw) -> None:
@@ -90,6 +100,10 @@ class MachineBase:
         while self._deadlines and self._deadlines[0][0] <= now:
             rooms.append(heapq.heappop(self._deadlines)[1])
         return rooms
+
+    def _deadline_due(self, now: float) -> bool:
+        """A deadline passed: cheap enough to ask after every event."""
+        return bool(self._deadlines) and self._deadlines[0][0] <= now
 
     @property
     def next_deadline(self) -> float | None:

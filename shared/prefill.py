@@ -24,6 +24,7 @@ from shared.events import (
     GatherDone,
     OpenRoom,
     Peer,
+    PeerLost,
     RoomDone,
     RoomFailed,
     Send,
@@ -117,6 +118,13 @@ class PrefillMachine(MachineBase):
             self._drop(out, now, "room already opened or failed before it opened", ev.room)
             return
         g = self.geometry
+        dead = [f"{r}{k}" for (r, k) in self.dead_peers]
+        if dead:
+            reason = f"prefill rank {self.rank}: peer {', '.join(dead)} is gone ({'; '.join(self.dead_peers.values())})"
+            self._record(out, "room_failed", now, now, room=ev.room, detail=reason)
+            out.append(RoomFailed(ev.room, reason))
+            self._finish(ev.room, ok=False)
+            return
         try:
             pages = room_pages(ev.prompt_tokens, ev.prefix_tokens, g.page_size)
         except LayoutError as exc:
@@ -218,6 +226,14 @@ class PrefillMachine(MachineBase):
 
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
         pass  # timeouts fire in handle()
+
+    def _on_peer_lost(self, ev: PeerLost, now: float, out: list[Action]) -> None:
+        """A decode rank we write to is gone: its rooms cannot finish; fail them now."""
+        if ev.role != "decode" or ev.rank not in self._wm:
+            return
+        self.dead_peers[(ev.role, ev.rank)] = ev.reason or "lost"
+        for room in list(self._rooms.values()):
+            self._fail(room, f"decode rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out)
 
     # --- messages -----------------------------------------------------------------------
     def _check_peer(self, msg, now: float, out: list[Action]) -> bool:
@@ -468,6 +484,7 @@ class PrefillMachine(MachineBase):
         WriteDone: _on_write_done,
         AbortRoom: _on_abort_local,
         Tick: _on_tick,
+        PeerLost: _on_peer_lost,
         StagingRsp: _on_rsp,
         Watermark: _on_watermark,
         Bootstrap: _on_bootstrap,

@@ -298,3 +298,22 @@ def test_lost_chunk_ready_fails_room_with_reason_and_frees():
     assert "CHUNK_READY" in reason and "timed out" in reason
     assert w.decode[0].ring.empty
     assert not check_records(w.records)
+
+
+def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
+    from shared.events import PeerLost
+
+    g = geo(2, 1, 8)
+    m = DecodeMachine(0, g, g.chunk_bytes() * 4, ProtocolConfig(abort_grace_s=1.0))
+    m.handle(OpenRoom(0, prompt_tokens=32), 0.0)
+    for p in (0, 1):
+        m.handle(StagingReq(0, 0, 4, p, 0), 0.0)
+    out = m.handle(PeerLost("prefill", 1, "process exited"), 0.5)
+    failed = [a for a in out if isinstance(a, RoomFailed)]
+    assert failed and "prefill rank 1 is gone" in failed[0].reason
+    assert not any(isinstance(a, Send) and a.dest.rank == 1 for a in out)
+    assert m._subscribers == [0]
+    m.handle(Abort(0, 0, 0, False, "drained"), 0.6)  # the live writer confirms
+    assert m.ring.empty
+    out = m.handle(OpenRoom(1, prompt_tokens=32), 0.7)  # new rooms fail at once
+    assert any(isinstance(a, RoomFailed) and "gone" in a.reason for a in out)
