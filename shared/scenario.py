@@ -426,7 +426,17 @@ class HardwareConfig(_Table):
     scale_down: ScaleDown = Field(default_factory=ScaleDown)
 
 
-_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults")
+class ExpectConfig(_Table):
+    """[expect]: the outcome a (fault) scenario must end with; `kvstage sim`/`hw`
+    check it and exit 1 when it does not hold."""
+
+    # None: no expectation; [] : every room done; [2, 5]: exactly these rooms fail
+    failed_rooms: list[Annotated[int, Field(ge=0)]] | None = None
+    reason_contains: str = ""  # every failed room's reason contains this text
+    hw_run_fails: bool = False  # hardware mode: the run itself must fail (e.g. a killed rank)
+
+
+_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect")
 
 
 class Scenario(_Table):
@@ -442,6 +452,7 @@ class Scenario(_Table):
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    expect: ExpectConfig = Field(default_factory=ExpectConfig)
 
     _base_dir: Path | None = PrivateAttr(default=None)
 
