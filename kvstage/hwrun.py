@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from hw.launch import launch
+from kvstage.expect import check_expectation
 from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
 from kvstage.summary_table import print_summary
@@ -76,7 +77,15 @@ def run_hardware(
     write_run(run_dir, scenario, records, summary, "hw", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
     console.print(f"run directory: {run_dir}")
+    problems = check_expectation(scenario, {int(k): v for k, v in failures.items()},
+                                 scenario.workload.requests, "hw", run_failed=bool(errors))
+    if scenario.expect.hw_run_fails and not problems:
+        console.print(f"[green]expected outcome:[/] the run failed as the scenario expects: {errors[0] if errors else ''}")
+        return 0, run_dir
     code = 0
+    for p in problems:
+        console.print(f"[bold red]unexpected outcome:[/] {p}", highlight=False)
+        code = 1
     for e in errors:
         console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
         code = 1

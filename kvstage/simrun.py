@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvstage.expect import check_expectation
 from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
 from kvstage.summary_table import print_summary
@@ -54,9 +55,13 @@ def run_simulation(
     write_run(run_dir, scenario, result.records, summary, "sim", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (simulation)")
     console.print(f"run directory: {run_dir}")
+    code = 0
+    for problem in check_expectation(scenario, result.failures, len(result.requests), "sim"):
+        console.print(f"[bold red]unexpected outcome:[/] {problem}", highlight=False)
+        code = 1
     if result.violations:
         console.print(f"[bold red]{len(result.violations)} invariant violation(s):[/]")
         for v in result.violations[:10]:
             console.print(v.format(), markup=False, highlight=False)
         return 1
-    return 0
+    return code

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from itertools import starmap
+from operator import attrgetter
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,11 +21,15 @@ _ARROW = {"str": pa.string(), "int": pa.int64(), "float": pa.float64()}
 SCHEMA = pa.schema([("mode", pa.string())] + [(n, _ARROW[TRACE_TYPES[n]]) for n in TRACE_FIELDS])
 
 
+_GETTERS = {name: attrgetter(name) for name in TRACE_FIELDS}
+
+
 def to_table(records: Sequence[TraceRecord], mode: str) -> pa.Table:
-    columns = {"mode": [mode] * len(records)}
+    # Column by column, with C-level getters: a 1,000-request run has ~250k rows.
+    columns = [pa.repeat(pa.scalar(mode, pa.string()), len(records))]
     for name in TRACE_FIELDS:
-        columns[name] = [getattr(r, name) for r in records]
-    return pa.table(columns, schema=SCHEMA)
+        columns.append(pa.array(list(map(_GETTERS[name], records)), SCHEMA.field(name).type))
+    return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
 def write_trace(path: Path, records: Sequence[TraceRecord], mode: str) -> Path:
@@ -63,7 +69,6 @@ def read_records(path: Path) -> tuple[str, list[TraceRecord]]:
     table = read_table(path)
     cols = table.to_pydict()
     mode = cols["mode"][0] if cols["mode"] else ""
-    records = [
-        TraceRecord(**{n: cols[n][i] for n in TRACE_FIELDS}) for i in range(table.num_rows)
-    ]
+    # TRACE_FIELDS is TraceRecord's field order, so rows build positionally.
+    records = list(starmap(TraceRecord, zip(*(cols[n] for n in TRACE_FIELDS), strict=True)))
     return mode, records

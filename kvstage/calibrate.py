@@ -1,0 +1,967 @@
+"""Calibrate a hardware profile from measurements on this machine (`kvstage calibrate`).
+
+Two real processes (multiprocessing "spawn", talking to the parent over Pipes) measure
+what the simulator's profile numbers stand for, on the real engine:
+
+- bulk writes: one write of each size of a sweep (4 KiB .. 64 MiB), several reps, from
+  `Transport.write` until `poll` says done; the medians are fitted as
+  t = latency + bytes / bandwidth (`fit_latency_bandwidth`);
+- per-request overhead: one batch of n ops of s bytes for a sweep of n; the medians
+  are fitted as t = a + n * c, and c - s / bandwidth is the cost of one more request
+  (`fit_per_request`);
+- control messages: ping-pong of real protocol messages (shared.protocol codec) over
+  the ZMQ PUSH/PULL control plane of hw/control.py; control latency = median RTT / 2;
+- gather / scatter: hw/kernels.py on KV pools of this device, fitted as
+  t = launches * launch + bytes / copy_bandwidth (`fit_copy`); the simulator charges
+  2 * bytes / mem_bandwidth (read + write), so mem_bandwidth = 2 * copy_bandwidth;
+- the hardware-mode prefill 'forward' (hw.kvpool.fill_pattern, what a prefill rank
+  runs per chunk): t = latency + KV bytes / fill_bandwidth, kept in the sidecar so a
+  scenario can set prefill.tokens_per_s from it (`Calibration.tokens_per_s`);
+- a matmul for gpu_tflops (required by the profile schema; unused once
+  prefill.tokens_per_s is set).
+
+The profile TOML (same fields as scenarios/profiles/*.toml) holds the fitted numbers,
+with the fit quality in comments. The profile loader (shared/scenario.py,
+`_ProfileFile`) refuses unknown keys and tables, so the fit quality ([fit]) and the
+raw points ([raw]) go to a sidecar JSON beside it: `<profile stem>.fit.json`.
+
+The fitting functions are pure (numpy only) so tests can feed them synthetic points.
+Every wait here is bounded; a child that dies or hangs fails the calibration with the
+tail of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait as wait_connections
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "CalibrationPlan",
+    "CopyFit",
+    "LinearFit",
+    "PerRequestFit",
+    "calibrate",
+    "fit_copy",
+    "fit_latency_bandwidth",
+    "fit_per_request",
+    "measure",
+    "sidecar_path",
+    "write_profile",
+]
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+class CalibrationError(RuntimeError):
+    """A measurement could not be taken (engine missing, child failed or hung)."""
+
+
+# =========================================================================== fitting
+
+
+class LinearFit(NamedTuple):
+    """t = latency_s + bytes / bandwidth_Bps.
+
+    r2 and residuals are in the space the fit minimised: with relative weighting
+    (the default) r2 is the weighted R^2 and residuals are relative,
+    (measured - fitted) / fitted, one per point, in input order.
+    """
+
+    latency_s: float
+    bandwidth_Bps: float
+    r2: float
+    residuals: list[float]
+
+
+class PerRequestFit(NamedTuple):
+    """t(n) = intercept_s + n * slope_s for a batch of n ops of op_bytes each;
+    per_request_s = slope_s - op_bytes / bandwidth (clamped at 0)."""
+
+    per_request_s: float
+    intercept_s: float
+    slope_s: float
+    r2: float
+    residuals: list[float]
+
+
+class CopyFit(NamedTuple):
+    """t = launches * launch_s + bytes / bandwidth_Bps (bytes copied once)."""
+
+    launch_s: float
+    bandwidth_Bps: float
+    r2: float
+    residuals: list[float]
+
+
+def _as_points(x: Sequence[float], y: Sequence[float], what: str) -> tuple[np.ndarray, np.ndarray]:
+    xa = np.asarray(x, dtype=np.float64).reshape(-1)
+    ya = np.asarray(y, dtype=np.float64).reshape(-1)
+    if xa.shape != ya.shape:
+        raise ValueError(f"{what}: {xa.size} x values but {ya.size} times")
+    if xa.size < 2:
+        raise ValueError(f"{what}: need at least 2 points, got {xa.size}")
+    if not (np.all(np.isfinite(xa)) and np.all(np.isfinite(ya))):
+        raise ValueError(f"{what}: points must be finite")
+    if np.any(ya <= 0):
+        raise ValueError(f"{what}: times must be > 0")
+    if np.any(xa < 0):
+        raise ValueError(f"{what}: sizes/counts must be >= 0")
+    return xa, ya
+
+
+def _wls(design: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares: argmin_b sum w (y - X b)^2."""
+    sw = np.sqrt(w)
+    coef, *_ = np.linalg.lstsq(design * sw[:, None], y * sw, rcond=None)
+    return coef
+
+
+def _quality(y: np.ndarray, fitted: np.ndarray, w: np.ndarray, relative: bool) -> tuple[float, list[float]]:
+    """(weighted R^2, residuals): relative residuals when `relative`, else seconds."""
+    ybar = float(np.sum(w * y) / np.sum(w))
+    ss_tot = float(np.sum(w * (y - ybar) ** 2))
+    ss_res = float(np.sum(w * (y - fitted) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    if relative:
+        res = (y - fitted) / np.where(fitted > 0, fitted, y)
+    else:
+        res = y - fitted
+    return r2, [float(v) for v in res]
+
+
+def _weights(y: np.ndarray, relative: bool) -> np.ndarray:
+    # Relative weighting (1/t^2) minimises relative errors: over four decades of sizes
+    # the small points then set the latency and the large ones the bandwidth, instead
+    # of the largest points' noise swamping the intercept.
+    return 1.0 / (y * y) if relative else np.ones_like(y)
+
+
+def _line(x: np.ndarray, y: np.ndarray, relative: bool, what: str) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """(intercept >= 0, slope > 0, fitted, weights) of y = a + b x."""
+    w = _weights(y, relative)
+    a, b = _wls(np.column_stack([np.ones_like(x), x]), y, w)
+    if a < 0:
+        # A negative fixed cost is noise: refit through the origin.
+        a = 0.0
+        b = float(np.sum(w * x * y) / np.sum(w * x * x)) if np.any(x > 0) else 0.0
+    if not b > 0:
+        raise ValueError(f"{what}: time does not grow with size (slope {b:.3g}); cannot fit a bandwidth")
+    return float(a), float(b), a + b * x, w
+
+
+def fit_latency_bandwidth(
+    sizes: Sequence[float], seconds: Sequence[float], *, relative: bool = True
+) -> LinearFit:
+    """Fit t = latency + bytes / bandwidth by (weighted) least squares.
+
+    `sizes` in bytes, `seconds` the measured times (medians of reps). With
+    `relative` (default) each point is weighted 1/t^2 so the fit minimises relative
+    error. A negative intercept is clamped to 0 (and the slope refitted).
+    Returns (latency_s, bandwidth_Bps, r2, residuals).
+    """
+    x, y = _as_points(sizes, seconds, "fit_latency_bandwidth")
+    a, b, fitted, w = _line(x, y, relative, "fit_latency_bandwidth")
+    r2, res = _quality(y, fitted, w, relative)
+    return LinearFit(a, 1.0 / b, r2, res)
+
+
+def fit_per_request(
+    counts: Sequence[float],
+    seconds: Sequence[float],
+    *,
+    op_bytes: float,
+    bandwidth_Bps: float,
+    relative: bool = True,
+) -> PerRequestFit:
+    """Fit t(n) = a + c * n over batches of n ops of `op_bytes` each.
+
+    The fixed part `a` is the batch's latency; `c` is what one more op costs: its
+    bytes (op_bytes / bandwidth_Bps, from `fit_latency_bandwidth`) plus the
+    per-request overhead, per_request_s = c - op_bytes / bandwidth_Bps (>= 0).
+    """
+    if not (bandwidth_Bps > 0 and math.isfinite(bandwidth_Bps)):
+        raise ValueError(f"fit_per_request: bandwidth_Bps must be finite and > 0, got {bandwidth_Bps}")
+    if op_bytes < 0:
+        raise ValueError(f"fit_per_request: op_bytes must be >= 0, got {op_bytes}")
+    x, y = _as_points(counts, seconds, "fit_per_request")
+    a, c, fitted, w = _line(x, y, relative, "fit_per_request")
+    r2, res = _quality(y, fitted, w, relative)
+    per = max(0.0, c - op_bytes / bandwidth_Bps)
+    return PerRequestFit(per, a, c, r2, res)
+
+
+def fit_copy(
+    nbytes: Sequence[float],
+    seconds: Sequence[float],
+    launches: Sequence[float] | None = None,
+    *,
+    relative: bool = True,
+) -> CopyFit:
+    """Fit t = launches * launch + bytes / bandwidth (kernels; one launch per point if
+    `launches` is None). Several kernels (e.g. gather and a W-block scatter) can be
+    fitted together, each point with its own launch count."""
+    x, y = _as_points(nbytes, seconds, "fit_copy")
+    n = np.ones_like(x) if launches is None else np.asarray(launches, dtype=np.float64).reshape(-1)
+    if n.shape != x.shape or np.any(n < 1):
+        raise ValueError("fit_copy: launches must be >= 1, one per point")
+    w = _weights(y, relative)
+    launch, inv_bw = _wls(np.column_stack([n, x]), y, w)
+    if launch < 0:
+        launch = 0.0
+        inv_bw = float(np.sum(w * x * y) / np.sum(w * x * x))
+    if not inv_bw > 0:
+        raise ValueError(f"fit_copy: time does not grow with size (slope {inv_bw:.3g})")
+    fitted = launch * n + inv_bw * x
+    r2, res = _quality(y, fitted, w, relative)
+    return CopyFit(float(launch), float(1.0 / inv_bw), r2, res)
+
+
+def median_of(reps: Sequence[Sequence[float]]) -> list[float]:
+    """Median of each point's repetitions."""
+    return [float(statistics.median(r)) for r in reps]
+
+
+# =========================================================================== plan
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What to measure; `quick()` keeps a run to a few seconds of measuring."""
+
+    sizes: tuple[int, ...]
+    reps: int
+    batch_counts: tuple[int, ...]
+    batch_op_bytes: int
+    batch_reps: int
+    control_pings: int
+    kernel_pages: tuple[int, ...]
+    kernel_reps: int
+    fill_pages: tuple[int, ...]
+    step_timeout_s: float = 90.0  # longest silence from the children before giving up
+    write_timeout_s: float = 30.0  # bound of one write
+    quick: bool = False
+
+    @classmethod
+    def full(cls) -> CalibrationPlan:
+        return cls(
+            sizes=tuple(4 * KIB * 4**k for k in range(8)),  # 4 KiB .. 64 MiB
+            reps=7,
+            batch_counts=(1, 4, 16, 64, 256, 1024),
+            batch_op_bytes=4 * KIB,
+            batch_reps=7,
+            control_pings=1000,
+            kernel_pages=(1, 2, 4, 8, 16, 32, 64, 128),
+            kernel_reps=7,
+            fill_pages=(1, 2, 4, 8, 16, 32, 64),
+        )
+
+    @classmethod
+    def quick_plan(cls) -> CalibrationPlan:
+        return cls(
+            sizes=(4 * KIB, 32 * KIB, 256 * KIB, 2 * MIB, 16 * MIB),
+            reps=3,
+            batch_counts=(1, 16, 128, 512),
+            batch_op_bytes=4 * KIB,
+            batch_reps=3,
+            control_pings=200,
+            kernel_pages=(1, 4, 16, 64),
+            kernel_reps=3,
+            fill_pages=(1, 4, 16),
+            step_timeout_s=60.0,
+            quick=True,
+        )
+
+    @property
+    def buffer_bytes(self) -> int:
+        batch = max(self.batch_counts) * 2 * self.batch_op_bytes
+        return max(max(self.sizes), batch)
+
+
+# Kernel geometry: a fan-in pair P2 -> D1 with 8 KV heads, 4 layers, head_dim 128, bf16
+# (128 KiB per page of a 4-head pool): gather of a writer's 4 heads (contiguous rows),
+# gather of 2 of 4 heads (strided, the fan-out case), scatter of a 2-writer region.
+KERNEL_GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 16}
+
+
+# =========================================================================== children
+
+
+def _redirect_output(log_path: str) -> None:
+    """Send this child's stdout/stderr (engine chatter) to a log, away from the progress bar."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _child_setup(log_path: str) -> None:
+    _redirect_output(log_path)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    import torch
+
+    # Like hw/rank_main.py: ranks run one intra-op thread each.
+    torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
+
+
+def _expect(conn: Any, kind: str, timeout_s: float) -> tuple:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not conn.poll(left):
+            raise TimeoutError(f"no {kind!r} from the parent within {timeout_s:.0f} s")
+        msg = conn.recv()
+        if msg[0] == kind:
+            return msg
+        if msg[0] == "abort":
+            raise CalibrationError(f"parent aborted: {msg[1]}")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _spin_wait(transport: Any, handle: Any, timeout_s: float, what: str) -> None:
+    """Poll until done, as a rank's busy loop does (no back-off sleeps that would
+    quantise the measurement), yielding the GIL each turn; bounded."""
+    deadline = time.perf_counter() + timeout_s
+    while not transport.poll(handle):
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{what}: not done within {timeout_s:g} s")
+        time.sleep(0)
+
+
+def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
+    try:
+        _child_setup(log_path)
+        import torch
+
+        from hw.control import ControlPlane
+        from hw.transport import make_transport
+        from shared.protocol import Abort
+
+        transport = make_transport(backend, f"kvstage-cal-recv-{os.getpid()}", device)
+        dst = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
+        transport.register(dst)
+        conn.send(("metadata", transport.agent_name, transport.metadata()))
+        cp = ControlPlane()
+        conn.send(("control", cp.address))
+        _, peer_addr = _expect(conn, "control", plan.step_timeout_s * 3)
+        cp.connect("ping", peer_addr)
+        # Echo every message back until the pinger's Abort (bounded).
+        deadline = time.monotonic() + plan.step_timeout_s
+        stop = False
+        while not stop and time.monotonic() < deadline:
+            for msg in cp.receive(0.2):
+                if isinstance(msg, Abort):
+                    stop = True
+                    break
+                cp.send("ping", msg)
+        conn.send(("echo-done", stop))
+        _expect(conn, "bye", plan.step_timeout_s * 3)
+        cp.close()
+        transport.close()
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _progress(conn: Any, stage: str, done: int, total: int) -> None:
+    conn.send(("progress", stage, done, total))
+
+
+def _measure_writes(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
+                    conn: Any) -> dict[str, Any]:
+    sizes = list(plan.sizes)
+    total = (plan.reps + 1) * len(sizes)
+    seconds: list[list[float]] = [[] for _ in sizes]
+    post: list[list[float]] = [[] for _ in sizes]
+    order = np.random.default_rng(11)
+    n = 0
+    for rep in range(plan.reps + 1):  # rep 0 warms up connections and page tables
+        for i in order.permutation(len(sizes)):
+            size = sizes[i]
+            ops = np.array([[src_addr, dst_addr, size]], dtype=np.int64)
+            t0 = time.perf_counter()
+            h = transport.write(peer, ops)
+            t1 = time.perf_counter()
+            _spin_wait(transport, h, plan.write_timeout_s, f"write of {size} B")
+            t2 = time.perf_counter()
+            if rep:
+                seconds[i].append(t2 - t0)
+                post[i].append(t1 - t0)
+            n += 1
+            _progress(conn, "writes", n, total)
+    return {"sizes": sizes, "seconds": seconds, "post_seconds": post}
+
+
+def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
+                     conn: Any) -> dict[str, Any]:
+    s = plan.batch_op_bytes
+    stride = 2 * s  # gaps between ops, so no engine can merge neighbours into one
+    counts = list(plan.batch_counts)
+    rng = np.random.default_rng(12)
+    seconds: list[list[float]] = [[] for _ in counts]
+    post: list[list[float]] = [[] for _ in counts]
+    total = (plan.batch_reps + 1) * len(counts)
+    n = 0
+    for rep in range(plan.batch_reps + 1):
+        for i in rng.permutation(len(counts)):
+            k = counts[i]
+            idx = np.arange(k, dtype=np.int64)
+            ops = np.stack([src_addr + idx * stride, dst_addr + rng.permutation(k).astype(np.int64) * stride,
+                            np.full(k, s, dtype=np.int64)], axis=1)
+            t0 = time.perf_counter()
+            h = transport.write(peer, ops)
+            t1 = time.perf_counter()
+            _spin_wait(transport, h, plan.write_timeout_s, f"batch of {k} x {s} B")
+            t2 = time.perf_counter()
+            if rep:
+                seconds[i].append(t2 - t0)
+                post[i].append(t1 - t0)
+            n += 1
+            _progress(conn, "batches", n, total)
+    return {"op_bytes": s, "counts": counts, "seconds": seconds, "post_seconds": post}
+
+
+def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
+    from hw.control import ControlPlane
+    from shared.protocol import Abort, Watermark
+
+    cp = ControlPlane()
+    conn.send(("control", cp.address))
+    _, echo_addr = _expect(conn, "control", plan.step_timeout_s)
+    cp.connect("echo", echo_addr)
+    timeout = min(10.0, plan.step_timeout_s)
+    rtts: list[float] = []
+    warm = max(10, plan.control_pings // 10)
+    total = warm + plan.control_pings
+    try:
+        for i in range(total):
+            msg = Watermark(round=i, tail=i, session=0, decode_rank=0)
+            t0 = time.perf_counter()
+            cp.send("echo", msg)
+            got = None
+            while got is None:
+                left = timeout - (time.perf_counter() - t0)
+                if left <= 0:
+                    raise TimeoutError(f"control ping {i}: no echo within {timeout:g} s")
+                for m in cp.receive(left):
+                    if isinstance(m, Watermark) and m.round == i:
+                        got = m
+            if i >= warm:
+                rtts.append(time.perf_counter() - t0)
+            if i % 20 == 0 or i == total - 1:
+                _progress(conn, "control", i + 1, total)
+    finally:
+        cp.send("echo", Abort(room=0, session=0, decode_rank=0, from_decode=False, reason="calibration done"))
+        time.sleep(0.05)
+        cp.close()
+    return {"rtt_s": rtts}
+
+
+def _time_call(fn: Callable[[], None], device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
+    import torch
+
+    from hw.kernels import block_bytes, gather, scatter
+    from hw.kvpool import KVPool, fill_pattern
+    from shared.layout import Geometry
+
+    kg = KERNEL_GEOMETRY
+    geo = Geometry(prefill_tp=2, decode_tp=1, total_kv_heads=kg["kv_heads"], layers=kg["layers"],
+                   head_dim=kg["head_dim"], dtype_bytes=2, page_size=kg["page_size"],
+                   chunked_prefill_size=kg["page_size"] * max(plan.kernel_pages))
+    max_pages = max(max(plan.kernel_pages), max(plan.fill_pages))
+    src = KVPool(kg["layers"], max_pages, kg["page_size"], geo.prefill_heads, kg["head_dim"], kg["dtype"],
+                 device=device, fill_byte=7)
+    dst = KVPool(kg["layers"], max_pages, kg["page_size"], geo.decode_heads, kg["head_dim"], kg["dtype"],
+                 device=device, fill_byte=0)
+    heads = geo.prefill_heads
+    out = torch.zeros(block_bytes(src, max_pages, heads), dtype=torch.uint8, device=device)
+    region = torch.zeros(geo.region_bytes(max_pages), dtype=torch.uint8, device=device)
+    pages = list(plan.kernel_pages)
+    res: dict[str, Any] = {
+        "geometry": dict(kg),
+        "gather": {"bytes": [block_bytes(src, p, heads) for p in pages], "seconds": [[] for _ in pages]},
+        "gather_sub": {"bytes": [block_bytes(src, p, heads // 2) for p in pages], "seconds": [[] for _ in pages]},
+        "scatter": {"bytes": [geo.region_bytes(p) for p in pages], "launches": len(geo.writers(0)),
+                    "seconds": [[] for _ in pages]},
+    }
+    rng = np.random.default_rng(13)
+    total = (plan.kernel_reps + 1) * len(pages)
+    n = 0
+    for rep in range(plan.kernel_reps + 1):
+        for i in rng.permutation(len(pages)):
+            p = int(pages[i])
+            g_out = out[: block_bytes(src, p, heads)]
+            t = _time_call(lambda p=p, g_out=g_out: gather(src, 0, p, 0, heads, g_out), device)
+            s_out = out[: block_bytes(src, p, heads // 2)]
+            ts = _time_call(lambda p=p, s_out=s_out: gather(src, 0, p, 1, heads // 2, s_out), device)
+            layout = geo.staging_layout(0, p)
+            reg = region[: layout.region_bytes]
+            tc = _time_call(lambda p=p, reg=reg, layout=layout: scatter(dst, 0, p, reg, layout), device)
+            if rep:
+                res["gather"]["seconds"][i].append(t)
+                res["gather_sub"]["seconds"][i].append(ts)
+                res["scatter"]["seconds"][i].append(tc)
+            n += 1
+            _progress(conn, "kernels", n, total)
+    # The hardware-mode prefill 'forward': fill_pattern of a chunk's pages.
+    fpages = list(plan.fill_pages)
+    global_heads = list(range(heads))
+    page_bytes = block_bytes(src, 1, heads)
+    fill = {"bytes": [p * page_bytes for p in fpages], "seconds": [[] for _ in fpages],
+            "bytes_per_token": page_bytes // kg["page_size"]}
+    total = (plan.kernel_reps + 1) * len(fpages)
+    n = 0
+    for rep in range(plan.kernel_reps + 1):
+        for i in rng.permutation(len(fpages)):
+            p = int(fpages[i])
+            t = _time_call(lambda p=p, room=rep: fill_pattern(src, 0, p, room, 0, global_heads), device)
+            if rep:
+                fill["seconds"][i].append(t)
+            n += 1
+            _progress(conn, "fill", n, total)
+    res["fill"] = fill
+    # gpu_tflops: fp32 matmul (the profile schema needs it; bf16 on cuda).
+    dim = 512 if device == "cpu" else 4096
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    a = torch.randn(dim, dim, dtype=dtype, device=device)
+    b = torch.randn(dim, dim, dtype=dtype, device=device)
+    mm = [_time_call(lambda: torch.mm(a, b), device) for _ in range(plan.kernel_reps + 1)][1:]
+    res["matmul"] = {"n": dim, "dtype": str(dtype), "seconds": mm}
+    return res
+
+
+def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
+    try:
+        _child_setup(log_path)
+        import torch
+
+        from hw.transport import make_transport
+
+        transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
+        src = torch.randint(0, 256, (plan.buffer_bytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(5)).to(device)
+        local = transport.register(src)
+        _, peer, metadata = _expect(conn, "metadata", plan.step_timeout_s * 3)
+        transport.add_peer(peer, metadata)
+        remote = transport.peer(peer).regions[0]
+        conn.send(("result", "write", _measure_writes(transport, peer, local.addr, remote.addr, plan, conn)))
+        conn.send(("result", "batch", _measure_batches(transport, peer, local.addr, remote.addr, plan, conn)))
+        transport.close()
+        conn.send(("result", "control", _measure_control(plan, conn)))
+        conn.send(("result", "kernels", _measure_kernels(device, plan, conn)))
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+# =========================================================================== parent
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def measure(
+    backend: str,
+    device: str = "cpu",
+    plan: CalibrationPlan | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Run the two measuring processes; return the raw points (see module docstring)."""
+    from hw.transport import probe_engine
+
+    plan = plan or CalibrationPlan.full()
+    why = probe_engine(backend)
+    if why is not None:
+        raise CalibrationError(f"{backend}: engine not usable here: {why}")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise CalibrationError(f"device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
+    ctx = mp.get_context("spawn")
+    logdir = tempfile.mkdtemp(prefix="kvstage-calibrate-")
+    logs = {"receiver": os.path.join(logdir, "receiver.log"), "sender": os.path.join(logdir, "sender.log")}
+    r_parent, r_child = ctx.Pipe()
+    s_parent, s_child = ctx.Pipe()
+    procs = {
+        "receiver": ctx.Process(target=_receiver_main, args=(backend, device, plan, r_child, logs["receiver"]),
+                                daemon=True, name="kvstage-cal-recv"),
+        "sender": ctx.Process(target=_sender_main, args=(backend, device, plan, s_child, logs["sender"]),
+                              daemon=True, name="kvstage-cal-send"),
+    }
+    conns = {"receiver": r_parent, "sender": s_parent}
+    for p in procs.values():
+        p.start()
+    r_child.close()
+    s_child.close()
+    raw: dict[str, Any] = {}
+    finished: set[str] = set()
+    waiting_for = "the measuring processes to start"
+    start = time.monotonic()
+    last_news = start
+    try:
+        while finished != set(procs):
+            live = [c for name, c in conns.items() if name not in finished]
+            ready = wait_connections(live, timeout=1.0)
+            now = time.monotonic()
+            for name, proc in procs.items():
+                if name not in finished and not proc.is_alive() and not conns[name].poll():
+                    raise CalibrationError(
+                        f"the {name} process died (exit code {proc.exitcode}) while waiting for "
+                        f"{waiting_for}; its log {logs[name]}:\n{_tail(logs[name])}")
+            if not ready:
+                if now - last_news > plan.step_timeout_s:
+                    raise CalibrationError(
+                        f"no progress for {plan.step_timeout_s:.0f} s while waiting for {waiting_for} "
+                        f"(logs in {logdir})")
+                continue
+            last_news = now
+            for c in ready:
+                name = "receiver" if c is r_parent else "sender"
+                try:
+                    msg = c.recv()
+                except EOFError:
+                    raise CalibrationError(
+                        f"the {name} process closed its pipe while waiting for {waiting_for}; "
+                        f"its log:\n{_tail(logs[name])}") from None
+                kind = msg[0]
+                if kind == "error":
+                    raise CalibrationError(f"the {name} process failed:\n{msg[1]}\nlog tail:\n{_tail(logs[name])}")
+                if kind == "progress":
+                    waiting_for = f"{msg[1]} ({msg[2]}/{msg[3]})"
+                    if progress is not None:
+                        progress(msg[1], msg[2], msg[3])
+                elif kind == "metadata":
+                    s_parent.send(msg)
+                elif kind == "control":
+                    (s_parent if name == "receiver" else r_parent).send(msg)
+                elif kind == "result":
+                    raw[msg[1]] = msg[2]
+                elif kind == "echo-done":
+                    pass
+                elif kind == "done":
+                    finished.add(name)
+                    if name == "sender":
+                        r_parent.send(("bye",))
+    except BaseException:
+        for c in conns.values():
+            try:
+                c.send(("abort", "calibration failed in the parent"))
+            except (OSError, ValueError):
+                pass
+        raise
+    finally:
+        for p in procs.values():
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for c in conns.values():
+            c.close()
+    raw["elapsed_s"] = time.monotonic() - start
+    return raw
+
+
+# =========================================================================== result
+
+
+def _r(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits, as a float (for the TOML)."""
+    if x == 0 or not math.isfinite(x):
+        return float(x)
+    return float(f"{x:.{digits}g}")
+
+
+@dataclass
+class Calibration:
+    """Fitted numbers of one calibration, the raw points, and how to write them."""
+
+    backend: str
+    device: str
+    quick: bool
+    host: str
+    when: str
+    raw: dict[str, Any]
+    write: LinearFit
+    per_request: PerRequestFit
+    control_rtt_s: float
+    control_rtt_p90_s: float
+    gather: CopyFit
+    gather_sub: CopyFit
+    scatter: CopyFit
+    copy: CopyFit  # gather + scatter fitted together: what the profile's mem numbers say
+    fill: LinearFit
+    fill_bytes_per_token: int
+    gpu_flops: float
+    profile: dict[str, Any] = field(default_factory=dict)
+
+    # --- derived numbers -----------------------------------------------------------
+    @property
+    def link_latency_s(self) -> float:
+        """The sim charges latency + requests * per_request + bytes / bw; a one-op write
+        measured `write.latency_s` in total, so the link latency is the rest."""
+        return max(0.0, self.write.latency_s - self.per_request.per_request_s)
+
+    def tokens_per_s(self, kv_bytes_per_token: int, chunk_tokens: int) -> float:
+        """prefill.tokens_per_s that makes the simulated forward of a `chunk_tokens` chunk
+        take what hw mode's pattern fill of it takes, for a prefill rank whose KV is
+        `kv_bytes_per_token` bytes per token (2 * layers * heads * head_dim * dtype)."""
+        t = self.fill.latency_s + chunk_tokens * kv_bytes_per_token / self.fill.bandwidth_Bps
+        return chunk_tokens / t
+
+    def profile_fields(self) -> dict[str, Any]:
+        gbps = _r(self.write.bandwidth_Bps * 8 / 1e9)
+        lat_us = _r(self.link_latency_s * 1e6)
+        per_us = _r(self.per_request.per_request_s * 1e6)
+        return {
+            "source": (f"kvstage calibrate: {self.backend} on {self.device}, host {self.host}, "
+                       f"{self.when}{', quick sweep' if self.quick else ''}"),
+            "inter_bandwidth_gbps": gbps,
+            "inter_latency_us": lat_us,
+            "inter_per_request_us": per_us,
+            "intra_bandwidth_gbps": gbps,
+            "intra_latency_us": lat_us,
+            "intra_per_request_us": per_us,
+            "control_latency_us": _r(self.control_rtt_s / 2 * 1e6),
+            "gpus_per_nic": 1,
+            "mem_bandwidth_gbs": _r(2 * self.copy.bandwidth_Bps / 1e9),
+            "kernel_launch_us": _r(self.copy.launch_s * 1e6),
+            "gpu_tflops": _r(self.gpu_flops / 1e12),
+        }
+
+    def fit_table(self) -> dict[str, Any]:
+        """The [fit] part of the sidecar: every fit with its R^2 and residuals."""
+        def lin(f: LinearFit) -> dict[str, Any]:
+            return {"latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps, "r2": f.r2,
+                    "residuals_rel": f.residuals}
+
+        def cp(f: CopyFit) -> dict[str, Any]:
+            return {"launch_s": f.launch_s, "bandwidth_Bps": f.bandwidth_Bps, "r2": f.r2,
+                    "residuals_rel": f.residuals}
+
+        return {
+            "write": {**lin(self.write), "model": "t = latency + bytes / bandwidth (one op)"},
+            "per_request": {"per_request_s": self.per_request.per_request_s,
+                            "intercept_s": self.per_request.intercept_s, "slope_s": self.per_request.slope_s,
+                            "r2": self.per_request.r2, "residuals_rel": self.per_request.residuals,
+                            "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth"},
+            "link_latency_s": self.link_latency_s,
+            "control": {"rtt_median_s": self.control_rtt_s, "rtt_p90_s": self.control_rtt_p90_s,
+                        "one_way_s": self.control_rtt_s / 2, "pings": len(self.raw["control"]["rtt_s"])},
+            "gather": {**cp(self.gather), "model": "t = launch + bytes / bandwidth (4 of 4 heads)"},
+            "gather_sub": {**cp(self.gather_sub), "model": "t = launch + bytes / bandwidth (2 of 4 heads)"},
+            "scatter": {**cp(self.scatter), "model": "t = W * launch + bytes / bandwidth (W = 2 blocks)"},
+            "copy": {**cp(self.copy), "model": "gather + scatter together; mem_bandwidth = 2 * bandwidth"},
+            "fill": {**lin(self.fill), "bytes_per_token": self.fill_bytes_per_token,
+                     "model": "hw prefill forward (fill_pattern): t = latency + KV bytes / bandwidth"},
+            "gpu_flops": self.gpu_flops,
+        }
+
+    def sidecar(self) -> dict[str, Any]:
+        return {
+            "kvstage_calibration": 1,
+            "backend": self.backend,
+            "device": self.device,
+            "quick": self.quick,
+            "host": self.host,
+            "when": self.when,
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "profile": self.profile_fields(),
+            "fit": self.fit_table(),
+            "forward": {"fill_latency_s": self.fill.latency_s, "fill_bandwidth_Bps": self.fill.bandwidth_Bps,
+                        "note": "prefill.tokens_per_s = chunk / (fill_latency + chunk * kv_bytes_per_token "
+                                "/ fill_bandwidth) makes the sim's forward match hw mode's pattern fill"},
+            "raw": self.raw,
+        }
+
+    def profile_toml(self, sidecar_name: str) -> str:
+        p = self.profile_fields()
+        w, pr, cp = self.write, self.per_request, self.copy
+
+        def q(s: str) -> str:
+            return json.dumps(s)  # a JSON string is a valid TOML basic string here
+
+        sizes = self.raw["write"]["sizes"]
+        lines = [
+            f"# Calibrated by `kvstage calibrate --backend {self.backend} --device {self.device}"
+            f"{' --quick' if self.quick else ''}` on {self.host}, {self.when}.",
+            "# Two processes on this machine, real engine, both roles on one host (loopback).",
+            f"# Fit quality and raw points: {sidecar_name} beside this file (the profile",
+            "# loader accepts no extra tables). Numbers are medians; a shared machine is noisy.",
+            f"source = {q(p['source'])}",
+            "",
+            f"# One-op writes {_fmt_bytes(min(sizes))}..{_fmt_bytes(max(sizes))}: t = latency + bytes / bandwidth,",
+            f"# total latency {w.latency_s * 1e6:.1f} us, {w.bandwidth_Bps / 1e9:.2f} GB/s, weighted R^2 {w.r2:.4f},",
+            f"# max |relative residual| {max(abs(r) for r in w.residuals):.1%}.",
+            f"# Batches of n x {_fmt_bytes(self.raw['batch']['op_bytes'])}: t(n) = {pr.intercept_s * 1e6:.1f} us + n * "
+            f"{pr.slope_s * 1e6:.2f} us, R^2 {pr.r2:.4f}; per request = slope - op bytes / bandwidth.",
+            "# latency_us below is the total minus one request's overhead (the sim adds it back).",
+            "# Inter and intra are the same path here: every rank is a process on this host.",
+            f"inter_bandwidth_gbps = {p['inter_bandwidth_gbps']!r}",
+            f"inter_latency_us = {p['inter_latency_us']!r}",
+            f"inter_per_request_us = {p['inter_per_request_us']!r}",
+            f"intra_bandwidth_gbps = {p['intra_bandwidth_gbps']!r}",
+            f"intra_latency_us = {p['intra_latency_us']!r}",
+            f"intra_per_request_us = {p['intra_per_request_us']!r}",
+            "",
+            "# Half the median round trip of a protocol message over ZMQ PUSH/PULL between two",
+            f"# processes (median RTT {self.control_rtt_s * 1e6:.1f} us, p90 {self.control_rtt_p90_s * 1e6:.1f} us, "
+            f"{len(self.raw['control']['rtt_s'])} pings).",
+            f"control_latency_us = {p['control_latency_us']!r}",
+            "gpus_per_nic = 1",
+            f"# hw/kernels.py gather + scatter fitted together: {cp.bandwidth_Bps / 1e9:.2f} GB/s copied, "
+            f"launch {cp.launch_s * 1e6:.1f} us,",
+            f"# R^2 {cp.r2:.4f} (gather alone {self.gather.bandwidth_Bps / 1e9:.2f} GB/s, scatter "
+            f"{self.scatter.bandwidth_Bps / 1e9:.2f} GB/s). The sim charges",
+            "# launch + 2 * bytes / mem_bandwidth (read + write), so mem_bandwidth = 2 x copy rate.",
+            f"mem_bandwidth_gbs = {p['mem_bandwidth_gbs']!r}",
+            f"kernel_launch_us = {p['kernel_launch_us']!r}",
+            f"gpu_tflops = {p['gpu_tflops']!r}  # {self.raw['kernels']['matmul']['dtype']} matmul "
+            f"{self.raw['kernels']['matmul']['n']}^3",
+            "# hw mode's prefill forward is a pattern fill: "
+            f"{self.fill.latency_s * 1e6:.0f} us + KV bytes / {self.fill.bandwidth_Bps / 1e9:.3f} GB/s",
+            "# (set prefill.tokens_per_s from it; see the sidecar's [forward]).",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= MIB and n % MIB == 0:
+        return f"{n // MIB} MiB"
+    if n >= KIB and n % KIB == 0:
+        return f"{n // KIB} KiB"
+    return f"{n} B"
+
+
+def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Calibration:
+    """Fit every measurement of `raw` (as `measure` returns it)."""
+    wr = raw["write"]
+    write = fit_latency_bandwidth(wr["sizes"], median_of(wr["seconds"]))
+    b = raw["batch"]
+    per = fit_per_request(b["counts"], median_of(b["seconds"]), op_bytes=b["op_bytes"],
+                          bandwidth_Bps=write.bandwidth_Bps)
+    rtts = raw["control"]["rtt_s"]
+    k = raw["kernels"]
+    gather = fit_copy(k["gather"]["bytes"], median_of(k["gather"]["seconds"]))
+    gather_sub = fit_copy(k["gather_sub"]["bytes"], median_of(k["gather_sub"]["seconds"]))
+    w = k["scatter"]["launches"]
+    scatter = fit_copy(k["scatter"]["bytes"], median_of(k["scatter"]["seconds"]), [w] * len(k["scatter"]["bytes"]))
+    copy = fit_copy(
+        [*k["gather"]["bytes"], *k["scatter"]["bytes"]],
+        [*median_of(k["gather"]["seconds"]), *median_of(k["scatter"]["seconds"])],
+        [1] * len(k["gather"]["bytes"]) + [w] * len(k["scatter"]["bytes"]),
+    )
+    fill = fit_latency_bandwidth(k["fill"]["bytes"], median_of(k["fill"]["seconds"]))
+    mm = k["matmul"]
+    flops = 2.0 * mm["n"] ** 3 / statistics.median(mm["seconds"])
+    return Calibration(
+        backend=backend,
+        device=device,
+        quick=quick,
+        host=socket.gethostname(),
+        when=time.strftime("%Y-%m-%d %H:%M:%S"),
+        raw=raw,
+        write=write,
+        per_request=per,
+        control_rtt_s=float(statistics.median(rtts)),
+        control_rtt_p90_s=float(np.percentile(rtts, 90)),
+        gather=gather,
+        gather_sub=gather_sub,
+        scatter=scatter,
+        copy=copy,
+        fill=fill,
+        fill_bytes_per_token=int(k["fill"]["bytes_per_token"]),
+        gpu_flops=flops,
+    )
+
+
+def calibrate(
+    backend: str,
+    device: str = "cpu",
+    *,
+    quick: bool = False,
+    plan: CalibrationPlan | None = None,
+    progress: ProgressFn | None = None,
+) -> Calibration:
+    """Measure on this machine and fit. Raises CalibrationError when it cannot measure."""
+    plan = plan or (CalibrationPlan.quick_plan() if quick else CalibrationPlan.full())
+    raw = measure(backend, device, plan, progress)
+    raw["plan"] = asdict(plan)
+    return analyse(raw, backend, device, plan.quick)
+
+
+def sidecar_path(profile_path: str | Path) -> Path:
+    """Where the fit and raw points of a profile live: `<stem>.fit.json` beside it."""
+    p = Path(profile_path)
+    return p.with_name(p.stem + ".fit.json")
+
+
+def check_profile_loads(path: str | Path) -> None:
+    """Load a tiny scenario naming the profile by path: raises ScenarioError if refused."""
+    from shared.scenario import scenario_from_dict
+
+    scenario_from_dict({
+        "model": {"layers": 2, "kv_heads": 2, "head_dim": 16, "params_b": 0.1},
+        "prefill": {"tp": 1}, "decode": {"tp": 1, "staging_pool_mb": 64},
+        "links": {"profile": str(Path(path).resolve())},
+    }, source=f"calibrated profile {path}")
+
+
+def write_profile(cal: Calibration, path: str | Path) -> tuple[Path, Path]:
+    """Write the profile TOML and its sidecar JSON; check that the profile loads."""
+    path = Path(path)
+    if path.suffix != ".toml":
+        path = path.with_name(path.name + ".toml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    side = sidecar_path(path)
+    path.write_text(cal.profile_toml(side.name))
+    side.write_text(json.dumps(cal.sidecar(), indent=1) + "\n")
+    check_profile_loads(path)
+    return path, side
+
+
+def load_sidecar(profile_path: str | Path) -> dict[str, Any]:
+    return json.loads(sidecar_path(profile_path).read_text())
+
+
+if __name__ == "__main__":  # pragma: no cover - `kvstage calibrate` is the entry point
+    sys.exit("use: kvstage calibrate --backend nixl|mooncake")

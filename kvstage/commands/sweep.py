@@ -1,0 +1,282 @@
+"""`kvstage sweep`: simulate the cross product of varied scenario fields, in parallel.
+
+The work is in `kvstage.sweep` (imported when the command runs, so `kvstage --help`
+stays fast); this module is the command line: options, progress bar, tables, files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+
+_MAX_PRINTED_ROWS = 60
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _default_out(stem: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{stem}-sweep-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+_SHORT = {
+    "requests_failed": "failed",
+    "ttft_s.p99": "TTFT p99",
+    "watermark_stall_s.total": "stall total",
+    "ring_peak_fraction": "ring peak",
+}
+
+
+def _results_table(result: Any, metric: str) -> tuple[Table, list[str]]:
+    """The rows as a table, and the distinct reasons (footnotes [1], [2], ...)."""
+    from kvstage.sweep import STATUS_OK, format_metric, metric_display
+
+    t = Table(title=f"sweep: {len(result.rows)} points", title_justify="left")
+    for v in result.varies:
+        t.add_column(v.key.replace(".", ".\n"), justify="right")
+    t.add_column("status", no_wrap=True)
+    shown = [metric] + [m for m in _SHORT if m != metric]
+    units = {}
+    for m in shown:
+        scale, unit, label = metric_display(m, [r[m] for r in result.rows])
+        units[m] = scale
+        head = _SHORT.get(m, label) if m != metric else label
+        t.add_column(head + (f" ({unit})" if unit else ""), justify="right")
+    reasons: list[str] = []
+    for row in result.rows[:_MAX_PRINTED_ROWS]:
+        ok = row["status"] == STATUS_OK
+        cells = [str(row[v.key]) for v in result.varies]
+        status = row["status"] if ok else f"[yellow]{row['status']}[/]"
+        if row["reason"]:
+            if row["reason"] not in reasons:
+                reasons.append(row["reason"])
+            status += f" [{reasons.index(row['reason']) + 1}]"
+        cells.append(status)
+        for m in shown:
+            cells.append(format_metric(m, row[m], (units[m], "")) if ok else "-")
+        t.add_row(*cells)
+    return t, reasons
+
+
+def _target_table(result: Any, report: dict) -> Table:
+    from kvstage.sweep import format_metric, metric_display
+
+    scale, unit, _ = metric_display(report["metric"], [r[report["metric"]] for r in result.rows])
+
+    first = result.varies[0].key
+    t = Table(title=f"target {report['target']}: smallest {first} that meets it", title_justify="left")
+    for v in result.varies[1:]:
+        t.add_column(v.key.replace(".", ".\n"), justify="right")
+    t.add_column(f"smallest {first}".replace(".", ".\n"), justify="right")
+    t.add_column(f"{report['metric']} there" + (f" ({unit})" if unit else ""), justify="right")
+    for a in report["answers"]:
+        cells = [str(val) for val in a["settings"].values()]
+        if a["meets"]:
+            cells += [str(a["smallest"]), format_metric(report["metric"], a["metric_value"], (scale, ""))]
+        else:
+            cells += ["[yellow]none meets it[/]", "-"]
+        t.add_row(*cells)
+    return t
+
+
+def sweep(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file (see scenarios/README.md).")],
+    vary: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vary",
+            metavar="KEY=V1,V2,...",
+            help=(
+                "A scenario field and the values to sweep, each parsed like a --set value "
+                "(repeatable: the cross product is simulated; the first --vary is the one "
+                "--target minimises)."
+            ),
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field at every point, e.g. --set workload.requests=64 (repeatable)."),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."),
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help='Run the points on Ray: "local" starts a private instance here; else a cluster address (host:port, auto, ray://...).',
+        ),
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            metavar="METRIC<VALUE",
+            help="Report, per setting of the other keys, the smallest value of the first --vary key that meets it (<, <=, >, >=), e.g. 'transfer_latency_s.p99<0.5'.",
+        ),
+    ] = None,
+    metric: Annotated[str, typer.Option(help="Metric shown in the plots and the first table column.")] = "transfer_latency_s.p99",
+    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/<scenario>-sweep-<time>/).")] = None,
+    keep_traces: Annotated[bool, typer.Option(help="Also write each point's run directory (trace, scenario, summary) to OUT/points/.")] = False,
+    plots: Annotated[bool, typer.Option(help="Write the PNG plots.")] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Simulate every combination of the --vary values (on top of the scenario and its
+    --set overrides) in parallel, and write one row per point -- the varied keys, the
+    run's summary metrics -- to sweep.csv and sweep.parquet, with plots (a heatmap for two
+    varied keys, lines against the first key) and, with --target, the smallest value of
+    the first key that meets the target, per setting of the others (target.json).
+
+    A combination the scenario rejects (e.g. a staging pool smaller than one chunk) is an
+    "invalid" row with the reason; a value that is wrong on its own, an unknown key or
+    metric, or a malformed --target exits 2. Exits 1 if a point broke an invariant or
+    its simulation failed."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from kvstage.sweep import (
+        STATUS_ERROR,
+        STATUS_INVALID,
+        SweepError,
+        check_metric,
+        parse_target,
+        parse_vary,
+        plan_points,
+        plot_sweep,
+        run_sweep,
+        target_report,
+        write_json,
+        write_tables,
+    )
+
+    if not scenario.is_file():
+        _fail(f"scenario file not found: {scenario}")
+    try:
+        if not vary:
+            raise SweepError("nothing to sweep: give at least one --vary KEY=V1,V2,...")
+        check_metric(metric)
+        tgt = parse_target(target) if target is not None else None
+        varies = [parse_vary(v) for v in vary]
+        if workers is not None and workers < 1:
+            raise SweepError(f"--workers {workers}: must be at least 1")
+        points = plan_points(scenario, varies, list(set_ or []))
+    except SweepError as exc:
+        _fail(str(exc))
+        return
+    out_dir = out if out is not None else _default_out(scenario.stem)
+    invalid = sum(1 for p in points if p.scenario is None)
+    shape = " x ".join(str(len(v.values)) for v in varies)
+    where = f"Ray ({ray})" if ray else f"{workers or os.cpu_count()} local processes"
+    console.print(
+        f"sweep [bold]{scenario}[/]: {len(points)} points ({shape}), {invalid} invalid; "
+        f"running on {where}",
+        highlight=False,
+    )
+
+    bar = Progress(
+        TextColumn("[bold]sweeping[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not progress,
+        transient=True,
+    )
+    task = None
+
+    def on_start(n: int) -> None:
+        nonlocal task
+        task = bar.add_task("points", total=n)
+
+    def on_point(_index: int, _row: dict) -> None:
+        bar.advance(task)
+
+    try:
+        with bar:
+            result = run_sweep(
+                scenario,
+                varies,
+                workers=workers,
+                ray_address=ray,
+                keep_traces_dir=(out_dir / "points") if keep_traces else None,
+                on_start=on_start,
+                on_point=on_point,
+                points=points,
+            )
+    except SweepError as exc:
+        _fail(str(exc))
+        return
+
+    files = write_tables(result, out_dir)
+    table, reasons = _results_table(result, metric)
+    console.print(table)
+    for n, reason in enumerate(reasons, 1):
+        console.print(f"[{n}] {reason}", markup=False, highlight=False)
+    if len(result.rows) > _MAX_PRINTED_ROWS:
+        console.print(f"... {len(result.rows) - _MAX_PRINTED_ROWS} more rows in {files['csv']}")
+    report = None
+    if tgt is not None:
+        report = target_report(result, tgt)
+        files["target"] = write_json(out_dir / "target.json", report)
+        console.print(_target_table(result, report))
+    meta = {
+        "scenario": str(scenario),
+        "vary": {v.key: list(v.values) for v in varies},
+        "set": list(set_ or []),
+        "metric": metric,
+        "target": tgt.text if tgt else None,
+        "backend": result.backend,
+        "points": len(result.rows),
+        "invalid": result.count(STATUS_INVALID),
+        "errors": result.count(STATUS_ERROR),
+        "invariant_violations": len(result.violated),
+        "wall_s": result.wall_s,
+    }
+    files["meta"] = write_json(out_dir / "sweep.json", meta)
+    if plots:
+        for i, path in enumerate(plot_sweep(result, metric, out_dir, tgt)):
+            files[f"plot{i}"] = path
+    console.print(
+        f"{len(result.rows)} points in {result.wall_s:.1f} s on {result.backend}; "
+        f"files in {out_dir}: {', '.join(p.name for p in files.values())}",
+        highlight=False,
+    )
+    code = 0
+    if result.count(STATUS_ERROR):
+        console.print(f"[bold red]{result.count(STATUS_ERROR)} point(s) failed to simulate[/] (status error)")
+        code = 1
+    if result.violated:
+        console.print(f"[bold red]{len(result.violated)} point(s) broke an invariant[/] (invariant_violations > 0)")
+        code = 1
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sweep")(sweep)

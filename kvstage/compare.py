@@ -1,0 +1,416 @@
+"""Compare two runs (sim vs hw, staging vs slice, before vs after) from their traces.
+
+Everything here reads only the run directory (trace, summary.json, scenario.toml),
+so a simulated and a measured run go through the same code. `compare_runs` is pure:
+it loads both runs and returns a plain dict (JSON-ready), nothing is printed or
+written.
+
+Definitions (B is measured relative to A):
+
+- transfer latency of a room: first prefill `room_open` (the first STAGING_REQ) to
+  the last decode `room_done` (as in `kvstage.metrics`); TTFT: decode `room_open`
+  (arrival) to the last decode `room_done`. Matched by room.
+- chunk latency of (room, chunk, decode rank): from the moment the last of its
+  writers finished computing the chunk (`compute` end; without compute rows, the
+  writers' first gather / wm_wait / write start) to the chunk landing in the decode
+  KV pool (`scatter` end; on the slice path, `chunk_ready`). Matched by
+  (room, chunk, decode rank) where both runs have it.
+- relative error of a pair: (b - a) / a; MAPE is the mean of its absolute value,
+  bias the mean of the signed value (positive: B slower).
+- phase breakdown: total and mean duration per chunk and rank of `wm_wait`, `gather`,
+  `write`, `slice_write`, `scatter`, and of the control plane: the req -> rsp gap
+  per (prefill rank, room, chunk) and the wait from the last write of a chunk to
+  its `chunk_ready` at the decode (including chunk_ready's own duration).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstage.metrics import percentiles, room_latencies
+from kvstage.tracefile import find_trace, read_records
+from shared.trace import TraceRecord
+
+# Within this MAPE, B "matches" A (the verdict line).
+MAPE_OK = 0.15
+
+PHASE_KEYS: tuple[str, ...] = (
+    "wm_wait",
+    "gather",
+    "write",
+    "slice_write",
+    "scatter",
+    "control_req_rsp",
+    "control_chunk_ready",
+)
+PHASE_LABELS: dict[str, str] = {
+    "wm_wait": "waiting for watermark",
+    "gather": "gather",
+    "write": "write (bulk)",
+    "slice_write": "slice write",
+    "scatter": "scatter",
+    "control_req_rsp": "control: req -> rsp",
+    "control_chunk_ready": "control: write -> chunk_ready",
+}
+
+
+class RunError(Exception):
+    """A path that is not a readable run directory (one clear message)."""
+
+
+@dataclass
+class Run:
+    """A loaded run directory: its records plus summary and resolved scenario."""
+
+    path: Path
+    mode: str
+    records: list[TraceRecord]
+    summary: dict = field(default_factory=dict)
+    scenario: dict = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.path.name
+
+    @property
+    def scenario_name(self) -> str:
+        return str(self.summary.get("scenario") or self.scenario.get("name") or "?")
+
+    @property
+    def transfer_path(self) -> str:
+        path = self.summary.get("transfer_path") or self.scenario.get("transfer", {}).get("path")
+        if path:
+            return str(path)
+        phases = {r.phase for r in self.records}
+        return "slice" if "slice_write" in phases and "write" not in phases else "staging"
+
+    @property
+    def pool_bytes(self) -> int:
+        mb = self.scenario.get("decode", {}).get("staging_pool_mb")
+        return int(round(float(mb) * (1 << 20))) if mb is not None else 0
+
+    @property
+    def backend(self) -> str | None:
+        if self.mode != "hw":
+            return None
+        return self.summary.get("backend") or self.scenario.get("hardware", {}).get("backend")
+
+    @property
+    def device(self) -> str | None:
+        if self.mode != "hw":
+            return None
+        return self.summary.get("device") or self.scenario.get("hardware", {}).get("device")
+
+    def describe(self) -> str:
+        parts = [self.scenario_name, self.mode, self.transfer_path]
+        if self.mode == "hw":
+            parts += [str(self.backend or "?"), str(self.device or "?")]
+        return " / ".join(parts)
+
+
+def load_run(path: Path | str | Run) -> Run:
+    """Read a run directory (or a trace file inside one); RunError if it is not one."""
+    if isinstance(path, Run):
+        return path
+    path = Path(path)
+    if not path.exists():
+        raise RunError(f"{path}: no such run directory")
+    try:
+        trace = find_trace(path)
+    except FileNotFoundError:
+        raise RunError(
+            f"{path} is not a run directory: it has no trace.parquet or trace.jsonl "
+            "(make one with `kvstage sim` or `kvstage hw`)"
+        ) from None
+    run_dir = trace.parent
+    try:
+        mode, records = read_records(trace)
+    except Exception as exc:  # a corrupt or foreign file: say so, no traceback
+        raise RunError(f"{trace}: cannot read the trace ({type(exc).__name__}: {exc})") from None
+    summary: dict = {}
+    if (run_dir / "summary.json").exists():
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise RunError(f"{run_dir / 'summary.json'}: cannot read it ({exc})") from None
+    scenario: dict = {}
+    if (run_dir / "scenario.toml").exists():
+        try:
+            scenario = tomllib.loads((run_dir / "scenario.toml").read_text())
+        except (OSError, ValueError) as exc:
+            raise RunError(f"{run_dir / 'scenario.toml'}: cannot read it ({exc})") from None
+    return Run(path=run_dir, mode=mode or summary.get("mode", ""), records=records, summary=summary, scenario=scenario)
+
+
+# --- per-run quantities -----------------------------------------------------------------
+
+
+def room_metrics(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]]:
+    """Per room that completed: {"transfer": s, "ttft": s} (either may be missing)."""
+    out: dict[int, dict[str, float]] = {}
+    for room, info in room_latencies(records).items():
+        if info.get("failed") or "done" not in info:
+            continue
+        m: dict[str, float] = {}
+        if "transfer_start" in info:
+            m["transfer"] = info["done"] - info["transfer_start"]
+        if "arrival" in info:
+            m["ttft"] = info["done"] - info["arrival"]
+        out[room] = m
+    return out
+
+
+def room_status(records: Iterable[TraceRecord]) -> dict[int, str]:
+    """Every room seen in the trace: "done", "failed" or "incomplete"."""
+    status: dict[int, str] = {}
+    for room, info in room_latencies(records).items():
+        status[room] = "failed" if info.get("failed") else "done" if "done" in info else "incomplete"
+    return status
+
+
+def chunk_latencies(records: Sequence[TraceRecord]) -> dict[tuple[int, int, int], float]:
+    """(room, chunk, decode rank) -> seconds from the chunk computed at its writers to
+    the chunk landed in that decode rank's KV pool (see the module docstring)."""
+    computed: dict[tuple[int, int, int], float] = {}  # (prefill rank, room, chunk) -> compute end
+    first_op: dict[tuple[int, int, int], float] = {}  # (prefill rank, room, chunk) -> first op start
+    writers: dict[tuple[int, int, int], set[int]] = {}  # (room, chunk, decode) -> prefill ranks
+    landed: dict[tuple[int, int, int], float] = {}
+    ready: dict[tuple[int, int, int], float] = {}
+    for r in records:
+        if r.room < 0 or r.chunk < 0:
+            continue
+        if r.role == "prefill":
+            key = (r.rank, r.room, r.chunk)
+            if r.phase == "compute":
+                computed[key] = max(computed.get(key, -math.inf), r.end)
+            elif r.phase in ("wm_wait", "gather", "write", "slice_write"):
+                first_op[key] = min(first_op.get(key, math.inf), r.start)
+                if r.peer >= 0:
+                    writers.setdefault((r.room, r.chunk, r.peer), set()).add(r.rank)
+        elif r.role == "decode":
+            key = (r.room, r.chunk, r.rank)
+            if r.phase == "scatter":
+                landed[key] = max(landed.get(key, -math.inf), r.end)
+            elif r.phase == "chunk_ready":
+                ready[key] = max(ready.get(key, -math.inf), r.end)
+    out: dict[tuple[int, int, int], float] = {}
+    for key, ranks in writers.items():
+        end = landed.get(key, ready.get(key))
+        if end is None:
+            continue
+        room, chunk, _ = key
+        starts = [computed.get((p, room, chunk), first_op.get((p, room, chunk))) for p in ranks]
+        starts = [s for s in starts if s is not None and math.isfinite(s)]
+        if starts:
+            out[key] = end - max(starts)
+    return out
+
+
+def phase_breakdown(records: Sequence[TraceRecord]) -> dict[str, dict[str, float]]:
+    """phase -> {"total_s", "count", "mean_s"} for PHASE_KEYS (see module docstring)."""
+    totals = {k: 0.0 for k in PHASE_KEYS}
+    counts = {k: 0 for k in PHASE_KEYS}
+    req: dict[tuple[int, int, int], float] = {}
+    rsp: dict[tuple[int, int, int], float] = {}
+    last_write: dict[tuple[int, int, int], float] = {}  # (room, chunk, decode) -> last write end
+    chunk_ready: dict[tuple[int, int, int], float] = {}
+    for r in records:
+        if r.phase in ("wm_wait", "gather", "write", "slice_write", "scatter"):
+            totals[r.phase] += max(0.0, r.end - r.start)
+            counts[r.phase] += 1
+            if r.role == "prefill" and r.phase in ("write", "slice_write") and r.peer >= 0:
+                key = (r.room, r.chunk, r.peer)
+                last_write[key] = max(last_write.get(key, -math.inf), r.end)
+        elif r.role == "prefill" and r.phase in ("req", "rsp") and r.room >= 0:
+            table = req if r.phase == "req" else rsp
+            key = (r.rank, r.room, r.chunk)
+            table[key] = min(table.get(key, math.inf), r.start)
+        elif r.role == "decode" and r.phase == "chunk_ready" and r.room >= 0:
+            key = (r.room, r.chunk, r.rank)
+            chunk_ready[key] = max(chunk_ready.get(key, -math.inf), r.end)
+    for key, t0 in req.items():
+        if key in rsp:
+            totals["control_req_rsp"] += max(0.0, rsp[key] - t0)
+            counts["control_req_rsp"] += 1
+    for key, t1 in chunk_ready.items():
+        if key in last_write:
+            totals["control_chunk_ready"] += max(0.0, t1 - last_write[key])
+            counts["control_chunk_ready"] += 1
+    return {
+        k: {"total_s": totals[k], "count": counts[k], "mean_s": (totals[k] / counts[k]) if counts[k] else 0.0}
+        for k in PHASE_KEYS
+    }
+
+
+# --- error metrics ----------------------------------------------------------------------------
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def error_metrics(pairs: Sequence[tuple[float, float]]) -> dict:
+    """Error of b relative to a over matched (a, b) pairs (pairs with a <= 0 are skipped
+    for the relative metrics)."""
+    a_vals = [a for a, _ in pairs]
+    b_vals = [b for _, b in pairs]
+    rel = [(b - a) / a for a, b in pairs if a > 0]
+    pa, pb = percentiles(a_vals), percentiles(b_vals)
+    out: dict = {
+        "count": len(pairs),
+        "mape": (sum(abs(e) for e in rel) / len(rel)) if rel else math.nan,
+        "bias": (sum(rel) / len(rel)) if rel else math.nan,
+        "max_abs_rel_error": max((abs(e) for e in rel), default=math.nan),
+        "mean_abs_error_s": (sum(abs(b - a) for a, b in pairs) / len(pairs)) if pairs else math.nan,
+        "a": pa,
+        "b": pb,
+    }
+    for q in ("p50", "p90", "p99", "mean", "max"):
+        diff = pb[q] - pa[q]
+        out[q] = {
+            "a": pa[q],
+            "b": pb[q],
+            "diff_s": diff,
+            "rel": (diff / pa[q]) if pa[q] and math.isfinite(pa[q]) else math.nan,
+        }
+    return out
+
+
+def verdict(metrics: dict, *, what: str = "transfer latency", tolerance: float = MAPE_OK) -> str:
+    n = metrics.get("count", 0)
+    mape, bias = metrics.get("mape", math.nan), metrics.get("bias", math.nan)
+    if not n or mape is None or not math.isfinite(mape):
+        return f"no {what} to compare: the runs have no completed room in common"
+    if mape <= tolerance:
+        return f"B within {tolerance:.0%} MAPE of A ({what}: MAPE {mape:.1%}, bias {bias:+.1%}, {n} rooms)"
+    direction = "slower" if bias > 0 else "faster"
+    factor = f", {1 + bias:.2f}x" if bias > 1 else ""
+    return (
+        f"B is {abs(bias):.0%} {direction} than A (bias{factor}; {what}: MAPE {mape:.1%}, "
+        f"bias {bias:+.1%}, {n} rooms)"
+    )
+
+
+def _room_list(rooms: Iterable[int], cap: int = 200) -> list[int]:
+    return sorted(rooms)[:cap]
+
+
+def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance: float = MAPE_OK) -> dict:
+    """Compare run B with run A (A is the reference). Returns a JSON-ready dict with
+    per-room and per-chunk errors, a phase breakdown and a verdict line."""
+    a, b = load_run(run_a), load_run(run_b)
+    ra, rb = room_metrics(a.records), room_metrics(b.records)
+    sa, sb = room_status(a.records), room_status(b.records)
+
+    both = sorted(set(ra) & set(rb))
+    only_a = set(sa) - set(sb)
+    only_b = set(sb) - set(sa)
+    # in both traces, but completed in only one of them (failed / unfinished in the other)
+    done_only_a = (set(ra) - set(rb)) - only_a
+    done_only_b = (set(rb) - set(ra)) - only_b
+
+    transfer_pairs = [(ra[k]["transfer"], rb[k]["transfer"]) for k in both if "transfer" in ra[k] and "transfer" in rb[k]]
+    ttft_pairs = [(ra[k]["ttft"], rb[k]["ttft"]) for k in both if "ttft" in ra[k] and "ttft" in rb[k]]
+    per_room = [
+        {
+            "room": k,
+            "a_transfer_s": ra[k].get("transfer"),
+            "b_transfer_s": rb[k].get("transfer"),
+            "a_ttft_s": ra[k].get("ttft"),
+            "b_ttft_s": rb[k].get("ttft"),
+        }
+        for k in both
+    ]
+
+    ca, cb = chunk_latencies(a.records), chunk_latencies(b.records)
+    chunk_keys = sorted(set(ca) & set(cb))
+    chunk_pairs = [(ca[k], cb[k]) for k in chunk_keys]
+
+    pha, phb = phase_breakdown(a.records), phase_breakdown(b.records)
+    phases = {}
+    for k in PHASE_KEYS:
+        ta, tb = pha[k]["total_s"], phb[k]["total_s"]
+        phases[k] = {
+            "label": PHASE_LABELS[k],
+            "a": pha[k],
+            "b": phb[k],
+            "total_ratio": (tb / ta) if ta > 0 else (math.nan if tb == 0 else math.inf),
+        }
+
+    transfer = error_metrics(transfer_pairs)
+    line = verdict(transfer, tolerance=tolerance)
+    notes = []
+    if only_a or only_b:
+        notes.append(f"rooms only in A: {len(only_a)}, only in B: {len(only_b)}")
+    if a.scenario_name != b.scenario_name:
+        notes.append(f"different scenarios: {a.scenario_name} vs {b.scenario_name}")
+    if done_only_a or done_only_b:
+        notes.append(f"completed only in A: {len(done_only_a)}, only in B: {len(done_only_b)}")
+    if notes:
+        line += " [" + "; ".join(notes) + "]"
+
+    def info(run: Run, status: dict, chunks: dict) -> dict:
+        return {
+            "path": str(run.path),
+            "name": run.name,
+            "scenario": run.scenario_name,
+            "mode": run.mode,
+            "transfer_path": run.transfer_path,
+            "backend": run.backend,
+            "device": run.device,
+            "rooms": len(status),
+            "rooms_done": sum(1 for s in status.values() if s == "done"),
+            "rooms_failed": sum(1 for s in status.values() if s == "failed"),
+            "chunks": len(chunks),
+        }
+
+    return {
+        "a": info(a, sa, ca),
+        "b": info(b, sb, cb),
+        "rooms": {
+            "matched": len(both),
+            "only_in_a": len(only_a),
+            "only_in_b": len(only_b),
+            "only_in_a_rooms": _room_list(only_a),
+            "only_in_b_rooms": _room_list(only_b),
+            "completed_only_in_a": len(done_only_a),
+            "completed_only_in_b": len(done_only_b),
+            "completed_only_in_a_rooms": _room_list(done_only_a),
+            "completed_only_in_b_rooms": _room_list(done_only_b),
+        },
+        "transfer_latency": transfer,
+        "ttft": error_metrics(ttft_pairs),
+        "chunk_latency": {
+            **error_metrics(chunk_pairs),
+            "only_in_a": len(set(ca) - set(cb)),
+            "only_in_b": len(set(cb) - set(ca)),
+        },
+        "phases": phases,
+        "per_room": per_room,
+        "per_chunk": [
+            {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]} for k in chunk_keys
+        ],
+        "verdict": line,
+        "tolerance": tolerance,
+    }
+
+
+def to_json(result: dict) -> str:
+    """JSON text of a compare result (NaN / inf written as null)."""
+
+    def clean(obj):
+        if isinstance(obj, float):
+            return _nan_to_none(obj)
+        if isinstance(obj, dict):
+            return {str(k): clean(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [clean(v) for v in obj]
+        return obj
+
+    return json.dumps(clean(result), indent=2) + "\n"
