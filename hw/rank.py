@@ -276,6 +276,7 @@ class RankProcess:
             and not self.open_queue
             and not self.verify_queue
             and not getattr(m, "_draining", None)
+            and not getattr(m, "_quarantine", None)
         )
 
     def _loop(self, t0: float) -> None:
