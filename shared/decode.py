@@ -17,7 +17,6 @@ from shared.events import (
     Action,
     Event,
     OpenRoom,
-    Peer,
     PeerLost,
     RoomDone,
     RoomFailed,
@@ -64,6 +63,7 @@ class _InFlightScatter:
 
 class DecodeMachine(MachineBase):
     role = "decode"
+    peer_role = "prefill"
 
     def __init__(
         self, rank: int, geometry: Geometry, pool_bytes: int, config: ProtocolConfig | None = None
@@ -78,6 +78,7 @@ class DecodeMachine(MachineBase):
         self._subscribers: list[int] = []  # prefill sessions, in subscription order
         self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
         self._last_wm = self.ring.watermark
+        self._ring_changed = False  # an assign or free since the last watermark check
         self._region_cache: dict[int, int] = {}
         # failed rooms' regions kept out of reuse: room -> (allocs, writers not yet confirmed)
         self._quarantine: dict[int, tuple[list[tuple[int, int]], set[int]]] = {}
@@ -95,8 +96,10 @@ class DecodeMachine(MachineBase):
             self._drop(out, now, f"decode cannot handle {type(event).__name__}")
         else:
             handler(self, event, now, out)
-        self._fire_timeouts(now, out)
-        self._broadcast_if_moved(now, out)
+        if self._deadline_due(now):
+            self._fire_timeouts(now, out)
+        if self._ring_changed:
+            self._broadcast_if_moved(now, out)
         return out
 
     # --- local events -------------------------------------------------------------------
@@ -125,7 +128,7 @@ class DecodeMachine(MachineBase):
         room.dst_page_base = ev.dst_page_base
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for p in self.writers:
-            out.append(Send(Peer("prefill", p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
+            out.append(Send(self._peer(p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
         # Requests that came before the open are checked against the grid now.
         for chunk, num_pages in room.req_pages.items():
             if chunk >= len(room.chunks) or room.chunks[chunk].num_pages != num_pages:
@@ -222,16 +225,17 @@ class DecodeMachine(MachineBase):
                     return
                 room.req_pages[msg.chunk] = msg.num_pages
             room.allocs[msg.chunk] = self.ring.assign(self._region_bytes(msg.num_pages))
+            self._ring_changed = True
         alloc = room.allocs[msg.chunk]
         if alloc is None:
             rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.session, self.rank)
         else:
             rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.session, self.rank)
-        out.append(Send(Peer("prefill", msg.session), rsp))
+        out.append(Send(self._peer(msg.session), rsp))
         if duplicate:
             # a re-sent REQ means the writer may have lost our RSP or a WATERMARK
             wm = self.ring.watermark
-            out.append(Send(Peer("prefill", msg.session), Watermark(wm.round, wm.tail, msg.session, self.rank)))
+            out.append(Send(self._peer(msg.session), Watermark(wm.round, wm.tail, msg.session, self.rank)))
         self._record(
             out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.session,
             offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
@@ -340,7 +344,7 @@ class DecodeMachine(MachineBase):
                 self._free(room.room, chunk, alloc_id, now, out)
         for p in self.writers:
             if p != skip_session:
-                out.append(Send(Peer("prefill", p), Abort(room.room, p, self.rank, True, reason[:512])))
+                out.append(Send(self._peer(p), Abort(room.room, p, self.rank, True, reason[:512])))
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
         out.append(RoomFailed(room.room, reason))
@@ -397,6 +401,7 @@ class DecodeMachine(MachineBase):
         alloc = self.ring.get(alloc_id)
         if alloc is None or not self.ring.free(alloc_id):
             return
+        self._ring_changed = True
         wm = self.ring.watermark
         self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
                      ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
@@ -406,16 +411,17 @@ class DecodeMachine(MachineBase):
             return
         self._subscribers.append(session)
         wm = self.ring.watermark
-        out.append(Send(Peer("prefill", session), Watermark(wm.round, wm.tail, session, self.rank)))
+        out.append(Send(self._peer(session), Watermark(wm.round, wm.tail, session, self.rank)))
 
     def _broadcast_if_moved(self, now: float, out: list[Action]) -> None:
+        self._ring_changed = False
         wm = self.ring.watermark
         if wm == self._last_wm:
             return
         assert wm > self._last_wm, f"watermark went backwards: {self._last_wm} -> {wm}"
         self._last_wm = wm
         for s in self._subscribers:
-            out.append(Send(Peer("prefill", s), Watermark(wm.round, wm.tail, s, self.rank)))
+            out.append(Send(self._peer(s), Watermark(wm.round, wm.tail, s, self.rank)))
         self._record(out, "watermark", now, now, ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
 
     def _region_bytes(self, num_pages: int) -> int:

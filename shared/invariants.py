@@ -83,24 +83,24 @@ class InvariantChecker:
         self._scatter_span: dict[tuple[int, int, int], tuple[float, float]] = {}
         self._freed_at: dict[tuple[int, int, int], float] = {}
         self.records_seen = 0
+        self._handlers = {
+            "write": self._on_write,
+            "scatter": self._on_scatter,
+            "free": self._on_free,
+            "chunk_ready": self._on_chunk_ready,
+            "room_open": self._on_room_open,
+            "room_done": self._on_room_end,
+            "room_failed": self._on_room_end,
+        }
 
     # --- feeding ------------------------------------------------------------------------
     def observe(self, r: TraceRecord) -> None:
         self.records_seen += 1
         phase = r.phase
-        if phase == "write":
-            self._on_write(r)
-        elif phase == "scatter":
-            self._on_scatter(r)
-        elif phase == "free":
-            self._on_free(r)
-        elif phase == "chunk_ready" and r.role == "decode":
-            if self.expect_path == "slice":
-                self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
-        elif phase == "room_open":
-            self._open[(r.role, r.rank, r.room)] = r.chunk
-        elif phase in ("room_done", "room_failed"):
-            self._on_room_end(r)
+        # Most records (req, rsp, compute, gather, ...) need no handler: one dict lookup.
+        handler = self._handlers.get(phase)
+        if handler is not None:
+            handler(r)
         if r.wm_round >= 0 and phase in ("watermark", "free", "wm_wait"):
             key = (r.role, r.rank, r.peer if r.role == "prefill" else -1)
             wm = (r.wm_round, r.wm_tail)
@@ -111,6 +111,13 @@ class InvariantChecker:
         if r.role == "decode" and r.ring_used >= 0:
             self._ring_used[r.rank] = r.ring_used
         self._recent.append(r)
+
+    def _on_chunk_ready(self, r: TraceRecord) -> None:
+        if r.role == "decode" and self.expect_path == "slice":
+            self._landed.setdefault((r.rank, r.room), set()).add(r.chunk)
+
+    def _on_room_open(self, r: TraceRecord) -> None:
+        self._open[(r.role, r.rank, r.room)] = r.chunk
 
     def _on_write(self, r: TraceRecord) -> None:
         d, key = r.peer, (r.room, r.chunk)

@@ -23,7 +23,6 @@ from shared.events import (
     Gather,
     GatherDone,
     OpenRoom,
-    Peer,
     PeerLost,
     RoomDone,
     RoomFailed,
@@ -77,6 +76,7 @@ class _Room:
 
 class PrefillMachine(MachineBase):
     role = "prefill"
+    peer_role = "decode"
 
     def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
@@ -93,6 +93,7 @@ class PrefillMachine(MachineBase):
         # failed rooms whose gathers/writes are still in flight: room -> (pending, targets, reason)
         self._draining: dict[int, tuple[set[tuple[int, int]], list[int], str]] = {}
         self._block_offset_cache: dict[tuple[int, int], int] = {}
+        self._block_bytes_cache: dict[tuple[int, int], int] = {}
 
     # --- public ---------------------------------------------------------------------
     @property
@@ -109,7 +110,8 @@ class PrefillMachine(MachineBase):
             self._drop(out, now, f"prefill cannot handle {type(event).__name__}")
         else:
             handler(self, event, now, out)
-        self._fire_timeouts(now, out)
+        if self._deadline_due(now):
+            self._fire_timeouts(now, out)
         return out
 
     # --- local events -----------------------------------------------------------------
@@ -150,7 +152,7 @@ class PrefillMachine(MachineBase):
                 # this rank is still computing the prefill forward.
                 for c in room.chunks:
                     out.append(
-                        Send(Peer("decode", d), StagingReq(ev.room, c.index, c.num_pages, self.rank, d))
+                        Send(self._peer(d), StagingReq(ev.room, c.index, c.num_pages, self.rank, d))
                     )
                     self._record(out, "req", now, now, room=ev.room, chunk=c.index, writer=t.writer, peer=d)
         if not room.chunks:  # nothing to send: empty room (prompt == prefix)
@@ -213,7 +215,7 @@ class PrefillMachine(MachineBase):
         t.written.add(ev.chunk)
         out.append(
             Send(
-                Peer("decode", t.decode_rank),
+                self._peer(t.decode_rank),
                 ChunkReady(ev.room, ev.chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank),
             )
         )
@@ -324,6 +326,10 @@ class PrefillMachine(MachineBase):
             self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
             out.append(RoomFailed(msg.room, reason))
             self._send_aborts(msg.room, self.targets, reason, out)
+        elif msg.room not in self._draining:
+            # Finished here (done, or failed with nothing in flight): confirm at once
+            # that this writer will not touch the room's regions again.
+            self._send_aborts(msg.room, [msg.decode_rank], "writer confirms: nothing in flight", out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))
@@ -374,7 +380,7 @@ class PrefillMachine(MachineBase):
             return
         t.done = True
         out.append(
-            Send(Peer("decode", t.decode_rank), WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank))
+            Send(self._peer(t.decode_rank), WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank))
         )
         if all(x.done for x in room.targets.values()):
             del self._rooms[room.room]
@@ -409,7 +415,7 @@ class PrefillMachine(MachineBase):
                 first = min(t.wait_since)
                 missing.append(room.chunks[first])
             for c in missing:
-                out.append(Send(Peer("decode", t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
+                out.append(Send(self._peer(t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
                 self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
                              peer=t.decode_rank, detail=f"retry {room.retries + 1}")
                 asked = True
@@ -428,7 +434,7 @@ class PrefillMachine(MachineBase):
 
     def _send_aborts(self, room_id: int, targets: list[int], reason: str, out: list[Action]) -> None:
         for d in targets:
-            out.append(Send(Peer("decode", d), Abort(room_id, self.rank, d, False, reason[:512])))
+            out.append(Send(self._peer(d), Abort(room_id, self.rank, d, False, reason[:512])))
 
     def _fire_timeouts(self, now: float, out: list[Action]) -> None:
         for room_id in self._expired(now):
@@ -465,7 +471,12 @@ class PrefillMachine(MachineBase):
 
     # --- geometry helpers (cached: hot in the simulator) -----------------------------------
     def _block_bytes(self, num_pages: int, heads: HeadSlice) -> int:
-        return self.geometry.block_bytes(num_pages * self.geometry.page_size, heads.num_heads)
+        key = (num_pages, heads.num_heads)
+        nbytes = self._block_bytes_cache.get(key)
+        if nbytes is None:
+            nbytes = self.geometry.block_bytes(num_pages * self.geometry.page_size, heads.num_heads)
+            self._block_bytes_cache[key] = nbytes
+        return nbytes
 
     def _block_offset(self, decode_rank: int, num_pages: int, writer: int) -> int:
         key = (decode_rank, num_pages)
