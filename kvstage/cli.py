@@ -76,7 +76,7 @@ def validate(scenario: ScenarioArg, set_: SetOpt = None) -> None:
 def sim(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<scenario>-sim-<time>/).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-sim-TIME/).")] = None,
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
     trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")] = False,
@@ -103,7 +103,7 @@ def hw(
     backend: Annotated[str | None, typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the scenario's).")] = None,
     verify: Annotated[str | None, typer.Option(help="full, sample or off (default: the scenario's).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<scenario>-hw-<time>/).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-hw-TIME/).")] = None,
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")] = True,
     timeout: Annotated[float, typer.Option(help="Fail the run if it is not finished after this many seconds.")] = 600.0,

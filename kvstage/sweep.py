@@ -462,6 +462,16 @@ def _project_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+def require_ray() -> None:
+    """SweepError (install hint) if Ray cannot be imported."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise SweepError(
+            f"--ray needs Ray, which is not installed here: pip install '{RAY_REQUIREMENT}'"
+        ) from None
+
+
 def ray_init(address: str, workers: int | None = None) -> bool:
     """Start or join Ray; False if it was already initialised (then leave it running).
 
@@ -470,12 +480,9 @@ def ray_init(address: str, workers: int | None = None) -> bool:
     project's code shipped as the job's working directory, so the workers run this
     version of kvstage (their Python environment must have its dependencies).
     """
-    try:
-        import ray
-    except ImportError:
-        raise SweepError(
-            f"--ray needs Ray, which is not installed here: pip install '{RAY_REQUIREMENT}'"
-        ) from None
+    require_ray()
+    import ray
+
     if ray.is_initialized():
         return False
     # Usage statistics would be reported over the network; a sweep has no business doing so.
@@ -483,6 +490,7 @@ def ray_init(address: str, workers: int | None = None) -> bool:
     try:
         if address == "local":
             ray.init(
+                address="local",  # a new private instance, even if a cluster runs here
                 num_cpus=workers or os.cpu_count() or 1,
                 include_dashboard=False,
                 log_to_driver=False,
@@ -503,7 +511,16 @@ def ray_init(address: str, workers: int | None = None) -> bool:
                 },
             )
     except Exception as exc:
-        raise SweepError(f"--ray {address}: cannot start or join Ray: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if address != "local" and "RAY_AUTH_MODE" not in os.environ:
+            hint = (
+                " (a cluster started with token authentication, the default of `ray start`,"
+                " needs RAY_AUTH_MODE=token here and its token in ~/.ray/auth_token or"
+                " RAY_AUTH_TOKEN)"
+            )
+        raise SweepError(
+            f"--ray {address}: cannot start or join Ray: {type(exc).__name__}: {exc}{hint}"
+        ) from None
     return True
 
 

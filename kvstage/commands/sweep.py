@@ -37,29 +37,36 @@ def _default_out(stem: str) -> Path:
     return path
 
 
+def _key_header(key: str) -> str:
+    return key.replace(".", ".\n")
+
+
 _SHORT = {
     "requests_failed": "failed",
     "ttft_s.p99": "TTFT p99",
     "watermark_stall_s.total": "stall total",
-    "ring_peak_fraction": "ring peak",
 }
 
 
-def _results_table(result: Any, metric: str) -> tuple[Table, list[str]]:
+def _results_table(result: Any, metric: str, target_metric: str | None = None) -> tuple[Table, list[str]]:
     """The rows as a table, and the distinct reasons (footnotes [1], [2], ...)."""
     from kvstage.sweep import STATUS_OK, format_metric, metric_display
 
     t = Table(title=f"sweep: {len(result.rows)} points", title_justify="left")
     for v in result.varies:
-        t.add_column(v.key.replace(".", ".\n"), justify="right")
-    t.add_column("status", no_wrap=True)
-    shown = [metric] + [m for m in _SHORT if m != metric]
+        t.add_column(_key_header(v.key), justify="right", overflow="fold")
+    t.add_column("status")
+    # The metric, the target's, TTFT and stall; failed requests only if there were any
+    # (the table must stay readable in 80 columns; sweep.csv has everything).
+    shown = list(dict.fromkeys(m for m in (metric, target_metric, *_SHORT) if m))
+    if not any(r["requests_failed"] for r in result.rows):
+        shown = [m for m in shown if m != "requests_failed" or m in (metric, target_metric)]
     units = {}
     for m in shown:
         scale, unit, label = metric_display(m, [r[m] for r in result.rows])
         units[m] = scale
         head = _SHORT.get(m, label) if m != metric else label
-        t.add_column(head + (f" ({unit})" if unit else ""), justify="right")
+        t.add_column(head + (f" ({unit})" if unit else ""), justify="right", max_width=10)
     reasons: list[str] = []
     for row in result.rows[:_MAX_PRINTED_ROWS]:
         ok = row["status"] == STATUS_OK
@@ -84,8 +91,8 @@ def _target_table(result: Any, report: dict) -> Table:
     first = result.varies[0].key
     t = Table(title=f"target {report['target']}: smallest {first} that meets it", title_justify="left")
     for v in result.varies[1:]:
-        t.add_column(v.key.replace(".", ".\n"), justify="right")
-    t.add_column(f"smallest {first}".replace(".", ".\n"), justify="right")
+        t.add_column(_key_header(v.key), justify="right", overflow="fold")
+    t.add_column(f"smallest {_key_header(first)}", justify="right", overflow="fold")
     t.add_column(f"{report['metric']} there" + (f" ({unit})" if unit else ""), justify="right")
     for a in report["answers"]:
         cells = [str(val) for val in a["settings"].values()]
@@ -95,6 +102,41 @@ def _target_table(result: Any, report: dict) -> Table:
             cells += ["[yellow]none meets it[/]", "-"]
         t.add_row(*cells)
     return t
+
+
+def _write_files(
+    result: Any,
+    out_dir: Path,
+    metric: str,
+    tgt: Any,
+    report: dict | None,
+    plots: bool,
+    sets: list[str],
+    scenario: Path,
+) -> dict[str, Path]:
+    from kvstage.sweep import STATUS_ERROR, STATUS_INVALID, plot_sweep, write_json, write_tables
+
+    files = write_tables(result, out_dir)
+    if report is not None:
+        files["target"] = write_json(out_dir / "target.json", report)
+    meta = {
+        "scenario": str(scenario),
+        "vary": {v.key: list(v.values) for v in result.varies},
+        "set": sets,
+        "metric": metric,
+        "target": tgt.text if tgt else None,
+        "backend": result.backend,
+        "points": len(result.rows),
+        "invalid": result.count(STATUS_INVALID),
+        "errors": result.count(STATUS_ERROR),
+        "invariant_violations": len(result.violated),
+        "wall_s": result.wall_s,
+    }
+    files["meta"] = write_json(out_dir / "sweep.json", meta)
+    if plots:
+        for i, path in enumerate(plot_sweep(result, metric, out_dir, tgt)):
+            files[f"plot{i}"] = path
+    return files
 
 
 def sweep(
@@ -134,8 +176,8 @@ def sweep(
             help="Report, per setting of the other keys, the smallest value of the first --vary key that meets it (<, <=, >, >=), e.g. 'transfer_latency_s.p99<0.5'.",
         ),
     ] = None,
-    metric: Annotated[str, typer.Option(help="Metric shown in the plots and the first table column.")] = "transfer_latency_s.p99",
-    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/<scenario>-sweep-<time>/).")] = None,
+    metric: Annotated[str, typer.Option(help="Metric of the plots and the first table column: a metric column of sweep.csv, e.g. ttft_s.p99, watermark_stall_s.total, throughput_gbps.")] = "transfer_latency_s.p99",
+    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/SCENARIO-sweep-TIME/).")] = None,
     keep_traces: Annotated[bool, typer.Option(help="Also write each point's run directory (trace, scenario, summary) to OUT/points/.")] = False,
     plots: Annotated[bool, typer.Option(help="Write the PNG plots.")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -161,17 +203,14 @@ def sweep(
 
     from kvstage.sweep import (
         STATUS_ERROR,
-        STATUS_INVALID,
         SweepError,
         check_metric,
         parse_target,
         parse_vary,
         plan_points,
-        plot_sweep,
+        require_ray,
         run_sweep,
         target_report,
-        write_json,
-        write_tables,
     )
 
     if not scenario.is_file():
@@ -184,6 +223,8 @@ def sweep(
         varies = [parse_vary(v) for v in vary]
         if workers is not None and workers < 1:
             raise SweepError(f"--workers {workers}: must be at least 1")
+        if ray is not None:
+            require_ray()
         points = plan_points(scenario, varies, list(set_ or []))
     except SweepError as exc:
         _fail(str(exc))
@@ -191,9 +232,9 @@ def sweep(
     out_dir = out if out is not None else _default_out(scenario.stem)
     invalid = sum(1 for p in points if p.scenario is None)
     shape = " x ".join(str(len(v.values)) for v in varies)
-    where = f"Ray ({ray})" if ray else f"{workers or os.cpu_count()} local processes"
+    where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
     console.print(
-        f"sweep [bold]{scenario}[/]: {len(points)} points ({shape}), {invalid} invalid; "
+        f"sweep [bold]{escape(str(scenario))}[/]: {len(points)} points ({shape}), {invalid} invalid; "
         f"running on {where}",
         highlight=False,
     )
@@ -234,35 +275,20 @@ def sweep(
         _fail(str(exc))
         return
 
-    files = write_tables(result, out_dir)
-    table, reasons = _results_table(result, metric)
+    report = target_report(result, tgt) if tgt is not None else None
+    try:
+        files = _write_files(result, out_dir, metric, tgt, report, plots, list(set_ or []), scenario)
+    except OSError as exc:
+        _fail(f"cannot write the results to {out_dir}: {exc}")
+        return
+    table, reasons = _results_table(result, metric, tgt.metric if tgt else None)
     console.print(table)
     for n, reason in enumerate(reasons, 1):
         console.print(f"[{n}] {reason}", markup=False, highlight=False)
     if len(result.rows) > _MAX_PRINTED_ROWS:
         console.print(f"... {len(result.rows) - _MAX_PRINTED_ROWS} more rows in {files['csv']}")
-    report = None
-    if tgt is not None:
-        report = target_report(result, tgt)
-        files["target"] = write_json(out_dir / "target.json", report)
+    if report is not None:
         console.print(_target_table(result, report))
-    meta = {
-        "scenario": str(scenario),
-        "vary": {v.key: list(v.values) for v in varies},
-        "set": list(set_ or []),
-        "metric": metric,
-        "target": tgt.text if tgt else None,
-        "backend": result.backend,
-        "points": len(result.rows),
-        "invalid": result.count(STATUS_INVALID),
-        "errors": result.count(STATUS_ERROR),
-        "invariant_violations": len(result.violated),
-        "wall_s": result.wall_s,
-    }
-    files["meta"] = write_json(out_dir / "sweep.json", meta)
-    if plots:
-        for i, path in enumerate(plot_sweep(result, metric, out_dir, tgt)):
-            files[f"plot{i}"] = path
     console.print(
         f"{len(result.rows)} points in {result.wall_s:.1f} s on {result.backend}; "
         f"files in {out_dir}: {', '.join(p.name for p in files.values())}",
