@@ -5,15 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVSTAGE_VENV:-.venv}
 
-need_apt=()
-for lib in libibverbs.so.1 libnuma.so.1; do
-    ldconfig -p 2>/dev/null | grep -q "$lib" || need_apt+=("$lib")
+# --test: also what the test suite needs (headless Chromium for the report test).
+want=(libibverbs1 libnuma1)
+[ "${1:-}" = "--test" ] && want+=(chromium)
+missing=()
+for pkg in "${want[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
-if [ ${#need_apt[@]} -gt 0 ]; then
-    echo "[setup] installing Debian packages libibverbs1 libnuma1"
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "[setup] installing Debian packages: ${missing[*]}"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
