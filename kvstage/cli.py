@@ -91,6 +91,9 @@ def sim(
         _fail(f"--trace-format {trace_format!r} not allowed (allowed: parquet, jsonl)")
     s = _load(scenario, set_, seed)
     if scaled:
+        # the same scale-down `kvstage hw` applies, so the two runs compare
+        if not s.hardware.scale_down.enabled:
+            s = _load(scenario, list(set_ or []) + ["hardware.scale_down.enabled=true"], seed)
         s = s.scaled()
     code = run_simulation(s, out=out, trace_format=trace_format, progress=progress, console=console)
     raise typer.Exit(code)

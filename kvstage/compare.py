@@ -290,11 +290,40 @@ def verdict(metrics: dict, *, what: str = "transfer latency", tolerance: float =
     if mape <= tolerance:
         return f"B within {tolerance:.0%} MAPE of A ({what}: MAPE {mape:.1%}, bias {bias:+.1%}, {n} rooms)"
     direction = "slower" if bias > 0 else "faster"
-    factor = f", {1 + bias:.2f}x" if bias > 1 else ""
+    size = f"{abs(bias):.1%}" if 0.995 <= abs(bias) < 1 else f"{abs(bias):.0%}"
+    factor = f", B/A = {1 + bias:.3g}x" if abs(bias) >= 0.5 else ""
     return (
-        f"B is {abs(bias):.0%} {direction} than A (bias{factor}; {what}: MAPE {mape:.1%}, "
+        f"B is {size} {direction} than A (bias{factor}; {what}: MAPE {mape:.1%}, "
         f"bias {bias:+.1%}, {n} rooms)"
     )
+
+
+# Resolved-scenario fields that do not change what is transferred (so not worth a warning).
+_IGNORED_FIELDS = ("name", "description", "links.source", "hardware.", "faults.", "expect.")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def scenario_diff(a: dict, b: dict) -> list[tuple[str, object, object]]:
+    """(field, value in A, value in B) for every resolved-scenario field that differs,
+    leaving out names, notes and hardware / fault settings."""
+    fa, fb = _flatten(a), _flatten(b)
+    out = []
+    for key in sorted(set(fa) | set(fb)):
+        if key.startswith(_IGNORED_FIELDS) or key in _IGNORED_FIELDS:
+            continue
+        if fa.get(key) != fb.get(key):
+            out.append((key, fa.get(key), fb.get(key)))
+    return out
 
 
 def _room_list(rooms: Iterable[int], cap: int = 200) -> list[int]:
@@ -348,8 +377,13 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
     notes = []
     if only_a or only_b:
         notes.append(f"rooms only in A: {len(only_a)}, only in B: {len(only_b)}")
+    diff = scenario_diff(a.scenario, b.scenario) if a.scenario and b.scenario else []
     if a.scenario_name != b.scenario_name:
         notes.append(f"different scenarios: {a.scenario_name} vs {b.scenario_name}")
+    elif diff:
+        shown = ", ".join(f"{k} {va} vs {vb}" for k, va, vb in diff[:4])
+        more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+        notes.append(f"scenario fields differ: {shown}{more}")
     if done_only_a or done_only_b:
         notes.append(f"completed only in A: {len(done_only_a)}, only in B: {len(done_only_b)}")
     if notes:
@@ -392,6 +426,7 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
             "only_in_b": len(set(cb) - set(ca)),
         },
         "phases": phases,
+        "scenario_diff": [{"field": k, "a": va, "b": vb} for k, va, vb in diff],
         "per_room": per_room,
         "per_chunk": [
             {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]} for k in chunk_keys

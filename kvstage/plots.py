@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import NullFormatter
 
 from kvstage.compare import PHASE_KEYS, PHASE_LABELS, Run, load_run, phase_breakdown, room_metrics
 
@@ -40,6 +41,13 @@ PHASE_COLORS = {
     "control_chunk_ready": OKABE_ITO["orange"],
 }
 MIB = 1 << 20
+
+
+def _log(ax, axis: str = "x") -> None:
+    """Log scale without minor tick labels (they crowd the axis and cost layout time)."""
+    for name in axis:
+        getattr(ax, f"set_{name}scale")("log")
+        getattr(ax, f"{name}axis").set_minor_formatter(NullFormatter())
 
 
 def run_color(i: int) -> str:
@@ -257,13 +265,15 @@ def ring_occupancy(run: Run | str, *, max_ranks: int = 8) -> Figure:
 def _ms_axis(ax, values: Sequence[float]) -> None:
     pos = [v for v in values if v > 0]
     if pos and max(pos) / min(pos) > 20:
-        ax.set_xscale("log")
+        _log(ax, "x")
 
 
 def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
     """Empirical CDFs of transfer latency and TTFT, one curve per run."""
     runs = _runs(runs)
-    fig = Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    # fixed margins: constrained layout would measure every (log) tick label twice
+    fig.subplots_adjust(left=0.065, right=0.985, bottom=0.12, top=0.92, wspace=0.2)
     axes = fig.subplots(1, 2)
     for ax, key, title in ((axes[0], "transfer", "transfer latency (first STAGING_REQ -> room done)"),
                            (axes[1], "ttft", "TTFT (arrival -> decode ready)")):
@@ -284,10 +294,10 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
         ax.set_ylabel("fraction of rooms")
         ax.set_ylim(0, 1.02)
         ax.set_title(title, fontsize=10)
-        ax.grid(color="#EEEEEE", which="both")
+        ax.grid(color="#EEEEEE")
         ax.axhline(0.5, color="#999999", linewidth=0.6, linestyle=":")
         ax.axhline(0.99, color="#999999", linewidth=0.6, linestyle=":")
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     return fig
 
 
@@ -319,12 +329,12 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
                     ax.text(x, y, f" {x:,.0f}" if x >= 1000 else f" {x:.3g}", va="center", fontsize=7)
         pos = [v for v in values if v > 0]
         if pos and max(pos) / min(pos) > 200:
-            ax.set_xscale("log")
+            _log(ax, "x")
             ax.set_xlim(min(pos) / 2, max(pos) * 8)
         elif pos:
             ax.set_xlim(0, max(pos) * 1.25)
         ax.set_xlabel(xlabel)
-        ax.grid(axis="x", color="#EEEEEE", which="both")
+        ax.grid(axis="x", color="#EEEEEE")
         ax.set_axisbelow(True)
     axes[0].set_yticks([len(phases) - 1 - j for j in range(len(phases))], [PHASE_LABELS[p] for p in phases])
     handles, names = axes[0].get_legend_handles_labels()
@@ -342,7 +352,8 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
     """Side by side: transfer latency and TTFT (p50 / p99, ms) and transfer requests
     per request (log scale) of each run, labelled with its transfer path."""
     runs = _runs(runs)
-    fig = Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.14, top=0.85, wspace=0.32)
     axes = fig.subplots(1, 3)
     names = [f"{run.name}\n{run.transfer_path}" for run in runs]
     x = list(range(len(runs)))
@@ -372,11 +383,11 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
     for xi, v in zip(x, per_req, strict=True):
         ax.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
     if any(v > 0 for v in per_req):
-        ax.set_yscale("log")
+        _log(ax, "y")
     ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("transfer requests per request (log)")
     ax.set_title("transfer requests issued per request", fontsize=10)
-    ax.grid(axis="y", color="#EEEEEE", which="both")
+    ax.grid(axis="y", color="#EEEEEE")
     ax.set_axisbelow(True)
     fig.suptitle("staging vs slice", fontsize=11)
     return fig
@@ -405,7 +416,8 @@ def comparison_scatter(result: dict) -> Figure:
         ("chunk latency per (room, chunk, decode rank)", [(p["a_s"], p["b_s"]) for p in result.get("per_chunk", [])],
          result["chunk_latency"]),
     ]
-    fig = Figure(figsize=(11, 4.3), dpi=100, layout="constrained")
+    fig = Figure(figsize=(11, 4.3), dpi=100)
+    fig.subplots_adjust(left=0.065, right=0.985, bottom=0.12, top=0.82, wspace=0.3)
     axes = fig.subplots(1, 3)
     for ax, (title, pairs, metrics) in zip(axes, panels, strict=True):
         pairs = [(x * 1e3, y * 1e3) for x, y in pairs if x is not None and y is not None]
@@ -419,8 +431,7 @@ def comparison_scatter(result: dict) -> Figure:
         log = lo > 0 and hi / lo > 20
         if log:
             lo, hi = lo / 1.3, hi * 1.3
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+            _log(ax, "xy")
         else:
             pad = (hi - lo) * 0.08 or max(hi, 1e-9) * 0.1
             lo, hi = max(0.0, lo - pad), hi + pad
@@ -438,8 +449,9 @@ def comparison_scatter(result: dict) -> Figure:
         if mape is not None and math.isfinite(mape):
             sub = f"\nMAPE {mape:.1%}, bias {bias:+.1%}"
         ax.set_title(title + sub, fontsize=9)
-        ax.grid(color="#EEEEEE", which="both")
-        ax.legend(loc="upper left", fontsize=7)
+        ax.grid(color="#EEEEEE")
+        bias_ok = bias is not None and math.isfinite(bias)
+        ax.legend(loc="lower right" if bias_ok and bias > 0 else "upper left", fontsize=7)
     fig.suptitle(f"B vs A: {b['name']} ({b['mode']}, {b['transfer_path']}) against {a['name']} "
                  f"({a['mode']}, {a['transfer_path']})", fontsize=10)
     return fig

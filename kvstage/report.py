@@ -38,6 +38,7 @@ table { border-collapse: collapse; margin: 8px 0 16px; font-size: 0.9em; }
 th, td { border: 1px solid #d5d9de; padding: 4px 10px; text-align: left; vertical-align: top; }
 th { background: #eef1f4; font-weight: 600; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td:first-child { min-width: 12em; }
 tr:nth-child(even) td { background: #fafbfc; }
 .cols { display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }
 .cols > div { flex: 1 1 420px; }
@@ -202,7 +203,9 @@ def _err_rows(name: str, m: dict) -> list[tuple]:
     for q in ("p50", "p99", "mean"):
         e = m.get(q) or {}
         rows.append((f"{name} {q}", _ms(e.get("a")), _ms(e.get("b")), _ms(e.get("diff_s")), _pct(e.get("rel"))))
-    rows.append((f"{name} MAPE / bias", "", "", f"n = {m.get('count', 0)}", f"{_pct(m.get('mape')).lstrip('+')} / {_pct(m.get('bias'))}"))
+    unit = "chunks" if name.startswith("chunk") else "rooms"
+    rows.append((f"{name} MAPE / bias over {m.get('count', 0)} {unit}", "", "", "",
+                 f"{_pct(m.get('mape')).lstrip('+')} / {_pct(m.get('bias'))}"))
     return rows
 
 
@@ -217,12 +220,19 @@ def _compare_section(k: int, result: dict) -> str:
     mape = result["transfer_latency"].get("mape")
     ok = mape is not None and math.isfinite(mape) and mape <= result.get("tolerance", 0.15)
     out.append(f'<div class="verdict{"" if ok else " off"}">{_e(result["verdict"])}</div>')
+    diff = result.get("scenario_diff") or []
+    if diff:
+        out.append('<p class="note">The resolved scenarios differ (names, hardware and fault settings '
+                   "left out); the comparison may not be like for like:</p>")
+        out.append(_table([(d["field"], d["a"], d["b"]) for d in diff[:20]], header=("field", "A", "B")))
+        if len(diff) > 20:
+            out.append(f'<p class="note">... and {len(diff) - 20} more</p>')
     rows = []
     rows += _err_rows("transfer latency", result["transfer_latency"])
     rows += _err_rows("TTFT", result["ttft"])
     rows += _err_rows("chunk latency", result["chunk_latency"])
-    out.append('<div class="cols"><div>')
     out.append(_table(rows, header=("metric", "A", "B", "B - A", "(B - A) / A"), num_cols=(1, 2, 3, 4)))
+    out.append('<div class="cols"><div>')
     r = result["rooms"]
     room_rows = [
         ("rooms matched (completed in both)", r["matched"]),

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console()
@@ -22,7 +23,7 @@ RunArg = Annotated[Path, typer.Argument(help="Run directory (or its trace file),
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -47,8 +48,12 @@ def _print_compare(result: dict) -> None:
     from kvstage.compare import PHASE_KEYS
 
     a, b = result["a"], result["b"]
-    console.print(f"A = [bold]{a['name']}[/] ({a['scenario']}, {a['mode']}, {a['transfer_path']})  {a['path']}", highlight=False)
-    console.print(f"B = [bold]{b['name']}[/] ({b['scenario']}, {b['mode']}, {b['transfer_path']})  {b['path']}", highlight=False)
+    for tag, run in (("A", a), ("B", b)):
+        console.print(
+            f"{tag} = [bold]{escape(run['name'])}[/] "
+            + escape(f"({run['scenario']}, {run['mode']}, {run['transfer_path']})  {run['path']}"),
+            highlight=False,
+        )
     t = Table(title="B relative to A")
     for col in ("metric", "A", "B", "B - A", "(B - A) / A"):
         t.add_column(col, justify="left" if col == "metric" else "right")
@@ -78,7 +83,7 @@ def _print_compare(result: dict) -> None:
     )
     mape = result["transfer_latency"]["mape"]
     ok = mape is not None and math.isfinite(mape) and mape <= result["tolerance"]
-    console.print(f"[bold {'green' if ok else 'yellow'}]verdict:[/] {result['verdict']}", highlight=False)
+    console.print(f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -108,7 +113,7 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(to_json(result))
-            console.print(f"comparison JSON: {json_out}", highlight=False)
+            console.print(f"comparison JSON: {json_out}", highlight=False, markup=False)
         if plots is not None:
             from kvstage import plots as figs
 
@@ -124,7 +129,7 @@ def register(app: typer.Typer) -> None:
             for name, fig in items:
                 fig.savefig(plots / name, dpi=100)
                 written.append(name)
-            console.print(f"figures in {plots}: {', '.join(written)}", highlight=False)
+            console.print(f"figures in {plots}: {', '.join(written)}", highlight=False, markup=False)
 
     @app.command()
     def report(
@@ -143,7 +148,7 @@ def register(app: typer.Typer) -> None:
             _fail(f"--max-rooms {max_rooms} not allowed (at least 1)")
         loaded = [_load(p) for p in runs]
         path = build_report(loaded, out, max_rooms=max_rooms)
-        console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False)
+        console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False)
 
     @app.command("export-trace")
     def export_trace(
@@ -161,4 +166,4 @@ def register(app: typer.Typer) -> None:
             _fail("choose an export format: --chrome (Chrome / Perfetto JSON)")
         loaded = _load(run)
         path = export_chrome(loaded, out)
-        console.print(f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False)
+        console.print(f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False, markup=False)

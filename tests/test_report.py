@@ -1,0 +1,178 @@
+"""The HTML report (opened in headless Chromium), the Chrome trace export and their CLI."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kvstage.chrome_trace import export_chrome
+from kvstage.cli import app
+from kvstage.report import build_report
+from kvstage.simrun import run_simulation
+from kvstage.tracefile import read_records
+from shared.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+SCENARIO = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
+SETS = ["workload.requests=16", "workload.rate_per_s=40", "decode.staging_pool_mb=512"]
+IN_CI = os.environ.get("CI") == "true"
+# A run directory name a report must escape, not interpret.
+ODD_NAME = 'slice <b>&"x"'
+IMG_RE = re.compile(r"<img\b[^>]*\bsrc=\"([^\"]*)\"", re.IGNORECASE)
+DATA_RE = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
+
+
+def simulate(out: Path, extra: list[str] | None = None) -> Path:
+    scenario = load_scenario(SCENARIO, overrides=SETS + list(extra or []))
+    assert run_simulation(scenario, out=out, progress=False, console=Console(file=io.StringIO())) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("report")
+    return {"staging": simulate(base / "staging"), "slice": simulate(base / ODD_NAME, ["transfer.path=slice"])}
+
+
+@pytest.fixture(scope="module")
+def report(runs, tmp_path_factory) -> Path:
+    return build_report([runs["staging"], runs["slice"]], tmp_path_factory.mktemp("html") / "report.html")
+
+
+# per run: timeline, ring; across runs: CDFs, phase bars, staging vs slice; one comparison
+EXPECTED_FIGURES = 2 * 2 + 3 + 1
+
+
+def decode_png(uri: str) -> Image.Image:
+    assert uri.startswith("data:image/png;base64,"), uri[:40]
+    raw = base64.b64decode(uri.split(",", 1)[1], validate=True)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    img = Image.open(io.BytesIO(raw))
+    img.load()
+    return img
+
+
+def test_report_is_self_contained(report):
+    text = report.read_text(encoding="utf-8")
+    srcs = IMG_RE.findall(text)
+    assert len(srcs) == EXPECTED_FIGURES
+    for src in srcs:
+        img = decode_png(src)
+        assert img.width >= 400 and img.height >= 100
+    rest = DATA_RE.sub("", text)
+    # no external URL at all: no scheme, no protocol-relative address, no CSS url()
+    assert not re.search(r"(?i)\b(?:https?|ftp|file|wss?):", rest)
+    assert "://" not in rest and "url(" not in rest.lower()
+    refs = re.findall(r'(?i)\b(?:src|href)\s*=\s*"([^"]*)"', text)
+    assert refs and all(ref.startswith(("data:image/png;base64,", "#")) for ref in refs)
+    assert "<script" not in rest.lower() and "<link" not in rest.lower()
+    # escaped, never interpreted
+    assert ODD_NAME not in text and html.escape(ODD_NAME) in text
+    assert "B = " + html.escape(ODD_NAME) in text
+    assert report.stat().st_size < 3_000_000
+    for heading in ("Run 1:", "Run 2:", "Latency and phases across runs", "Comparison", "B is "):
+        assert heading in text
+
+
+def find_chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
+
+
+def test_report_in_headless_chromium(report, tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        if IN_CI:
+            pytest.fail("chromium is required in CI (scripts/setup.sh installs Debian's chromium)")
+        pytest.skip("chromium not installed (apt-get install chromium)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--window-size=1280,7000",
+        f"--screenshot={shot}", "--dump-dom", report.resolve().as_uri(),
+    ]
+    env = {**os.environ, "DBUS_SESSION_BUS_ADDRESS": "disabled:"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
+    assert not console, "\n".join(console)  # the page has no script: any console line is an error
+    dom = proc.stdout
+    srcs = IMG_RE.findall(dom)
+    assert len(srcs) == EXPECTED_FIGURES  # every figure made it into the rendered document
+    for src in srcs:
+        decode_png(src)
+    assert shot.exists(), "no screenshot"
+    img = Image.open(shot)
+    assert img.width == 1280
+    colors = img.convert("RGB").resize((128, 700)).getcolors(maxcolors=1 << 16)
+    assert colors is None or len(colors) > 50  # a rendered page, not a blank one
+
+
+def test_export_chrome(runs, tmp_path):
+    for run in runs.values():
+        out = export_chrome(run, tmp_path / f"{run.name}.json")
+        doc = json.loads(out.read_text())
+        events = doc["traceEvents"]
+        _, records = read_records(run)
+        body = [e for e in events if e["ph"] != "M"]
+        assert len(body) == len(records)
+        assert {e["ph"] for e in body} <= {"X", "i"}
+        spans = [e for e in body if e["ph"] == "X"]
+        assert len(spans) == sum(1 for r in records if r.end > r.start)
+        assert all(e["dur"] >= 0 for e in spans)
+        assert all(isinstance(e["ts"], (int, float)) and e["ts"] >= 0 for e in body)
+        # complete events of one thread never overlap (the JSON format wants them nested)
+        lanes = defaultdict(list)
+        for e in spans:
+            lanes[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+        for ivs in lanes.values():
+            ivs.sort()
+            assert all(b0 >= a1 - 1e-6 for (_, a1), (b0, _) in zip(ivs, ivs[1:], strict=False))
+        meta = {(e["name"], e["pid"], e["tid"]): e["args"] for e in events if e["ph"] == "M"}
+        assert meta[("process_name", 1, 0)] == {"name": "prefill"}
+        assert meta[("process_name", 2, 0)] == {"name": "decode"}
+        named = {(pid, tid) for name, pid, tid in meta if name == "thread_name"}
+        assert {(e["pid"], e["tid"]) for e in body} <= named
+        writes = [e for e in spans if e["cat"] in ("write", "slice_write")]
+        assert writes and all(e["args"]["bytes"] > 0 and e["args"]["requests"] > 0 for e in writes)
+        assert re.fullmatch(r"(slice_)?write r\d+ c\d+", writes[0]["name"])
+
+
+def test_cli_report_and_export(runs, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "r.html"
+    res = runner.invoke(app, ["report", str(runs["staging"]), "--out", str(out), "--max-rooms", "4"])
+    assert res.exit_code == 0, res.output
+    assert len(IMG_RE.findall(out.read_text())) == 2 + 2  # one run: no slice / comparison figures
+    res = runner.invoke(app, ["export-trace", str(runs["staging"]), "--chrome", "--out", str(tmp_path / "t.json")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    res = runner.invoke(app, ["export-trace", str(runs["staging"])])
+    assert res.exit_code == 2 and "--chrome" in res.output
+    for args in (["report", str(tmp_path)], ["export-trace", str(tmp_path), "--chrome"],
+                 ["compare", str(tmp_path), str(runs["staging"])]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, args
+        assert "is not a run directory" in res.output
+        assert res.exception is None or isinstance(res.exception, SystemExit)
