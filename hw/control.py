@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,9 @@ class ControlPlane:
     def receive(self, timeout_s: float) -> list[Message]:
         """Every message waiting (after at most `timeout_s` of waiting for the first)."""
         out: list[Message] = []
-        if not self.poller.poll(max(0, int(timeout_s * 1000))):
+        # round up: a sub-millisecond wait truncated to 0 would spin and starve the
+        # other ranks sharing this machine's cores
+        if not self.poller.poll(max(0, math.ceil(timeout_s * 1000))):
             return out
         while True:
             try:

@@ -58,7 +58,7 @@ from shared.workload import Request, generate_requests
 log = logging.getLogger("kvstage.hw.rank")
 
 # Idle poll interval while transfers are in flight (they complete asynchronously).
-BUSY_POLL_S = 0.0005
+BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
 # A failed room's pages are reused only after this long: a peer's write that was
 # still in flight must not land in another room's pages.
