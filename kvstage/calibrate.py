@@ -383,7 +383,12 @@ def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, 
                     break
                 cp.send("ping", msg)
         conn.send(("echo-done", stop))
+        # While the sender runs its kernels, this process only waits on the pipe: the CPU
+        # it still burns is the engine's own threads (e.g. a busy-polling progress thread).
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         _expect(conn, "bye", plan.step_timeout_s * 3)
+        wall = time.perf_counter() - wall0
+        conn.send(("result", "idle_cpu", {"cpu_s": time.process_time() - cpu0, "wall_s": wall}))
         cp.close()
         transport.close()
         conn.send(("done",))
@@ -566,6 +571,45 @@ def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str,
     return res
 
 
+def _measure_handle_cost(conn: Any) -> dict[str, Any]:
+    """CPU cost of one protocol event in a rank's loop: time every machine.handle() call
+    of a small simulated fan-in run (in-process; no I/O, so this is the state machine's
+    own Python cost, without the codec and ZMQ that the control round trip holds)."""
+    from shared.scenario import scenario_from_dict
+    from sim.driver import Simulation
+
+    scenario = scenario_from_dict({
+        "name": "calibrate-handle-cost",
+        "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
+        "prefill": {"tp": 2, "chunked_prefill_size": 256},
+        "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 16},
+        "links": {"profile": "loopback-cpu", "placement": "intra"},
+        "workload": {"requests": 16, "arrival": "fixed", "rate_per_s": 50.0, "prompt": "uniform",
+                     "prompt_min": 512, "prompt_max": 2048, "seed": 1},
+    })
+    sim = Simulation(scenario, check=False)
+    times: list[float] = []
+    clock = time.perf_counter
+
+    def timed(handle: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(event: Any, now: float) -> Any:
+            t0 = clock()
+            out = handle(event, now)
+            times.append(clock() - t0)
+            return out
+        return wrapper
+
+    for m in [*sim.prefill, *sim.decode]:
+        m.handle = timed(m.handle)
+    _progress(conn, "events", 0, 1)
+    sim.run()
+    _progress(conn, "events", 1, 1)
+    xs = sorted(times)
+    return {"events": len(xs), "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
+            "median_s": float(statistics.median(xs)) if xs else 0.0,
+            "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
+
+
 def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
     try:
         _child_setup(log_path)
@@ -585,6 +629,7 @@ def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, lo
         transport.close()
         conn.send(("result", "control", _measure_control(plan, conn)))
         conn.send(("result", "kernels", _measure_kernels(device, plan, conn)))
+        conn.send(("result", "handle", _measure_handle_cost(conn)))
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -735,6 +780,14 @@ class Calibration:
 
     # --- derived numbers -----------------------------------------------------------
     @property
+    def engine_idle_cores(self) -> float:
+        """Cores an idle process of this engine keeps busy (its progress threads): CPU
+        seconds per second of the receiver while it had nothing to do."""
+        idle = self.raw.get("idle_cpu") or {}
+        wall = idle.get("wall_s", 0.0)
+        return idle.get("cpu_s", 0.0) / wall if wall > 0 else 0.0
+
+    @property
     def link_latency_s(self) -> float:
         """The sim charges latency + requests * per_request + bytes / bw; a one-op write
         measured `write.latency_s` in total, so the link latency is the rest."""
@@ -783,6 +836,7 @@ class Calibration:
                             "intercept_s": self.per_request.intercept_s, "slope_s": self.per_request.slope_s,
                             "r2": self.per_request.r2, "residuals_rel": self.per_request.residuals,
                             "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth"},
+            "per_request_points": self._per_request_points(),
             "link_latency_s": self.link_latency_s,
             "control": {"rtt_median_s": self.control_rtt_s, "rtt_p90_s": self.control_rtt_p90_s,
                         "one_way_s": self.control_rtt_s / 2, "pings": len(self.raw["control"]["rtt_s"])},
@@ -793,7 +847,20 @@ class Calibration:
             "fill": {**lin(self.fill), "bytes_per_token": self.fill_bytes_per_token,
                      "model": "hw prefill forward (fill_pattern): t = latency + KV bytes / bandwidth"},
             "gpu_flops": self.gpu_flops,
+            "engine_idle_cores": self.engine_idle_cores,
+            "event_handle": dict(self.raw.get("handle", {}),
+                                 model="CPU cost of one state-machine event (machine.handle) in a "
+                                       "rank loop; not in the profile schema (a proposed host model input)"),
         }
+
+    def _per_request_points(self) -> list[dict[str, float]]:
+        """Per batch: (t(n) - (latency + n * s / bandwidth)) / n, the direct estimate."""
+        b = self.raw["batch"]
+        out = []
+        for n, t in zip(b["counts"], median_of(b["seconds"]), strict=True):
+            bytes_time = self.write.latency_s + n * b["op_bytes"] / self.write.bandwidth_Bps
+            out.append({"ops": n, "median_s": t, "per_request_s": (t - bytes_time) / n})
+        return out
 
     def sidecar(self) -> dict[str, Any]:
         return {

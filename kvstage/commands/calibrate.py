@@ -43,6 +43,11 @@ def print_calibration(cal, console: Console) -> None:
     t.add_row("hw prefill fill rate / latency", f"{f.bandwidth_Bps / 1e9:.3f} GB/s / {f.latency_s * 1e6:.0f} us",
               f"R² {f.r2:.4f}, {worst(f.residuals)}")
     t.add_row("matmul", f"{cal.gpu_flops / 1e9:.1f} GFLOP/s", "")
+    t.add_row("idle engine process CPU", f"{cal.engine_idle_cores:.2f} cores", "progress threads")
+    h = cal.raw.get("handle")
+    if h:
+        t.add_row("state-machine event (CPU)", f"{h['mean_s'] * 1e6:.1f} us mean",
+                  f"median {h['median_s'] * 1e6:.1f} us, {h['events']} events")
     console.print(t)
 
 
@@ -52,14 +57,14 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option(help="Transfer engine to measure: nixl or mooncake.")] = "nixl",
         device: Annotated[str, typer.Option(help="cpu or cuda (memory the engine moves, kernels run on).")] = "cpu",
         out: Annotated[Path | None, typer.Option(
-            help="Profile TOML to write (default runs/calibration/<backend>-<device>-<time>.toml); "
-                 "fit quality and raw points go to <stem>.fit.json beside it.")] = None,
+            help="Profile TOML to write (default runs/calibration/BACKEND-DEVICE-TIME.toml); "
+                 "fit quality and raw points go to STEM.fit.json beside it.")] = None,
         quick: Annotated[bool, typer.Option(help="A short sweep (a few seconds of measuring).")] = False,
     ) -> None:
         """Measure this machine between two real processes over the real engine (write
         latency and bandwidth, per-request overhead, ZMQ control round trip, gather /
         scatter kernels, hw prefill fill rate), fit them, and write a hardware profile
-        that a scenario can name with `links.profile = "<path>"`."""
+        that a scenario can name with `links.profile = "PATH"`."""
         from kvstage.calibrate import CalibrationError, write_profile
         from kvstage.calibrate import calibrate as run_calibration
 
@@ -98,4 +103,4 @@ def register(app: typer.Typer) -> None:
             err.print(f"writing the profile {path}: {exc}", highlight=False, markup=False)
             raise typer.Exit(1) from None
         console.print(f"profile: {toml_path}\nfit and raw points: {side}")
-        console.print(f"use it: kvstage sim SCENARIO --set links.profile={toml_path}")
+        console.print(f"use it: kvstage sim SCENARIO --set links.profile={toml_path.resolve()}")

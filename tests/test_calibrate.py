@@ -1,0 +1,193 @@
+"""Calibration: the pure fits on synthetic points, and a real (quick) calibration
+against the loopback engines whose profile loads into a scenario and simulates."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from hw.transport import probe_engine
+from kvstage.calibrate import (
+    CalibrationPlan,
+    calibrate,
+    fit_copy,
+    fit_latency_bandwidth,
+    fit_per_request,
+    median_of,
+    sidecar_path,
+    write_profile,
+)
+from kvstage.cli import app
+from kvstage.runs import read_summary
+from kvstage.simrun import run_simulation
+from shared.scenario import PROFILE_FIELDS, load_scenario
+
+IN_CI = os.environ.get("CI") == "true"
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [4096 * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
+
+
+def noisy(clean: np.ndarray, rng: np.random.Generator, rel: float, reps: int = 7) -> list[float]:
+    """Medians of `reps` measurements with multiplicative noise of `rel` (1 sigma)."""
+    samples = clean[:, None] * (1 + rel * rng.standard_normal((clean.size, reps)))
+    return median_of(samples.tolist())
+
+
+# --------------------------------------------------------------------------- pure fits
+
+
+def test_exact_points_fit_exactly() -> None:
+    lat, bw = 30e-6, 8e9
+    x = np.array(SIZES, dtype=float)
+    fit = fit_latency_bandwidth(x, lat + x / bw)
+    assert fit.latency_s == pytest.approx(lat, rel=1e-9)
+    assert fit.bandwidth_Bps == pytest.approx(bw, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-12)
+    assert max(abs(r) for r in fit.residuals) < 1e-9
+    assert len(fit.residuals) == len(SIZES)
+    # the result unpacks as the documented 4-tuple
+    latency_s, bandwidth_Bps, r2, residuals = fit
+    assert (latency_s, bandwidth_Bps) == (fit.latency_s, fit.bandwidth_Bps)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("lat,bw", [(30e-6, 8e9), (5e-6, 46e9), (400e-6, 2.5e9)])
+def test_latency_bandwidth_recovered_from_noisy_points(seed: int, lat: float, bw: float) -> None:
+    rng = np.random.default_rng(seed)
+    x = np.array(SIZES, dtype=float)
+    fit = fit_latency_bandwidth(x, noisy(lat + x / bw, rng, rel=0.03))
+    assert fit.latency_s == pytest.approx(lat, rel=0.05)
+    assert fit.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+    assert fit.r2 > 0.99
+
+
+def test_unweighted_fit_is_available() -> None:
+    x = np.array(SIZES, dtype=float)
+    fit = fit_latency_bandwidth(x, 10e-6 + x / 4e9, relative=False)
+    assert fit.latency_s == pytest.approx(10e-6, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(4e9, rel=1e-9)
+
+
+def test_negative_intercept_is_clamped() -> None:
+    x = np.array(SIZES, dtype=float)
+    t = x / 5e9
+    t[0] *= 0.8  # the small point is faster than pure bandwidth allows: intercept < 0
+    fit = fit_latency_bandwidth(x, t)
+    assert fit.latency_s == 0.0  # refitted through the origin
+    assert fit.bandwidth_Bps == pytest.approx(5e9, rel=0.1)
+
+
+@pytest.mark.parametrize("bad", [
+    ([1, 2], [1e-3]),  # lengths differ
+    ([1], [1e-3]),  # one point
+    ([1, 2], [1e-3, -1e-3]),  # negative time
+    ([1, 2], [1e-3, float("nan")]),
+    ([1, 2], [2e-3, 1e-3]),  # time falls with size: no bandwidth
+])
+def test_bad_points_are_refused(bad) -> None:
+    with pytest.raises(ValueError, match="fit_latency_bandwidth"):
+        fit_latency_bandwidth(*bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("per", [3e-6, 25e-6])
+def test_per_request_recovered_from_noisy_batches(seed: int, per: float) -> None:
+    rng = np.random.default_rng(100 + seed)
+    lat, bw, s = 40e-6, 6e9, 4096
+    counts = np.array([1, 4, 16, 64, 256, 1024], dtype=float)
+    t = noisy(lat + counts * (s / bw + per), rng, rel=0.03)
+    fit = fit_per_request(counts, t, op_bytes=s, bandwidth_Bps=bw)
+    assert fit.per_request_s == pytest.approx(per, rel=0.05)
+    assert fit.intercept_s == pytest.approx(lat, rel=0.05)
+    assert fit.r2 > 0.99
+    assert len(fit.residuals) == counts.size
+
+
+def test_per_request_never_negative() -> None:
+    counts = [1, 10, 100]
+    # slope below what the bytes alone take: no overhead left
+    fit = fit_per_request(counts, [1e-5 + n * 1e-7 for n in counts], op_bytes=4096, bandwidth_Bps=1e9)
+    assert fit.per_request_s == 0.0
+    with pytest.raises(ValueError):
+        fit_per_request(counts, [1e-5] * 3, op_bytes=4096, bandwidth_Bps=0.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_fit_separates_launches_and_bandwidth(seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    launch, bw = 12e-6, 5e9
+    nbytes = np.array([2**k for k in range(16, 26)], dtype=float)
+    both = np.concatenate([nbytes, nbytes])
+    launches = np.array([1] * nbytes.size + [4] * nbytes.size, dtype=float)
+    t = noisy(launches * launch + both / bw, rng, rel=0.03)
+    fit = fit_copy(both, t, launches)
+    assert fit.launch_s == pytest.approx(launch, rel=0.05)
+    assert fit.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_registers_calibrate_and_refuses_bad_input() -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["calibrate", "--help"])
+    assert res.exit_code == 0
+    assert "--backend" in res.output and "--quick" in res.output
+    res = runner.invoke(app, ["calibrate", "--backend", "ucx"])
+    assert res.exit_code == 2
+
+
+# --------------------------------------------------------------------------- real engines
+
+
+def require_engine(backend: str) -> None:
+    why = probe_engine(backend)
+    if why is None:
+        return
+    if IN_CI:
+        pytest.fail(f"{backend} must be importable in CI: {why}")
+    pytest.skip(f"{backend} engine not importable here: {why}")
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: str, tmp_path: Path) -> None:
+    require_engine(backend)
+    stages: set[str] = set()
+    cal = calibrate(backend, "cpu", quick=True, progress=lambda stage, done, total: stages.add(stage))
+    assert {"writes", "batches", "control", "kernels", "fill"} <= stages
+    assert cal.write.bandwidth_Bps > 0 and cal.write.latency_s >= 0
+    assert cal.per_request.per_request_s >= 0
+    assert 0 < cal.control_rtt_s < 1.0
+    profile, side = write_profile(cal, tmp_path / f"{backend}-loopback.toml")
+
+    # the profile holds every profile field and nothing else; fit and raw go to the sidecar
+    data = tomllib.loads(profile.read_text())
+    assert set(data) == {"source", *PROFILE_FIELDS}
+    assert side == sidecar_path(profile) and side.is_file()
+    extra = json.loads(side.read_text())
+    assert extra["backend"] == backend
+    assert {"write", "per_request", "control", "gather", "scatter", "copy", "fill"} <= set(extra["fit"])
+    assert len(extra["raw"]["write"]["sizes"]) == len(CalibrationPlan.quick_plan().sizes)
+
+    # a catalogue scenario loads with it and simulates a handful of requests
+    s = load_scenario(REPO / "scenarios" / "llama3-8b-p4-d2.toml",
+                      overrides=[f"links.profile={profile}", "workload.requests=4"])
+    r = s.links.resolved()
+    assert r.profile_path == str(profile.resolve())
+    assert r.link.bandwidth_bytes_s == pytest.approx(data["inter_bandwidth_gbps"] * 1e9 / 8)
+    assert r.control_latency_s == pytest.approx(data["control_latency_us"] / 1e6)
+    code = run_simulation(s, out=tmp_path / "run", trace_format="jsonl", progress=False,
+                          console=Console(file=io.StringIO()))
+    assert code == 0
+    summary = read_summary(tmp_path / "run")
+    assert summary["requests_done"] == 4 and summary["requests_failed"] == 0
