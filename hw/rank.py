@@ -304,7 +304,8 @@ class RankProcess:
             if deadline is not None and deadline <= self.now():
                 self._feed(Tick())
             busy = bool(self.pending or self.waiting_gathers or self.compute or self.forward_queue
-                        or self.delayed or self.delayed_events)
+                        or self.delayed or self.delayed_events
+                        or any(pr.chunks for pr in self.prefill_rooms.values()))
             wait = BUSY_POLL_S if busy else IDLE_POLL_S
             if arrivals:
                 wait = min(wait, max(0.0, arrivals[0].arrival_s - self.now()))
