@@ -89,6 +89,11 @@ class DecodeMachine(MachineBase):
     def live_rooms(self) -> int:
         return len(self._rooms)
 
+    @property
+    def settled(self) -> bool:
+        """No room live, no scatter running, no failed room's regions quarantined."""
+        return not self._rooms and not self._quarantine and not self._scatters
+
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
         handler = self._HANDLERS.get(type(event))

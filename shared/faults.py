@@ -118,7 +118,8 @@ class FaultPlan:
         self._late = {s.prefill_rank: s.delay_s for s in config.late_session}
         self.injected: dict[str, int] = {}
 
-    def _count(self, what: str) -> None:
+    def count(self, what: str) -> None:
+        """Note one injected fault (for the run's summary)."""
         self.injected[what] = self.injected.get(what, 0) + 1
 
     def on_send(self, msg: Message) -> list[Delivery]:
@@ -139,7 +140,7 @@ class FaultPlan:
                 action = "delay"
         if action is None:
             return [Delivery(0.0, msg)]
-        self._count(f"{action}:{name}")
+        self.count(f"{action}:{name}")
         if action == "drop":
             return []
         if action == "duplicate":
@@ -165,15 +166,18 @@ class FaultPlan:
         key = (room, phase)
         if key in self._aborts:
             self._aborts.discard(key)
-            self._count(f"abort:{phase}")
+            self.count(f"abort:{phase}")
             return True
         return False
 
     def scatter_stall_s(self, room: int, chunk: int) -> float:
         stall = self._stalls.pop((room, chunk), 0.0)
         if stall:
-            self._count("stall_scatter")
+            self.count("stall_scatter")
         return stall
 
     def session_delay_s(self, prefill_rank: int) -> float:
-        return self._late.get(prefill_rank, 0.0)
+        delay = self._late.get(prefill_rank, 0.0)
+        if delay:
+            self.count("late_session")
+        return delay

@@ -201,9 +201,15 @@ class InvariantChecker:
             self._close(r.rank, key, r.end)
 
     # --- end of run ---------------------------------------------------------------------
-    def finish(self, end_time: float, ring_used: dict[int, int] | None = None) -> list[Violation]:
-        """Close the run: rooms never ended, rings not empty."""
+    def finish(
+        self, end_time: float, ring_used: dict[int, int] | None = None,
+        ignore_ranks: set[tuple[str, int]] | frozenset = frozenset(),
+    ) -> list[Violation]:
+        """Close the run: rooms never ended, rings not empty. `ignore_ranks` are ranks
+        that died (fault injection): their unfinished rooms and rings are not theirs to end."""
         for (role, rank, room), _ in sorted(self._open.items()):
+            if (role, rank) in ignore_ranks:
+                continue
             self.violations.append(
                 Violation("liveness", "room never finished (neither done nor failed)", end_time, role, rank, room)
             )
@@ -211,7 +217,7 @@ class InvariantChecker:
         used = dict(self._ring_used)
         used.update(ring_used or {})
         for d, u in sorted(used.items()):
-            if u:
+            if u and ("decode", d) not in ignore_ranks:
                 self.violations.append(
                     Violation("no_leak", f"staging ring holds {u} bytes at the end", end_time, "decode", d)
                 )

@@ -100,6 +100,11 @@ class PrefillMachine(MachineBase):
     def live_rooms(self) -> int:
         return len(self._rooms)
 
+    @property
+    def settled(self) -> bool:
+        """No room live and no failed room still draining its writes."""
+        return not self._rooms and not self._draining
+
     def watermark_view(self, decode_rank: int) -> WatermarkPos:
         return self._wm[decode_rank]
 

@@ -22,10 +22,12 @@ import simpy
 
 from shared.decode import DecodeMachine
 from shared.events import (
+    AbortRoom,
     ChunkComputed,
     Gather,
     GatherDone,
     OpenRoom,
+    PeerLost,
     Record,
     RoomDone,
     RoomFailed,
@@ -37,6 +39,7 @@ from shared.events import (
     Write,
     WriteDone,
 )
+from shared.faults import FaultPlan
 from shared.invariants import InvariantChecker, Violation
 from shared.machine import ProtocolConfig
 from shared.prefill import PrefillMachine
@@ -81,6 +84,7 @@ class SimResult:
     rooms_done: int
     rooms_failed: int
     failures: dict[int, str] = field(default_factory=dict)
+    faults_injected: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -117,6 +121,13 @@ class Simulation:
         self._keep_record = self.records.append
         self._observe = self.checker.observe if self.checker is not None else None
         self._build_hardware()
+        # fault injection: decisions come from the seeded shared plan, in event order
+        self.faults = FaultPlan(scenario.faults, scenario.workload.seed)
+        self._message_faults = scenario.faults.any_message_fault
+        self._late = {m: self.faults.session_delay_s(m.rank) for m in self.prefill}
+        self._late = {m: t for m, t in self._late.items() if t > 0}
+        self._dead: set[object] = set()
+        self._ending = False
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -152,8 +163,17 @@ class Simulation:
         self.env.timeout(delay).callbacks.append(partial(fn, *args))
 
     def _feed(self, machine, event, _ev=None) -> None:
-        self.events += 1
         now = self.env.now
+        if self._late or self._dead:
+            if machine in self._dead:
+                return  # a killed rank hears nothing
+            start = self._late.get(machine)
+            if start is not None:
+                if now < start:  # a late session: everything waits until it joins
+                    self._at(start - now, self._feed, machine, event)
+                    return
+                del self._late[machine]
+        self.events += 1
         keep, observe = self._keep_record, self._observe
         for a in machine.handle(event, now):
             if type(a) is Record:  # about half of all actions: handled inline
@@ -162,6 +182,8 @@ class Simulation:
                     observe(a.record)
             else:
                 self._carry(machine, a, now)
+        if self._ending:
+            self._maybe_end()
         deadline = machine.next_deadline
         if deadline is not None and deadline < self._tick_at.get(machine, _INF):
             self._tick_at[machine] = deadline
@@ -179,8 +201,16 @@ class Simulation:
         kind = type(a)
         if kind is Send:
             dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
-            self.env.timeout(self.control_latency).callbacks.append(partial(self._feed, dest, a.msg))
+            if not self._message_faults:
+                self.env.timeout(self.control_latency).callbacks.append(partial(self._feed, dest, a.msg))
+                return
+            for d in self.faults.on_send(a.msg):
+                self._at(self.control_latency + d.extra_delay_s, self._feed, dest, d.msg)
         elif kind is Gather:
+            if self.faults.abort_at(a.room, "gather"):
+                self._abort(machine, a.room, "fault injection: aborted at gather")
+                self._at(0.0, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
+                return
             dur = copy_time(self.gpu, a.nbytes)
             end = self.gather_stream[machine.rank].reserve(now, dur)
             self._at(end - now, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
@@ -190,22 +220,61 @@ class Simulation:
                 self.prefill_nic[machine.rank], self.decode_nic[a.decode_rank], a.nbytes, self.link, requests
             )
             ev.callbacks.append(partial(self._feed, machine, WriteDone(a.room, a.chunk, a.decode_rank)))
+            if self.faults.abort_at(a.room, "write"):
+                # every prefill rank aborts the room with its first write in flight
+                for m in self.prefill:
+                    self._abort(m, a.room, "fault injection: aborted mid-transfer (write in flight)")
         elif kind is Scatter:
             dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[machine.rank])
+            dur += self.faults.scatter_stall_s(a.room, a.chunk)
             end = self.scatter_stream[machine.rank].reserve(now, dur)
             self._at(end - now, self._feed, machine, ScatterDone(a.room, a.chunk))
+            if self.faults.abort_at(a.room, "scatter"):
+                for m in self.decode:
+                    self._abort(m, a.room, "fault injection: aborted while scattering")
         elif kind is RoomDone or kind is RoomFailed:
             if kind is RoomFailed:
                 self._failures.setdefault(a.room, a.reason)
             self._room_finished(machine)
 
+    def _abort(self, machine, room: int, reason: str) -> None:
+        """A local abort, delivered after the current event (never re-entrantly)."""
+        self._at(0.0, self._feed, machine, AbortRoom(room, reason))
+
+    def _kill(self, role: str, rank: int, detect_s: float, _ev=None) -> None:
+        """The rank stops hearing anything; after `detect_s` its peers learn it is gone."""
+        victim = self.prefill[rank] if role == "prefill" else self.decode[rank]
+        if victim in self._dead:
+            return
+        self._dead.add(victim)
+        self.faults.count(f"kill:{role}")
+        if victim.rooms_done + victim.rooms_failed < len(self.requests):
+            self._rank_finished()  # it will never end its rooms; do not wait for it
+        g = self.geometry
+        peers = [self.decode[d] for d in g.targets(rank)] if role == "prefill" else [self.prefill[p] for p in g.writers(rank)]
+        lost = PeerLost(role, rank, f"{role} rank {rank} was killed at {self.env.now:.3f}s (fault injection)")
+        for m in peers:
+            self._at(detect_s, self._feed, m, lost)
+
+    def _rank_finished(self) -> None:
+        self._ranks_done += 1
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        """End when every rank ended every room and nothing is left in quarantine or
+        draining (a failed room's regions come back a little after the room ends)."""
+        if self._ranks_done < len(self.prefill) + len(self.decode) or self._all_done.triggered:
+            return
+        if all(m.settled for m in (*self.prefill, *self.decode) if m not in self._dead):
+            self._all_done.succeed()
+        else:
+            self._ending = True
+
     def _room_finished(self, machine) -> None:
         """Count rooms ended per rank; the run ends when every rank ended every room."""
         n = machine.rooms_done + machine.rooms_failed
-        if n == len(self.requests):
-            self._ranks_done += 1
-            if self._ranks_done == len(self.prefill) + len(self.decode) and not self._all_done.triggered:
-                self._all_done.succeed()
+        if n == len(self.requests) and machine not in self._dead:
+            self._rank_finished()
         if self.progress is not None and machine.role == "decode" and machine.rank == 0:
             self.progress(n, len(self.requests))
 
@@ -214,6 +283,9 @@ class Simulation:
         now = self.env.now
         for m in self.decode:
             self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=0))
+        if self.faults.abort_at(req.room, "open"):
+            for m in self.decode:
+                self._abort(m, req.room, "fault injection: aborted at open")
         # The prefill TP group takes requests in arrival order, one chunk at a time;
         # its room opens (and asks for staging) when its forward starts.
         g = self.geometry
@@ -240,14 +312,17 @@ class Simulation:
         wall = time.perf_counter()
         for req in self.requests:
             self._at(req.arrival_s, self._arrive, req)
+        for k in self.scenario.faults.kill:
+            self._at(k.at_s, self._kill, k.role, k.rank, 2 * self.control_latency + 0.05)
         if self.requests:
             with _gc_paused():
                 self.env.run(until=self._all_done)
         sim_time = self.env.now
         violations: list[Violation] = []
         if self.checker is not None:
-            used = {m.rank: m.ring.used_bytes for m in self.decode}
-            violations = self.checker.finish(sim_time, used)
+            used = {m.rank: m.ring.used_bytes for m in self.decode if m not in self._dead}
+            dead = {(m.role, m.rank) for m in self._dead}
+            violations = self.checker.finish(sim_time, used, ignore_ranks=dead)
         return SimResult(
             scenario=self.scenario,
             requests=self.requests,
@@ -259,6 +334,7 @@ class Simulation:
             rooms_done=min(m.rooms_done for m in self.decode),
             rooms_failed=max(m.rooms_failed for m in self.decode),
             failures=self._failures,
+            faults_injected=dict(self.faults.injected),
         )
 
 
