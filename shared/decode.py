@@ -47,6 +47,7 @@ class _Room:
     dst_page_base: int = 0
     allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
     req_pages: dict[int, int] = field(default_factory=dict)  # chunk -> num_pages asked
+    asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
     arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
     first_arrival: dict[int, float] = field(default_factory=dict)
     scattering: set[int] = field(default_factory=set)
@@ -221,8 +222,12 @@ class DecodeMachine(MachineBase):
             self._drop(out, now, f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
                        f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
             return
-        duplicate = msg.chunk in room.allocs
-        if not duplicate:
+        # A re-sent REQ from the same writer (not the first REQ of another writer of
+        # the same chunk) means that writer may have lost our RSP or a WATERMARK.
+        asked = room.asked.setdefault(msg.chunk, set())
+        duplicate = w in asked
+        asked.add(w)
+        if msg.chunk not in room.allocs:
             if room.chunks is None:
                 known = room.req_pages.get(msg.chunk)
                 if known is not None and known != msg.num_pages:
