@@ -71,7 +71,8 @@ class _Room:
     targets: dict[int, _Target]
     computed: set[int] = field(default_factory=set)
     deadline: float = 0.0
-    retries: int = 0
+    retries: int = 0  # consecutive re-requests that brought nothing new
+    last_retry: float = -1.0
 
 
 class PrefillMachine(MachineBase):
@@ -90,6 +91,7 @@ class PrefillMachine(MachineBase):
         # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
         self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
         self._early_boot: dict[tuple[int, int], int] = {}
+        self._heard: dict[int, float] = {}  # decode rank -> last time it told us something new
         # failed rooms whose gathers/writes are still in flight: room -> (pending, targets, reason)
         self._draining: dict[int, tuple[set[tuple[int, int]], list[int], str]] = {}
         self._block_offset_cache: dict[tuple[int, int], int] = {}
@@ -272,6 +274,7 @@ class PrefillMachine(MachineBase):
                        f"{msg.end - msg.offset} bytes, expected {want}", now, out)
             return
         t.rsp[msg.chunk] = msg
+        self._heard[msg.decode_rank] = now
         self._record(
             out, "rsp", now, now, room=msg.room, chunk=msg.chunk, writer=t.writer, peer=msg.decode_rank,
             offset=-1 if msg.oversized else msg.offset, bytes=0 if msg.oversized else want,
@@ -287,6 +290,7 @@ class PrefillMachine(MachineBase):
         if new <= self._wm[d]:
             return  # stale or reordered: keeping the max is only conservative
         self._wm[d] = new
+        self._heard[d] = now
         heap = self._waiting[d]
         while heap and is_ready(heap[0][0], heap[0][1], new):
             _, _, room_id, chunk = heapq.heappop(heap)
@@ -410,6 +414,9 @@ class PrefillMachine(MachineBase):
 
     def _retry(self, room: _Room, now: float, out: list[Action]) -> None:
         """Re-ask for what a lost message would explain; the decode answers idempotently."""
+        if any(self._heard.get(d, -1.0) > room.last_retry for d in room.targets):
+            room.retries = 0  # the decode answered since our last try: not a dead link
+        room.last_retry = now
         if room.retries >= self.config.max_retries:
             return
         asked = False
@@ -426,7 +433,8 @@ class PrefillMachine(MachineBase):
                 asked = True
         if asked:
             room.retries += 1
-        self._arm_deadline(room.room, now, self.config.retry_s * (2 ** room.retries))
+        backoff = self.config.retry_s * (2 ** min(room.retries, 4))  # doubling, capped at 16x
+        self._arm_deadline(room.room, now, backoff)
 
     def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
         drain = self._draining.get(room_id)
