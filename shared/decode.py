@@ -39,6 +39,11 @@ from shared.protocol import (
 from shared.ring import Allocation, StagingRing, WatermarkPos
 
 
+# REQs kept per room before it opens: enough for every writer and chunk of any real
+# room, bounded so that a peer's garbage cannot grow memory without limit.
+MAX_EARLY_REQS = 1 << 14
+
+
 @dataclass(slots=True)
 class _Room:
     room: int
@@ -46,7 +51,7 @@ class _Room:
     chunks: list[Chunk] | None = None  # known once opened
     dst_page_base: int = 0
     allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
-    req_pages: dict[int, int] = field(default_factory=dict)  # chunk -> num_pages asked
+    early_reqs: list[StagingReq] = field(default_factory=list)  # REQs before the room opened
     asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
     arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
     first_arrival: dict[int, float] = field(default_factory=dict)
@@ -135,12 +140,10 @@ class DecodeMachine(MachineBase):
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for p in self.writers:
             out.append(Send(self._peer(p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
-        # Requests that came before the open are checked against the grid now.
-        for chunk, num_pages in room.req_pages.items():
-            if chunk >= len(room.chunks) or room.chunks[chunk].num_pages != num_pages:
-                self._fail(room, f"STAGING_REQ for chunk {chunk} of {num_pages} pages does not "
-                           f"match the room's chunk grid ({len(room.chunks)} chunks)", now, out)
-                return
+        # Requests that came before the open are answered now (checked against the grid).
+        early, room.early_reqs = room.early_reqs, []
+        for msg in early:
+            self._on_req(msg, now, out)
         for chunk in list(room.arrived):
             self._chunk_maybe_complete(room, chunk, now, out)
         self._maybe_done(room, now, out)
@@ -222,18 +225,21 @@ class DecodeMachine(MachineBase):
             self._drop(out, now, f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
                        f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
             return
+        if room.chunks is None:
+            # Not opened here yet (process clock skew, or a KV pool that is full): keep
+            # the request, answer it at OpenRoom. Staging is only ever reserved for
+            # rooms this rank knows, so stray or forged requests cannot pin the ring.
+            if len(room.early_reqs) < MAX_EARLY_REQS:
+                room.early_reqs.append(msg)
+            else:
+                self._drop(out, now, "too many STAGING_REQ before the room opened", msg.room, msg.chunk)
+            return
         # A re-sent REQ from the same writer (not the first REQ of another writer of
         # the same chunk) means that writer may have lost our RSP or a WATERMARK.
         asked = room.asked.setdefault(msg.chunk, set())
         duplicate = w in asked
         asked.add(w)
         if msg.chunk not in room.allocs:
-            if room.chunks is None:
-                known = room.req_pages.get(msg.chunk)
-                if known is not None and known != msg.num_pages:
-                    self._drop(out, now, "STAGING_REQ disagrees with an earlier one", msg.room, msg.chunk)
-                    return
-                room.req_pages[msg.chunk] = msg.num_pages
             room.allocs[msg.chunk] = self.ring.assign(self._region_bytes(msg.num_pages))
             self._ring_changed = True
         alloc = room.allocs[msg.chunk]
