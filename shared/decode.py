@@ -38,7 +38,6 @@ from shared.protocol import (
 )
 from shared.ring import Allocation, StagingRing, WatermarkPos
 
-
 # REQs kept per room before it opens: enough for every writer and chunk of any real
 # room, bounded so that a peer's garbage cannot grow memory without limit.
 MAX_EARLY_REQS = 1 << 14
