@@ -24,19 +24,30 @@ How the simulation is set up to model what the hardware run does:
   burns (NIXL's UCX progress thread): the P prefill processes fill their chunk at the
   same time as every rank's engine threads run, on this host's cores shared fairly,
   which the simulator's single forward stream and per-rank copy streams do not know;
+- variant "host" turns on the simulator's host model (links.host_model = "cpu-loop",
+  sim/host.py) with the calibrated host fields (kvstage calibrate writes them into the
+  profile): every rank is one single-threaded loop, as in hw/rank.py, on which each
+  delivered event (event_us), each prefill rank's own pattern fills (one chunk per
+  loop turn, fill_latency_us + bytes / fill_bandwidth_gbs), gathers and scatters take
+  turns, all loop work stretched by max(1, (P + D) * (1 + engine_thread_cores) /
+  host_cores); "cal" and "cal+cpu" force the default GPU model (host_model = "gpu");
 - hardware.verify = "sample": verification is hw-only work on the decode loop.
 A third, diagnostic variant "oracle" (--no-oracle drops it) feeds the simulator the
 hw run's own per-step means (forward, control delay, write, gather) instead of the
 calibration: what remains of its error is model structure, not input numbers. It is
 not a calibration and does not count for the target.
 
-Not modeled by the simulator (so expected misses): OS scheduling of P + D busy-polling
-processes on few cores, the Python cost of handling each message and action in a
-rank's single-threaded loop (a rank cannot receive while it fills or gathers), the
-engine's CPU copies competing with the ranks for the same cores.
+Not modeled by the GPU-model variants (so expected misses): OS scheduling of P + D
+busy-polling processes on few cores, the Python cost of handling each message and
+action in a rank's single-threaded loop (a rank cannot receive while it fills or
+gathers), the engine's CPU copies competing with the ranks for the same cores. The
+"host" variant models the loop and, statically, the CPU sharing; not modeled there:
+the decode's verification on idle turns, the engine's CPU copies during transfers,
+the time-varying number of runnable loops.
 
     .venv/bin/python benchmarks/fidelity.py [--backends nixl] [--quick] [--requests 6]
         [--profile runs/calibration/x.toml] [--only fanin-p2-d1,...] [--out DIR]
+        [--hw-from DIR]   # reuse hw runs of an earlier fidelity output (DIR/<backend>/<case>/hw)
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ from kvstage.calibrate import (  # noqa: E402
 )
 from kvstage.metrics import percentiles, room_latencies  # noqa: E402
 from kvstage.tracefile import read_records  # noqa: E402
-from shared.scenario import load_scenario  # noqa: E402
+from shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
 from shared.trace import TraceRecord  # noqa: E402
 
 TARGET_MAPE = 0.15
@@ -251,8 +262,12 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
 
     quiet = Console(file=io.StringIO(), width=120)
     t0 = time.monotonic()
-    code, hw_dir = run_hardware(scenario, out=sdir / "hw", trace_format="jsonl", timeout_s=args.hw_timeout,
-                                console=quiet)
+    if args.hw_from is not None:
+        hw_dir = args.hw_from / backend / case.name / "hw"
+        code = 1 if json.loads((hw_dir / "summary.json").read_text()).get("errors") else 0
+    else:
+        code, hw_dir = run_hardware(scenario, out=sdir / "hw", trace_format="jsonl", timeout_s=args.hw_timeout,
+                                    console=quiet)
     res.hw_wall_s = time.monotonic() - t0
     summary = json.loads((hw_dir / "summary.json").read_text())
     res.hw_ok = code == 0
@@ -275,13 +290,18 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
     slow = max(1.0, demand / cores)
     prof = cal.profile_fields()
     res.tokens_per_s["host_slowdown"] = slow
+    gpu = "links.host_model=gpu"
     variants: dict[str, list[str]] = {
-        # calibrated profile + the hw forward (pattern fill) rate from calibration
-        "cal": [f"prefill.tokens_per_s={tps!r}"],
+        # calibrated profile (GPU model) + the hw forward (pattern fill) rate from calibration
+        "cal": [gpu, f"prefill.tokens_per_s={tps!r}"],
         # ... and CPU work (fill, gather, scatter) stretched by the host's oversubscription
-        "cal+cpu": [f"prefill.tokens_per_s={tps / slow!r}",
+        "cal+cpu": [gpu, f"prefill.tokens_per_s={tps / slow!r}",
                     f"links.mem_bandwidth_gbs={prof['mem_bandwidth_gbs'] / slow!r}",
                     f"links.kernel_launch_us={prof['kernel_launch_us'] * slow!r}"],
+        # the host model with the calibrated host fields (spelled out, so a profile
+        # calibrated before the host fields existed works too)
+        "host": [f"links.{k}={prof[k]!r}" if k != "host_model" else f"links.{k}={prof[k]}"
+                 for k in HOST_FIELDS],
     }
     if args.oracle:
         # Diagnostic, NOT a calibration: per-step means taken from this hw run's own trace,
@@ -297,7 +317,7 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
             over.append(f"links.intra_latency_us={ph['write span'] * 1e6!r}")
         if ph["gather span"] == ph["gather span"]:
             over.append(f"links.kernel_launch_us={ph['gather span'] * 1e6!r}")
-        variants["oracle"] = over
+        variants["oracle"] = [gpu, *over]
     for variant, overrides in variants.items():
         sim_s = load_scenario(spath, overrides=overrides)
         res.tokens_per_s[variant] = sim_s.prefill.tokens_per_s or math.nan
@@ -408,6 +428,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--hw-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--hw-from", type=Path, default=None,
+                    help="reuse the hw runs of an earlier fidelity output directory instead of running hw")
     ap.add_argument("--no-oracle", dest="oracle", action="store_false",
                     help="skip the diagnostic variant that feeds the sim the hw run's own step means")
     args = ap.parse_args()

@@ -18,7 +18,12 @@ what the simulator's profile numbers stand for, on the real engine:
   runs per chunk): t = latency + KV bytes / fill_bandwidth, kept in the sidecar so a
   scenario can set prefill.tokens_per_s from it (`Calibration.tokens_per_s`);
 - a matmul for gpu_tflops (required by the profile schema; unused once
-  prefill.tokens_per_s is set).
+  prefill.tokens_per_s is set);
+- the host model (sim/host.py, profile fields host_*): the CPU an idle engine process
+  burns (engine_thread_cores), the Python cost of one state-machine event (event_us),
+  the fill fit (fill_latency_us, fill_bandwidth_gbs) and this host's usable cores
+  (host_cores); the profile sets host_model = "cpu-loop", so a scenario naming it
+  simulates ranks as hardware mode's single-threaded loops on this host.
 
 The profile TOML (same fields as scenarios/profiles/*.toml) holds the fitted numbers,
 with the fit quality in comments. The profile loader (shared/scenario.py,
@@ -742,6 +747,7 @@ def measure(
         for c in conns.values():
             c.close()
     raw["elapsed_s"] = time.monotonic() - start
+    raw["host_cores"] = _usable_cores()
     return raw
 
 
@@ -788,6 +794,16 @@ class Calibration:
         return idle.get("cpu_s", 0.0) / wall if wall > 0 else 0.0
 
     @property
+    def event_s(self) -> float:
+        """Loop CPU time of one delivered event: the mean machine.handle() cost."""
+        return float((self.raw.get("handle") or {}).get("mean_s", 0.0))
+
+    @property
+    def host_cores(self) -> int:
+        """Cores the rank processes of this host share (CPU affinity where known)."""
+        return int(self.raw.get("host_cores") or _usable_cores())
+
+    @property
     def link_latency_s(self) -> float:
         """The sim charges latency + requests * per_request + bytes / bw; a one-op write
         measured `write.latency_s` in total, so the link latency is the rest."""
@@ -818,6 +834,12 @@ class Calibration:
             "mem_bandwidth_gbs": _r(2 * self.copy.bandwidth_Bps / 1e9),
             "kernel_launch_us": _r(self.copy.launch_s * 1e6),
             "gpu_tflops": _r(self.gpu_flops / 1e12),
+            "host_model": "cpu-loop",
+            "host_cores": self.host_cores,
+            "engine_thread_cores": _r(self.engine_idle_cores),
+            "event_us": _r(self.event_s * 1e6),
+            "fill_latency_us": _r(self.fill.latency_s * 1e6),
+            "fill_bandwidth_gbs": _r(self.fill.bandwidth_Bps / 1e9),
         }
 
     def fit_table(self) -> dict[str, Any]:
@@ -850,7 +872,7 @@ class Calibration:
             "engine_idle_cores": self.engine_idle_cores,
             "event_handle": dict(self.raw.get("handle", {}),
                                  model="CPU cost of one state-machine event (machine.handle) in a "
-                                       "rank loop; not in the profile schema (a proposed host model input)"),
+                                       "rank loop; its mean is the profile's event_us"),
         }
 
     def _per_request_points(self) -> list[dict[str, float]]:
@@ -927,8 +949,26 @@ class Calibration:
             "# hw mode's prefill forward is a pattern fill: "
             f"{self.fill.latency_s * 1e6:.0f} us + KV bytes / {self.fill.bandwidth_Bps / 1e9:.3f} GB/s",
             "# (set prefill.tokens_per_s from it; see the sidecar's [forward]).",
+            "",
+            "# Host model (sim/host.py): every rank a single-threaded loop, as in hardware mode.",
+            f"# {p['host_cores']} usable cores; an idle engine process burns {self.engine_idle_cores:.3f} cores "
+            "(its own threads);",
+            f"# one state-machine event costs {self.event_s * 1e6:.1f} us of loop time (mean machine.handle()).",
+            f"host_model = {q(p['host_model'])}",
+            f"host_cores = {p['host_cores']!r}",
+            f"engine_thread_cores = {p['engine_thread_cores']!r}",
+            f"event_us = {p['event_us']!r}",
+            f"fill_latency_us = {p['fill_latency_us']!r}",
+            f"fill_bandwidth_gbs = {p['fill_bandwidth_gbs']!r}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _fmt_bytes(n: int) -> str:

@@ -41,12 +41,14 @@ from shared.faults import FaultsConfig
 from shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 
 __all__ = [
+    "HOST_FIELDS",
     "PRESETS",
     "PROFILE_FIELDS",
     "REPO_PROFILES",
     "DecodeConfig",
     "FaultsConfig",
     "HardwareConfig",
+    "HostNumbers",
     "LinkNumbers",
     "LinksConfig",
     "ModelConfig",
@@ -134,6 +136,28 @@ PRESETS: dict[str, ModelPreset] = {
 
 # --------------------------------------------------------------------------- profiles
 
+# The optional host model (sim/host.py), opt-in per profile: with host_model =
+# "cpu-loop" every rank is ONE single-threaded loop (hw/rank.py) that serialises its
+# event handling, pattern fills, gathers and scatters, and that loop work is slowed by
+# the host's CPU sharing. Absent (or "gpu"): the default GPU model, unchanged.
+#   host_model          "gpu" | "cpu-loop"
+#   host_cores          CPU cores the P + D rank processes share (cpu-loop only)
+#   engine_thread_cores cores each rank process's transfer engine keeps busy on its
+#                       own (e.g. NIXL's UCX progress thread), >= 0
+#   event_us            loop CPU time of handling one delivered event (message,
+#                       completion) in a rank loop, before CPU sharing
+#   fill_latency_us     hw-mode prefill 'forward' (pattern fill of one chunk):
+#   fill_bandwidth_gbs    t = fill_latency + KV bytes of the chunk / fill_bandwidth (GB/s)
+HOST_FIELDS: tuple[str, ...] = (
+    "host_model",
+    "host_cores",
+    "engine_thread_cores",
+    "event_us",
+    "fill_latency_us",
+    "fill_bandwidth_gbs",
+)
+HostModel = Literal["gpu", "cpu-loop"]
+
 # Profile fields in the units people quote them in (Gbit/s for links, GB/s for HBM,
 # microseconds, TFLOP/s). `ResolvedLinks` holds the same numbers in SI units.
 PROFILE_FIELDS: tuple[str, ...] = (
@@ -148,6 +172,7 @@ PROFILE_FIELDS: tuple[str, ...] = (
     "mem_bandwidth_gbs",
     "kernel_launch_us",
     "gpu_tflops",
+    *HOST_FIELDS,
 )
 _COMMON_FIELDS = (
     "control_latency_us",
@@ -172,6 +197,17 @@ class LinkNumbers:
 
 
 @dataclass(frozen=True, slots=True)
+class HostNumbers:
+    """The cpu-loop host model's inputs in SI units (see HOST_FIELDS)."""
+
+    cores: float
+    engine_thread_cores: float
+    event_s: float
+    fill_latency_s: float
+    fill_bandwidth_bytes_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ResolvedLinks:
     """The profile merged with the [links] overrides, in SI units.
 
@@ -192,6 +228,7 @@ class ResolvedLinks:
     mem_bandwidth_bytes_s: float
     kernel_launch_s: float
     gpu_flops: float
+    host: HostNumbers | None = None  # None: the default GPU model (host_model absent or "gpu")
 
 
 # --------------------------------------------------------------------------- field types
@@ -307,6 +344,13 @@ class LinksConfig(_Table):
 
     The profile is resolved at validation (see `profile_dirs`); `resolved()` gives
     the merged numbers in SI units.
+
+    Host model (opt-in, HOST_FIELDS): `host_model = "cpu-loop"` makes the simulator
+    model each rank as the single-threaded loop of hardware mode (sim/host.py):
+    `host_cores` cores shared by the P + D rank loops and their engines'
+    `engine_thread_cores` each, `event_us` of loop time per delivered event, and the
+    pattern-fill forward `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`.
+    `kvstage calibrate` writes all of them; absent or "gpu" keeps the GPU model.
     """
 
     profile: str = "rdma-400g"
@@ -323,6 +367,13 @@ class LinksConfig(_Table):
     mem_bandwidth_gbs: PosFloat | None = None
     kernel_launch_us: NonNegFloat | None = None
     gpu_tflops: PosFloat | None = None
+    # host model (opt-in; see HOST_FIELDS): all five numbers are needed with "cpu-loop"
+    host_model: HostModel | None = None
+    host_cores: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    engine_thread_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    event_us: NonNegFloat | None = None
+    fill_latency_us: NonNegFloat | None = None
+    fill_bandwidth_gbs: PosFloat | None = None
 
     _resolved: ResolvedLinks | None = PrivateAttr(default=None)
     _merged: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -677,6 +728,13 @@ class _ProfileFile(_Table):
     mem_bandwidth_gbs: PosFloat | None = None
     kernel_launch_us: NonNegFloat | None = None
     gpu_tflops: PosFloat | None = None
+    # host model (opt-in; see HOST_FIELDS): all five numbers are needed with "cpu-loop"
+    host_model: HostModel | None = None
+    host_cores: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    engine_thread_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    event_us: NonNegFloat | None = None
+    fill_latency_us: NonNegFloat | None = None
+    fill_bandwidth_gbs: PosFloat | None = None
 
 
 def _find_profile(profile: str, base_dir: Path | None) -> Path | None:
@@ -751,6 +809,23 @@ def _resolve_links(
 
     inter, intra = numbers("inter"), numbers("intra")
     link = inter if links.placement == "inter" else intra
+    host = None
+    if merged.get("host_model", "gpu") == "cpu-loop":
+        for key in HOST_FIELDS[1:]:
+            if merged.get(key) is None:
+                raise _FieldProblem(
+                    {key: None},
+                    f'profile {links.profile!r} has host_model = "cpu-loop" but no {key}; '
+                    f"set links.{key} (kvstage calibrate writes all of {', '.join(HOST_FIELDS)}) "
+                    'or host_model = "gpu"',
+                )
+        host = HostNumbers(
+            cores=float(merged["host_cores"]),
+            engine_thread_cores=float(merged["engine_thread_cores"]),
+            event_s=merged["event_us"] / 1e6,
+            fill_latency_s=merged["fill_latency_us"] / 1e6,
+            fill_bandwidth_bytes_s=merged["fill_bandwidth_gbs"] * 1e9,
+        )
     assert link is not None  # checked through `needed` above
     resolved = ResolvedLinks(
         profile=links.profile,
@@ -765,6 +840,7 @@ def _resolve_links(
         mem_bandwidth_bytes_s=merged["mem_bandwidth_gbs"] * 1e9,
         kernel_launch_s=merged["kernel_launch_us"] / 1e6,
         gpu_flops=merged["gpu_tflops"] * 1e12,
+        host=host,
     )
     return merged, resolved
 

@@ -4,8 +4,11 @@ The driver has no protocol logic: it feeds events into `shared/` machines and
 turns their actions into modeled durations — control messages over the control
 latency, bulk and slice writes through the max-min fair NIC fabric, gathers and
 scatters on in-order GPU streams, prefill forwards from model FLOPs. Completions
-come back as events. Callbacks on SimPy timeouts carry the work (not one process
-per action), which keeps the event loop lean; SimPy orders same-time events by
+come back as events. With the opt-in host model (`links.host_model = "cpu-loop"`,
+sim/host.py) every rank is instead one single-threaded loop, as in hardware mode:
+deliveries, gathers, scatters and per-rank pattern-fill forwards take turns on it,
+slowed by the host's CPU sharing. Callbacks on SimPy timeouts carry the work (not
+one process per action), which keeps the event loop lean; SimPy orders same-time events by
 insertion, so a run is a deterministic function of scenario and seed.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +51,7 @@ from shared.scenario import Scenario
 from shared.trace import TraceRecord
 from shared.workload import Request, generate_requests
 from sim.gpu import GpuParams, SerialStream, copy_time
+from sim.host import RankLoop, cpu_scale, fill_time
 from sim.links import Fabric, LinkParams
 
 _INF = float("inf")
@@ -128,6 +133,10 @@ class Simulation:
         self._late = {m: t for m, t in self._late.items() if t > 0}
         self._dead: set[object] = set()
         self._ending = False
+        # how events reach a machine: directly (GPU model) or through its rank loop
+        self._deliver = self._feed
+        if self.host is not None:
+            self._build_host()
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -152,8 +161,23 @@ class Simulation:
         self.gather_stream = [SerialStream() for _ in range(g.prefill_tp)]
         self.scatter_stream = [SerialStream() for _ in range(g.decode_tp)]
         self.forward_stream = SerialStream()  # the prefill TP group computes one chunk at a time
+        self.host = lk.host  # None: GPU model; else the cpu-loop host model (sim/host.py)
         # one kernel launch per writer block when a decode rank scatters a chunk
         self._scatter_launches = [len(g.writers(d)) for d in range(g.decode_tp)]
+
+    def _build_host(self) -> None:
+        """The cpu-loop host model: one loop per rank, CPU sharing as a static slowdown."""
+        g, h = self.geometry, self.host
+        self.cpu_scale = scale = cpu_scale(h, g.prefill_tp + g.decode_tp)
+        self.event_s = h.event_s * scale
+        self.loops = {m: RankLoop(self.env) for m in (*self.prefill, *self.decode)}
+        for m, start in self._late.items():  # a late session's loop starts late
+            self.loops[m].submit(start, _noop)
+        # each prefill rank fills its own chunks (hw forward), one per loop turn
+        self._fill_bytes_per_token = 2 * g.layers * g.prefill_heads * g.head_dim * g.dtype_bytes
+        self._fills: dict[object, deque] = {m: deque() for m in self.prefill}  # [req, chunks, opened]
+        self._filling: dict[object, bool] = dict.fromkeys(self.prefill, False)
+        self._deliver = self._loop_deliver
 
     # --- scheduling helpers ---------------------------------------------------------------
     # Callbacks are `functools.partial`s of bound methods (built in C, no closure
@@ -189,6 +213,10 @@ class Simulation:
             self._tick_at[machine] = deadline
             self._at(max(0.0, deadline - now), self._tick, machine, deadline)
 
+    def _loop_deliver(self, machine, event, _ev=None) -> None:
+        """Host model: the event waits for its turn on the rank's loop, then is handled."""
+        self.loops[machine].submit(self.event_s, self._feed, machine, event)
+
     def _tick(self, machine, when: float, _ev=None) -> None:
         if self._tick_at.get(machine) == when:
             del self._tick_at[machine]
@@ -202,16 +230,20 @@ class Simulation:
         if kind is Send:
             dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
             if not self._message_faults:
-                self.env.timeout(self.control_latency).callbacks.append(partial(self._feed, dest, a.msg))
+                self.env.timeout(self.control_latency).callbacks.append(partial(self._deliver, dest, a.msg))
                 return
             for d in self.faults.on_send(a.msg):
-                self._at(self.control_latency + d.extra_delay_s, self._feed, dest, d.msg)
+                self._at(self.control_latency + d.extra_delay_s, self._deliver, dest, d.msg)
         elif kind is Gather:
             if self.faults.abort_at(a.room, "gather"):
                 self._abort(machine, a.room, "fault injection: aborted at gather")
                 self._at(0.0, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
                 return
             dur = copy_time(self.gpu, a.nbytes)
+            if self.host is not None:  # synchronous on the rank's loop, right after this handler
+                done = GatherDone(a.room, a.chunk, a.decode_rank)
+                self.loops[machine].run_next(dur * self.cpu_scale + self.event_s, self._feed, machine, done)
+                return
             end = self.gather_stream[machine.rank].reserve(now, dur)
             self._at(end - now, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
         elif kind is Write or kind is SliceWrite:
@@ -219,16 +251,26 @@ class Simulation:
             ev = self.fabric.transfer(
                 self.prefill_nic[machine.rank], self.decode_nic[a.decode_rank], a.nbytes, self.link, requests
             )
-            ev.callbacks.append(partial(self._feed, machine, WriteDone(a.room, a.chunk, a.decode_rank)))
+            ev.callbacks.append(partial(self._deliver, machine, WriteDone(a.room, a.chunk, a.decode_rank)))
             if self.faults.abort_at(a.room, "write"):
                 # every prefill rank aborts the room with its first write in flight
                 for m in self.prefill:
                     self._abort(m, a.room, "fault injection: aborted mid-transfer (write in flight)")
         elif kind is Scatter:
             dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[machine.rank])
-            dur += self.faults.scatter_stall_s(a.room, a.chunk)
-            end = self.scatter_stream[machine.rank].reserve(now, dur)
-            self._at(end - now, self._feed, machine, ScatterDone(a.room, a.chunk))
+            stall = self.faults.scatter_stall_s(a.room, a.chunk)
+            if self.host is not None:
+                # synchronous on the rank's loop; a stalled completion is delivered later
+                done = ScatterDone(a.room, a.chunk)
+                loop_s = dur * self.cpu_scale + self.event_s
+                if stall:
+                    self.loops[machine].run_next(loop_s, self._at, stall, self._deliver, machine, done)
+                else:
+                    self.loops[machine].run_next(loop_s, self._feed, machine, done)
+            else:
+                dur += stall
+                end = self.scatter_stream[machine.rank].reserve(now, dur)
+                self._at(end - now, self._feed, machine, ScatterDone(a.room, a.chunk))
             if self.faults.abort_at(a.room, "scatter"):
                 for m in self.decode:
                     self._abort(m, a.room, "fault injection: aborted while scattering")
@@ -280,6 +322,9 @@ class Simulation:
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, req: Request, _ev=None) -> None:
+        if self.host is not None:
+            self._arrive_host(req)
+            return
         now = self.env.now
         for m in self.decode:
             self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=0))
@@ -298,6 +343,52 @@ class Simulation:
             chunk_start = self.forward_stream.free_at(now)
             end = self.forward_stream.reserve(now, self.scenario.forward_time_s(tokens))
             self._at(end - now, self._computed, req.room, c.index, chunk_start)
+
+    def _arrive_host(self, req: Request) -> None:
+        """Host model: each decode loop opens the room on its next turn; each prefill
+        rank queues the request and fills its chunks itself, one per loop turn."""
+        for m in self.decode:
+            self._deliver(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=0))
+        if self.faults.abort_at(req.room, "open"):
+            for m in self.decode:  # right after the room opened on that loop, as in hw
+                self._deliver(m, AbortRoom(req.room, "fault injection: aborted at open"))
+        g = self.geometry
+        pages = max(0, -(-(req.prompt_tokens - req.prefix_tokens) // g.page_size))
+        chunks = list(g.chunks(pages))
+        for m in self.prefill:
+            self._fills[m].append([req, deque(chunks), False])
+            if not self._filling[m]:
+                self._filling[m] = True
+                self.loops[m].submit(0.0, self._fill_turn, m)
+
+    def _fill_turn(self, m) -> None:
+        """One prefill loop turn of the forward: open the next room if needed (its
+        STAGING_REQs go out), then fill one chunk; the next chunk's turn queues behind
+        whatever reached the loop meanwhile."""
+        queue = self._fills[m]
+        while queue:
+            entry = queue[0]
+            req, chunks, opened = entry
+            if not opened:
+                entry[2] = True
+                self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens))
+            if chunks:
+                c = chunks.popleft()
+                if not chunks:
+                    queue.popleft()
+                tokens = c.num_pages * self.geometry.page_size
+                dur = fill_time(self.host, tokens * self._fill_bytes_per_token) * self.cpu_scale
+                self.loops[m].run_next(dur + self.event_s, self._filled, m, req.room, c.index, self.env.now)
+                return
+            queue.popleft()  # a room without chunks: nothing to fill
+        self._filling[m] = False
+
+    def _filled(self, m, room: int, chunk: int, start: float) -> None:
+        self._feed(m, ChunkComputed(room, chunk, start))
+        if self._fills[m]:
+            self.loops[m].submit(0.0, self._fill_turn, m)
+        else:
+            self._filling[m] = False
 
     def _open_prefill(self, req: Request, _ev=None) -> None:
         for m in self.prefill:
@@ -336,6 +427,10 @@ class Simulation:
             failures=self._failures,
             faults_injected=dict(self.faults.injected),
         )
+
+
+def _noop() -> None:
+    pass
 
 
 def simulate(scenario: Scenario, **kw) -> SimResult:
