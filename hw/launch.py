@@ -59,6 +59,7 @@ def launch(
     port: int = 0,
     on_started=None,
 ) -> LaunchResult:
+    """`on_started(address, procs)` is called once every rank has registered."""
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones)."""
     names = rank_names(prefill_tp, decode_tp)
     server = RendezvousServer(names, port=port)
@@ -86,10 +87,12 @@ def launch(
                 with logs[name].open("w") as fh:
                     procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                                    start_new_session=True)
-        if on_started is not None:
-            on_started(server.address, procs)
+        notified = False
         while not server.all_reported:
             server.poll(0.1)
+            if on_started is not None and server.started and not notified:
+                notified = True  # every rank registered: the run is under way
+                on_started(server.address, procs)
             for name, proc in procs.items():
                 code = proc.poll()
                 if code is not None and name not in server.reports:
