@@ -6,7 +6,7 @@ prompts and request count shrunk to fit host memory) on the staging path and on
 the slice path, and in the same run measures the engine's raw ceiling: one plain
 write of the same total bytes between two processes. Prints:
 
-  staging: payload, busy time of the writes, effective GB/s, share of the ceiling
+  staging: payload, time with a write in flight, effective GB/s, share of the ceiling
   slice:   the same, and slice/staging time ratio
 
 Targets on a quiet 2-core machine: staging >= 0.7 of the raw ceiling; slice >= 10x
@@ -30,6 +30,7 @@ from transport_raw import run_backend  # noqa: E402
 
 from kvstage.hwrun import run_hardware  # noqa: E402
 from kvstage.runs import read_summary  # noqa: E402
+from kvstage.tracefile import read_records  # noqa: E402
 from shared.scenario import load_scenario  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,11 +57,23 @@ def scenario(backend: str, path: str, requests: int, prompt: int):
     )
 
 
-def write_busy(summary: dict) -> float:
-    """Seconds the writes were in flight (first write start to last write end)."""
-    payload = summary["payload_bytes"]
-    gbps = summary["throughput_gbps"]
-    return payload * 8 / 1e9 / gbps if gbps else float("nan")
+def write_busy(run_dir: Path) -> float:
+    """Seconds during which at least one write was in flight (union of the write and
+    slice_write spans in the trace): the transfer time, without the prefill's fill
+    ("forward") and gather time between writes."""
+    _, records = read_records(run_dir)
+    spans = sorted((r.start, r.end) for r in records if r.phase in ("write", "slice_write"))
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in spans:
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
 
 
 def main() -> int:
@@ -83,13 +96,14 @@ def main() -> int:
                     console.print(f"[red]{backend} {path} run failed[/]: {summ.get('errors')}")
                     return 1
                 out[path] = summ
+                out[path + "_busy"] = write_busy(run_dir)
         payload = out["staging"]["payload_bytes"]
         # raw ceiling: one write of the same bytes per writer between two processes
         per_writer_mib = max(1, payload // 2 >> 20)
         raw = run_backend(backend, argparse.Namespace(size_mib=per_writer_mib, op_kib=64, reps=args.reps, timeout=120.0))
         raw_s = statistics.median(raw["seconds"]["large"])
         raw_gbs = (per_writer_mib << 20) / raw_s / 1e9
-        st_s, sl_s = write_busy(out["staging"]), write_busy(out["slice"])
+        st_s, sl_s = out["staging_busy"], out["slice_busy"]
         st_gbs = payload / st_s / 1e9
         rows.append((backend, payload, st_s, st_gbs, sl_s, sl_s / st_s, raw_gbs, st_gbs / raw_gbs,
                      out["staging"]["transfer_requests"]["total"], out["slice"]["transfer_requests"]["total"]))

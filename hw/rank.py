@@ -20,6 +20,7 @@ import signal
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +193,9 @@ class RankProcess:
         self.prefill_rooms: dict[int, _PrefillRoom] = {}
         self.decode_rooms: dict[int, tuple[Request, int, int]] = {}  # room -> (req, first_page, pages)
         self.quarantine: deque[tuple[float, int, int]] = deque()  # (release time, first page, pages)
-        self.compute: tuple[float, int, int, float] | None = None  # (done_at, room, chunk, start)
+        # the chunk being 'computed': (job, not before, room, chunk, start)
+        self.compute: tuple[Future, float, int, int, float] | None = None
+        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-forward")
         self.verify_queue: deque[int] = deque()
         self.faults = FaultPlan(scenario.faults, scenario.workload.seed, stream=(role == "decode") * 4096 + rank)
         self.delayed: list[tuple[float, int, str, Any]] = []  # (due, seq, peer, msg): delayed sends
@@ -262,6 +265,7 @@ class RankProcess:
                 self.control.connect(info.name, info.control)
 
     def close(self) -> None:
+        self.compute_thread.shutdown(wait=True, cancel_futures=True)
         try:
             self.transport.close()
         finally:
@@ -368,10 +372,11 @@ class RankProcess:
         """The prefill forward: one chunk at a time, filling the KV pattern as its 'compute'."""
         g = self.g
         if self.compute is not None:
-            done_at, room, chunk, start = self.compute
-            if self.now() < done_at:
+            job, done_at, room, chunk, start = self.compute
+            if not job.done() or self.now() < done_at:
                 return
             self.compute = None
+            job.result()  # a failed fill is a bug: raise it here, in the loop
             self._feed(ChunkComputed(room, chunk, start))
         while self.compute is None:
             # next chunk of the room being computed, else open the next request
@@ -404,15 +409,15 @@ class RankProcess:
             c = pr.chunks.pop(0)
             start = self.now()
             prefix_pages = pr.req.prefix_tokens // g.page_size
-            fill_pattern(self.pool, pr.first_page + prefix_pages + c.page_start, c.num_pages, pr.req.room,
-                         (prefix_pages + c.page_start) * g.page_size, self.global_heads)
+            # The 'forward' (pattern fill) runs on the compute thread, like a kernel on
+            # a GPU stream: torch releases the GIL, so the loop keeps answering messages
+            # and polling transfers meanwhile. One chunk at a time, in order.
+            job = self.compute_thread.submit(
+                fill_pattern, self.pool, pr.first_page + prefix_pages + c.page_start, c.num_pages,
+                pr.req.room, (prefix_pages + c.page_start) * g.page_size, self.global_heads,
+            )
             delay = self.s.forward_time_s(c.num_pages * g.page_size) if self.s.hardware.forward_delay else 0.0
-            self.compute = (start + delay, pr.req.room, c.index, start)
-            if delay <= 0:
-                self.compute = None
-                self._feed(ChunkComputed(pr.req.room, c.index, start))
-            # One chunk per turn of the loop: messages and completions must not wait
-            # behind a whole queue of forwards.
+            self.compute = (job, start + delay, pr.req.room, c.index, start)
             return
 
     # --- actions --------------------------------------------------------------------------
