@@ -92,7 +92,7 @@ def main() -> int:
                 s = scenario(backend, path, args.requests, args.prompt)
                 code, run_dir = run_hardware(s, out=Path(tmp) / path, console=Console(file=open("/dev/null", "w")))
                 summ = read_summary(run_dir)
-                if code != 0:
+                if code != 0 or summ["requests_failed"] or summ["bytes_wrong"]:
                     console.print(f"[red]{backend} {path} run failed[/]: {summ.get('errors')}")
                     return 1
                 out[path] = summ

@@ -29,9 +29,14 @@ _BAD_BATCH_IDS = (0, -1, 2**64 - 1)
 _QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 
 
+# Ops per posted sub-batch (see MooncakeTransport._post).
+SUB_BATCH = 4096
+
+
 @dataclass
 class _McBatch:
     batch_id: int
+    rest: list = field(default_factory=list)  # later sub-batches, posted one after another
     event: threading.Event = field(default_factory=threading.Event)
     rc: int | None = None
     error: BaseException | None = None
@@ -105,6 +110,20 @@ class MooncakeTransport(Transport):
                 f"{len(ops)} ops exceed the TCP queue of {self._max_ops} per peer "
                 f"({_QUEUE_ENV}); raise it or post smaller batches"
             )
+        # Mooncake's TCP transport queues a bounded number of ops per peer and, once a
+        # batch overflows it, stays broken for that peer. Several large slice-path
+        # batches in flight at once would overflow it together, so a big batch goes
+        # out as sub-batches of SUB_BATCH ops, each posted when the previous finished.
+        parts = [ops[i : i + SUB_BATCH] for i in range(0, len(ops), SUB_BATCH)]
+        batch = _McBatch(self._post_part(peer, parts[0]), rest=[(peer, p) for p in parts[1:]])
+        batch.thread = threading.Thread(
+            target=self._await_batch, args=(batch,), name=f"mooncake-wait-{batch.batch_id:x}", daemon=True
+        )
+        batch.thread.start()
+        self._batches.append(batch)
+        return batch
+
+    def _post_part(self, peer: PeerInfo, ops: np.ndarray) -> int:
         batch_id = self._engine.batch_transfer_async_write(
             peer.native, ops[:, 0].tolist(), ops[:, 1].tolist(), ops[:, 2].tolist()
         )
@@ -113,17 +132,17 @@ class MooncakeTransport(Transport):
                 f"batch_transfer_async_write to session {peer.native} was refused "
                 f"(returned {batch_id}); is the peer alive?"
             )
-        batch = _McBatch(batch_id)
-        batch.thread = threading.Thread(
-            target=self._await_batch, args=(batch,), name=f"mooncake-wait-{batch_id:x}", daemon=True
-        )
-        batch.thread.start()
-        self._batches.append(batch)
-        return batch
+        return batch_id
 
     def _await_batch(self, batch: _McBatch) -> None:
         try:
-            batch.rc = self._engine.get_batch_transfer_status([batch.batch_id])
+            batch_id = batch.batch_id
+            while True:
+                batch.rc = self._engine.get_batch_transfer_status([batch_id])
+                if batch.rc != 0 or not batch.rest:
+                    break
+                peer, part = batch.rest.pop(0)
+                batch_id = self._post_part(peer, part)
         except BaseException as e:  # surfaced by _check on the owner's thread
             batch.error = e
         finally:
