@@ -15,6 +15,7 @@ keeps submission errors on the caller's thread.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -86,6 +87,7 @@ class MooncakeTransport(Transport):
         # batch cannot poison the connection for the rest of the run.
         self._max_ops = int(os.environ.get(_QUEUE_ENV, "1024")) if protocol == "tcp" else None
         self._batches: list[_McBatch] = []
+        self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of batches (see _post)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
         # "*" lets the engine find the memory's NUMA node; on GPU name the device.
@@ -110,16 +112,19 @@ class MooncakeTransport(Transport):
                 f"{len(ops)} ops exceed the TCP queue of {self._max_ops} per peer "
                 f"({_QUEUE_ENV}); raise it or post smaller batches"
             )
-        # Mooncake's TCP transport queues a bounded number of ops per peer and, once a
-        # batch overflows it, stays broken for that peer. Several large slice-path
-        # batches in flight at once would overflow it together, so a big batch goes
-        # out as sub-batches of SUB_BATCH ops, each posted when the previous finished.
+        # Mooncake's TCP transport queues a bounded number of ops per peer and, once
+        # that overflows, stays broken for that peer; several slice-path batches in
+        # flight together overflow it. So every batch to a peer goes through one FIFO
+        # lane per peer, cut into sub-batches of SUB_BATCH ops posted one at a time:
+        # at most SUB_BATCH ops are ever queued at the engine per peer.
         parts = [ops[i : i + SUB_BATCH] for i in range(0, len(ops), SUB_BATCH)]
-        batch = _McBatch(self._post_part(peer, parts[0]), rest=[(peer, p) for p in parts[1:]])
-        batch.thread = threading.Thread(
-            target=self._await_batch, args=(batch,), name=f"mooncake-wait-{batch.batch_id:x}", daemon=True
-        )
-        batch.thread.start()
+        batch = _McBatch(0, rest=parts)
+        lane = self._lanes.get(peer.name)
+        if lane is None:
+            lane = self._lanes[peer.name] = queue.SimpleQueue()
+            threading.Thread(target=self._run_lane, args=(peer, lane), daemon=True,
+                             name=f"mooncake-lane-{peer.name}").start()
+        lane.put(batch)
         self._batches.append(batch)
         return batch
 
@@ -134,19 +139,22 @@ class MooncakeTransport(Transport):
             )
         return batch_id
 
-    def _await_batch(self, batch: _McBatch) -> None:
-        try:
-            batch_id = batch.batch_id
-            while True:
-                batch.rc = self._engine.get_batch_transfer_status([batch_id])
-                if batch.rc != 0 or not batch.rest:
-                    break
-                peer, part = batch.rest.pop(0)
-                batch_id = self._post_part(peer, part)
-        except BaseException as e:  # surfaced by _check on the owner's thread
-            batch.error = e
-        finally:
-            batch.event.set()
+    def _run_lane(self, peer: PeerInfo, lane: queue.SimpleQueue) -> None:
+        """Post one peer's batches in order, one sub-batch at a time (daemon thread)."""
+        while True:
+            batch = lane.get()
+            try:
+                batch.rc = 0
+                for part in batch.rest:
+                    batch.batch_id = self._post_part(peer, part)
+                    batch.rc = self._engine.get_batch_transfer_status([batch.batch_id])
+                    if batch.rc != 0:
+                        break
+            except BaseException as e:  # surfaced by _check on the owner's thread
+                batch.error = e
+            finally:
+                batch.rest = []
+                batch.event.set()
 
     def _check(self, native: _McBatch) -> bool:
         if not native.event.is_set():
