@@ -12,7 +12,25 @@ from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
 from kvstage.summary_table import print_summary
 from shared.scenario import Scenario
-from sim.driver import Simulation
+from sim.driver import SimResult, Simulation
+
+
+def simulation_summary(scenario: Scenario, result: SimResult) -> dict:
+    """summary.json of a simulation: the trace metrics plus the run's own figures."""
+    summary = summarize(result.records, mode="sim", pool_bytes=scenario.pool_bytes, requests=len(result.requests))
+    summary.update(
+        {
+            "scenario": scenario.name,
+            "transfer_path": scenario.transfer.path,
+            "events": result.events,
+            "sim_time_s": result.sim_time_s,
+            "wall_s": result.wall_s,
+            "invariant_violations": len(result.violations),
+            "failures": {str(k): v for k, v in sorted(result.failures.items())[:20]},
+            "faults_injected": result.faults_injected,
+        }
+    )
+    return summary
 
 
 def run_simulation(
@@ -39,18 +57,7 @@ def run_simulation(
         task = bar.add_task(scenario.name, total=total)
         sim = Simulation(scenario, progress=lambda done, _n: bar.update(task, completed=done))
         result = sim.run()
-    summary = summarize(result.records, mode="sim", pool_bytes=scenario.pool_bytes, requests=len(result.requests))
-    summary.update(
-        {
-            "scenario": scenario.name,
-            "transfer_path": scenario.transfer.path,
-            "events": result.events,
-            "sim_time_s": result.sim_time_s,
-            "wall_s": result.wall_s,
-            "invariant_violations": len(result.violations),
-            "failures": {str(k): v for k, v in sorted(result.failures.items())[:20]},
-        }
-    )
+    summary = simulation_summary(scenario, result)
     run_dir = make_run_dir(scenario, "sim", out)
     write_run(run_dir, scenario, result.records, summary, "sim", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (simulation)")

@@ -400,24 +400,11 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
     directory (trace, scenario.toml, summary.json) is written.
     """
     try:
-        from kvstage.metrics import summarize
+        from kvstage.simrun import simulation_summary
         from sim.driver import Simulation
 
         result = Simulation(scenario).run()
-        summary = summarize(
-            result.records, mode="sim", pool_bytes=scenario.pool_bytes, requests=len(result.requests)
-        )
-        summary.update(
-            {
-                "scenario": scenario.name,
-                "transfer_path": scenario.transfer.path,
-                "events": result.events,
-                "sim_time_s": result.sim_time_s,
-                "wall_s": result.wall_s,
-                "invariant_violations": len(result.violations),
-                "failures": {str(k): v for k, v in sorted(result.failures.items())[:20]},
-            }
-        )
+        summary = simulation_summary(scenario, result)
         if keep_dir is not None:
             from kvstage.runs import write_run
 

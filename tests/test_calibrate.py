@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require_engine
 from rich.console import Console
 from typer.testing import CliRunner
 
-from hw.transport import probe_engine
 from kvstage.calibrate import (
     CalibrationPlan,
     calibrate,
@@ -146,15 +146,6 @@ def test_cli_registers_calibrate_and_refuses_bad_input() -> None:
 
 
 # --------------------------------------------------------------------------- real engines
-
-
-def require_engine(backend: str) -> None:
-    why = probe_engine(backend)
-    if why is None:
-        return
-    if IN_CI:
-        pytest.fail(f"{backend} must be importable in CI: {why}")
-    pytest.skip(f"{backend} engine not importable here: {why}")
 
 
 @pytest.mark.hw

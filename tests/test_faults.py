@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from conftest import require_engine
 from rich.console import Console
 
 from kvstage.expect import check_expectation
@@ -16,7 +16,6 @@ from shared.scenario import load_scenario
 from sim.driver import Simulation
 
 FAULTS = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "faults").glob("*.toml"))
-IN_CI = os.environ.get("CI") == "true"
 
 
 def test_catalogue_is_there():
@@ -51,14 +50,9 @@ HW_CASES = ["drop-rsp-watermark", "duplicate-everything", "abort-mid-write", "lo
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", HW_CASES)
 def test_fault_scenario_on_hardware(tmp_path, name):
-    from hw.transport import probe_engine
     from kvstage.hwrun import run_hardware
 
-    why = probe_engine("nixl")
-    if why is not None:
-        if IN_CI:
-            pytest.fail(f"nixl must be importable in CI: {why}")
-        pytest.skip(f"nixl not importable here: {why}")
+    require_engine("nixl")
     s = load_scenario(next(p for p in FAULTS if p.stem == name))
     code, run_dir = run_hardware(s, out=tmp_path / "run", timeout_s=240, console=Console(width=120))
     summary = read_summary(run_dir)

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import require_engine
 from rich.console import Console
 
-from hw.transport import probe_engine
 from kvstage.hwrun import run_hardware
 from kvstage.runs import read_summary
 from kvstage.tracefile import read_records
@@ -23,18 +23,6 @@ from shared.invariants import check_records
 from shared.scenario import load_scenario
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]
-
-IN_CI = os.environ.get("CI") == "true"
-
-
-def require_engine(backend: str) -> None:
-    why = probe_engine(backend)
-    if why is None:
-        return
-    if IN_CI:
-        pytest.fail(f"{backend} must be importable in CI: {why}")
-    pytest.skip(f"{backend} engine not importable here: {why}")
-
 
 def write_scenario(tmp_path: Path, P: int, D: int, heads: int, **extra) -> Path:
     faults = extra.pop("faults", "")
