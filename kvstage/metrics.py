@@ -105,7 +105,7 @@ def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, req
         "throughput_gbps": (payload * 8 / 1e9 / busy) if busy else 0.0,
         "ring_peak_bytes": ring_peak,
         "ring_peak_fraction": (ring_peak / pool_bytes) if pool_bytes else 0.0,
-        "watermark_stall_s": {"total": sum(stalls), "p99": percentiles(stalls)["p99"] if stalls else 0.0, "chunks": len(stalls)},
+        "watermark_stall_s": {"total": float(sum(stalls)), "p99": percentiles(stalls)["p99"] if stalls else 0.0, "chunks": len(stalls)},
         "transfer_requests": {"total": req_total, "per_request": (req_total / done) if done else 0.0},
         "phase_busy_s": dict(sorted(phase_time.items())),
     }
