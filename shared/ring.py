@@ -99,13 +99,6 @@ class StagingRing:
             raise ValueError(f"cannot assign a negative size ({nbytes})")
         if nbytes > self.size:
             return None
-        if not self._live and self._head > 0:
-            # Empty ring: restart at 0 in a new round. Keeping the old round would
-            # need the watermark to wrap backwards, and a region larger than the
-            # old head could then never become ready (pool 100: 60, free, 70).
-            self._round += 1
-            self._head = 0
-            self._queue.clear()
         if self._head + nbytes > self.size:
             self._round += 1
             self._head = 0
@@ -126,4 +119,13 @@ class StagingRing:
         queue, live = self._queue, self._live
         while queue and queue[0].id not in live:
             queue.popleft()
+        if not live and self._head > 0:
+            # The ring just became empty: restart at 0 in a new round, so the
+            # watermark sent after this free, (round + 1, 0), already makes any next
+            # region writable. Staying in the old round, a region larger than the
+            # old head would wait for a watermark that never comes (pool 100:
+            # assign 60, free, assign 70).
+            self._round += 1
+            self._head = 0
+            queue.clear()
         return True

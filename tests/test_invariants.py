@@ -118,3 +118,51 @@ def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
     assert w.decode[0].rooms_failed == 1
     found = check_records(w.records)
     assert any(v.invariant == "no_leak" for v in found)
+
+
+def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
+    """DESIGN.md's case: pool of one chunk, half a chunk assigned and freed, then a full
+    chunk. With WATERMARK sent only after frees (as DESIGN describes) and no re-request,
+    only the empty-ring restart keeps that full chunk writable."""
+    from shared import decode as decode_mod
+    from shared import ring as ring_mod
+    from shared.machine import ProtocolConfig
+
+    def free_without_restart(self, alloc_id):
+        alloc = self._live.pop(alloc_id, None)
+        if alloc is None:
+            return False
+        self._used -= alloc.nbytes
+        while self._queue and self._queue[0].id not in self._live:
+            self._queue.popleft()
+        return True  # the ring may now be empty, but stays in its round
+
+    real_free = decode_mod.DecodeMachine._free
+    real_broadcast = decode_mod.DecodeMachine._broadcast_if_moved
+
+    def free_then_broadcast(self, room, chunk, alloc_id, now, out):
+        real_free(self, room, chunk, alloc_id, now, out)
+        real_broadcast(self, now, out)
+
+    monkeypatch.setattr(decode_mod.DecodeMachine, "_broadcast_if_moved", lambda self, now, out: None)
+    monkeypatch.setattr(decode_mod.DecodeMachine, "_free", free_then_broadcast)
+    g = _geometry()
+    cfg = ProtocolConfig(max_retries=0, room_timeout_s=5.0)
+
+    def scenario():
+        w = World(g, pool_bytes=g.chunk_bytes(), seed=0, config=cfg)
+        w.open_room(0, prompt_tokens=8)  # 2 pages: half a chunk
+        w.run(until_quiet=True)
+        w.open_room(1, prompt_tokens=16)  # a full chunk
+        w.run(until_quiet=True)
+        return w
+
+    w = scenario()
+    assert w.decode[0].rooms_done == 2 and check_records(w.records) == []  # with the restart: fine
+    monkeypatch.setattr(ring_mod.StagingRing, "free", free_without_restart)
+    w = scenario()
+    # the full chunk never becomes ready: the hang ends only by the room timeout, whose
+    # reason names the watermark it waited for
+    assert w.decode[0].rooms_done == 1 and w.decode[0].rooms_failed == 1
+    reasons = [r for f in w.failed.values() for r in f.values()]
+    assert any("watermark of decode rank 0" in r for r in reasons), reasons

@@ -59,8 +59,6 @@ class Reference:
     def assign(self, n: int, alloc_id: int):
         if n > self.size:
             return None
-        if not self.live and self.head > 0:
-            self.round, self.head = self.round + 1, 0
         if self.head + n > self.size:
             self.round, self.head = self.round + 1, 0
         self.live[alloc_id] = (self.round, self.head, self.head + n)
@@ -98,7 +96,8 @@ def test_ring_matches_reference_and_is_safe(size, ops):
         elif ids:
             alloc_id = ids[arg % len(ids)]
             ring.free(alloc_id)
-            ref.live.pop(alloc_id, None)
+            if ref.live.pop(alloc_id, None) is not None and not ref.live and ref.head > 0:
+                ref.round, ref.head = ref.round + 1, 0  # emptied: restart in a new round
         wm = ring.watermark
         assert tuple(wm) == ref.watermark()
         assert wm >= last_wm, "watermark went backwards"
