@@ -339,23 +339,10 @@ class TransferConfig(_Table):
     room_timeout_s: PosFloat = 60.0
 
 
-class LinksConfig(_Table):
-    """[links]: a named hardware profile plus optional per-field overrides.
+class _ProfileNumbers(_Table):
+    """The numbers a hardware profile gives (PROFILE_FIELDS), all optional: the
+    fields of a profile file, and the per-field overrides in [links]."""
 
-    The profile is resolved at validation (see `profile_dirs`); `resolved()` gives
-    the merged numbers in SI units.
-
-    Host model (opt-in, HOST_FIELDS): `host_model = "cpu-loop"` makes the simulator
-    model each rank as the single-threaded loop of hardware mode (sim/host.py):
-    `host_cores` cores shared by the P + D rank loops and their engines'
-    `engine_thread_cores` each, `event_us` of loop time per delivered event, and the
-    pattern-fill forward `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`.
-    `kvstage calibrate` writes all of them; absent or "gpu" keeps the GPU model.
-    """
-
-    profile: str = "rdma-400g"
-    placement: Literal["inter", "intra"] = "inter"
-    source: str | None = None  # where the numbers come from; defaults to the profile's
     inter_bandwidth_gbps: PosFloat | None = None
     inter_latency_us: NonNegFloat | None = None
     inter_per_request_us: NonNegFloat | None = None
@@ -374,6 +361,25 @@ class LinksConfig(_Table):
     event_us: NonNegFloat | None = None
     fill_latency_us: NonNegFloat | None = None
     fill_bandwidth_gbs: PosFloat | None = None
+
+
+class LinksConfig(_ProfileNumbers):
+    """[links]: a named hardware profile plus optional per-field overrides.
+
+    The profile is resolved at validation (see `profile_dirs`); `resolved()` gives
+    the merged numbers in SI units.
+
+    Host model (opt-in, HOST_FIELDS): `host_model = "cpu-loop"` makes the simulator
+    model each rank as the single-threaded loop of hardware mode (sim/host.py):
+    `host_cores` cores shared by the P + D rank loops and their engines'
+    `engine_thread_cores` each, `event_us` of loop time per delivered event, and the
+    pattern-fill forward `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`.
+    `kvstage calibrate` writes all of them; absent or "gpu" keeps the GPU model.
+    """
+
+    profile: str = "rdma-400g"
+    placement: Literal["inter", "intra"] = "inter"
+    source: str | None = None  # where the numbers come from; defaults to the profile's
 
     _resolved: ResolvedLinks | None = PrivateAttr(default=None)
     _merged: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -713,28 +719,10 @@ def available_profiles(base_dir: str | Path | None = None) -> list[str]:
     return sorted(names)
 
 
-class _ProfileFile(_Table):
+class _ProfileFile(_ProfileNumbers):
     """A profile file: the [links] numbers plus where they come from."""
 
     source: str = ""
-    inter_bandwidth_gbps: PosFloat | None = None
-    inter_latency_us: NonNegFloat | None = None
-    inter_per_request_us: NonNegFloat | None = None
-    intra_bandwidth_gbps: PosFloat | None = None
-    intra_latency_us: NonNegFloat | None = None
-    intra_per_request_us: NonNegFloat | None = None
-    control_latency_us: NonNegFloat | None = None
-    gpus_per_nic: Annotated[int, Field(ge=1, le=1024)] | None = None
-    mem_bandwidth_gbs: PosFloat | None = None
-    kernel_launch_us: NonNegFloat | None = None
-    gpu_tflops: PosFloat | None = None
-    # host model (opt-in; see HOST_FIELDS): all five numbers are needed with "cpu-loop"
-    host_model: HostModel | None = None
-    host_cores: Annotated[float, Field(gt=0, le=1e6)] | None = None
-    engine_thread_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
-    event_us: NonNegFloat | None = None
-    fill_latency_us: NonNegFloat | None = None
-    fill_bandwidth_gbs: PosFloat | None = None
 
 
 def _find_profile(profile: str, base_dir: Path | None) -> Path | None:
