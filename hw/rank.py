@@ -301,7 +301,7 @@ class RankProcess:
                 os.kill(os.getpid(), signal.SIGKILL)
             self._flush_delayed(now)
             while arrivals and arrivals[0].arrival_s <= now:
-                self._arrive(arrivals.popleft(), now)
+                self._arrive(arrivals.popleft())
             self._progress_local()
             self._poll_transfers()
             deadline = self.machine.next_deadline
@@ -332,7 +332,7 @@ class RankProcess:
             self._carry(action)
 
     # --- workload -----------------------------------------------------------------------
-    def _arrive(self, req: Request, now: float) -> None:
+    def _arrive(self, req: Request) -> None:
         if self.role == "decode":
             self.open_queue.append(req)
         else:
