@@ -16,6 +16,14 @@ from shared.scenario import Scenario
 from shared.trace import TraceRecord
 
 
+def _sum_counts(counts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
 def run_hardware(
     scenario: Scenario,
     *,
@@ -69,6 +77,7 @@ def run_hardware(
             "ring_used_at_end": {r["rank"]: r.get("ring_used", 0) for r in reports if r["role"] == "decode"},
             "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
             "malformed_messages": sum(r.get("malformed", 0) for r in reports),
+            "faults_injected": _sum_counts(r.get("faults_injected", {}) for r in reports),
             "invariant_violations": len(violations),
             "errors": errors,
             "failures": dict(sorted(failures.items())[:20]),
