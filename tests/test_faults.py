@@ -25,11 +25,11 @@ def test_catalogue_is_there():
 @pytest.mark.parametrize("path", FAULTS, ids=lambda p: p.stem)
 def test_fault_scenario_in_simulation(path):
     s = load_scenario(path)
-    result = Simulation(s).run()
+    sim = Simulation(s)
+    result = sim.run()
     assert not result.violations, "\n".join(v.format() for v in result.violations[:3])
     assert check_expectation(s, result.failures, len(result.requests), "sim") == []
-    assert all(m.ring.empty for m in Simulation(s).decode)  # fresh machines start empty
-    injected = sum(m.rooms_failed for m in [])  # noqa: F841 - kept simple
+    assert all(m.ring.empty for m in sim.decode)  # nothing leaked, whatever failed
     # a fault scenario that injects nothing would prove nothing
     assert result.faults_injected, "no fault was injected"
 
@@ -37,10 +37,8 @@ def test_fault_scenario_in_simulation(path):
 def test_fault_scenarios_are_reproducible_from_the_seed():
     s = load_scenario(next(p for p in FAULTS if p.stem == "drop-rsp-watermark"))
     a, b = Simulation(s).run(), Simulation(s).run()
-    assert [tuple(vars(r).values()) if hasattr(r, "__dict__") else r for r in a.records] == [
-        tuple(vars(r).values()) if hasattr(r, "__dict__") else r for r in b.records
-    ]
-    assert a.faults_injected == b.faults_injected
+    assert a.records == b.records and a.faults_injected == b.faults_injected
+    assert a.faults_injected  # and something was injected
 
 
 HW_CASES = ["drop-rsp-watermark", "duplicate-everything", "abort-mid-write", "lost-chunk-ready", "kill-prefill"]
