@@ -279,6 +279,8 @@ class RankProcess:
             and not self.pending
             and not self.open_queue
             and not self.verify_queue
+            and not self.delayed  # messages held back by fault injection are still owed
+            and not self.delayed_events
             and not getattr(m, "_draining", None)
             and not getattr(m, "_quarantine", None)
         )
