@@ -417,17 +417,22 @@ def _measure_writes(transport: Any, peer: str, src_addr: int, dst_addr: int, pla
         for i in order.permutation(len(sizes)):
             size = sizes[i]
             ops = np.array([[src_addr, dst_addr, size]], dtype=np.int64)
-            t0 = time.perf_counter()
-            h = transport.write(peer, ops)
-            t1 = time.perf_counter()
-            _spin_wait(transport, h, plan.write_timeout_s, f"write of {size} B")
-            t2 = time.perf_counter()
+            total_s, post_s = _timed_write(transport, peer, ops, plan.write_timeout_s, f"write of {size} B")
             if rep:
-                seconds[i].append(t2 - t0)
-                post[i].append(t1 - t0)
+                seconds[i].append(total_s)
+                post[i].append(post_s)
             n += 1
             _progress(conn, "writes", n, total)
     return {"sizes": sizes, "seconds": seconds, "post_seconds": post}
+
+
+def _timed_write(transport: Any, peer: str, ops: np.ndarray, timeout_s: float, what: str) -> tuple[float, float]:
+    """(seconds to completion, seconds to post) of one batch, polled as a rank polls."""
+    t0 = time.perf_counter()
+    handle = transport.write(peer, ops)
+    t1 = time.perf_counter()
+    _spin_wait(transport, handle, timeout_s, what)
+    return time.perf_counter() - t0, t1 - t0
 
 
 def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
@@ -446,14 +451,10 @@ def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, pl
             idx = np.arange(k, dtype=np.int64)
             ops = np.stack([src_addr + idx * stride, dst_addr + rng.permutation(k).astype(np.int64) * stride,
                             np.full(k, s, dtype=np.int64)], axis=1)
-            t0 = time.perf_counter()
-            h = transport.write(peer, ops)
-            t1 = time.perf_counter()
-            _spin_wait(transport, h, plan.write_timeout_s, f"batch of {k} x {s} B")
-            t2 = time.perf_counter()
+            total_s, post_s = _timed_write(transport, peer, ops, plan.write_timeout_s, f"batch of {k} x {s} B")
             if rep:
-                seconds[i].append(t2 - t0)
-                post[i].append(t1 - t0)
+                seconds[i].append(total_s)
+                post[i].append(post_s)
             n += 1
             _progress(conn, "batches", n, total)
     return {"op_bytes": s, "counts": counts, "seconds": seconds, "post_seconds": post}
