@@ -50,8 +50,7 @@ def _permutation(n: int) -> Any:
 def receiver(backend: str, nbytes: int, nops: int, conn: Any) -> None:
     try:
         import torch
-
-        from hw.transport import make_transport
+        from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, "bench-recv")
         dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -71,8 +70,7 @@ def receiver(backend: str, nbytes: int, nops: int, conn: Any) -> None:
 def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, conn: Any) -> None:
     try:
         import numpy as np
-
-        from hw.transport import make_transport
+        from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, "bench-send")
         src = _source(nbytes)
@@ -144,7 +142,7 @@ def main() -> int:
     if args.reps < 1 or (args.size_mib << 10) % args.op_kib:
         parser.error("--reps must be >= 1 and --op-kib must divide --size-mib")
 
-    from hw.transport import probe_engine
+    from kvstage.hw.transport import probe_engine
 
     print(f"{'backend':9} {'case':8} {'ops':>5} {'median GB/s':>12} {'best GB/s':>10} "
           f"{'median ms':>10}  bytes ok")

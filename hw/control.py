@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-
-from shared.protocol import Message, ProtocolError, decode, encode
+from kvstage.shared.protocol import Message, ProtocolError, decode, encode
 
 log = logging.getLogger("kvstage.hw.control")
 

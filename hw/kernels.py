@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from hw.kvpool import KVPool, PoolDesc
-from shared.layout import Geometry, StagingLayout
+from kvstage.hw.kvpool import KVPool, PoolDesc
+from kvstage.shared.layout import Geometry, StagingLayout
 
 # Widest integer dtype per element width: copying 8-byte words instead of bytes lets
 # the copy kernel move larger units on both CPU and CUDA.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hw.control import RendezvousServer, rank_name
+from kvstage.hw.control import RendezvousServer, rank_name
 
 
 class LaunchError(RuntimeError):
@@ -77,7 +77,7 @@ def launch(
             for name in names:
                 role = "prefill" if name.startswith("prefill") else "decode"
                 rank = int(name[len(role):])
-                cmd = [sys.executable, "-m", "hw.rank_main", str(scenario_path), "--role", role,
+                cmd = [sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
                        "--rank", str(rank), "--rendezvous", server.address]
                 if backend:
                     cmd += ["--backend", backend]

@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from hw.control import ControlPlane, RankInfo, RendezvousClient, rank_name
-from hw.kernels import gather, scatter, slice_ops
-from hw.kvpool import KVPool, PoolDesc, PoolFullError, fill_pattern, verify
-from hw.transport import TransferError, XferHandle, make_transport
-from shared.decode import DecodeMachine
-from shared.events import (
+from kvstage.hw.control import ControlPlane, RankInfo, RendezvousClient, rank_name
+from kvstage.hw.kernels import gather, scatter, slice_ops
+from kvstage.hw.kvpool import KVPool, PoolDesc, PoolFullError, fill_pattern, verify
+from kvstage.hw.transport import TransferError, XferHandle, make_transport
+from kvstage.shared.decode import DecodeMachine
+from kvstage.shared.events import (
     AbortRoom,
     ChunkComputed,
     Gather,
@@ -48,13 +47,13 @@ from shared.events import (
     Write,
     WriteDone,
 )
-from shared.faults import FaultPlan
-from shared.layout import LayoutError, owned_heads, room_pages
-from shared.machine import ProtocolConfig
-from shared.prefill import PrefillMachine
-from shared.scenario import Scenario
-from shared.trace import TRACE_FIELDS, TraceRecord
-from shared.workload import Request, generate_requests
+from kvstage.shared.faults import FaultPlan
+from kvstage.shared.layout import LayoutError, owned_heads, room_pages
+from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.prefill import PrefillMachine
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TRACE_FIELDS, TraceRecord
+from kvstage.shared.workload import Request, generate_requests
 
 log = logging.getLogger("kvstage.hw.rank")
 

@@ -1,4 +1,4 @@
-"""Entry point of one rank process: `python -m hw.rank_main ...` (also `kvstage hw-rank`)."""
+"""Entry point of one rank process: `python -m kvstage.hw.rank_main ...` (also `kvstage hw-rank`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hw.rank_main",
+        prog="kvstage.hw.rank_main",
         description="Run one prefill or decode rank of a kvstage hardware-mode run. Start one per "
         "rank (srun, torchrun or mpirun can place them on different nodes); they find each other "
         "through the rendezvous that `kvstage hw` (or `kvstage hw --no-spawn`) runs.",
@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     # Many ranks share this machine's cores: one intra-op thread each avoids
     # oversubscription that would stall every rank's event loop.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
-    from hw.rank import RankError, RankProcess
-    from shared.scenario import ScenarioError, load_scenario
+    from kvstage.hw.rank import RankError, RankProcess
+    from kvstage.shared.scenario import ScenarioError, load_scenario
 
     try:
         scenario = load_scenario(args.scenario, overrides=args.sets)

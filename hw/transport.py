@@ -554,8 +554,8 @@ class Transport(abc.ABC):
 #: backend name -> (adapter module, class). Adapters import their engine lazily, so
 #: importing them is cheap and never fails for a missing engine.
 BACKENDS: dict[str, tuple[str, str]] = {
-    "mooncake": ("hw.mooncake_transport", "MooncakeTransport"),
-    "nixl": ("hw.nixl_transport", "NixlTransport"),
+    "mooncake": ("kvstage.hw.mooncake_transport", "MooncakeTransport"),
+    "nixl": ("kvstage.hw.nixl_transport", "NixlTransport"),
 }
 
 

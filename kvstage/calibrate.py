@@ -366,9 +366,9 @@ def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, 
         _child_setup(log_path)
         import torch
 
-        from hw.control import ControlPlane
-        from hw.transport import make_transport
-        from shared.protocol import Abort
+        from kvstage.hw.control import ControlPlane
+        from kvstage.hw.transport import make_transport
+        from kvstage.shared.protocol import Abort
 
         transport = make_transport(backend, f"kvstage-cal-recv-{os.getpid()}", device)
         dst = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
@@ -461,8 +461,8 @@ def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, pl
 
 
 def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
-    from hw.control import ControlPlane
-    from shared.protocol import Abort, Watermark
+    from kvstage.hw.control import ControlPlane
+    from kvstage.shared.protocol import Abort, Watermark
 
     cp = ControlPlane()
     conn.send(("control", cp.address))
@@ -507,9 +507,9 @@ def _time_call(fn: Callable[[], None], device: str) -> float:
 def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
     import torch
 
-    from hw.kernels import block_bytes, gather, scatter
-    from hw.kvpool import KVPool, fill_pattern
-    from shared.layout import Geometry
+    from kvstage.hw.kernels import block_bytes, gather, scatter
+    from kvstage.hw.kvpool import KVPool, fill_pattern
+    from kvstage.shared.layout import Geometry
 
     kg = KERNEL_GEOMETRY
     geo = Geometry(prefill_tp=2, decode_tp=1, total_kv_heads=kg["kv_heads"], layers=kg["layers"],
@@ -581,8 +581,8 @@ def _measure_handle_cost(conn: Any) -> dict[str, Any]:
     """CPU cost of one protocol event in a rank's loop: time every machine.handle() call
     of a small simulated fan-in run (in-process; no I/O, so this is the state machine's
     own Python cost, without the codec and ZMQ that the control round trip holds)."""
-    from shared.scenario import scenario_from_dict
-    from sim.driver import Simulation
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.sim.driver import Simulation
 
     scenario = scenario_from_dict({
         "name": "calibrate-handle-cost",
@@ -621,7 +621,7 @@ def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, lo
         _child_setup(log_path)
         import torch
 
-        from hw.transport import make_transport
+        from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
         src = torch.randint(0, 256, (plan.buffer_bytes,), dtype=torch.uint8,
@@ -659,7 +659,7 @@ def measure(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Run the two measuring processes; return the raw points (see module docstring)."""
-    from hw.transport import probe_engine
+    from kvstage.hw.transport import probe_engine
 
     plan = plan or CalibrationPlan.full()
     why = probe_engine(backend)
@@ -1045,7 +1045,7 @@ def sidecar_path(profile_path: str | Path) -> Path:
 
 def check_profile_loads(path: str | Path) -> None:
     """Load a tiny scenario naming the profile by path: raises ScenarioError if refused."""
-    from shared.scenario import scenario_from_dict
+    from kvstage.shared.scenario import scenario_from_dict
 
     scenario_from_dict({
         "model": {"layers": 2, "kv_heads": 2, "head_dim": 16, "params_b": 0.1},

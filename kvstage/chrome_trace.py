@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstage.compare import Run, load_run
-from shared.trace import TraceRecord
+from kvstage.shared.trace import TraceRecord
 
 PIDS = {"prefill": 1, "decode": 2}
 # kind of work per phase: its thread within the rank (index, name)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from shared.scenario import Scenario, ScenarioError, load_scenario
+from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario
 
 app = typer.Typer(
     name="kvstage",
@@ -153,7 +153,7 @@ def hw_rank(
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
-    from hw.rank_main import main as rank_main
+    from kvstage.hw.rank_main import main as rank_main
 
     argv = [str(scenario), "--role", role, "--rank", str(rank), "--rendezvous", rendezvous, "--host", host]
     for item in set_ or []:
@@ -171,8 +171,8 @@ def check(
 ) -> None:
     """Check a run's trace against the protocol invariants (safety, exactly once, no
     leak, liveness, monotone watermark); print each violation and exit 1 if any."""
+    from kvstage.shared.invariants import check_records
     from kvstage.tracefile import read_records
-    from shared.invariants import check_records
 
     try:
         mode, records = read_records(run)

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstage.metrics import percentiles, room_latencies
+from kvstage.shared.trace import TraceRecord
 from kvstage.tracefile import find_trace, read_records
-from shared.trace import TraceRecord
 
 # Within this MAPE, B "matches" A (the verdict line).
 MAPE_OK = 0.15

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.scenario import Scenario
+from kvstage.shared.scenario import Scenario
 
 
 def check_expectation(scenario: Scenario, failures: dict[int, str], requests: int, mode: str,

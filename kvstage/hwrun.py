@@ -6,14 +6,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hw.launch import launch
 from kvstage.expect import check_expectation
+from kvstage.hw.launch import launch
 from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TraceRecord
 from kvstage.summary_table import print_summary
-from shared.invariants import check_records
-from shared.scenario import Scenario
-from shared.trace import TraceRecord
 
 
 def _sum_counts(counts) -> dict[str, int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from shared.layout import owned_heads, room_pages
-from shared.scenario import Scenario
+from kvstage.shared.layout import owned_heads, room_pages
+from kvstage.shared.scenario import Scenario
 
 
 def _mib(n: float) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from shared.trace import TraceRecord
+from kvstage.shared.trace import TraceRecord
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:

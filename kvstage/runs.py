@@ -7,9 +7,9 @@ import math
 import time
 from pathlib import Path
 
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TraceRecord
 from kvstage.tracefile import write_trace
-from shared.scenario import Scenario
-from shared.trace import TraceRecord
 
 
 def make_run_dir(scenario: Scenario, mode: str, out: Path | None = None, root: Path = Path("runs")) -> Path:

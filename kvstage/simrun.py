@@ -10,9 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstage.expect import check_expectation
 from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
+from kvstage.shared.scenario import Scenario
+from kvstage.sim.driver import SimResult, Simulation
 from kvstage.summary_table import print_summary
-from shared.scenario import Scenario
-from sim.driver import SimResult, Simulation
 
 
 def simulation_summary(scenario: Scenario, result: SimResult) -> dict:

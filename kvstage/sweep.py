@@ -59,7 +59,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from shared.scenario import (
+from kvstage.shared.scenario import (
     PRESETS,
     Scenario,
     ScenarioError,
@@ -400,8 +400,8 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
     directory (trace, scenario.toml, summary.json) is written.
     """
     try:
+        from kvstage.sim.driver import Simulation
         from kvstage.simrun import simulation_summary
-        from sim.driver import Simulation
 
         result = Simulation(scenario).run()
         summary = simulation_summary(scenario, result)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.trace import TRACE_FIELDS, TRACE_TYPES, TraceRecord
+from kvstage.shared.trace import TRACE_FIELDS, TRACE_TYPES, TraceRecord
 
 _ARROW = {"str": pa.string(), "int": pa.int64(), "float": pa.float64()}
 SCHEMA = pa.schema([("mode", pa.string())] + [(n, _ARROW[TRACE_TYPES[n]]) for n in TRACE_FIELDS])

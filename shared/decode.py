@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.events import (
+from kvstage.shared.events import (
     AbortRoom,
     Action,
     Event,
@@ -25,9 +25,9 @@ from shared.events import (
     Send,
     Tick,
 )
-from shared.layout import Chunk, Geometry, LayoutError, room_pages
-from shared.machine import MachineBase, ProtocolConfig
-from shared.protocol import (
+from kvstage.shared.layout import Chunk, Geometry, LayoutError, room_pages
+from kvstage.shared.machine import MachineBase, ProtocolConfig
+from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
@@ -36,7 +36,7 @@ from shared.protocol import (
     Watermark,
     WriterDone,
 )
-from shared.ring import Allocation, StagingRing, WatermarkPos
+from kvstage.shared.ring import Allocation, StagingRing, WatermarkPos
 
 # REQs kept per room before it opens: enough for every writer and chunk of any real
 # room, bounded so that a peer's garbage cannot grow memory without limit.

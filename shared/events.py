@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.layout import HeadSlice
-from shared.protocol import Message
-from shared.trace import TraceRecord
+from kvstage.shared.layout import HeadSlice
+from kvstage.shared.protocol import Message
+from kvstage.shared.trace import TraceRecord
 
 
 @dataclass(frozen=True, slots=True)

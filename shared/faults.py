@@ -14,9 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from shared.protocol import (
+from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
@@ -26,6 +24,7 @@ from shared.protocol import (
     Watermark,
     WriterDone,
 )
+from pydantic import BaseModel, ConfigDict, Field
 
 MESSAGE_NAMES: dict[type, str] = {
     StagingReq: "STAGING_REQ",

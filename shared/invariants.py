@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.trace import TraceRecord
+from kvstage.shared.trace import TraceRecord
 
 CONTEXT_RECORDS = 12
 

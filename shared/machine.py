@@ -9,9 +9,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from shared.events import Action, Peer, Record
-from shared.layout import Geometry
-from shared.trace import TraceRecord
+from kvstage.shared.events import Action, Peer, Record
+from kvstage.shared.layout import Geometry
+from kvstage.shared.trace import TraceRecord
 
 PATHS = ("staging", "slice")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from shared.events import (
+from kvstage.shared.events import (
     AbortRoom,
     Action,
     ChunkComputed,
@@ -32,9 +32,9 @@ from shared.events import (
     Write,
     WriteDone,
 )
-from shared.layout import Chunk, Geometry, HeadSlice, LayoutError, room_pages
-from shared.machine import MachineBase, ProtocolConfig
-from shared.protocol import (
+from kvstage.shared.layout import Chunk, Geometry, HeadSlice, LayoutError, room_pages
+from kvstage.shared.machine import MachineBase, ProtocolConfig
+from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
@@ -43,7 +43,7 @@ from shared.protocol import (
     Watermark,
     WriterDone,
 )
-from shared.ring import WatermarkPos, is_ready
+from kvstage.shared.ring import WatermarkPos, is_ready
 
 # Bootstraps for rooms not yet opened here are kept, but never without bound:
 # a peer sending garbage room ids must not grow memory forever.

@@ -26,6 +26,8 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
+from kvstage.shared.faults import FaultsConfig
+from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,9 +38,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from shared.faults import FaultsConfig
-from shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 
 __all__ = [
     "HOST_FIELDS",

@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.scenario import Scenario, ScenarioError, WorkloadConfig
+from kvstage.shared.scenario import Scenario, ScenarioError, WorkloadConfig
 
 __all__ = ["Request", "TraceRow", "generate_requests", "read_trace"]
 

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import simpy
-
-from shared.decode import DecodeMachine
-from shared.events import (
+from kvstage.shared.decode import DecodeMachine
+from kvstage.shared.events import (
     AbortRoom,
     ChunkComputed,
     Gather,
@@ -43,16 +42,16 @@ from shared.events import (
     Write,
     WriteDone,
 )
-from shared.faults import FaultPlan
-from shared.invariants import InvariantChecker, Violation
-from shared.machine import ProtocolConfig
-from shared.prefill import PrefillMachine
-from shared.scenario import Scenario
-from shared.trace import TraceRecord
-from shared.workload import Request, generate_requests
-from sim.gpu import GpuParams, SerialStream, copy_time
-from sim.host import RankLoop, cpu_scale, fill_time
-from sim.links import Fabric, LinkParams
+from kvstage.shared.faults import FaultPlan
+from kvstage.shared.invariants import InvariantChecker, Violation
+from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.prefill import PrefillMachine
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TraceRecord
+from kvstage.shared.workload import Request, generate_requests
+from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
+from kvstage.sim.host import RankLoop, cpu_scale, fill_time
+from kvstage.sim.links import Fabric, LinkParams
 
 _INF = float("inf")
 _TICK = Tick()

@@ -31,8 +31,7 @@ from collections.abc import Callable
 from functools import partial
 
 import simpy
-
-from shared.scenario import HostNumbers
+from kvstage.shared.scenario import HostNumbers
 
 
 def cpu_scale(host: HostNumbers, ranks: int) -> float:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from shared.decode import DecodeMachine
-from shared.events import (
+from kvstage.shared.decode import DecodeMachine
+from kvstage.shared.events import (
     ChunkComputed,
     Gather,
     GatherDone,
@@ -27,9 +27,9 @@ from shared.events import (
     Write,
     WriteDone,
 )
-from shared.layout import Geometry
-from shared.machine import ProtocolConfig
-from shared.prefill import PrefillMachine
+from kvstage.shared.layout import Geometry
+from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.prefill import PrefillMachine
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_engine
+from kvstage.shared.scenario import PROFILE_FIELDS, load_scenario
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -28,7 +29,6 @@ from kvstage.calibrate import (
 from kvstage.cli import app
 from kvstage.runs import read_summary
 from kvstage.simrun import run_simulation
-from shared.scenario import PROFILE_FIELDS, load_scenario
 
 IN_CI = os.environ.get("CI") == "true"
 REPO = Path(__file__).resolve().parents[1]

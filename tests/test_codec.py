@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.protocol import (
+from kvstage.shared.protocol import (
     MESSAGE_TYPES,
     Abort,
     Bootstrap,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvstage.shared.scenario import load_scenario
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -27,7 +28,6 @@ from kvstage.compare import (
 )
 from kvstage.simrun import run_simulation
 from kvstage.tracefile import read_records, write_trace
-from shared.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 from conftest import require_engine
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import load_scenario
+from kvstage.sim.driver import Simulation
 from rich.console import Console
 
 from kvstage.expect import check_expectation
 from kvstage.runs import read_summary
 from kvstage.tracefile import read_records
-from shared.invariants import check_records
-from shared.scenario import load_scenario
-from sim.driver import Simulation
 
 FAULTS = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "faults").glob("*.toml"))
 

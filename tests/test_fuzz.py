@@ -8,12 +8,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_harness import World
-
-from hw.control import ControlPlane
-from shared.invariants import check_records
-from shared.layout import Geometry
-from shared.protocol import (
+from kvstage.hw.control import ControlPlane
+from kvstage.shared.invariants import check_records
+from kvstage.shared.layout import Geometry
+from kvstage.shared.protocol import (
     MESSAGE_TYPES,
     Abort,
     ChunkReady,
@@ -23,6 +21,7 @@ from shared.protocol import (
     WriterDone,
     encode,
 )
+from protocol_harness import World
 
 small_int = st.integers(min_value=0, max_value=40)
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import require_engine
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import load_scenario
 from rich.console import Console
 
 from kvstage.hwrun import run_hardware
 from kvstage.runs import read_summary
 from kvstage.tracefile import read_records
-from shared.invariants import check_records
-from shared.scenario import load_scenario
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]
 
@@ -94,8 +94,8 @@ def test_every_byte_lands(tmp_path, backend, path, case):
     s = load_scenario(run_dir / "scenario.toml")
     g = s.geometry()
     expected = 0
-    from shared.layout import room_pages
-    from shared.workload import generate_requests
+    from kvstage.shared.layout import room_pages
+    from kvstage.shared.workload import generate_requests
 
     for req in generate_requests(s):
         pages = room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size)
@@ -171,7 +171,7 @@ def test_hw_trace_reads_like_a_sim_trace(tmp_path):
     sim_mode, sim_records = read_records(tmp_path / "sim")
     assert sim_mode == "sim"
     # same row type and phase vocabulary, the same rooms done
-    from shared.trace import PHASES
+    from kvstage.shared.trace import PHASES
 
     assert {r.phase for r in records} <= set(PHASES) and {r.phase for r in sim_records} <= set(PHASES)
     assert {r.phase for r in records} >= {"req", "rsp", "gather", "write", "scatter", "free", "room_done"}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from kvstage.shared import decode as decode_mod
+from kvstage.shared import prefill as prefill_mod
+from kvstage.shared.invariants import check_records
+from kvstage.shared.layout import Geometry
 from protocol_harness import World
-
-from shared import decode as decode_mod
-from shared import prefill as prefill_mod
-from shared.invariants import check_records
-from shared.layout import Geometry
 
 
 def _run(seed=0, rooms=5, pool_chunks=1, P=4, D=1):
@@ -56,7 +55,7 @@ def _geometry(P=2, D=1):
 
 
 def test_counting_writers_by_number_is_caught(monkeypatch):
-    from shared import decode as decode_mod
+    from kvstage.shared import decode as decode_mod
 
     def on_ready_by_count(self, msg, now, out):
         w = self._writer_for(msg, now, out)
@@ -84,7 +83,7 @@ def test_counting_writers_by_number_is_caught(monkeypatch):
 
 
 def test_freeing_before_scatter_completes_is_caught(monkeypatch):
-    from shared import decode as decode_mod
+    from kvstage.shared import decode as decode_mod
 
     real = decode_mod.DecodeMachine._chunk_maybe_complete
 
@@ -100,9 +99,9 @@ def test_freeing_before_scatter_completes_is_caught(monkeypatch):
 
 
 def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
-    from shared import decode as decode_mod
-    from shared.machine import ProtocolConfig
-    from shared.protocol import ChunkReady
+    from kvstage.shared import decode as decode_mod
+    from kvstage.shared.machine import ProtocolConfig
+    from kvstage.shared.protocol import ChunkReady
 
     def fail_without_release(self, room, reason, now, out, skip_session=-1):
         del self._rooms[room.room]
@@ -124,9 +123,9 @@ def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
     """DESIGN.md's case: pool of one chunk, half a chunk assigned and freed, then a full
     chunk. With WATERMARK sent only after frees (as DESIGN describes) and no re-request,
     only the empty-ring restart keeps that full chunk writable."""
-    from shared import decode as decode_mod
-    from shared import ring as ring_mod
-    from shared.machine import ProtocolConfig
+    from kvstage.shared import decode as decode_mod
+    from kvstage.shared import ring as ring_mod
+    from kvstage.shared.machine import ProtocolConfig
 
     def free_without_restart(self, alloc_id):
         alloc = self._live.pop(alloc_id, None)

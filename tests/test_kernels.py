@@ -10,13 +10,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
+import kvstage.hw.kvpool as kvpool
 import numpy as np
 import pytest
 import torch
-
-import hw.kvpool as kvpool
-from hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
-from hw.kvpool import (
+from kvstage.hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
+from kvstage.hw.kvpool import (
     KVPool,
     PoolDesc,
     PoolFullError,
@@ -25,7 +24,7 @@ from hw.kvpool import (
     room_salt,
     verify,
 )
-from shared.layout import DTYPE_BYTES, Geometry, StagingLayout, owned_heads
+from kvstage.shared.layout import DTYPE_BYTES, Geometry, StagingLayout, owned_heads
 
 LAYERS = 3
 HEAD_DIM = 8

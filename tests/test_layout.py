@@ -5,8 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from shared.layout import (
+from kvstage.shared.layout import (
     Geometry,
     LayoutError,
     chunk_grid,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from kvstage.shared.decode import DecodeMachine
+from kvstage.shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
+from kvstage.shared.invariants import check_records
+from kvstage.shared.layout import Geometry
+from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, WriterDone
 from protocol_harness import World
-
-from shared.decode import DecodeMachine
-from shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
-from shared.invariants import check_records
-from shared.layout import Geometry
-from shared.machine import ProtocolConfig
-from shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, WriterDone
 
 
 def geo(P, D, H, **kw):
@@ -153,7 +152,7 @@ def test_timeout_fails_with_reason_and_releases():
     m.handle(StagingReq(0, 0, 4, 1, 0), 0.0)
     m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 1.0)
     assert m.next_deadline == 5.0
-    from shared.events import Tick
+    from kvstage.shared.events import Tick
 
     out = m.handle(Tick(), 5.0)
     failed = [a for a in out if isinstance(a, RoomFailed)]
@@ -176,8 +175,8 @@ def test_misaligned_prefix_fails_on_both_sides():
 
 
 def test_prefill_timeout_names_the_wait():
-    from shared.events import Tick
-    from shared.prefill import PrefillMachine
+    from kvstage.shared.events import Tick
+    from kvstage.shared.prefill import PrefillMachine
 
     g = geo(2, 1, 8)
     p = PrefillMachine(0, g, ProtocolConfig(room_timeout_s=2.0))
@@ -190,7 +189,7 @@ def test_prefill_timeout_names_the_wait():
 
 
 def test_local_abort_on_prefill_notifies_decode():
-    from shared.prefill import PrefillMachine
+    from kvstage.shared.prefill import PrefillMachine
 
     g = geo(1, 2, 8)
     p = PrefillMachine(0, g)
@@ -200,9 +199,9 @@ def test_local_abort_on_prefill_notifies_decode():
 
 
 def test_stale_watermark_and_duplicate_rsp_are_harmless():
-    from shared.events import ChunkComputed, Gather
-    from shared.prefill import PrefillMachine
-    from shared.protocol import Watermark
+    from kvstage.shared.events import ChunkComputed, Gather
+    from kvstage.shared.prefill import PrefillMachine
+    from kvstage.shared.protocol import Watermark
 
     g = geo(1, 1, 8)
     p = PrefillMachine(0, g)
@@ -221,7 +220,7 @@ def test_stale_watermark_and_duplicate_rsp_are_harmless():
 
 
 def test_quarantine_released_after_grace_without_confirmation():
-    from shared.events import Tick
+    from kvstage.shared.events import Tick
 
     g = geo(2, 1, 8)
     m = DecodeMachine(0, g, g.chunk_bytes() * 4, ProtocolConfig(abort_grace_s=2.0))
@@ -237,9 +236,9 @@ def test_quarantine_released_after_grace_without_confirmation():
 
 
 def test_prefill_abort_waits_for_in_flight_writes():
-    from shared.events import ChunkComputed, Gather, GatherDone, Write, WriteDone
-    from shared.prefill import PrefillMachine
-    from shared.protocol import Watermark
+    from kvstage.shared.events import ChunkComputed, Gather, GatherDone, Write, WriteDone
+    from kvstage.shared.prefill import PrefillMachine
+    from kvstage.shared.protocol import Watermark
 
     g = geo(1, 1, 8)
     p = PrefillMachine(0, g)
@@ -262,7 +261,7 @@ def test_lost_rsp_and_watermark_recovered_by_retry(seed):
     """Drop 30% of STAGING_RSP and WATERMARK messages: retries bring every room home."""
     import random as _random
 
-    from shared.protocol import Watermark
+    from kvstage.shared.protocol import Watermark
 
     g = geo(4, 2, 8)
     cfg = ProtocolConfig(retry_s=0.05, max_retries=12, room_timeout_s=100.0)
@@ -301,7 +300,7 @@ def test_lost_chunk_ready_fails_room_with_reason_and_frees():
 
 
 def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
-    from shared.events import PeerLost
+    from kvstage.shared.events import PeerLost
 
     g = geo(2, 1, 8)
     m = DecodeMachine(0, g, g.chunk_bytes() * 4, ProtocolConfig(abort_grace_s=1.0))

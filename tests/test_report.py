@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from kvstage.shared.scenario import load_scenario
 from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
@@ -23,7 +24,6 @@ from kvstage.cli import app
 from kvstage.report import build_report
 from kvstage.simrun import run_simulation
 from kvstage.tracefile import read_records
-from shared.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"

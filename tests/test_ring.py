@@ -6,8 +6,7 @@ import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.ring import StagingRing, WatermarkPos, is_ready
+from kvstage.shared.ring import StagingRing, WatermarkPos, is_ready
 
 
 def test_oversized_is_none():

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shared.layout import Geometry
-from shared.scenario import (
+from kvstage.shared.layout import Geometry
+from kvstage.shared.scenario import (
     PRESETS,
     PROFILE_FIELDS,
     REPO_PROFILES,

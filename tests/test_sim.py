@@ -10,18 +10,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import kvstage.shared.prefill
 import pytest
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.workload import generate_requests
+from kvstage.sim.driver import SimResult, simulate
 from typer.testing import CliRunner
 
-import shared.prefill
 from kvstage.cli import app
 from kvstage.metrics import summarize
 from kvstage.runs import write_run
 from kvstage.tracefile import read_records, write_trace
-from shared.invariants import check_records
-from shared.scenario import Scenario, load_scenario
-from shared.workload import generate_requests
-from sim.driver import SimResult, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"
@@ -214,14 +214,14 @@ STALL_PRONE = (
 
 
 def test_ignoring_the_watermark_is_a_safety_violation(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(shared.prefill, "is_ready", lambda round, end, wm: True)
+    monkeypatch.setattr(kvstage.shared.prefill, "is_ready", lambda round, end, wm: True)
     result = simulate(load(FLAGSHIP, *STALL_PRONE))
     assert result.violations
     assert "safety" in {v.invariant for v in result.violations}
 
 
 def test_cli_sim_exits_nonzero_on_violation(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    monkeypatch.setattr(shared.prefill, "is_ready", lambda round, end, wm: True)
+    monkeypatch.setattr(kvstage.shared.prefill, "is_ready", lambda round, end, wm: True)
     args = ["sim", str(FLAGSHIP), "--out", str(tmp_path / "run"), "--no-progress"]
     for s in STALL_PRONE:
         args += ["--set", s]

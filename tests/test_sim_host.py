@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 import simpy
-
-from shared.scenario import (
+from kvstage.shared.scenario import (
     HOST_FIELDS,
     HostNumbers,
     ScenarioError,
     load_scenario,
     scenario_from_dict,
 )
-from sim.driver import Simulation, simulate
-from sim.host import RankLoop, cpu_scale, fill_time
+from kvstage.sim.driver import Simulation, simulate
+from kvstage.sim.host import RankLoop, cpu_scale, fill_time
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"

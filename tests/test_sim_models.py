@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import simpy
-
-from sim.gpu import GpuParams, SerialStream, Stream, copy_time, forward_time
-from sim.links import Fabric, LinkParams, Nic
+from kvstage.sim.gpu import GpuParams, SerialStream, Stream, copy_time, forward_time
+from kvstage.sim.links import Fabric, LinkParams, Nic
 
 GB = 1e9
 # Round numbers so the hand computations below stay readable.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.faults import MESSAGE_NAMES
-from shared.scenario import load_scenario
-from sim.driver import Simulation
+from kvstage.shared.faults import MESSAGE_NAMES
+from kvstage.shared.scenario import load_scenario
+from kvstage.sim.driver import Simulation
 
 BASE = Path(__file__).resolve().parents[1] / "scenarios" / "faults" / "drop-rsp-watermark.toml"
 N = 10_000

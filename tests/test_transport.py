@@ -20,8 +20,7 @@ import traceback
 from typing import Any
 
 import pytest
-
-from hw.transport import (
+from kvstage.hw.transport import (
     BACKENDS,
     EngineUnavailableError,
     PeerInfo,
@@ -298,7 +297,7 @@ def test_unknown_backend_is_a_clear_value_error() -> None:
 
 
 def test_missing_engine_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hw.nixl_transport import NixlTransport
+    from kvstage.hw.nixl_transport import NixlTransport
 
     monkeypatch.setattr(NixlTransport, "engine_module", "no_such_engine_module")
     with pytest.raises(EngineUnavailableError, match=r"nixl: cannot import no_such_engine_module.*pip install"):

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
-from shared.workload import Request, generate_requests, read_trace
+from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
+from kvstage.shared.workload import Request, generate_requests, read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
