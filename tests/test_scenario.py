@@ -418,6 +418,32 @@ def test_bad_override_key(tmp_path: Path) -> None:
     assert "decode.page_size = 24" in msg and "power of two" in msg
 
 
+def test_hardware_kv_pool_mb(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    s = load_scenario(path)
+    assert s.hardware.kv_pool_mb == 512  # the default
+    assert tomllib.loads(s.to_toml())["hardware"]["kv_pool_mb"] == 512
+    s = load_scenario(path, ["hardware.kv_pool_mb=64"])  # what --set passes
+    assert s.hardware.kv_pool_mb == 64
+    assert tomllib.loads(s.to_toml())["hardware"]["kv_pool_mb"] == 64
+    assert load_scenario(write(tmp_path, s.to_toml(), "again.toml")).hardware.kv_pool_mb == 64
+    s = load_scenario(write(tmp_path, MINIMAL + "[hardware]\nkv_pool_mb = 2048\n", "file.toml"))
+    assert s.hardware.kv_pool_mb == 2048
+    # A bad value is one clear message naming the field, the value and what is allowed.
+    for raw, shown, allowed in [
+        ("0", "0", "greater than or equal to 1"),
+        ("-5", "-5", "greater than or equal to 1"),
+        ("x", '"x"', "valid integer"),
+        ("1.5", "1.5", "valid integer"),
+    ]:
+        msg = error_of(tmp_path, MINIMAL, (f"hardware.kv_pool_mb={raw}",))
+        assert msg.count("\n") == 0 and "Traceback" not in msg
+        assert f"hardware.kv_pool_mb = {shown}: " in msg and allowed in msg, msg
+    with pytest.raises(ScenarioError) as info:
+        scenario_from_dict(minimal(hardware={"kv_pool_mb": 0}))
+    assert info.value.field == "hardware.kv_pool_mb"
+
+
 ALL_KEYS = [
     "name",
     "description",
@@ -456,6 +482,7 @@ ALL_KEYS = [
     "hardware.device",
     "hardware.verify",
     "hardware.forward_delay",
+    "hardware.kv_pool_mb",
     "hardware.scale_down.enabled",
     "hardware.scale_down.layers",
     "hardware.scale_down.requests",

@@ -1,0 +1,141 @@
+"""Loading scenarios: a TOML file or parsed dict in, a validated `Scenario` out, with
+"dotted.key=value" command-line overrides (`--set`) applied on the way.
+
+Every failure -- a missing file, a TOML syntax error, an override naming no field,
+any schema problem -- is raised as one ScenarioError (errors.py). File reads are
+this module's job; the schema itself reads only the profile file it names.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
+from kvstage.shared.scenario.schema import Scenario
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["apply_overrides", "load_scenario", "parse_override_value", "scenario_from_dict"]
+
+
+def scenario_from_dict(
+    data: Mapping[str, Any], base_dir: str | Path | None = None, *, source: str | None = None
+) -> Scenario:
+    """Validate a scenario given as nested dicts (parsed TOML).
+
+    `base_dir` anchors relative paths (profile, trace CSV) and the profile search;
+    `source` (a file name) prefixes error messages.
+    """
+    if not isinstance(data, Mapping):
+        raise ScenarioError(f"{source or 'scenario'}: expected a table, got {_fmt_value(data)}")
+    context = {"base_dir": Path(base_dir) if base_dir is not None else None}
+    try:
+        return Scenario.model_validate(dict(data), context=context)
+    except ValidationError as exc:
+        raise _explain(exc, source, Scenario) from None
+
+
+def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:
+    """Read a scenario TOML file, apply "dotted.key=value" overrides, validate.
+
+    `name` defaults to the file stem. Raises ScenarioError for any bad input.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ScenarioError(f"{p}: no such scenario file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{p}: invalid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{p}: cannot read: {exc}") from None
+    data = apply_overrides(data, overrides)
+    data.setdefault("name", p.stem)
+    return scenario_from_dict(data, p.parent, source=str(p))
+
+
+def parse_override_value(raw: str) -> Any:
+    """An override value as a TOML value (512, 1.5, true, "x", [1, 2]), else the bare string."""
+    try:
+        doc = tomllib.loads(f"v = {raw}")
+    except tomllib.TOMLDecodeError:
+        return raw
+    return doc["v"] if set(doc) == {"v"} else raw
+
+
+def _is_str_field(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    return get_origin(annotation) is not None and str in get_args(annotation)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each "dotted.key=value" override set.
+
+    Keys are checked against the schema, so a typo fails here with the allowed keys
+    at that level instead of being silently added. A value for a string field is
+    kept as typed (so `name=123` is the string "123").
+    """
+    out = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not key or not all(parts):
+            raise ScenarioError(
+                f"override {item!r}: expected dotted.key=value, e.g. decode.page_size=32"
+            )
+        value: Any = parse_override_value(raw.strip())
+        cls: type[BaseModel] | None = Scenario
+        node = out
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            where = f"[{'.'.join(parts[:i])}]" if i else "the top level"
+            if cls is not None:
+                field = cls.model_fields.get(part)
+                if field is None:
+                    if cls.model_config.get("extra") == "allow":
+                        cls = None  # free-form table ([faults]): any key
+                    else:
+                        raise ScenarioError(
+                            f"override {item!r}: unknown key {part!r} in {where}; allowed: "
+                            f"{', '.join(cls.model_fields)}",
+                            key,
+                        )
+                else:
+                    ann = field.annotation
+                    sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+                    if last and _is_str_field(ann) and not isinstance(value, str):
+                        value = raw.strip()
+                    if not last and sub is None and get_origin(ann) is dict:
+                        # a mapping field (faults.drop.WATERMARK=0.01): keys are
+                        # checked by the schema when the scenario validates
+                        cls = None
+                        node = node.setdefault(part, {})
+                        continue
+                    if not last and sub is None:
+                        raise ScenarioError(
+                            f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, "
+                            "not a table",
+                            key,
+                        )
+                    cls = sub
+            if last:
+                node[part] = value
+            else:
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    raise ScenarioError(
+                        f"override {item!r}: {'.'.join(parts[: i + 1])} is "
+                        f"{_fmt_value(child)}, not a table",
+                        key,
+                    )
+                node = child
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}

@@ -1,0 +1,335 @@
+"""Hardware profiles: the profile files `[links] profile = "..."` names, where they
+are looked up, and the link numbers a scenario resolves to.
+
+A profile gives link, memory and compute numbers in the units people quote them in
+(PROFILE_FIELDS); [links] may override any of them. `_resolve_links` merges the two
+and checks that the numbers the placement needs exist; `ResolvedLinks` holds the
+result in SI units (bytes/s, seconds, FLOP/s), which is what both modes read.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from kvstage.shared.scenario.errors import _explain, _FieldProblem
+from kvstage.shared.scenario.fieldtypes import NonNegFloat, PosFloat, _Table
+from pydantic import Field, ValidationError
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario.schema import LinksConfig
+
+__all__ = [
+    "HOST_FIELDS",
+    "PROFILE_FIELDS",
+    "REPO_PROFILES",
+    "HostNumbers",
+    "LinkNumbers",
+    "ResolvedLinks",
+    "available_profiles",
+    "links_table",
+    "profile_dirs",
+]
+
+# The repository's own profiles: the last place a profile name is looked up.
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
+
+# The optional host model (sim/host.py), opt-in per profile: with host_model =
+# "cpu-loop" every rank is ONE single-threaded loop (hw/rank.py) that serialises its
+# event handling, pattern fills, gathers and scatters, and that loop work is slowed by
+# the host's CPU sharing. Absent (or "gpu"): the default GPU model, unchanged.
+#   host_model          "gpu" | "cpu-loop"
+#   host_cores          CPU cores the P + D rank processes share (cpu-loop only)
+#   engine_thread_cores cores each rank process's transfer engine keeps busy on its
+#                       own (e.g. NIXL's UCX progress thread), >= 0
+#   event_us            loop CPU time of handling one delivered event (message,
+#                       completion) in a rank loop, before CPU sharing
+#   fill_latency_us     hw-mode prefill 'forward' (pattern fill of one chunk):
+#   fill_bandwidth_gbs    t = fill_latency + KV bytes of the chunk / fill_bandwidth (GB/s)
+HOST_FIELDS: tuple[str, ...] = (
+    "host_model",
+    "host_cores",
+    "engine_thread_cores",
+    "event_us",
+    "fill_latency_us",
+    "fill_bandwidth_gbs",
+)
+HostModel = Literal["gpu", "cpu-loop"]
+
+# Profile fields in the units people quote them in (Gbit/s for links, GB/s for HBM,
+# microseconds, TFLOP/s). `ResolvedLinks` holds the same numbers in SI units.
+PROFILE_FIELDS: tuple[str, ...] = (
+    "inter_bandwidth_gbps",
+    "inter_latency_us",
+    "inter_per_request_us",
+    "intra_bandwidth_gbps",
+    "intra_latency_us",
+    "intra_per_request_us",
+    "control_latency_us",
+    "gpus_per_nic",
+    "mem_bandwidth_gbs",
+    "kernel_launch_us",
+    "gpu_tflops",
+    *HOST_FIELDS,
+)
+_COMMON_FIELDS = (
+    "control_latency_us",
+    "gpus_per_nic",
+    "mem_bandwidth_gbs",
+    "kernel_launch_us",
+    "gpu_tflops",
+)
+
+
+def _placement_fields(placement: str) -> tuple[str, str, str]:
+    return (f"{placement}_bandwidth_gbps", f"{placement}_latency_us", f"{placement}_per_request_us")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkNumbers:
+    """One link class in SI units."""
+
+    bandwidth_bytes_s: float
+    latency_s: float
+    per_request_s: float  # fixed cost of each transfer request (post, completion)
+
+
+@dataclass(frozen=True, slots=True)
+class HostNumbers:
+    """The cpu-loop host model's inputs in SI units (see HOST_FIELDS)."""
+
+    cores: float
+    engine_thread_cores: float
+    event_s: float
+    fill_latency_s: float
+    fill_bandwidth_bytes_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedLinks:
+    """The profile merged with the [links] overrides, in SI units.
+
+    `link` is the link KV transfers take for this placement (inter: NIC between
+    nodes; intra: NVLink inside a node). `inter` / `intra` are None when the profile
+    has no numbers for that class (e.g. the intra-node-only `nvlink` profile).
+    """
+
+    profile: str  # the name or path as written in the scenario
+    profile_path: str | None  # the file read, None when every number was explicit
+    source: str
+    placement: Literal["inter", "intra"]
+    link: LinkNumbers
+    inter: LinkNumbers | None
+    intra: LinkNumbers | None
+    control_latency_s: float
+    gpus_per_nic: int
+    mem_bandwidth_bytes_s: float
+    kernel_launch_s: float
+    gpu_flops: float
+    host: HostNumbers | None = None  # None: the default GPU model (host_model absent or "gpu")
+
+
+class _ProfileNumbers(_Table):
+    """The numbers a hardware profile gives (PROFILE_FIELDS), all optional: the
+    fields of a profile file, and the per-field overrides in [links]."""
+
+    inter_bandwidth_gbps: PosFloat | None = None
+    inter_latency_us: NonNegFloat | None = None
+    inter_per_request_us: NonNegFloat | None = None
+    intra_bandwidth_gbps: PosFloat | None = None
+    intra_latency_us: NonNegFloat | None = None
+    intra_per_request_us: NonNegFloat | None = None
+    control_latency_us: NonNegFloat | None = None
+    gpus_per_nic: Annotated[int, Field(ge=1, le=1024)] | None = None
+    mem_bandwidth_gbs: PosFloat | None = None
+    kernel_launch_us: NonNegFloat | None = None
+    gpu_tflops: PosFloat | None = None
+    # host model (opt-in; see HOST_FIELDS): all five numbers are needed with "cpu-loop"
+    host_model: HostModel | None = None
+    host_cores: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    engine_thread_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    event_us: NonNegFloat | None = None
+    fill_latency_us: NonNegFloat | None = None
+    fill_bandwidth_gbs: PosFloat | None = None
+
+
+def _looks_like_path(profile: str) -> bool:
+    return "/" in profile or "\\" in profile or profile.endswith(".toml")
+
+
+def profile_dirs(base_dir: str | Path | None = None) -> list[Path]:
+    """Where a profile name is looked up, in order (duplicates removed).
+
+    <scenario dir>/profiles, <scenario dir>/../profiles, then the repository's
+    scenarios/profiles.
+    """
+    dirs: list[Path] = []
+    if base_dir is not None:
+        b = Path(base_dir)
+        dirs += [b / "profiles", b.parent / "profiles"]
+    dirs.append(REPO_PROFILES)
+    seen: set[Path] = set()
+    out = []
+    for d in dirs:
+        key = d.resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def available_profiles(base_dir: str | Path | None = None) -> list[str]:
+    """Profile names that `links.profile` can name from a scenario in `base_dir`."""
+    names: set[str] = set()
+    for d in profile_dirs(base_dir):
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+class _ProfileFile(_ProfileNumbers):
+    """A profile file: the [links] numbers plus where they come from."""
+
+    source: str = ""
+
+
+def _find_profile(profile: str, base_dir: Path | None) -> Path | None:
+    if _looks_like_path(profile):
+        p = Path(profile).expanduser()
+        candidates = [p]
+        if not p.is_absolute() and base_dir is not None:
+            candidates.append(base_dir / p)
+    else:
+        candidates = [d / f"{profile}.toml" for d in profile_dirs(base_dir)]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _read_profile(path: Path, profile: str) -> _ProfileFile:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise _FieldProblem({"profile": profile}, f"{path}: invalid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _FieldProblem({"profile": profile}, f"{path}: cannot read: {exc}") from None
+    try:
+        return _ProfileFile.model_validate(data)
+    except ValidationError as exc:
+        raise _FieldProblem(
+            {"profile": profile}, str(_explain(exc, str(path), _ProfileFile))
+        ) from None
+
+
+def _resolve_links(
+    links: LinksConfig, base_dir: str | Path | None
+) -> tuple[dict[str, Any], ResolvedLinks]:
+    """Merge profile file and overrides; check the numbers the placement needs exist."""
+    path, merged, source = _merge_numbers(links, Path(base_dir) if base_dir is not None else None)
+    if links.source is not None:
+        source = links.source
+    elif path is None:
+        source = "explicit [links] numbers"
+    inter, intra = _link_numbers(merged, "inter"), _link_numbers(merged, "intra")
+    link = inter if links.placement == "inter" else intra
+    host = _host_numbers(merged, links.profile)
+    assert link is not None  # checked through the needed fields in _merge_numbers
+    resolved = ResolvedLinks(
+        profile=links.profile,
+        profile_path=str(path.resolve()) if path is not None else None,
+        source=source,
+        placement=links.placement,
+        link=link,
+        inter=inter,
+        intra=intra,
+        control_latency_s=merged["control_latency_us"] / 1e6,
+        gpus_per_nic=merged["gpus_per_nic"],
+        mem_bandwidth_bytes_s=merged["mem_bandwidth_gbs"] * 1e9,
+        kernel_launch_s=merged["kernel_launch_us"] / 1e6,
+        gpu_flops=merged["gpu_tflops"] * 1e12,
+        host=host,
+    )
+    return merged, resolved
+
+
+def _merge_numbers(
+    links: LinksConfig, bdir: Path | None
+) -> tuple[Path | None, dict[str, Any], str]:
+    """(profile file or None, its numbers with the [links] overrides on top, its source).
+
+    Raises when the profile is not found and the overrides do not spell out every
+    number the placement needs, or when a needed number is missing after the merge.
+    """
+    explicit = {k: getattr(links, k) for k in PROFILE_FIELDS if getattr(links, k) is not None}
+    needed = (*_placement_fields(links.placement), *_COMMON_FIELDS)
+    path = _find_profile(links.profile, bdir)
+    merged: dict[str, Any] = {}
+    source = ""
+    if path is not None:
+        pf = _read_profile(path, links.profile)
+        merged = {k: getattr(pf, k) for k in PROFILE_FIELDS if getattr(pf, k) is not None}
+        source = pf.source
+    elif not all(k in explicit for k in needed):
+        # Without a profile file, a scenario that spells out every number it needs
+        # still loads (that is what to_toml writes); otherwise the name is wrong.
+        where = "file not found" if _looks_like_path(links.profile) else "unknown profile"
+        raise _FieldProblem(
+            {"profile": links.profile},
+            f"{where}; available: {', '.join(available_profiles(bdir)) or '(none)'} "
+            f"(searched {', '.join(str(d) for d in profile_dirs(bdir))}; a path to a "
+            ".toml file also works)",
+        )
+    merged.update(explicit)
+    for key in needed:
+        if merged.get(key) is None:
+            raise _FieldProblem(
+                {key: None},
+                f"profile {links.profile!r} has no {key}, needed with placement = "
+                f'"{links.placement}"; set links.{key} or choose another placement/profile',
+            )
+    return path, merged, source
+
+
+def _link_numbers(merged: dict[str, Any], placement: str) -> LinkNumbers | None:
+    """One link class in SI units, or None when the merged numbers lack it."""
+    bw, lat, per = (merged.get(k) for k in _placement_fields(placement))
+    if bw is None or lat is None or per is None:
+        return None
+    return LinkNumbers(bw * 1e9 / 8, lat / 1e6, per / 1e6)
+
+
+def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
+    """The cpu-loop host model in SI units; None with the default GPU model."""
+    if merged.get("host_model", "gpu") != "cpu-loop":
+        return None
+    for key in HOST_FIELDS[1:]:
+        if merged.get(key) is None:
+            raise _FieldProblem(
+                {key: None},
+                f'profile {profile!r} has host_model = "cpu-loop" but no {key}; '
+                f"set links.{key} (kvstage calibrate writes all of {', '.join(HOST_FIELDS)}) "
+                'or host_model = "gpu"',
+            )
+    return HostNumbers(
+        cores=float(merged["host_cores"]),
+        engine_thread_cores=float(merged["engine_thread_cores"]),
+        event_s=merged["event_us"] / 1e6,
+        fill_latency_s=merged["fill_latency_us"] / 1e6,
+        fill_bandwidth_bytes_s=merged["fill_bandwidth_gbs"] * 1e9,
+    )
+
+
+def links_table(links: LinksConfig) -> dict[str, Any]:
+    """The [links] table with every number spelled out, as `Scenario.to_toml` writes it.
+
+    The profile's numbers are written explicitly, so the table still loads where the
+    profile file is not found (a run directory copied elsewhere).
+    """
+    r = links.resolved()
+    profile = r.profile_path if r.profile_path and _looks_like_path(r.profile) else r.profile
+    table: dict[str, Any] = {"profile": profile, "placement": r.placement, "source": r.source}
+    for key in PROFILE_FIELDS:
+        if links._merged.get(key) is not None:
+            table[key] = links._merged[key]
+    return table

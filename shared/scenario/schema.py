@@ -1,0 +1,456 @@
+"""The scenario schema: one pydantic model per TOML table, and `Scenario` on top.
+
+A scenario (DESIGN.md, "Scenarios") is the single input of both modes: the simulator
+and the hardware driver read the same resolved `Scenario`, and a run directory stores
+it back as TOML (`Scenario.to_toml`) so a run can be replayed exactly.
+
+Validation is also resolution: the model preset is filled in, relative paths are
+anchored at the scenario file, the [links] profile is read (profiles.py), and the
+cross-field checks (TP mapping, staging pool >= one chunk) run. A failing check
+raises `_FieldProblem`, which `errors._explain` turns into one clear ScenarioError.
+The schema itself stays a pure function of its input plus the profile file it names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from kvstage.shared.faults import FaultsConfig
+from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
+from kvstage.shared.scenario.errors import _FieldProblem
+from kvstage.shared.scenario.fieldtypes import (
+    MIB,
+    NonNegFloat,
+    NonNegInt,
+    PoolMiB,
+    PosFloat,
+    PosInt,
+    TPSize,
+    _Table,
+)
+from kvstage.shared.scenario.presets import PRESETS
+from kvstage.shared.scenario.profiles import (
+    ResolvedLinks,
+    _ProfileNumbers,
+    _resolve_links,
+    links_table,
+)
+from kvstage.shared.scenario.toml_out import dumps_toml
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+__all__ = [
+    "DecodeConfig",
+    "ExpectConfig",
+    "HardwareConfig",
+    "LinksConfig",
+    "ModelConfig",
+    "PrefillConfig",
+    "ScaleDown",
+    "Scenario",
+    "TransferConfig",
+    "WorkloadConfig",
+]
+
+
+class ModelConfig(_Table):
+    """[model]: a preset, or explicit geometry; explicit fields override the preset."""
+
+    preset: str | None = None
+    layers: PosInt
+    kv_heads: Annotated[int, Field(ge=1, le=1024)]
+    head_dim: PosInt
+    params_b: PosFloat  # billions of parameters, for 2 * params * tokens FLOPs
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if not isinstance(name, str) or name not in PRESETS:
+            raise _FieldProblem(
+                {"preset": name}, f"unknown model preset; allowed: {', '.join(PRESETS)}"
+            )
+        p = PRESETS[name]
+        base = {
+            "layers": p.layers,
+            "kv_heads": p.kv_heads,
+            "head_dim": p.head_dim,
+            "params_b": p.params_b,
+        }
+        return {**base, **data}
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+class PrefillConfig(_Table):
+    """[prefill]: TP size and how long a forward takes."""
+
+    tp: TPSize
+    chunked_prefill_size: PosInt = 8192
+    tokens_per_s: PosFloat | None = None  # if set: forward time = tokens / tokens_per_s
+    tflops: PosFloat = 400.0  # sustained per GPU, for 2 * params * tokens / tp FLOPs
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class DecodeConfig(_Table):
+    """[decode]: TP size, KV paging and the staging pool of each decode rank."""
+
+    tp: TPSize
+    page_size: PosInt = 16
+    staging_pool_mb: PoolMiB = 4096.0  # MiB per decode rank
+    prefix_tokens: NonNegInt = 0  # decode-side cached prefix of every request
+
+    @field_validator("page_size")
+    @classmethod
+    def _page_power_of_two(cls, v: int) -> int:
+        if not _is_power_of_two(v):
+            raise ValueError("page_size must be a power of two (1, 2, 4, 8, 16, 32, ...)")
+        return v
+
+    @model_validator(mode="after")
+    def _prefix_page_aligned(self) -> DecodeConfig:
+        # A prefix that is not page aligned would shift every page of the copy.
+        if self.prefix_tokens % self.page_size:
+            raise _FieldProblem(
+                {"prefix_tokens": self.prefix_tokens},
+                f"must be a multiple of decode.page_size = {self.page_size} "
+                f"(e.g. {self.prefix_tokens // self.page_size * self.page_size})",
+            )
+        return self
+
+
+class TransferConfig(_Table):
+    """[transfer]: staged bulk writes, or the per-slice baseline."""
+
+    path: Literal["staging", "slice"] = "staging"
+    room_timeout_s: PosFloat = 60.0
+
+
+class LinksConfig(_ProfileNumbers):
+    """[links]: a named hardware profile plus optional per-field overrides.
+
+    The profile is resolved at validation (see `profile_dirs`); `resolved()` gives
+    the merged numbers in SI units.
+
+    Host model (opt-in, HOST_FIELDS): `host_model = "cpu-loop"` makes the simulator
+    model each rank as the single-threaded loop of hardware mode (sim/host.py):
+    `host_cores` cores shared by the P + D rank loops and their engines'
+    `engine_thread_cores` each, `event_us` of loop time per delivered event, and the
+    pattern-fill forward `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`.
+    `kvstage calibrate` writes all of them; absent or "gpu" keeps the GPU model.
+    """
+
+    profile: str = "rdma-400g"
+    placement: Literal["inter", "intra"] = "inter"
+    source: str | None = None  # where the numbers come from; defaults to the profile's
+
+    _resolved: ResolvedLinks | None = PrivateAttr(default=None)
+    _merged: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo) -> LinksConfig:
+        base_dir = (info.context or {}).get("base_dir")
+        self._merged, self._resolved = _resolve_links(self, base_dir)
+        return self
+
+    def resolved(self) -> ResolvedLinks:
+        """The profile merged with the overrides, in bytes/s, seconds and FLOP/s."""
+        if self._resolved is None:  # only when built without validation
+            self._merged, self._resolved = _resolve_links(self, None)
+        return self._resolved
+
+
+class WorkloadConfig(_Table):
+    """[workload]: how many requests, when they arrive and how long their prompts are.
+
+    See `shared.workload.generate_requests` for the exact processes.
+    """
+
+    requests: PosInt = 16
+    arrival: Literal["poisson", "fixed", "burst", "trace"] = "poisson"
+    rate_per_s: PosFloat = 2.0
+    burst_size: PosInt = 8
+    trace_csv: str | None = None  # columns arrival_s,prompt_tokens[,prefix_tokens]
+    prompt: Literal["fixed", "uniform", "lognormal", "csv"] = "fixed"
+    prompt_tokens: PosInt = 8192  # fixed length; lognormal median
+    prompt_min: PosInt = 1024
+    prompt_max: PosInt = 32768
+    prompt_sigma: NonNegFloat = 0.5
+    # Cap applied to every prompt after sampling (also trace rows); scale-down sets it.
+    max_prompt_tokens: PosInt | None = None
+    seed: Annotated[int, Field(ge=0)] = 0  # Random(-s) == Random(s): refuse negatives
+
+    @model_validator(mode="before")
+    @classmethod
+    def _anchor_trace(cls, data: Any, info: ValidationInfo) -> Any:
+        # A relative trace path means relative to the scenario file, so the resolved
+        # scenario (and its run-directory copy) holds an absolute path.
+        if isinstance(data, dict) and isinstance(data.get("trace_csv"), str):
+            base_dir = (info.context or {}).get("base_dir")
+            p = Path(data["trace_csv"]).expanduser()
+            if not p.is_absolute() and base_dir is not None:
+                p = Path(base_dir) / p
+            if data["trace_csv"]:
+                data = {**data, "trace_csv": str(p.resolve())}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkloadConfig:
+        if self.prompt_min > self.prompt_max:
+            raise _FieldProblem(
+                {"prompt_min": self.prompt_min, "prompt_max": self.prompt_max},
+                "prompt_min must be <= prompt_max",
+            )
+        if self.prompt == "lognormal" and not (
+            self.prompt_min <= self.prompt_tokens <= self.prompt_max
+        ):
+            raise _FieldProblem(
+                {"prompt_tokens": self.prompt_tokens},
+                f"the lognormal median must lie in [prompt_min, prompt_max] = "
+                f"[{self.prompt_min}, {self.prompt_max}]",
+            )
+        needs_csv = self.arrival == "trace" or self.prompt == "csv"
+        if needs_csv and not self.trace_csv:
+            raise _FieldProblem(
+                {"trace_csv": self.trace_csv},
+                'required when arrival = "trace" or prompt = "csv" '
+                "(a CSV with columns arrival_s,prompt_tokens[,prefix_tokens])",
+            )
+        if needs_csv and self.trace_csv and not Path(self.trace_csv).is_file():
+            raise _FieldProblem({"trace_csv": self.trace_csv}, "no such file")
+        return self
+
+
+class ScaleDown(_Table):
+    """[hardware.scale_down]: shrink a big case so it runs in host memory on a laptop.
+
+    TP sizes (the geometry under test) never change; only sizes do, and only down.
+    `chunked_prefill_size` is here so a shrunken prompt still spans several chunks.
+    """
+
+    enabled: bool = False
+    layers: PosInt | None = None
+    requests: PosInt | None = None
+    max_prompt_tokens: PosInt | None = None
+    staging_pool_mb: PoolMiB | None = None
+    chunked_prefill_size: PosInt | None = None
+
+
+class HardwareConfig(_Table):
+    """[hardware]: options of the real-transfer mode (ignored by the simulator)."""
+
+    backend: Literal["nixl", "mooncake"] = "nixl"
+    device: Literal["cpu", "cuda"] = "cpu"
+    verify: Literal["full", "sample", "off"] = "full"
+    forward_delay: bool = False  # sleep for the modeled prefill forward time
+    # host/device memory for each rank's paged KV pool in hardware mode, MiB; rooms
+    # wait for pages when it is full
+    kv_pool_mb: PosInt = 512
+    scale_down: ScaleDown = Field(default_factory=ScaleDown)
+
+
+class ExpectConfig(_Table):
+    """[expect]: the outcome a (fault) scenario must end with; `kvstage sim`/`hw`
+    check it and exit 1 when it does not hold."""
+
+    # None: no expectation; [] : every room done; [2, 5]: exactly these rooms fail
+    failed_rooms: list[Annotated[int, Field(ge=0)]] | None = None
+    reason_contains: str = ""  # every failed room's reason contains this text
+    hw_run_fails: bool = False  # hardware mode: the run itself must fail (e.g. a killed rank)
+
+
+_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect")
+
+
+class Scenario(_Table):
+    """One scenario: everything both modes need, validated and resolved."""
+
+    name: Annotated[str, Field(min_length=1)] = "scenario"
+    description: str = ""
+    model: ModelConfig
+    prefill: PrefillConfig
+    decode: DecodeConfig
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    links: LinksConfig = Field(default_factory=LinksConfig)
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    expect: ExpectConfig = Field(default_factory=ExpectConfig)
+
+    _base_dir: Path | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_tables(cls, data: Any) -> Any:
+        # Missing tables are validated as empty ones, so that defaults (the links
+        # profile in particular) resolve with this scenario's context.
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in _OPTIONAL_TABLES:
+                data.setdefault(key, {})
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self, info: ValidationInfo) -> Scenario:
+        base_dir = (info.context or {}).get("base_dir")
+        self._base_dir = Path(base_dir) if base_dir is not None else None
+        _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
+        if self.transfer.path == "staging":
+            # The slice path writes straight into the KV pool, so any pool (even 0)
+            # is fine there; staging needs room for at least one full chunk.
+            geo = self.geometry()
+            _check_pool(
+                geo, self.pool_bytes, {"decode.staging_pool_mb": self.decode.staging_pool_mb}
+            )
+            sd = self.hardware.scale_down
+            if sd.staging_pool_mb is not None:
+                sgeo = _scaled_geometry(geo, sd)
+                pool = min(self.pool_bytes, _mib_to_bytes(sd.staging_pool_mb))
+                _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
+        return self
+
+    # --- derived numbers ---------------------------------------------------------
+    def geometry(self) -> Geometry:
+        """The layout geometry (shared.layout) of this scenario."""
+        return Geometry(
+            prefill_tp=self.prefill.tp,
+            decode_tp=self.decode.tp,
+            total_kv_heads=self.model.kv_heads,
+            layers=self.model.layers,
+            head_dim=self.model.head_dim,
+            dtype_bytes=self.model.dtype_bytes,
+            page_size=self.decode.page_size,
+            chunked_prefill_size=self.prefill.chunked_prefill_size,
+        )
+
+    @property
+    def pool_bytes(self) -> int:
+        """Staging pool of one decode rank in bytes (staging_pool_mb is MiB)."""
+        return _mib_to_bytes(self.decode.staging_pool_mb)
+
+    @property
+    def base_dir(self) -> Path | None:
+        """Directory relative paths were resolved against (the scenario file's)."""
+        return self._base_dir
+
+    def forward_time_s(self, tokens: int) -> float:
+        """Modeled prefill forward time of `tokens` tokens on one prefill rank.
+
+        One home for the formula so the simulator and `hardware.forward_delay` agree:
+        tokens / tokens_per_s when given, else 2 * params * tokens / tp FLOPs at
+        `prefill.tflops` sustained (attention's quadratic term is ignored).
+        """
+        if self.prefill.tokens_per_s is not None:
+            return tokens / self.prefill.tokens_per_s
+        flops = 2.0 * self.model.params_b * 1e9 * tokens / self.prefill.tp
+        return flops / (self.prefill.tflops * 1e12)
+
+    # --- transforms --------------------------------------------------------------
+    def scaled(self) -> Scenario:
+        """This scenario with [hardware.scale_down] applied, or itself when disabled.
+
+        Sizes only shrink (each is min(current, scale-down value)); TP sizes, KV
+        heads, head_dim and page size stay, so the rank mapping under test is the
+        same. params_b shrinks with the layer count so the modeled forward time stays
+        per-layer faithful.
+        """
+        sd = self.hardware.scale_down
+        if not sd.enabled:
+            return self
+        data = self.model_dump(exclude_none=True)
+        if sd.layers is not None and sd.layers < self.model.layers:
+            data["model"]["layers"] = sd.layers
+            data["model"]["params_b"] = self.model.params_b * sd.layers / self.model.layers
+        if sd.requests is not None:
+            data["workload"]["requests"] = min(self.workload.requests, sd.requests)
+        if sd.max_prompt_tokens is not None:
+            cap = sd.max_prompt_tokens
+            w = data["workload"]
+            if self.workload.max_prompt_tokens is not None:
+                cap = min(cap, self.workload.max_prompt_tokens)
+            w["max_prompt_tokens"] = cap
+            for key in ("prompt_tokens", "prompt_min", "prompt_max"):
+                w[key] = min(w[key], cap)
+        if sd.staging_pool_mb is not None:
+            data["decode"]["staging_pool_mb"] = min(self.decode.staging_pool_mb, sd.staging_pool_mb)
+        if sd.chunked_prefill_size is not None:
+            data["prefill"]["chunked_prefill_size"] = min(
+                self.prefill.chunked_prefill_size, sd.chunked_prefill_size
+            )
+        # loading.py validates scenarios and so imports this module: import it here.
+        from kvstage.shared.scenario.loading import scenario_from_dict
+
+        return scenario_from_dict(data, self._base_dir, source=f"{self.name} (scaled down)")
+
+    def to_toml(self) -> str:
+        """The resolved scenario as TOML; `load_scenario` of it gives this scenario back.
+
+        Link numbers are written out explicitly, so the file still loads where the
+        profile file is not found (a run directory copied elsewhere).
+        """
+        data = self.model_dump(exclude_none=True)
+        data["links"] = links_table(self.links)
+        r = self.links.resolved()
+        header = (
+            f"# kvstage scenario {self.name!r}, resolved (defaults, preset and profile\n"
+            f"# {r.profile!r} filled in). Load it with load_scenario().\n"
+        )
+        return header + dumps_toml(data)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _mib_to_bytes(mib: float) -> int:
+    return int(mib * MIB)
+
+
+def _fmt_mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.6g}"
+
+
+def _check_tp_mapping(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
+    try:
+        validate_tp(prefill_tp, decode_tp, kv_heads)
+    except LayoutError as exc:
+        big, small = max(prefill_tp, decode_tp), min(prefill_tp, decode_tp)
+        if big % small:
+            fields: dict[str, Any] = {"prefill.tp": prefill_tp, "decode.tp": decode_tp}
+        elif prefill_tp % kv_heads and kv_heads % prefill_tp:
+            fields = {"prefill.tp": prefill_tp, "model.kv_heads": kv_heads}
+        else:
+            fields = {"decode.tp": decode_tp, "model.kv_heads": kv_heads}
+        raise _FieldProblem(fields, str(exc)) from None
+
+
+def _scaled_geometry(geo: Geometry, sd: ScaleDown) -> Geometry:
+    layers = min(geo.layers, sd.layers) if sd.layers is not None else geo.layers
+    cps = geo.chunked_prefill_size
+    if sd.chunked_prefill_size is not None:
+        cps = min(cps, sd.chunked_prefill_size)
+    return replace(geo, layers=layers, chunked_prefill_size=cps)
+
+
+def _check_pool(geo: Geometry, pool_bytes: int, fields: dict[str, Any]) -> None:
+    need = geo.chunk_bytes()
+    if pool_bytes >= need:
+        return
+    tokens = geo.grid_pages * geo.page_size
+    heads = need // (2 * geo.layers * tokens * geo.head_dim * geo.dtype_bytes)
+    raise _FieldProblem(
+        fields,
+        f"the staging pool ({_fmt_mib(pool_bytes)} MiB) is smaller than one full chunk on "
+        f"a decode rank ({_fmt_mib(need)} MiB = {tokens} tokens x {geo.layers} layers x K,V "
+        f"x {heads} heads x {geo.head_dim} x {geo.dtype_bytes} B); the minimum is "
+        f'{math.ceil(need / MIB)} MiB (or use transfer.path = "slice")',
+    )
