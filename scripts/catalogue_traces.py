@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from kvstage.shared.scenario import load_scenario
     from kvstage.sim.driver import Simulation
-
     from kvstage.simrun import simulation_summary
     from kvstage.tracefile import write_trace
 

@@ -18,6 +18,7 @@ from kvstage.shared.events import (
     Event,
     OpenRoom,
     PeerLost,
+    ReleaseRoom,
     RoomDone,
     RoomFailed,
     Scatter,
@@ -63,7 +64,14 @@ class _Room:
 class _InFlightScatter:
     alloc_id: int
     start: float
-    room_live: bool = True
+
+
+@dataclass(slots=True)
+class _Quarantine:
+    """A failed room whose memory stays out of reuse until its writers confirmed."""
+
+    held: list[tuple[int, int]]  # (chunk, allocation id) of staging regions not yet freed
+    waiting: set[int]  # prefill ranks that have not confirmed the abort
 
 
 class DecodeMachine(MachineBase):
@@ -85,8 +93,8 @@ class DecodeMachine(MachineBase):
         self._last_wm = self.ring.watermark
         self._ring_changed = False  # an assign or free since the last watermark check
         self._region_cache: dict[int, int] = {}
-        # failed rooms' regions kept out of reuse: room -> (allocs, writers not yet confirmed)
-        self._quarantine: dict[int, tuple[list[tuple[int, int]], set[int]]] = {}
+        # failed rooms whose staging regions and KV pages are kept out of reuse
+        self._quarantine: dict[int, _Quarantine] = {}
         self.scatters_issued = 0
 
     # --- public -------------------------------------------------------------------------
@@ -332,37 +340,36 @@ class DecodeMachine(MachineBase):
         self._finish(room.room, ok=True)
         self._record(out, "room_done", now, now, room=room.room, ring_used=self.ring.used_bytes)
         out.append(RoomDone(room.room))
+        out.append(ReleaseRoom(room.room))
 
     def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_session: int = -1) -> None:
         """Fail a room: release every region it holds, tell its writers.
 
-        A region being scattered is freed when its scatter completes. The others
-        stay quarantined until every writer confirmed the abort (its ABORT comes
-        after its own in-flight writes finished) or `abort_grace_s` passed, so a
-        late write cannot land on a region that was handed out again.
+        A region being scattered is freed when its scatter completes. The others,
+        and the room's KV pages, stay quarantined until every writer confirmed the
+        abort (its ABORT comes after its own in-flight writes finished) or
+        `abort_grace_s` passed, so a late write cannot land on memory that was handed
+        out again. A room that never opened here exposed nothing: released at once.
         """
         del self._rooms[room.room]
-        held = []
-        for chunk, alloc in room.allocs.items():
-            if alloc is None:
-                continue
-            if chunk in room.scattering:
-                self._scatters[(room.room, chunk)].room_live = False  # freed on ScatterDone
-            else:
-                held.append((chunk, alloc.id))
+        held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
+                if alloc is not None and chunk not in room.scattering]
         waiting = {p for p in self.writers if p != skip_session}
-        if held and waiting:
-            self._quarantine[room.room] = (held, waiting)
+        exposed = room.chunks is not None or held
+        if exposed and waiting:
+            self._quarantine[room.room] = _Quarantine(held, waiting)
             self._arm_deadline(room.room, now, self.config.abort_grace_s)
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
         for p in self.writers:
             if p != skip_session:
-                out.append(Send(self._peer(p), Abort(room.room, p, self.rank, True, reason[:512])))
+                out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
         out.append(RoomFailed(room.room, reason))
+        if room.room not in self._quarantine:
+            out.append(ReleaseRoom(room.room))
 
     def _fire_timeouts(self, now: float, out: list[Action]) -> None:
         for room_id in self._expired(now):
@@ -370,20 +377,22 @@ class DecodeMachine(MachineBase):
             if room is not None:
                 self._fail(room, self._stall_reason(room), now, out)
             elif room_id in self._quarantine:
-                self._release_quarantine(room_id, now, out, "abort grace expired")
+                self._release_quarantine(room_id, now, out)
 
     def _confirm_abort(self, room_id: int, session: int, now: float, out: list[Action]) -> None:
         q = self._quarantine.get(room_id)
         if q is None:
             return
-        q[1].discard(session)
-        if not q[1]:
-            self._release_quarantine(room_id, now, out, "every writer confirmed the abort")
+        q.waiting.discard(session)
+        if not q.waiting:
+            self._release_quarantine(room_id, now, out)
 
-    def _release_quarantine(self, room_id: int, now: float, out: list[Action], why: str) -> None:
-        held, _ = self._quarantine.pop(room_id)
-        for chunk, alloc_id in held:
+    def _release_quarantine(self, room_id: int, now: float, out: list[Action]) -> None:
+        """Every writer confirmed the abort, or the grace passed: the memory is safe."""
+        q = self._quarantine.pop(room_id)
+        for chunk, alloc_id in q.held:
             self._free(room_id, chunk, alloc_id, now, out)
+        out.append(ReleaseRoom(room_id))
 
     def _stall_reason(self, room: _Room) -> str:
         waits = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvstage.shared.layout import HeadSlice
 from kvstage.shared.protocol import Message
 from kvstage.shared.trace import TraceRecord
+from kvstage.shared.workload import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,46 @@ class AbortRoom:
     reason: str
 
 
+# --- events a rank runtime takes from its driver (shared/runtime.py) ------------
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive:
+    """A request of the workload reaches this rank (the driver keeps the clock)."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardStarted:
+    """The forward of a chunk began (a room opens when its first chunk starts)."""
+
+    room: int
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDone:
+    """The forward of a chunk ended at `now`; it began at `start`."""
+
+    room: int
+    chunk: int
+    start: float
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyDone:
+    """Decode: the landed KV of a done room was checked."""
+
+    room: int
+
+
 Event = (
     Message
+    | Arrive
+    | ForwardStarted
+    | ForwardDone
+    | VerifyDone
     | OpenRoom
     | ChunkComputed
     | GatherDone
@@ -181,8 +220,54 @@ class RoomFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseRoom:
+    """Nothing of this room can touch this rank's memory any more: every write into
+    it or read out of it finished, or every writer confirmed, or the grace passed.
+    The room's KV pages may be reused."""
+
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
 class Record:
     record: TraceRecord
 
 
-Action = Send | Gather | Write | SliceWrite | Scatter | RoomDone | RoomFailed | Record
+# --- actions a rank runtime gives its driver ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Prefill: compute one chunk, in the order given, one at a time. The chunk's KV
+    goes to local pages [first_page + page_start, + num_pages); num_pages == 0 is a
+    room with nothing to compute (it only opens)."""
+
+    room: int
+    chunk: int
+    first_page: int  # the room's first local page (prefix included)
+    page_start: int  # the chunk's first page within the prompt (prefix included)
+    num_pages: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Decode: check a done room's KV pages [first_page, + num_pages) bit for bit."""
+
+    room: int
+    first_page: int
+    num_pages: int
+    prefix_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Die:
+    """Fault injection: this rank stops now, as if killed."""
+
+    reason: str
+
+
+Action = (
+    Send | Gather | Write | SliceWrite | Scatter | RoomDone | RoomFailed | ReleaseRoom | Record
+    | Forward | Verify | Die
+)

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
@@ -24,7 +26,6 @@ from kvstage.shared.protocol import (
     Watermark,
     WriterDone,
 )
-from pydantic import BaseModel, ConfigDict, Field
 
 MESSAGE_NAMES: dict[type, str] = {
     StagingReq: "STAGING_REQ",

@@ -31,6 +31,7 @@ class ProtocolConfig:
     # replays its answer and its current watermark. Doubling backoff, bounded count.
     retry_s: float = 1.0
     max_retries: int = 4
+    max_backoff_doublings: int = 4  # the wait between re-requests grows to at most 16 x retry_s
     # Rooms remembered as finished, so that late or duplicate messages about them
     # are dropped instead of resurrecting state. Oldest forgotten first.
     finished_memory: int = 1 << 16

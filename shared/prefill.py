@@ -24,6 +24,7 @@ from kvstage.shared.events import (
     GatherDone,
     OpenRoom,
     PeerLost,
+    ReleaseRoom,
     RoomDone,
     RoomFailed,
     Send,
@@ -64,6 +65,16 @@ class _Target:
 
 
 @dataclass(slots=True)
+class _Draining:
+    """A failed room whose gathers/writes are still in flight: its decode ranks are told
+    (ABORT) and its pages released only once they all reported back, or the grace passed."""
+
+    pending: set[tuple[int, int]]  # (decode rank, chunk) still in flight
+    targets: list[int]
+    reason: str
+
+
+@dataclass(slots=True)
 class _Room:
     room: int
     prefix_pages: int
@@ -92,8 +103,7 @@ class PrefillMachine(MachineBase):
         self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
         self._early_boot: dict[tuple[int, int], int] = {}
         self._heard: dict[int, float] = {}  # decode rank -> last time it told us something new
-        # failed rooms whose gathers/writes are still in flight: room -> (pending, targets, reason)
-        self._draining: dict[int, tuple[set[tuple[int, int]], list[int], str]] = {}
+        self._draining: dict[int, _Draining] = {}
         self._block_offset_cache: dict[tuple[int, int], int] = {}
         self._block_bytes_cache: dict[tuple[int, int], int] = {}
 
@@ -132,6 +142,7 @@ class PrefillMachine(MachineBase):
             reason = f"prefill rank {self.rank}: peer {', '.join(dead)} is gone ({'; '.join(self.dead_peers.values())})"
             self._record(out, "room_failed", now, now, room=ev.room, detail=reason)
             out.append(RoomFailed(ev.room, reason))
+            out.append(ReleaseRoom(ev.room))
             self._finish(ev.room, ok=False)
             return
         try:
@@ -139,6 +150,7 @@ class PrefillMachine(MachineBase):
         except LayoutError as exc:
             self._record(out, "room_failed", now, now, room=ev.room, detail=str(exc))
             out.append(RoomFailed(ev.room, str(exc)))
+            out.append(ReleaseRoom(ev.room))
             self._finish(ev.room, ok=False)
             return
         targets = {
@@ -334,6 +346,7 @@ class PrefillMachine(MachineBase):
             self._finish(msg.room, ok=False)
             self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
             out.append(RoomFailed(msg.room, reason))
+            out.append(ReleaseRoom(msg.room))
             self._send_aborts(msg.room, self.targets, reason, out)
         elif msg.room not in self._draining:
             # Finished here (done, or failed with nothing in flight): confirm at once
@@ -396,6 +409,7 @@ class PrefillMachine(MachineBase):
             self._finish(room.room, ok=True)
             self._record(out, "room_done", now, now, room=room.room)
             out.append(RoomDone(room.room))
+            out.append(ReleaseRoom(room.room))
 
     def _fail(self, room: _Room, reason: str, now: float, out: list[Action]) -> None:
         """Fail a room here; tell its decode ranks once no gather/write of it is in flight."""
@@ -407,10 +421,11 @@ class PrefillMachine(MachineBase):
         pending = {(t.decode_rank, c) for t in room.targets.values() for c in t.busy}
         targets = list(room.targets)
         if pending:
-            self._draining[room.room] = (pending, targets, reason)
+            self._draining[room.room] = _Draining(pending, targets, reason)
             self._arm_deadline(room.room, now, self.config.abort_grace_s)
         else:
             self._send_aborts(room.room, targets, reason, out)
+            out.append(ReleaseRoom(room.room))
 
     def _retry(self, room: _Room, now: float, out: list[Action]) -> None:
         """Re-ask for what a lost message would explain; the decode answers idempotently."""
@@ -433,21 +448,22 @@ class PrefillMachine(MachineBase):
                 asked = True
         if asked:
             room.retries += 1
-        backoff = self.config.retry_s * (2 ** min(room.retries, 4))  # doubling, capped at 16x
+        backoff = self.config.retry_s * (2 ** min(room.retries, self.config.max_backoff_doublings))
         self._arm_deadline(room.room, now, backoff)
 
     def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
         drain = self._draining.get(room_id)
         if drain is None:
             return
-        drain[0].discard((decode_rank, chunk))
-        if not drain[0]:
+        drain.pending.discard((decode_rank, chunk))
+        if not drain.pending:
             del self._draining[room_id]
-            self._send_aborts(room_id, drain[1], drain[2], out)
+            self._send_aborts(room_id, drain.targets, drain.reason, out)
+            out.append(ReleaseRoom(room_id))
 
     def _send_aborts(self, room_id: int, targets: list[int], reason: str, out: list[Action]) -> None:
         for d in targets:
-            out.append(Send(self._peer(d), Abort(room_id, self.rank, d, False, reason[:512])))
+            out.append(Send(self._peer(d), Abort(room_id, self.rank, d, reason[:512])))
 
     def _fire_timeouts(self, now: float, out: list[Action]) -> None:
         for room_id in self._expired(now):
@@ -459,8 +475,10 @@ class PrefillMachine(MachineBase):
                     self._retry(room, now, out)
             elif room_id in self._draining:
                 # writes that never reported back: give up waiting, say so
-                pending, targets, reason = self._draining.pop(room_id)
-                self._send_aborts(room_id, targets, reason + f" (in-flight writes {sorted(pending)[:4]} unconfirmed)", out)
+                drain = self._draining.pop(room_id)
+                self._send_aborts(room_id, drain.targets,
+                                  drain.reason + f" (in-flight writes {sorted(drain.pending)[:4]} unconfirmed)", out)
+                out.append(ReleaseRoom(room_id))
 
     def _stall_reason(self, room: _Room) -> str:
         waits = []

@@ -127,7 +127,6 @@ class Abort:
     room: int
     session: int
     decode_rank: int
-    from_decode: bool
     reason: str
 
 

@@ -1,35 +1,36 @@
-"""Run the shared state machines in simulated time.
+"""Run the rank runtimes in simulated time.
 
-The driver has no protocol logic: it feeds events into `shared/` machines and
-turns their actions into modeled durations — control messages over the control
-latency, bulk and slice writes through the max-min fair NIC fabric, gathers and
-scatters on in-order GPU streams, prefill forwards from model FLOPs. Completions
-come back as events. With the opt-in host model (`links.host_model = "cpu-loop"`,
-sim/host.py) every rank is instead one single-threaded loop, as in hardware mode:
-deliveries, gathers, scatters and per-rank pattern-fill forwards take turns on it,
-slowed by the host's CPU sharing. Callbacks on SimPy timeouts carry the work (not
-one process per action), which keeps the event loop lean; SimPy orders same-time events by
-insertion, so a run is a deterministic function of scenario and seed.
+The driver is a clock and executors, and decides nothing: every rank is a
+`shared.runtime.RankRuntime` (its machine, its workload, its faults, its memory),
+and this module turns the runtimes' actions into modeled durations — control
+messages over the control latency, bulk and slice writes through the max-min fair
+NIC fabric, gathers and scatters on in-order GPU streams, prefill forwards on the TP
+group's stream (sim/forward.py) — and reports completions back as events. With the
+opt-in host model (`links.host_model = "cpu-loop"`, sim/host.py) every rank is
+instead one single-threaded loop, as in hardware mode: deliveries, gathers, scatters
+and per-rank pattern-fill forwards take turns on it, slowed by the host's CPU
+sharing. Callbacks on SimPy timeouts carry the work (not one process per action),
+which keeps the event loop lean; SimPy orders same-time events by insertion, so a
+run is a deterministic function of scenario and seed.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import simpy
-from kvstage.shared.decode import DecodeMachine
+
 from kvstage.shared.events import (
-    AbortRoom,
-    ChunkComputed,
+    Arrive,
+    Die,
+    Forward,
     Gather,
     GatherDone,
-    OpenRoom,
     PeerLost,
     Record,
     RoomDone,
@@ -42,15 +43,14 @@ from kvstage.shared.events import (
     Write,
     WriteDone,
 )
-from kvstage.shared.faults import FaultPlan
 from kvstage.shared.invariants import InvariantChecker, Violation
-from kvstage.shared.machine import ProtocolConfig
-from kvstage.shared.prefill import PrefillMachine
+from kvstage.shared.runtime import RankResult, RankRuntime, protocol_config
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
+from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
-from kvstage.sim.host import RankLoop, cpu_scale, fill_time
+from kvstage.sim.host import RankLoop, cpu_scale
 from kvstage.sim.links import Fabric, LinkParams
 
 _INF = float("inf")
@@ -82,17 +82,30 @@ class SimResult:
     requests: list[Request]
     records: list[TraceRecord]
     violations: list[Violation]
-    events: int
+    events: int  # events handled by the rank machines (as in hardware mode)
     sim_time_s: float
     wall_s: float
     rooms_done: int
     rooms_failed: int
     failures: dict[int, str] = field(default_factory=dict)
-    faults_injected: dict[str, int] = field(default_factory=dict)
+    ranks: list[RankResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def faults_injected(self) -> dict[str, int]:
+        return sum_counts(r.faults_injected for r in self.ranks)
+
+
+def sum_counts(counts) -> dict[str, int]:
+    """Per-rank fault counts summed over ranks, keys sorted."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
 
 
 class Simulation:
@@ -108,34 +121,28 @@ class Simulation:
         self.scenario = scenario
         self.geometry = g = scenario.geometry()
         self.env = simpy.Environment()
-        self.config = ProtocolConfig(
-            path=scenario.transfer.path, room_timeout_s=scenario.transfer.room_timeout_s
-        )
-        self.prefill = [PrefillMachine(r, g, self.config) for r in range(g.prefill_tp)]
-        self.decode = [DecodeMachine(d, g, scenario.pool_bytes, self.config) for d in range(g.decode_tp)]
+        self.config = protocol_config(scenario)
         self.requests = generate_requests(scenario)
+        self.prefill = [RankRuntime(scenario, "prefill", r, requests=self.requests) for r in range(g.prefill_tp)]
+        self.decode = [RankRuntime(scenario, "decode", d, requests=self.requests) for d in range(g.decode_tp)]
+        self.runtimes = (*self.prefill, *self.decode)
         self.records: list[TraceRecord] = []
         self.checker = InvariantChecker(self.config.path) if check else None
         self.progress = progress
-        self.events = 0
         self._failures: dict[int, str] = {}
         self._ranks_done = 0
         self._all_done = self.env.event()
-        self._tick_at: dict[object, float] = {}  # machine -> earliest Tick scheduled for it
+        self._tick_at: dict[RankRuntime, float] = {}  # runtime -> earliest Tick scheduled for it
         self._keep_record = self.records.append
         self._observe = self.checker.observe if self.checker is not None else None
-        self._build_hardware()
-        # fault injection: decisions come from the seeded shared plan, in event order
-        self.faults = FaultPlan(scenario.faults, scenario.workload.seed)
-        self._message_faults = scenario.faults.any_message_fault
-        self._late = {m: self.faults.session_delay_s(m.rank) for m in self.prefill}
-        self._late = {m: t for m, t in self._late.items() if t > 0}
-        self._dead: set[object] = set()
         self._ending = False
-        # how events reach a machine: directly (GPU model) or through its rank loop
+        self._build_hardware()
+        # how events reach a runtime: directly (GPU model) or through its rank loop
         self._deliver = self._feed
         if self.host is not None:
             self._build_host()
+        else:
+            self.forwards = GroupForward(self)
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -159,7 +166,6 @@ class Simulation:
             self.decode_nic = [dn[d // per] for d in range(g.decode_tp)]
         self.gather_stream = [SerialStream() for _ in range(g.prefill_tp)]
         self.scatter_stream = [SerialStream() for _ in range(g.decode_tp)]
-        self.forward_stream = SerialStream()  # the prefill TP group computes one chunk at a time
         self.host = lk.host  # None: GPU model; else the cpu-loop host model (sim/host.py)
         # one kernel launch per writer block when a decode rank scatters a chunk
         self._scatter_launches = [len(g.writers(d)) for d in range(g.decode_tp)]
@@ -169,13 +175,11 @@ class Simulation:
         g, h = self.geometry, self.host
         self.cpu_scale = scale = cpu_scale(h, g.prefill_tp + g.decode_tp)
         self.event_s = h.event_s * scale
-        self.loops = {m: RankLoop(self.env) for m in (*self.prefill, *self.decode)}
-        for m, start in self._late.items():  # a late session's loop starts late
-            self.loops[m].submit(start, _noop)
-        # each prefill rank fills its own chunks (hw forward), one per loop turn
-        self._fill_bytes_per_token = 2 * g.layers * g.prefill_heads * g.head_dim * g.dtype_bytes
-        self._fills: dict[object, deque] = {m: deque() for m in self.prefill}  # [req, chunks, opened]
-        self._filling: dict[object, bool] = dict.fromkeys(self.prefill, False)
+        self.loops = {rt: RankLoop(self.env) for rt in self.runtimes}
+        for rt in self.prefill:  # a late session's loop starts late
+            if rt.join_at:
+                self.loops[rt].submit(rt.join_at, _noop)
+        self.forwards = HostFills(self)
         self._deliver = self._loop_deliver
 
     # --- scheduling helpers ---------------------------------------------------------------
@@ -185,246 +189,153 @@ class Simulation:
     def _at(self, delay: float, fn: Callable, *args) -> None:
         self.env.timeout(delay).callbacks.append(partial(fn, *args))
 
-    def _feed(self, machine, event, _ev=None) -> None:
+    def _feed(self, rt: RankRuntime, event, _ev=None) -> None:
         now = self.env.now
-        if self._late or self._dead:
-            if machine in self._dead:
-                return  # a killed rank hears nothing
-            start = self._late.get(machine)
-            if start is not None:
-                if now < start:  # a late session: everything waits until it joins
-                    self._at(start - now, self._feed, machine, event)
-                    return
-                del self._late[machine]
-        self.events += 1
         keep, observe = self._keep_record, self._observe
-        for a in machine.handle(event, now):
+        for a in rt.handle(event, now):
             if type(a) is Record:  # about half of all actions: handled inline
                 keep(a.record)
                 if observe is not None:
                     observe(a.record)
             else:
-                self._carry(machine, a, now)
+                self._carry(rt, a, now)
         if self._ending:
             self._maybe_end()
-        deadline = machine.next_deadline
-        if deadline is not None and deadline < self._tick_at.get(machine, _INF):
-            self._tick_at[machine] = deadline
-            self._at(max(0.0, deadline - now), self._tick, machine, deadline)
+        wake = rt.next_wakeup
+        if wake is not None and wake < self._tick_at.get(rt, _INF):
+            self._tick_at[rt] = wake
+            self._at(max(0.0, wake - now), self._tick, rt, wake)
 
-    def _loop_deliver(self, machine, event, _ev=None) -> None:
+    def _loop_deliver(self, rt: RankRuntime, event, _ev=None) -> None:
         """Host model: the event waits for its turn on the rank's loop, then is handled."""
-        self.loops[machine].submit(self.event_s, self._feed, machine, event)
+        self.loops[rt].submit(self.event_s, self._feed, rt, event)
 
-    def _tick(self, machine, when: float, _ev=None) -> None:
-        if self._tick_at.get(machine) == when:
-            del self._tick_at[machine]
+    def _tick(self, rt: RankRuntime, when: float, _ev=None) -> None:
+        if self._tick_at.get(rt) == when:
+            del self._tick_at[rt]
         if not self._all_done.triggered:
-            self._feed(machine, _TICK)
+            self._feed(rt, _TICK)
 
     # --- actions ------------------------------------------------------------------------
-    def _carry(self, machine, a, now: float) -> None:
+    def _carry(self, rt: RankRuntime, a, now: float) -> None:
         """Carry out one action other than a Record (which `_feed` keeps inline)."""
         kind = type(a)
         if kind is Send:
             dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
-            if not self._message_faults:
-                self.env.timeout(self.control_latency).callbacks.append(partial(self._deliver, dest, a.msg))
-                return
-            for d in self.faults.on_send(a.msg):
-                self._at(self.control_latency + d.extra_delay_s, self._deliver, dest, d.msg)
+            self.env.timeout(self.control_latency).callbacks.append(partial(self._deliver, dest, a.msg))
+        elif kind is Forward:
+            self.forwards.submit(rt, a, now)
         elif kind is Gather:
-            if self.faults.abort_at(a.room, "gather"):
-                self._abort(machine, a.room, "fault injection: aborted at gather")
-                self._at(0.0, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
-                return
-            dur = copy_time(self.gpu, a.nbytes)
-            if self.host is not None:  # synchronous on the rank's loop, right after this handler
-                done = GatherDone(a.room, a.chunk, a.decode_rank)
-                self.loops[machine].run_next(dur * self.cpu_scale + self.event_s, self._feed, machine, done)
-                return
-            end = self.gather_stream[machine.rank].reserve(now, dur)
-            self._at(end - now, self._feed, machine, GatherDone(a.room, a.chunk, a.decode_rank))
+            self._gather(rt, a, now)
         elif kind is Write or kind is SliceWrite:
             requests = 1 if kind is Write else a.requests
             ev = self.fabric.transfer(
-                self.prefill_nic[machine.rank], self.decode_nic[a.decode_rank], a.nbytes, self.link, requests
+                self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes, self.link, requests
             )
-            ev.callbacks.append(partial(self._deliver, machine, WriteDone(a.room, a.chunk, a.decode_rank)))
-            if self.faults.abort_at(a.room, "write"):
-                # every prefill rank aborts the room with its first write in flight
-                for m in self.prefill:
-                    self._abort(m, a.room, "fault injection: aborted mid-transfer (write in flight)")
+            ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
         elif kind is Scatter:
-            dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[machine.rank])
-            stall = self.faults.scatter_stall_s(a.room, a.chunk)
-            if self.host is not None:
-                # synchronous on the rank's loop; a stalled completion is delivered later
-                done = ScatterDone(a.room, a.chunk)
-                loop_s = dur * self.cpu_scale + self.event_s
-                if stall:
-                    self.loops[machine].run_next(loop_s, self._at, stall, self._deliver, machine, done)
-                else:
-                    self.loops[machine].run_next(loop_s, self._feed, machine, done)
-            else:
-                dur += stall
-                end = self.scatter_stream[machine.rank].reserve(now, dur)
-                self._at(end - now, self._feed, machine, ScatterDone(a.room, a.chunk))
-            if self.faults.abort_at(a.room, "scatter"):
-                for m in self.decode:
-                    self._abort(m, a.room, "fault injection: aborted while scattering")
+            self._scatter(rt, a, now)
         elif kind is RoomDone or kind is RoomFailed:
             if kind is RoomFailed:
                 self._failures.setdefault(a.room, a.reason)
-            self._room_finished(machine)
+            self._room_finished(rt)
+        elif kind is Die:
+            self._die(rt, a)
+        # Verify (hardware only: sim runtimes do not verify) and nothing else reach here
 
-    def _abort(self, machine, room: int, reason: str) -> None:
-        """A local abort, delivered after the current event (never re-entrantly)."""
-        self._at(0.0, self._feed, machine, AbortRoom(room, reason))
-
-    def _kill(self, role: str, rank: int, detect_s: float, _ev=None) -> None:
-        """The rank stops hearing anything; after `detect_s` its peers learn it is gone."""
-        victim = self.prefill[rank] if role == "prefill" else self.decode[rank]
-        if victim in self._dead:
+    def _gather(self, rt: RankRuntime, a: Gather, now: float) -> None:
+        dur = copy_time(self.gpu, a.nbytes)
+        done = GatherDone(a.room, a.chunk, a.decode_rank)
+        if self.host is not None:  # synchronous on the rank's loop, right after this handler
+            self.loops[rt].run_next(dur * self.cpu_scale + self.event_s, self._feed, rt, done)
             return
-        self._dead.add(victim)
-        self.faults.count(f"kill:{role}")
-        if victim.rooms_done + victim.rooms_failed < len(self.requests):
+        end = self.gather_stream[rt.rank].reserve(now, dur)
+        self._at(end - now, self._feed, rt, done)
+
+    def _scatter(self, rt: RankRuntime, a: Scatter, now: float) -> None:
+        dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[rt.rank])
+        done = ScatterDone(a.room, a.chunk)
+        if self.host is not None:  # synchronous on the rank's loop
+            self.loops[rt].run_next(dur * self.cpu_scale + self.event_s, self._feed, rt, done)
+            return
+        end = self.scatter_stream[rt.rank].reserve(now, dur)
+        self._at(end - now, self._feed, rt, done)
+
+    def _die(self, rt: RankRuntime, a: Die) -> None:
+        """The runtime stopped; the failure detector tells its peers a little later."""
+        if rt.rooms_ended < len(self.requests):
             self._rank_finished()  # it will never end its rooms; do not wait for it
         g = self.geometry
-        peers = [self.decode[d] for d in g.targets(rank)] if role == "prefill" else [self.prefill[p] for p in g.writers(rank)]
-        lost = PeerLost(role, rank, f"{role} rank {rank} was killed at {self.env.now:.3f}s (fault injection)")
-        for m in peers:
-            self._at(detect_s, self._feed, m, lost)
+        if rt.role == "prefill":
+            peers = [self.decode[d] for d in g.targets(rt.rank)]
+        else:
+            peers = [self.prefill[p] for p in g.writers(rt.rank)]
+        lost = PeerLost(rt.role, rt.rank, a.reason)
+        for peer in peers:
+            self._at(2 * self.control_latency + 0.05, self._feed, peer, lost)
 
+    # --- the end of the run ----------------------------------------------------------------
     def _rank_finished(self) -> None:
         self._ranks_done += 1
         self._maybe_end()
 
     def _maybe_end(self) -> None:
-        """End when every rank ended every room and nothing is left in quarantine or
-        draining (a failed room's regions come back a little after the room ends)."""
-        if self._ranks_done < len(self.prefill) + len(self.decode) or self._all_done.triggered:
+        """End when every rank ended every room and every runtime settled (a failed
+        room's memory comes back a little after the room ends)."""
+        if self._ranks_done < len(self.runtimes) or self._all_done.triggered:
             return
-        if all(m.settled for m in (*self.prefill, *self.decode) if m not in self._dead):
+        if all(rt.settled for rt in self.runtimes):
             self._all_done.succeed()
         else:
             self._ending = True
 
-    def _room_finished(self, machine) -> None:
-        """Count rooms ended per rank; the run ends when every rank ended every room."""
-        n = machine.rooms_done + machine.rooms_failed
-        if n == len(self.requests) and machine not in self._dead:
+    def _room_finished(self, rt: RankRuntime) -> None:
+        n = rt.rooms_ended
+        if n == len(self.requests) and not rt.dead:
             self._rank_finished()
-        if self.progress is not None and machine.role == "decode" and machine.rank == 0:
+        if self.progress is not None and rt.role == "decode" and rt.rank == 0:
             self.progress(n, len(self.requests))
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, req: Request, _ev=None) -> None:
-        if self.host is not None:
-            self._arrive_host(req)
-            return
-        now = self.env.now
-        for m in self.decode:
-            self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=0))
-        if self.faults.abort_at(req.room, "open"):
-            for m in self.decode:
-                self._abort(m, req.room, "fault injection: aborted at open")
-        # The prefill TP group takes requests in arrival order, one chunk at a time;
-        # its room opens (and asks for staging) when its forward starts.
-        g = self.geometry
-        pages = max(0, -(-(req.prompt_tokens - req.prefix_tokens) // g.page_size))
-        chunks = g.chunks(pages)
-        start = self.forward_stream.free_at(now)
-        self._at(start - now, self._open_prefill, req)
-        for c in chunks:
-            tokens = c.num_pages * g.page_size
-            chunk_start = self.forward_stream.free_at(now)
-            end = self.forward_stream.reserve(now, self.scenario.forward_time_s(tokens))
-            self._at(end - now, self._computed, req.room, c.index, chunk_start)
-
-    def _arrive_host(self, req: Request) -> None:
-        """Host model: each decode loop opens the room on its next turn; each prefill
-        rank queues the request and fills its chunks itself, one per loop turn."""
-        for m in self.decode:
-            self._deliver(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=0))
-        if self.faults.abort_at(req.room, "open"):
-            for m in self.decode:  # right after the room opened on that loop, as in hw
-                self._deliver(m, AbortRoom(req.room, "fault injection: aborted at open"))
-        g = self.geometry
-        pages = max(0, -(-(req.prompt_tokens - req.prefix_tokens) // g.page_size))
-        chunks = list(g.chunks(pages))
-        for m in self.prefill:
-            self._fills[m].append([req, deque(chunks), False])
-            if not self._filling[m]:
-                self._filling[m] = True
-                self.loops[m].submit(0.0, self._fill_turn, m)
-
-    def _fill_turn(self, m) -> None:
-        """One prefill loop turn of the forward: open the next room if needed (its
-        STAGING_REQs go out), then fill one chunk; the next chunk's turn queues behind
-        whatever reached the loop meanwhile."""
-        queue = self._fills[m]
-        while queue:
-            entry = queue[0]
-            req, chunks, opened = entry
-            if not opened:
-                entry[2] = True
-                self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens))
-            if chunks:
-                c = chunks.popleft()
-                if not chunks:
-                    queue.popleft()
-                tokens = c.num_pages * self.geometry.page_size
-                dur = fill_time(self.host, tokens * self._fill_bytes_per_token) * self.cpu_scale
-                self.loops[m].run_next(dur + self.event_s, self._filled, m, req.room, c.index, self.env.now)
-                return
-            queue.popleft()  # a room without chunks: nothing to fill
-        self._filling[m] = False
-
-    def _filled(self, m, room: int, chunk: int, start: float) -> None:
-        self._feed(m, ChunkComputed(room, chunk, start))
-        if self._fills[m]:
-            self.loops[m].submit(0.0, self._fill_turn, m)
-        else:
-            self._filling[m] = False
-
-    def _open_prefill(self, req: Request, _ev=None) -> None:
-        for m in self.prefill:
-            self._feed(m, OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens))
-
-    def _computed(self, room: int, chunk: int, start: float, _ev=None) -> None:
-        for m in self.prefill:
-            self._feed(m, ChunkComputed(room, chunk, start))
+        arrive = Arrive(req)
+        for rt in self.decode:
+            self._deliver(rt, arrive)
+        for rt in self.prefill:  # queues the forwards; no loop turn of its own
+            self._feed(rt, arrive)
 
     # --- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
         for req in self.requests:
             self._at(req.arrival_s, self._arrive, req)
-        for k in self.scenario.faults.kill:
-            self._at(k.at_s, self._kill, k.role, k.rank, 2 * self.control_latency + 0.05)
+        for rt in self.runtimes:  # faults that act before any event (a late join, a kill)
+            wake = rt.next_wakeup
+            if wake is not None:
+                self._tick_at[rt] = wake
+                self._at(wake, self._tick, rt, wake)
         if self.requests:
             with _gc_paused():
                 self.env.run(until=self._all_done)
         sim_time = self.env.now
         violations: list[Violation] = []
         if self.checker is not None:
-            used = {m.rank: m.ring.used_bytes for m in self.decode if m not in self._dead}
-            dead = {(m.role, m.rank) for m in self._dead}
+            used = {rt.rank: rt.machine.ring.used_bytes for rt in self.decode if not rt.dead}
+            dead = {(rt.role, rt.rank) for rt in self.runtimes if rt.dead}
             violations = self.checker.finish(sim_time, used, ignore_ranks=dead)
+        ranks = [rt.result() for rt in self.runtimes]
         return SimResult(
             scenario=self.scenario,
             requests=self.requests,
             records=self.records,
             violations=violations,
-            events=self.events,
+            events=sum(r.events for r in ranks),
             sim_time_s=sim_time,
             wall_s=time.perf_counter() - wall,
-            rooms_done=min(m.rooms_done for m in self.decode),
-            rooms_failed=max(m.rooms_failed for m in self.decode),
+            rooms_done=min(rt.machine.rooms_done for rt in self.decode),
+            rooms_failed=max(rt.machine.rooms_failed for rt in self.decode),
             failures=self._failures,
-            faults_injected=dict(self.faults.injected),
+            ranks=ranks,
         )
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from functools import partial
 
 import simpy
+
 from kvstage.shared.scenario import HostNumbers
 
 

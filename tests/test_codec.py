@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvstage.shared.protocol import (
     MESSAGE_TYPES,
     Abort,
@@ -27,7 +28,7 @@ SAMPLES = [
     ChunkReady(room=1, chunk=0, page_start=0, num_pages=4, session=5, writer=1, decode_rank=1),
     WriterDone(room=1, num_chunks=4, session=5, writer=1, decode_rank=1),
     Bootstrap(room=1, dst_page_base=640, session=5, decode_rank=1),
-    Abort(room=1, session=5, decode_rank=1, from_decode=True, reason="timed out — waiting for ✓"),
+    Abort(room=1, session=5, decode_rank=1, reason="timed out — waiting for ✓"),
 ]
 
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvstage.shared.scenario import load_scenario
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -26,6 +25,7 @@ from kvstage.compare import (
     phase_breakdown,
     to_json,
 )
+from kvstage.shared.scenario import load_scenario
 from kvstage.simrun import run_simulation
 from kvstage.tracefile import read_records, write_trace
 

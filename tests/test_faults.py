@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 from conftest import require_engine
-from kvstage.shared.invariants import check_records
-from kvstage.shared.scenario import load_scenario
-from kvstage.sim.driver import Simulation
 from rich.console import Console
 
 from kvstage.expect import check_expectation
 from kvstage.runs import read_summary
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import load_scenario
+from kvstage.sim.driver import Simulation
 from kvstage.tracefile import read_records
 
 FAULTS = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "faults").glob("*.toml"))
@@ -29,7 +29,7 @@ def test_fault_scenario_in_simulation(path):
     result = sim.run()
     assert not result.violations, "\n".join(v.format() for v in result.violations[:3])
     assert check_expectation(s, result.failures, len(result.requests), "sim") == []
-    assert all(m.ring.empty for m in sim.decode)  # nothing leaked, whatever failed
+    assert all(rt.machine.ring.empty for rt in sim.decode)  # nothing leaked, whatever failed
     # a fault scenario that injects nothing would prove nothing
     assert result.faults_injected, "no fault was injected"
 

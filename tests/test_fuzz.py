@@ -8,6 +8,8 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from protocol_harness import World
+
 from kvstage.hw.control import ControlPlane
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
@@ -21,7 +23,6 @@ from kvstage.shared.protocol import (
     WriterDone,
     encode,
 )
-from protocol_harness import World
 
 small_int = st.integers(min_value=0, max_value=40)
 
@@ -34,7 +35,7 @@ def messages():
         st.builds(Watermark, small_int, small_int, small_int, small_int),
         st.builds(ChunkReady, small_int, small_int, small_int, small_int, small_int, small_int, small_int),
         st.builds(WriterDone, small_int, small_int, small_int, small_int, small_int),
-        st.builds(Abort, small_int, small_int, small_int, st.booleans(), st.text(max_size=20)),
+        st.builds(Abort, small_int, small_int, small_int, st.text(max_size=20)),
     )
 
 

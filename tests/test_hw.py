@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from conftest import require_engine
-from kvstage.shared.invariants import check_records
-from kvstage.shared.scenario import load_scenario
 from rich.console import Console
 
 from kvstage.hwrun import run_hardware
 from kvstage.runs import read_summary
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import load_scenario
 from kvstage.tracefile import read_records
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]

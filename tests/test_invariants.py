@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from protocol_harness import World
+
 from kvstage.shared import decode as decode_mod
 from kvstage.shared import prefill as prefill_mod
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
-from protocol_harness import World
 
 
 def _run(seed=0, rooms=5, pool_chunks=1, P=4, D=1):

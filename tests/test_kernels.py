@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
-import kvstage.hw.kvpool as kvpool
 import numpy as np
 import pytest
 import torch
+
+import kvstage.hw.kvpool as kvpool
 from kvstage.hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
 from kvstage.hw.kvpool import (
     KVPool,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from kvstage.shared.layout import (
     Geometry,
     LayoutError,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from protocol_harness import World
+
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
 from kvstage.shared.machine import ProtocolConfig
 from kvstage.shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, WriterDone
-from protocol_harness import World
 
 
 def geo(P, D, H, **kw):
@@ -127,12 +128,12 @@ def test_abort_releases_everything_and_late_messages_are_ignored():
     for p in (0, 1):
         m.handle(ChunkReady(0, 0, 0, 4, p, p, 0), 0.1)  # chunk 0 scattering
     assert m.ring.live_count == 4
-    out = m.handle(Abort(0, 1, 0, False, "user cancelled"), 0.2)
+    out = m.handle(Abort(0, 1, 0, "user cancelled"), 0.2)
     assert any(isinstance(a, RoomFailed) for a in out)
     assert any(isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.session == 0 for a in out)
     # writer 0 may still have writes in flight: its regions stay out of reuse
     assert m.ring.live_count == 4
-    m.handle(Abort(0, 0, 0, False, "drained"), 0.25)  # writer 0 confirms
+    m.handle(Abort(0, 0, 0, "drained"), 0.25)  # writer 0 confirms
     assert m.ring.live_count == 1  # the region being scattered waits for its scatter
     m.handle(ScatterDone(0, 0), 0.3)
     assert m.ring.empty
@@ -159,8 +160,8 @@ def test_timeout_fails_with_reason_and_releases():
     assert failed and "timed out" in failed[0].reason and "chunk 0: prefill [1]" in failed[0].reason
     # quarantined until both writers confirm (or the grace passes)
     assert m.ring.live_count == 1
-    m.handle(Abort(0, 0, 0, False, "drained"), 5.1)
-    m.handle(Abort(0, 1, 0, False, "drained"), 5.1)
+    m.handle(Abort(0, 0, 0, "drained"), 5.1)
+    m.handle(Abort(0, 1, 0, "drained"), 5.1)
     assert m.ring.empty
 
 
@@ -312,7 +313,7 @@ def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
     assert failed and "prefill rank 1 is gone" in failed[0].reason
     assert not any(isinstance(a, Send) and a.dest.rank == 1 for a in out)
     assert m._subscribers == [0]
-    m.handle(Abort(0, 0, 0, False, "drained"), 0.6)  # the live writer confirms
+    m.handle(Abort(0, 0, 0, "drained"), 0.6)  # the live writer confirms
     assert m.ring.empty
     out = m.handle(OpenRoom(1, prompt_tokens=32), 0.7)  # new rooms fail at once
     assert any(isinstance(a, RoomFailed) and "gone" in a.reason for a in out)

@@ -6,6 +6,7 @@ import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvstage.shared.ring import StagingRing, WatermarkPos, is_ready
 
 

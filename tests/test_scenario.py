@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvstage.shared.layout import Geometry
 from kvstage.shared.scenario import (
     PRESETS,

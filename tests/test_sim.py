@@ -10,17 +10,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import kvstage.shared.prefill
 import pytest
+from typer.testing import CliRunner
+
+import kvstage.shared.prefill
+from kvstage.cli import app
+from kvstage.metrics import summarize
+from kvstage.runs import write_run
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import Scenario, load_scenario
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import SimResult, simulate
-from typer.testing import CliRunner
-
-from kvstage.cli import app
-from kvstage.metrics import summarize
-from kvstage.runs import write_run
 from kvstage.tracefile import read_records, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import simpy
+
 from kvstage.shared.scenario import (
     HOST_FIELDS,
     HostNumbers,

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import simpy
+
 from kvstage.sim.gpu import GpuParams, SerialStream, Stream, copy_time, forward_time
 from kvstage.sim.links import Fabric, LinkParams, Nic
 

@@ -20,6 +20,7 @@ import traceback
 from typing import Any
 
 import pytest
+
 from kvstage.hw.transport import (
     BACKENDS,
     EngineUnavailableError,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
 from kvstage.shared.workload import Request, generate_requests, read_trace
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from kvstage.shared.scenario.presets import PRESETS
 from kvstage.shared.scenario.toml_out import _toml_value
-from pydantic import BaseModel, ValidationError
 
 __all__ = ["ScenarioError"]
 

@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+from pydantic import BaseModel, ValidationError
+
 from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
-from pydantic import BaseModel, ValidationError
 
 __all__ = ["apply_overrides", "load_scenario", "parse_override_value", "scenario_from_dict"]
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from pydantic import Field, ValidationError
+
 from kvstage.shared.scenario.errors import _explain, _FieldProblem
 from kvstage.shared.scenario.fieldtypes import NonNegFloat, PosFloat, _Table
-from pydantic import Field, ValidationError
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import LinksConfig

@@ -18,6 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.errors import _FieldProblem
@@ -39,7 +41,6 @@ from kvstage.shared.scenario.profiles import (
     links_table,
 )
 from kvstage.shared.scenario.toml_out import dumps_toml
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "DecodeConfig",

@@ -1,0 +1,504 @@
+"""The rank runtime: everything between one rank's state machine and its driver.
+
+One model, two clocks (SimPy's `Environment` / `RealtimeEnvironment`): the simulator
+and a hardware rank process both wrap each rank's `PrefillMachine` or
+`DecodeMachine` in a `RankRuntime` and only keep time and carry actions out. The
+runtime decides, identically in both modes:
+
+- arrivals: a request becomes OpenRoom when its pages fit (the decode opens it on
+  arrival; the prefill when the forward of its first chunk starts);
+- the order of prefill forwards: requests in arrival order, chunks in order, one at
+  a time (`Forward` actions, which the driver runs in the order given);
+- the fault plan of this rank, drawn from the scenario seed and this rank's identity
+  (message drop / duplicate / delay, abort at a phase, a stalled scatter, a late
+  session, a kill), so a scenario injects the same faults on the same ranks in both
+  modes;
+- delayed deliveries (held here, released when due) and deferred completions;
+- when a room's KV pages may be reused (on the machine's `ReleaseRoom`, after the
+  forwards writing them and the verification reading them ended);
+- when this rank is finished (`settled`), and the rank's part of the run result.
+
+The h11 rule for errors: a driver's misuse (a completion for work never handed out)
+raises `RuntimeMisuse` at once; a peer's bad message is the machine's to drop, count
+and trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstage.shared.decode import DecodeMachine
+from kvstage.shared.events import (
+    AbortRoom,
+    Action,
+    Arrive,
+    ChunkComputed,
+    Die,
+    Event,
+    Forward,
+    ForwardDone,
+    ForwardStarted,
+    Gather,
+    GatherDone,
+    OpenRoom,
+    ReleaseRoom,
+    RoomDone,
+    RoomFailed,
+    Scatter,
+    ScatterDone,
+    Send,
+    SliceWrite,
+    Tick,
+    Verify,
+    VerifyDone,
+    Write,
+    WriteDone,
+)
+from kvstage.shared.faults import FaultPlan
+from kvstage.shared.layout import LayoutError, room_pages
+from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
+from kvstage.shared.prefill import PrefillMachine
+from kvstage.shared.protocol import StagingRsp
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.workload import Request, generate_requests
+
+ROLES = ("prefill", "decode")
+
+
+class RuntimeMisuse(RuntimeError):
+    """The driver reported something the runtime never asked for (a driver bug)."""
+
+
+def rank_name(role: str, rank: int) -> str:
+    return f"{role}{rank}"
+
+
+def fault_stream(role: str, rank: int) -> int:
+    """The fault plan's random stream of one rank: the same in both modes."""
+    return (role == "decode") * 4096 + rank
+
+
+def protocol_config(scenario: Scenario) -> ProtocolConfig:
+    return ProtocolConfig(path=scenario.transfer.path, room_timeout_s=scenario.transfer.room_timeout_s)
+
+
+@dataclass(slots=True)
+class RankResult:
+    """One rank's part of the run result (summary.json sums and lists these)."""
+
+    role: str
+    rank: int
+    rooms_done: int
+    rooms_failed: int
+    failures: dict[int, str]
+    dropped: int
+    events: int
+    faults_injected: dict[str, int]
+    ring_used: int  # decode: staging bytes still held at the end (0 = no leak)
+    died: bool
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.role, self.rank)
+
+    def to_wire(self) -> dict:
+        d = {f: getattr(self, f) for f in self.__slots__}
+        d["failures"] = {str(k): v for k, v in self.failures.items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> RankResult:
+        d = dict(d)
+        d["failures"] = {int(k): v for k, v in d["failures"].items()}
+        return cls(**{f: d[f] for f in cls.__slots__})
+
+
+@dataclass(slots=True)
+class _RoomMemory:
+    """A room's local KV pages and who still uses them."""
+
+    request: Request
+    first_page: int
+    num_pages: int
+    forwards: int = 0  # prefill: forwards handed out and not yet done
+    verifying: bool = False  # decode: a Verify handed out and not yet done
+    released: bool = False  # the machine said nothing else touches the pages
+    opened: bool = False  # prefill: OpenRoom given to the machine
+    open_only: bool = False  # prefill: a room with nothing to compute (one empty Forward)
+
+
+@dataclass(slots=True)
+class _Timer:
+    due: float
+    seq: int
+    send: Send | None = None
+    event: Event | None = None
+
+    def __lt__(self, other: _Timer) -> bool:
+        return (self.due, self.seq) < (other.due, other.seq)
+
+
+@dataclass(slots=True)
+class _Owed:
+    """Completions the driver owes, by kind: a completion not owed is a driver bug."""
+
+    counts: dict[tuple, int] = field(default_factory=dict)
+
+    def add(self, key: tuple) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def settle(self, key: tuple) -> None:
+        n = self.counts.get(key, 0)
+        if n <= 0:
+            raise RuntimeMisuse(f"completion {key} for work that was never handed out (or reported twice)")
+        if n == 1:
+            del self.counts[key]
+        else:
+            self.counts[key] = n - 1
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+
+class RankRuntime:
+    """One rank: its machine, its workload, its faults and its memory. Pure: the driver
+    passes `now` with every event and carries out the returned actions."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        role: str,
+        rank: int,
+        *,
+        requests: list[Request] | None = None,
+        kv_pages: int | None = None,
+        verify: bool = False,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} not allowed (allowed: {', '.join(ROLES)})")
+        g = scenario.geometry()
+        self.role, self.rank, self.name = role, rank, rank_name(role, rank)
+        self.geometry = g
+        self.config = protocol_config(scenario)
+        if role == "prefill":
+            self.machine: PrefillMachine | DecodeMachine = PrefillMachine(rank, g, self.config)
+        else:
+            self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config)
+        self.requests = requests if requests is not None else generate_requests(scenario)
+        self.verify = verify and role == "decode"
+        faults = scenario.faults
+        self.plan = FaultPlan(faults, scenario.workload.seed, stream=fault_stream(role, rank))
+        self._message_faults = faults.any_message_fault
+        self.join_at = self.plan.session_delay_s(rank) if role == "prefill" else 0.0
+        kills = [k.at_s for k in faults.kill if k.role == role and k.rank == rank]
+        self.kill_at: float | None = min(kills) if kills else None
+        self.dead = False
+        self.events = 0
+        self.failures: dict[int, str] = {}
+        self._held: list[Event] = []  # events before a late session joined
+        self._timers: list[_Timer] = []
+        self._seq = 0
+        self._owed = _Owed()
+        self._pages = PageAllocator(kv_pages) if kv_pages is not None else None
+        self._waiting: deque[Request] = deque()  # arrived, waiting for pages
+        self._memory: dict[int, _RoomMemory] = {}
+
+    # --- what the driver reads ---------------------------------------------------------
+    @property
+    def joined(self) -> bool:
+        return not self.join_at
+
+    @property
+    def rooms_ended(self) -> int:
+        return self.machine.rooms_done + self.machine.rooms_failed
+
+    @property
+    def settled(self) -> bool:
+        """Finished: every request ended here, nothing in flight, owed or held back.
+        A dead rank is settled (it will never do anything again)."""
+        if self.dead:
+            return True
+        return (
+            self.rooms_ended >= len(self.requests)
+            and self.machine.settled
+            and not self._owed
+            and not self._timers
+            and not self._waiting
+            and not self._held
+            and not self._memory
+        )
+
+    @property
+    def next_wakeup(self) -> float | None:
+        """When the driver must deliver a Tick (timeouts, held messages, faults)."""
+        if self.dead:
+            return None
+        times = [t for t in (self.machine.next_deadline,) if t is not None]
+        if self._timers:
+            times.append(self._timers[0].due)
+        if self.join_at:
+            times.append(self.join_at)
+        if self.kill_at is not None:
+            times.append(self.kill_at)
+        return min(times) if times else None
+
+    def forward_wanted(self, f: Forward) -> bool:
+        """Whether a forward handed out is still worth computing: an executor that has
+        not started it yet asks, and reports a ForwardDone at once if not (the room
+        failed before its turn, as an aborted request leaves the prefill queue)."""
+        mem = self._memory.get(f.room)
+        return mem is not None and not mem.released
+
+    def page_base(self, room: int) -> int:
+        """The first local KV page of a room (for gathers, fills and slice writes)."""
+        return self._memory[room].first_page
+
+    def result(self) -> RankResult:
+        m = self.machine
+        return RankResult(
+            role=self.role, rank=self.rank, rooms_done=m.rooms_done, rooms_failed=m.rooms_failed,
+            failures=dict(self.failures), dropped=m.dropped, events=self.events,
+            faults_injected=dict(self.plan.injected),
+            ring_used=m.ring.used_bytes if self.role == "decode" else 0, died=self.dead,
+        )
+
+    # --- the one entry point -----------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if self.dead:
+            return []
+        out: list[Action] = []
+        if self.join_at:
+            if now < self.join_at:
+                if type(event) is not Tick:
+                    self._held.append(event)  # a late session hears nothing until it joins
+                return out
+            self.join_at = 0.0
+            held, self._held = self._held, []
+            for ev in held:
+                self._dispatch(ev, now, out)
+        if self.kill_at is not None and now >= self.kill_at:
+            self.dead = True
+            self.plan.count(f"kill:{self.role}")
+            out.append(Die(f"{self.name} killed at {now:.3f}s (fault injection)"))
+            return out
+        if self._timers:
+            self._release_timers(now, out)
+        self._dispatch(event, now, out)
+        return out
+
+    def _dispatch(self, event: Event, now: float, out: list[Action]) -> None:
+        kind = type(event)
+        handler = self._LOCAL.get(kind)
+        if handler is not None:
+            handler(self, event, now, out)
+            return
+        self._feed(event, now, out)
+        if kind is StagingRsp and self.plan.abort_at(event.room, "rsp"):
+            self._feed(AbortRoom(event.room, "fault injection: aborted at rsp"), now, out)
+
+    # --- the machine and its actions ---------------------------------------------------------
+    def _feed(self, event: Event, now: float, out: list[Action]) -> None:
+        self.events += 1
+        for a in self.machine.handle(event, now):
+            route = self._ROUTES.get(type(a))
+            if route is None:
+                out.append(a)  # records, Room done/failed: the driver only observes them
+            else:
+                route(self, a, now, out)
+
+    def _route_send(self, a: Send, now: float, out: list[Action]) -> None:
+        if not self._message_faults:
+            out.append(a)
+            return
+        for d in self.plan.on_send(a.msg):
+            send = a if d.msg is a.msg else Send(a.dest, d.msg)
+            if d.extra_delay_s > 0:
+                self._hold(now + d.extra_delay_s, send=send)
+            else:
+                out.append(send)
+
+    def _route_gather(self, a: Gather, now: float, out: list[Action]) -> None:
+        if self.plan.abort_at(a.room, "gather"):
+            # aborted before the copy: nothing goes in flight
+            self._feed(AbortRoom(a.room, "fault injection: aborted at gather"), now, out)
+            self._feed(GatherDone(a.room, a.chunk, a.decode_rank), now, out)
+            return
+        self._owed.add(("gather", a.room, a.chunk, a.decode_rank))
+        out.append(a)
+
+    def _route_write(self, a: Write | SliceWrite, now: float, out: list[Action]) -> None:
+        self._owed.add(("write", a.room, a.chunk, a.decode_rank))
+        out.append(a)
+        if self.plan.abort_at(a.room, "write"):
+            self._feed(AbortRoom(a.room, "fault injection: aborted mid-transfer (write in flight)"), now, out)
+
+    def _route_scatter(self, a: Scatter, now: float, out: list[Action]) -> None:
+        self._owed.add(("scatter", a.room, a.chunk))
+        out.append(a)
+        if self.plan.abort_at(a.room, "scatter"):
+            self._feed(AbortRoom(a.room, "fault injection: aborted while scattering"), now, out)
+
+    def _route_done(self, a: RoomDone, now: float, out: list[Action]) -> None:
+        out.append(a)
+        mem = self._memory.get(a.room)
+        if self.verify and mem is not None and mem.num_pages:
+            mem.verifying = True
+            self._owed.add(("verify", a.room))
+            out.append(Verify(a.room, mem.first_page, mem.num_pages, mem.request.prefix_tokens))
+
+    def _route_failed(self, a: RoomFailed, now: float, out: list[Action]) -> None:
+        self.failures.setdefault(a.room, a.reason)
+        out.append(a)
+
+    def _route_release(self, a: ReleaseRoom, now: float, out: list[Action]) -> None:
+        mem = self._memory.get(a.room)
+        if mem is not None:
+            mem.released = True
+            self._maybe_free(a.room, now, out)
+
+    _ROUTES = {
+        Send: _route_send,
+        Gather: _route_gather,
+        Write: _route_write,
+        SliceWrite: _route_write,
+        Scatter: _route_scatter,
+        RoomDone: _route_done,
+        RoomFailed: _route_failed,
+        ReleaseRoom: _route_release,
+    }
+
+    # --- completions from the driver ------------------------------------------------------------
+    def _on_gather_done(self, ev: GatherDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("gather", ev.room, ev.chunk, ev.decode_rank))
+        self._feed(ev, now, out)
+
+    def _on_write_done(self, ev: WriteDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("write", ev.room, ev.chunk, ev.decode_rank))
+        self._feed(ev, now, out)
+
+    def _on_scatter_done(self, ev: ScatterDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("scatter", ev.room, ev.chunk))
+        stall = self.plan.scatter_stall_s(ev.room, ev.chunk)
+        if stall:
+            self._hold(now + stall, event=ev)  # the completion is seen late
+        else:
+            self._feed(ev, now, out)
+
+    def _on_verify_done(self, ev: VerifyDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("verify", ev.room))
+        mem = self._memory.get(ev.room)
+        if mem is not None:
+            mem.verifying = False
+            self._maybe_free(ev.room, now, out)
+
+    def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
+        self._feed(ev, now, out)
+
+    # --- arrivals, admission and forwards -------------------------------------------------------
+    def _on_arrive(self, ev: Arrive, now: float, out: list[Action]) -> None:
+        self._waiting.append(ev.request)
+        self._admit(now, out)
+
+    def _admit(self, now: float, out: list[Action]) -> None:
+        """Open (decode) or schedule the forwards of (prefill) waiting rooms, in arrival
+        order, while their pages fit; the first that does not fit holds the rest."""
+        page_size = self.geometry.page_size
+        pages_of = prefill_room_pages if self.role == "prefill" else decode_room_pages
+        while self._waiting:
+            req = self._waiting[0]
+            n = pages_of(req, page_size)
+            first = 0
+            if n and self._pages is not None:
+                try:
+                    first = self._pages.alloc(n)
+                except PoolFullError:
+                    return
+            self._waiting.popleft()
+            self._memory[req.room] = _RoomMemory(req, first, n)
+            if self.role == "decode":
+                self._open_decode(req, first, now, out)
+            else:
+                self._schedule_forwards(req, first, out)
+
+    def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
+        self._feed(OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=first), now, out)
+        if self.plan.abort_at(req.room, "open"):
+            self._feed(AbortRoom(req.room, "fault injection: aborted at open"), now, out)
+
+    def _schedule_forwards(self, req: Request, first: int, out: list[Action]) -> None:
+        g = self.geometry
+        prefix_pages = req.prefix_tokens // g.page_size
+        try:
+            chunks = g.chunks(room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size))
+        except LayoutError:
+            chunks = []  # the machine fails the room at open, with the reason
+        mem = self._memory[req.room]
+        if not chunks:  # nothing to compute: the room only opens
+            mem.forwards, mem.open_only = 1, True
+            self._owed.add(("forward", req.room, 0))
+            out.append(Forward(req.room, 0, first, prefix_pages, 0, 0))
+            return
+        mem.forwards = len(chunks)
+        for c in chunks:
+            self._owed.add(("forward", req.room, c.index))
+            out.append(Forward(req.room, c.index, first, prefix_pages + c.page_start, c.num_pages,
+                               c.num_pages * g.page_size))
+
+    def _on_forward_started(self, ev: ForwardStarted, now: float, out: list[Action]) -> None:
+        if ("forward", ev.room, ev.chunk) not in self._owed.counts:
+            raise RuntimeMisuse(f"ForwardStarted for room {ev.room} chunk {ev.chunk}, never handed out")
+        mem = self._memory[ev.room]
+        if not mem.opened:
+            mem.opened = True
+            req = mem.request
+            self._feed(OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens), now, out)
+            if self.machine.is_finished(req.room):
+                # failed at open, or aborted by the decode before it opened here: the
+                # machine will never release it again
+                mem.released = True
+
+    def _on_forward_done(self, ev: ForwardDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("forward", ev.room, ev.chunk))
+        mem = self._memory[ev.room]
+        mem.forwards -= 1
+        if not mem.open_only:
+            self._feed(ChunkComputed(ev.room, ev.chunk, ev.start), now, out)
+        self._maybe_free(ev.room, now, out)
+
+    # --- memory ----------------------------------------------------------------------------------
+    def _maybe_free(self, room: int, now: float, out: list[Action]) -> None:
+        mem = self._memory.get(room)
+        if mem is None or not mem.released or mem.forwards > 0 or mem.verifying:
+            return
+        del self._memory[room]
+        if self._pages is not None and mem.num_pages:
+            self._pages.free(mem.first_page, mem.num_pages)
+            if self._waiting:
+                self._admit(now, out)
+
+    # --- held deliveries ---------------------------------------------------------------------------
+    def _hold(self, due: float, *, send: Send | None = None, event: Event | None = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, _Timer(due, self._seq, send, event))
+
+    def _release_timers(self, now: float, out: list[Action]) -> None:
+        while self._timers and self._timers[0].due <= now:
+            t = heapq.heappop(self._timers)
+            if t.send is not None:
+                out.append(t.send)
+            else:
+                self._feed(t.event, now, out)
+
+    _LOCAL = {
+        Arrive: _on_arrive,
+        ForwardStarted: _on_forward_started,
+        ForwardDone: _on_forward_done,
+        GatherDone: _on_gather_done,
+        WriteDone: _on_write_done,
+        ScatterDone: _on_scatter_done,
+        VerifyDone: _on_verify_done,
+        Tick: _on_tick,
+    }

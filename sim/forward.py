@@ -1,0 +1,134 @@
+"""Executors of the prefill forward in simulated time.
+
+The runtimes decide what to compute and in which order (`Forward` actions, in
+arrival order, chunk by chunk); these only decide how long it takes:
+
+- `GroupForward` (the GPU model): the prefill TP group computes together, one chunk
+  at a time, on one stream; each chunk's duration comes from the model's FLOPs
+  (`Scenario.forward_time_s`). Every rank of the group asks for the same chunk; the
+  first request plans it, the others join it.
+- `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
+  its own chunks' KV pattern on its own loop, one chunk per loop turn.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
+from kvstage.shared.runtime import RankRuntime
+from kvstage.sim.gpu import SerialStream
+from kvstage.sim.host import fill_time
+
+if TYPE_CHECKING:
+    from kvstage.sim.driver import Simulation
+
+
+@dataclass(slots=True)
+class _GroupChunk:
+    """One chunk's forward on the group stream, and the ranks waiting for it."""
+
+    start: float
+    ranks: list[RankRuntime] = field(default_factory=list)
+    started: bool = False  # chunk 0 only: the room opened
+    done: bool = False
+    delivered: int = 0
+
+
+class GroupForward:
+    """The GPU model: one forward stream for the prefill TP group."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.stream = SerialStream()
+        self._chunks: dict[tuple[int, int], _GroupChunk] = {}
+
+    def submit(self, rt: RankRuntime, f: Forward, now: float) -> None:
+        key = (f.room, f.chunk)
+        job = self._chunks.get(key)
+        if job is None:
+            job = self._chunks[key] = self._plan(key, f, now)
+        else:  # a rank asking late (a late session) finds what the group already did
+            if f.chunk == 0 and job.started:
+                self.sim._at(0.0, self.sim._feed, rt, ForwardStarted(*key))
+            if job.done:
+                self.sim._at(0.0, self._deliver_done, rt, key)
+                return
+        job.ranks.append(rt)
+
+    def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
+        sim = self.sim
+        start = self.stream.free_at(now)
+        job = _GroupChunk(start)
+        if f.chunk == 0:  # the room opens when its first chunk's forward starts
+            sim._at(start - now, self._started, key)
+        if f.num_pages:
+            end = self.stream.reserve(now, sim.scenario.forward_time_s(f.tokens))
+        else:
+            end = start  # a room with nothing to compute
+        sim._at(end - now, self._done, key)
+        return job
+
+    def _started(self, key: tuple[int, int], _ev=None) -> None:
+        job = self._chunks[key]
+        job.started = True
+        for rt in job.ranks:
+            self.sim._feed(rt, ForwardStarted(*key))
+
+    def _done(self, key: tuple[int, int], _ev=None) -> None:
+        job = self._chunks[key]
+        job.done = True
+        for rt in list(job.ranks):
+            self._deliver_done(rt, key)
+
+    def _deliver_done(self, rt: RankRuntime, key: tuple[int, int], _ev=None) -> None:
+        job = self._chunks[key]
+        self.sim._feed(rt, ForwardDone(key[0], key[1], job.start))
+        job.delivered += 1
+        if job.delivered == len(self.sim.prefill):
+            del self._chunks[key]
+
+
+class HostFills:
+    """The host model: each prefill rank fills its chunks on its own loop, in order."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        g = sim.geometry
+        self._bytes_per_token = g.block_bytes(1, g.prefill_heads)
+        self._queue: dict[RankRuntime, deque[Forward]] = {rt: deque() for rt in sim.prefill}
+        self._filling: dict[RankRuntime, bool] = dict.fromkeys(sim.prefill, False)
+
+    def submit(self, rt: RankRuntime, f: Forward, now: float) -> None:
+        self._queue[rt].append(f)
+        if not self._filling[rt]:
+            self._filling[rt] = True
+            self.sim.loops[rt].submit(0.0, self._turn, rt)
+
+    def _turn(self, rt: RankRuntime) -> None:
+        """One loop turn of the forward: start the next chunk (its room opens, its
+        STAGING_REQs go out) and fill it; the next chunk's turn queues behind whatever
+        reached the loop meanwhile."""
+        sim, queue = self.sim, self._queue[rt]
+        while queue:
+            f = queue.popleft()
+            if not rt.forward_wanted(f):  # its room failed before its turn
+                sim._feed(rt, ForwardDone(f.room, f.chunk, sim.env.now))
+                continue
+            sim._feed(rt, ForwardStarted(f.room, f.chunk))
+            if not f.num_pages:  # nothing to fill
+                sim._feed(rt, ForwardDone(f.room, f.chunk, sim.env.now))
+                continue
+            dur = fill_time(sim.host, f.tokens * self._bytes_per_token) * sim.cpu_scale
+            sim.loops[rt].run_next(dur + sim.event_s, self._filled, rt, f, sim.env.now)
+            return
+        self._filling[rt] = False
+
+    def _filled(self, rt: RankRuntime, f: Forward, start: float) -> None:
+        self.sim._feed(rt, ForwardDone(f.room, f.chunk, start))
+        if self._queue[rt]:
+            self.sim.loops[rt].submit(0.0, self._turn, rt)
+        else:
+            self._filling[rt] = False
