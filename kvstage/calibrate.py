@@ -1,60 +1,57 @@
 """Calibrate a hardware profile from measurements on this machine (`kvstage calibrate`).
 
-Two real processes (multiprocessing "spawn", talking to the parent over Pipes) measure
-what the simulator's profile numbers stand for, on the real engine:
+The measuring is hardware mode's: `kvstage.hw.probe.measure` runs two real processes
+over the real engine and returns the raw points. This module fits them and writes the
+profile (the fitting functions are pure, numpy only, so tests can feed them synthetic
+points):
 
-- bulk writes: one write of each size of a sweep (4 KiB .. 64 MiB), several reps, from
-  `Transport.write` until `poll` says done; the medians are fitted as
+- bulk writes: the medians of the one-op writes are fitted as
   t = latency + bytes / bandwidth (`fit_latency_bandwidth`);
-- per-request overhead: one batch of n ops of s bytes for a sweep of n; the medians
-  are fitted as t = a + n * c, and c - s / bandwidth is the cost of one more request
+- per-request overhead: the medians of batches of n ops of s bytes are fitted as
+  t = a + n * c, and c - s / bandwidth is the cost of one more request
   (`fit_per_request`);
-- control messages: ping-pong of real protocol messages (shared.protocol codec) over
-  the ZMQ PUSH/PULL control plane of hw/control.py; control latency = median RTT / 2;
-- gather / scatter: hw/kernels.py on KV pools of this device, fitted as
-  t = launches * launch + bytes / copy_bandwidth (`fit_copy`); the simulator charges
-  2 * bytes / mem_bandwidth (read + write), so mem_bandwidth = 2 * copy_bandwidth;
-- the hardware-mode prefill 'forward' (hw.kvpool.fill_pattern, what a prefill rank
-  runs per chunk): t = latency + KV bytes / fill_bandwidth, kept in the sidecar so a
-  scenario can set prefill.tokens_per_s from it (`Calibration.tokens_per_s`);
+- control messages: control latency = median round trip / 2;
+- gather / scatter: fitted as t = launches * launch + bytes / copy_bandwidth
+  (`fit_copy`); the simulator charges 2 * bytes / mem_bandwidth (read + write), so
+  mem_bandwidth = 2 * copy_bandwidth;
+- the hardware-mode prefill 'forward' (pattern fill): t = latency + KV bytes /
+  fill_bandwidth, kept in the sidecar so a scenario can set prefill.tokens_per_s from
+  it (`Calibration.tokens_per_s`);
 - a matmul for gpu_tflops (required by the profile schema; unused once
   prefill.tokens_per_s is set);
 - the host model (sim/host.py, profile fields host_*): the CPU an idle engine process
-  burns (engine_thread_cores), the Python cost of one state-machine event (event_us),
-  the fill fit (fill_latency_us, fill_bandwidth_gbs) and this host's usable cores
-  (host_cores); the profile sets host_model = "cpu-loop", so a scenario naming it
-  simulates ranks as hardware mode's single-threaded loops on this host.
+  burns (engine_thread_cores), the Python cost of one state-machine event (event_us,
+  `measure_handle_cost`: a small simulation, so it is measured here, handed to the
+  probe as an extra measurement), the fill fit (fill_latency_us, fill_bandwidth_gbs)
+  and this host's usable cores (host_cores); the profile sets host_model = "cpu-loop",
+  so a scenario naming it simulates ranks as hardware mode's single-threaded loops on
+  this host.
 
 The profile TOML (same fields as scenarios/profiles/*.toml) holds the fitted numbers,
 with the fit quality in comments. The profile loader (shared/scenario.py,
 `_ProfileFile`) refuses unknown keys and tables, so the fit quality ([fit]) and the
 raw points ([raw]) go to a sidecar JSON beside it: `<profile stem>.fit.json`.
-
-The fitting functions are pure (numpy only) so tests can feed them synthetic points.
-Every wait here is bounded; a child that dies or hangs fails the calibration with the
-tail of its log.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import wait as wait_connections
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from kvstage.hw import probe
+from kvstage.hw.probe import KIB, MIB, CalibrationError, CalibrationPlan, ProgressFn, usable_cores
 
 __all__ = [
     "Calibration",
@@ -71,16 +68,6 @@ __all__ = [
     "sidecar_path",
     "write_profile",
 ]
-
-KIB = 1 << 10
-MIB = 1 << 20
-
-ProgressFn = Callable[[str, int, int], None]
-
-
-class CalibrationError(RuntimeError):
-    """A measurement could not be taken (engine missing, child failed or hung)."""
-
 
 # =========================================================================== fitting
 
@@ -247,337 +234,10 @@ def median_of(reps: Sequence[Sequence[float]]) -> list[float]:
     return [float(statistics.median(r)) for r in reps]
 
 
-# =========================================================================== plan
+# =========================================================================== measuring
 
 
-@dataclass(frozen=True)
-class CalibrationPlan:
-    """What to measure; `quick()` keeps a run to a few seconds of measuring."""
-
-    sizes: tuple[int, ...]
-    reps: int
-    batch_counts: tuple[int, ...]
-    batch_op_bytes: int
-    batch_reps: int
-    control_pings: int
-    kernel_pages: tuple[int, ...]
-    kernel_reps: int
-    fill_pages: tuple[int, ...]
-    step_timeout_s: float = 90.0  # longest silence from the children before giving up
-    write_timeout_s: float = 30.0  # bound of one write
-    quick: bool = False
-
-    @classmethod
-    def full(cls) -> CalibrationPlan:
-        return cls(
-            sizes=tuple(4 * KIB * 4**k for k in range(8)),  # 4 KiB .. 64 MiB
-            reps=7,
-            batch_counts=(1, 4, 16, 64, 256, 1024),
-            batch_op_bytes=4 * KIB,
-            batch_reps=7,
-            control_pings=1000,
-            kernel_pages=(1, 2, 4, 8, 16, 32, 64, 128),
-            kernel_reps=7,
-            fill_pages=(1, 2, 4, 8, 16, 32, 64),
-        )
-
-    @classmethod
-    def quick_plan(cls) -> CalibrationPlan:
-        return cls(
-            sizes=(4 * KIB, 32 * KIB, 256 * KIB, 2 * MIB, 16 * MIB),
-            reps=3,
-            batch_counts=(1, 16, 128, 512),
-            batch_op_bytes=4 * KIB,
-            batch_reps=3,
-            control_pings=200,
-            kernel_pages=(1, 4, 16, 64),
-            kernel_reps=3,
-            fill_pages=(1, 4, 16),
-            step_timeout_s=60.0,
-            quick=True,
-        )
-
-    @property
-    def buffer_bytes(self) -> int:
-        batch = max(self.batch_counts) * 2 * self.batch_op_bytes
-        return max(max(self.sizes), batch)
-
-
-# Kernel geometry: a fan-in pair P2 -> D1 with 8 KV heads, 4 layers, head_dim 128, bf16
-# (128 KiB per page of a 4-head pool): gather of a writer's 4 heads (contiguous rows),
-# gather of 2 of 4 heads (strided, the fan-out case), scatter of a 2-writer region.
-KERNEL_GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "page_size": 16}
-
-
-# =========================================================================== children
-
-
-def _redirect_output(log_path: str) -> None:
-    """Send this child's stdout/stderr (engine chatter) to a log, away from the progress bar."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _child_setup(log_path: str) -> None:
-    _redirect_output(log_path)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    import torch
-
-    # Like hw/rank_main.py: ranks run one intra-op thread each.
-    torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
-
-
-def _expect(conn: Any, kind: str, timeout_s: float) -> tuple:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not conn.poll(left):
-            raise TimeoutError(f"no {kind!r} from the parent within {timeout_s:.0f} s")
-        msg = conn.recv()
-        if msg[0] == kind:
-            return msg
-        if msg[0] == "abort":
-            raise CalibrationError(f"parent aborted: {msg[1]}")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _spin_wait(transport: Any, handle: Any, timeout_s: float, what: str) -> None:
-    """Poll until done, as a rank's busy loop does (no back-off sleeps that would
-    quantise the measurement), yielding the GIL each turn; bounded."""
-    deadline = time.perf_counter() + timeout_s
-    while not transport.poll(handle):
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"{what}: not done within {timeout_s:g} s")
-        time.sleep(0)
-
-
-def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
-    try:
-        _child_setup(log_path)
-        import torch
-
-        from kvstage.hw.control import ControlPlane
-        from kvstage.hw.transport import make_transport
-        from kvstage.shared.protocol import Abort
-
-        transport = make_transport(backend, f"kvstage-cal-recv-{os.getpid()}", device)
-        dst = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
-        transport.register(dst)
-        conn.send(("metadata", transport.agent_name, transport.metadata()))
-        cp = ControlPlane()
-        conn.send(("control", cp.address))
-        _, peer_addr = _expect(conn, "control", plan.step_timeout_s * 3)
-        cp.connect("ping", peer_addr)
-        # Echo every message back until the pinger's Abort (bounded).
-        deadline = time.monotonic() + plan.step_timeout_s
-        stop = False
-        while not stop and time.monotonic() < deadline:
-            for msg in cp.receive(0.2):
-                if isinstance(msg, Abort):
-                    stop = True
-                    break
-                cp.send("ping", msg)
-        conn.send(("echo-done", stop))
-        # While the sender runs its kernels, this process only waits on the pipe: the CPU
-        # it still burns is the engine's own threads (e.g. a busy-polling progress thread).
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        _expect(conn, "bye", plan.step_timeout_s * 3)
-        wall = time.perf_counter() - wall0
-        conn.send(("result", "idle_cpu", {"cpu_s": time.process_time() - cpu0, "wall_s": wall}))
-        cp.close()
-        transport.close()
-        conn.send(("done",))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-def _progress(conn: Any, stage: str, done: int, total: int) -> None:
-    conn.send(("progress", stage, done, total))
-
-
-def _measure_writes(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
-                    conn: Any) -> dict[str, Any]:
-    sizes = list(plan.sizes)
-    total = (plan.reps + 1) * len(sizes)
-    seconds: list[list[float]] = [[] for _ in sizes]
-    post: list[list[float]] = [[] for _ in sizes]
-    order = np.random.default_rng(11)
-    n = 0
-    for rep in range(plan.reps + 1):  # rep 0 warms up connections and page tables
-        for i in order.permutation(len(sizes)):
-            size = sizes[i]
-            ops = np.array([[src_addr, dst_addr, size]], dtype=np.int64)
-            total_s, post_s = _timed_write(transport, peer, ops, plan.write_timeout_s, f"write of {size} B")
-            if rep:
-                seconds[i].append(total_s)
-                post[i].append(post_s)
-            n += 1
-            _progress(conn, "writes", n, total)
-    return {"sizes": sizes, "seconds": seconds, "post_seconds": post}
-
-
-def _timed_write(transport: Any, peer: str, ops: np.ndarray, timeout_s: float, what: str) -> tuple[float, float]:
-    """(seconds to completion, seconds to post) of one batch, polled as a rank polls."""
-    t0 = time.perf_counter()
-    handle = transport.write(peer, ops)
-    t1 = time.perf_counter()
-    _spin_wait(transport, handle, timeout_s, what)
-    return time.perf_counter() - t0, t1 - t0
-
-
-def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
-                     conn: Any) -> dict[str, Any]:
-    s = plan.batch_op_bytes
-    stride = 2 * s  # gaps between ops, so no engine can merge neighbours into one
-    counts = list(plan.batch_counts)
-    rng = np.random.default_rng(12)
-    seconds: list[list[float]] = [[] for _ in counts]
-    post: list[list[float]] = [[] for _ in counts]
-    total = (plan.batch_reps + 1) * len(counts)
-    n = 0
-    for rep in range(plan.batch_reps + 1):
-        for i in rng.permutation(len(counts)):
-            k = counts[i]
-            idx = np.arange(k, dtype=np.int64)
-            ops = np.stack([src_addr + idx * stride, dst_addr + rng.permutation(k).astype(np.int64) * stride,
-                            np.full(k, s, dtype=np.int64)], axis=1)
-            total_s, post_s = _timed_write(transport, peer, ops, plan.write_timeout_s, f"batch of {k} x {s} B")
-            if rep:
-                seconds[i].append(total_s)
-                post[i].append(post_s)
-            n += 1
-            _progress(conn, "batches", n, total)
-    return {"op_bytes": s, "counts": counts, "seconds": seconds, "post_seconds": post}
-
-
-def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
-    from kvstage.hw.control import ControlPlane
-    from kvstage.shared.protocol import Abort, Watermark
-
-    cp = ControlPlane()
-    conn.send(("control", cp.address))
-    _, echo_addr = _expect(conn, "control", plan.step_timeout_s)
-    cp.connect("echo", echo_addr)
-    timeout = min(10.0, plan.step_timeout_s)
-    rtts: list[float] = []
-    warm = max(10, plan.control_pings // 10)
-    total = warm + plan.control_pings
-    try:
-        for i in range(total):
-            msg = Watermark(round=i, tail=i, session=0, decode_rank=0)
-            t0 = time.perf_counter()
-            cp.send("echo", msg)
-            got = None
-            while got is None:
-                left = timeout - (time.perf_counter() - t0)
-                if left <= 0:
-                    raise TimeoutError(f"control ping {i}: no echo within {timeout:g} s")
-                for m in cp.receive(left):
-                    if isinstance(m, Watermark) and m.round == i:
-                        got = m
-            if i >= warm:
-                rtts.append(time.perf_counter() - t0)
-            if i % 20 == 0 or i == total - 1:
-                _progress(conn, "control", i + 1, total)
-    finally:
-        cp.send("echo", Abort(room=0, session=0, decode_rank=0, from_decode=False, reason="calibration done"))
-        time.sleep(0.05)
-        cp.close()
-    return {"rtt_s": rtts}
-
-
-def _time_call(fn: Callable[[], None], device: str) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
-    import torch
-
-    from kvstage.hw.kernels import block_bytes, gather, scatter
-    from kvstage.hw.kvpool import KVPool, fill_pattern
-    from kvstage.shared.layout import Geometry
-
-    kg = KERNEL_GEOMETRY
-    geo = Geometry(prefill_tp=2, decode_tp=1, total_kv_heads=kg["kv_heads"], layers=kg["layers"],
-                   head_dim=kg["head_dim"], dtype_bytes=2, page_size=kg["page_size"],
-                   chunked_prefill_size=kg["page_size"] * max(plan.kernel_pages))
-    max_pages = max(max(plan.kernel_pages), max(plan.fill_pages))
-    src = KVPool(kg["layers"], max_pages, kg["page_size"], geo.prefill_heads, kg["head_dim"], kg["dtype"],
-                 device=device, fill_byte=7)
-    dst = KVPool(kg["layers"], max_pages, kg["page_size"], geo.decode_heads, kg["head_dim"], kg["dtype"],
-                 device=device, fill_byte=0)
-    heads = geo.prefill_heads
-    out = torch.zeros(block_bytes(src, max_pages, heads), dtype=torch.uint8, device=device)
-    region = torch.zeros(geo.region_bytes(max_pages), dtype=torch.uint8, device=device)
-    pages = list(plan.kernel_pages)
-    res: dict[str, Any] = {
-        "geometry": dict(kg),
-        "gather": {"bytes": [block_bytes(src, p, heads) for p in pages], "seconds": [[] for _ in pages]},
-        "gather_sub": {"bytes": [block_bytes(src, p, heads // 2) for p in pages], "seconds": [[] for _ in pages]},
-        "scatter": {"bytes": [geo.region_bytes(p) for p in pages], "launches": len(geo.writers(0)),
-                    "seconds": [[] for _ in pages]},
-    }
-    rng = np.random.default_rng(13)
-    total = (plan.kernel_reps + 1) * len(pages)
-    n = 0
-    for rep in range(plan.kernel_reps + 1):
-        for i in rng.permutation(len(pages)):
-            p = int(pages[i])
-            g_out = out[: block_bytes(src, p, heads)]
-            t = _time_call(lambda p=p, g_out=g_out: gather(src, 0, p, 0, heads, g_out), device)
-            s_out = out[: block_bytes(src, p, heads // 2)]
-            ts = _time_call(lambda p=p, s_out=s_out: gather(src, 0, p, 1, heads // 2, s_out), device)
-            layout = geo.staging_layout(0, p)
-            reg = region[: layout.region_bytes]
-            tc = _time_call(lambda p=p, reg=reg, layout=layout: scatter(dst, 0, p, reg, layout), device)
-            if rep:
-                res["gather"]["seconds"][i].append(t)
-                res["gather_sub"]["seconds"][i].append(ts)
-                res["scatter"]["seconds"][i].append(tc)
-            n += 1
-            _progress(conn, "kernels", n, total)
-    # The hardware-mode prefill 'forward': fill_pattern of a chunk's pages.
-    fpages = list(plan.fill_pages)
-    global_heads = list(range(heads))
-    page_bytes = block_bytes(src, 1, heads)
-    fill = {"bytes": [p * page_bytes for p in fpages], "seconds": [[] for _ in fpages],
-            "bytes_per_token": page_bytes // kg["page_size"]}
-    total = (plan.kernel_reps + 1) * len(fpages)
-    n = 0
-    for rep in range(plan.kernel_reps + 1):
-        for i in rng.permutation(len(fpages)):
-            p = int(fpages[i])
-            t = _time_call(lambda p=p, room=rep: fill_pattern(src, 0, p, room, 0, global_heads), device)
-            if rep:
-                fill["seconds"][i].append(t)
-            n += 1
-            _progress(conn, "fill", n, total)
-    res["fill"] = fill
-    # gpu_tflops: fp32 matmul (the profile schema needs it; bf16 on cuda).
-    dim = 512 if device == "cpu" else 4096
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    a = torch.randn(dim, dim, dtype=dtype, device=device)
-    b = torch.randn(dim, dim, dtype=dtype, device=device)
-    mm = [_time_call(lambda: torch.mm(a, b), device) for _ in range(plan.kernel_reps + 1)][1:]
-    res["matmul"] = {"n": dim, "dtype": str(dtype), "seconds": mm}
-    return res
-
-
-def _measure_handle_cost(conn: Any) -> dict[str, Any]:
+def measure_handle_cost(progress: ProgressFn) -> dict[str, Any]:
     """CPU cost of one protocol event in a rank's loop: time every machine.handle() call
     of a small simulated fan-in run (in-process; no I/O, so this is the state machine's
     own Python cost, without the codec and ZMQ that the control round trip holds)."""
@@ -607,49 +267,13 @@ def _measure_handle_cost(conn: Any) -> dict[str, Any]:
 
     for m in [*sim.prefill, *sim.decode]:
         m.handle = timed(m.handle)
-    _progress(conn, "events", 0, 1)
+    progress("events", 0, 1)
     sim.run()
-    _progress(conn, "events", 1, 1)
+    progress("events", 1, 1)
     xs = sorted(times)
     return {"events": len(xs), "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
             "median_s": float(statistics.median(xs)) if xs else 0.0,
             "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
-
-
-def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
-    try:
-        _child_setup(log_path)
-        import torch
-
-        from kvstage.hw.transport import make_transport
-
-        transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
-        src = torch.randint(0, 256, (plan.buffer_bytes,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(5)).to(device)
-        local = transport.register(src)
-        _, peer, metadata = _expect(conn, "metadata", plan.step_timeout_s * 3)
-        transport.add_peer(peer, metadata)
-        remote = transport.peer(peer).regions[0]
-        conn.send(("result", "write", _measure_writes(transport, peer, local.addr, remote.addr, plan, conn)))
-        conn.send(("result", "batch", _measure_batches(transport, peer, local.addr, remote.addr, plan, conn)))
-        transport.close()
-        conn.send(("result", "control", _measure_control(plan, conn)))
-        conn.send(("result", "kernels", _measure_kernels(device, plan, conn)))
-        conn.send(("result", "handle", _measure_handle_cost(conn)))
-        conn.send(("done",))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-# =========================================================================== parent
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    try:
-        text = Path(path).read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return "\n".join("    " + line for line in text[-lines:])
 
 
 def measure(
@@ -658,98 +282,9 @@ def measure(
     plan: CalibrationPlan | None = None,
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
-    """Run the two measuring processes; return the raw points (see module docstring)."""
-    from kvstage.hw.transport import probe_engine
-
-    plan = plan or CalibrationPlan.full()
-    why = probe_engine(backend)
-    if why is not None:
-        raise CalibrationError(f"{backend}: engine not usable here: {why}")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise CalibrationError(f"device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-    ctx = mp.get_context("spawn")
-    logdir = tempfile.mkdtemp(prefix="kvstage-calibrate-")
-    logs = {"receiver": os.path.join(logdir, "receiver.log"), "sender": os.path.join(logdir, "sender.log")}
-    r_parent, r_child = ctx.Pipe()
-    s_parent, s_child = ctx.Pipe()
-    procs = {
-        "receiver": ctx.Process(target=_receiver_main, args=(backend, device, plan, r_child, logs["receiver"]),
-                                daemon=True, name="kvstage-cal-recv"),
-        "sender": ctx.Process(target=_sender_main, args=(backend, device, plan, s_child, logs["sender"]),
-                              daemon=True, name="kvstage-cal-send"),
-    }
-    conns = {"receiver": r_parent, "sender": s_parent}
-    for p in procs.values():
-        p.start()
-    r_child.close()
-    s_child.close()
-    raw: dict[str, Any] = {}
-    finished: set[str] = set()
-    waiting_for = "the measuring processes to start"
-    start = time.monotonic()
-    last_news = start
-    try:
-        while finished != set(procs):
-            live = [c for name, c in conns.items() if name not in finished]
-            ready = wait_connections(live, timeout=1.0)
-            now = time.monotonic()
-            for name, proc in procs.items():
-                if name not in finished and not proc.is_alive() and not conns[name].poll():
-                    raise CalibrationError(
-                        f"the {name} process died (exit code {proc.exitcode}) while waiting for "
-                        f"{waiting_for}; its log {logs[name]}:\n{_tail(logs[name])}")
-            if not ready:
-                if now - last_news > plan.step_timeout_s:
-                    raise CalibrationError(
-                        f"no progress for {plan.step_timeout_s:.0f} s while waiting for {waiting_for} "
-                        f"(logs in {logdir})")
-                continue
-            last_news = now
-            for c in ready:
-                name = "receiver" if c is r_parent else "sender"
-                try:
-                    msg = c.recv()
-                except EOFError:
-                    raise CalibrationError(
-                        f"the {name} process closed its pipe while waiting for {waiting_for}; "
-                        f"its log:\n{_tail(logs[name])}") from None
-                kind = msg[0]
-                if kind == "error":
-                    raise CalibrationError(f"the {name} process failed:\n{msg[1]}\nlog tail:\n{_tail(logs[name])}")
-                if kind == "progress":
-                    waiting_for = f"{msg[1]} ({msg[2]}/{msg[3]})"
-                    if progress is not None:
-                        progress(msg[1], msg[2], msg[3])
-                elif kind == "metadata":
-                    s_parent.send(msg)
-                elif kind == "control":
-                    (s_parent if name == "receiver" else r_parent).send(msg)
-                elif kind == "result":
-                    raw[msg[1]] = msg[2]
-                elif kind == "echo-done":
-                    pass
-                elif kind == "done":
-                    finished.add(name)
-                    if name == "sender":
-                        r_parent.send(("bye",))
-    except BaseException:
-        for c in conns.values():
-            try:
-                c.send(("abort", "calibration failed in the parent"))
-            except (OSError, ValueError):
-                pass
-        raise
-    finally:
-        for p in procs.values():
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-        for c in conns.values():
-            c.close()
-    raw["elapsed_s"] = time.monotonic() - start
-    raw["host_cores"] = _usable_cores()
-    return raw
+    """The probe's raw points (kvstage.hw.probe.measure) with the state-machine event
+    cost ("handle") measured in the sender process after the kernels."""
+    return probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
 
 
 # =========================================================================== result
@@ -802,7 +337,7 @@ class Calibration:
     @property
     def host_cores(self) -> int:
         """Cores the rank processes of this host share (CPU affinity where known)."""
-        return int(self.raw.get("host_cores") or _usable_cores())
+        return int(self.raw.get("host_cores") or usable_cores())
 
     @property
     def link_latency_s(self) -> float:
@@ -963,13 +498,6 @@ class Calibration:
             f"fill_bandwidth_gbs = {p['fill_bandwidth_gbs']!r}",
         ]
         return "\n".join(lines) + "\n"
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _fmt_bytes(n: int) -> str:
