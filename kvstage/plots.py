@@ -1,21 +1,29 @@
-"""Figures of one or more runs, from their traces only (simulation and hardware alike).
+"""Figures of one or more runs, from their traces only (simulation and hardware alike),
+and of a parameter sweep's rows (`plot_sweep`).
 
-Every function returns a `matplotlib.figure.Figure` built without pyplot (no global
-state, Agg rendering), so callers save it (`fig.savefig(...)`) or embed it. Colours
-come from the Okabe-Ito palette, which stays distinguishable with the common forms
-of colour blindness.
+Every figure is a `matplotlib.figure.Figure` built without pyplot (no global state,
+Agg rendering): the run figures are returned, so callers save it (`fig.savefig(...)`)
+or embed it; `plot_sweep` writes its figures as PNG files. Colours come from the
+Okabe-Ito palette, which stays distinguishable with the common forms of colour
+blindness.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import matplotlib
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullFormatter
 
 from kvstage.compare import PHASE_KEYS, PHASE_LABELS, Run, load_run, phase_breakdown, room_metrics
+from kvstage.sweep import STATUS_INVALID, STATUS_OK, SweepResult, fmt_number, metric_display
+from kvstage.sweep_target import Target, is_numeric, value_order
 
 # Okabe & Ito (2008), "Color Universal Design".
 OKABE_ITO = {
@@ -181,6 +189,14 @@ def gantt(run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | N
         ax.axhline(len(decode_ranks), color="#777777", linewidth=1.2)
     ax.set_xlabel("time since run start (s)")
     ax.set_title(f"{run.name}: chunk phases per rank ({run.describe()}; {note})", fontsize=10)
+    _phase_legend(ax, present)
+    ax.grid(axis="x", color="#EEEEEE")
+    ax.set_axisbelow(True)
+    return fig
+
+
+def _phase_legend(ax, present: set[str]) -> None:
+    """The gantt's legend: the phases that occur, in pipeline order (or a note if none)."""
     order_phases = ["compute", "gather", "write", "slice_write", "wm_wait", "chunk_ready", "scatter"]
     names = {"compute": "compute (prefill forward)", "wm_wait": "waiting for watermark",
              "chunk_ready": "chunk_ready (decode)", "slice_write": "slice write", "write": "write (bulk)"}
@@ -191,9 +207,6 @@ def gantt(run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | N
                   fontsize=8, frameon=False)
     else:
         _empty(ax, "no chunk phases in this run")
-    ax.grid(axis="x", color="#EEEEEE")
-    ax.set_axisbelow(True)
-    return fig
 
 
 # --- staging ring ------------------------------------------------------------------------------
@@ -454,4 +467,181 @@ def comparison_scatter(result: dict) -> Figure:
         ax.legend(loc="lower right" if bias_ok and bias > 0 else "upper left", fontsize=7)
     fig.suptitle(f"B vs A: {b['name']} ({b['mode']}, {b['transfer_path']}) against {a['name']} "
                  f"({a['mode']}, {a['transfer_path']})", fontsize=10)
+    return fig
+
+
+# --- parameter sweeps (`kvstage sweep`) -------------------------------------------------------
+
+# Line colours of the sweep figures: the Okabe-Ito palette, in this order.
+SWEEP_COLORS = tuple(OKABE_ITO[k] for k in ("blue", "orange", "green", "purple", "sky_blue", "vermillion",
+                                             "yellow", "black"))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+_KEY_LABELS = {
+    "decode.staging_pool_mb": "staging pool per decode rank (MiB)",
+    "workload.rate_per_s": "arrival rate (requests/s)",
+    "workload.requests": "requests",
+    "workload.prompt_tokens": "prompt length (tokens)",
+    "workload.prompt_max": "longest prompt (tokens)",
+    "prefill.chunked_prefill_size": "prefill chunk (tokens)",
+    "prefill.tp": "prefill TP size",
+    "decode.tp": "decode TP size",
+    "decode.page_size": "decode page size (tokens)",
+    "decode.prefix_tokens": "cached prefix (tokens)",
+    "prefill.tokens_per_s": "prefill speed (tokens/s)",
+    "links.inter_bandwidth_gbps": "inter-node link (Gbit/s)",
+    "links.intra_bandwidth_gbps": "intra-node link (Gbit/s)",
+}
+_SUFFIX_UNITS = (
+    ("_mb", "MiB"),
+    ("_gbps", "Gbit/s"),
+    ("_gbs", "GB/s"),
+    ("_per_s", "1/s"),
+    ("_tflops", "TFLOP/s"),
+    ("_us", "µs"),
+    ("_tokens", "tokens"),
+    ("_s", "s"),
+)
+
+
+def key_label(key: str) -> str:
+    if key in _KEY_LABELS:
+        return _KEY_LABELS[key]
+    leaf = key.rsplit(".", 1)[-1]
+    for suffix, unit in _SUFFIX_UNITS:
+        if leaf.endswith(suffix):
+            return f"{key} ({unit})"
+    return key
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return f"{v:g}"
+    return str(v)
+
+
+def plot_sweep(
+    result: SweepResult, metric: str, out_dir: Path, target: Target | None = None
+) -> list[Path]:
+    """heatmap-<metric>.png for two varied keys; lines-<metric>.png (metric against the
+    first varied key, one line per setting of the others) whenever that makes at most
+    12 lines. Returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = metric.replace(".", "_")
+    scale, unit, label = metric_display(metric, [r[metric] for r in result.rows])
+    ylabel = f"{label} ({unit})" if unit else label
+    figures: list[tuple[str, Figure]] = []
+    if len(result.varies) == 2:
+        figures.append(("heatmap", _sweep_heatmap(result, metric, scale, label, ylabel, target)))
+    if math.prod(len(v.values) for v in result.varies[1:]) <= 12:
+        figures.append(("lines", _sweep_lines(result, metric, (scale, unit, label, ylabel), target)))
+    written: list[Path] = []
+    for kind, fig in figures:
+        path = out_dir / f"{kind}-{slug}.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    return written
+
+
+def _sweep_heatmap(result: SweepResult, metric: str, scale: float, label: str, ylabel: str,
+                   target: Target | None) -> Figure:
+    """The metric over the two varied keys, one annotated cell per point; cells whose
+    point meets `target` are outlined."""
+    first, second = result.varies
+    fig = Figure(figsize=(max(6.0, 2.2 + 1.2 * len(second.values)), max(4.0, 1.6 + 0.6 * len(first.values))))
+    ax = fig.add_subplot()
+    grid = [
+        [result.row_at((a, b)) for b in range(len(second.values))]
+        for a in range(len(first.values))
+    ]
+    data = [
+        [math.nan if r[metric] is None or r["status"] != STATUS_OK else r[metric] * scale for r in line]
+        for line in grid
+    ]
+    finite = [x for line in data for x in line if math.isfinite(x)]
+    vmin, vmax = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    if vmin == vmax:
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    cmap = matplotlib.colormaps["cividis"].with_extremes(bad="#d9d9d9")
+    im = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
+    for i, line in enumerate(grid):
+        for j, r in enumerate(line):
+            text, colour = _cell_text(r, data[i][j], cmap, vmin, vmax)
+            if target is not None and target.met_by(r):
+                text += " ✓"
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=2.5))
+            ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=9)
+    ax.set_xticks(range(len(second.values)), [_fmt_value(v) for v in second.values])
+    ax.set_yticks(range(len(first.values)), [_fmt_value(v) for v in first.values])
+    ax.set_xlabel(key_label(second.key))
+    ax.set_ylabel(key_label(first.key))
+    title = label
+    if target is not None:
+        title += f"   (✓ outlined: meets {target.text})"
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label=ylabel)
+    fig.tight_layout()
+    return fig
+
+
+def _cell_text(row: dict[str, Any], x: float, cmap: Any, vmin: float, vmax: float) -> tuple[str, str]:
+    """A heatmap cell's text and its colour (black or white, whichever reads on the cell)."""
+    if row["status"] != STATUS_OK:
+        return row["status"], "#333333"
+    if not math.isfinite(x):
+        return "n/a", "#333333"
+    rgba = cmap((x - vmin) / (vmax - vmin))
+    lum = 0.2126 * rgba[0] + 0.7152 * rgba[1] + 0.0722 * rgba[2]
+    return fmt_number(x), "black" if lum > 0.5 else "white"
+
+
+def _sweep_lines(result: SweepResult, metric: str, display: tuple[float, str, str, str],
+                 target: Target | None) -> Figure:
+    """The metric against the first varied key (smallest first), one line per setting of
+    the other keys; categories get markers only. Points that did not run are left out."""
+    scale, unit, label, ylabel = display
+    first, others = result.varies[0], result.varies[1:]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    numeric = is_numeric(first.values)
+    order = value_order(first.values)
+    xs_all = [first.values[i] for i in order]
+    positions = xs_all if numeric else list(range(len(xs_all)))
+    for n, combo in enumerate(itertools.product(*(range(len(v.values)) for v in others))):
+        xs, ys = [], []
+        for pos, i in zip(positions, order, strict=True):
+            r = result.row_at((i, *combo))
+            if r["status"] == STATUS_OK and r[metric] is not None:
+                xs.append(pos)
+                ys.append(r[metric] * scale)
+        name = ", ".join(f"{v.key}={_fmt_value(v.values[j])}" for v, j in zip(others, combo, strict=True))
+        ax.plot(
+            xs, ys,
+            color=SWEEP_COLORS[n % len(SWEEP_COLORS)],
+            marker=_MARKERS[n % len(_MARKERS)],
+            linestyle=_LINESTYLES[(n // len(SWEEP_COLORS)) % len(_LINESTYLES)] if numeric else "none",
+            label=name or None,
+        )
+    if target is not None and target.metric == metric:
+        ax.axhline(target.value * scale, color="black", linestyle=":", linewidth=1.2,
+                   label=f"target {target.op} {fmt_number(target.value * scale)} {unit}".rstrip())
+    if numeric:
+        pos = [p for p in positions if p > 0]
+        if len(pos) == len(positions) and max(pos) / min(pos) >= 8:
+            ax.set_xscale("log", base=2)
+            ax.minorticks_off()
+        ax.set_xticks(positions, [_fmt_value(v) for v in xs_all])
+    else:  # categories: markers only, no line between unrelated values
+        ax.set_xticks(positions, [str(v) for v in xs_all])
+        ax.margins(x=0.2)
+    if all(y >= 0 for line in ax.get_lines() for y in line.get_ydata()):
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel(key_label(first.key))
+    ax.set_ylabel(ylabel)
+    omitted = " (invalid points omitted)" if result.count(STATUS_INVALID) else ""
+    ax.set_title(f"{label} against {first.key}{omitted}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
     return fig

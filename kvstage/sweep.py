@@ -28,14 +28,8 @@ What is bad input and what is a row (the decision this module documents):
 * A point whose simulation raised is a row with status "error" (a bug, not an
   answer); the CLI then exits 1, as it does when a point broke an invariant.
 
-The target (`--target 'transfer_latency_s.p99<0.5'`): for each setting of the other
-varied keys, the smallest value of the *first* varied key whose point meets it --
-numerically smallest for numbers, else the first in the order given. A point meets
-the target when it ran ("ok"), its metric is a number satisfying the comparison and,
-unless the target is about `requests_done` / `requests_failed` themselves, none of
-its requests failed (a latency percentile over the few requests that survived a
-timeout is not a pass). "None meets it" is a valid answer. No monotonicity is
-assumed: every value is simulated and the smallest passing one is reported.
+The target (`--target 'transfer_latency_s.p99<0.5'`, the smallest first-key value that
+meets it) is kvstage/sweep_target.py; the figures are `kvstage.plots.plot_sweep`.
 """
 
 from __future__ import annotations
@@ -73,16 +67,15 @@ __all__ = [
     "Point",
     "SweepError",
     "SweepResult",
-    "Target",
     "Vary",
+    "check_metric",
     "flatten_summary",
-    "parse_target",
+    "format_metric",
+    "metric_display",
     "parse_vary",
     "plan_points",
-    "plot_sweep",
     "run_point",
     "run_sweep",
-    "target_answers",
     "write_tables",
 ]
 
@@ -208,60 +201,10 @@ def _strip_override_prefix(message: str) -> str:
     return re.sub(r"^override '[^']*': ", "", message)
 
 
-_TARGET_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
-_OPS: dict[str, Callable[[float, float], bool]] = {
-    "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b,
-}
-
-
 def check_metric(name: str, what: str = "--metric") -> str:
     if name not in METRICS:
         raise SweepError(f"{what}: unknown metric {name!r}; allowed: {', '.join(METRICS)}")
     return name
-
-
-@dataclass(frozen=True)
-class Target:
-    """`METRIC<VALUE` (or <=, >, >=)."""
-
-    metric: str
-    op: str
-    value: float
-
-    @property
-    def text(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
-
-    def met_by(self, row: dict[str, Any]) -> bool:
-        if row.get("status") != STATUS_OK:
-            return False
-        if self.metric not in ("requests_done", "requests_failed") and row.get("requests_failed"):
-            return False
-        x = row.get(self.metric)
-        if x is None or (isinstance(x, float) and not math.isfinite(x)):
-            return False
-        return _OPS[self.op](float(x), self.value)
-
-
-def parse_target(text: str) -> Target:
-    m = _TARGET_RE.match(text)
-    if not m:
-        raise SweepError(
-            f"--target {text!r}: expected METRIC<VALUE (or <=, >, >=), "
-            "e.g. --target 'transfer_latency_s.p99<0.5'"
-        )
-    metric, op, raw = m.groups()
-    check_metric(metric, "--target")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SweepError(f"--target {text!r}: {raw!r} is not a number") from None
-    if not math.isfinite(value):
-        raise SweepError(f"--target {text!r}: the value must be a finite number")
-    return Target(metric, op, value)
 
 
 # --------------------------------------------------------------------------- planning
@@ -629,60 +572,6 @@ def run_sweep(
     return SweepResult(list(varies), rows, columns, backend, nworkers, wall, points)
 
 
-# --------------------------------------------------------------------------- target
-
-
-def _order(values: Sequence[Any]) -> list[int]:
-    """Indices of `values`, smallest first (numbers), else as given."""
-    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-        return sorted(range(len(values)), key=lambda i: values[i])
-    return list(range(len(values)))
-
-
-def target_answers(result: SweepResult, target: Target) -> list[dict[str, Any]]:
-    """Per setting of the other varied keys: the smallest first-key value meeting target.
-
-    Each answer: {"settings": {other key: value}, "smallest": value or None,
-    "metric_value": the metric at that point (None if none meets it), "meets": bool}.
-    """
-    first, others = result.varies[0], result.varies[1:]
-    answers = []
-    for combo in itertools.product(*(range(len(v.values)) for v in others)):
-        settings = {v.key: v.values[j] for v, j in zip(others, combo, strict=True)}
-        best = None
-        for i in _order(first.values):
-            row = result.row_at((i, *combo))
-            if target.met_by(row):
-                best = row
-                break
-        answers.append(
-            {
-                "settings": settings,
-                "smallest": best[first.key] if best else None,
-                "metric_value": best[target.metric] if best else None,
-                "meets": best is not None,
-            }
-        )
-    return answers
-
-
-def target_report(result: SweepResult, target: Target) -> dict[str, Any]:
-    return {
-        "target": target.text,
-        "metric": target.metric,
-        "op": target.op,
-        "value": target.value,
-        "key": result.varies[0].key,
-        "rule": (
-            f"smallest {result.varies[0].key} whose point ran, has no failed request"
-            f" and {target.text}"
-            if target.metric not in ("requests_done", "requests_failed")
-            else f"smallest {result.varies[0].key} whose point ran and has {target.text}"
-        ),
-        "answers": target_answers(result, target),
-    }
-
-
 # --------------------------------------------------------------------------- files
 
 
@@ -735,48 +624,7 @@ def write_tables(result: SweepResult, out_dir: Path) -> dict[str, Path]:
     return {"csv": csv_path, "parquet": pq_path}
 
 
-# --------------------------------------------------------------------------- plots
-
-# Okabe & Ito's palette: distinguishable with every common colour-vision deficiency.
-OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-_LINESTYLES = ("-", "--", "-.", ":")
-
-_KEY_LABELS = {
-    "decode.staging_pool_mb": "staging pool per decode rank (MiB)",
-    "workload.rate_per_s": "arrival rate (requests/s)",
-    "workload.requests": "requests",
-    "workload.prompt_tokens": "prompt length (tokens)",
-    "workload.prompt_max": "longest prompt (tokens)",
-    "prefill.chunked_prefill_size": "prefill chunk (tokens)",
-    "prefill.tp": "prefill TP size",
-    "decode.tp": "decode TP size",
-    "decode.page_size": "decode page size (tokens)",
-    "decode.prefix_tokens": "cached prefix (tokens)",
-    "prefill.tokens_per_s": "prefill speed (tokens/s)",
-    "links.inter_bandwidth_gbps": "inter-node link (Gbit/s)",
-    "links.intra_bandwidth_gbps": "intra-node link (Gbit/s)",
-}
-_SUFFIX_UNITS = (
-    ("_mb", "MiB"),
-    ("_gbps", "Gbit/s"),
-    ("_gbs", "GB/s"),
-    ("_per_s", "1/s"),
-    ("_tflops", "TFLOP/s"),
-    ("_us", "µs"),
-    ("_tokens", "tokens"),
-    ("_s", "s"),
-)
-
-
-def key_label(key: str) -> str:
-    if key in _KEY_LABELS:
-        return _KEY_LABELS[key]
-    leaf = key.rsplit(".", 1)[-1]
-    for suffix, unit in _SUFFIX_UNITS:
-        if leaf.endswith(suffix):
-            return f"{key} ({unit})"
-    return key
+# --------------------------------------------------------------------------- display
 
 
 def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, str, str]:
@@ -810,7 +658,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
     return 1.0, "", label
 
 
-def _fmt_num(x: float) -> str:
+def fmt_number(x: float) -> str:
     if x == 0:
         return "0"
     if abs(x) >= 1000:
@@ -825,139 +673,6 @@ def format_metric(metric: str, value: Any, scale_unit: tuple[float, str] | None 
         scale, unit, _ = metric_display(metric, [value])
     else:
         scale, unit = scale_unit
-    text = _fmt_num(float(value) * scale)
+    text = fmt_number(float(value) * scale)
     return f"{text} {unit}".rstrip()
 
-
-def _is_numeric(values: Sequence[Any]) -> bool:
-    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-
-
-def _fmt_value(v: Any) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return f"{v:g}"
-    return str(v)
-
-
-def plot_sweep(
-    result: SweepResult, metric: str, out_dir: Path, target: Target | None = None
-) -> list[Path]:
-    """heatmap-<metric>.png for two varied keys; lines-<metric>.png (metric against the
-    first varied key, one line per setting of the others) whenever that makes at most
-    12 lines. Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = metric.replace(".", "_")
-    written: list[Path] = []
-    scale, unit, label = metric_display(metric, [r[metric] for r in result.rows])
-    ylabel = f"{label} ({unit})" if unit else label
-    first, others = result.varies[0], result.varies[1:]
-
-    if len(result.varies) == 2:
-        second = others[0]
-        fig, ax = plt.subplots(
-            figsize=(max(6.0, 2.2 + 1.2 * len(second.values)), max(4.0, 1.6 + 0.6 * len(first.values)))
-        )
-        grid = [
-            [result.row_at((a, b)) for b in range(len(second.values))]
-            for a in range(len(first.values))
-        ]
-        data = [
-            [math.nan if r[metric] is None or r["status"] != STATUS_OK else r[metric] * scale for r in line]
-            for line in grid
-        ]
-        finite = [x for line in data for x in line if math.isfinite(x)]
-        vmin, vmax = (min(finite), max(finite)) if finite else (0.0, 1.0)
-        if vmin == vmax:
-            vmin, vmax = vmin - 0.5, vmax + 0.5
-        cmap = matplotlib.colormaps["cividis"].with_extremes(bad="#d9d9d9")
-        im = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
-        for i, line in enumerate(grid):
-            for j, r in enumerate(line):
-                x = data[i][j]
-                if r["status"] != STATUS_OK:
-                    text, colour = r["status"], "#333333"
-                elif not math.isfinite(x):
-                    text, colour = "n/a", "#333333"
-                else:
-                    text = _fmt_num(x)
-                    rgba = cmap((x - vmin) / (vmax - vmin))
-                    lum = 0.2126 * rgba[0] + 0.7152 * rgba[1] + 0.0722 * rgba[2]
-                    colour = "black" if lum > 0.5 else "white"
-                if target is not None and target.met_by(r):
-                    text += " ✓"
-                    ax.add_patch(
-                        matplotlib.patches.Rectangle(
-                            (j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=2.5
-                        )
-                    )
-                ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=9)
-        ax.set_xticks(range(len(second.values)), [_fmt_value(v) for v in second.values])
-        ax.set_yticks(range(len(first.values)), [_fmt_value(v) for v in first.values])
-        ax.set_xlabel(key_label(second.key))
-        ax.set_ylabel(key_label(first.key))
-        title = label
-        if target is not None:
-            title += f"   (✓ outlined: meets {target.text})"
-        ax.set_title(title, fontsize=10)
-        fig.colorbar(im, ax=ax, label=ylabel)
-        fig.tight_layout()
-        path = out_dir / f"heatmap-{slug}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-
-    combos = list(itertools.product(*(range(len(v.values)) for v in others)))
-    if len(combos) <= 12:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        numeric = _is_numeric(first.values)
-        order = _order(first.values)
-        xs_all = [first.values[i] for i in order]
-        positions = xs_all if numeric else list(range(len(xs_all)))
-        for n, combo in enumerate(combos):
-            xs, ys = [], []
-            for pos, i in zip(positions, order, strict=True):
-                r = result.row_at((i, *combo))
-                if r["status"] == STATUS_OK and r[metric] is not None:
-                    xs.append(pos)
-                    ys.append(r[metric] * scale)
-            name = ", ".join(
-                f"{v.key}={_fmt_value(v.values[j])}" for v, j in zip(others, combo, strict=True)
-            )
-            ax.plot(
-                xs, ys,
-                color=OKABE_ITO[n % len(OKABE_ITO)],
-                marker=_MARKERS[n % len(_MARKERS)],
-                linestyle=_LINESTYLES[(n // len(OKABE_ITO)) % len(_LINESTYLES)] if numeric else "none",
-                label=name or None,
-            )
-        if target is not None and target.metric == metric:
-            ax.axhline(target.value * scale, color="black", linestyle=":", linewidth=1.2,
-                       label=f"target {target.op} {_fmt_num(target.value * scale)} {unit}".rstrip())
-        if numeric:
-            pos = [p for p in positions if p > 0]
-            if len(pos) == len(positions) and max(pos) / min(pos) >= 8:
-                ax.set_xscale("log", base=2)
-                ax.minorticks_off()
-            ax.set_xticks(positions, [_fmt_value(v) for v in xs_all])
-        else:  # categories: markers only, no line between unrelated values
-            ax.set_xticks(positions, [str(v) for v in xs_all])
-            ax.margins(x=0.2)
-        if all(y >= 0 for line in ax.get_lines() for y in line.get_ydata()):
-            ax.set_ylim(bottom=0)
-        ax.set_xlabel(key_label(first.key))
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{label} against {first.key}" + (" (invalid points omitted)" if result.count(STATUS_INVALID) else ""), fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"lines-{slug}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written

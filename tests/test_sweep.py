@@ -22,14 +22,12 @@ from kvstage.sweep import (
     STATUS_INVALID,
     STATUS_OK,
     SweepError,
-    Target,
     _split_values,
-    parse_target,
     parse_vary,
     ray_init,
     run_sweep,
-    target_answers,
 )
+from kvstage.sweep_target import Target, parse_target, target_answers
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 SETS = [

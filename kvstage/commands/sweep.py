@@ -1,7 +1,8 @@
 """`kvstage sweep`: simulate the cross product of varied scenario fields, in parallel.
 
-The work is in `kvstage.sweep` (imported when the command runs, so `kvstage --help`
-stays fast); this module is the command line: options, progress bar, tables, files.
+The work is in `kvstage.sweep`, `kvstage.sweep_target` and `kvstage.plots` (imported
+when the command runs, so `kvstage --help` stays fast); this module is the command
+line: options, progress bar, tables, files.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _write_files(
     sets: list[str],
     scenario: Path,
 ) -> dict[str, Path]:
-    from kvstage.sweep import STATUS_ERROR, STATUS_INVALID, plot_sweep, write_json, write_tables
+    from kvstage.plots import plot_sweep
+    from kvstage.sweep import STATUS_ERROR, STATUS_INVALID, write_json, write_tables
 
     files = write_tables(result, out_dir)
     if report is not None:
@@ -205,13 +207,12 @@ def sweep(
         STATUS_ERROR,
         SweepError,
         check_metric,
-        parse_target,
         parse_vary,
         plan_points,
         require_ray,
         run_sweep,
-        target_report,
     )
+    from kvstage.sweep_target import parse_target, target_report
 
     if not scenario.is_file():
         _fail(f"scenario file not found: {scenario}")
