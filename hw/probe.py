@@ -181,6 +181,7 @@ def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, 
     try:
         _child_setup(log_path)
         import torch
+
         from kvstage.hw.control import ControlPlane
         from kvstage.hw.transport import make_transport
         from kvstage.shared.protocol import Abort
@@ -320,7 +321,7 @@ def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
             if i % 20 == 0 or i == total - 1:
                 _progress(conn, "control", i + 1, total)
     finally:
-        cp.send("echo", Abort(room=0, session=0, decode_rank=0, from_decode=False, reason="calibration done"))
+        cp.send("echo", Abort(room=0, session=0, decode_rank=0, reason="calibration done"))
         time.sleep(0.05)
         cp.close()
     return {"rtt_s": rtts}
@@ -336,6 +337,7 @@ def _time_call(fn: Callable[[], None], device: str) -> float:
 
 def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
     import torch
+
     from kvstage.hw.kernels import block_bytes, gather, scatter
     from kvstage.hw.kvpool import KVPool, fill_pattern
     from kvstage.shared.layout import Geometry
@@ -401,6 +403,7 @@ def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, lo
     try:
         _child_setup(log_path)
         import torch
+
         from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
