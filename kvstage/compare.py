@@ -330,23 +330,25 @@ def _room_list(rooms: Iterable[int], cap: int = 200) -> list[int]:
     return sorted(rooms)[:cap]
 
 
-def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance: float = MAPE_OK) -> dict:
-    """Compare run B with run A (A is the reference). Returns a JSON-ready dict with
-    per-room and per-chunk errors, a phase breakdown and a verdict line."""
-    a, b = load_run(run_a), load_run(run_b)
-    ra, rb = room_metrics(a.records), room_metrics(b.records)
-    sa, sb = room_status(a.records), room_status(b.records)
-
-    both = sorted(set(ra) & set(rb))
+def _room_sets(ra: dict, rb: dict, sa: dict, sb: dict) -> dict[str, set[int]]:
+    """Rooms by where they are: only in one trace, or in both but completed in only one
+    of them (failed / unfinished in the other)."""
     only_a = set(sa) - set(sb)
     only_b = set(sb) - set(sa)
-    # in both traces, but completed in only one of them (failed / unfinished in the other)
-    done_only_a = (set(ra) - set(rb)) - only_a
-    done_only_b = (set(rb) - set(ra)) - only_b
+    return {
+        "only_a": only_a,
+        "only_b": only_b,
+        "done_only_a": (set(ra) - set(rb)) - only_a,
+        "done_only_b": (set(rb) - set(ra)) - only_b,
+    }
 
-    transfer_pairs = [(ra[k]["transfer"], rb[k]["transfer"]) for k in both if "transfer" in ra[k] and "transfer" in rb[k]]
-    ttft_pairs = [(ra[k]["ttft"], rb[k]["ttft"]) for k in both if "ttft" in ra[k] and "ttft" in rb[k]]
-    per_room = [
+
+def _room_pairs(ra: dict, rb: dict, both: list[int], metric: str) -> list[tuple[float, float]]:
+    return [(ra[k][metric], rb[k][metric]) for k in both if metric in ra[k] and metric in rb[k]]
+
+
+def _per_room(ra: dict, rb: dict, both: list[int]) -> list[dict]:
+    return [
         {
             "room": k,
             "a_transfer_s": ra[k].get("transfer"),
@@ -357,10 +359,8 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
         for k in both
     ]
 
-    ca, cb = chunk_latencies(a.records), chunk_latencies(b.records)
-    chunk_keys = sorted(set(ca) & set(cb))
-    chunk_pairs = [(ca[k], cb[k]) for k in chunk_keys]
 
+def _phase_comparison(a: Run, b: Run) -> dict[str, dict]:
     pha, phb = phase_breakdown(a.records), phase_breakdown(b.records)
     phases = {}
     for k in PHASE_KEYS:
@@ -371,63 +371,91 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
             "b": phb[k],
             "total_ratio": (tb / ta) if ta > 0 else (math.nan if tb == 0 else math.inf),
         }
+    return phases
 
-    transfer = error_metrics(transfer_pairs)
-    line = verdict(transfer, tolerance=tolerance)
+
+def _verdict_notes(a: Run, b: Run, rooms: dict[str, set[int]], diff: list) -> list[str]:
+    """What the verdict line should warn of: rooms one run lacks, different scenarios."""
     notes = []
-    if only_a or only_b:
-        notes.append(f"rooms only in A: {len(only_a)}, only in B: {len(only_b)}")
-    diff = scenario_diff(a.scenario, b.scenario) if a.scenario and b.scenario else []
+    if rooms["only_a"] or rooms["only_b"]:
+        notes.append(f"rooms only in A: {len(rooms['only_a'])}, only in B: {len(rooms['only_b'])}")
     if a.scenario_name != b.scenario_name:
         notes.append(f"different scenarios: {a.scenario_name} vs {b.scenario_name}")
     elif diff:
         shown = ", ".join(f"{k} {va} vs {vb}" for k, va, vb in diff[:4])
         more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
         notes.append(f"scenario fields differ: {shown}{more}")
-    if done_only_a or done_only_b:
-        notes.append(f"completed only in A: {len(done_only_a)}, only in B: {len(done_only_b)}")
+    if rooms["done_only_a"] or rooms["done_only_b"]:
+        notes.append(
+            f"completed only in A: {len(rooms['done_only_a'])}, only in B: {len(rooms['done_only_b'])}"
+        )
+    return notes
+
+
+def _run_info(run: Run, status: dict, chunks: dict) -> dict:
+    return {
+        "path": str(run.path),
+        "name": run.name,
+        "scenario": run.scenario_name,
+        "mode": run.mode,
+        "transfer_path": run.transfer_path,
+        "backend": run.backend,
+        "device": run.device,
+        "rooms": len(status),
+        "rooms_done": sum(1 for s in status.values() if s == "done"),
+        "rooms_failed": sum(1 for s in status.values() if s == "failed"),
+        "chunks": len(chunks),
+    }
+
+
+def _rooms_section(both: list[int], rooms: dict[str, set[int]]) -> dict:
+    return {
+        "matched": len(both),
+        "only_in_a": len(rooms["only_a"]),
+        "only_in_b": len(rooms["only_b"]),
+        "only_in_a_rooms": _room_list(rooms["only_a"]),
+        "only_in_b_rooms": _room_list(rooms["only_b"]),
+        "completed_only_in_a": len(rooms["done_only_a"]),
+        "completed_only_in_b": len(rooms["done_only_b"]),
+        "completed_only_in_a_rooms": _room_list(rooms["done_only_a"]),
+        "completed_only_in_b_rooms": _room_list(rooms["done_only_b"]),
+    }
+
+
+def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance: float = MAPE_OK) -> dict:
+    """Compare run B with run A (A is the reference). Returns a JSON-ready dict with
+    per-room and per-chunk errors, a phase breakdown and a verdict line."""
+    a, b = load_run(run_a), load_run(run_b)
+    ra, rb = room_metrics(a.records), room_metrics(b.records)
+    sa, sb = room_status(a.records), room_status(b.records)
+    both = sorted(set(ra) & set(rb))
+    rooms = _room_sets(ra, rb, sa, sb)
+
+    ca, cb = chunk_latencies(a.records), chunk_latencies(b.records)
+    chunk_keys = sorted(set(ca) & set(cb))
+    chunk_pairs = [(ca[k], cb[k]) for k in chunk_keys]
+
+    transfer = error_metrics(_room_pairs(ra, rb, both, "transfer"))
+    line = verdict(transfer, tolerance=tolerance)
+    diff = scenario_diff(a.scenario, b.scenario) if a.scenario and b.scenario else []
+    notes = _verdict_notes(a, b, rooms, diff)
     if notes:
         line += " [" + "; ".join(notes) + "]"
 
-    def info(run: Run, status: dict, chunks: dict) -> dict:
-        return {
-            "path": str(run.path),
-            "name": run.name,
-            "scenario": run.scenario_name,
-            "mode": run.mode,
-            "transfer_path": run.transfer_path,
-            "backend": run.backend,
-            "device": run.device,
-            "rooms": len(status),
-            "rooms_done": sum(1 for s in status.values() if s == "done"),
-            "rooms_failed": sum(1 for s in status.values() if s == "failed"),
-            "chunks": len(chunks),
-        }
-
     return {
-        "a": info(a, sa, ca),
-        "b": info(b, sb, cb),
-        "rooms": {
-            "matched": len(both),
-            "only_in_a": len(only_a),
-            "only_in_b": len(only_b),
-            "only_in_a_rooms": _room_list(only_a),
-            "only_in_b_rooms": _room_list(only_b),
-            "completed_only_in_a": len(done_only_a),
-            "completed_only_in_b": len(done_only_b),
-            "completed_only_in_a_rooms": _room_list(done_only_a),
-            "completed_only_in_b_rooms": _room_list(done_only_b),
-        },
+        "a": _run_info(a, sa, ca),
+        "b": _run_info(b, sb, cb),
+        "rooms": _rooms_section(both, rooms),
         "transfer_latency": transfer,
-        "ttft": error_metrics(ttft_pairs),
+        "ttft": error_metrics(_room_pairs(ra, rb, both, "ttft")),
         "chunk_latency": {
             **error_metrics(chunk_pairs),
             "only_in_a": len(set(ca) - set(cb)),
             "only_in_b": len(set(cb) - set(ca)),
         },
-        "phases": phases,
+        "phases": _phase_comparison(a, b),
         "scenario_diff": [{"field": k, "a": va, "b": vb} for k, va, vb in diff],
-        "per_room": per_room,
+        "per_room": _per_room(ra, rb, both),
         "per_chunk": [
             {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]} for k in chunk_keys
         ],

@@ -323,7 +323,52 @@ class Fabric:
         return ports, classes
 
     def _waterfill(self, seeds: list[_Port]) -> list[_Class]:
-        """Progressive filling on the touched component; returns classes with drained heads."""
+        """Progressive filling on the touched component; returns classes with drained heads.
+
+        Documented algorithm (max-min fair water-filling), kept in one piece because it
+        is the simulator's hot loop.
+
+        Computes: the max-min fair rate of every class in the connected component of the
+        NIC-side graph reachable from ``seeds`` (ports are the vertices, classes the
+        edges). The resources are the ports (one direction of a NIC, ``capacity`` bytes/s
+        shared by its ``nflows`` flows) and each flow's path cap (``_Class.cap``, a private
+        link of every member). All members of a class get the same rate, so a class of
+        ``m`` members loads each of its two ports with ``m * rate``. The result is the
+        allocation in which no flow can get faster without slowing a flow that is no
+        faster than it.
+
+        Steps (progressive filling: raise all unfrozen flows' rates together, freeze flows
+        as their bottleneck fills):
+
+        1. ``_component`` collects the ports and classes of the component (BFS).
+        2. Each port starts with ``residual = capacity`` and ``n = nflows`` unfrozen flows;
+           its fair share ``residual / n`` goes into a lazy min-heap keyed by
+           (share, port order, version); a port's entries with an old version are stale
+           and are skipped when they reach the top. Classes with a finite path cap are
+           sorted by cap (``_cap_order``).
+        3. While a class is unfrozen: let ``share`` be the least fair share on the heap
+           (infinity if none).
+
+           a. If the smallest cap of an unfrozen capped class is ``<= share``, the fill
+              level reaches that cap first: the class is frozen at its cap, ``m * cap`` is
+              taken from both of its ports and their new shares are pushed.
+           b. Otherwise the port with the least share saturates: each of its unfrozen
+              classes is frozen at ``share``, ``m * share`` is taken from the other port of
+              each, and every touched port gets a new version and heap entry. Shares of
+              the other ports can only grow, so the fill level never goes down.
+
+           Residuals are clamped at 0 against floating-point dust.
+        4. Each class whose rate or members changed is settled to ``now`` (its virtual
+           clock of bytes served), takes its new rate and a new version; if its head
+           member has no bytes left (within the byte / time tolerances) it is returned as
+           drained, else a timer for the head's finish is pushed.
+
+        Complexity: with ``P`` ports and ``C`` classes in the component, every class is
+        frozen once and each freeze pushes at most two heap entries, so the filling is
+        O((P + C) log(P + C)), plus O(C log C) for the cap sort and O(C log T) for the
+        timer pushes (``T`` pending timers). It depends on the number of classes, not
+        of flows.
+        """
         ports, classes = self._component(seeds)
         if not classes:
             return []

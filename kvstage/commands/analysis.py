@@ -86,84 +86,88 @@ def _print_compare(result: dict) -> None:
     console.print(f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}", highlight=False)
 
 
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="Run A, the reference (e.g. the hardware run).")],
+    run_b: Annotated[Path, typer.Argument(help="Run B, measured against A (e.g. the simulation).")],
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the full comparison as JSON to this file.")] = None,
+    plots: Annotated[Path | None, typer.Option("--plots", help="Also write the comparison figures (PNG) into this folder.")] = None,
+    tolerance: Annotated[float, typer.Option(help="MAPE under which the verdict says B matches A.")] = 0.15,
+) -> None:
+    """Compare run B with run A, room by room and chunk by chunk.
+
+    Per-request transfer latency and TTFT are matched by room, chunk latency by
+    (room, chunk, decode rank). Prints p50 / p99 / mean of both with the difference
+    and relative difference, MAPE and signed bias (mean relative error, positive:
+    B slower), a per-phase breakdown (watermark wait, gather, write, scatter,
+    control-message gaps), how many rooms only one run has, and a verdict line.
+    """
+    from kvstage.compare import compare_runs, to_json
+
+    a, b = _load(run_a), _load(run_b)
+    if not (0 < tolerance < 10):
+        _fail(f"--tolerance {tolerance} not allowed (a fraction, e.g. 0.15 for 15%)")
+    result = compare_runs(a, b, tolerance=tolerance)
+    _print_compare(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(to_json(result))
+        console.print(f"comparison JSON: {json_out}", highlight=False, markup=False)
+    if plots is not None:
+        from kvstage import plots as figs
+
+        plots.mkdir(parents=True, exist_ok=True)
+        written = []
+        items = [
+            ("compare_scatter.png", figs.comparison_scatter(result)),
+            ("latency_cdf.png", figs.latency_cdfs([a, b])),
+            ("phases.png", figs.phase_bars([a, b])),
+        ]
+        if a.transfer_path != b.transfer_path:
+            items.append(("staging_vs_slice.png", figs.staging_vs_slice([a, b])))
+        for name, fig in items:
+            fig.savefig(plots / name, dpi=100)
+            written.append(name)
+        console.print(f"figures in {plots}: {', '.join(written)}", highlight=False, markup=False)
+
+
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons.")],
+    out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
+    max_rooms: Annotated[int, typer.Option(help="Rooms shown in each run's timeline (the first N).")] = 8,
+) -> None:
+    """Write ONE self-contained HTML report of the runs: per run its scenario and
+    summary numbers, a per-rank timeline of chunk phases and the staging ring with
+    its watermark; across runs latency CDFs, a phase breakdown and (when the paths
+    differ) staging vs slice; with several runs a comparison of the first with each
+    other. Figures are embedded PNGs; no script, no external URL: it opens from disk."""
+    from kvstage.report import build_report
+
+    if max_rooms < 1:
+        _fail(f"--max-rooms {max_rooms} not allowed (at least 1)")
+    loaded = [_load(p) for p in runs]
+    path = build_report(loaded, out, max_rooms=max_rooms)
+    console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False)
+
+
+def export_trace(
+    run: RunArg,
+    chrome: Annotated[bool, typer.Option("--chrome", help="Chrome / Perfetto JSON (the only format so far).")] = False,
+    out: Annotated[Path | None, typer.Option(help="Output file (default: trace.chrome.json in the run directory).")] = None,
+) -> None:
+    """Export a run's trace for a trace viewer. With --chrome: Chrome / Perfetto JSON,
+    one event per trace row (spans as complete events, instants as instant events, in
+    microseconds), a process per role and threads per rank; open it in
+    ui.perfetto.dev or chrome://tracing."""
+    from kvstage.chrome_trace import export_chrome
+
+    if not chrome:
+        _fail("choose an export format: --chrome (Chrome / Perfetto JSON)")
+    loaded = _load(run)
+    path = export_chrome(loaded, out)
+    console.print(f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False, markup=False)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def compare(
-        run_a: Annotated[Path, typer.Argument(help="Run A, the reference (e.g. the hardware run).")],
-        run_b: Annotated[Path, typer.Argument(help="Run B, measured against A (e.g. the simulation).")],
-        json_out: Annotated[Path | None, typer.Option("--json", help="Also write the full comparison as JSON to this file.")] = None,
-        plots: Annotated[Path | None, typer.Option("--plots", help="Also write the comparison figures (PNG) into this folder.")] = None,
-        tolerance: Annotated[float, typer.Option(help="MAPE under which the verdict says B matches A.")] = 0.15,
-    ) -> None:
-        """Compare run B with run A, room by room and chunk by chunk.
-
-        Per-request transfer latency and TTFT are matched by room, chunk latency by
-        (room, chunk, decode rank). Prints p50 / p99 / mean of both with the difference
-        and relative difference, MAPE and signed bias (mean relative error, positive:
-        B slower), a per-phase breakdown (watermark wait, gather, write, scatter,
-        control-message gaps), how many rooms only one run has, and a verdict line.
-        """
-        from kvstage.compare import compare_runs, to_json
-
-        a, b = _load(run_a), _load(run_b)
-        if not (0 < tolerance < 10):
-            _fail(f"--tolerance {tolerance} not allowed (a fraction, e.g. 0.15 for 15%)")
-        result = compare_runs(a, b, tolerance=tolerance)
-        _print_compare(result)
-        if json_out is not None:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(to_json(result))
-            console.print(f"comparison JSON: {json_out}", highlight=False, markup=False)
-        if plots is not None:
-            from kvstage import plots as figs
-
-            plots.mkdir(parents=True, exist_ok=True)
-            written = []
-            items = [
-                ("compare_scatter.png", figs.comparison_scatter(result)),
-                ("latency_cdf.png", figs.latency_cdfs([a, b])),
-                ("phases.png", figs.phase_bars([a, b])),
-            ]
-            if a.transfer_path != b.transfer_path:
-                items.append(("staging_vs_slice.png", figs.staging_vs_slice([a, b])))
-            for name, fig in items:
-                fig.savefig(plots / name, dpi=100)
-                written.append(name)
-            console.print(f"figures in {plots}: {', '.join(written)}", highlight=False, markup=False)
-
-    @app.command()
-    def report(
-        runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons.")],
-        out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
-        max_rooms: Annotated[int, typer.Option(help="Rooms shown in each run's timeline (the first N).")] = 8,
-    ) -> None:
-        """Write ONE self-contained HTML report of the runs: per run its scenario and
-        summary numbers, a per-rank timeline of chunk phases and the staging ring with
-        its watermark; across runs latency CDFs, a phase breakdown and (when the paths
-        differ) staging vs slice; with several runs a comparison of the first with each
-        other. Figures are embedded PNGs; no script, no external URL: it opens from disk."""
-        from kvstage.report import build_report
-
-        if max_rooms < 1:
-            _fail(f"--max-rooms {max_rooms} not allowed (at least 1)")
-        loaded = [_load(p) for p in runs]
-        path = build_report(loaded, out, max_rooms=max_rooms)
-        console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False)
-
-    @app.command("export-trace")
-    def export_trace(
-        run: RunArg,
-        chrome: Annotated[bool, typer.Option("--chrome", help="Chrome / Perfetto JSON (the only format so far).")] = False,
-        out: Annotated[Path | None, typer.Option(help="Output file (default: trace.chrome.json in the run directory).")] = None,
-    ) -> None:
-        """Export a run's trace for a trace viewer. With --chrome: Chrome / Perfetto JSON,
-        one event per trace row (spans as complete events, instants as instant events, in
-        microseconds), a process per role and threads per rank; open it in
-        ui.perfetto.dev or chrome://tracing."""
-        from kvstage.chrome_trace import export_chrome
-
-        if not chrome:
-            _fail("choose an export format: --chrome (Chrome / Perfetto JSON)")
-        loaded = _load(run)
-        path = export_chrome(loaded, out)
-        console.print(f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False, markup=False)
+    app.command()(compare)
+    app.command()(report)
+    app.command("export-trace")(export_trace)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -23,7 +23,7 @@ err = Console(stderr=True)
 _MAX_PRINTED_ROWS = 60
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
@@ -194,25 +194,34 @@ def sweep(
     "invalid" row with the reason; a value that is wrong on its own, an unknown key or
     metric, or a malformed --target exits 2. Exits 1 if a point broke an invariant or
     its simulation failed."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    sets = list(set_ or [])
+    tgt, varies, points = _plan(scenario, vary, sets, metric, target, workers, ray)
+    out_dir = out if out is not None else _default_out(scenario.stem)
+    _print_plan(scenario, points, varies, workers, ray)
+    keep_dir = (out_dir / "points") if keep_traces else None
+    result = _run(scenario, varies, points, workers, ray, keep_dir, progress)
+    report = _answer_target(result, tgt)
+    try:
+        files = _write_files(result, out_dir, metric, tgt, report, plots, sets, scenario)
+    except OSError as exc:
+        _fail(f"cannot write the results to {out_dir}: {exc}")
+    _print_results(result, metric, tgt, report, files, out_dir)
+    raise typer.Exit(_exit_code(result))
 
-    from kvstage.sweep import (
-        STATUS_ERROR,
-        SweepError,
-        check_metric,
-        parse_vary,
-        plan_points,
-        require_ray,
-        run_sweep,
-    )
-    from kvstage.sweep_target import parse_target, target_report
+
+def _plan(
+    scenario: Path,
+    vary: list[str] | None,
+    sets: list[str],
+    metric: str,
+    target: str | None,
+    workers: int | None,
+    ray: str | None,
+) -> tuple[Any, list[Any], list[Any]]:
+    """Check the options and plan the points: (target or None, varies, points); a bad
+    option is one error line and exit 2."""
+    from kvstage.sweep import SweepError, check_metric, parse_vary, plan_points, require_ray
+    from kvstage.sweep_target import parse_target
 
     if not scenario.is_file():
         _fail(f"scenario file not found: {scenario}")
@@ -226,11 +235,13 @@ def sweep(
             raise SweepError(f"--workers {workers}: must be at least 1")
         if ray is not None:
             require_ray()
-        points = plan_points(scenario, varies, list(set_ or []))
+        points = plan_points(scenario, varies, sets)
     except SweepError as exc:
         _fail(str(exc))
-        return
-    out_dir = out if out is not None else _default_out(scenario.stem)
+    return tgt, varies, points
+
+
+def _print_plan(scenario: Path, points: list[Any], varies: list[Any], workers: int | None, ray: str | None) -> None:
     invalid = sum(1 for p in points if p.scenario is None)
     shape = " x ".join(str(len(v.values)) for v in varies)
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
@@ -240,7 +251,18 @@ def sweep(
         highlight=False,
     )
 
-    bar = Progress(
+
+def _progress_bar(progress: bool) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
         TextColumn("[bold]sweeping[/]"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -251,6 +273,21 @@ def sweep(
         disable=not progress,
         transient=True,
     )
+
+
+def _run(
+    scenario: Path,
+    varies: list[Any],
+    points: list[Any],
+    workers: int | None,
+    ray: str | None,
+    keep_dir: Path | None,
+    progress: bool,
+) -> Any:
+    """Simulate the points under a progress bar; a failed sweep is one error line and exit 2."""
+    from kvstage.sweep import SweepError, run_sweep
+
+    bar = _progress_bar(progress)
     task = None
 
     def on_start(n: int) -> None:
@@ -262,26 +299,32 @@ def sweep(
 
     try:
         with bar:
-            result = run_sweep(
+            return run_sweep(
                 scenario,
                 varies,
                 workers=workers,
                 ray_address=ray,
-                keep_traces_dir=(out_dir / "points") if keep_traces else None,
+                keep_traces_dir=keep_dir,
                 on_start=on_start,
                 on_point=on_point,
                 points=points,
             )
     except SweepError as exc:
         _fail(str(exc))
-        return
 
-    report = target_report(result, tgt) if tgt is not None else None
-    try:
-        files = _write_files(result, out_dir, metric, tgt, report, plots, list(set_ or []), scenario)
-    except OSError as exc:
-        _fail(f"cannot write the results to {out_dir}: {exc}")
-        return
+
+def _answer_target(result: Any, tgt: Any) -> dict | None:
+    """The --target answers (smallest first --vary value per setting of the others)."""
+    if tgt is None:
+        return None
+    from kvstage.sweep_target import target_report
+
+    return target_report(result, tgt)
+
+
+def _print_results(
+    result: Any, metric: str, tgt: Any, report: dict | None, files: dict[str, Path], out_dir: Path
+) -> None:
     table, reasons = _results_table(result, metric, tgt.metric if tgt else None)
     console.print(table)
     for n, reason in enumerate(reasons, 1):
@@ -295,6 +338,12 @@ def sweep(
         f"files in {out_dir}: {', '.join(p.name for p in files.values())}",
         highlight=False,
     )
+
+
+def _exit_code(result: Any) -> int:
+    """1 if a point failed to simulate or broke an invariant (each said in red), else 0."""
+    from kvstage.sweep import STATUS_ERROR
+
     code = 0
     if result.count(STATUS_ERROR):
         console.print(f"[bold red]{result.count(STATUS_ERROR)} point(s) failed to simulate[/] (status error)")
@@ -302,7 +351,7 @@ def sweep(
     if result.violated:
         console.print(f"[bold red]{len(result.violated)} point(s) broke an invariant[/] (invariant_violations > 0)")
         code = 1
-    raise typer.Exit(code)
+    return code
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,115 @@
+"""Code shape: no source file over 700 lines, no function or method over 80 lines.
+
+Every .py file under shared/, sim/, hw/ and kvstage/ is parsed with `ast`. A
+function's length runs from its `def` line to its last line (decorators not
+counted; nested functions are measured on their own as well as inside their
+parent). The only exceptions are documented algorithms, listed in ALLOWED_LONG
+below; each entry must still exist and carry a docstring of at least
+MIN_ALLOWLIST_DOCSTRING_LINES lines, so the list cannot rot.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_DIRS = ("shared", "sim", "hw", "kvstage")
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 80
+MIN_ALLOWLIST_DOCSTRING_LINES = 5
+
+# "path/from/root.py::qualified.name" -> why it may be long (a documented algorithm).
+ALLOWED_LONG: dict[str, str] = {
+    "sim/links.py::Fabric._waterfill": "max-min fair water-filling (progressive filling)",
+}
+
+
+def _source_files() -> list[Path]:
+    return sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _functions(tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualified name, node) of every function and method, nested ones included."""
+    found: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                found.append((name, child))
+                visit(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
+def _length(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def _parse(path: Path) -> tuple[str, ast.Module]:
+    text = path.read_text(encoding="utf-8")
+    return text, ast.parse(text, filename=str(path))
+
+
+def test_source_dirs_exist():
+    files = _source_files()
+    for d in SOURCE_DIRS:
+        assert any(_rel(p).startswith(f"{d}/") for p in files), f"no .py file under {d}/"
+
+
+def test_no_file_over_limit():
+    too_long = []
+    for path in _source_files():
+        text, _ = _parse(path)
+        n = len(text.splitlines())
+        if n > MAX_FILE_LINES:
+            too_long.append(f"{_rel(path)}: {n} lines")
+    assert not too_long, f"files over {MAX_FILE_LINES} lines:\n  " + "\n  ".join(too_long)
+
+
+def test_no_function_over_limit():
+    too_long = []
+    for path in _source_files():
+        _, tree = _parse(path)
+        for name, node in _functions(tree):
+            key = f"{_rel(path)}::{name}"
+            n = _length(node)
+            if n > MAX_FUNCTION_LINES and key not in ALLOWED_LONG:
+                too_long.append(f"{key} (line {node.lineno}): {n} lines")
+    assert not too_long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them, or document the algorithm "
+        "and add it to ALLOWED_LONG):\n  " + "\n  ".join(too_long)
+    )
+
+
+def test_allowlist_entries_exist_and_are_documented():
+    problems = []
+    for key in ALLOWED_LONG:
+        rel, _, name = key.partition("::")
+        path = ROOT / rel
+        if not path.is_file():
+            problems.append(f"{key}: no file {rel}")
+            continue
+        _, tree = _parse(path)
+        nodes = [node for qual, node in _functions(tree) if qual == name]
+        if not nodes:
+            problems.append(f"{key}: no function {name} in {rel}")
+            continue
+        doc = ast.get_docstring(nodes[0]) or ""
+        n = len(doc.strip().splitlines())
+        if n < MIN_ALLOWLIST_DOCSTRING_LINES:
+            problems.append(
+                f"{key}: docstring of {n} lines, a documented algorithm needs at least "
+                f"{MIN_ALLOWLIST_DOCSTRING_LINES}"
+            )
+    assert not problems, "stale or undocumented ALLOWED_LONG entries:\n  " + "\n  ".join(problems)
