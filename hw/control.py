@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
+from kvstage.shared.runtime import rank_name
 
 log = logging.getLogger("kvstage.hw.control")
-
-
-def rank_name(role: str, rank: int) -> str:
-    return f"{role}{rank}"
 
 
 class ControlPlane:

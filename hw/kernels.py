@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from kvstage.hw.kvpool import KVPool, PoolDesc
 from kvstage.shared.layout import Geometry, StagingLayout
 

@@ -15,7 +15,6 @@ therefore show up as wrong bytes in `verify`.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -46,10 +45,6 @@ _C_ELEM = 0x61C88647
 # int64 row hashes) so a 32k-token room of a 70B model does not need gigabytes of
 # scratch memory, while steps stay large enough that per-op overhead does not matter.
 _STEP_ELEMS = 1 << 23
-
-
-class PoolFullError(RuntimeError):
-    """No contiguous run of free pages is long enough."""
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -152,9 +147,6 @@ class KVPool:
             raw.fill_(fill_byte)
         self.tensor: torch.Tensor = raw.view(self.dtype).view(shape)
         self.elem_bytes = elem
-        # Allocator state: sorted free runs (start, length) and live allocations.
-        self._free: list[tuple[int, int]] = [(0, num_pages)]
-        self._live: dict[int, int] = {}
 
     # --- views and addresses ---------------------------------------------------
     @property
@@ -205,47 +197,6 @@ class KVPool:
                 f"pages [{first_page}, {first_page + num_pages}) outside the pool "
                 f"(0..{self.num_pages - 1})"
             )
-
-    # --- page allocator ----------------------------------------------------------
-    def alloc(self, num_pages: int) -> int:
-        """First page of a contiguous run of `num_pages` free pages (first fit)."""
-        if not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
-        for i, (start, length) in enumerate(self._free):
-            if length >= num_pages:
-                if length == num_pages:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + num_pages, length - num_pages)
-                self._live[start] = num_pages
-                return start
-        largest = max((length for _, length in self._free), default=0)
-        raise PoolFullError(
-            f"KV pool full: need {num_pages} contiguous pages, largest free run is {largest} "
-            f"({self.free_pages} of {self.num_pages} pages free)"
-        )
-
-    def free(self, first_page: int, num_pages: int) -> None:
-        """Return an allocation; it must match an `alloc` exactly (a mismatch is a driver bug)."""
-        if self._live.get(first_page) != num_pages:
-            raise ValueError(
-                f"free({first_page}, {num_pages}) does not match a live allocation "
-                f"(live: {sorted(self._live.items())})"
-            )
-        del self._live[first_page]
-        i = bisect.bisect_left(self._free, (first_page, 0))
-        self._free.insert(i, (first_page, num_pages))
-        # Merge with the right and then the left neighbour so runs stay maximal.
-        if i + 1 < len(self._free) and first_page + num_pages == self._free[i + 1][0]:
-            self._free[i] = (first_page, num_pages + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first_page:
-            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-            del self._free[i]
-
-    @property
-    def free_pages(self) -> int:
-        return sum(length for _, length in self._free)
 
     def __repr__(self) -> str:
         return (

@@ -58,9 +58,13 @@ def launch(
     spawn: bool = True,
     port: int = 0,
     on_started=None,
+    rank_wrapper: list[str] | None = None,
 ) -> LaunchResult:
-    """`on_started(address, procs)` is called once every rank has registered."""
-    """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones)."""
+    """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
+
+    `on_started(address, procs)` is called once every rank has registered.
+    `rank_wrapper` is put in front of every spawned rank's command line (a profiler,
+    numactl, or an instrumented rank of a test)."""
     names = rank_names(prefill_tp, decode_tp)
     server = RendezvousServer(names, port=port)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +81,7 @@ def launch(
             for name in names:
                 role = "prefill" if name.startswith("prefill") else "decode"
                 rank = int(name[len(role):])
-                cmd = [sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
+                cmd = [*(rank_wrapper or []), sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
                        "--rank", str(rank), "--rendezvous", server.address]
                 if backend:
                     cmd += ["--backend", backend]

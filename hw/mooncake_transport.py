@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+
 from kvstage.hw.transport import PeerInfo, TransferError, Transport
 
 # batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+
 from kvstage.hw.transport import PeerInfo, TransferError, Transport
 
 _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}

@@ -305,7 +305,7 @@ def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
     total = warm + plan.control_pings
     try:
         for i in range(total):
-            msg = Watermark(round=i, tail=i, session=0, decode_rank=0)
+            msg = Watermark(round=i, tail=i, prefill_rank=0, decode_rank=0)
             t0 = time.perf_counter()
             cp.send("echo", msg)
             got = None
@@ -321,7 +321,7 @@ def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
             if i % 20 == 0 or i == total - 1:
                 _progress(conn, "control", i + 1, total)
     finally:
-        cp.send("echo", Abort(room=0, session=0, decode_rank=0, reason="calibration done"))
+        cp.send("echo", Abort(room=0, prefill_rank=0, decode_rank=0, reason="calibration done"))
         time.sleep(0.05)
         cp.close()
     return {"rtt_s": rtts}

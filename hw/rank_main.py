@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     # Many ranks share this machine's cores: one intra-op thread each avoids
     # oversubscription that would stall every rank's event loop.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
-    from kvstage.hw.rank import RankError, RankProcess
+    from kvstage.hw.rank import RankError, make_rank
     from kvstage.shared.scenario import ScenarioError, load_scenario
 
     try:
         scenario = load_scenario(args.scenario, overrides=args.sets)
-        rank = RankProcess(scenario, args.role, args.rank, args.rendezvous, backend=args.backend,
-                           device=args.device, host=args.host)
+        rank = make_rank(scenario, args.role, args.rank, args.rendezvous, backend=args.backend,
+                         device=args.device, host=args.host)
     except (ScenarioError, RankError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvstage.shared.machine import TransferPath
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario
 
 app = typer.Typer(
@@ -52,10 +53,6 @@ def _load(path: Path, overrides: list[str] | None, seed: int | None = None) -> S
     except FileNotFoundError as exc:
         _fail(f"scenario file not found: {exc.filename or path}")
     raise AssertionError("unreachable")
-
-
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.2f} MiB"
 
 
 @app.command()
@@ -168,20 +165,27 @@ def hw_rank(
 @app.command()
 def check(
     run: Annotated[Path, typer.Argument(help="Run directory or trace file.")],
+    path: Annotated[
+        TransferPath | None,
+        typer.Option("--path", help="Transfer path of a bare trace file (a run directory's scenario.toml says it)."),
+    ] = None,
 ) -> None:
     """Check a run's trace against the protocol invariants (safety, exactly once, no
     leak, liveness, monotone watermark); print each violation and exit 1 if any."""
     from kvstage.shared.invariants import check_records
+    from kvstage.shared.scenario import load_scenario
     from kvstage.tracefile import read_records
 
     try:
         mode, records = read_records(run)
     except FileNotFoundError as exc:
         _fail(str(exc))
-    path = "slice" if any(r.phase == "slice_write" for r in records) and not any(
-        r.phase == "write" for r in records
-    ) else "staging"
-    found = check_records(records, path)
+    if path is None:
+        resolved = run / "scenario.toml" if run.is_dir() else None
+        if resolved is None or not resolved.exists():
+            _fail(f"{run} is a trace without its run directory: say its transfer path with --path staging|slice")
+        path = TransferPath(load_scenario(resolved).transfer.path)
+    found = check_records(records, path.value)
     if not found:
         console.print(f"[green]ok[/]: {len(records)} records ({mode}), no invariant violated")
         return

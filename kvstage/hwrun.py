@@ -8,20 +8,14 @@ from rich.console import Console
 
 from kvstage.expect import check_expectation
 from kvstage.hw.launch import launch
-from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.invariants import check_records
+from kvstage.shared.runtime import RankResult, merge_failures
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
+from kvstage.shared.workload import generate_requests
+from kvstage.summary import run_summary
 from kvstage.summary_table import print_summary
-
-
-def _sum_counts(counts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return dict(sorted(total.items()))
 
 
 def run_hardware(
@@ -34,6 +28,7 @@ def run_hardware(
     port: int = 0,
     console: Console | None = None,
     on_started=None,
+    rank_wrapper: list[str] | None = None,
 ) -> tuple[int, Path]:
     """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right
     and no invariant broke; 1 otherwise."""
@@ -48,46 +43,38 @@ def run_hardware(
         f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
     )
     result = launch(scenario_path, g.prefill_tp, g.decode_tp, run_dir / "logs", backend=hw.backend,
-                    device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started)
+                    device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
+                    rank_wrapper=rank_wrapper)
     records: list[TraceRecord] = []
     for rep in result.reports.values():
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
     records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
     errors = list(result.errors)
     violations = check_records(records, scenario.transfer.path) if result.ok else []
-    reports = [r for n, r in sorted(result.reports.items())]
-    summary = summarize(records, mode="hw", pool_bytes=scenario.pool_bytes, requests=scenario.workload.requests)
-    verified = sum(r.get("bytes_verified", 0) for r in reports)
-    wrong = sum(r.get("bytes_wrong", 0) for r in reports)
-    failures: dict[str, str] = {}
-    for r in reports:
-        failures.update(r.get("failures", {}))
-    summary.update(
-        {
-            "scenario": scenario.name,
-            "transfer_path": scenario.transfer.path,
+    reports = [r for _, r in sorted(result.reports.items())]
+    ranks = [RankResult.from_wire(r) for r in reports]
+    summary = run_summary(
+        scenario, "hw", records, ranks, requests=len(generate_requests(scenario)), wall_s=result.wall_s,
+        violations=len(violations),
+        extra={
             "backend": hw.backend,
             "device": hw.device,
             "verify": hw.verify,
-            "bytes_verified": verified,
-            "bytes_wrong": wrong,
+            "bytes_verified": sum(r.get("bytes_verified", 0) for r in reports),
+            "bytes_wrong": sum(r.get("bytes_wrong", 0) for r in reports),
             "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
-            "events": len(records),
-            "wall_s": result.wall_s,
-            "ring_used_at_end": {r["rank"]: r.get("ring_used", 0) for r in reports if r["role"] == "decode"},
             "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
             "malformed_messages": sum(r.get("malformed", 0) for r in reports),
-            "faults_injected": _sum_counts(r.get("faults_injected", {}) for r in reports),
-            "invariant_violations": len(violations),
             "errors": errors,
-            "failures": dict(sorted(failures.items())[:20]),
-        }
+        },
     )
+    wrong = summary["bytes_wrong"]
+    failures = merge_failures(ranks)
     write_run(run_dir, scenario, records, summary, "hw", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
     console.print(f"run directory: {run_dir}")
-    problems = check_expectation(scenario, {int(k): v for k, v in failures.items()},
-                                 scenario.workload.requests, "hw", run_failed=bool(errors))
+    problems = check_expectation(scenario, failures, len(generate_requests(scenario)), "hw",
+                                 run_failed=bool(errors))
     if scenario.expect.hw_run_fails and not problems:
         console.print(f"[green]expected outcome:[/] the run failed as the scenario expects: {errors[0] if errors else ''}")
         return 0, run_dir

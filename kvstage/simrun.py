@@ -8,29 +8,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstage.expect import check_expectation
-from kvstage.metrics import summarize
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.scenario import Scenario
 from kvstage.sim.driver import SimResult, Simulation
+from kvstage.summary import run_summary
 from kvstage.summary_table import print_summary
 
 
 def simulation_summary(scenario: Scenario, result: SimResult) -> dict:
-    """summary.json of a simulation: the trace metrics plus the run's own figures."""
-    summary = summarize(result.records, mode="sim", pool_bytes=scenario.pool_bytes, requests=len(result.requests))
-    summary.update(
-        {
-            "scenario": scenario.name,
-            "transfer_path": scenario.transfer.path,
-            "events": result.events,
-            "sim_time_s": result.sim_time_s,
-            "wall_s": result.wall_s,
-            "invariant_violations": len(result.violations),
-            "failures": {str(k): v for k, v in sorted(result.failures.items())[:20]},
-            "faults_injected": result.faults_injected,
-        }
-    )
-    return summary
+    """summary.json of a simulation (kvstage/summary.py), plus the simulated time."""
+    return run_summary(scenario, "sim", result.records, result.ranks, requests=len(result.requests),
+                       wall_s=result.wall_s, violations=len(result.violations),
+                       extra={"sim_time_s": result.sim_time_s})
 
 
 def run_simulation(

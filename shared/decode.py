@@ -5,12 +5,17 @@ writer's message, so clock skew between processes cannot lose a request. A chunk
 is scattered exactly once, when all its writers arrived (counted by identity), and
 its region is freed only after the scatter completed. A room is done when it was
 opened, every writer said done and every chunk was scattered (or, on the slice
-path, landed), in any arrival order.
+path, landed), in any arrival order. A chunk's state is a `DecodeChunk`; its legal
+moves are `DECODE_TRANSITIONS` (any other raises `LocalProtocolError`):
+
+    COLLECTING (writers arriving) -> SCATTERING -> COMPLETE
+    COLLECTING -> COMPLETE (slice path or OVERSIZED: the bytes are already in the pool)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kvstage.shared.events import (
     AbortRoom,
@@ -27,7 +32,7 @@ from kvstage.shared.events import (
     Tick,
 )
 from kvstage.shared.layout import Chunk, Geometry, LayoutError, room_pages
-from kvstage.shared.machine import MachineBase, ProtocolConfig
+from kvstage.shared.machine import LocalProtocolError, MachineBase, ProtocolConfig, TransferPath
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
@@ -44,6 +49,19 @@ from kvstage.shared.ring import Allocation, StagingRing, WatermarkPos
 MAX_EARLY_REQS = 1 << 14
 
 
+class DecodeChunk(Enum):
+    COLLECTING = "collecting"
+    SCATTERING = "scattering"
+    COMPLETE = "complete"
+
+
+DECODE_TRANSITIONS: dict[DecodeChunk, frozenset[DecodeChunk]] = {
+    DecodeChunk.COLLECTING: frozenset({DecodeChunk.SCATTERING, DecodeChunk.COMPLETE}),
+    DecodeChunk.SCATTERING: frozenset({DecodeChunk.COMPLETE}),
+    DecodeChunk.COMPLETE: frozenset(),
+}
+
+
 @dataclass(slots=True)
 class _Room:
     room: int
@@ -55,9 +73,22 @@ class _Room:
     asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
     arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
     first_arrival: dict[int, float] = field(default_factory=dict)
-    scattering: set[int] = field(default_factory=set)
-    complete: set[int] = field(default_factory=set)  # scattered, or landed via slice
+    state: dict[int, DecodeChunk] = field(default_factory=dict)  # absent: COLLECTING
+    complete: int = 0  # chunks COMPLETE
     writers_done: dict[int, int] = field(default_factory=dict)  # writer -> num_chunks claimed
+
+
+def _move(room: _Room, chunk: int, new: DecodeChunk) -> None:
+    old = room.state.get(chunk, DecodeChunk.COLLECTING)
+    if new not in DECODE_TRANSITIONS[old]:
+        raise LocalProtocolError(f"room {room.room} chunk {chunk}: {old.value} -> {new.value} is not a legal move")
+    room.state[chunk] = new
+    if new is DecodeChunk.COMPLETE:
+        room.complete += 1
+
+
+def _state(room: _Room, chunk: int) -> DecodeChunk:
+    return room.state.get(chunk, DecodeChunk.COLLECTING)
 
 
 @dataclass(slots=True)
@@ -88,7 +119,7 @@ class DecodeMachine(MachineBase):
         self.writers = geometry.writers(rank)
         self._writer_of = {p: w for w, p in enumerate(self.writers)}
         self._rooms: dict[int, _Room] = {}
-        self._subscribers: list[int] = []  # prefill sessions, in subscription order
+        self._subscribers: list[int] = []  # prefill ranks subscribed to the watermark, in order
         self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
         self._last_wm = self.ring.watermark
         self._ring_changed = False  # an assign or free since the last watermark check
@@ -169,8 +200,7 @@ class DecodeMachine(MachineBase):
         room = self._rooms.get(ev.room)
         if room is None:
             return  # the room failed while its scatter ran; the region is free now
-        room.scattering.discard(ev.chunk)
-        room.complete.add(ev.chunk)
+        _move(room, ev.chunk, DecodeChunk.COMPLETE)
         self._maybe_done(room, now, out)
 
     def _on_abort_local(self, ev: AbortRoom, now: float, out: list[Action]) -> None:
@@ -190,20 +220,20 @@ class DecodeMachine(MachineBase):
             self._subscribers.remove(ev.rank)
         for room in list(self._rooms.values()):
             self._fail(room, f"writer prefill rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out,
-                       skip_session=ev.rank)
+                       skip_writer=ev.rank)
 
     # --- messages -----------------------------------------------------------------------
     def _writer_for(self, msg, now: float, out: list[Action]) -> int | None:
-        """The writer index of the message's session, or None (dropped) if not ours."""
-        w = self._writer_of.get(msg.session)
+        """The writer index of the message's prefill rank, or None (dropped) if not ours."""
+        w = self._writer_of.get(msg.prefill_rank)
         if msg.decode_rank != self.rank or w is None:
-            self._drop(out, now, f"{type(msg).__name__} from session {msg.session} to decode rank "
+            self._drop(out, now, f"{type(msg).__name__} from prefill rank {msg.prefill_rank} to decode rank "
                        f"{msg.decode_rank}: not a writer of decode rank {self.rank} "
                        f"(writers {self.writers})", getattr(msg, "room", -1))
             return None
         if hasattr(msg, "writer") and msg.writer != w:
-            self._drop(out, now, f"{type(msg).__name__} claims writer {msg.writer} but session "
-                       f"{msg.session} is writer {w}", msg.room)
+            self._drop(out, now, f"{type(msg).__name__} claims writer {msg.writer} but prefill rank "
+                       f"{msg.prefill_rank} is writer {w}", msg.room)
             return None
         return w
 
@@ -222,7 +252,7 @@ class DecodeMachine(MachineBase):
         w = self._writer_for(msg, now, out)
         if w is None:
             return
-        self._subscribe(msg.session, now, out)
+        self._subscribe(msg.prefill_rank, now, out)
         room = self._live_room(msg, now, out)
         if room is None:
             return
@@ -251,16 +281,16 @@ class DecodeMachine(MachineBase):
             self._ring_changed = True
         alloc = room.allocs[msg.chunk]
         if alloc is None:
-            rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.session, self.rank)
+            rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.prefill_rank, self.rank)
         else:
-            rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.session, self.rank)
-        out.append(Send(self._peer(msg.session), rsp))
+            rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.prefill_rank, self.rank)
+        out.append(Send(self._peer(msg.prefill_rank), rsp))
         if duplicate:
             # a re-sent REQ means the writer may have lost our RSP or a WATERMARK
             wm = self.ring.watermark
-            out.append(Send(self._peer(msg.session), Watermark(wm.round, wm.tail, msg.session, self.rank)))
+            out.append(Send(self._peer(msg.prefill_rank), Watermark(wm.round, wm.tail, msg.prefill_rank, self.rank)))
         self._record(
-            out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.session,
+            out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.prefill_rank,
             offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
             ring_used=self.ring.used_bytes, detail="" if alloc else "oversized",
         )
@@ -272,7 +302,7 @@ class DecodeMachine(MachineBase):
         room = self._live_room(msg, now, out)
         if room is None:
             return
-        if self.config.path == "staging" and msg.chunk not in room.allocs:
+        if self.config.path is TransferPath.STAGING and msg.chunk not in room.allocs:
             self._drop(out, now, "CHUNK_READY for a chunk with no staging region", msg.room, msg.chunk)
             return
         arrived = room.arrived.setdefault(msg.chunk, set())
@@ -299,17 +329,17 @@ class DecodeMachine(MachineBase):
             return
         room = self._rooms.get(msg.room)
         if room is not None:
-            self._fail(room, f"aborted by prefill rank {msg.session}: {msg.reason}", now, out,
-                       skip_session=msg.session)
+            self._fail(room, f"aborted by prefill rank {msg.prefill_rank}: {msg.reason}", now, out,
+                       skip_writer=msg.prefill_rank)
         else:
-            self._confirm_abort(msg.room, msg.session, now, out)
+            self._confirm_abort(msg.room, msg.prefill_rank, now, out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1))
 
     # --- fan-in and completion ------------------------------------------------------------
     def _chunk_maybe_complete(self, room: _Room, chunk: int, now: float, out: list[Action]) -> None:
-        if room.chunks is None or chunk in room.complete or chunk in room.scattering:
+        if room.chunks is None or _state(room, chunk) is not DecodeChunk.COLLECTING:
             return
         if chunk >= len(room.chunks):
             self._fail(room, f"CHUNK_READY for chunk {chunk} beyond the room's {len(room.chunks)} chunks", now, out)
@@ -320,9 +350,9 @@ class DecodeMachine(MachineBase):
         self._record(out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk)
         alloc = room.allocs.get(chunk)
         if alloc is None:  # slice path or OVERSIZED: the bytes are already in the KV pool
-            room.complete.add(chunk)
+            _move(room, chunk, DecodeChunk.COMPLETE)
             return
-        room.scattering.add(chunk)
+        _move(room, chunk, DecodeChunk.SCATTERING)
         self._scatters[(room.room, chunk)] = _InFlightScatter(alloc.id, now)
         self.scatters_issued += 1
         out.append(Scatter(room.room, chunk, alloc.offset, alloc.nbytes, c.page_start, c.num_pages, room.dst_page_base))
@@ -330,7 +360,7 @@ class DecodeMachine(MachineBase):
     def _maybe_done(self, room: _Room, now: float, out: list[Action]) -> None:
         if room.chunks is None or len(room.writers_done) < len(self.writers):
             return
-        if len(room.complete) < len(room.chunks):
+        if room.complete < len(room.chunks):
             return
         claimed = set(room.writers_done.values())
         if claimed != {len(room.chunks)}:
@@ -342,7 +372,7 @@ class DecodeMachine(MachineBase):
         out.append(RoomDone(room.room))
         out.append(ReleaseRoom(room.room))
 
-    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_session: int = -1) -> None:
+    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_writer: int = -1) -> None:
         """Fail a room: release every region it holds, tell its writers.
 
         A region being scattered is freed when its scatter completes. The others,
@@ -353,8 +383,8 @@ class DecodeMachine(MachineBase):
         """
         del self._rooms[room.room]
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
-                if alloc is not None and chunk not in room.scattering]
-        waiting = {p for p in self.writers if p != skip_session}
+                if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
+        waiting = {p for p in self.writers if p != skip_writer}
         exposed = room.chunks is not None or held
         if exposed and waiting:
             self._quarantine[room.room] = _Quarantine(held, waiting)
@@ -363,7 +393,7 @@ class DecodeMachine(MachineBase):
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
         for p in self.writers:
-            if p != skip_session:
+            if p != skip_writer:
                 out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
@@ -379,11 +409,11 @@ class DecodeMachine(MachineBase):
             elif room_id in self._quarantine:
                 self._release_quarantine(room_id, now, out)
 
-    def _confirm_abort(self, room_id: int, session: int, now: float, out: list[Action]) -> None:
+    def _confirm_abort(self, room_id: int, prefill_rank: int, now: float, out: list[Action]) -> None:
         q = self._quarantine.get(room_id)
         if q is None:
             return
-        q.waiting.discard(session)
+        q.waiting.discard(prefill_rank)
         if not q.waiting:
             self._release_quarantine(room_id, now, out)
 
@@ -401,14 +431,15 @@ class DecodeMachine(MachineBase):
         else:
             missing = {}
             for c in room.chunks:
-                if c.index not in room.complete and c.index not in room.scattering:
+                if _state(room, c.index) is DecodeChunk.COLLECTING:
                     got = room.arrived.get(c.index, set())
                     missing[c.index] = [self.writers[w] for w in range(len(self.writers)) if w not in got]
             if missing:
                 first = list(missing.items())[:4]
                 waits.append("CHUNK_READY from " + ", ".join(f"chunk {c}: prefill {p}" for c, p in first))
-            if room.scattering:
-                waits.append(f"scatter of chunks {sorted(room.scattering)[:8]}")
+            scattering = sorted(c for c, st in room.state.items() if st is DecodeChunk.SCATTERING)
+            if scattering:
+                waits.append(f"scatter of chunks {scattering[:8]}")
         not_done = [p for w, p in enumerate(self.writers) if w not in room.writers_done]
         if not_done:
             waits.append(f"WRITER_DONE from prefill ranks {not_done}")
@@ -430,12 +461,12 @@ class DecodeMachine(MachineBase):
         self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
                      ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
 
-    def _subscribe(self, session: int, now: float, out: list[Action]) -> None:
-        if session in self._subscribers:
+    def _subscribe(self, prefill_rank: int, now: float, out: list[Action]) -> None:
+        if prefill_rank in self._subscribers:
             return
-        self._subscribers.append(session)
+        self._subscribers.append(prefill_rank)
         wm = self.ring.watermark
-        out.append(Send(self._peer(session), Watermark(wm.round, wm.tail, session, self.rank)))
+        out.append(Send(self._peer(prefill_rank), Watermark(wm.round, wm.tail, prefill_rank, self.rank)))
 
     def _broadcast_if_moved(self, now: float, out: list[Action]) -> None:
         self._ring_changed = False

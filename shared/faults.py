@@ -3,8 +3,9 @@
 `FaultPlan` is a seeded, pure decision maker: drivers ask it, at the message and
 action boundary, what happens to a message (dropped, duplicated, delayed) and
 whether a room is aborted at a phase, a scatter stalls, a session starts late or
-a rank dies. In simulation every decision is reproducible from the seed alone
-(the driver asks in event order); in hardware mode each rank has its own stream.
+a rank dies. Every rank has its own plan, drawn from the seed and the rank
+(`shared.runtime.fault_stream`), and asks it in its own event order, so a scenario
+injects the same faults on the same ranks in both modes.
 The schema (`FaultsConfig`) is the scenario's `[faults]` table.
 """
 
@@ -91,9 +92,6 @@ class FaultsConfig(_Strict):
     stall_scatter: list[StallScatter] = Field(default_factory=list)
     late_session: list[LateSession] = Field(default_factory=list)
     kill: list[KillRank] = Field(default_factory=list)
-    # test-only: the decode lands every block one head off (hardware mode), to prove
-    # that byte verification catches a wrong head offset
-    corrupt_dst_head: bool = False
 
     @property
     def any_message_fault(self) -> bool:

@@ -8,19 +8,35 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvstage.shared.events import Action, Peer, Record
 from kvstage.shared.layout import Geometry
 from kvstage.shared.trace import TraceRecord
 
-PATHS = ("staging", "slice")
+
+class LocalProtocolError(RuntimeError):
+    """The driver misused a machine or runtime: an impossible local event, such as a
+    completion of work never handed out. Raised at once (a peer's bad message never
+    raises: it is dropped, counted and traced)."""
+
+
+class TransferPath(StrEnum):
+    """How a chunk's KV reaches the decode: one bulk write per writer block into the
+    staging ring (then a scatter), or the baseline of one small write per head slice."""
+
+    STAGING = "staging"
+    SLICE = "slice"
+
+
+PATHS = tuple(p.value for p in TransferPath)
 
 
 @dataclass(frozen=True, slots=True)
 class ProtocolConfig:
     """Protocol knobs shared by every rank of a run."""
 
-    path: str = "staging"  # "staging" | "slice"
+    path: TransferPath = TransferPath.STAGING
     room_timeout_s: float = 60.0
     # After a room fails, its staging regions stay out of reuse until every writer
     # confirmed (by its own ABORT, sent once its in-flight writes finished) or this
@@ -39,6 +55,7 @@ class ProtocolConfig:
     def __post_init__(self) -> None:
         if self.path not in PATHS:
             raise ValueError(f"transfer path {self.path!r} not allowed (allowed: {', '.join(PATHS)})")
+        object.__setattr__(self, "path", TransferPath(self.path))
         if not self.room_timeout_s > 0:
             raise ValueError(f"room_timeout_s must be > 0, got {self.room_timeout_s}")
 

@@ -1,19 +1,25 @@
 """The sans-I/O state machine of one prefill rank.
 
-Per room and per decode rank it writes to (a *target*), a chunk goes:
+Per room and per decode rank it writes to (a *target*), a chunk moves through the
+states of `ChunkState`; `CHUNK_TRANSITIONS` is the diagram as code, and any other
+move raises `LocalProtocolError`:
 
-    REQ sent -> RSP known -+-> computed -> ready by watermark -> Gather -> Write -> CHUNK_READY
-                           +-> OVERSIZED or slice path: Bootstrap known -> SliceWrite -> CHUNK_READY
+    WAITING (for its RSP, its forward, or the decode's pages on the slice path)
+      -> WM_WAIT (placed and computed, behind the watermark) -> GATHERING
+      -> GATHERING -> WRITING -> WRITTEN (CHUNK_READY sent)
+      -> SLICE_WRITING (slice path, or an OVERSIZED chunk) -> WRITTEN
+    WRITING / SLICE_WRITING -> FAILED (the engine reported a failed write)
 
-and when every chunk of a target was written, WRITER_DONE. A chunk that is not
-ready waits in a per-target heap ordered like the ring, and is re-examined only
-when a WATERMARK from that decode rank moves the view: no spinning.
+When every chunk of a target was written, WRITER_DONE. A chunk in WM_WAIT waits in
+a per-target heap ordered like the ring, and is re-examined only when a WATERMARK
+from that decode rank moves the view: no spinning.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kvstage.shared.events import (
     AbortRoom,
@@ -34,7 +40,7 @@ from kvstage.shared.events import (
     WriteDone,
 )
 from kvstage.shared.layout import Chunk, Geometry, HeadSlice, LayoutError, room_pages
-from kvstage.shared.machine import MachineBase, ProtocolConfig
+from kvstage.shared.machine import LocalProtocolError, MachineBase, ProtocolConfig, TransferPath
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
@@ -51,6 +57,31 @@ from kvstage.shared.ring import WatermarkPos, is_ready
 MAX_EARLY_BOOTSTRAPS = 1 << 16
 
 
+class ChunkState(Enum):
+    """Where one chunk stands toward one decode rank (a target)."""
+
+    WAITING = "waiting"
+    WM_WAIT = "wm_wait"
+    GATHERING = "gathering"
+    WRITING = "writing"
+    SLICE_WRITING = "slice_writing"
+    WRITTEN = "written"
+    FAILED = "failed"
+
+
+CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
+    ChunkState.WAITING: frozenset({ChunkState.WM_WAIT, ChunkState.GATHERING, ChunkState.SLICE_WRITING}),
+    ChunkState.WM_WAIT: frozenset({ChunkState.GATHERING}),
+    ChunkState.GATHERING: frozenset({ChunkState.WRITING}),
+    ChunkState.WRITING: frozenset({ChunkState.WRITTEN, ChunkState.FAILED}),
+    ChunkState.SLICE_WRITING: frozenset({ChunkState.WRITTEN, ChunkState.FAILED}),
+    ChunkState.WRITTEN: frozenset(),
+    ChunkState.FAILED: frozenset(),
+}
+# a gather or write of the chunk is under way: its memory is in use
+IN_FLIGHT = frozenset({ChunkState.GATHERING, ChunkState.WRITING, ChunkState.SLICE_WRITING})
+
+
 @dataclass(slots=True)
 class _Target:
     decode_rank: int
@@ -58,10 +89,28 @@ class _Target:
     heads: HeadSlice
     rsp: dict[int, StagingRsp] = field(default_factory=dict)
     dst_page_base: int | None = None
-    busy: dict[int, float] = field(default_factory=dict)  # chunk -> start of gather/write
-    written: set[int] = field(default_factory=set)
-    wait_since: dict[int, float] = field(default_factory=dict)
+    state: dict[int, ChunkState] = field(default_factory=dict)  # absent: WAITING
+    since: dict[int, float] = field(default_factory=dict)  # chunk -> when its current state began
+    written: int = 0  # chunks WRITTEN
     done: bool = False
+
+    def get(self, chunk: int) -> ChunkState:
+        return self.state.get(chunk, ChunkState.WAITING)
+
+    def move(self, chunk: int, new: ChunkState, now: float) -> None:
+        """Move `chunk` to `new`; a move the diagram does not have is a local bug."""
+        old = self.state.get(chunk, ChunkState.WAITING)
+        if new not in CHUNK_TRANSITIONS[old]:
+            raise LocalProtocolError(
+                f"chunk {chunk} to decode rank {self.decode_rank}: {old.value} -> {new.value} is not a legal move"
+            )
+        self.state[chunk] = new
+        self.since[chunk] = now
+        if new is ChunkState.WRITTEN:
+            self.written += 1
+
+    def chunks_in(self, *states: ChunkState) -> list[int]:
+        return sorted(c for c, st in self.state.items() if st in states)
 
 
 @dataclass(slots=True)
@@ -159,14 +208,14 @@ class PrefillMachine(MachineBase):
         room = _Room(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
         self._rooms[ev.room] = room
         room.deadline = self._arm_deadline(ev.room, now)
-        if self.config.path == "staging":
+        if self.config.path is TransferPath.STAGING:
             self._arm_deadline(ev.room, now, self.config.retry_s)
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for d, t in targets.items():
             boot = self._early_boot.pop((ev.room, d), None)
             if boot is not None:
                 t.dst_page_base = boot
-            if self.config.path == "staging":
+            if self.config.path is TransferPath.STAGING:
                 # Ask for every chunk's region now, so the decode allocates while
                 # this rank is still computing the prefill forward.
                 for c in room.chunks:
@@ -189,34 +238,32 @@ class PrefillMachine(MachineBase):
             self._advance(room, t, ev.chunk, now, out)
 
     def _on_gather_done(self, ev: GatherDone, now: float, out: list[Action]) -> None:
-        room = self._rooms.get(ev.room)
-        t = room.targets.get(ev.decode_rank) if room else None
-        if t is None or ev.chunk not in t.busy:
-            self._drained(ev.room, ev.decode_rank, ev.chunk, now, out)
+        t = self._target_in_flight(ev, (ChunkState.GATHERING,), now, out)
+        if t is None:
             return
+        room = self._rooms[ev.room]
         rsp = t.rsp[ev.chunk]
         c = room.chunks[ev.chunk]
         self._record(
-            out, "gather", t.busy[ev.chunk], now, room=ev.room, chunk=ev.chunk, writer=t.writer,
+            out, "gather", t.since[ev.chunk], now, room=ev.room, chunk=ev.chunk, writer=t.writer,
             peer=t.decode_rank, bytes=self._block_bytes(c.num_pages, t.heads),
         )
-        t.busy[ev.chunk] = now
+        t.move(ev.chunk, ChunkState.WRITING, now)
         offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
         out.append(
             Write(ev.room, ev.chunk, t.decode_rank, t.writer, offset, self._block_bytes(c.num_pages, t.heads))
         )
 
     def _on_write_done(self, ev: WriteDone, now: float, out: list[Action]) -> None:
-        room = self._rooms.get(ev.room)
-        t = room.targets.get(ev.decode_rank) if room else None
-        if t is None or ev.chunk not in t.busy:
-            self._drained(ev.room, ev.decode_rank, ev.chunk, now, out)
+        t = self._target_in_flight(ev, (ChunkState.WRITING, ChunkState.SLICE_WRITING), now, out)
+        if t is None:
             return
-        start = t.busy.pop(ev.chunk)
+        room = self._rooms[ev.room]
+        start = t.since[ev.chunk]
         c = room.chunks[ev.chunk]
         rsp = t.rsp.get(ev.chunk)
         nbytes = self._block_bytes(c.num_pages, t.heads)
-        if rsp is not None and not rsp.oversized:
+        if t.get(ev.chunk) is ChunkState.WRITING:
             offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
             self._record(
                 out, "write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
@@ -229,9 +276,10 @@ class PrefillMachine(MachineBase):
                 requests=self.geometry.slice_requests(self.rank, t.decode_rank, c.num_pages),
             )
         if not ev.ok:
+            t.move(ev.chunk, ChunkState.FAILED, now)
             self._fail(room, f"write of chunk {ev.chunk} to decode rank {t.decode_rank} failed: {ev.error}", now, out)
             return
-        t.written.add(ev.chunk)
+        t.move(ev.chunk, ChunkState.WRITTEN, now)
         out.append(
             Send(
                 self._peer(t.decode_rank),
@@ -239,6 +287,22 @@ class PrefillMachine(MachineBase):
             )
         )
         self._maybe_writer_done(room, t, now, out)
+
+    def _target_in_flight(self, ev: GatherDone | WriteDone, states: tuple[ChunkState, ...], now: float,
+                          out: list[Action]) -> _Target | None:
+        """The target of a completion, if its room is live; a completion of a failed
+        room counts toward its drain. A completion in any other state is a local bug."""
+        room = self._rooms.get(ev.room)
+        t = room.targets.get(ev.decode_rank) if room else None
+        if t is None:
+            self._drained(ev.room, ev.decode_rank, ev.chunk, now, out)
+            return None
+        if t.get(ev.chunk) not in states:
+            raise LocalProtocolError(
+                f"{type(ev).__name__} for room {ev.room} chunk {ev.chunk} to decode rank {ev.decode_rank}, "
+                f"which is {t.get(ev.chunk).value}"
+            )
+        return t
 
     def _on_abort_local(self, ev: AbortRoom, now: float, out: list[Action]) -> None:
         room = self._rooms.get(ev.room)
@@ -258,9 +322,9 @@ class PrefillMachine(MachineBase):
 
     # --- messages -----------------------------------------------------------------------
     def _check_peer(self, msg, now: float, out: list[Action]) -> bool:
-        if msg.session != self.rank or msg.decode_rank not in self._wm:
+        if msg.prefill_rank != self.rank or msg.decode_rank not in self._wm:
             self._drop(
-                out, now, f"{type(msg).__name__} for session {msg.session} from decode rank "
+                out, now, f"{type(msg).__name__} for prefill rank {msg.prefill_rank} from decode rank "
                 f"{msg.decode_rank}: not a peer of prefill rank {self.rank}", getattr(msg, "room", -1),
             )
             return False
@@ -359,26 +423,26 @@ class PrefillMachine(MachineBase):
     # --- the chunk pipeline ---------------------------------------------------------------
     def _advance(self, room: _Room, t: _Target, chunk: int, now: float, out: list[Action]) -> None:
         """Start the next step of `chunk` toward target `t` if its inputs are all there."""
-        if chunk in t.written or chunk in t.busy or chunk not in room.computed:
+        state = t.get(chunk)
+        if (state is not ChunkState.WAITING and state is not ChunkState.WM_WAIT) or chunk not in room.computed:
             return
         c = room.chunks[chunk]
         rsp = t.rsp.get(chunk)
-        if self.config.path == "staging" and (rsp is None or not rsp.oversized):
+        if self.config.path is TransferPath.STAGING and (rsp is None or not rsp.oversized):
             if rsp is None:
                 return
             if not is_ready(rsp.round, rsp.end, self._wm[t.decode_rank]):
-                if chunk not in t.wait_since:
-                    t.wait_since[chunk] = now
+                if state is ChunkState.WAITING:
+                    t.move(chunk, ChunkState.WM_WAIT, now)
                     heapq.heappush(self._waiting[t.decode_rank], (rsp.round, rsp.end, room.room, chunk))
                 return
-            waited = t.wait_since.pop(chunk, None)
-            if waited is not None:
+            if state is ChunkState.WM_WAIT:
                 wm = self._wm[t.decode_rank]
                 self._record(
-                    out, "wm_wait", waited, now, room=room.room, chunk=chunk, writer=t.writer,
+                    out, "wm_wait", t.since[chunk], now, room=room.room, chunk=chunk, writer=t.writer,
                     peer=t.decode_rank, wm_round=wm.round, wm_tail=wm.tail,
                 )
-            t.busy[chunk] = now
+            t.move(chunk, ChunkState.GATHERING, now)
             out.append(
                 Gather(room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
                        c.num_pages, t.heads, self._block_bytes(c.num_pages, t.heads))
@@ -387,7 +451,7 @@ class PrefillMachine(MachineBase):
         # Slice path, or the fallback for an OVERSIZED chunk: needs the decode's pages.
         if t.dst_page_base is None:
             return
-        t.busy[chunk] = now
+        t.move(chunk, ChunkState.SLICE_WRITING, now)
         out.append(
             SliceWrite(
                 room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
@@ -398,7 +462,7 @@ class PrefillMachine(MachineBase):
         )
 
     def _maybe_writer_done(self, room: _Room, t: _Target, now: float, out: list[Action]) -> None:
-        if t.done or len(t.written) < len(room.chunks):
+        if t.done or t.written < len(room.chunks):
             return
         t.done = True
         out.append(
@@ -418,7 +482,7 @@ class PrefillMachine(MachineBase):
         self._record(out, "room_failed", now, now, room=room.room, detail=reason)
         out.append(RoomFailed(room.room, reason))
         # Heap entries of the gone room are skipped when popped.
-        pending = {(t.decode_rank, c) for t in room.targets.values() for c in t.busy}
+        pending = {(t.decode_rank, c) for t in room.targets.values() for c, st in t.state.items() if st in IN_FLIGHT}
         targets = list(room.targets)
         if pending:
             self._draining[room.room] = _Draining(pending, targets, reason)
@@ -437,10 +501,10 @@ class PrefillMachine(MachineBase):
         asked = False
         for t in room.targets.values():
             missing = [c for c in room.chunks if c.index not in t.rsp]
-            if t.wait_since:
+            behind = t.chunks_in(ChunkState.WM_WAIT)
+            if behind:
                 # stuck behind the watermark: one duplicate REQ brings the current one
-                first = min(t.wait_since)
-                missing.append(room.chunks[first])
+                missing.append(room.chunks[behind[0]])
             for c in missing:
                 out.append(Send(self._peer(t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
                 self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
@@ -486,15 +550,17 @@ class PrefillMachine(MachineBase):
         if missing_compute:
             waits.append(f"forward of chunks {missing_compute[:8]}")
         for t in room.targets.values():
-            if self.config.path == "staging":
+            if self.config.path is TransferPath.STAGING:
                 no_rsp = [c.index for c in room.chunks if c.index not in t.rsp]
                 if no_rsp:
                     waits.append(f"STAGING_RSP from decode rank {t.decode_rank} for chunks {no_rsp[:8]}")
-            if t.wait_since:
-                waits.append(f"watermark of decode rank {t.decode_rank} (view {tuple(self._wm[t.decode_rank])}) for chunks {sorted(t.wait_since)[:8]}")
-            if t.busy:
-                waits.append(f"gather/write completion of chunks {sorted(t.busy)[:8]} to decode rank {t.decode_rank}")
-            if t.dst_page_base is None and (self.config.path == "slice" or any(r.oversized for r in t.rsp.values())):
+            behind = t.chunks_in(ChunkState.WM_WAIT)
+            if behind:
+                waits.append(f"watermark of decode rank {t.decode_rank} (view {tuple(self._wm[t.decode_rank])}) for chunks {behind[:8]}")
+            busy = t.chunks_in(*IN_FLIGHT)
+            if busy:
+                waits.append(f"gather/write completion of chunks {busy[:8]} to decode rank {t.decode_rank}")
+            if t.dst_page_base is None and (self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())):
                 waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
         return f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + (
             "; ".join(waits) or "nothing pending (internal error)"

@@ -33,7 +33,7 @@ _LIMITS: dict[str, int] = {
     "num_pages": 2**31,
     "page_start": 2**31,
     "num_chunks": 2**20,
-    "session": 2**16,
+    "prefill_rank": 2**16,
     "writer": 2**16,
     "decode_rank": 2**16,
     "offset": 2**50,
@@ -52,7 +52,7 @@ class StagingReq:
     room: int
     chunk: int
     num_pages: int
-    session: int
+    prefill_rank: int
     decode_rank: int
 
 
@@ -67,7 +67,7 @@ class StagingRsp:
     round: int
     end: int
     oversized: bool
-    session: int
+    prefill_rank: int
     decode_rank: int
 
 
@@ -78,7 +78,7 @@ class Watermark:
     TAG: ClassVar[bytes] = b"WM"
     round: int
     tail: int
-    session: int
+    prefill_rank: int
     decode_rank: int
 
 
@@ -91,7 +91,7 @@ class ChunkReady:
     chunk: int
     page_start: int
     num_pages: int
-    session: int
+    prefill_rank: int
     writer: int
     decode_rank: int
 
@@ -103,7 +103,7 @@ class WriterDone:
     TAG: ClassVar[bytes] = b"DONE"
     room: int
     num_chunks: int
-    session: int
+    prefill_rank: int
     writer: int
     decode_rank: int
 
@@ -115,7 +115,7 @@ class Bootstrap:
     TAG: ClassVar[bytes] = b"BOOT"
     room: int
     dst_page_base: int
-    session: int
+    prefill_rank: int
     decode_rank: int
 
 
@@ -125,7 +125,7 @@ class Abort:
 
     TAG: ClassVar[bytes] = b"ABORT"
     room: int
-    session: int
+    prefill_rank: int
     decode_rank: int
     reason: str
 

@@ -19,7 +19,7 @@ runtime decides, identically in both modes:
 - when this rank is finished (`settled`), and the rank's part of the run result.
 
 The h11 rule for errors: a driver's misuse (a completion for work never handed out)
-raises `RuntimeMisuse` at once; a peer's bad message is the machine's to drop, count
+raises `LocalProtocolError` at once; a peer's bad message is the machine's to drop, count
 and trace.
 """
 
@@ -58,7 +58,7 @@ from kvstage.shared.events import (
 )
 from kvstage.shared.faults import FaultPlan
 from kvstage.shared.layout import LayoutError, room_pages
-from kvstage.shared.machine import ProtocolConfig
+from kvstage.shared.machine import LocalProtocolError, ProtocolConfig
 from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
 from kvstage.shared.prefill import PrefillMachine
 from kvstage.shared.protocol import StagingRsp
@@ -66,10 +66,6 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import Request, generate_requests
 
 ROLES = ("prefill", "decode")
-
-
-class RuntimeMisuse(RuntimeError):
-    """The driver reported something the runtime never asked for (a driver bug)."""
 
 
 def rank_name(role: str, rank: int) -> str:
@@ -116,6 +112,25 @@ class RankResult:
         return cls(**{f: d[f] for f in cls.__slots__})
 
 
+def merge_failures(ranks: list[RankResult]) -> dict[int, str]:
+    """Why each failed room failed, over the whole run: the first reason in rank order,
+    decode ranks first (the room is the decode's to finish), then prefill ranks."""
+    merged: dict[int, str] = {}
+    for r in sorted(ranks, key=lambda r: (r.role != "decode", r.rank)):
+        for room, reason in r.failures.items():
+            merged.setdefault(room, reason)
+    return dict(sorted(merged.items()))
+
+
+def sum_counts(counts) -> dict[str, int]:
+    """Per-rank counters (e.g. faults injected) summed over ranks, keys sorted."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
 @dataclass(slots=True)
 class _RoomMemory:
     """A room's local KV pages and who still uses them."""
@@ -153,7 +168,7 @@ class _Owed:
     def settle(self, key: tuple) -> None:
         n = self.counts.get(key, 0)
         if n <= 0:
-            raise RuntimeMisuse(f"completion {key} for work that was never handed out (or reported twice)")
+            raise LocalProtocolError(f"completion {key} for work that was never handed out (or reported twice)")
         if n == 1:
             del self.counts[key]
         else:
@@ -449,7 +464,7 @@ class RankRuntime:
 
     def _on_forward_started(self, ev: ForwardStarted, now: float, out: list[Action]) -> None:
         if ("forward", ev.room, ev.chunk) not in self._owed.counts:
-            raise RuntimeMisuse(f"ForwardStarted for room {ev.room} chunk {ev.chunk}, never handed out")
+            raise LocalProtocolError(f"ForwardStarted for room {ev.room} chunk {ev.chunk}, never handed out")
         mem = self._memory[ev.room]
         if not mem.opened:
             mem.opened = True

@@ -44,7 +44,13 @@ from kvstage.shared.events import (
     WriteDone,
 )
 from kvstage.shared.invariants import InvariantChecker, Violation
-from kvstage.shared.runtime import RankResult, RankRuntime, protocol_config
+from kvstage.shared.runtime import (
+    RankResult,
+    RankRuntime,
+    merge_failures,
+    protocol_config,
+    sum_counts,
+)
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
@@ -99,15 +105,6 @@ class SimResult:
         return sum_counts(r.faults_injected for r in self.ranks)
 
 
-def sum_counts(counts) -> dict[str, int]:
-    """Per-rank fault counts summed over ranks, keys sorted."""
-    total: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return dict(sorted(total.items()))
-
-
 class Simulation:
     """One scenario, simulated once. `run()` returns a `SimResult`."""
 
@@ -129,7 +126,6 @@ class Simulation:
         self.records: list[TraceRecord] = []
         self.checker = InvariantChecker(self.config.path) if check else None
         self.progress = progress
-        self._failures: dict[int, str] = {}
         self._ranks_done = 0
         self._all_done = self.env.event()
         self._tick_at: dict[RankRuntime, float] = {}  # runtime -> earliest Tick scheduled for it
@@ -236,8 +232,6 @@ class Simulation:
         elif kind is Scatter:
             self._scatter(rt, a, now)
         elif kind is RoomDone or kind is RoomFailed:
-            if kind is RoomFailed:
-                self._failures.setdefault(a.room, a.reason)
             self._room_finished(rt)
         elif kind is Die:
             self._die(rt, a)
@@ -334,7 +328,7 @@ class Simulation:
             wall_s=time.perf_counter() - wall,
             rooms_done=min(rt.machine.rooms_done for rt in self.decode),
             rooms_failed=max(rt.machine.rooms_failed for rt in self.decode),
-            failures=self._failures,
+            failures=merge_failures(ranks),
             ranks=ranks,
         )
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_engine
-from kvstage.shared.scenario import PROFILE_FIELDS, load_scenario
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -28,6 +27,7 @@ from kvstage.calibrate import (
 )
 from kvstage.cli import app
 from kvstage.runs import read_summary
+from kvstage.shared.scenario import PROFILE_FIELDS, load_scenario
 from kvstage.simrun import run_simulation
 
 IN_CI = os.environ.get("CI") == "true"

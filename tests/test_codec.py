@@ -21,14 +21,14 @@ from kvstage.shared.protocol import (
 )
 
 SAMPLES = [
-    StagingReq(room=7, chunk=2, num_pages=512, session=3, decode_rank=1),
-    StagingRsp(room=7, chunk=2, offset=4096, round=9, end=8192, oversized=False, session=3, decode_rank=1),
-    StagingRsp(room=7, chunk=3, offset=0, round=0, end=0, oversized=True, session=3, decode_rank=1),
-    Watermark(round=5, tail=123, session=0, decode_rank=0),
-    ChunkReady(room=1, chunk=0, page_start=0, num_pages=4, session=5, writer=1, decode_rank=1),
-    WriterDone(room=1, num_chunks=4, session=5, writer=1, decode_rank=1),
-    Bootstrap(room=1, dst_page_base=640, session=5, decode_rank=1),
-    Abort(room=1, session=5, decode_rank=1, reason="timed out — waiting for ✓"),
+    StagingReq(room=7, chunk=2, num_pages=512, prefill_rank=3, decode_rank=1),
+    StagingRsp(room=7, chunk=2, offset=4096, round=9, end=8192, oversized=False, prefill_rank=3, decode_rank=1),
+    StagingRsp(room=7, chunk=3, offset=0, round=0, end=0, oversized=True, prefill_rank=3, decode_rank=1),
+    Watermark(round=5, tail=123, prefill_rank=0, decode_rank=0),
+    ChunkReady(room=1, chunk=0, page_start=0, num_pages=4, prefill_rank=5, writer=1, decode_rank=1),
+    WriterDone(room=1, num_chunks=4, prefill_rank=5, writer=1, decode_rank=1),
+    Bootstrap(room=1, dst_page_base=640, prefill_rank=5, decode_rank=1),
+    Abort(room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"),
 ]
 
 
@@ -72,7 +72,7 @@ def test_out_of_range_values_rejected_at_the_boundary():
     with pytest.raises(ProtocolError, match="num_pages=-4 out of range"):
         decode([b"KVS1:REQ", payload])
     with pytest.raises(ProtocolError):
-        encode(StagingReq(room=-1, chunk=0, num_pages=1, session=0, decode_rank=0))
+        encode(StagingReq(room=-1, chunk=0, num_pages=1, prefill_rank=0, decode_rank=0))
 
 
 @settings(max_examples=500, deadline=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -108,8 +109,9 @@ def test_every_byte_lands(tmp_path, backend, path, case):
 
 def test_wrong_head_offset_is_caught(tmp_path):
     require_engine("nixl")
-    f = write_scenario(tmp_path, 4, 2, 8, faults="corrupt_dst_head = true")
-    code, run_dir = run(tmp_path, "nixl", f)
+    f = write_scenario(tmp_path, 4, 2, 8)
+    helper = Path(__file__).parent / "helpers" / "corrupt_decode_rank.py"
+    code, run_dir = run(tmp_path, "nixl", f, rank_wrapper=[sys.executable, str(helper)])
     summary = read_summary(run_dir)
     assert code == 1
     assert summary["bytes_wrong"] > 0 and summary["wrong_rooms"]

@@ -90,7 +90,7 @@ def test_freeing_before_scatter_completes_is_caught(monkeypatch):
 
     def free_early(self, room, chunk, now, out):
         real(self, room, chunk, now, out)
-        if chunk in room.scattering:  # free the region as soon as the scatter is issued
+        if room.state.get(chunk) is decode_mod.DecodeChunk.SCATTERING:  # free the region as soon as the scatter is issued
             self._free(room.room, chunk, room.allocs[chunk].id, now, out)
 
     monkeypatch.setattr(decode_mod.DecodeMachine, "_chunk_maybe_complete", free_early)
@@ -104,7 +104,7 @@ def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
     from kvstage.shared.machine import ProtocolConfig
     from kvstage.shared.protocol import ChunkReady
 
-    def fail_without_release(self, room, reason, now, out, skip_session=-1):
+    def fail_without_release(self, room, reason, now, out, skip_writer=-1):
         del self._rooms[room.room]
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)

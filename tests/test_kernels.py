@@ -19,13 +19,13 @@ from kvstage.hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
 from kvstage.hw.kvpool import (
     KVPool,
     PoolDesc,
-    PoolFullError,
     expected_pattern,
     fill_pattern,
     room_salt,
     verify,
 )
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, StagingLayout, owned_heads
+from kvstage.shared.pages import PageAllocator
 
 LAYERS = 3
 HEAD_DIM = 8
@@ -80,8 +80,9 @@ class Cluster:
         self.prefill: list[KVPool] = []
         for r in range(g.prefill_tp):
             pool = KVPool(LAYERS, POOL_PAGES, PAGE_SIZE, g.prefill_heads, HEAD_DIM, dtype)
-            pool.alloc(1)  # so the room does not start at page 0: page offsets matter
-            self.src_page = pool.alloc(ROOM_PAGES)
+            pages = PageAllocator(POOL_PAGES)
+            pages.alloc(1)  # so the room does not start at page 0: page offsets matter
+            self.src_page = pages.alloc(ROOM_PAGES)
             fill_pattern(
                 pool,
                 self.src_page,
@@ -102,8 +103,9 @@ class Cluster:
             self.dtype,
             fill_byte=SENTINEL,
         )
-        pool.alloc(4)
-        return pool, pool.alloc(ROOM_PAGES)
+        pages = PageAllocator(POOL_PAGES)
+        pages.alloc(4)
+        return pool, pages.alloc(ROOM_PAGES)
 
     def decode_heads(self, d: int) -> list[int]:
         return list(owned_heads(self.g.decode_tp, d, self.g.total_kv_heads))
@@ -147,29 +149,7 @@ def untouched_outside(pool: KVPool, first_page: int, num_pages: int) -> bool:
     return bool((b[:, :, :t0] == SENTINEL).all() and (b[:, :, t1:] == SENTINEL).all())
 
 
-# --- allocator and addresses -------------------------------------------------------
-
-
-def test_allocator_first_fit_merge_and_full() -> None:
-    pool = KVPool(1, 10, 2, 1, 4, "fp32")
-    a, b, c = pool.alloc(3), pool.alloc(3), pool.alloc(4)
-    assert (a, b, c) == (0, 3, 6)
-    with pytest.raises(PoolFullError, match="need 1 contiguous pages"):
-        pool.alloc(1)
-    pool.free(b, 3)
-    assert pool.alloc(2) == 3  # first fit, inside the freed run
-    pool.free(a, 3)
-    with pytest.raises(PoolFullError, match="largest free run is 3"):
-        pool.alloc(4)
-    pool.free(3, 2)  # merges with [0,3) and [5,6) into [0,6)
-    assert pool.alloc(6) == 0
-    with pytest.raises(ValueError, match="does not match a live allocation"):
-        pool.free(6, 3)
-    pool.free(0, 6)
-    pool.free(c, 4)
-    assert pool.free_pages == 10 and pool.alloc(10) == 0
-    with pytest.raises(ValueError):
-        pool.alloc(0)
+# --- addresses -------------------------------------------------------
 
 
 def test_addresses_match_tensor_layout() -> None:

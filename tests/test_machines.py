@@ -111,7 +111,7 @@ def test_forged_writer_identity_is_dropped():
     m = DecodeMachine(0, g, g.chunk_bytes() * 4)
     m.handle(OpenRoom(0, prompt_tokens=16), 0.0)
     m.handle(StagingReq(0, 0, 4, 0, 0), 0.0)
-    # session 0 claims to be writer 1; session 3 is not a writer of decode rank 0 at all
+    # prefill_rank 0 claims to be writer 1; prefill_rank 3 is not a writer of decode rank 0 at all
     m.handle(ChunkReady(0, 0, 0, 4, 0, 1, 0), 0.1)
     m.handle(ChunkReady(0, 0, 0, 4, 3, 1, 0), 0.1)
     assert m.dropped == 2
@@ -130,7 +130,7 @@ def test_abort_releases_everything_and_late_messages_are_ignored():
     assert m.ring.live_count == 4
     out = m.handle(Abort(0, 1, 0, "user cancelled"), 0.2)
     assert any(isinstance(a, RoomFailed) for a in out)
-    assert any(isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.session == 0 for a in out)
+    assert any(isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.prefill_rank == 0 for a in out)
     # writer 0 may still have writes in flight: its regions stay out of reuse
     assert m.ring.live_count == 4
     m.handle(Abort(0, 0, 0, "drained"), 0.25)  # writer 0 confirms

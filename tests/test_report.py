@@ -14,7 +14,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from kvstage.shared.scenario import load_scenario
 from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
@@ -22,6 +21,7 @@ from typer.testing import CliRunner
 from kvstage.chrome_trace import export_chrome
 from kvstage.cli import app
 from kvstage.report import build_report
+from kvstage.shared.scenario import load_scenario
 from kvstage.simrun import run_simulation
 from kvstage.tracefile import read_records
 

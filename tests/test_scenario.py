@@ -571,7 +571,7 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path) -> None:
     s = scenario_from_dict(
         minimal(
             workload={"arrival": "trace", "trace_csv": "t.csv"},
-            faults={"drop": {"WATERMARK": 1e-7}, "abort": [{"room": 3, "phase": "gather"}], "match": [{"type": "CHUNK_READY", "room": 1}], "corrupt_dst_head": True},
+            faults={"drop": {"WATERMARK": 1e-7}, "abort": [{"room": 3, "phase": "gather"}], "match": [{"type": "CHUNK_READY", "room": 1}]},
         )
         | {"description": 'quote " backslash \\ newline \n tab \t bell \x07 ünï'},
         tmp_path,

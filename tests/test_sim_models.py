@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import simpy
 
-from kvstage.sim.gpu import GpuParams, SerialStream, Stream, copy_time, forward_time
+from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.links import Fabric, LinkParams, Nic
 
 GB = 1e9
@@ -293,32 +293,12 @@ def test_stress_20k_flows_conserve_bytes(fan_in: bool) -> None:
 
 # -- gpu --------------------------------------------------------------------
 
-H100 = GpuParams(mem_bandwidth_Bps=3.0e12, launch_s=5e-6, tflops=400.0, tokens_per_s=None)
+H100 = GpuParams(mem_bandwidth_Bps=3.0e12, launch_s=5e-6)
 
 
 def test_copy_time_formula() -> None:
     assert copy_time(H100, 3 * 10**9) == approx(5e-6 + 2 * 3e9 / 3.0e12)
     assert copy_time(H100, 0, launches=4) == approx(4 * 5e-6)
-
-
-def test_forward_time_formula() -> None:
-    flops_per_token = 2 * 8e9  # 2 * parameters
-    assert forward_time(H100, 8192, flops_per_token) == approx(8192 * 2 * 8e9 / 400e12)
-    measured = GpuParams(mem_bandwidth_Bps=3.0e12, launch_s=5e-6, tflops=400.0, tokens_per_s=2e4)
-    assert forward_time(measured, 8192, flops_per_token) == approx(8192 / 2e4)
-    with pytest.raises(ValueError):
-        forward_time(GpuParams(3.0e12, 5e-6, None, None), 1, 1.0)
-
-
-def test_stream_serialises_jobs() -> None:
-    env = simpy.Environment()
-    stream = Stream(env, "rank0")
-    j1 = stream.submit(2.0)
-    j2 = env.process(stream.run(3.0))
-    env.run()
-    assert j1.value == (0.0, 2.0)
-    assert j2.value == (2.0, 5.0)
-    assert stream.busy_s == 5.0 and stream.jobs_done == 2 and stream.queued == 0
 
 
 def test_serial_stream_books_in_order() -> None:

@@ -1,0 +1,213 @@
+"""A prefill rank process: forwards (pattern fills), gathers, bulk and slice writes."""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvstage.hw.control import RankInfo, rank_name
+from kvstage.hw.kernels import gather, slice_ops
+from kvstage.hw.kvpool import PoolDesc, fill_pattern
+from kvstage.hw.rank import RankProcess
+from kvstage.hw.transport import TransferError, XferHandle
+from kvstage.shared.events import (
+    Forward,
+    ForwardDone,
+    ForwardStarted,
+    Gather,
+    GatherDone,
+    SliceWrite,
+    Write,
+    WriteDone,
+)
+
+# Gathered blocks in flight per decode rank this rank writes to: the send buffer
+# holds this many full chunks' blocks for each.
+SEND_BUFFER_CHUNKS = 4
+
+
+class ByteArena:
+    """First-fit allocator of byte ranges in one registered buffer (gather staging)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[list[int]] = [[0, size]] if size else []
+
+    def alloc(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    self._free.pop(i)
+                else:
+                    self._free[i] = [start + n, length - n]
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        self._free.append([start, n])
+        self._free.sort()
+        merged: list[list[int]] = []
+        for s, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1][1] += length
+            else:
+                merged.append([s, length])
+        self._free = merged
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A posted transfer and what to report when it completes."""
+
+    handle: XferHandle
+    done: WriteDone
+    slot: tuple[int, int] | None  # send-buffer bytes to release
+
+
+@dataclass(slots=True)
+class _Computing:
+    """The forward running on the compute thread."""
+
+    job: Future
+    not_before: float  # with hardware.forward_delay: the modeled forward time
+    forward: Forward
+    start: float
+
+
+class PrefillRank(RankProcess):
+    role = "prefill"
+
+    def __init__(self, scenario, rank: int, rendezvous: str, **kw) -> None:
+        super().__init__(scenario, rank, rendezvous, **kw)
+        g = self.g
+        full = max(g.block_bytes(g.grid_pages * g.page_size, g.head_slice(rank, d).num_heads) for d in g.targets(rank))
+        self.send_buf = torch.zeros(full * SEND_BUFFER_CHUNKS * len(g.targets(rank)), dtype=torch.uint8,
+                                    device=self.device)
+        self.transport.register(self.send_buf)
+        self.arena = ByteArena(self.send_buf.numel())
+        self.pending: list[_Pending] = []
+        self.waiting_gathers: deque[Gather] = deque()
+        self.slots: dict[tuple[int, int, int], tuple[int, int]] = {}  # (room, chunk, d) -> (start, n)
+        self.forwards: deque[Forward] = deque()
+        self.computing: _Computing | None = None
+        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-forward")
+
+    def _connect_peers(self, table: dict[str, RankInfo]) -> None:
+        for d in self.g.targets(self.rank):
+            info = table[rank_name("decode", d)]
+            self.control.connect(info.name, info.control)
+            self.transport.add_peer(info.agent, info.metadata)
+
+    def close(self) -> None:
+        self.compute_thread.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+    def _busy(self) -> bool:
+        return bool(self.pending or self.waiting_gathers or self.computing or self.forwards)
+
+    def _progress(self) -> None:
+        self._forward_step()
+        self._poll_transfers()
+
+    # --- the forward -------------------------------------------------------------------------
+    def _forward(self, f: Forward) -> None:
+        self.forwards.append(f)
+
+    def _forward_step(self) -> None:
+        """Finish the running forward when its fill is done, then start the next one.
+        The fill runs on the compute thread, like a kernel on a GPU stream: torch
+        releases the GIL, so the loop keeps answering messages and polling transfers."""
+        c = self.computing
+        if c is not None:
+            if not c.job.done() or self.now() < c.not_before:
+                return
+            self.computing = None
+            c.job.result()  # a failed fill is a bug: raise it here, in the loop
+            self._feed(ForwardDone(c.forward.room, c.forward.chunk, c.start))
+        while self.computing is None and self.forwards:
+            f = self.forwards.popleft()
+            if not self.runtime.forward_wanted(f):  # its room failed before its turn
+                self._feed(ForwardDone(f.room, f.chunk, self.now()))
+                continue
+            start = self.now()
+            self._feed(ForwardStarted(f.room, f.chunk))
+            if not f.num_pages:
+                self._feed(ForwardDone(f.room, f.chunk, start))
+                continue
+            job = self.compute_thread.submit(
+                fill_pattern, self.pool, f.first_page + f.page_start, f.num_pages, f.room,
+                f.page_start * self.g.page_size, self.global_heads,
+            )
+            delay = self.s.forward_time_s(f.tokens) if self.s.hardware.forward_delay else 0.0
+            self.computing = _Computing(job, start + delay, f, start)
+
+    # --- gather and writes ----------------------------------------------------------------------
+    def _gather(self, a: Gather) -> None:
+        slot = self.arena.alloc(a.nbytes)
+        if slot is None:
+            self.waiting_gathers.append(a)  # retried when a write frees send-buffer space
+            return
+        out = self.send_buf[slot : slot + a.nbytes]
+        gather(self.pool, self.runtime.page_base(a.room) + a.src_page, a.num_pages, a.heads.src_head_start,
+               a.heads.num_heads, out)
+        if self.on_cuda:  # the write must not read a half-gathered block
+            torch.cuda.synchronize(self.device)
+        self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
+        self._feed(GatherDone(a.room, a.chunk, a.decode_rank))
+
+    def _write(self, a: Write) -> None:
+        peer = self.peers[rank_name("decode", a.decode_rank)]
+        slot = self.slots.pop((a.room, a.chunk, a.decode_rank))
+        local = int(self.send_buf.data_ptr()) + slot[0]
+        remote = int(peer.extra["ring_addr"]) + a.dst_offset
+        self._post(peer.agent, [(local, remote, a.nbytes)], WriteDone(a.room, a.chunk, a.decode_rank), slot)
+
+    def _slice_write(self, a: SliceWrite) -> None:
+        peer = self.peers[rank_name("decode", a.decode_rank)]
+        ops = slice_ops(self.g, self.rank, a.decode_rank, self.pool.desc, self.runtime.page_base(a.room) + a.src_page,
+                        PoolDesc.from_wire(peer.extra["kv_pool"]), a.dst_page_base + a.page_start, a.num_pages)
+        self._post(peer.agent, ops.tuples(), WriteDone(a.room, a.chunk, a.decode_rank), None)
+
+    def _post(self, agent: str, ops, done: WriteDone, slot: tuple[int, int] | None) -> None:
+        try:
+            handle = self.transport.write(agent, ops)
+        except TransferError as exc:
+            if slot:
+                self.arena.free(*slot)
+            self._feed(WriteDone(done.room, done.chunk, done.decode_rank, ok=False, error=str(exc)))
+            return
+        self.pending.append(_Pending(handle, done, slot))
+
+    def _poll_transfers(self) -> None:
+        if not self.pending:
+            return
+        still, finished = [], []
+        for p in self.pending:
+            try:
+                if self.transport.poll(p.handle):
+                    finished.append((p, None))
+                else:
+                    still.append(p)
+            except TransferError as exc:
+                finished.append((p, str(exc)))
+        self.pending = still
+        for p, error in finished:
+            if p.slot:
+                self.arena.free(*p.slot)
+            done = p.done if error is None else WriteDone(p.done.room, p.done.chunk, p.done.decode_rank, False, error)
+            self._feed(done)
+        if finished and self.waiting_gathers:
+            retry = list(self.waiting_gathers)
+            self.waiting_gathers.clear()
+            for a in retry:  # in order; those that still do not fit queue up again
+                self._gather(a)
+
+    _EXECUTORS = {
+        Forward: _forward,
+        Gather: _gather,
+        Write: _write,
+        SliceWrite: _slice_write,
+    }
