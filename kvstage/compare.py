@@ -85,10 +85,7 @@ class Run:
     @property
     def transfer_path(self) -> str:
         path = self.summary.get("transfer_path") or self.scenario.get("transfer", {}).get("path")
-        if path:
-            return str(path)
-        phases = {r.phase for r in self.records}
-        return "slice" if "slice_write" in phases and "write" not in phases else "staging"
+        return str(path) if path else "unknown"  # a bare trace file says nothing of it
 
     @property
     def pool_bytes(self) -> int:
