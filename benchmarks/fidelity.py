@@ -71,9 +71,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvstage.shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
-from kvstage.shared.trace import TraceRecord  # noqa: E402
-
 from kvstage.calibrate import (  # noqa: E402
     Calibration,
     analyse,
@@ -82,6 +79,8 @@ from kvstage.calibrate import (  # noqa: E402
     write_profile,
 )
 from kvstage.metrics import percentiles, room_latencies  # noqa: E402
+from kvstage.shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
+from kvstage.shared.trace import TraceRecord  # noqa: E402
 from kvstage.tracefile import read_records  # noqa: E402
 
 TARGET_MAPE = 0.15

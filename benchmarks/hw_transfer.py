@@ -26,11 +26,11 @@ from pathlib import Path
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvstage.shared.scenario import load_scenario  # noqa: E402
 from transport_raw import run_backend  # noqa: E402
 
 from kvstage.hwrun import run_hardware  # noqa: E402
 from kvstage.runs import read_summary  # noqa: E402
+from kvstage.shared.scenario import load_scenario  # noqa: E402
 from kvstage.tracefile import read_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,6 +50,7 @@ def _permutation(n: int) -> Any:
 def receiver(backend: str, nbytes: int, nops: int, conn: Any) -> None:
     try:
         import torch
+
         from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, "bench-recv")
@@ -70,6 +71,7 @@ def receiver(backend: str, nbytes: int, nops: int, conn: Any) -> None:
 def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, conn: Any) -> None:
     try:
         import numpy as np
+
         from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, "bench-send")
