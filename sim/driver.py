@@ -126,12 +126,11 @@ class Simulation:
         self.records: list[TraceRecord] = []
         self.checker = InvariantChecker(self.config.path) if check else None
         self.progress = progress
-        self._ranks_done = 0
+        self._settled: set[RankRuntime] = set()  # runtimes settled after their last event
         self._all_done = self.env.event()
         self._tick_at: dict[RankRuntime, float] = {}  # runtime -> earliest Tick scheduled for it
         self._keep_record = self.records.append
         self._observe = self.checker.observe if self.checker is not None else None
-        self._ending = False
         self._build_hardware()
         # how events reach a runtime: directly (GPU model) or through its rank loop
         self._deliver = self._feed
@@ -195,8 +194,12 @@ class Simulation:
                     observe(a.record)
             else:
                 self._carry(rt, a, now)
-        if self._ending:
-            self._maybe_end()
+        if rt.settled:
+            self._settled.add(rt)
+            if len(self._settled) == len(self.runtimes):
+                self._maybe_end()
+        else:
+            self._settled.discard(rt)
         wake = rt.next_wakeup
         if wake is not None and wake < self._tick_at.get(rt, _INF):
             self._tick_at[rt] = wake
@@ -257,8 +260,6 @@ class Simulation:
 
     def _die(self, rt: RankRuntime, a: Die) -> None:
         """The runtime stopped; the failure detector tells its peers a little later."""
-        if rt.rooms_ended < len(self.requests):
-            self._rank_finished()  # it will never end its rooms; do not wait for it
         g = self.geometry
         if rt.role == "prefill":
             peers = [self.decode[d] for d in g.targets(rt.rank)]
@@ -269,26 +270,14 @@ class Simulation:
             self._at(2 * self.control_latency + 0.05, self._feed, peer, lost)
 
     # --- the end of the run ----------------------------------------------------------------
-    def _rank_finished(self) -> None:
-        self._ranks_done += 1
-        self._maybe_end()
-
     def _maybe_end(self) -> None:
-        """End when every rank ended every room and every runtime settled (a failed
-        room's memory comes back a little after the room ends)."""
-        if self._ranks_done < len(self.runtimes) or self._all_done.triggered:
-            return
-        if all(rt.settled for rt in self.runtimes):
+        """The run ends when every runtime is settled (the runtimes say when)."""
+        if not self._all_done.triggered and all(rt.settled for rt in self.runtimes):
             self._all_done.succeed()
-        else:
-            self._ending = True
 
     def _room_finished(self, rt: RankRuntime) -> None:
-        n = rt.rooms_ended
-        if n == len(self.requests) and not rt.dead:
-            self._rank_finished()
         if self.progress is not None and rt.role == "decode" and rt.rank == 0:
-            self.progress(n, len(self.requests))
+            self.progress(rt.rooms_ended, len(self.requests))
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, req: Request, _ev=None) -> None:
