@@ -101,7 +101,7 @@ def hw(
     scenario: ScenarioArg,
     set_: SetOpt = None,
     backend: Annotated[str | None, typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the scenario's).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the scenario's).")] = None,
     verify: Annotated[str | None, typer.Option(help="full, sample or off (default: the scenario's).")] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-hw-TIME/).")] = None,
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
@@ -115,7 +115,7 @@ def hw(
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
     the same trace and summary as the simulation are written. Exits 1 if a rank failed,
     a byte was wrong, staging leaked or an invariant broke."""
-    from kvstage.hwrun import run_hardware
+    from kvstage.hwrun import device_problem, run_hardware
 
     sets = list(set_ or [])
     for key, value, allowed in (("backend", backend, ("nixl", "mooncake")), ("device", device, None), ("verify", verify, ("full", "sample", "off"))):
@@ -130,6 +130,9 @@ def hw(
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
     s = s.scaled()
+    problem = device_problem(s.hardware.device)
+    if problem:
+        _fail(problem)
     if not spawn:
         console.print("waiting for ranks to register (start them with `kvstage hw-rank ... --rendezvous HOST:PORT`)")
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,

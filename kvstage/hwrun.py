@@ -18,6 +18,21 @@ from kvstage.summary import run_summary
 from kvstage.summary_table import print_summary
 
 
+def device_problem(device: str) -> str | None:
+    """Why this machine cannot run ranks on `device`, or None: said before any rank is
+    spawned, instead of every rank failing on its own."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"hardware.device = {device!r} but torch sees no CUDA device here (torch {torch.__version__})"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"hardware.device = {device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def run_hardware(
     scenario: Scenario,
     *,

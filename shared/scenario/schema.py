@@ -251,13 +251,22 @@ class HardwareConfig(_Table):
     """[hardware]: options of the real-transfer mode (ignored by the simulator)."""
 
     backend: Literal["nixl", "mooncake"] = "nixl"
-    device: Literal["cpu", "cuda"] = "cpu"
+    # "cpu" (host memory), "cuda" (the current GPU) or "cuda:N" (GPU N)
+    device: str = "cpu"
     verify: Literal["full", "sample", "off"] = "full"
     forward_delay: bool = False  # sleep for the modeled prefill forward time
     # host/device memory for each rank's paged KV pool in hardware mode, MiB; rooms
     # wait for pages when it is full
     kv_pool_mb: PosInt = 512
     scale_down: ScaleDown = Field(default_factory=ScaleDown)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        kind, _, index = v.partition(":")
+        if kind == "cpu" and not index or kind == "cuda" and (not _ or index.isdigit()):
+            return v
+        raise ValueError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {v!r}")
 
 
 class ExpectConfig(_Table):
