@@ -4,7 +4,10 @@ Both modes call `generate_requests(scenario)` and so replay the very same reques
 (DESIGN.md, "Layout"): same rooms, arrival times, prompt lengths and prefixes. It
 uses its own `random.Random` instances (never the global generator) and only the
 stdlib. The only input besides the scenario is `workload.trace_csv` when the
-scenario names one.
+scenario names one: a CSV with the header arrival_s,prompt_tokens[,prefix_tokens]
+and one row per request (the format and its reader, `read_trace`, are
+shared/scenario/trace_csv.py; loading a scenario already reads it once, so a bad
+trace is refused when the scenario loads, not in the middle of a run).
 
 Processes (`workload.arrival`), all starting with a request at t = 0:
 - fixed:   request i at i / rate_per_s.
@@ -26,18 +29,14 @@ is kept as is: the protocol must fail that room with a reason, which is worth te
 
 from __future__ import annotations
 
-import csv
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-from kvstage.shared.scenario import Scenario, ScenarioError, WorkloadConfig
+from kvstage.shared.scenario import Scenario, WorkloadConfig
+from kvstage.shared.scenario.trace_csv import TraceRow, read_trace
 
 __all__ = ["Request", "TraceRow", "generate_requests", "read_trace"]
-
-TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens")
-_REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,86 +47,6 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     prefix_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One data row of a trace CSV; `line` is its line number in the file."""
-
-    arrival_s: float
-    prompt_tokens: int
-    prefix_tokens: int | None
-    line: int
-
-
-def _parse_int(text: str, column: str, where: str, minimum: int) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise ScenarioError(f"{where}: {column} = {text!r}: expected an integer") from None
-    if value < minimum:
-        raise ScenarioError(f"{where}: {column} = {value}: must be >= {minimum}")
-    return value
-
-
-def read_trace(path: str | Path) -> list[TraceRow]:
-    """Rows of a trace CSV with header arrival_s,prompt_tokens[,prefix_tokens].
-
-    Blank lines and lines starting with '#' are skipped. Any bad row raises a
-    ScenarioError naming the file and line.
-    """
-    p = Path(path)
-    try:
-        fh = p.open(newline="", encoding="utf-8")
-    except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such trace file (workload.trace_csv)") from None
-    except OSError as exc:
-        raise ScenarioError(f"{p}: cannot read trace: {exc}") from None
-    rows: list[TraceRow] = []
-    header: list[str] | None = None
-    with fh:
-        reader = csv.reader(fh)
-        try:
-            for cells in reader:
-                where = f"{p}:{reader.line_num}"
-                if not cells or not "".join(cells).strip() or cells[0].lstrip().startswith("#"):
-                    continue
-                if header is None:
-                    header = [c.strip() for c in cells]
-                    unknown = [c for c in header if c not in TRACE_COLUMNS]
-                    missing = [c for c in _REQUIRED_COLUMNS if c not in header]
-                    if unknown or missing or len(set(header)) != len(header):
-                        raise ScenarioError(
-                            f"{where}: bad header {','.join(header)!r}; expected columns "
-                            "arrival_s,prompt_tokens[,prefix_tokens] (any order, each once)"
-                        )
-                    continue
-                if len(cells) != len(header):
-                    raise ScenarioError(
-                        f"{where}: {len(cells)} fields, expected {len(header)} ({','.join(header)})"
-                    )
-                row = dict(zip(header, cells, strict=True))
-                try:
-                    arrival = float(row["arrival_s"])
-                except ValueError:
-                    raise ScenarioError(
-                        f"{where}: arrival_s = {row['arrival_s']!r}: expected a number"
-                    ) from None
-                if not math.isfinite(arrival) or arrival < 0:
-                    raise ScenarioError(
-                        f"{where}: arrival_s = {row['arrival_s']!r}: must be a finite number >= 0"
-                    )
-                prompt = _parse_int(row["prompt_tokens"], "prompt_tokens", where, 1)
-                prefix_text = row.get("prefix_tokens", "").strip()
-                prefix = _parse_int(prefix_text, "prefix_tokens", where, 0) if prefix_text else None
-                rows.append(TraceRow(arrival, prompt, prefix, reader.line_num))
-        except csv.Error as exc:
-            raise ScenarioError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ScenarioError(f"{p}: not UTF-8 text: {exc}") from None
-    if not rows:
-        raise ScenarioError(f"{p}: trace has no data rows (workload.trace_csv)")
-    return rows
 
 
 def _arrivals(w: WorkloadConfig, n: int, rng: random.Random) -> list[float]:

@@ -254,21 +254,67 @@ def test_csv_prompts_with_generated_arrivals_cycle(tmp_path: Path) -> None:
         ("arrival_s,prompt_tokens\n0,100\n1,0\n", "trace.csv:3: prompt_tokens = 0"),
         ("arrival_s,prompt_tokens\n-1,100\n", "trace.csv:2: arrival_s = '-1'"),
         ("arrival_s,prompt_tokens\nnan,100\n", "trace.csv:2: arrival_s = 'nan'"),
+        ("arrival_s,prompt_tokens\ninf,100\n", "trace.csv:2: arrival_s = 'inf'"),
         ("arrival_s,prompt_tokens\n0,100,5\n", "trace.csv:2: 3 fields, expected 2"),
         ("arrival_s,prompt_tokens\n0,1.5\n", "trace.csv:2: prompt_tokens = '1.5'"),
+        ("arrival_s,prompt_tokens\n0,\n", "trace.csv:2: prompt_tokens = '': expected an integer >= 1"),
         ("arrival_s,prompt_tokens,prefix_tokens\n0,100,-16\n", "prefix_tokens = -16"),
+        ("arrival_s,prompt_tokens,prefix_tokens\n0,100,x\n", "prefix_tokens = 'x': expected an integer >= 0"),
         ("arrival,prompt_tokens\n0,100\n", "trace.csv:1: bad header"),
-        ("arrival_s,arrival_s,prompt_tokens\n", "bad header"),
+        ("arrival_s,arrival_s,prompt_tokens\n", "arrival_s given twice"),
+        ("prompt_tokens\n100\n", "missing arrival_s"),
+        ("0,100\n", "must be the header"),
         ("arrival_s,prompt_tokens\n", "trace has no data rows"),
+        ("arrival_s,prompt_tokens\n# only comments\n\n", "trace has no data rows"),
+        ("", "the trace file is empty"),
+        ("\n# nothing\n  \n", "the trace file is empty"),
         ('arrival_s,prompt_tokens\n"0,100\n', "trace.csv"),
     ],
 )
 def test_bad_trace(tmp_path: Path, text: str, expected: str) -> None:
-    write_trace(tmp_path, text)
-    s = scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+    path = write_trace(tmp_path, text)
+    # Loading the scenario reads the trace: a bad one never gets to a run.
     with pytest.raises(ScenarioError) as info:
-        generate_requests(s)
+        scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
     assert expected in str(info.value)
+    assert str(info.value).startswith("workload.trace_csv: ")
+    assert info.value.field == "workload.trace_csv"
+    # ... also when only the prompts come from it
+    with pytest.raises(ScenarioError, match="workload.trace_csv"):
+        scenario(tmp_path, arrival="fixed", prompt="csv", trace_csv="trace.csv")
+    # The reader alone says the same.
+    with pytest.raises(ScenarioError) as direct:
+        read_trace(path)
+    assert expected in str(direct.value)
+
+
+def test_bad_trace_named_in_a_scenario_file(tmp_path: Path) -> None:
+    write_trace(tmp_path, "arrival_s,prompt_tokens\n0,100\n0.5,many\n")
+    path = tmp_path / "s.toml"
+    path.write_text(
+        '[model]\npreset = "llama-3-8b"\n[prefill]\ntp = 4\n[decode]\ntp = 2\n'
+        '[workload]\narrival = "trace"\ntrace_csv = "trace.csv"\n'
+    )
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: workload.trace_csv: {tmp_path / 'trace.csv'}:3: ")
+    assert "prompt_tokens = 'many': expected an integer >= 1" in message
+
+
+def test_unused_trace_is_not_read(tmp_path: Path) -> None:
+    write_trace(tmp_path, "not a trace at all\n")
+    s = scenario(tmp_path, arrival="fixed", prompt="fixed", trace_csv="trace.csv")
+    assert len(generate_requests(s)) == s.workload.requests
+
+
+def test_trace_with_byte_order_mark_and_unsorted_rows(tmp_path: Path) -> None:
+    write_trace(tmp_path, "\ufeffprompt_tokens,arrival_s\n300,2.0\n100,0.5\n200,0.5\n")
+    reqs = generate_requests(
+        scenario(tmp_path, requests=10, arrival="trace", prompt="csv", trace_csv="trace.csv")
+    )
+    # rows need not be sorted; ties keep file order
+    assert [(r.arrival_s, r.prompt_tokens) for r in reqs] == [(0.5, 100), (0.5, 200), (2.0, 300)]
 
 
 def test_missing_trace(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 "dotted.key=value" command-line overrides (`--set`) applied on the way.
 
 Every failure -- a missing file, a TOML syntax error, an override naming no field,
-any schema problem -- is raised as one ScenarioError (errors.py). File reads are
-this module's job; the schema itself reads only the profile file it names.
+any schema problem, a bad trace CSV -- is raised as one ScenarioError (errors.py).
+File reads are this module's job; the schema itself reads only the profile file it
+names. A scenario whose workload uses `workload.trace_csv` has that file read here
+(trace_csv.py), so a bad trace fails the load, not the run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
+from kvstage.shared.scenario.trace_csv import read_trace
 
 __all__ = ["apply_overrides", "load_scenario", "parse_override_value", "scenario_from_dict"]
 
@@ -27,15 +30,30 @@ def scenario_from_dict(
     """Validate a scenario given as nested dicts (parsed TOML).
 
     `base_dir` anchors relative paths (profile, trace CSV) and the profile search;
-    `source` (a file name) prefixes error messages.
+    `source` (a file name) prefixes error messages. The trace CSV, when the workload
+    uses one, is read and checked too.
     """
     if not isinstance(data, Mapping):
         raise ScenarioError(f"{source or 'scenario'}: expected a table, got {_fmt_value(data)}")
     context = {"base_dir": Path(base_dir) if base_dir is not None else None}
     try:
-        return Scenario.model_validate(dict(data), context=context)
+        scenario = Scenario.model_validate(dict(data), context=context)
     except ValidationError as exc:
         raise _explain(exc, source, Scenario) from None
+    _check_trace(scenario, source)
+    return scenario
+
+
+def _check_trace(scenario: Scenario, source: str | None) -> None:
+    """Read the workload's trace CSV once, so that a bad one is a load error."""
+    w = scenario.workload
+    if not w.trace_csv or not (w.arrival == "trace" or w.prompt == "csv"):
+        return
+    try:
+        read_trace(w.trace_csv)
+    except ScenarioError as exc:
+        prefix = f"{source}: " if source else ""
+        raise ScenarioError(f"{prefix}workload.trace_csv: {exc}", "workload.trace_csv") from None
 
 
 def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:

@@ -1,0 +1,162 @@
+"""The trace CSV of `workload.trace_csv`: its format and its reader.
+
+The format (the workload generator, shared/workload.py, says how rows are used):
+
+- the first line that is not blank and not a `#` comment is the header: the columns
+  arrival_s and prompt_tokens, optionally prefix_tokens, in any order, each once;
+- then one row per request, with as many fields as the header: arrival_s a finite
+  number of seconds >= 0, prompt_tokens an integer >= 1, prefix_tokens (may be left
+  empty) an integer >= 0;
+- blank lines and lines starting with `#` are skipped anywhere; rows need not be
+  sorted by arrival (the generator sorts, ties keep file order); UTF-8, a byte-order
+  mark is accepted.
+
+The loader reads the file once when a scenario that uses it is loaded
+(loading.py), so `kvstage validate` refuses a bad trace exactly as `sim`, `hw` and
+`sweep` do; any problem is one ScenarioError naming the file, the line and the
+column, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstage.shared.scenario.errors import ScenarioError
+
+__all__ = ["TRACE_COLUMNS", "TraceRow", "read_trace"]
+
+TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens")
+_REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens")
+_FORMAT = "arrival_s,prompt_tokens[,prefix_tokens]"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One data row of a trace CSV; `line` is its line number in the file."""
+
+    arrival_s: float
+    prompt_tokens: int
+    prefix_tokens: int | None
+    line: int
+
+
+def _parse_int(text: str, column: str, where: str, minimum: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ScenarioError(
+            f"{where}: {column} = {text!r}: expected an integer >= {minimum}"
+        ) from None
+    if value < minimum:
+        raise ScenarioError(f"{where}: {column} = {value}: must be >= {minimum}")
+    return value
+
+
+def _parse_arrival(text: str, where: str) -> float:
+    try:
+        arrival = float(text)
+    except ValueError:
+        raise ScenarioError(
+            f"{where}: arrival_s = {text!r}: expected a number of seconds >= 0"
+        ) from None
+    if not math.isfinite(arrival) or arrival < 0:
+        raise ScenarioError(f"{where}: arrival_s = {text!r}: must be a finite number >= 0")
+    return arrival
+
+
+def _check_header(header: list[str], where: str) -> None:
+    unknown = [c for c in header if c not in TRACE_COLUMNS]
+    missing = [c for c in _REQUIRED_COLUMNS if c not in header]
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if not (unknown or missing or twice):
+        return
+    what = []
+    if missing:
+        what.append(f"missing {', '.join(missing)}")
+    if unknown:
+        what.append(f"unknown {', '.join(repr(c) for c in unknown)}")
+    if twice:
+        what.append(f"{', '.join(twice)} given twice")
+    hint = ""
+    if all(_is_number(c) for c in header):
+        hint = " (the first line that is not blank or a # comment must be the header)"
+    raise ScenarioError(
+        f"{where}: bad header {','.join(header)!r} ({'; '.join(what)}); expected columns "
+        f"{_FORMAT} (any order, each once){hint}"
+    )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _lines(reader: Any) -> Iterator[list[str]]:
+    """The reader's lines that are not blank and not comments."""
+    for cells in reader:
+        if not cells or not "".join(cells).strip() or cells[0].lstrip().startswith("#"):
+            continue
+        yield cells
+
+
+def _rows(reader: Any, p: Path) -> list[TraceRow]:
+    rows: list[TraceRow] = []
+    header: list[str] | None = None
+    for cells in _lines(reader):
+        where = f"{p}:{reader.line_num}"
+        if header is None:
+            header = [c.strip() for c in cells]
+            _check_header(header, where)
+            continue
+        if len(cells) != len(header):
+            raise ScenarioError(
+                f"{where}: {len(cells)} fields, expected {len(header)} ({','.join(header)})"
+            )
+        row = dict(zip(header, cells, strict=True))
+        arrival = _parse_arrival(row["arrival_s"], where)
+        prompt = _parse_int(row["prompt_tokens"], "prompt_tokens", where, 1)
+        prefix_text = row.get("prefix_tokens", "").strip()
+        prefix = _parse_int(prefix_text, "prefix_tokens", where, 0) if prefix_text else None
+        rows.append(TraceRow(arrival, prompt, prefix, reader.line_num))
+    if header is None:
+        raise ScenarioError(
+            f"{p}: the trace file is empty; expected a header line {_FORMAT} and then one "
+            "row per request"
+        )
+    if not rows:
+        raise ScenarioError(
+            f"{p}: trace has no data rows after its header; expected at least one row of "
+            f"{','.join(header)}"
+        )
+    return rows
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """Rows of a trace CSV (the format is this module's docstring).
+
+    Any problem -- a missing or unreadable file, an empty one, a bad header, a bad
+    row -- raises one ScenarioError naming the file and line.
+    """
+    p = Path(path)
+    try:
+        fh = p.open(newline="", encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ScenarioError(f"{p}: no such trace file (workload.trace_csv)") from None
+    except OSError as exc:
+        raise ScenarioError(f"{p}: cannot read trace: {exc}") from None
+    with fh:
+        reader = csv.reader(fh)
+        try:
+            return _rows(reader, p)
+        except csv.Error as exc:
+            raise ScenarioError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ScenarioError(f"{p}: not UTF-8 text: {exc}") from None
