@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-from kvstage.expect import check_expectation
+from kvstage.expect import check_expectation, print_outcome
 from kvstage.hw.launch import launch
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.invariants import check_records
@@ -45,8 +46,9 @@ def run_hardware(
     on_started=None,
     rank_wrapper: list[str] | None = None,
 ) -> tuple[int, Path]:
-    """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right
-    and no invariant broke; 1 otherwise."""
+    """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right,
+    no invariant broke and the failed rooms are the ones the scenario's [expect] allows (none
+    without one); 1 otherwise."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
@@ -91,14 +93,12 @@ def run_hardware(
     problems = check_expectation(scenario, failures, len(generate_requests(scenario)), "hw",
                                  run_failed=bool(errors))
     if scenario.expect.hw_run_fails and not problems:
-        console.print(f"[green]expected outcome:[/] the run failed as the scenario expects: {errors[0] if errors else ''}")
+        console.print(f"[green]expected outcome:[/] the run failed as the scenario expects: {escape(errors[0]) if errors else ''}",
+                      highlight=False)
         return 0, run_dir
-    code = 0
-    for p in problems:
-        console.print(f"[bold red]unexpected outcome:[/] {p}", highlight=False)
-        code = 1
+    code = print_outcome(console, problems, failures)
     for e in errors:
-        console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        console.print(f"[bold red]error:[/] {escape(e)}", highlight=False)  # a log tail is not markup
         code = 1
     if wrong:
         console.print(f"[bold red]{wrong} byte(s) wrong[/] in rooms {summary['wrong_rooms'][:10]}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstage.expect import group_failures
 from kvstage.metrics import summarize
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
@@ -41,6 +42,8 @@ def run_summary(
             "wall_s": wall_s,
             "invariant_violations": violations,
             "failures": {str(k): v for k, v in list(failures.items())[:FAILURES_LISTED]},
+            # every failed room, counted per reason with its numbers as `#` (kvstage/expect.py)
+            "failure_groups": {g.pattern: len(g.rooms) for g in group_failures(failures)},
             "faults_injected": sum_counts(r.faults_injected for r in ranks),
             "faults_by_rank": {r.name: dict(sorted(r.faults_injected.items())) for r in ranks if r.faults_injected},
             "dropped_messages": sum(r.dropped for r in ranks),
