@@ -37,6 +37,8 @@ from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
+    DoneAck,
+    ReadyAck,
     StagingReq,
     StagingRsp,
     Watermark,
@@ -69,7 +71,9 @@ class _Room:
     chunks: list[Chunk] | None = None  # known once opened
     dst_page_base: int = 0
     allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
-    early_reqs: list[StagingReq] = field(default_factory=list)  # REQs before the room opened
+    deadline: float = 0.0
+    retries: int = 0
+    early: list[StagingReq | ChunkReady | WriterDone] = field(default_factory=list)  # before the open
     asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
     arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
     first_arrival: dict[int, float] = field(default_factory=dict)
@@ -103,6 +107,7 @@ class _Quarantine:
 
     held: list[tuple[int, int]]  # (chunk, allocation id) of staging regions not yet freed
     waiting: set[int]  # prefill ranks that have not confirmed the abort
+    until: float  # the grace: released then even without every confirmation
 
 
 class DecodeMachine(MachineBase):
@@ -178,12 +183,13 @@ class DecodeMachine(MachineBase):
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for p in self.writers:
             out.append(Send(self._peer(p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
-        # Requests that came before the open are answered now (checked against the grid).
-        early, room.early_reqs = room.early_reqs, []
+        self._arm_deadline(ev.room, now, self.config.retry_s)  # BOOTSTRAP re-sends
+        # What came before the open is handled now, checked against the room's grid.
+        early, room.early = room.early, []
         for msg in early:
-            self._on_req(msg, now, out)
-        for chunk in list(room.arrived):
-            self._chunk_maybe_complete(room, chunk, now, out)
+            self._HANDLERS[type(msg)](self, msg, now, out)
+            if room.room not in self._rooms:
+                return  # a bad early message cannot fail the room; but a done room ends here
         self._maybe_done(room, now, out)
 
     def _on_scatter_done(self, ev: ScatterDone, now: float, out: list[Action]) -> None:
@@ -238,15 +244,32 @@ class DecodeMachine(MachineBase):
         return w
 
     def _live_room(self, msg, now: float, out: list[Action]) -> _Room | None:
-        """The message's room, created if unknown; None if it already finished."""
+        """The message's room, created if unknown; None if it already finished (a late
+        message about a failed room is answered with the ABORT it may have missed)."""
         if self.is_finished(msg.room):
-            self._record(out, "dropped", now, now, room=msg.room, chunk=getattr(msg, "chunk", -1),
-                         detail=f"late {type(msg).__name__} for a finished room")
+            if not self._finished[msg.room]:
+                out.append(Send(self._peer(msg.prefill_rank),
+                                Abort(msg.room, msg.prefill_rank, self.rank, "the room failed at the decode")))
+            elif type(msg) is ChunkReady:
+                out.append(Send(self._peer(msg.prefill_rank),
+                                ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
+            elif type(msg) is WriterDone:
+                out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
             return None
         room = self._rooms.get(msg.room)
         if room is None:
             room = self._new_room(msg.room, now)
         return room
+
+    def _keep_early(self, room: _Room, msg, now: float, out: list[Action]) -> bool:
+        """Keep a writer's message that came before the room opened here (clock skew, or
+        a KV pool that is full); False if too many are kept (then it is dropped)."""
+        if len(room.early) < MAX_EARLY_REQS:
+            room.early.append(msg)
+            return True
+        self._drop(out, now, f"too many messages before room {room.room} opened", msg.room,
+                   getattr(msg, "chunk", -1), peer=msg.prefill_rank)
+        return False
 
     def _on_req(self, msg: StagingReq, now: float, out: list[Action]) -> None:
         w = self._writer_for(msg, now, out)
@@ -263,13 +286,9 @@ class DecodeMachine(MachineBase):
                        f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
             return
         if room.chunks is None:
-            # Not opened here yet (process clock skew, or a KV pool that is full): keep
-            # the request, answer it at OpenRoom. Staging is only ever reserved for
-            # rooms this rank knows, so stray or forged requests cannot pin the ring.
-            if len(room.early_reqs) < MAX_EARLY_REQS:
-                room.early_reqs.append(msg)
-            else:
-                self._drop(out, now, "too many STAGING_REQ before the room opened", msg.room, msg.chunk)
+            # Not opened here yet: answered at OpenRoom. Staging is only ever reserved
+            # for rooms this rank knows, so stray or forged requests cannot pin the ring.
+            self._keep_early(room, msg, now, out)
             return
         # A re-sent REQ from the same writer (not the first REQ of another writer of
         # the same chunk) means that writer may have lost our RSP or a WATERMARK.
@@ -302,17 +321,38 @@ class DecodeMachine(MachineBase):
         room = self._live_room(msg, now, out)
         if room is None:
             return
-        if self.config.path is TransferPath.STAGING and msg.chunk not in room.allocs:
-            self._drop(out, now, "CHUNK_READY for a chunk with no staging region", msg.room, msg.chunk)
+        if room.chunks is None:
+            if self._keep_early(room, msg, now, out):
+                out.append(Send(self._peer(msg.prefill_rank), ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
             return
+        problem = self._implausible_ready(room, msg, w)
+        if problem:
+            self._drop(out, now, f"CHUNK_READY {problem}", msg.room, msg.chunk, peer=msg.prefill_rank)
+            return
+        out.append(Send(self._peer(msg.prefill_rank), ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
         arrived = room.arrived.setdefault(msg.chunk, set())
         if w in arrived:
-            return  # duplicate CHUNK_READY: identity, not count, decides
+            return  # duplicate CHUNK_READY: acknowledged again, never scattered twice
         if not arrived:
             room.first_arrival[msg.chunk] = now
         arrived.add(w)
         self._chunk_maybe_complete(room, msg.chunk, now, out)
         self._maybe_done(room, now, out)
+
+    def _implausible_ready(self, room: _Room, msg: ChunkReady, w: int) -> str:
+        """Why a CHUNK_READY cannot be a true one from writer `w` ('' if it can be)."""
+        if not msg.chunk < len(room.chunks):
+            return f"for chunk {msg.chunk} beyond the room's {len(room.chunks)} chunks"
+        c = room.chunks[msg.chunk]
+        if (msg.page_start, msg.num_pages) != (c.page_start, c.num_pages):
+            return (f"pages [{msg.page_start}, +{msg.num_pages}) disagree with the chunk's "
+                    f"[{c.page_start}, +{c.num_pages})")
+        if self.config.path is TransferPath.STAGING:
+            if msg.chunk not in room.allocs:
+                return "for a chunk with no staging region"
+            if w not in room.asked.get(msg.chunk, ()):
+                return f"from writer {w}, which never asked for the chunk's region"
+        return ""
 
     def _on_writer_done(self, msg: WriterDone, now: float, out: list[Action]) -> None:
         w = self._writer_for(msg, now, out)
@@ -321,6 +361,15 @@ class DecodeMachine(MachineBase):
         room = self._live_room(msg, now, out)
         if room is None:
             return
+        if room.chunks is None:
+            if self._keep_early(room, msg, now, out):
+                out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
+            return
+        if msg.num_chunks != len(room.chunks):
+            self._drop(out, now, f"WRITER_DONE claims {msg.num_chunks} chunks, the room has {len(room.chunks)}",
+                       msg.room, peer=msg.prefill_rank)
+            return
+        out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
         room.writers_done.setdefault(w, msg.num_chunks)
         self._maybe_done(room, now, out)
 
@@ -341,9 +390,6 @@ class DecodeMachine(MachineBase):
     def _chunk_maybe_complete(self, room: _Room, chunk: int, now: float, out: list[Action]) -> None:
         if room.chunks is None or _state(room, chunk) is not DecodeChunk.COLLECTING:
             return
-        if chunk >= len(room.chunks):
-            self._fail(room, f"CHUNK_READY for chunk {chunk} beyond the room's {len(room.chunks)} chunks", now, out)
-            return
         if len(room.arrived.get(chunk, ())) < len(self.writers):
             return
         c = room.chunks[chunk]
@@ -361,10 +407,6 @@ class DecodeMachine(MachineBase):
         if room.chunks is None or len(room.writers_done) < len(self.writers):
             return
         if room.complete < len(room.chunks):
-            return
-        claimed = set(room.writers_done.values())
-        if claimed != {len(room.chunks)}:
-            self._fail(room, f"writers claim {sorted(claimed)} chunks, room has {len(room.chunks)}", now, out)
             return
         del self._rooms[room.room]
         self._finish(room.room, ok=True)
@@ -387,8 +429,8 @@ class DecodeMachine(MachineBase):
         waiting = {p for p in self.writers if p != skip_writer}
         exposed = room.chunks is not None or held
         if exposed and waiting:
-            self._quarantine[room.room] = _Quarantine(held, waiting)
-            self._arm_deadline(room.room, now, self.config.abort_grace_s)
+            until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
+            self._quarantine[room.room] = _Quarantine(held, waiting, until)
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
@@ -405,9 +447,30 @@ class DecodeMachine(MachineBase):
         for room_id in self._expired(now):
             room = self._rooms.get(room_id)
             if room is not None:
-                self._fail(room, self._stall_reason(room), now, out)
-            elif room_id in self._quarantine:
+                if now >= room.deadline:
+                    self._fail(room, self._stall_reason(room), now, out)
+                else:
+                    self._resend_bootstrap(room, now, out)
+            elif room_id in self._quarantine and now >= self._quarantine[room_id].until:
                 self._release_quarantine(room_id, now, out)
+
+    def _resend_bootstrap(self, room: _Room, now: float, out: list[Action]) -> None:
+        """A writer not heard from about an open room may have lost its BOOTSTRAP (which
+        the slice path and OVERSIZED chunks need): send it again, with backoff."""
+        if room.chunks is None:
+            return
+        heard = set(room.writers_done)
+        for writers in (*room.asked.values(), *room.arrived.values()):
+            heard |= writers
+        silent = [p for w, p in enumerate(self.writers) if w not in heard]
+        if not silent:
+            return  # every writer has spoken: it had the BOOTSTRAP, no more re-sends
+        for p in silent:
+            out.append(Send(self._peer(p), Bootstrap(room.room, room.dst_page_base, p, self.rank)))
+        room.retries += 1
+        backoff = self.config.retry_s * (2 ** min(room.retries, self.config.max_backoff_doublings))
+        if now + backoff < room.deadline:
+            self._arm_deadline(room.room, now, backoff)
 
     def _confirm_abort(self, room_id: int, prefill_rank: int, now: float, out: list[Action]) -> None:
         q = self._quarantine.get(room_id)
@@ -449,7 +512,7 @@ class DecodeMachine(MachineBase):
     def _new_room(self, room_id: int, now: float) -> _Room:
         room = _Room(room_id, now)
         self._rooms[room_id] = room
-        self._arm_deadline(room_id, now)
+        room.deadline = self._arm_deadline(room_id, now)
         return room
 
     def _free(self, room: int, chunk: int, alloc_id: int, now: float, out: list[Action]) -> None:
@@ -500,6 +563,8 @@ class DecodeMachine(MachineBase):
         WriterDone: _on_writer_done,
         Abort: _on_abort_msg,
         StagingRsp: _on_unexpected,
+        ReadyAck: _on_unexpected,
+        DoneAck: _on_unexpected,
         Watermark: _on_unexpected,
         Bootstrap: _on_unexpected,
     }

@@ -21,7 +21,9 @@ from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
+    DoneAck,
     Message,
+    ReadyAck,
     StagingReq,
     StagingRsp,
     Watermark,
@@ -36,8 +38,13 @@ MESSAGE_NAMES: dict[type, str] = {
     WriterDone: "WRITER_DONE",
     Bootstrap: "BOOTSTRAP",
     Abort: "ABORT",
+    ReadyAck: "READY_ACK",
+    DoneAck: "DONE_ACK",
 }
-MessageName = Literal["STAGING_REQ", "STAGING_RSP", "WATERMARK", "CHUNK_READY", "WRITER_DONE", "BOOTSTRAP", "ABORT"]
+MessageName = Literal[
+    "STAGING_REQ", "STAGING_RSP", "WATERMARK", "CHUNK_READY", "WRITER_DONE", "BOOTSTRAP", "ABORT", "READY_ACK",
+    "DONE_ACK",
+]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 AbortPhase = Literal["open", "rsp", "gather", "write", "scatter"]
 

@@ -91,6 +91,7 @@ class InvariantChecker:
             "room_open": self._on_room_open,
             "room_done": self._on_room_end,
             "room_failed": self._on_room_end,
+            "late_write": self._on_late_write,
         }
 
     # --- feeding ------------------------------------------------------------------------
@@ -111,6 +112,14 @@ class InvariantChecker:
         if r.role == "decode" and r.ring_used >= 0:
             self._ring_used[r.rank] = r.ring_used
         self._recent.append(r)
+
+    def _on_late_write(self, r: TraceRecord) -> None:
+        self._violate(
+            "safety",
+            f"a write of room {r.room} chunk {r.chunk} to decode rank {r.peer} completed after the abort "
+            f"grace; the decode may have handed its region out again ({r.detail})",
+            r,
+        )
 
     def _on_chunk_ready(self, r: TraceRecord) -> None:
         if r.role == "decode" and self.expect_path == "slice":

@@ -30,6 +30,8 @@ class TransferPath(StrEnum):
 
 
 PATHS = tuple(p.value for p in TransferPath)
+# trace rows of dropped messages per peer; past this only the count grows
+MAX_DROPS_TRACED = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,9 @@ class ProtocolConfig:
     # A prefill that hears nothing for this long re-sends STAGING_REQ for chunks with
     # no answer or stuck behind the watermark (a lost RSP or WATERMARK); the decode
     # replays its answer and its current watermark. Doubling backoff, bounded count.
-    retry_s: float = 1.0
+    # None: 1 s, or an eighth of a short room timeout, so that a room survives a few
+    # lost messages within its timeout
+    retry_s: float | None = None
     max_retries: int = 4
     max_backoff_doublings: int = 4  # the wait between re-requests grows to at most 16 x retry_s
     # Rooms remembered as finished, so that late or duplicate messages about them
@@ -56,6 +60,8 @@ class ProtocolConfig:
         if self.path not in PATHS:
             raise ValueError(f"transfer path {self.path!r} not allowed (allowed: {', '.join(PATHS)})")
         object.__setattr__(self, "path", TransferPath(self.path))
+        if self.retry_s is None:
+            object.__setattr__(self, "retry_s", min(1.0, self.room_timeout_s / 8))
         if not self.room_timeout_s > 0:
             raise ValueError(f"room_timeout_s must be > 0, got {self.room_timeout_s}")
 
@@ -76,6 +82,7 @@ class MachineBase:
         self.rooms_done = 0
         self.rooms_failed = 0
         self.dropped = 0
+        self._drops_traced: dict[int, int] = {}  # peer rank (-1: unknown) -> dropped rows traced
         self._peers: dict[int, Peer] = {}
 
     def _peer(self, rank: int) -> Peer:
@@ -89,10 +96,18 @@ class MachineBase:
     def _record(self, out: list[Action], phase: str, start: float, end: float, **kw) -> None:
         out.append(Record(TraceRecord(self.role, self.rank, phase, start, end, **kw)))
 
-    def _drop(self, out: list[Action], now: float, why: str, room: int = -1, chunk: int = -1) -> None:
-        """A message that cannot apply: count it, trace it, change nothing."""
+    def _drop(self, out: list[Action], now: float, why: str, room: int = -1, chunk: int = -1,
+              peer: int = -1) -> None:
+        """A message that cannot apply: count it, trace it (up to a limit per peer, so
+        a flood of garbage cannot grow the trace without bound), change nothing."""
         self.dropped += 1
-        self._record(out, "dropped", now, now, room=room, chunk=chunk, detail=why)
+        traced = self._drops_traced.get(peer, 0)
+        if traced > MAX_DROPS_TRACED:
+            return
+        self._drops_traced[peer] = traced + 1
+        if traced == MAX_DROPS_TRACED:
+            why = f"{MAX_DROPS_TRACED} messages dropped from this peer: further drops are counted, not traced"
+        self._record(out, "dropped", now, now, room=room, chunk=chunk, peer=peer, detail=why)
 
     # --- room lifetime ----------------------------------------------------------
     def _arm_deadline(self, room: int, now: float, after: float | None = None) -> float:

@@ -18,8 +18,6 @@ from that decode rank moves the view: no spinning.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from enum import Enum
 
 from kvstage.shared.events import (
     AbortRoom,
@@ -39,12 +37,15 @@ from kvstage.shared.events import (
     Write,
     WriteDone,
 )
-from kvstage.shared.layout import Chunk, Geometry, HeadSlice, LayoutError, room_pages
+from kvstage.shared.layout import Geometry, HeadSlice, LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, MachineBase, ProtocolConfig, TransferPath
+from kvstage.shared.prefill_state import IN_FLIGHT, ChunkState, Draining, PrefillRoom, Target
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
+    DoneAck,
+    ReadyAck,
     StagingReq,
     StagingRsp,
     Watermark,
@@ -57,102 +58,35 @@ from kvstage.shared.ring import WatermarkPos, is_ready
 MAX_EARLY_BOOTSTRAPS = 1 << 16
 
 
-class ChunkState(Enum):
-    """Where one chunk stands toward one decode rank (a target)."""
-
-    WAITING = "waiting"
-    WM_WAIT = "wm_wait"
-    GATHERING = "gathering"
-    WRITING = "writing"
-    SLICE_WRITING = "slice_writing"
-    WRITTEN = "written"
-    FAILED = "failed"
-
-
-CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
-    ChunkState.WAITING: frozenset({ChunkState.WM_WAIT, ChunkState.GATHERING, ChunkState.SLICE_WRITING}),
-    ChunkState.WM_WAIT: frozenset({ChunkState.GATHERING}),
-    ChunkState.GATHERING: frozenset({ChunkState.WRITING}),
-    ChunkState.WRITING: frozenset({ChunkState.WRITTEN, ChunkState.FAILED}),
-    ChunkState.SLICE_WRITING: frozenset({ChunkState.WRITTEN, ChunkState.FAILED}),
-    ChunkState.WRITTEN: frozenset(),
-    ChunkState.FAILED: frozenset(),
-}
-# a gather or write of the chunk is under way: its memory is in use
-IN_FLIGHT = frozenset({ChunkState.GATHERING, ChunkState.WRITING, ChunkState.SLICE_WRITING})
-
-
-@dataclass(slots=True)
-class _Target:
-    decode_rank: int
-    writer: int
-    heads: HeadSlice
-    rsp: dict[int, StagingRsp] = field(default_factory=dict)
-    dst_page_base: int | None = None
-    state: dict[int, ChunkState] = field(default_factory=dict)  # absent: WAITING
-    since: dict[int, float] = field(default_factory=dict)  # chunk -> when its current state began
-    written: int = 0  # chunks WRITTEN
-    done: bool = False
-
-    def get(self, chunk: int) -> ChunkState:
-        return self.state.get(chunk, ChunkState.WAITING)
-
-    def move(self, chunk: int, new: ChunkState, now: float) -> None:
-        """Move `chunk` to `new`; a move the diagram does not have is a local bug."""
-        old = self.state.get(chunk, ChunkState.WAITING)
-        if new not in CHUNK_TRANSITIONS[old]:
-            raise LocalProtocolError(
-                f"chunk {chunk} to decode rank {self.decode_rank}: {old.value} -> {new.value} is not a legal move"
-            )
-        self.state[chunk] = new
-        self.since[chunk] = now
-        if new is ChunkState.WRITTEN:
-            self.written += 1
-
-    def chunks_in(self, *states: ChunkState) -> list[int]:
-        return sorted(c for c, st in self.state.items() if st in states)
-
-
-@dataclass(slots=True)
-class _Draining:
-    """A failed room whose gathers/writes are still in flight: its decode ranks are told
-    (ABORT) and its pages released only once they all reported back, or the grace passed."""
-
-    pending: set[tuple[int, int]]  # (decode rank, chunk) still in flight
-    targets: list[int]
-    reason: str
-
-
-@dataclass(slots=True)
-class _Room:
-    room: int
-    prefix_pages: int
-    chunks: list[Chunk]
-    targets: dict[int, _Target]
-    computed: set[int] = field(default_factory=set)
-    deadline: float = 0.0
-    retries: int = 0  # consecutive re-requests that brought nothing new
-    last_retry: float = -1.0
-
-
 class PrefillMachine(MachineBase):
     role = "prefill"
     peer_role = "decode"
 
-    def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None) -> None:
+    def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None,
+                 pool_bytes: int | None = None) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
+        # the decode's staging pool: a region outside it is not one the decode handed out
+        self.pool_bytes = pool_bytes
         if not 0 <= rank < geometry.prefill_tp:
             raise ValueError(f"prefill rank {rank} out of range 0..{geometry.prefill_tp - 1}")
         self.targets = geometry.targets(rank)
         self._writer = {d: geometry.writers(d).index(rank) for d in self.targets}
         self._heads = {d: geometry.head_slice(rank, d) for d in self.targets}
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, PrefillRoom] = {}
         self._wm: dict[int, WatermarkPos] = {d: WatermarkPos(0, 0) for d in self.targets}
         # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
         self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
         self._early_boot: dict[tuple[int, int], int] = {}
         self._heard: dict[int, float] = {}  # decode rank -> last time it told us something new
-        self._draining: dict[int, _Draining] = {}
+        self._draining: dict[int, Draining] = {}
+        # the highest ring round each decode rank handed this rank: a WATERMARK past
+        # round + 1 claims regions the decode never handed out, and waits until an
+        # RSP makes it plausible (or forever, if it was forged)
+        self._max_round: dict[int, int] = {d: 0 for d in self.targets}
+        self._implausible_wm: dict[int, WatermarkPos] = {}
+        # failed rooms whose drain grace expired with writes unconfirmed: a write that
+        # completes later may have landed on a region the decode handed out again
+        self._expired_drains: dict[int, set[tuple[int, int]]] = {}
         self._block_offset_cache: dict[tuple[int, int], int] = {}
         self._block_bytes_cache: dict[tuple[int, int], int] = {}
 
@@ -203,13 +137,12 @@ class PrefillMachine(MachineBase):
             self._finish(ev.room, ok=False)
             return
         targets = {
-            d: _Target(d, self._writer[d], self._heads[d]) for d in self.targets
+            d: Target(d, self._writer[d], self._heads[d]) for d in self.targets
         }
-        room = _Room(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
+        room = PrefillRoom(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
         self._rooms[ev.room] = room
         room.deadline = self._arm_deadline(ev.room, now)
-        if self.config.path is TransferPath.STAGING:
-            self._arm_deadline(ev.room, now, self.config.retry_s)
+        self._arm_deadline(ev.room, now, self.config.retry_s)  # re-requests and re-sends
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for d, t in targets.items():
             boot = self._early_boot.pop((ev.room, d), None)
@@ -280,16 +213,19 @@ class PrefillMachine(MachineBase):
             self._fail(room, f"write of chunk {ev.chunk} to decode rank {t.decode_rank} failed: {ev.error}", now, out)
             return
         t.move(ev.chunk, ChunkState.WRITTEN, now)
-        out.append(
-            Send(
-                self._peer(t.decode_rank),
-                ChunkReady(ev.room, ev.chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank),
-            )
-        )
+        t.unacked[ev.chunk] = now
+        out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, ev.chunk)))
         self._maybe_writer_done(room, t, now, out)
 
+    def _chunk_ready(self, room: PrefillRoom, t: Target, chunk: int) -> ChunkReady:
+        c = room.chunks[chunk]
+        return ChunkReady(room.room, chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank)
+
+    def _writer_done(self, room: PrefillRoom, t: Target) -> WriterDone:
+        return WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank)
+
     def _target_in_flight(self, ev: GatherDone | WriteDone, states: tuple[ChunkState, ...], now: float,
-                          out: list[Action]) -> _Target | None:
+                          out: list[Action]) -> Target | None:
         """The target of a completion, if its room is live; a completion of a failed
         room counts toward its drain. A completion in any other state is a local bug."""
         room = self._rooms.get(ev.room)
@@ -345,10 +281,16 @@ class PrefillMachine(MachineBase):
         if msg.chunk in t.rsp:
             return  # duplicate answer: the first one stands
         want = self.geometry.region_bytes(room.chunks[msg.chunk].num_pages)
-        if not msg.oversized and msg.end - msg.offset != want:
-            self._fail(room, f"decode rank {msg.decode_rank} gave chunk {msg.chunk} a region of "
-                       f"{msg.end - msg.offset} bytes, expected {want}", now, out)
-            return
+        if not msg.oversized:
+            problem = self._implausible_region(msg, want)
+            if problem:
+                # never written to: a peer's bad answer must not move bytes (nor fail the
+                # room: the honest answer may still come, or the retry brings it)
+                self._drop(out, now, f"STAGING_RSP {problem}", msg.room, msg.chunk, peer=msg.decode_rank)
+                return
+            if msg.round > self._max_round[msg.decode_rank]:
+                self._max_round[msg.decode_rank] = msg.round
+                self._maybe_accept_watermark(msg.decode_rank, now, out)
         t.rsp[msg.chunk] = msg
         self._heard[msg.decode_rank] = now
         self._record(
@@ -358,6 +300,14 @@ class PrefillMachine(MachineBase):
         )
         self._advance(room, t, msg.chunk, now, out)
 
+    def _implausible_region(self, msg: StagingRsp, want: int) -> str:
+        """Why a region cannot be one the decode handed out for this chunk ('' if it can)."""
+        if msg.end - msg.offset != want:
+            return f"region of {msg.end - msg.offset} bytes, the chunk needs {want}"
+        if self.pool_bytes is not None and not 0 <= msg.offset <= msg.end <= self.pool_bytes:
+            return f"region [{msg.offset}, {msg.end}) outside the {self.pool_bytes}-byte staging pool"
+        return ""
+
     def _on_watermark(self, msg: Watermark, now: float, out: list[Action]) -> None:
         if not self._check_peer(msg, now, out):
             return
@@ -365,6 +315,29 @@ class PrefillMachine(MachineBase):
         new = WatermarkPos(msg.round, msg.tail)
         if new <= self._wm[d]:
             return  # stale or reordered: keeping the max is only conservative
+        if self.pool_bytes is not None and msg.tail > self.pool_bytes:
+            self._drop(out, now, f"WATERMARK tail {msg.tail} beyond the {self.pool_bytes}-byte pool", peer=d)
+            return
+        if msg.round > self._max_round[d] + 1:
+            # Beyond anything decode rank d handed this rank (its ring restarts a round
+            # at most once past the last region it gave out): held, not applied, until
+            # an RSP of that round arrives. A forged one never becomes plausible.
+            held = self._implausible_wm.get(d)
+            if held is None or new > held:
+                self._implausible_wm[d] = new
+            self._drop(out, now, f"WATERMARK round {msg.round} beyond round {self._max_round[d]} + 1 "
+                       f"handed out (held until plausible)", peer=d)
+            return
+        self._apply_watermark(d, new, now, out)
+
+    def _maybe_accept_watermark(self, d: int, now: float, out: list[Action]) -> None:
+        held = self._implausible_wm.get(d)
+        if held is not None and held.round <= self._max_round[d] + 1:
+            del self._implausible_wm[d]
+            if held > self._wm[d]:
+                self._apply_watermark(d, held, now, out)
+
+    def _apply_watermark(self, d: int, new: WatermarkPos, now: float, out: list[Action]) -> None:
         self._wm[d] = new
         self._heard[d] = now
         heap = self._waiting[d]
@@ -417,11 +390,34 @@ class PrefillMachine(MachineBase):
             # that this writer will not touch the room's regions again.
             self._send_aborts(msg.room, [msg.decode_rank], "writer confirms: nothing in flight", out)
 
+    def _on_ready_ack(self, msg: ReadyAck, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        room = self._rooms.get(msg.room)
+        if room is None:
+            return  # late: the room ended here already
+        t = room.targets[msg.decode_rank]
+        if t.unacked.pop(msg.chunk, None) is not None:
+            self._heard[msg.decode_rank] = now
+            self._maybe_room_done(room, now, out)
+
+    def _on_done_ack(self, msg: DoneAck, now: float, out: list[Action]) -> None:
+        if not self._check_peer(msg, now, out):
+            return
+        room = self._rooms.get(msg.room)
+        if room is None:
+            return
+        t = room.targets[msg.decode_rank]
+        if t.done and not t.done_acked:
+            t.done_acked = True
+            self._heard[msg.decode_rank] = now
+            self._maybe_room_done(room, now, out)
+
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))
 
     # --- the chunk pipeline ---------------------------------------------------------------
-    def _advance(self, room: _Room, t: _Target, chunk: int, now: float, out: list[Action]) -> None:
+    def _advance(self, room: PrefillRoom, t: Target, chunk: int, now: float, out: list[Action]) -> None:
         """Start the next step of `chunk` toward target `t` if its inputs are all there."""
         state = t.get(chunk)
         if (state is not ChunkState.WAITING and state is not ChunkState.WM_WAIT) or chunk not in room.computed:
@@ -461,21 +457,23 @@ class PrefillMachine(MachineBase):
             )
         )
 
-    def _maybe_writer_done(self, room: _Room, t: _Target, now: float, out: list[Action]) -> None:
+    def _maybe_writer_done(self, room: PrefillRoom, t: Target, now: float, out: list[Action]) -> None:
         if t.done or t.written < len(room.chunks):
             return
         t.done = True
-        out.append(
-            Send(self._peer(t.decode_rank), WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank))
-        )
-        if all(x.done for x in room.targets.values()):
+        t.done_sent = now
+        out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
+
+    def _maybe_room_done(self, room: PrefillRoom, now: float, out: list[Action]) -> None:
+        """Done when every decode rank confirmed every CHUNK_READY and WRITER_DONE."""
+        if all(x.delivered for x in room.targets.values()):
             del self._rooms[room.room]
             self._finish(room.room, ok=True)
             self._record(out, "room_done", now, now, room=room.room)
             out.append(RoomDone(room.room))
             out.append(ReleaseRoom(room.room))
 
-    def _fail(self, room: _Room, reason: str, now: float, out: list[Action]) -> None:
+    def _fail(self, room: PrefillRoom, reason: str, now: float, out: list[Action]) -> None:
         """Fail a room here; tell its decode ranks once no gather/write of it is in flight."""
         del self._rooms[room.room]
         self._finish(room.room, ok=False)
@@ -485,13 +483,13 @@ class PrefillMachine(MachineBase):
         pending = {(t.decode_rank, c) for t in room.targets.values() for c, st in t.state.items() if st in IN_FLIGHT}
         targets = list(room.targets)
         if pending:
-            self._draining[room.room] = _Draining(pending, targets, reason)
-            self._arm_deadline(room.room, now, self.config.abort_grace_s)
+            until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
+            self._draining[room.room] = Draining(pending, targets, reason, until)
         else:
             self._send_aborts(room.room, targets, reason, out)
             out.append(ReleaseRoom(room.room))
 
-    def _retry(self, room: _Room, now: float, out: list[Action]) -> None:
+    def _retry(self, room: PrefillRoom, now: float, out: list[Action]) -> None:
         """Re-ask for what a lost message would explain; the decode answers idempotently."""
         if any(self._heard.get(d, -1.0) > room.last_retry for d in room.targets):
             room.retries = 0  # the decode answered since our last try: not a dead link
@@ -500,24 +498,51 @@ class PrefillMachine(MachineBase):
             return
         asked = False
         for t in room.targets.values():
-            missing = [c for c in room.chunks if c.index not in t.rsp]
-            behind = t.chunks_in(ChunkState.WM_WAIT)
-            if behind:
-                # stuck behind the watermark: one duplicate REQ brings the current one
-                missing.append(room.chunks[behind[0]])
-            for c in missing:
-                out.append(Send(self._peer(t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
-                self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
-                             peer=t.decode_rank, detail=f"retry {room.retries + 1}")
-                asked = True
+            asked |= self._re_request(room, t, now, out)
+            asked |= self._resend_unacked(room, t, now, out)
         if asked:
             room.retries += 1
         backoff = self.config.retry_s * (2 ** min(room.retries, self.config.max_backoff_doublings))
         self._arm_deadline(room.room, now, backoff)
 
+    def _re_request(self, room: PrefillRoom, t: Target, now: float, out: list[Action]) -> bool:
+        """Staging: re-send STAGING_REQ for chunks with no answer, and one for a chunk
+        stuck behind the watermark (the decode answers with the current one)."""
+        if self.config.path is not TransferPath.STAGING:
+            return False
+        missing = [c for c in room.chunks if c.index not in t.rsp]
+        behind = t.chunks_in(ChunkState.WM_WAIT)
+        if behind:
+            missing.append(room.chunks[behind[0]])
+        for c in missing:
+            out.append(Send(self._peer(t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
+            self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
+                         peer=t.decode_rank, detail=f"retry {room.retries + 1}")
+        return bool(missing)
+
+    def _resend_unacked(self, room: PrefillRoom, t: Target, now: float, out: list[Action]) -> bool:
+        """Re-send CHUNK_READY and WRITER_DONE that were not acknowledged within retry_s."""
+        due = now - self.config.retry_s
+        sent = False
+        for chunk, at in list(t.unacked.items()):
+            if at <= due:
+                t.unacked[chunk] = now
+                out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, chunk)))
+                sent = True
+        if t.done and not t.done_acked and t.done_sent <= due:
+            t.done_sent = now
+            out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
+            sent = True
+        return sent
+
     def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
         drain = self._draining.get(room_id)
         if drain is None:
+            late = self._expired_drains.get(room_id)
+            if late is not None and (decode_rank, chunk) in late:
+                late.discard((decode_rank, chunk))
+                self._record(out, "late_write", now, now, room=room_id, chunk=chunk, peer=decode_rank,
+                             detail="completed after the abort grace: its region may have been handed out again")
             return
         drain.pending.discard((decode_rank, chunk))
         if not drain.pending:
@@ -537,14 +562,17 @@ class PrefillMachine(MachineBase):
                     self._fail(room, self._stall_reason(room), now, out)
                 else:
                     self._retry(room, now, out)
-            elif room_id in self._draining:
+            elif room_id in self._draining and now >= self._draining[room_id].until:
                 # writes that never reported back: give up waiting, say so
                 drain = self._draining.pop(room_id)
+                self._expired_drains[room_id] = set(drain.pending)
+                if len(self._expired_drains) > self.config.finished_memory:
+                    self._expired_drains.pop(next(iter(self._expired_drains)))
                 self._send_aborts(room_id, drain.targets,
                                   drain.reason + f" (in-flight writes {sorted(drain.pending)[:4]} unconfirmed)", out)
                 out.append(ReleaseRoom(room_id))
 
-    def _stall_reason(self, room: _Room) -> str:
+    def _stall_reason(self, room: PrefillRoom) -> str:
         waits = []
         missing_compute = [c.index for c in room.chunks if c.index not in room.computed]
         if missing_compute:
@@ -560,6 +588,10 @@ class PrefillMachine(MachineBase):
             busy = t.chunks_in(*IN_FLIGHT)
             if busy:
                 waits.append(f"gather/write completion of chunks {busy[:8]} to decode rank {t.decode_rank}")
+            if t.unacked:
+                waits.append(f"READY_ACK from decode rank {t.decode_rank} for chunks {sorted(t.unacked)[:8]}")
+            if t.done and not t.done_acked:
+                waits.append(f"DONE_ACK from decode rank {t.decode_rank}")
             if t.dst_page_base is None and (self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())):
                 waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
         return f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + (
@@ -597,6 +629,8 @@ class PrefillMachine(MachineBase):
         Watermark: _on_watermark,
         Bootstrap: _on_bootstrap,
         Abort: _on_abort_msg,
+        ReadyAck: _on_ready_ack,
+        DoneAck: _on_done_ack,
         StagingReq: _on_unexpected,
         ChunkReady: _on_unexpected,
         WriterDone: _on_unexpected,

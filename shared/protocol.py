@@ -130,7 +130,29 @@ class Abort:
     reason: str
 
 
-Message = StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort
+@dataclass(frozen=True, slots=True)
+class ReadyAck:
+    """Decode -> prefill: this writer's CHUNK_READY of the chunk arrived. The writer
+    re-sends CHUNK_READY until it has this; the decode acknowledges every copy."""
+
+    TAG: ClassVar[bytes] = b"RACK"
+    room: int
+    chunk: int
+    prefill_rank: int
+    decode_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class DoneAck:
+    """Decode -> prefill: this writer's WRITER_DONE arrived (re-sent until acknowledged)."""
+
+    TAG: ClassVar[bytes] = b"DACK"
+    room: int
+    prefill_rank: int
+    decode_rank: int
+
+
+Message = StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort | ReadyAck | DoneAck
 MESSAGE_TYPES: tuple[type, ...] = (
     StagingReq,
     StagingRsp,
@@ -139,6 +161,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     WriterDone,
     Bootstrap,
     Abort,
+    ReadyAck,
+    DoneAck,
 )
 
 

@@ -43,6 +43,7 @@ from kvstage.shared.events import (
     Gather,
     GatherDone,
     OpenRoom,
+    Record,
     ReleaseRoom,
     RoomDone,
     RoomFailed,
@@ -61,11 +62,14 @@ from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, ProtocolConfig
 from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
 from kvstage.shared.prefill import PrefillMachine
-from kvstage.shared.protocol import StagingRsp
+from kvstage.shared.protocol import MESSAGE_TYPES, StagingRsp
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 
 ROLES = ("prefill", "decode")
+# trace rows for messages about rooms outside the workload; past this only counted
+MAX_FOREIGN_TRACED = 1000
 
 
 def rank_name(role: str, rank: int) -> str:
@@ -199,10 +203,15 @@ class RankRuntime:
         self.geometry = g
         self.config = protocol_config(scenario)
         if role == "prefill":
-            self.machine: PrefillMachine | DecodeMachine = PrefillMachine(rank, g, self.config)
+            self.machine: PrefillMachine | DecodeMachine = PrefillMachine(rank, g, self.config, scenario.pool_bytes)
         else:
             self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config)
         self.requests = requests if requests is not None else generate_requests(scenario)
+        # Exact accounting: the rank is finished when each of these rooms ended, by id;
+        # a message about any other room is dropped and counted, never progress.
+        self._workload = {r.room for r in self.requests}
+        self._open_rooms = set(self._workload)
+        self.dropped = 0
         self.verify = verify and role == "decode"
         faults = scenario.faults
         self.plan = FaultPlan(faults, scenario.workload.seed, stream=fault_stream(role, rank))
@@ -228,7 +237,8 @@ class RankRuntime:
 
     @property
     def rooms_ended(self) -> int:
-        return self.machine.rooms_done + self.machine.rooms_failed
+        """Rooms of this run's workload that ended here (done or failed)."""
+        return len(self._workload) - len(self._open_rooms)
 
     @property
     def settled(self) -> bool:
@@ -237,7 +247,7 @@ class RankRuntime:
         if self.dead:
             return True
         return (
-            self.rooms_ended >= len(self.requests)
+            not self._open_rooms
             and self.machine.settled
             and not self._owed
             and not self._timers
@@ -275,7 +285,7 @@ class RankRuntime:
         m = self.machine
         return RankResult(
             role=self.role, rank=self.rank, rooms_done=m.rooms_done, rooms_failed=m.rooms_failed,
-            failures=dict(self.failures), dropped=m.dropped, events=self.events,
+            failures=dict(self.failures), dropped=m.dropped + self.dropped, events=self.events,
             faults_injected=dict(self.plan.injected),
             ring_used=m.ring.used_bytes if self.role == "decode" else 0, died=self.dead,
         )
@@ -309,6 +319,10 @@ class RankRuntime:
         handler = self._LOCAL.get(kind)
         if handler is not None:
             handler(self, event, now, out)
+            return
+        room = getattr(event, "room", None)
+        if room is not None and room not in self._workload and kind in MESSAGE_TYPES:
+            self._drop_foreign(event, now, out)
             return
         self._feed(event, now, out)
         if kind is StagingRsp and self.plan.abort_at(event.room, "rsp"):
@@ -356,7 +370,15 @@ class RankRuntime:
         if self.plan.abort_at(a.room, "scatter"):
             self._feed(AbortRoom(a.room, "fault injection: aborted while scattering"), now, out)
 
+    def _drop_foreign(self, msg, now: float, out: list[Action]) -> None:
+        """A peer's message about a room that is not in this run's workload."""
+        self.dropped += 1
+        if self.dropped <= MAX_FOREIGN_TRACED:
+            out.append(Record(TraceRecord(self.role, self.rank, "dropped", now, now, room=msg.room,
+                                          detail=f"{type(msg).__name__} for room {msg.room}, not in this run")))
+
     def _route_done(self, a: RoomDone, now: float, out: list[Action]) -> None:
+        self._open_rooms.discard(a.room)
         out.append(a)
         mem = self._memory.get(a.room)
         if self.verify and mem is not None and mem.num_pages:
@@ -365,6 +387,7 @@ class RankRuntime:
             out.append(Verify(a.room, mem.first_page, mem.num_pages, mem.request.prefix_tokens))
 
     def _route_failed(self, a: RoomFailed, now: float, out: list[Action]) -> None:
+        self._open_rooms.discard(a.room)
         self.failures.setdefault(a.room, a.reason)
         out.append(a)
 

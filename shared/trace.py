@@ -26,7 +26,8 @@ PHASES: tuple[str, ...] = (
     "watermark",  # decode watermark moved (and was broadcast)
     "room_done",
     "room_failed",
-    "dropped",  # a message ignored (late, unknown room, malformed)
+    "dropped",  # a message ignored (late, unknown room, malformed, implausible)
+    "late_write",  # prefill: a write completed after its room's abort grace (a safety violation)
 )
 
 

@@ -11,7 +11,9 @@ from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
     ChunkReady,
+    DoneAck,
     ProtocolError,
+    ReadyAck,
     StagingReq,
     StagingRsp,
     Watermark,
@@ -29,6 +31,8 @@ SAMPLES = [
     WriterDone(room=1, num_chunks=4, prefill_rank=5, writer=1, decode_rank=1),
     Bootstrap(room=1, dst_page_base=640, prefill_rank=5, decode_rank=1),
     Abort(room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"),
+    ReadyAck(room=1, chunk=3, prefill_rank=5, decode_rank=1),
+    DoneAck(room=1, prefill_rank=5, decode_rank=1),
 ]
 
 

@@ -119,7 +119,8 @@ def test_wrong_head_offset_is_caught(tmp_path):
 
 def test_abort_mid_transfer_releases_staging_and_others_finish(tmp_path):
     require_engine("mooncake")
-    f = write_scenario(tmp_path, 2, 1, 8, requests=4, faults="abort = [{room = 1, phase = \"write\"}]")
+    f = write_scenario(tmp_path, 2, 1, 8, requests=4,
+                       faults="abort = [{room = 1, phase = \"write\"}]\n[expect]\nfailed_rooms = [1]")
     code, run_dir = run(tmp_path, "mooncake", f)
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")

@@ -208,9 +208,9 @@ def test_stale_watermark_and_duplicate_rsp_are_harmless():
     p = PrefillMachine(0, g)
     p.handle(OpenRoom(0, prompt_tokens=16), 0.0)
     p.handle(ChunkComputed(0, 0), 0.0)
-    p.handle(Watermark(3, 10, 0, 0), 0.0)
-    p.handle(Watermark(2, 99, 0, 0), 0.0)  # older: ignored
-    assert tuple(p.watermark_view(0)) == (3, 10)
+    p.handle(Watermark(1, 10, 0, 0), 0.0)
+    p.handle(Watermark(0, 99, 0, 0), 0.0)  # older: ignored
+    assert tuple(p.watermark_view(0)) == (1, 10)
     size = g.region_bytes(4)
     out = p.handle(StagingRsp(0, 0, 0, 4, size, False, 0, 0), 0.1)  # round 4: needs wm round 3 tail >= size
     assert not any(isinstance(a, Gather) for a in out)
@@ -277,10 +277,10 @@ def test_lost_rsp_and_watermark_recovered_by_retry(seed):
     assert retries, "nothing was lost?"
 
 
-def test_lost_chunk_ready_fails_room_with_reason_and_frees():
+def test_lost_chunk_ready_is_resent_and_the_room_finishes():
+    """CHUNK_READY is acknowledged: one that is lost is sent again, and the room ends done."""
     g = geo(2, 1, 8)
-    cfg = ProtocolConfig(room_timeout_s=1.0, abort_grace_s=0.5)
-    # a pool big enough that room 1 is not stuck behind room 0's pinned region
+    cfg = ProtocolConfig(room_timeout_s=2.0, abort_grace_s=0.5)
     w = World(g, pool_bytes=g.chunk_bytes() * 10, seed=1, config=cfg)
     w.open_room(0, prompt_tokens=40)
     w.open_room(1, prompt_tokens=40)
@@ -293,9 +293,27 @@ def test_lost_chunk_ready_fails_room_with_reason_and_frees():
         return False
 
     w.run(drop=drop, until_quiet=True)
+    assert dropped and w.decode[0].rooms_done == 2 and w.decode[0].rooms_failed == 0
+    assert all(p.rooms_done == 2 for p in w.prefill)
+    assert w.decode[0].ring.empty
+    assert not check_records(w.records)
+
+
+def test_chunk_ready_never_arriving_fails_room_with_reason_and_frees():
+    g = geo(2, 1, 8)
+    cfg = ProtocolConfig(room_timeout_s=1.0, abort_grace_s=0.5)
+    # a pool big enough that room 1 is not stuck behind room 0's pinned region
+    w = World(g, pool_bytes=g.chunk_bytes() * 10, seed=1, config=cfg)
+    w.open_room(0, prompt_tokens=40)
+    w.open_room(1, prompt_tokens=40)
+
+    def drop(role, rank, ev):  # every copy of writer 0's CHUNK_READY for room 0 is lost
+        return isinstance(ev, ChunkReady) and ev.room == 0 and ev.writer == 0
+
+    w.run(drop=drop, until_quiet=True)
     assert w.decode[0].rooms_done == 1 and w.decode[0].rooms_failed == 1
     reason = w.failed[("decode", 0)][0]
-    assert "CHUNK_READY" in reason and "timed out" in reason
+    assert ("CHUNK_READY" in reason or "READY_ACK" in reason) and "timed out" in reason
     assert w.decode[0].ring.empty
     assert not check_records(w.records)
 
