@@ -44,14 +44,14 @@ class ProtocolConfig:
     # confirmed (by its own ABORT, sent once its in-flight writes finished) or this
     # long: a write still in flight must never land on a region handed out again.
     abort_grace_s: float = 5.0
-    # A prefill that hears nothing for this long re-sends STAGING_REQ for chunks with
-    # no answer or stuck behind the watermark (a lost RSP or WATERMARK); the decode
-    # replays its answer and its current watermark. Doubling backoff, bounded count.
-    # None: 1 s, or an eighth of a short room timeout, so that a room survives a few
-    # lost messages within its timeout
+    # A prefill re-sends, every retry_s, STAGING_REQ for chunks with no answer or stuck
+    # behind the watermark (a lost RSP or WATERMARK: the decode replays its answer and
+    # its current watermark) and CHUNK_READY / WRITER_DONE not yet acknowledged, until
+    # the room ends. The wait doubles while the decode stays silent, up to a cap, and
+    # resets when it answers. None: 1 s, or an eighth of a short room timeout, so that
+    # a room survives a few lost messages within its timeout.
     retry_s: float | None = None
-    max_retries: int = 4
-    max_backoff_doublings: int = 4  # the wait between re-requests grows to at most 16 x retry_s
+    max_backoff_doublings: int = 4  # the wait between re-sends grows to at most 16 x retry_s
     # Rooms remembered as finished, so that late or duplicate messages about them
     # are dropped instead of resurrecting state. Oldest forgotten first.
     finished_memory: int = 1 << 16

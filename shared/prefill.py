@@ -494,8 +494,6 @@ class PrefillMachine(MachineBase):
         if any(self._heard.get(d, -1.0) > room.last_retry for d in room.targets):
             room.retries = 0  # the decode answered since our last try: not a dead link
         room.last_retry = now
-        if room.retries >= self.config.max_retries:
-            return
         asked = False
         for t in room.targets.values():
             asked |= self._re_request(room, t, now, out)
@@ -528,10 +526,14 @@ class PrefillMachine(MachineBase):
             if at <= due:
                 t.unacked[chunk] = now
                 out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, chunk)))
+                self._record(out, "resend", now, now, room=room.room, chunk=chunk, writer=t.writer,
+                             peer=t.decode_rank, detail="CHUNK_READY not acknowledged")
                 sent = True
         if t.done and not t.done_acked and t.done_sent <= due:
             t.done_sent = now
             out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
+            self._record(out, "resend", now, now, room=room.room, writer=t.writer, peer=t.decode_rank,
+                         detail="WRITER_DONE not acknowledged")
             sent = True
         return sent
 

@@ -27,6 +27,7 @@ PHASES: tuple[str, ...] = (
     "room_done",
     "room_failed",
     "dropped",  # a message ignored (late, unknown room, malformed, implausible)
+    "resend",  # prefill: a CHUNK_READY or WRITER_DONE sent again (not acknowledged in time)
     "late_write",  # prefill: a write completed after its room's abort grace (a safety violation)
 )
 

@@ -265,7 +265,7 @@ def test_lost_rsp_and_watermark_recovered_by_retry(seed):
     from kvstage.shared.protocol import Watermark
 
     g = geo(4, 2, 8)
-    cfg = ProtocolConfig(retry_s=0.05, max_retries=12, room_timeout_s=100.0)
+    cfg = ProtocolConfig(retry_s=0.05, room_timeout_s=100.0)
     w = World(g, pool_bytes=g.chunk_bytes() * 2, seed=seed, config=cfg)
     lose = _random.Random(seed)
     for room in range(5):
