@@ -10,16 +10,32 @@ by srun/mpirun): every rank sends a JSON hello with its control address and its
 transfer metadata; when all ranks are there each gets the whole table and a common
 start time. At the end every rank sends its report and waits for the go to exit,
 so no process disappears while a peer might still write to it.
+
+Every frame list, control or rendezvous, is authenticated with the run's secret
+(32 random bytes the launcher draws per run): an HMAC-SHA256 over the frame count
+and every frame with its length goes as one extra, last frame; the key is bound to
+its channel and direction, so a frame signed for one cannot pass as another. A
+frame list that is too big is dropped before anything looks into it; one whose MAC
+is missing or wrong is dropped before it is decoded. Both are counted
+(`ControlPlane.oversize`, `.unauthenticated`, in the rank's report) and logged.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
+import hmac
 import json
 import logging
 import math
+import os
+import re
+import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -29,22 +45,146 @@ from kvstage.shared.runtime import rank_name
 
 log = logging.getLogger("kvstage.hw.control")
 
+SECRET_ENV = "KVSTAGE_RUN_SECRET"  # the run secret, hex, for ranks the launcher spawns
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 16
+# The largest legitimate control message is a few dozen bytes (a reason string is cut
+# at MAX_REASON_BYTES): anything over 64 KiB is dropped and counted, unread. ZMQ itself
+# cuts off a peer that sends a single frame over 1 MiB (not counted: never delivered).
+MAX_CONTROL_BYTES = 64 << 10
+MAX_CONTROL_FRAMES = 8
+ZMQ_MAX_CONTROL_FRAME = 1 << 20
+# A report carries the rank's whole trace; a hello its transfer metadata.
+MAX_RENDEZVOUS_BYTES = 512 << 20
+
+_CONTROL = b"kvstage control v1"
+_TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
+_TO_RANK = b"kvstage rendezvous launcher->rank v1"
+
+
+class RunSecretError(RuntimeError):
+    """No usable run secret: a rank never runs unauthenticated."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def parse_secret(text: str, where: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise RunSecretError(f"{where}: not a run secret (expected {2 * SECRET_BYTES} hex digits)") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise RunSecretError(f"{where}: a run secret of {len(secret)} bytes is too short "
+                             f"(at least {MIN_SECRET_BYTES}; kvstage hw draws {SECRET_BYTES})")
+    return secret
+
+
+def run_secret(secret: bytes | None = None) -> bytes:
+    """`secret` if given, else the one in $KVSTAGE_RUN_SECRET; RunSecretError if neither."""
+    if secret is not None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise RunSecretError(f"a run secret of {len(secret)} bytes is too short (at least {MIN_SECRET_BYTES})")
+        return bytes(secret)
+    text = os.environ.get(SECRET_ENV, "")
+    if not text.strip():
+        raise RunSecretError(
+            f"no run secret: give --secret-file RUN_DIR/run.secret (written by `kvstage hw`) or set "
+            f"{SECRET_ENV} (hex); control and rendezvous messages are authenticated with it")
+    return parse_secret(text, f"${SECRET_ENV}")
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise RunSecretError(f"cannot read the run secret file {path}: {exc.strerror or exc}") from None
+    return parse_secret(text, str(path))
+
+
+def write_secret_file(path: Path, secret: bytes) -> None:
+    """Write `secret` (hex) to `path`, readable by its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+        os.write(fd, (secret.hex() + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class _Mac:
+    """HMAC-SHA256 of a frame list under one key and channel label."""
+
+    def __init__(self, secret: bytes, label: bytes) -> None:
+        self._base = hmac.new(secret, label, hashlib.sha256)
+
+    def of(self, frames: Sequence[bytes]) -> bytes:
+        h = self._base.copy()
+        h.update(len(frames).to_bytes(4, "big"))
+        for f in frames:
+            h.update(len(f).to_bytes(8, "big"))
+            h.update(f)
+        return h.digest()
+
+    def sign(self, frames: Sequence[bytes]) -> list[bytes]:
+        return [*frames, self.of(frames)]
+
+    def verify(self, frames: Sequence[bytes]) -> list[bytes] | None:
+        """The frames without their MAC, or None when it is missing or wrong."""
+        if len(frames) < 2:
+            return None
+        body = list(frames[:-1])
+        return body if hmac.compare_digest(self.of(body), frames[-1]) else None
+
+
+class _Throttled:
+    """Logs the first few of a kind of drop, then every 1000th (a flood stays readable)."""
+
+    def __init__(self, logger: logging.Logger, first: int = 5) -> None:
+        self.log = logger
+        self.first = first
+        self.seen: dict[str, int] = {}
+
+    def warn(self, kind: str, fmt: str, *args: Any) -> None:
+        n = self.seen[kind] = self.seen.get(kind, 0) + 1
+        if n <= self.first or n % 1000 == 0:
+            self.log.warning(f"{fmt} ({kind} #{n})", *args)
+
+
+def signed(frames: Sequence[bytes], secret: bytes) -> list[bytes]:
+    """`frames` with their control MAC appended, as `ControlPlane.send` sends them (for
+    tools and tests that build frames by hand)."""
+    return _Mac(run_secret(secret), _CONTROL).sign(frames)
+
+
+def _size(frames: Sequence[bytes]) -> int:
+    return sum(len(f) for f in frames)
+
 
 class ControlPlane:
-    """This rank's inbox (PULL, bound on an ephemeral port) and outboxes (PUSH)."""
+    """This rank's inbox (PULL, bound on an ephemeral port) and outboxes (PUSH).
 
-    def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None) -> None:
+    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET; RunSecretError without one)."""
+
+    def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None, *,
+                 secret: bytes | None = None) -> None:
+        self._mac = _Mac(run_secret(secret), _CONTROL)
         self.ctx = ctx or zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)
         port = self.inbox.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._out: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.malformed = 0
+        self.unauthenticated = 0
+        self.oversize = 0
         self.sent = 0
         self.received = 0
+        self._warn = _Throttled(log)
 
     def connect(self, peer: str, address: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
@@ -56,7 +196,7 @@ class ControlPlane:
         sock = self._out.get(peer)
         if sock is None:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
-        sock.send_multipart(encode(msg), copy=False)
+        sock.send_multipart(self._mac.sign(encode(msg)), copy=False)
         self.sent += 1
 
     def receive(self, timeout_s: float) -> list[Message]:
@@ -71,12 +211,26 @@ class ControlPlane:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            if len(frames) > MAX_CONTROL_FRAMES or _size(frames) > MAX_CONTROL_BYTES:
+                self.oversize += 1
+                self._warn.warn("oversize", "dropped a control message of %d frames, %d bytes (at most %d, %d)",
+                                len(frames), _size(frames), MAX_CONTROL_FRAMES, MAX_CONTROL_BYTES)
+                continue
+            body = self._mac.verify(frames)
+            if body is None:
+                self.unauthenticated += 1
+                self._warn.warn("unauthenticated", "dropped a control message whose MAC is missing or wrong")
+                continue
             try:
-                out.append(decode(frames))
+                out.append(decode(body))
                 self.received += 1
             except ProtocolError as exc:
                 self.malformed += 1
                 log.warning("dropped a malformed control message: %s", exc)
+
+    def counters(self) -> dict[str, int]:
+        """Messages dropped, by why (the rank's report carries them)."""
+        return {"malformed": self.malformed, "unauthenticated": self.unauthenticated, "oversize": self.oversize}
 
     def close(self) -> None:
         for sock in self._out.values():
@@ -92,7 +246,10 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode())
+    return base64.b64decode(text.encode(), validate=True)
+
+
+_CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
 
 
 @dataclass
@@ -116,15 +273,43 @@ class RankInfo:
     def from_json(cls, d: dict[str, Any]) -> RankInfo:
         return cls(d["role"], int(d["rank"]), d["control"], d["agent"], _unb64(d["metadata"]), d.get("extra", {}))
 
+    @classmethod
+    def from_hello(cls, d: dict[str, Any]) -> RankInfo:
+        """A hello's RankInfo, every field checked; ValueError naming the first bad one."""
+        for key, kind in (("role", str), ("rank", int), ("control", str), ("agent", str), ("metadata", str)):
+            if key not in d:
+                raise ValueError(f"no {key!r}")
+            if not isinstance(d[key], kind) or isinstance(d[key], bool):
+                raise ValueError(f"{key!r} is {type(d[key]).__name__}, not {kind.__name__}")
+        if d["role"] not in ("prefill", "decode") or d["rank"] < 0:
+            raise ValueError(f"no such rank: role {d['role']!r}, rank {d['rank']}")
+        if not _CONTROL_ADDRESS.fullmatch(d["control"]):
+            raise ValueError(f"'control' {d['control'][:80]!r} is not tcp://HOST:PORT")
+        if not isinstance(d.get("extra", {}), dict):
+            raise ValueError("'extra' is not an object")
+        try:
+            return cls.from_json(d)
+        except binascii.Error as exc:
+            raise ValueError(f"'metadata' is not base64: {exc}") from None
+
 
 class RendezvousError(RuntimeError):
     pass
 
 
 class RendezvousClient:
-    """A rank's side of the rendezvous (a DEALER socket)."""
+    """A rank's side of the rendezvous (a DEALER socket).
 
-    def __init__(self, address: str, ctx: zmq.Context | None = None) -> None:
+    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET). `watch`, if given, is
+    called at least twice a second while waiting for an answer (a rank's check that
+    its launcher is alive)."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None, *, secret: bytes | None = None,
+                 watch: Callable[[], None] | None = None) -> None:
+        secret = run_secret(secret)
+        self._up = _Mac(secret, _TO_LAUNCHER)
+        self._down = _Mac(secret, _TO_RANK)
+        self.watch = watch
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -133,15 +318,38 @@ class RendezvousClient:
         self.sock.connect(address)
         self.address = address
 
-    def _recv(self, timeout_s: float, what: str) -> dict[str, Any]:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s while waiting for {what}")
-        return json.loads(self.sock.recv())
+    def send(self, msg: dict[str, Any]) -> None:
+        """One authenticated JSON message to the rendezvous."""
+        self.sock.send_multipart(self._up.sign([json.dumps(msg).encode()]))
+
+    def recv(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """The rendezvous' next answer; RendezvousError when none comes, when it cannot be
+        authenticated (this rank's secret is not the run's) or when it refuses."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.watch is not None:
+                self.watch()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
+                                      f"while waiting for {what}")
+            if self.sock.poll(min(500, math.ceil(left * 1000))):
+                break
+        frames = self.sock.recv_multipart()
+        body = self._down.verify(frames) if _size(frames) <= MAX_RENDEZVOUS_BYTES else None
+        if body is None or len(body) != 1:
+            raise RendezvousError(f"the rendezvous at {self.address} answered with a message this rank cannot "
+                                  f"authenticate: this rank's run secret is not the launcher's (check "
+                                  f"--secret-file / ${SECRET_ENV})")
+        msg = json.loads(body[0])
+        if msg.get("kind") == "refused":
+            raise RendezvousError(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
+        return msg
 
     def hello(self, me: RankInfo, timeout_s: float) -> tuple[dict[str, RankInfo], float]:
         """Register; returns every rank's info by name, and the run's start time (epoch s)."""
-        self.sock.send(json.dumps({"kind": "hello", **me.to_json()}).encode())
-        reply = self._recv(timeout_s, "all ranks to register")
+        self.send({"kind": "hello", **me.to_json()})
+        reply = self.recv(timeout_s, "all ranks to register")
         if reply.get("kind") == "abort":
             raise RendezvousError(f"rendezvous aborted the run: {reply.get('reason')}")
         table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
@@ -149,18 +357,33 @@ class RendezvousClient:
 
     def report(self, report: dict[str, Any], timeout_s: float) -> None:
         """Send this rank's report and wait until the launcher says every rank is finished."""
-        self.sock.send(json.dumps({"kind": "report", **report}).encode())
-        self._recv(timeout_s, "the other ranks to finish")
+        self.send({"kind": "report", **report})
+        self.recv(timeout_s, "the other ranks to finish")
+
+    def query(self, timeout_s: float) -> tuple[dict[str, RankInfo], float | None]:
+        """The ranks registered so far and the start time (None before every rank is in):
+        for tools that hold the run secret, e.g. to find a rank's control address."""
+        self.send({"kind": "query"})
+        reply = self.recv(timeout_s, "the rank table")
+        return {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}, reply.get("t0")
 
     def close(self) -> None:
         self.sock.close(linger=1000)
 
 
 class RendezvousServer:
-    """The launcher's side: collects hellos and reports of `expected` ranks."""
+    """The launcher's side: collects hellos and reports of `expected` ranks.
+
+    It refuses, logs and answers "refused" to (and never dies of): a message too big,
+    unauthenticated or not JSON, a hello with a missing or bad field, for a rank not in
+    this run or for one already registered, and a report from anything but a registered
+    rank's own connection. `refusals` keeps the reasons (the last 100)."""
 
     def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, *, secret: bytes | None = None) -> None:
+        secret = run_secret(secret)
+        self._up = _Mac(secret, _TO_LAUNCHER)
+        self._down = _Mac(secret, _TO_RANK)
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -172,7 +395,22 @@ class RendezvousServer:
         self.expected = set(expected)
         self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
         self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self.registered: dict[bytes, str] = {}  # connection identity -> the rank it registered
+        self.refusals: list[str] = []
         self.started = False
+        self.t0: float | None = None
+        self._warn = _Throttled(log, first=20)
+
+    def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone: nothing to tell
+
+    def _refuse(self, ident: bytes, reason: str) -> None:
+        self.refusals = [*self.refusals[-99:], reason]
+        self._warn.warn("refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason)
+        self._send(ident, {"kind": "refused", "reason": reason})
 
     def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
         """Handle what arrived; once all hellos are in, answer them with the table."""
@@ -180,31 +418,68 @@ class RendezvousServer:
             return
         while True:
             try:
-                ident, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            except ValueError:
-                continue
             try:
-                msg = json.loads(payload)
-                kind = msg.get("kind")
-                name = rank_name(msg["role"], int(msg["rank"]))
+                self._handle(parts[0], parts[1:])
             except Exception as exc:  # a stray peer must not take the launcher down
-                log.warning("rendezvous: dropped a malformed message: %s", exc)
-                continue
-            if name not in self.expected:
-                self.sock.send_multipart([ident, json.dumps({"kind": "abort", "reason": f"{name} is not part of this run"}).encode()])
-                continue
-            if kind == "hello":
-                self.hellos[name] = (ident, RankInfo.from_json(msg))
-            elif kind == "report":
-                self.reports[name] = (ident, msg)
+                self._refuse(parts[0], f"could not handle the message: {type(exc).__name__}: {exc}")
         if not self.started and set(self.hellos) == self.expected:
             self.started = True
-            t0 = time.time() + start_delay_s
+            self.t0 = time.time() + start_delay_s
             table = [info.to_json() for _, info in self.hellos.values()]
             for ident, _ in self.hellos.values():
-                self.sock.send_multipart([ident, json.dumps({"kind": "table", "ranks": table, "t0": t0}).encode()])
+                self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+        if _size(frames) > MAX_RENDEZVOUS_BYTES:
+            return self._refuse(ident, f"message of {_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
+        body = self._up.verify(frames)
+        if body is None or len(body) != 1:
+            return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
+        try:
+            msg = json.loads(body[0])
+        except ValueError as exc:
+            return self._refuse(ident, f"malformed message: {exc}")
+        kind = msg.get("kind") if isinstance(msg, dict) else None
+        if kind == "hello":
+            return self._hello(ident, msg)
+        if kind == "report":
+            return self._report(ident, msg)
+        if kind == "query":
+            table = [info.to_json() for _, info in self.hellos.values()]
+            return self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
+        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query)")
+
+    def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            info = RankInfo.from_hello(msg)
+        except ValueError as exc:
+            return self._refuse(ident, f"bad hello: {exc}")
+        name = info.name
+        if name not in self.expected:
+            return self._refuse(ident, f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})")
+        if name in self.hellos:
+            return self._refuse(ident, f"{name} is already registered")
+        if ident in self.registered:
+            return self._refuse(ident, f"this connection already registered {self.registered[ident]}")
+        self.hellos[name] = (ident, info)
+        self.registered[ident] = name
+
+    def _report(self, ident: bytes, msg: dict[str, Any]) -> None:
+        name = self.registered.get(ident)
+        if name is None:
+            return self._refuse(ident, "report from a connection that registered no rank")
+        try:
+            claimed = rank_name(msg["role"], int(msg["rank"]))
+        except (KeyError, TypeError, ValueError):
+            claimed = None
+        if claimed != name:
+            return self._refuse(ident, f"report for {claimed} from the connection of {name}")
+        if name in self.reports:
+            return self._refuse(ident, f"{name} has already reported")
+        self.reports[name] = (ident, msg)
 
     @property
     def all_reported(self) -> bool:
@@ -213,14 +488,11 @@ class RendezvousServer:
     def release(self) -> None:
         """Tell every reported rank that it may exit."""
         for ident, _ in self.reports.values():
-            self.sock.send_multipart([ident, json.dumps({"kind": "bye"}).encode()])
+            self._send(ident, {"kind": "bye"})
 
     def abort(self, reason: str) -> None:
         for ident, _ in list(self.hellos.values()):
-            try:
-                self.sock.send_multipart([ident, json.dumps({"kind": "abort", "reason": reason}).encode()], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._send(ident, {"kind": "abort", "reason": reason})
 
     def close(self) -> None:
         self.sock.close(linger=500)

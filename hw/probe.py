@@ -450,6 +450,9 @@ class _Children:
 
     @classmethod
     def spawn(cls, backend: str, device: str, plan: CalibrationPlan, extras: Sequence[Extra]) -> _Children:
+        from kvstage.hw.control import SECRET_ENV, new_secret
+
+        os.environ.setdefault(SECRET_ENV, new_secret().hex())  # the children's control planes share it
         ctx = mp.get_context("spawn")
         logdir = tempfile.mkdtemp(prefix="kvstage-calibrate-")
         logs = {"receiver": os.path.join(logdir, "receiver.log"), "sender": os.path.join(logdir, "sender.log")}

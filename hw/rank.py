@@ -202,7 +202,7 @@ class RankProcess:
         report = self.runtime.result().to_wire()
         report.update({
             "error": error,
-            "malformed": self.control.malformed,
+            **self.control.counters(),  # malformed, unauthenticated, oversize
             "requests_posted": self.transport.requests_posted,
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })

@@ -24,12 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     p.add_argument("--host", default=os.environ.get("KVSTAGE_HOST", "127.0.0.1"),
                    help="address this rank's control socket binds (default 127.0.0.1)")
+    p.add_argument("--secret-file", default=None,
+                   help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
+                        "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
+    from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
+
+    try:
+        secret = read_secret_file(args.secret_file) if args.secret_file else run_secret()
+    except RunSecretError as exc:
+        print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -110,6 +111,7 @@ def hw(
     spawn: Annotated[bool, typer.Option(help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank).")] = True,
     port: Annotated[int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")] = 0,
     trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
+    host: Annotated[str | None, typer.Option(help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).")] = None,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -133,8 +135,11 @@ def hw(
     problem = device_problem(s.hardware.device)
     if problem:
         _fail(problem)
+    if host:
+        os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
     if not spawn:
-        console.print("waiting for ranks to register (start them with `kvstage hw-rank ... --rendezvous HOST:PORT`)")
+        console.print("waiting for ranks to register (start them with `kvstage hw-rank ... --rendezvous HOST:PORT "
+                      "--secret-file RUN_DIR/run.secret`)")
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
                            port=port, console=console)
     raise typer.Exit(code)
@@ -150,6 +155,7 @@ def hw_rank(
     backend: Annotated[str | None, typer.Option(help="nixl or mooncake.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.")] = None,
     host: Annotated[str, typer.Option(help="Address this rank's control socket binds.")] = "127.0.0.1",
+    secret_file: Annotated[Path | None, typer.Option(help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET).")] = None,
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
@@ -162,6 +168,8 @@ def hw_rank(
         argv += ["--backend", backend]
     if device:
         argv += ["--device", device]
+    if secret_file:
+        argv += ["--secret-file", str(secret_file)]
     raise typer.Exit(rank_main(argv))
 
 

@@ -1,0 +1,269 @@
+"""A control plane nobody can fool: authenticated control and rendezvous frames, a
+rendezvous that refuses instead of dying.
+
+Real ZMQ sockets and real processes throughout; the hardware tests run real NIXL
+transfers and verify every byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import zmq
+from conftest import require_engine
+from test_hw import write_scenario
+
+from kvstage.hw.control import (
+    MAX_CONTROL_BYTES,
+    SECRET_ENV,
+    ControlPlane,
+    RankInfo,
+    RendezvousClient,
+    RendezvousError,
+    RendezvousServer,
+    new_secret,
+    read_secret_file,
+    signed,
+)
+from kvstage.hw.launch import launch
+from kvstage.hw.rank_main import main as rank_main
+from kvstage.shared.invariants import check_records
+from kvstage.shared.layout import room_pages
+from kvstage.shared.protocol import Abort, Watermark, encode
+from kvstage.shared.scenario import load_scenario
+from kvstage.shared.trace import TraceRecord
+from kvstage.shared.workload import generate_requests
+
+
+def _push(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    return sock
+
+
+def _receive_until(cp: ControlPlane, done, timeout_s: float = 10.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while not done(got) and time.monotonic() < deadline:
+        got += cp.receive(0.05)
+    return got
+
+
+def test_control_plane_drops_what_it_cannot_authenticate():
+    secret = new_secret()
+    inbox = ControlPlane(secret=secret)
+    honest = ControlPlane(secret=secret)
+    other_run = ControlPlane(secret=new_secret())
+    raw = _push(inbox.address)
+    try:
+        honest.connect("inbox", inbox.address)
+        other_run.connect("inbox", inbox.address)
+        forged = Abort(room=0, prefill_rank=0, decode_rank=0, reason="forged")
+        raw.send_multipart(encode(forged))  # no MAC
+        raw.send_multipart([*encode(forged), os.urandom(32)])  # a wrong MAC
+        honest.send("inbox", Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0))
+        other_run.send("inbox", forged)  # a MAC, with another run's secret
+        raw.send_multipart([b"x" * (MAX_CONTROL_BYTES + 1), os.urandom(32)])  # too big to look at
+        got = _receive_until(inbox, lambda got: inbox.unauthenticated + inbox.oversize >= 4 and got)
+        assert got == [Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0)]
+        assert inbox.counters() == {"malformed": 0, "unauthenticated": 3, "oversize": 1}
+        # a frame list signed with the run's secret that does not decode is malformed, as before
+        raw.send_multipart(signed([b"KVS?", b"junk"], secret))
+        assert _receive_until(inbox, lambda _: inbox.malformed == 1) == []
+        assert inbox.received == 1
+    finally:
+        raw.close(linger=0)
+        for cp in (inbox, honest, other_run):
+            cp.close()
+
+
+def test_a_control_plane_needs_the_run_secret(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="no run secret"):
+        ControlPlane()
+    monkeypatch.setenv(SECRET_ENV, new_secret().hex())
+    ControlPlane().close()
+
+
+def test_a_rank_without_a_secret_does_not_start(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    argv = [str(tmp_path / "scenario.toml"), "--role", "decode", "--rank", "0", "--rendezvous", "127.0.0.1:9"]
+    assert rank_main(argv) == 2
+    assert "decode0: error: no run secret: give --secret-file" in capsys.readouterr().err
+    assert rank_main([*argv, "--secret-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read the run secret file" in capsys.readouterr().err
+    (tmp_path / "short").write_text("abcd\n")
+    assert rank_main([*argv, "--secret-file", str(tmp_path / "short")]) == 2
+    assert "too short" in capsys.readouterr().err
+
+
+@contextmanager
+def serving(server: RendezvousServer):
+    """The server handles messages in a thread of its own (the only one touching it)."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            server.poll(0.02)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def _refused(server: RendezvousServer, client: RendezvousClient, msg: dict) -> str:
+    """Send `msg`; the reason the server refused it with (which the client was told)."""
+    client.send(msg)
+    with pytest.raises(RendezvousError, match="refused this rank") as err:
+        client.recv(5, "the refusal")
+    assert server.refusals[-1] in str(err.value)
+    return server.refusals[-1]
+
+
+def _until(done, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "not there in time"
+        time.sleep(0.01)
+
+
+def _hello(role: str, rank: int, /, **change) -> dict:
+    return {"kind": "hello", **RankInfo(role, rank, "tcp://127.0.0.1:1", f"agent-{role}{rank}", b"meta").to_json(),
+            **change}
+
+
+def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
+    secret = new_secret()
+    server = RendezvousServer(["prefill0", "decode0"], secret=secret)
+    stranger = RendezvousClient(server.address, secret=secret)  # holds the secret, registers nothing
+    clients: list[RendezvousClient] = [stranger]
+    try:
+        with serving(server):
+            missing = _hello("prefill", 0)
+            del missing["control"]
+            assert "no 'control'" in _refused(server, stranger, missing)
+            assert "not tcp://HOST:PORT" in _refused(server, stranger, _hello("prefill", 0, control=7 * "x"))
+            assert "'rank' is str" in _refused(server, stranger, _hello("prefill", 0, rank="0"))
+            assert "not base64" in _refused(server, stranger, _hello("prefill", 0, metadata="#"))
+            assert "is not part of this run" in _refused(server, stranger, _hello("prefill", 7))
+            assert "no such rank" in _refused(server, stranger, _hello("verify", 0))
+            assert "unknown message kind" in _refused(server, stranger, {"kind": "table", "ranks": []})
+            assert "registered no rank" in _refused(server, stranger, {"kind": "report", "role": "prefill", "rank": 0})
+            # garbage, and a hello without a MAC, from a plain socket
+            raw = zmq.Context.instance().socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(f"tcp://{server.address}")
+            raw.send(b"\xff not json at all")
+            raw.send(json.dumps(_hello("prefill", 0)).encode())
+            _until(lambda: sum("unauthenticated" in r for r in server.refusals) == 2)
+            raw.close()
+            # a rank with another run's secret is refused, and says why
+            wrong = RendezvousClient(server.address, secret=new_secret())
+            clients.append(wrong)
+            wrong.send(_hello("decode", 0))
+            with pytest.raises(RendezvousError, match="cannot authenticate: this rank's run secret is not the launcher's"):
+                wrong.recv(5, "the table")
+            assert not server.hellos and not server.started
+
+            # the honest ranks register and get the table
+            tables: dict[str, tuple] = {}
+
+            def register(role: str, rank: int) -> None:
+                client = RendezvousClient(server.address, secret=secret)
+                clients.append(client)
+                me = RankInfo(role, rank, f"tcp://127.0.0.1:{5000 + rank}", f"agent-{role}{rank}", b"meta")
+                tables[me.name] = client.hello(me, timeout_s=20)
+
+            threads = [threading.Thread(target=register, args=rk) for rk in (("prefill", 0), ("decode", 0))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            assert sorted(tables) == ["decode0", "prefill0"]
+            assert all(sorted(table) == ["decode0", "prefill0"] and t0 == server.t0 for table, t0 in tables.values())
+            # an authenticated query sees the table; a second hello for a registered rank is refused
+            table, t0 = stranger.query(5)
+            assert sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
+            assert table["decode0"].control == "tcp://127.0.0.1:5000"
+            assert "already registered" in _refused(server, stranger, _hello("decode", 0))
+            # a report for a rank from a connection other than its own is refused
+            assert "registered no rank" in _refused(server, stranger, {"kind": "report", "role": "decode", "rank": 0})
+            assert not server.reports
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(420)
+def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
+    """WATERMARK and ABORT forged with another secret (and without one) at every rank's
+    control address while a run is under way: dropped and counted, every byte right."""
+    require_engine("nixl")
+    s = load_scenario(write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"])
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "scenario.toml").write_text(s.to_toml())
+    sent = {"messages": 0, "ranks": []}
+
+    def forge(address: str) -> None:
+        # the test holds the run's secret (the file the launcher writes) to find the ranks
+        client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
+        table, t0 = client.query(10)
+        client.close()
+        assert t0 is not None
+        liar = ControlPlane(secret=new_secret())
+        raws = {name: _push(info.control) for name, info in table.items()}
+        for name, info in table.items():
+            liar.connect(name, info.control)
+        sent["ranks"] = sorted(table)
+        for i in range(60):
+            for name in table:
+                forged = [Watermark(round=1000 + i, tail=i, prefill_rank=p, decode_rank=0) for p in (0, 1)]
+                forged += [Abort(room=i % s.workload.requests, prefill_rank=p, decode_rank=0, reason="forged")
+                           for p in (0, 1)]
+                for msg in forged:
+                    liar.send(name, msg)
+                    raws[name].send_multipart(encode(msg))
+                    sent["messages"] += 2
+            time.sleep(0.02)
+        liar.close()
+        for sock in raws.values():
+            sock.close()
+
+    def on_started(address, procs):
+        threading.Thread(target=forge, args=(address,), daemon=True).start()
+
+    result = launch(run_dir / "scenario.toml", 2, 1, run_dir / "logs", backend="nixl", device="cpu",
+                    timeout_s=300, on_started=on_started)
+    assert result.ok, result.errors
+    assert sent["ranks"] == ["decode0", "prefill0", "prefill1"] and sent["messages"] > 0
+    reports = result.reports
+    assert sorted(reports) == sent["ranks"]
+    assert all(r["unauthenticated"] > 0 for r in reports.values()), {n: r["unauthenticated"] for n, r in reports.items()}
+    assert all(r["failures"] == {} and r["rooms_failed"] == 0 for r in reports.values())
+    assert reports["decode0"]["rooms_done"] == s.workload.requests
+    assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
+    assert sum(r.get("bytes_verified", 0) for r in reports.values()) == _bytes_to_verify(s)
+    assert reports["decode0"]["ring_used"] == 0
+    records = sorted((TraceRecord(*row) for r in reports.values() for row in r["records"]),
+                     key=lambda r: (r.end, r.start, r.role, r.rank))
+    assert not check_records(records, s.transfer.path)
+    assert (run_dir / "run.secret").stat().st_mode & 0o777 == 0o600
+
+
+def _bytes_to_verify(s) -> int:
+    g = s.geometry()
+    pages = sum(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) for r in generate_requests(s))
+    return g.decode_tp * pages * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
