@@ -4,6 +4,11 @@ It watches every child: a rank that exits before reporting (crash, kill) fails t
 whole run within `poll` time, with a message naming the rank and the tail of its
 log, and every other process is terminated — nothing is left behind.
 
+The other way round, no rank outlives its launcher: a SIGTERM (or SIGHUP) to the
+launcher fails the run and terminates every rank; a SIGKILL takes them down through
+the parent-death signal each spawned rank is given (Linux), and each rank also checks
+once per loop turn that its launcher is still there (`check_launcher`).
+
 Each run has its own secret (hw/control.py): the launcher draws it, hands it to the
 ranks it spawns in their environment (never on a command line) and writes it, 0600,
 to `<run dir>/run.secret` for ranks started elsewhere (`kvstage hw-rank --secret-file`).
@@ -11,12 +16,15 @@ to `<run dir>/run.secret` for ranks started elsewhere (`kvstage hw-rank --secret
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +40,9 @@ from kvstage.hw.control import (
 
 log = logging.getLogger("kvstage.hw.launch")
 
+LAUNCHER_PID_ENV = "KVSTAGE_LAUNCHER_PID"  # set for the ranks a launcher spawns
 SECRET_FILE = "run.secret"
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -85,7 +95,9 @@ def launch(
     numactl, or an instrumented rank of a test). `secret`: the run secret (default:
     32 fresh random bytes), written to `log_dir/../run.secret`. `host`: the address
     the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).
-"""
+
+    Call it from the thread that lives as long as the run: the ranks' parent-death
+    signal fires when the thread that spawned them ends."""
     names = rank_names(prefill_tp, decode_tp)
     secret = run_secret(secret) if secret is not None else new_secret()
     host = host or os.environ.get("KVSTAGE_HOST", "127.0.0.1")
@@ -98,11 +110,13 @@ def launch(
     start = time.monotonic()
     errors: list[str] = []
     env = _rank_env(host, secret)
+    stop = _StopOnSignal()
     try:
         if not spawn:
             print(f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
                   f"{server.address} --secret-file {secret_path}`", file=sys.stderr, flush=True)
         else:
+            preexec = _die_with_launcher()
             for name in names:
                 role = "prefill" if name.startswith("prefill") else "decode"
                 cmd = [*(rank_wrapper or []), sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
@@ -112,7 +126,7 @@ def launch(
                 logs[name] = log_dir / f"{name}.log"
                 with logs[name].open("w") as fh:
                     procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                                   start_new_session=True)
+                                                   start_new_session=True, preexec_fn=preexec)
         _until_all_reported(server, procs, logs, on_started, start, timeout_s)
         server.release()
         for name, proc in procs.items():
@@ -129,8 +143,12 @@ def launch(
         server.abort(str(exc))
         return LaunchResult({n: m for n, (_, m) in server.reports.items()}, time.monotonic() - start, [str(exc)])
     finally:
-        _terminate(procs)
-        server.close()
+        stop.disarm()  # a signal now would cut the clean-up short: it is ignored
+        try:
+            _terminate(procs)
+            server.close()
+        finally:
+            stop.restore()
 
 
 def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
@@ -155,14 +173,127 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
 
 
 def _rank_env(host: str, secret: bytes) -> dict[str, str]:
-    """The spawned ranks' environment: the run secret, and quiet engines that keep to
-    `host`."""
+    """The spawned ranks' environment: the run secret and this launcher's pid, and
+    quiet engines that keep to `host`."""
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("MC_LOG_LEVEL", "ERROR")
     env.setdefault("MC_TCP_BIND_ADDRESS", host)
     env[SECRET_ENV] = secret.hex()
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
+
+
+class _StopOnSignal:
+    """While armed, SIGTERM and SIGHUP raise LaunchError in the launching thread, so
+    the run fails and `launch` terminates every rank; disarmed (during that clean-up)
+    they are ignored. Only from the main thread, where Python runs signal handlers;
+    elsewhere nothing changes."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.armed = threading.current_thread() is threading.main_thread()
+        self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS} if self.armed else {}
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise LaunchError(f"the launcher received {signal.Signals(signum).name}: run stopped, ranks terminated")
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """A `preexec_fn` that gives a spawned rank SIGTERM when the launcher dies
+    (PR_SET_PDEATHSIG), and exits at once if it already has. None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher:  # it died before the line above
+            os._exit(1)
+
+    return preexec
+
+
+class LauncherGone(BaseException):
+    """Raised in a rank whose launcher is gone. A BaseException, like SystemExit: no
+    `except Exception` on the way up turns it into a report nobody would receive."""
+
+
+class LauncherWatch:
+    """A rank's check that the launcher that spawned it (pid in $KVSTAGE_LAUNCHER_PID)
+    is still there: while it is the rank's parent, one getppid() a call; otherwise
+    (a wrapper between them) a look at /proc at most every `interval_s`, which also
+    tells an exited launcher nobody reaped yet (a zombie) or a reused pid."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.direct = os.getppid() == pid
+        self.started = _proc_start(pid)
+        self._next = 0.0
+
+    def alive(self) -> bool:
+        if self.direct:
+            return os.getppid() == self.pid
+        now = time.monotonic()
+        if now < self._next:
+            return True
+        self._next = now + self.interval_s
+        if self.started is not None:
+            return _proc_start(self.pid) == self.started
+        try:  # no /proc: only whether the pid exists
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def __call__(self) -> None:
+        if not self.alive():
+            log.error("the launcher (pid %d) is gone: this rank stops", self.pid)
+            raise LauncherGone(f"the launcher (pid {self.pid}) is gone")
+
+
+def _proc_start(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot, /proc/PID/stat), 0 when it
+    has exited (no such process, a zombie); None where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0 if Path("/proc/self/stat").exists() else None
+    except OSError:
+        return None
+    return 0 if fields[0] in ("Z", "X") else int(fields[19])
+
+
+_watch: LauncherWatch | None = None
+
+
+def watch_launcher() -> None:
+    """Start watching the launcher named in $KVSTAGE_LAUNCHER_PID (a rank calls this
+    first thing); ranks started by hand have none and watch nothing."""
+    global _watch
+    pid = os.environ.get(LAUNCHER_PID_ENV, "")
+    _watch = LauncherWatch(int(pid)) if pid.isdigit() else None
+
+
+def check_launcher() -> None:
+    """Raise LauncherGone if this rank's launcher is gone (cheap: call it every loop turn)."""
+    if _watch is not None:
+        _watch()
 
 
 def _terminate(procs: dict[str, subprocess.Popen]) -> None:

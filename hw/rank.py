@@ -25,6 +25,7 @@ from typing import Any
 
 from kvstage.hw.control import ControlPlane, RankInfo, RendezvousClient, rank_name
 from kvstage.hw.kvpool import KVPool
+from kvstage.hw.launch import check_launcher
 from kvstage.hw.transport import make_transport
 from kvstage.shared.events import Arrive, Die, Record, RoomDone, RoomFailed, Send, Tick
 from kvstage.shared.layout import owned_heads
@@ -121,7 +122,7 @@ class RankProcess:
 
     # --- life cycle -----------------------------------------------------------------------
     def run(self, rendezvous_timeout_s: float = 60.0) -> dict[str, Any]:
-        client = RendezvousClient(self.rendezvous_address)
+        client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
         me = RankInfo(self.role, self.rank, self.control.address, self.transport.agent_name,
                       self.transport.metadata(), self._rank_extra())
         table, t0 = client.hello(me, rendezvous_timeout_s)
@@ -153,6 +154,7 @@ class RankProcess:
         last = arrivals[-1].arrival_s if arrivals else 0.0
         hard_deadline = last + rt.join_at + rt.config.room_timeout_s * 3 + 30
         while not rt.settled:
+            check_launcher()  # a rank ends with its launcher
             now = self.now()
             if now > hard_deadline:
                 raise RankError(f"{self.name}: run did not finish within {hard_deadline:.0f}s "

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
     from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
+    from kvstage.hw.launch import LauncherGone, watch_launcher
 
+    watch_launcher()  # first: a launcher that dies from here on takes this rank along
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else run_secret()
     except RunSecretError as exc:
@@ -59,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ScenarioError, RankError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2
-    report = rank.run()
+    try:
+        report = rank.run()
+    except LauncherGone as exc:
+        print(f"{args.role}{args.rank}: {exc}: stopped", file=sys.stderr)
+        rank.close()
+        return 3
     if report["error"]:
         print(report["error"], file=sys.stderr)
         return 1

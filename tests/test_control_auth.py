@@ -1,5 +1,5 @@
 """A control plane nobody can fool: authenticated control and rendezvous frames, a
-rendezvous that refuses instead of dying.
+rendezvous that refuses instead of dying, ranks that end with their launcher.
 
 Real ZMQ sockets and real processes throughout; the hardware tests run real NIXL
 transfers and verify every byte.
@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import zmq
@@ -267,3 +272,84 @@ def _bytes_to_verify(s) -> int:
     g = s.geometry()
     pages = sum(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) for r in generate_requests(s))
     return g.decode_tp * pages * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
+
+
+# --- a rank ends with its launcher -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaped yet."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z"
+    except OSError:
+        return True
+
+
+def _wait_registered(address: str, secret_file: Path, launcher: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not secret_file.exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "the launcher did not start"
+        time.sleep(0.1)
+    client = RendezvousClient(address, secret=read_secret_file(secret_file))
+    try:
+        while True:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not register"
+            try:
+                if client.query(5)[1] is not None:
+                    return
+            except RendezvousError:
+                pass
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
+    require_engine("nixl")
+    f = write_scenario(tmp_path, 2, 1, 8, requests=400)  # 20 s of arrivals: killed mid-run
+    port = _free_port()
+    out = tmp_path / "run"
+    with (tmp_path / "launcher.log").open("w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "kvstage.cli", "hw", str(f), "--backend", "nixl",
+                                     "--out", str(out), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    ranks: list[int] = []
+    try:
+        _wait_registered(f"127.0.0.1:{port}", out / "run.secret", launcher, timeout_s=180)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 3, ranks
+        os.kill(launcher.pid, sig)
+        deadline = time.monotonic() + 20
+        while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in ranks), [pid for pid in ranks if not _gone(pid)]
+        code = launcher.wait(timeout=60)
+        if sig == signal.SIGTERM:  # the run failed, saying why, after cleaning up
+            assert code == 1
+            assert "received SIGTERM" in (tmp_path / "launcher.log").read_text()
+    finally:
+        for pid in [launcher.pid, *ranks]:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
