@@ -109,7 +109,7 @@ def launch(
     logs: dict[str, Path] = {}
     start = time.monotonic()
     errors: list[str] = []
-    env = _rank_env(host, secret)
+    env = _rank_env(host, device, secret)
     stop = _StopOnSignal()
     try:
         if not spawn:
@@ -172,16 +172,24 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
             raise LaunchError(f"ranks {missing} did not {stage} within {timeout_s:.0f}s")
 
 
-def _rank_env(host: str, secret: bytes) -> dict[str, str]:
+def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:
     """The spawned ranks' environment: the run secret and this launcher's pid, and
     quiet engines that keep to `host`."""
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("MC_LOG_LEVEL", "ERROR")
     env.setdefault("MC_TCP_BIND_ADDRESS", host)
+    if _loopback(host) and not str(device or "").startswith("cuda"):
+        # UCX (under NIXL) listens on every network device's address unless told
+        # otherwise; ranks on loopback need none but lo.
+        env.setdefault("UCX_NET_DEVICES", "lo")
     env[SECRET_ENV] = secret.hex()
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
 
 
 class _StopOnSignal:
