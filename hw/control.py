@@ -355,10 +355,21 @@ class RendezvousClient:
         table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
         return table, float(reply["t0"])
 
-    def report(self, report: dict[str, Any], timeout_s: float) -> None:
-        """Send this rank's report and wait until the launcher says every rank is finished."""
+    def report(self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None) -> None:
+        """Send this rank's report and wait until the launcher says every rank is finished.
+        `serve` is called meanwhile, again and again (it should block for a few ms at
+        most): a rank that finished still answers its peers, whose re-sent messages may
+        wait for an acknowledgement only it can give."""
         self.send({"kind": "report", **report})
-        self.recv(timeout_s, "the other ranks to finish")
+        if serve is not None:
+            deadline = time.monotonic() + timeout_s
+            while not self.sock.poll(0):
+                if self.watch is not None:
+                    self.watch()
+                if time.monotonic() > deadline:
+                    break  # recv below says so
+                serve()
+        self.recv(max(1.0, timeout_s if serve is None else 1.0), "the other ranks to finish")
 
     def query(self, timeout_s: float) -> tuple[dict[str, RankInfo], float | None]:
         """The ranks registered so far and the start time (None before every rank is in):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,7 +23,10 @@ class DecodeRank(RankProcess):
         super().__init__(scenario, rank, rendezvous, **kw)
         self.ring_buf = torch.zeros(max(1, scenario.pool_bytes), dtype=torch.uint8, device=self.device)
         self.transport.register(self.ring_buf)
-        self.to_verify: deque[Verify] = deque()
+        # Scatters and verifications run on one worker thread, in order (a stream): the
+        # loop keeps answering messages meanwhile (torch releases the GIL in its kernels).
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy")
+        self.jobs: deque[tuple[Future, Scatter | Verify]] = deque()
         self.bytes_verified = 0
         self.bytes_wrong = 0
         self.rooms_verified = 0
@@ -42,31 +46,43 @@ class DecodeRank(RankProcess):
         return self.g.staging_layout(self.rank, num_pages)
 
     def _scatter(self, a: Scatter) -> None:
+        self.jobs.append((self.worker.submit(self._scatter_job, a), a))
+
+    def _scatter_job(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         scatter(self.pool, a.dst_page_base + a.page_start, a.num_pages, region, self.scatter_layout(a.num_pages))
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-        self._feed(ScatterDone(a.room, a.chunk))
 
-    # --- verification (when the loop is idle, so it never delays the protocol) -----------------
     def _verify(self, a: Verify) -> None:
-        self.to_verify.append(a)
+        self.jobs.append((self.worker.submit(self._verify_job, a), a))
 
-    def _has_idle_work(self) -> bool:
-        return bool(self.to_verify)
+    def _verify_job(self, a: Verify) -> tuple[int, int]:
+        return verify(self.pool, a.first_page, a.num_pages, a.room, a.prefix_tokens, self.global_heads,
+                      sample=self.verify_mode == "sample")
 
-    def _idle_work(self, had_messages: bool) -> None:
-        if not self.to_verify or had_messages:
-            return
-        a = self.to_verify.popleft()
-        checked, wrong = verify(self.pool, a.first_page, a.num_pages, a.room, a.prefix_tokens, self.global_heads,
-                                sample=self.verify_mode == "sample")
-        self.bytes_verified += checked
-        self.bytes_wrong += wrong
-        self.rooms_verified += 1
-        if wrong:
-            self.wrong_rooms.append(a.room)
-        self._feed(VerifyDone(a.room))
+    def _busy(self) -> bool:
+        return bool(self.jobs)
+
+    def _progress(self) -> None:
+        """Report the worker's finished jobs, in order."""
+        while self.jobs and self.jobs[0][0].done():
+            job, a = self.jobs.popleft()
+            result = job.result()  # a failed kernel is a bug: raise it here, in the loop
+            if type(a) is Scatter:
+                self._feed(ScatterDone(a.room, a.chunk))
+                continue
+            checked, wrong = result
+            self.bytes_verified += checked
+            self.bytes_wrong += wrong
+            self.rooms_verified += 1
+            if wrong:
+                self.wrong_rooms.append(a.room)
+            self._feed(VerifyDone(a.room))
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True, cancel_futures=True)
+        super().close()
 
     def _report_extra(self) -> dict[str, Any]:
         return {

@@ -94,6 +94,9 @@ class PrefillRank(RankProcess):
         self.forwards: deque[Forward] = deque()
         self.computing: _Computing | None = None
         self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-forward")
+        # gathers run on their own worker thread, in order: the loop keeps answering
+        self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-gather")
+        self.gathers: deque[tuple[Future, Gather]] = deque()
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for d in self.g.targets(self.rank):
@@ -103,13 +106,15 @@ class PrefillRank(RankProcess):
 
     def close(self) -> None:
         self.compute_thread.shutdown(wait=True, cancel_futures=True)
+        self.copy_thread.shutdown(wait=True, cancel_futures=True)
         super().close()
 
     def _busy(self) -> bool:
-        return bool(self.pending or self.waiting_gathers or self.computing or self.forwards)
+        return bool(self.pending or self.waiting_gathers or self.computing or self.forwards or self.gathers)
 
     def _progress(self) -> None:
         self._forward_step()
+        self._gathers_done()
         self._poll_transfers()
 
     # --- the forward -------------------------------------------------------------------------
@@ -150,13 +155,21 @@ class PrefillRank(RankProcess):
         if slot is None:
             self.waiting_gathers.append(a)  # retried when a write frees send-buffer space
             return
+        self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
+        first = self.runtime.page_base(a.room) + a.src_page
+        self.gathers.append((self.copy_thread.submit(self._gather_job, a, first, slot), a))
+
+    def _gather_job(self, a: Gather, first_page: int, slot: int) -> None:
         out = self.send_buf[slot : slot + a.nbytes]
-        gather(self.pool, self.runtime.page_base(a.room) + a.src_page, a.num_pages, a.heads.src_head_start,
-               a.heads.num_heads, out)
+        gather(self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out)
         if self.on_cuda:  # the write must not read a half-gathered block
             torch.cuda.synchronize(self.device)
-        self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
-        self._feed(GatherDone(a.room, a.chunk, a.decode_rank))
+
+    def _gathers_done(self) -> None:
+        while self.gathers and self.gathers[0][0].done():
+            job, a = self.gathers.popleft()
+            job.result()  # a failed kernel is a bug: raise it here, in the loop
+            self._feed(GatherDone(a.room, a.chunk, a.decode_rank))
 
     def _write(self, a: Write) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]

@@ -135,7 +135,8 @@ class RankProcess:
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
         report = self._report(error)
-        client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2))
+        client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
+                      serve=None if error else self._serve_late)
         client.close()
         self.close()
         return report
@@ -174,6 +175,12 @@ class RankProcess:
             for msg in messages:
                 self._feed(msg)
             self._idle_work(bool(messages))
+
+    def _serve_late(self) -> None:
+        """After this rank finished: answer what peers still send (acknowledgements they
+        wait for, ABORTs of failed rooms) until every rank has finished."""
+        for msg in self.control.receive(0.02):
+            self._feed(msg)
 
     def now(self) -> float:
         return time.time() - self.t0

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_harness import World
 
-from kvstage.hw.control import ControlPlane
+from kvstage.hw.control import ControlPlane, new_secret, signed
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
 from kvstage.shared.protocol import (
@@ -63,10 +63,13 @@ def test_forged_messages_never_raise_and_honest_rooms_are_unharmed(junk, seed):
     assert not [v for v in check_records(honest) if v.invariant in ("safety", "exactly_once", "monotone_watermark")]
 
 
+SECRET = new_secret()
+
+
 @pytest.fixture()
 def plane():
     ctx = zmq.Context()
-    cp = ControlPlane(ctx=ctx)
+    cp = ControlPlane(ctx=ctx, secret=SECRET)
     yield cp, ctx
     cp.close()
     ctx.term()
@@ -81,10 +84,10 @@ def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
     sent_good = 0
     for i in range(200):
         if i % 50 == 0:
-            push.send_multipart(encode(good[sent_good % 2]))
+            push.send_multipart(signed(encode(good[sent_good % 2]), SECRET))
             sent_good += 1
         frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40))) for _ in range(rng.randrange(1, 4))]
-        push.send_multipart(frames)
+        push.send_multipart(signed(frames, SECRET))  # authenticated junk: it must not decode
     got = []
     for _ in range(50):
         got += cp.receive(0.05)
