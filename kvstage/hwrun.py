@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
 from kvstage.hw.launch import launch
 from kvstage.runs import make_run_dir, write_run
@@ -59,6 +60,7 @@ def run_hardware(
         f"hardware run: {scenario.name}, prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, "
         f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
     )
+    before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
     result = launch(scenario_path, g.prefill_tp, g.decode_tp, run_dir / "logs", backend=hw.backend,
                     device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
                     rank_wrapper=rank_wrapper)
@@ -83,6 +85,9 @@ def run_hardware(
             "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
             "malformed_messages": sum(r.get("malformed", 0) for r in reports),
             "errors": errors,
+            # the spawned ranks are children the launcher waited for: their CPU time is the run's own
+            "conditions": conditions.measure(before, note="" if spawn else "ranks started elsewhere (--no-spawn): "
+                                             "on this host their CPU time counts as other processes"),
         },
     )
     wrong = summary["bytes_wrong"]

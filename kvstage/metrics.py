@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from kvstage.shared.trace import TraceRecord
 
@@ -59,6 +60,83 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     return rooms
 
 
+@dataclass
+class RingSeries:
+    """One decode rank's staging ring over time, from the trace.
+
+    `live`: (time, bytes written and not yet freed). A writer block counts from the
+    moment its write lands (the `write` row's end, recorded by the prefill with the
+    decode rank as `peer`) until its region's `free` at the decode; a block that lands
+    after its region was freed is not counted. The ring hands a region's bytes to a
+    writer only after the watermark passed them, so this never exceeds the pool.
+    `reserved`: (time, bytes of the regions handed out and not yet freed) -- the
+    decode's `ring_used` after each of its events. A region of the next round may be
+    handed out over bytes still live (overcommit), so this may exceed the pool.
+    `watermark`: (time, round, tail) after each decode event that carries it.
+    """
+
+    live: list[tuple[float, int]] = field(default_factory=list)
+    reserved: list[tuple[float, int]] = field(default_factory=list)
+    watermark: list[tuple[float, int, int]] = field(default_factory=list)
+
+    @property
+    def live_peak(self) -> int:
+        return max((v for _, v in self.live), default=0)
+
+    @property
+    def reserved_peak(self) -> int:
+        return max((v for _, v in self.reserved), default=0)
+
+
+def ring_series(records: Iterable[TraceRecord]) -> dict[int, RingSeries]:
+    """Per decode rank that has ring rows (writes, frees, reservations, watermark):
+    its live bytes, reservations and watermark over time (see `RingSeries`)."""
+    out: dict[int, RingSeries] = {}
+    steps: list[tuple[float, int, int, tuple[int, int, int], int]] = []  # (t, order, decode, key, bytes)
+    for r in records:
+        if r.role == "prefill" and r.phase == "write" and r.peer >= 0 and r.bytes > 0:
+            steps.append((r.end, 1, r.peer, (r.peer, r.room, r.chunk), r.bytes))
+        elif r.role == "decode":
+            if r.phase == "free":
+                steps.append((r.end, 0, r.rank, (r.rank, r.room, r.chunk), 0))  # a free before a write at the same time
+            series = out.setdefault(r.rank, RingSeries()) if r.ring_used >= 0 or r.wm_round >= 0 else None
+            if series is not None and r.ring_used >= 0:
+                series.reserved.append((r.end, r.ring_used))
+            if series is not None and r.wm_round >= 0 and r.wm_tail >= 0:
+                series.watermark.append((r.end, r.wm_round, r.wm_tail))
+    held: dict[tuple[int, int, int], int] = {}  # (decode, room, chunk) -> bytes landed, not freed
+    freed: set[tuple[int, int, int]] = set()
+    live: dict[int, int] = {}
+    for t, _, rank, key, nbytes in sorted(steps, key=lambda s: (s[0], s[1])):
+        if nbytes:  # a write landed
+            if key in freed:
+                continue
+            held[key] = held.get(key, 0) + nbytes
+            live[rank] = live.get(rank, 0) + nbytes
+        else:
+            freed.add(key)
+            live[rank] = live.get(rank, 0) - held.pop(key, 0)
+        out.setdefault(rank, RingSeries()).live.append((t, live[rank]))
+    for series in out.values():
+        series.reserved.sort(key=lambda p: p[0])
+        series.watermark.sort(key=lambda p: p[0])
+    return dict(sorted(out.items()))
+
+
+def ring_figures(records: Iterable[TraceRecord], pool_bytes: int) -> dict:
+    """summary.json's ring keys: the peaks over every decode rank of live bytes and of
+    reservations, in bytes and as a fraction of one rank's pool (see `RingSeries`)."""
+    series = ring_series(records)
+    live = max((s.live_peak for s in series.values()), default=0)
+    reserved = max((s.reserved_peak for s in series.values()), default=0)
+    return {
+        "ring_live_peak_bytes": live,
+        "ring_live_peak_fraction": (live / pool_bytes) if pool_bytes else 0.0,
+        "ring_reserved_peak_bytes": reserved,
+        "ring_reserved_peak_fraction": (reserved / pool_bytes) if pool_bytes else 0.0,
+    }
+
+
 def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, requests: int) -> dict:
     rooms = room_latencies(records)
     transfer, ttft = [], []
@@ -78,7 +156,6 @@ def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, req
     req_total = 0
     first = math.inf
     last = -math.inf
-    ring_peak = 0
     stalls: list[float] = []
     phase_time: dict[str, float] = {}
     for r in records:
@@ -89,8 +166,6 @@ def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, req
             last = max(last, r.end)
         elif r.phase == "wm_wait":
             stalls.append(r.end - r.start)
-        if r.ring_used > ring_peak:
-            ring_peak = r.ring_used
         if r.end > r.start:
             phase_time[r.phase] = phase_time.get(r.phase, 0.0) + (r.end - r.start)
     busy = last - first if last > first else 0.0
@@ -103,8 +178,7 @@ def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, req
         "ttft_s": percentiles(ttft),
         "payload_bytes": payload,
         "throughput_gbps": (payload * 8 / 1e9 / busy) if busy else 0.0,
-        "ring_peak_bytes": ring_peak,
-        "ring_peak_fraction": (ring_peak / pool_bytes) if pool_bytes else 0.0,
+        **ring_figures(records, pool_bytes),
         "watermark_stall_s": {"total": float(sum(stalls)), "p99": percentiles(stalls)["p99"] if stalls else 0.0, "chunks": len(stalls)},
         "transfer_requests": {"total": req_total, "per_request": (req_total / done) if done else 0.0},
         "phase_busy_s": dict(sorted(phase_time.items())),

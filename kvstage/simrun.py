@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.scenario import Scenario
@@ -43,11 +44,13 @@ def run_simulation(
         disable=not progress or total < 50,
         transient=True,
     )
+    before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
     with bar:
         task = bar.add_task(scenario.name, total=total)
         sim = Simulation(scenario, progress=lambda done, _n: bar.update(task, completed=done))
         result = sim.run()
     summary = simulation_summary(scenario, result)
+    summary["conditions"] = conditions.measure(before)
     run_dir = make_run_dir(scenario, "sim", out)
     write_run(run_dir, scenario, result.records, summary, "sim", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (simulation)")

@@ -5,9 +5,16 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvstage.conditions import describe
+
 
 def _ms(x) -> str:
     return "-" if x is None or x != x else f"{x * 1e3:,.2f} ms"
+
+
+def _ring(summary: dict, kind: str) -> str:
+    b, f = summary.get(f"ring_{kind}_peak_bytes"), summary.get(f"ring_{kind}_peak_fraction")
+    return "-" if b is None else f"{b / (1 << 20):,.1f} MiB ({f:.0%} of pool)"
 
 
 def print_summary(summary: dict, console: Console, title: str = "summary") -> None:
@@ -21,7 +28,8 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     ttft = summary["ttft_s"]
     t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])}")
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
-    t.add_row("ring peak", f"{summary['ring_peak_bytes'] / (1 << 20):,.1f} MiB ({summary['ring_peak_fraction']:.0%})")
+    t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
+    t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))
     st = summary["watermark_stall_s"]
     t.add_row("watermark stall total / p99", f"{st['total']:,.4f} s / {_ms(st['p99'])}")
     tr = summary["transfer_requests"]
@@ -30,4 +38,6 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
         if key in summary:
             v = summary[key]
             t.add_row(key, f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+    if "conditions" in summary:
+        t.add_row("host during the run", describe(summary["conditions"], short=True))
     console.print(t)

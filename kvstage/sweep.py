@@ -99,8 +99,10 @@ METRICS: tuple[str, ...] = (
     "ttft_s.max",
     "throughput_gbps",
     "payload_bytes",
-    "ring_peak_bytes",
-    "ring_peak_fraction",
+    "ring_live_peak_bytes",
+    "ring_live_peak_fraction",
+    "ring_reserved_peak_bytes",
+    "ring_reserved_peak_fraction",
     "watermark_stall_s.total",
     "watermark_stall_s.p99",
     "watermark_stall_s.chunks",
@@ -636,8 +638,10 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         "ttft_s": "TTFT",
         "watermark_stall_s": "watermark stall",
         "transfer_requests": "transfer requests",
-        "ring_peak_bytes": "ring peak",
-        "ring_peak_fraction": "ring peak / pool",
+        "ring_live_peak_bytes": "ring live peak",
+        "ring_live_peak_fraction": "ring live peak / pool",
+        "ring_reserved_peak_bytes": "ring reserved peak",
+        "ring_reserved_peak_fraction": "ring reserved peak / pool",
         "throughput_gbps": "throughput",
         "payload_bytes": "payload",
         "sim_time_s": "simulated time",
@@ -651,7 +655,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         return 1.0, "s", label
     if base.endswith("_bytes"):
         return 1 / (1 << 20), "MiB", label
-    if base == "ring_peak_fraction":
+    if base.endswith("_peak_fraction"):
         return 100.0, "%", label
     if base == "throughput_gbps":
         return 1.0, "Gbit/s", label

@@ -140,8 +140,10 @@ def test_pool_of_exactly_one_chunk_completes_every_room():
     stalls = [r for r in result.records if r.phase == "wm_wait"]
     assert stalls, "a one-chunk pool should make writers wait for the watermark"
     # regions overcommit the ring (a new round is placed over live bytes; the
-    # watermark keeps writes off them), so occupancy may exceed the pool
-    assert summary_of(result)["ring_peak_bytes"] >= s.pool_bytes
+    # watermark keeps writes off them), so reservations may exceed the pool, live bytes never
+    summary = summary_of(result)
+    assert summary["ring_reserved_peak_bytes"] >= s.pool_bytes
+    assert 0 < summary["ring_live_peak_bytes"] <= s.pool_bytes
 
 
 # Compute-bound load: the prefill forward (2 x 70.6e9 x tokens / 8 at 150k tokens/s
@@ -251,8 +253,9 @@ def test_cli_sim_writes_run_dir_and_check_passes(tmp_path: Path):
         assert set(lat) >= {"p50", "p90", "p99", "mean", "max"}
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert summary["throughput_gbps"] > 0
-    assert summary["ring_peak_bytes"] > 0
-    assert summary["ring_peak_fraction"] == summary["ring_peak_bytes"] / load(FLAGSHIP).pool_bytes
+    for kind in ("live", "reserved"):
+        assert summary[f"ring_{kind}_peak_bytes"] > 0
+        assert summary[f"ring_{kind}_peak_fraction"] == summary[f"ring_{kind}_peak_bytes"] / load(FLAGSHIP).pool_bytes
     assert set(summary["watermark_stall_s"]) >= {"total", "p99"}
     assert summary["transfer_requests"]["total"] == 6 * summary["transfer_requests"]["per_request"] > 0
     for key in ("events", "sim_time_s", "wall_s"):
