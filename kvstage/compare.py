@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstage.conditions import loaded_warnings
 from kvstage.metrics import percentiles, room_latencies
 from kvstage.shared.trace import TraceRecord
 from kvstage.tracefile import find_trace, read_records
@@ -310,17 +311,43 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def scenario_diff(a: dict, b: dict) -> list[tuple[str, object, object]]:
+# Fields a mode does not use: a hardware run moves real bytes over real links, so the
+# link model (profile, bandwidths, latencies, host model) means nothing to it.
+_UNUSED_BY_MODE: dict[str, tuple[str, ...]] = {"hw": ("links.",)}
+
+
+def scenario_diff(a: dict, b: dict, modes: tuple[str, str] = ("", "")) -> list[tuple[str, object, object]]:
     """(field, value in A, value in B) for every resolved-scenario field that differs,
-    leaving out names, notes and hardware / fault settings."""
+    leaving out names, notes, hardware / fault settings and the fields either run's
+    mode does not use (`_UNUSED_BY_MODE`, e.g. the link model for a hardware run)."""
     fa, fb = _flatten(a), _flatten(b)
+    unused = tuple(p for m in modes for p in _UNUSED_BY_MODE.get(m, ()))
     out = []
     for key in sorted(set(fa) | set(fb)):
-        if key.startswith(_IGNORED_FIELDS) or key in _IGNORED_FIELDS:
+        if key.startswith(_IGNORED_FIELDS) or key in _IGNORED_FIELDS or (unused and key.startswith(unused)):
             continue
         if fa.get(key) != fb.get(key):
             out.append((key, fa.get(key), fb.get(key)))
     return out
+
+
+def unused_fields_note(a: Run, b: Run) -> str:
+    """One line saying which differing fields were left out because a run's mode does
+    not use them ("" when none were)."""
+    if not (a.scenario and b.scenario):
+        return ""
+    modes = (a.mode, b.mode)
+    prefixes = sorted({p for m in modes for p in _UNUSED_BY_MODE.get(m, ())})
+    if not prefixes:
+        return ""
+    fa, fb = _flatten(a.scenario), _flatten(b.scenario)
+    n = sum(1 for k in set(fa) | set(fb) if k.startswith(tuple(prefixes)) and fa.get(k) != fb.get(k))
+    if not n:
+        return ""
+    hw = [tag for tag, m in (("A", a.mode), ("B", b.mode)) if m == "hw"]
+    runs = f"the hardware run ({hw[0]}) does" if len(hw) == 1 else "hardware runs (A and B) do"
+    fields = ", ".join(p + "*" for p in prefixes)
+    return f"{n} {fields} field(s) differ but are not compared: {runs} not use the link model"
 
 
 def _room_list(rooms: Iterable[int], cap: int = 200) -> list[int]:
@@ -434,7 +461,7 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
 
     transfer = error_metrics(_room_pairs(ra, rb, both, "transfer"))
     line = verdict(transfer, tolerance=tolerance)
-    diff = scenario_diff(a.scenario, b.scenario) if a.scenario and b.scenario else []
+    diff = scenario_diff(a.scenario, b.scenario, (a.mode, b.mode)) if a.scenario and b.scenario else []
     notes = _verdict_notes(a, b, rooms, diff)
     if notes:
         line += " [" + "; ".join(notes) + "]"
@@ -452,6 +479,10 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
         },
         "phases": _phase_comparison(a, b),
         "scenario_diff": [{"field": k, "a": va, "b": vb} for k, va, vb in diff],
+        "scenario_diff_note": unused_fields_note(a, b),
+        "conditions": {"a": a.summary.get("conditions"), "b": b.summary.get("conditions")},
+        "warnings": loaded_warnings([("A", a.mode, a.summary.get("conditions")),
+                                     ("B", b.mode, b.summary.get("conditions"))]),
         "per_room": _per_room(ra, rb, both),
         "per_chunk": [
             {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]} for k in chunk_keys

@@ -22,6 +22,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullFormatter
 
 from kvstage.compare import PHASE_KEYS, PHASE_LABELS, Run, load_run, phase_breakdown, room_metrics
+from kvstage.metrics import RingSeries, percentiles, ring_series
 from kvstage.sweep import STATUS_INVALID, STATUS_OK, SweepResult, fmt_number, metric_display
 from kvstage.sweep_target import Target, is_numeric, value_order
 
@@ -213,63 +214,73 @@ def _phase_legend(ax, present: set[str]) -> None:
 
 
 def ring_occupancy(run: Run | str, *, max_ranks: int = 8) -> Figure:
-    """Per decode rank: live staging bytes (ring_used, MiB) over time against the pool
-    size, and the watermark as a position in ring rounds (round + tail / pool)."""
+    """Per decode rank, on one y scale shared by every rank: live staging bytes (written,
+    not yet freed: never above the pool) as a filled area, reservations (regions handed
+    out, which overcommit and may exceed the pool) as a line, the pool (dashed), and the
+    watermark as a position in ring rounds (round + tail / pool) on the right axis.
+    Both byte series come from `kvstage.metrics.ring_series`."""
     run = load_run(run)
     pool = run.pool_bytes
+    series = ring_series(run.records)
     ranks = sorted({r.rank for r in run.records if r.role == "decode"})
     shown = ranks[:max_ranks]
-    if not any(r.role == "decode" and (r.ring_used > 0 or r.wm_round >= 0) for r in run.records):
+    used = {k: s for k, s in series.items() if k in shown and (s.reserved_peak or s.live_peak or s.watermark)}
+    if not used:
         fig = Figure(figsize=(11, 1.4), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         _empty(ax, f"the staging ring was not used in this run ({run.transfer_path} path): nothing to plot")
-        ax.set_title(f"{run.name}: staging ring occupancy and watermark", fontsize=10)
+        ax.set_title(f"{run.name}: staging ring per decode rank", fontsize=10)
         return fig
+    ymax = max([pool] + [max(s.reserved_peak, s.live_peak) for s in used.values()]) / MIB * 1.08
+    wmax = max((rd + (tl / pool if pool else 0.0) for s in used.values() for _, rd, tl in s.watermark), default=1.0)
     n = max(len(shown), 1)
     fig = Figure(figsize=(11, 1.0 + 2.0 * n), dpi=100, layout="constrained")
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
-    any_rows = False
-    legend = None
+    axes = fig.subplots(n, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for ax, rank in zip(axes, shown, strict=False):
-        rows = sorted((r for r in run.records if r.role == "decode" and r.rank == rank), key=lambda r: (r.end, r.start))
-        used = [(r.end, r.ring_used / MIB) for r in rows if r.ring_used >= 0]
-        wm = [(r.end, r.wm_round + (r.wm_tail / pool if pool else 0.0)) for r in rows if r.wm_round >= 0 and r.wm_tail >= 0]
-        if not wm and not any(v > 0 for _, v in used):
+        s = used.get(rank)
+        if s is None:
             _empty(ax, f"decode {rank}: the staging ring was not used ({run.transfer_path} path)")
             continue
-        any_rows = True
-        if used:
-            t = [0.0] + [x for x, _ in used]
-            y = [0.0] + [v for _, v in used]
-            ax.fill_between(t, y, step="post", color=OKABE_ITO["sky_blue"], alpha=0.35, linewidth=0)
-            ax.step(t, y, where="post", color=OKABE_ITO["blue"], linewidth=1.2, label="staging bytes in use")
-        if pool:
-            ax.axhline(pool / MIB, color=OKABE_ITO["black"], linestyle="--", linewidth=1,
-                       label=f"pool ({pool / MIB:,.0f} MiB)")
-        ax.set_ylabel(f"decode {rank}\nin use (MiB)")
-        ax.set_ylim(bottom=0)
-        ax.grid(color="#EEEEEE")
-        ax2 = None
-        if wm:
+        _ring_panel(ax, s, pool)
+        ax.set_ylabel(f"decode {rank}\nMiB")
+        ax.set_ylim(0, ymax)
+        if s.watermark:
             ax2 = ax.twinx()
-            ax2.step([x for x, _ in wm], [v for _, v in wm], where="post", color=OKABE_ITO["vermillion"],
-                     linewidth=1.4, label="watermark (round + tail/pool)")
+            ax2.step([t for t, _, _ in s.watermark], [rd + (tl / pool if pool else 0.0) for _, rd, tl in s.watermark],
+                     where="post", color=OKABE_ITO["vermillion"], linewidth=1.2, label="watermark (round + tail/pool)")
             ax2.set_ylabel("watermark\n(ring rounds)", color=OKABE_ITO["vermillion"])
             ax2.tick_params(axis="y", colors=OKABE_ITO["vermillion"])
-            ax2.set_ylim(bottom=0)
-        if not legend:
-            h1, l1 = ax.get_legend_handles_labels()
-            h2, l2 = ax2.get_legend_handles_labels() if ax2 is not None else ([], [])
-            legend = (h1 + h2, l1 + l2)
-    if legend:
-        fig.legend(*legend, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+            ax2.set_ylim(0, wmax * 1.05)  # the same scale on every rank
+    handles, labels = [], []
+    for a in fig.axes:
+        for h, lab in zip(*a.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     axes[-1].set_xlabel("time since run start (s)")
     more = f"; first {len(shown)} of {len(ranks)} decode ranks" if len(ranks) > len(shown) else ""
-    title = f"{run.name}: staging ring occupancy and watermark per decode rank{more}"
-    if any_rows:
-        title += "\n(above the dashed line: regions of the next round handed out over bytes not yet freed)"
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{run.name}: staging ring per decode rank (one scale for every rank{more})\n"
+                 "live = written, not yet freed (never above the pool); reserved = regions handed out "
+                 "(the next round may be handed out over live bytes)", fontsize=10)
     return fig
+
+
+def _ring_panel(ax, s: RingSeries, pool: int) -> None:
+    """One decode rank's live bytes (filled), reservations (line) and the pool (dashed)."""
+    if s.live:
+        t = [0.0] + [x for x, _ in s.live]
+        y = [0.0] + [v / MIB for _, v in s.live]
+        ax.fill_between(t, y, step="post", color=OKABE_ITO["sky_blue"], alpha=0.45, linewidth=0)
+        ax.step(t, y, where="post", color=OKABE_ITO["blue"], linewidth=1.2, label="live bytes (written, not yet freed)")
+    if s.reserved:
+        ax.step([0.0] + [x for x, _ in s.reserved], [0.0] + [v / MIB for _, v in s.reserved], where="post",
+                color=OKABE_ITO["orange"], linewidth=1.1, label="reserved bytes (regions handed out)")
+    if pool:
+        ax.axhline(pool / MIB, color=OKABE_ITO["black"], linestyle="--", linewidth=1, label=f"pool ({pool / MIB:,.0f} MiB)")
+    ax.text(0.005, 0.95, f"peak live {s.live_peak / MIB:,.0f} MiB, reserved {s.reserved_peak / MIB:,.0f} MiB",
+            transform=ax.transAxes, ha="left", va="top", fontsize=8, color="#333333")
+    ax.grid(color="#EEEEEE")
 
 
 # --- latency distributions -------------------------------------------------------------------
@@ -282,11 +293,14 @@ def _ms_axis(ax, values: Sequence[float]) -> None:
 
 
 def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
-    """Empirical CDFs of transfer latency and TTFT, one curve per run."""
+    """Empirical CDFs of transfer latency and TTFT, one curve per run; circles mark
+    each run's p50 and p99, whose values the legend under each panel prints."""
     runs = _runs(runs)
-    fig = Figure(figsize=(11, 4.2), dpi=100)
+    height = 4.0 + 0.17 * len(runs)
+    fig = Figure(figsize=(11, height), dpi=100)
     # fixed margins: constrained layout would measure every (log) tick label twice
-    fig.subplots_adjust(left=0.065, right=0.985, bottom=0.12, top=0.92, wspace=0.2)
+    fig.subplots_adjust(left=0.065, right=0.985, bottom=(0.75 + 0.17 * len(runs)) / height, top=1 - 0.35 / height,
+                        wspace=0.2)
     axes = fig.subplots(1, 2)
     for ax, key, title in ((axes[0], "transfer", "transfer latency (first STAGING_REQ -> room done)"),
                            (axes[1], "ttft", "TTFT (arrival -> decode ready)")):
@@ -297,8 +311,11 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
                 continue
             allv += vals
             ys = [(k + 1) / len(vals) for k in range(len(vals))]
+            q = percentiles(vals)
             ax.step([vals[0]] + vals, [0.0] + ys, where="post", color=run_color(i), linewidth=1.8,
-                    label=f"{_label(run)}, n={len(vals)}")
+                    label=f"{_label(run)}, n={len(vals)}: p50 {q['p50']:,.1f} ms, p99 {q['p99']:,.1f} ms")
+            ax.plot([q["p50"], q["p99"]], [0.5, 0.99], linestyle="none", marker="o", markersize=5,
+                    markerfacecolor="white", markeredgecolor=run_color(i))
         if not allv:
             _empty(ax, "no completed rooms")
             continue
@@ -310,7 +327,7 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
         ax.grid(color="#EEEEEE")
         ax.axhline(0.5, color="#999999", linewidth=0.6, linestyle=":")
         ax.axhline(0.99, color="#999999", linewidth=0.6, linestyle=":")
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.13), fontsize=7, frameon=False)
     return fig
 
 

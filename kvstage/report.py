@@ -19,8 +19,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from kvstage import plots
-from kvstage.compare import PHASE_KEYS, Run, compare_runs, load_run
-from kvstage.metrics import summarize
+from kvstage.compare import PHASE_KEYS, Run, compare_runs, load_run, room_metrics
+from kvstage.conditions import describe, loaded_warnings
+from kvstage.metrics import percentiles, ring_figures, summarize
 
 DPI = 100
 
@@ -49,26 +50,43 @@ figcaption { font-size: 0.88em; color: #444; margin-top: 4px; }
            border-left: 6px solid #009E73; background: #eef8f4; }
 .verdict.off { border-left-color: #D55E00; background: #fbf0ea; }
 .note { color: #8a4a00; }
+.warn { color: #8a2a00; font-weight: 600; border-left: 6px solid #D55E00; background: #fbf0ea; padding: 6px 12px; }
 code { background: #f0f2f4; padding: 0 4px; border-radius: 3px; }
 """
 
 
-def fig_to_data_uri(fig: Figure, dpi: int = DPI) -> str:
+def _png(fig: Figure, dpi: int = DPI) -> bytes:
     buf = io.BytesIO()
     # no Software/URL metadata: the file should name no external address at all
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
+
+
+def fig_to_data_uri(fig: Figure, dpi: int = DPI) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(fig, dpi)).decode("ascii")
 
 
 def _e(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _figure(fig: Figure, alt: str, caption: str) -> str:
-    return (
-        f'<figure><img src="{fig_to_data_uri(fig)}" alt="{_e(alt)}">'
-        f"<figcaption>{_e(caption)}</figcaption></figure>"
-    )
+class _Figures:
+    """Renders each figure once: into the page, and as `<png_dir>/<name>.png` when asked."""
+
+    def __init__(self, png_dir: Path | None) -> None:
+        self.png_dir = Path(png_dir) if png_dir is not None else None
+        self.written: list[Path] = []
+        if self.png_dir is not None:
+            self.png_dir.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, fig: Figure, name: str, alt: str, caption: str) -> str:
+        raw = _png(fig)
+        if self.png_dir is not None:
+            path = self.png_dir / f"{name}.png"
+            path.write_bytes(raw)
+            self.written.append(path)
+        uri = "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
+        return f'<figure><img src="{uri}" alt="{_e(alt)}"><figcaption>{_e(caption)}</figcaption></figure>'
 
 
 def _num(x, unit: str = "", digits: int = 2) -> str:
@@ -121,7 +139,7 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("TTFT p50 / p90 / p99", f"{_ms(ttft.get('p50'))} / {_ms(ttft.get('p90'))} / {_ms(ttft.get('p99'))}"),
         ("payload", f"{(s.get('payload_bytes') or 0) / (1 << 30):,.2f} GiB"),
         ("throughput", f"{_num(s.get('throughput_gbps'))} Gb/s"),
-        ("ring peak", f"{(s.get('ring_peak_bytes') or 0) / (1 << 20):,.1f} MiB ({(s.get('ring_peak_fraction') or 0):.0%} of the pool)"),
+        *_ring_rows(run, s),
         ("watermark stall total / p99 / chunks", f"{_num(stall.get('total'), ' s', 4)} / {_ms(stall.get('p99'))} / {stall.get('chunks', '-')}"),
         ("transfer requests total / per request", f"{_num(tr.get('total'))} / {_num(tr.get('per_request'), '', 1)}"),
     ]
@@ -139,10 +157,29 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         if key in s and s[key] is not None:
             v = s[key]
             rows.append((label, _num(v, "", 3) if isinstance(v, float) else _num(v) if isinstance(v, int) else str(v)))
+    if s.get("conditions"):
+        rows.append(("host during the run", describe(s["conditions"])))
     failures = s.get("failures") or {}
     if failures:
         rows.append(("failures", "; ".join(f"room {k}: {v}" for k, v in list(failures.items())[:10])))
     return rows
+
+
+def _ring_rows(run: Run, s: dict) -> list[tuple[str, str]]:
+    """Live bytes (written, not yet freed) and reservations (may overcommit), from the
+    summary, or from the trace for a summary written before these keys existed."""
+    if "ring_live_peak_bytes" not in s:
+        s = ring_figures(run.records, run.pool_bytes)
+    return [
+        (f"ring {kind} peak ({what})",
+         f"{(s.get(f'ring_{kind}_peak_bytes') or 0) / (1 << 20):,.1f} MiB "
+         f"({(s.get(f'ring_{kind}_peak_fraction') or 0):.0%} of the pool)")
+        for kind, what in (("live", "written, not yet freed"), ("reserved", "regions handed out"))
+    ]
+
+
+def _warning(text: str) -> str:
+    return f'<p class="warn">warning: {_e(text)}</p>'
 
 
 def _scenario_rows(run: Run) -> list[tuple[str, str]]:
@@ -169,7 +206,7 @@ def _unique_labels(runs: list[Run]) -> None:
         run.label = base if seen[base] == 1 else f"{base} ({seen[base]})"
 
 
-def _run_section(i: int, run: Run, max_rooms: int) -> str:
+def _run_section(i: int, run: Run, max_rooms: int, figure: _Figures) -> str:
     out = [f'<section id="run-{i}">']
     out.append(f"<h2>Run {i}: {_e(run.name)}</h2>")
     hw = f" &middot; backend {_e(run.backend)} on {_e(run.device)}" if run.mode == "hw" else ""
@@ -178,21 +215,24 @@ def _run_section(i: int, run: Run, max_rooms: int) -> str:
         f" &middot; {_e(run.transfer_path)} path{hw} &middot; {len(run.records):,} trace rows"
         f" &middot; <code>{_e(run.path)}</code></p>"
     )
+    out += [_warning(w) for w in loaded_warnings([(f"Run {i}", run.mode, run.summary.get("conditions"))])]
     out.append('<div class="cols"><div><h3>Summary</h3>')
     out.append(_table(_summary_rows(run), header=("metric", "value"), num_cols=(1,)))
     out.append("</div><div><h3>Scenario</h3>")
     out.append(_table(_scenario_rows(run), header=("field", "value")))
     out.append("</div></div>")
-    out.append(_figure(
-        plots.gantt(run, max_rooms=max_rooms), f"Gantt timeline of {run.name}",
+    out.append(figure(
+        plots.gantt(run, max_rooms=max_rooms), f"run{i}-timeline", f"Gantt timeline of {run.name}",
         "Chunk phases per rank. Prefill lanes: compute (grey, top), gather / write (middle), waiting for the "
         "watermark (bottom, yellow). Decode lanes: chunk_ready (orange) and scatter (green). rN marks the room "
         "of a wide enough bar; microsecond spans show as thin lines.",
     ))
-    out.append(_figure(
-        plots.ring_occupancy(run), f"Staging ring occupancy of {run.name}",
-        "Live staging bytes per decode rank after every decode event (blue) against the pool (dashed); the "
-        "watermark (vermillion, right axis) in ring rounds: round + tail / pool.",
+    out.append(figure(
+        plots.ring_occupancy(run), f"run{i}-ring", f"Staging ring of {run.name}",
+        "Per decode rank, on one scale for every rank: live bytes (blue, filled: written by a writer and not yet "
+        "freed; never above the pool), reservations (orange: regions handed out and not yet freed; a region of "
+        "the next round may be handed out over live bytes, so this may exceed the pool), the pool (dashed), and "
+        "the watermark (vermillion, right axis) in ring rounds: round + tail / pool.",
     ))
     out.append("</section>")
     return "".join(out)
@@ -209,7 +249,7 @@ def _err_rows(name: str, m: dict) -> list[tuple]:
     return rows
 
 
-def _compare_section(k: int, result: dict) -> str:
+def _compare_section(k: int, result: dict, figure: _Figures) -> str:
     a, b = result["a"], result["b"]
     out = [f'<section id="compare-{k}">']
     out.append(f"<h3>A = {_e(a['name'])} &nbsp;vs&nbsp; B = {_e(b['name'])}</h3>")
@@ -220,6 +260,9 @@ def _compare_section(k: int, result: dict) -> str:
     mape = result["transfer_latency"].get("mape")
     ok = mape is not None and math.isfinite(mape) and mape <= result.get("tolerance", 0.15)
     out.append(f'<div class="verdict{"" if ok else " off"}">{_e(result["verdict"])}</div>')
+    out += [_warning(w) for w in result.get("warnings") or []]
+    if result.get("scenario_diff_note"):
+        out.append(f'<p class="meta">{_e(result["scenario_diff_note"])}</p>')
     diff = result.get("scenario_diff") or []
     if diff:
         out.append('<p class="note">The resolved scenarios differ (names, hardware and fault settings '
@@ -261,8 +304,8 @@ def _compare_section(k: int, result: dict) -> str:
     out.append(_table(ph_rows, header=("phase", "A total", "B total", "A mean / chunk", "B mean / chunk"),
                       num_cols=(1, 2, 3, 4)))
     out.append("</div></div>")
-    out.append(_figure(
-        plots.comparison_scatter(result), f"{b['name']} against {a['name']}",
+    out.append(figure(
+        plots.comparison_scatter(result), f"compare{k}-scatter", f"{b['name']} against {a['name']}",
         "Each point is one room (or one chunk at one decode rank) present in both runs; the dashed line is "
         "y = x, the grey band the tolerance around it. Points above the line: B slower.",
     ))
@@ -270,8 +313,55 @@ def _compare_section(k: int, result: dict) -> str:
     return "".join(out)
 
 
-def build_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None) -> Path:
-    """Write one self-contained HTML report of `run_dirs` to `out`; returns `out`.
+def _cdf_values(runs: list[Run]) -> str:
+    """The p50 / p99 the CDF figure marks, as numbers (percentiles as in summary.json)."""
+    rows = []
+    for run in runs:
+        rm = room_metrics(run.records).values()
+        tr = percentiles([m["transfer"] for m in rm if "transfer" in m])
+        tt = percentiles([m["ttft"] for m in rm if "ttft" in m])
+        rows.append((run.name, _ms(tr["p50"]), _ms(tr["p99"]), _ms(tt["p50"]), _ms(tt["p99"]), tr["count"]))
+    return _table(rows, header=("run", "transfer latency p50", "transfer latency p99", "TTFT p50", "TTFT p99",
+                                "rooms"), num_cols=(1, 2, 3, 4, 5))
+
+
+def _across_runs(runs: list[Run], figure: _Figures) -> str:
+    body = ['<section id="all-runs"><h2>Latency and phases across runs</h2>']
+    body.append(figure(plots.latency_cdfs(runs), "latency-cdf", "latency CDFs",
+                       "Empirical CDFs over completed rooms, one curve per run; dotted lines at 0.5 and 0.99, "
+                       "circles where each run crosses them (its p50 and p99, in the legend and the table below)."))
+    body.append(_cdf_values(runs))
+    body.append(figure(
+        plots.phase_bars(runs), "phases", "phase breakdown",
+        "Time per phase summed over every chunk at every rank, and its mean per chunk and rank. Control: the "
+        "STAGING_REQ -> STAGING_RSP gap per prefill rank and chunk, and the wait from a chunk's last write to "
+        "its chunk_ready at the decode.",
+    ))
+    if len({r.transfer_path for r in runs}) > 1:
+        body.append(figure(plots.staging_vs_slice(runs), "staging-vs-slice", "staging vs slice",
+                           "Transfer latency, TTFT and transfer requests per request by transfer path."))
+    body.append("</section>")
+    return "".join(body)
+
+
+def _header(runs: list[Run], title: str) -> str:
+    body = [f"<header><h1>{_e(title)}</h1>"]
+    body.append(f'<p class="meta">{len(runs)} run(s) &middot; generated {_e(time.strftime("%Y-%m-%d %H:%M:%S"))} by '
+                "<code>kvstage report</code> from each run's trace, summary.json and scenario.toml</p>")
+    body += [_warning(w) for w in loaded_warnings([(f"Run {i} ({r.name})", r.mode, r.summary.get("conditions"))
+                                                   for i, r in enumerate(runs, 1)])]
+    nav = [f'<li><a href="#run-{i}">Run {i}: {_e(r.name)}</a> ({_e(r.describe())})</li>' for i, r in enumerate(runs, 1)]
+    nav.append('<li><a href="#all-runs">Latency and phases across runs</a></li>')
+    if len(runs) > 1:
+        nav.append('<li><a href="#comparison">Comparison (first run vs each other run)</a></li>')
+    body.append("<nav><ul>" + "".join(nav) + "</ul></nav></header>")
+    return "".join(body)
+
+
+def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None,
+                 png_dir: Path | None = None) -> tuple[Path, list[Path]]:
+    """Write one self-contained HTML report of `run_dirs` to `out` and, with `png_dir`,
+    each of its figures as a PNG file there; returns (out, the PNG files).
     With several runs the first is the reference A, compared with each other run."""
     if not run_dirs:
         raise ValueError("build_report needs at least one run directory")
@@ -279,40 +369,16 @@ def build_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 
     _unique_labels(runs)
     out = Path(out)
     title = title or ("kvstage report: " + ", ".join(r.name for r in runs))
-
-    body: list[str] = []
-    body.append(f"<header><h1>{_e(title)}</h1>")
-    body.append(f'<p class="meta">{len(runs)} run(s) &middot; generated {_e(time.strftime("%Y-%m-%d %H:%M:%S"))} by '
-                "<code>kvstage report</code> from each run's trace, summary.json and scenario.toml</p>")
-    nav = [f'<li><a href="#run-{i}">Run {i}: {_e(r.name)}</a> ({_e(r.describe())})</li>' for i, r in enumerate(runs, 1)]
-    nav.append('<li><a href="#all-runs">Latency and phases across runs</a></li>')
-    if len(runs) > 1:
-        nav.append('<li><a href="#comparison">Comparison (first run vs each other run)</a></li>')
-    body.append("<nav><ul>" + "".join(nav) + "</ul></nav></header>")
-
-    for i, run in enumerate(runs, 1):
-        body.append(_run_section(i, run, max_rooms))
-
-    body.append('<section id="all-runs"><h2>Latency and phases across runs</h2>')
-    body.append(_figure(plots.latency_cdfs(runs), "latency CDFs",
-                        "Empirical CDFs over completed rooms, one curve per run (dotted: p50 and p99)."))
-    body.append(_figure(
-        plots.phase_bars(runs), "phase breakdown",
-        "Time per phase summed over every chunk at every rank, and its mean per chunk and rank. Control: the "
-        "STAGING_REQ -> STAGING_RSP gap per prefill rank and chunk, and the wait from a chunk's last write to "
-        "its chunk_ready at the decode.",
-    ))
-    if len({r.transfer_path for r in runs}) > 1:
-        body.append(_figure(plots.staging_vs_slice(runs), "staging vs slice",
-                            "Transfer latency, TTFT and transfer requests per request by transfer path."))
-    body.append("</section>")
-
+    figure = _Figures(png_dir)
+    body = [_header(runs, title)]
+    body += [_run_section(i, run, max_rooms, figure) for i, run in enumerate(runs, 1)]
+    body.append(_across_runs(runs, figure))
     if len(runs) > 1:
         body.append('<section id="comparison"><h2>Comparison</h2>')
         body.append(f'<p class="meta">A is {_e(runs[0].name)}, the reference; B is each other run. Errors are '
                     "B relative to A over rooms (and chunks) present and completed in both.</p>")
         for k, other in enumerate(runs[1:], 1):
-            body.append(_compare_section(k, compare_runs(runs[0], other)))
+            body.append(_compare_section(k, compare_runs(runs[0], other), figure))
         body.append("</section>")
 
     page = (
@@ -326,4 +392,9 @@ def build_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
-    return out
+    return out, figure.written
+
+
+def build_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None) -> Path:
+    """Write one self-contained HTML report of `run_dirs` to `out`; returns `out`."""
+    return write_report(run_dirs, out, max_rooms=max_rooms, title=title)[0]

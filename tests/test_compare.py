@@ -205,3 +205,70 @@ def test_cli_compare_bad_input_exits_2_without_traceback(runs, tmp_path):
     assert "is not a run directory" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def as_hw(src: Path, dst: Path, *, conditions: dict | None = None) -> Path:
+    """A copy of run `src` that says it was a hardware run, with another link model in its
+    scenario (a hardware run does not use it) and the given host conditions."""
+    mode, records = read_records(src)
+    dst.mkdir(parents=True)
+    write_trace(dst / "trace.parquet", records, "hw")
+    summary = json.loads((src / "summary.json").read_text())
+    summary.update(mode="hw", backend="nixl", device="cpu")
+    if conditions is not None:
+        summary["conditions"] = conditions
+    (dst / "summary.json").write_text(json.dumps(summary))
+    text = (src / "scenario.toml").read_text()
+    text = text.replace('profile = "rdma-400g"', 'profile = "loopback-nixl"')
+    text = text.replace("inter_bandwidth_gbps = 370.0", "inter_bandwidth_gbps = 18.8")
+    text = text.replace("control_latency_us = 30.0", "control_latency_us = 150.0")
+    assert text.count("loopback-nixl") == 1 and "18.8" in text
+    (dst / "scenario.toml").write_text(text)
+    return dst
+
+
+LOADED = {"cores": 2, "loadavg_before": [2.5, 2.0, 1.0], "loadavg_after": [3.1, 2.2, 1.1], "wall_s": 10.0,
+          "cpu_busy_s": 19.0, "cpu_own_s": 9.0, "cpu_other_s": 10.0, "other_cpu_share": 0.5, "loaded": True}
+QUIET = {**LOADED, "cpu_busy_s": 9.4, "cpu_other_s": 0.4, "other_cpu_share": 0.02, "loaded": False}
+
+
+def test_hw_vs_sim_lists_only_fields_that_matter(runs, tmp_path):
+    """Link-model fields differ between a hardware run and a simulation, but the hardware
+    run never used them: one line says so instead of a row per field."""
+    hw = as_hw(runs["staging"], tmp_path / "hw", conditions=QUIET)
+    res = compare_runs(hw, runs["slice"])
+    assert res["a"]["mode"] == "hw"
+    assert res["scenario_diff"] == [{"field": "transfer.path", "a": "staging", "b": "slice"}]
+    assert res["scenario_diff_note"].startswith("3 links.* field(s) differ but are not compared")
+    assert "hardware run (A)" in res["scenario_diff_note"]
+    assert res["warnings"] == []
+    # two simulations: the same link fields do matter
+    sim_other = rewrite(runs["staging"], tmp_path / "sim", scale=1.0)
+    (sim_other / "scenario.toml").write_text((hw / "scenario.toml").read_text())
+    res = compare_runs(sim_other, runs["staging"])
+    assert {d["field"] for d in res["scenario_diff"]} == {
+        "links.profile", "links.inter_bandwidth_gbps", "links.control_latency_us"}
+    assert res["scenario_diff_note"] == ""
+
+
+def test_loaded_host_is_warned_of(runs, tmp_path):
+    hw = as_hw(runs["staging"], tmp_path / "hw", conditions=LOADED)
+    res = compare_runs(runs["staging"], hw)
+    assert len(res["warnings"]) == 1
+    assert res["warnings"][0].startswith("B was taken on a loaded host: other processes took 50% of the 2 cores")
+    assert res["conditions"]["b"]["other_cpu_share"] == 0.5
+    out = CliRunner().invoke(app, ["compare", str(runs["staging"]), str(hw)])
+    assert out.exit_code == 0, out.output
+    assert "warning: B was taken on a loaded host" in " ".join(out.output.split())
+    # a quiet hardware run, or a simulation on a loaded host (simulated time does not depend on it): no warning
+    quiet = as_hw(runs["staging"], tmp_path / "quiet", conditions=QUIET)
+    assert compare_runs(runs["staging"], quiet)["warnings"] == []
+    sim = rewrite(runs["staging"], tmp_path / "sim")
+    summary = json.loads((sim / "summary.json").read_text())
+    (sim / "summary.json").write_text(json.dumps({**summary, "conditions": LOADED}))
+    assert compare_runs(sim, quiet)["warnings"] == []
+    # the report says it too, at the top and in the run's section
+    from kvstage.report import build_report
+
+    text = build_report([runs["staging"], hw], tmp_path / "r.html").read_text()
+    assert text.count("was taken on a loaded host") == 3  # header, run section, comparison

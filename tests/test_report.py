@@ -18,8 +18,11 @@ from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
 
+from kvstage import plots
 from kvstage.chrome_trace import export_chrome
 from kvstage.cli import app
+from kvstage.compare import room_metrics
+from kvstage.metrics import percentiles
 from kvstage.report import build_report
 from kvstage.shared.scenario import load_scenario
 from kvstage.simrun import run_simulation
@@ -88,6 +91,43 @@ def test_report_is_self_contained(report):
         assert heading in text
 
 
+def test_report_prints_the_cdf_percentiles(runs, report):
+    """The CDF figure's p50 / p99 are printed as numbers next to it (not only marked)."""
+    text = report.read_text(encoding="utf-8")
+    section = text[text.index('<section id="all-runs">'):]
+    section = section[:section.index("</section>")]
+    section = DATA_RE.sub("", section)
+    for run in runs.values():
+        rooms = room_metrics(read_records(run)[1]).values()
+        for key in ("transfer", "ttft"):
+            q = percentiles([m[key] for m in rooms if key in m])
+            for p in ("p50", "p99"):
+                assert f"{q[p] * 1e3:,.2f} ms" in section, (run.name, key, p)
+    assert "ring live peak" in text and "ring reserved peak" in text
+
+
+def test_ring_panels_share_one_scale(runs):
+    fig = plots.ring_occupancy(runs["staging"])
+    ylims = {ax.get_ylim() for ax in fig.axes if ax.get_ylabel().startswith("decode")}
+    watermark = {ax.get_ylim() for ax in fig.axes if ax.get_ylabel().startswith("watermark")}
+    assert len(ylims) == 1 and len(watermark) == 1
+    pool_mib = load_scenario(SCENARIO, overrides=SETS).pool_bytes / (1 << 20)
+    assert next(iter(ylims))[1] > pool_mib  # reservations above the pool fit on the scale
+
+
+def test_cli_report_png(runs, tmp_path):
+    out, png = tmp_path / "r.html", tmp_path / "png"
+    res = CliRunner().invoke(app, ["report", str(runs["staging"]), str(runs["slice"]), "--out", str(out),
+                                   "--png", str(png)])
+    assert res.exit_code == 0, res.output
+    files = sorted(png.glob("*.png"))
+    assert len(files) == EXPECTED_FIGURES == len(IMG_RE.findall(out.read_text()))
+    assert {"latency-cdf.png", "run1-ring.png", "staging-vs-slice.png"} <= {f.name for f in files}
+    for f in files:
+        assert Image.open(f).width >= 400
+    assert f"figures (PNG) in {png}" in res.output
+
+
 def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)
@@ -135,17 +175,18 @@ def test_export_chrome(runs, tmp_path):
         doc = json.loads(out.read_text())
         events = doc["traceEvents"]
         _, records = read_records(run)
-        body = [e for e in events if e["ph"] != "M"]
+        body = [e for e in events if e["ph"] in ("X", "i", "b")]  # one per trace row
         assert len(body) == len(records)
-        assert {e["ph"] for e in body} <= {"X", "i"}
-        spans = [e for e in body if e["ph"] == "X"]
+        assert {e["ph"] for e in events} <= {"M", "X", "i", "b", "e", "C", "s", "f"}
+        spans = [e for e in body if e["ph"] in ("X", "b")]
         assert len(spans) == sum(1 for r in records if r.end > r.start)
-        assert all(e["dur"] >= 0 for e in spans)
-        assert all(isinstance(e["ts"], (int, float)) and e["ts"] >= 0 for e in body)
+        assert all(e["dur"] >= 0 for e in spans if e["ph"] == "X")
+        assert all(isinstance(e["ts"], (int, float)) and e["ts"] >= 0 for e in events if e["ph"] != "M")
         # complete events of one thread never overlap (the JSON format wants them nested)
         lanes = defaultdict(list)
         for e in spans:
-            lanes[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+            if e["ph"] == "X":
+                lanes[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
         for ivs in lanes.values():
             ivs.sort()
             assert all(b0 >= a1 - 1e-6 for (_, a1), (b0, _) in zip(ivs, ivs[1:], strict=False))
@@ -157,6 +198,65 @@ def test_export_chrome(runs, tmp_path):
         writes = [e for e in spans if e["cat"] in ("write", "slice_write")]
         assert writes and all(e["args"]["bytes"] > 0 and e["args"]["requests"] > 0 for e in writes)
         assert re.fullmatch(r"(slice_)?write r\d+ c\d+", writes[0]["name"])
+
+
+def _tracks_per_rank(events: list[dict]) -> dict[tuple[int, int], set]:
+    """(pid, rank) -> its tracks: threads of its slices and instants, async and counter tracks."""
+    tracks: dict[tuple[int, int], set] = defaultdict(set)
+    for e in events:
+        if e["ph"] in ("X", "i"):
+            tracks[(e["pid"], e["tid"] // 100)].add(("thread", e["tid"]))
+        elif e["ph"] in ("b", "C"):
+            rank = int(re.match(r"(?:prefill|decode) (\d+) ", e["name"]).group(1))
+            tracks[(e["pid"], rank)].add((e["ph"], e["name"]))
+    return tracks
+
+
+def test_chrome_trace_tracks_counters_and_flows(runs, tmp_path):
+    """Few tracks per rank (one per kind of work, plus async and counter tracks); counters
+    of live bytes, reservations and the watermark per decode rank; an arrow from each
+    write slice to the scatter slice of the same (room, chunk) at its decode rank."""
+    doc = json.loads(export_chrome(runs["staging"], tmp_path / "t.json").read_text())
+    events = doc["traceEvents"]
+    _, records = read_records(runs["staging"])
+    decode_ranks = sorted({r.rank for r in records if r.role == "decode"})
+    for (pid, rank), tracks in _tracks_per_rank(events).items():
+        threads = [t for t in tracks if t[0] == "thread"]
+        assert len(threads) <= 5, (pid, rank, tracks)  # one per kind: messages, compute, gather, write, wm_wait
+        assert len(tracks) <= 8, (pid, rank, tracks)
+    counters = [e for e in events if e["ph"] == "C"]
+    names = {e["name"] for e in counters}
+    for d in decode_ranks:
+        assert {f"decode {d} \u00b7 ring live bytes", f"decode {d} \u00b7 ring reserved bytes",
+                f"decode {d} \u00b7 watermark (ring rounds)"} <= names
+    pool = load_scenario(SCENARIO, overrides=SETS).pool_bytes
+    live = [e["args"]["bytes"] for e in counters if "live" in e["name"]]
+    reserved = [e["args"]["bytes"] for e in counters if "reserved" in e["name"]]
+    assert max(live) <= pool < max(reserved)  # this pool overcommits; live bytes never exceed it
+    # flows: every "s" has one "f" with its id; each joins a write to the scatter of its (room, chunk)
+    slices = {(e["pid"], e["tid"]): [] for e in events if e["ph"] == "X"}
+    for e in events:
+        if e["ph"] == "X":
+            slices[(e["pid"], e["tid"])].append(e)
+
+    def enclosing(e: dict) -> dict:
+        found = [x for x in slices[(e["pid"], e["tid"])] if x["ts"] <= e["ts"] <= x["ts"] + x["dur"]]
+        assert len(found) == 1, e
+        return found[0]
+
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert starts and starts.keys() == ends.keys()
+    for fid, s in starts.items():
+        w, sc = enclosing(s), enclosing(ends[fid])
+        assert w["cat"] == "write" and sc["cat"] == "scatter" and ends[fid]["bp"] == "e"
+        assert (w["args"]["room"], w["args"]["chunk"]) == (sc["args"]["room"], sc["args"]["chunk"])
+        assert w["args"]["peer"] == int(sc["tid"]) // 100  # the scatter is at the write's decode rank
+    write_slices = [e for e in events if e["ph"] == "X" and e["cat"] == "write"]
+    scattered = {(e["args"]["room"], e["args"]["chunk"], e["tid"] // 100) for e in events
+                 if e["ph"] == "X" and e["cat"] == "scatter"}
+    expected = sum(1 for w in write_slices if (w["args"]["room"], w["args"]["chunk"], w["args"]["peer"]) in scattered)
+    assert len(starts) == expected == len(write_slices)  # here no write overlaps another: every one has its arrow
 
 
 def test_cli_report_and_export(runs, tmp_path):

@@ -81,9 +81,34 @@ def _print_compare(result: dict) -> None:
         f"completed only in A: {r['completed_only_in_a']}; completed only in B: {r['completed_only_in_b']}",
         highlight=False,
     )
+    _print_conditions(result)
     mape = result["transfer_latency"]["mape"]
     ok = mape is not None and math.isfinite(mape) and mape <= result["tolerance"]
     console.print(f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}", highlight=False)
+
+
+def _print_conditions(result: dict) -> None:
+    """The scenario fields that differ (those that matter to the modes compared), the
+    hosts' conditions, and a warning per run taken on a loaded host."""
+    from kvstage.conditions import describe
+
+    diff = result.get("scenario_diff") or []
+    if diff:
+        t = Table(title="scenario fields that differ")
+        for col in ("field", "A", "B"):
+            t.add_column(col)
+        for d in diff[:12]:
+            t.add_row(escape(d["field"]), escape(str(d["a"])), escape(str(d["b"])))
+        console.print(t)
+        if len(diff) > 12:
+            console.print(f"... and {len(diff) - 12} more", highlight=False, markup=False)
+    if result.get("scenario_diff_note"):
+        console.print(result["scenario_diff_note"], highlight=False, markup=False)
+    cond = result.get("conditions") or {}
+    for tag in ("a", "b"):
+        console.print(f"host of {tag.upper()}: {describe(cond.get(tag))}", highlight=False, markup=False)
+    for w in result.get("warnings") or []:
+        console.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
 
 def compare(
@@ -134,19 +159,28 @@ def report(
     runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons.")],
     out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
     max_rooms: Annotated[int, typer.Option(help="Rooms shown in each run's timeline (the first N).")] = 8,
+    png: Annotated[Path | None, typer.Option("--png", help="Also write every figure of the report as a PNG file into this folder (for a terminal that cannot open HTML).")] = None,
 ) -> None:
     """Write ONE self-contained HTML report of the runs: per run its scenario and
-    summary numbers, a per-rank timeline of chunk phases and the staging ring with
-    its watermark; across runs latency CDFs, a phase breakdown and (when the paths
-    differ) staging vs slice; with several runs a comparison of the first with each
-    other. Figures are embedded PNGs; no script, no external URL: it opens from disk."""
-    from kvstage.report import build_report
+    summary numbers, a per-rank timeline of chunk phases and the staging ring (live
+    bytes, reservations, watermark); across runs latency CDFs with their p50 / p99, a
+    phase breakdown and (when the paths differ) staging vs slice; with several runs a
+    comparison of the first with each other. Warns of runs taken on a loaded host.
+    Figures are embedded PNGs; no script, no external URL: it opens from disk."""
+    from kvstage.conditions import loaded_warnings
+    from kvstage.report import write_report
 
     if max_rooms < 1:
         _fail(f"--max-rooms {max_rooms} not allowed (at least 1)")
     loaded = [_load(p) for p in runs]
-    path = build_report(loaded, out, max_rooms=max_rooms)
-    console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False)
+    for w in loaded_warnings([(r.path.name, r.mode, r.summary.get("conditions")) for r in loaded]):
+        err.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+    path, pngs = write_report(loaded, out, max_rooms=max_rooms, png_dir=png)
+    console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False,
+                  soft_wrap=True)
+    if png is not None:
+        console.print(f"figures (PNG) in {png}: {', '.join(p.name for p in pngs)}", highlight=False, markup=False,
+                      soft_wrap=True)
 
 
 def export_trace(
