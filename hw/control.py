@@ -406,6 +406,7 @@ class RendezvousServer:
         self.expected = set(expected)
         self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
         self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self.gone: set[str] = set()  # ranks that died during the run (the launcher says so)
         self.registered: dict[bytes, str] = {}  # connection identity -> the rank it registered
         self.refusals: list[str] = []
         self.started = False
@@ -494,7 +495,8 @@ class RendezvousServer:
 
     @property
     def all_reported(self) -> bool:
-        return set(self.reports) == self.expected
+        """Every rank reported, or died during the run (`gone`, noted by the launcher)."""
+        return set(self.reports) | self.gone == self.expected
 
     def release(self) -> None:
         """Tell every reported rank that it may exit."""

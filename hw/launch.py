@@ -127,7 +127,8 @@ def launch(
                 with logs[name].open("w") as fh:
                     procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                                    start_new_session=True, preexec_fn=preexec)
-        _until_all_reported(server, procs, logs, on_started, start, timeout_s)
+        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s)
+        errors += died
         server.release()
         for name, proc in procs.items():
             try:
@@ -152,10 +153,13 @@ def launch(
 
 
 def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
-                        on_started, start: float, timeout_s: float) -> None:
-    """Serve the rendezvous until every rank reported; LaunchError when a rank dies
-    first or `timeout_s` passes after `start` (monotonic)."""
+                        on_started, start: float, timeout_s: float) -> list[str]:
+    """Serve the rendezvous until every live rank reported. A rank that dies before the
+    run started is a LaunchError (the run cannot start); one that dies during the run
+    is noted (returned) and the others go on: their failure detectors fail its rooms
+    and they finish. LaunchError too when `timeout_s` passes after `start`."""
     notified = False
+    died: list[str] = []
     while not server.all_reported:
         server.poll(0.1)
         if on_started is not None and server.started and not notified:
@@ -163,13 +167,18 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
             on_started(server.address, procs)
         for name, proc in procs.items():
             code = proc.poll()
-            if code is not None and name not in server.reports:
+            if code is not None and name not in server.reports and name not in server.gone:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                raise LaunchError(f"rank {name} died before finishing ({why}); its log {logs[name]}:\n{_tail(logs[name])}")
+                message = f"rank {name} died before finishing ({why}); its log {logs[name]}:\n{_tail(logs[name])}"
+                if not server.started:
+                    raise LaunchError(message)
+                server.gone.add(name)
+                died.append(message)
         if time.monotonic() - start > timeout_s:
             missing = sorted(server.expected - set(server.reports))
             stage = "register" if not server.started else "finish"
             raise LaunchError(f"ranks {missing} did not {stage} within {timeout_s:.0f}s")
+    return died
 
 
 def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:

@@ -27,9 +27,11 @@ from kvstage.hw.control import ControlPlane, RankInfo, RendezvousClient, rank_na
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
 from kvstage.hw.transport import make_transport
-from kvstage.shared.events import Arrive, Die, Record, RoomDone, RoomFailed, Send, Tick
+from kvstage.shared.events import Arrive, Die, PeerLost, Record, RoomDone, RoomFailed, Send, Tick
 from kvstage.shared.layout import owned_heads
+from kvstage.shared.liveness import PeerWatch
 from kvstage.shared.pages import kv_pool_pages
+from kvstage.shared.protocol import Heartbeat
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TRACE_FIELDS, TraceRecord
@@ -40,6 +42,12 @@ log = logging.getLogger("kvstage.hw.rank")
 # Idle poll interval while transfers are in flight (they complete asynchronously).
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
+# Every rank tells its peers it is alive this often; a peer silent (no heartbeat, no
+# message) for PEER_TIMEOUT_S is lost: its rooms fail, the others go on. The timeout
+# is long against the beat so that a rank descheduled for a moment on a loaded host
+# is not declared dead.
+HEARTBEAT_S = 0.2
+PEER_TIMEOUT_S = 3.0
 
 
 class RankError(RuntimeError):
@@ -148,8 +156,48 @@ class RankProcess:
             self.control.close()
 
     # --- the loop ---------------------------------------------------------------------------
+    def _peers(self) -> list[tuple[str, int]]:
+        """The ranks this one exchanges messages with: (role, rank)."""
+        g = self.g
+        if self.role == "prefill":
+            return [("decode", d) for d in g.targets(self.rank)]
+        return [("prefill", p) for p in g.writers(self.rank)]
+
+    def _heartbeat(self) -> None:
+        now = self.now()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + HEARTBEAT_S
+        for role, rank in self._peers():
+            if (role, rank) in self.watch.lost:
+                continue
+            if self.role == "prefill":
+                beat = Heartbeat(self.rank, rank, False)
+            else:
+                beat = Heartbeat(rank, self.rank, True)
+            self.control.send(rank_name(role, rank), beat)
+
+    def _receive(self, wait: float) -> bool:
+        """Messages in: every one is a sign of life of its sender; heartbeats stop here."""
+        messages = self.control.receive(wait)
+        now = self.now()
+        for msg in messages:
+            if self.role == "prefill":
+                self.watch.heard(("decode", msg.decode_rank), now)
+            else:
+                self.watch.heard(("prefill", msg.prefill_rank), now)
+            if type(msg) is not Heartbeat:
+                self._feed(msg)
+        for role, rank in self.watch.newly_lost(self.now()):
+            log.warning("%s: %s%d silent for %.1fs: lost", self.name, role, rank, PEER_TIMEOUT_S)
+            self._feed(PeerLost(role, rank, f"{role} rank {rank} stopped answering "
+                                            f"(no heartbeat for {PEER_TIMEOUT_S:.0f}s)"))
+        return bool(messages)
+
     def _loop(self, t0: float) -> None:
         self.t0 = t0
+        self.watch = PeerWatch(self._peers(), PEER_TIMEOUT_S, self.now())
+        self._next_beat = 0.0
         rt = self.runtime
         arrivals = deque(self.requests)
         last = arrivals[-1].arrival_s if arrivals else 0.0
@@ -171,16 +219,14 @@ class RankProcess:
             for t in (arrivals[0].arrival_s if arrivals else None, rt.next_wakeup):
                 if t is not None:
                     wait = min(wait, max(0.0, t - self.now()))
-            messages = self.control.receive(wait)
-            for msg in messages:
-                self._feed(msg)
-            self._idle_work(bool(messages))
+            self._heartbeat()
+            self._idle_work(self._receive(min(wait, HEARTBEAT_S)))
 
     def _serve_late(self) -> None:
         """After this rank finished: answer what peers still send (acknowledgements they
         wait for, ABORTs of failed rooms) until every rank has finished."""
-        for msg in self.control.receive(0.02):
-            self._feed(msg)
+        self._heartbeat()  # still here: peers that run on must not think this rank died
+        self._receive(0.02)
 
     def now(self) -> float:
         return time.time() - self.t0

@@ -152,7 +152,21 @@ class DoneAck:
     decode_rank: int
 
 
-Message = StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort | ReadyAck | DoneAck
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Either direction, between protocol messages: the sender is alive. Hardware
+    ranks send it to every peer a few times a second; a peer silent for too long is
+    declared lost (PeerLost), so its rooms fail while the others keep serving."""
+
+    TAG: ClassVar[bytes] = b"BEAT"
+    prefill_rank: int
+    decode_rank: int
+    from_decode: bool
+
+
+Message = (
+    StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort | ReadyAck | DoneAck | Heartbeat
+)
 MESSAGE_TYPES: tuple[type, ...] = (
     StagingReq,
     StagingRsp,
@@ -163,6 +177,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Abort,
     ReadyAck,
     DoneAck,
+    Heartbeat,
 )
 
 

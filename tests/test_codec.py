@@ -12,6 +12,7 @@ from kvstage.shared.protocol import (
     Bootstrap,
     ChunkReady,
     DoneAck,
+    Heartbeat,
     ProtocolError,
     ReadyAck,
     StagingReq,
@@ -30,9 +31,10 @@ SAMPLES = [
     ChunkReady(room=1, chunk=0, page_start=0, num_pages=4, prefill_rank=5, writer=1, decode_rank=1),
     WriterDone(room=1, num_chunks=4, prefill_rank=5, writer=1, decode_rank=1),
     Bootstrap(room=1, dst_page_base=640, prefill_rank=5, decode_rank=1),
-    Abort(room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"),
     ReadyAck(room=1, chunk=3, prefill_rank=5, decode_rank=1),
     DoneAck(room=1, prefill_rank=5, decode_rank=1),
+    Heartbeat(prefill_rank=5, decode_rank=1, from_decode=True),
+    Abort(room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"),  # last: the str one
 ]
 
 

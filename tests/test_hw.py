@@ -132,9 +132,12 @@ def test_abort_mid_transfer_releases_staging_and_others_finish(tmp_path):
     assert not check_records(records)
 
 
-def test_killed_rank_fails_fast_and_leaves_nothing(tmp_path):
+def test_killed_rank_its_rooms_fail_the_others_finish_nothing_left(tmp_path):
+    """A rank killed mid-run: its peers' failure detectors declare it lost, its rooms fail
+    with that reason, the surviving ranks finish the run and report; the run exits 1
+    naming the dead rank; no process is left."""
     require_engine("nixl")
-    f = write_scenario(tmp_path, 2, 1, 8, requests=400)  # 20 s of arrivals: killed mid-run
+    f = write_scenario(tmp_path, 2, 1, 8, requests=100)  # 5 s of arrivals: killed mid-run
     procs_seen = {}
 
     def on_started(address, procs):
@@ -155,6 +158,12 @@ def test_killed_rank_fails_fast_and_leaves_nothing(tmp_path):
     summary = read_summary(run_dir)
     assert code == 1
     assert any("prefill1" in e and "died" in e for e in summary["errors"]), summary["errors"]
+    # the survivors finished: rooms before the kill done, the rest failed naming the loss
+    assert summary["requests_done"] > 0 and summary["requests_failed"] > 0
+    assert summary["requests_done"] + summary["requests_failed"] == 100
+    assert all("prefill rank 1" in r or "gone" in r or "stopped answering" in r
+               for r in summary["failures"].values()), summary["failures"]
+    assert summary["bytes_wrong"] == 0
     assert elapsed < 120
     assert procs_seen and all(p.poll() is not None for p in procs_seen.values())
 

@@ -1,0 +1,37 @@
+"""Who is still there: a failure detector over heartbeats, pure (the driver passes `now`).
+
+A hardware rank tells its peers it is alive a few times a second (HEARTBEAT, and any
+other message counts too); a peer silent for `timeout_s` is lost, reported once, and
+the rank's runtime gets PeerLost for it: the peer's rooms fail with that reason while
+the rank keeps serving the others. The simulator models the same detection as a delay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Peer = tuple[str, int]  # (role, rank)
+
+
+class PeerWatch:
+    def __init__(self, peers: Iterable[Peer], timeout_s: float, now: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._last: dict[Peer, float] = {p: now for p in peers}
+        self.lost: dict[Peer, float] = {}  # peer -> when it was declared lost
+
+    def heard(self, peer: Peer, now: float) -> None:
+        """`peer` said something (a heartbeat or any message). A lost peer stays lost."""
+        if peer in self._last and peer not in self.lost and now > self._last[peer]:
+            self._last[peer] = now
+
+    def newly_lost(self, now: float) -> list[Peer]:
+        """Peers silent for longer than the timeout, each reported once."""
+        gone = [p for p, t in self._last.items() if p not in self.lost and now - t > self.timeout_s]
+        for p in gone:
+            self.lost[p] = now
+        return gone
+
+    def silent_for(self, peer: Peer, now: float) -> float:
+        return now - self._last[peer]
