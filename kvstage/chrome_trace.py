@@ -16,7 +16,10 @@ Tracks, per rank, a fixed few:
   freed), ring reserved bytes (regions handed out, may exceed the pool) and the
   watermark in ring rounds (round + tail / pool), from `kvstage.metrics.ring_series`;
 - flow arrows ("s" -> "f") from each bulk write to the scatter of the same
-  (room, chunk) on its decode rank, one per writer, where both are thread slices.
+  (room, chunk) on its decode rank, one per writer. An arrow binds to a thread
+  slice, so a write or scatter drawn as an async slice gets a zero-length slice
+  (category "flow anchor") on its kind's thread where the write lands or the
+  scatter starts, and the arrow binds there.
 
 Instants are "i" events; metadata events name and order processes and threads.
 """
@@ -45,6 +48,7 @@ _LANES: dict[str, tuple[int, str]] = {
 _EVENTS_LANE = (0, "messages & events")  # instants and any other span
 _TIDS_PER_RANK = 100  # tid = rank * _TIDS_PER_RANK + lane
 COUNTERS = ("ring live bytes", "ring reserved bytes", "watermark (ring rounds)")
+ANCHOR = "flow anchor"  # category of the zero-length slices that anchor arrows of async spans
 
 
 def _name(r: TraceRecord) -> str:
@@ -103,13 +107,12 @@ class _Builder:
         if not span:
             self.events.append({"name": _name(r), "ph": "i", "s": "t", **base, "args": _args(r)})
             return
+        key = self._flow_key(r)
         if self.lane_end.get((pid, tid), -1) <= t0:  # fits after the thread's last slice
             self.lane_end[(pid, tid)] = t1
             self.events.append({"name": _name(r), "ph": "X", "dur": (t1 - t0) / 1000, **base, "args": _args(r)})
-            if r.phase == "write" and r.role == "prefill" and r.peer >= 0:
-                self.slices[("write", r.room, r.chunk, r.peer, r.rank, r.writer)] = (pid, tid, t0, t1)
-            elif r.phase == "scatter" and r.role == "decode":
-                self.slices[("scatter", r.room, r.chunk, r.rank)] = (pid, tid, t0, t1)
+            if key is not None:
+                self.slices[key] = (pid, tid, t0, t1)
             return
         # overlaps the thread's last slice: an async slice on the rank's overlap track of this kind
         self.async_ids += 1
@@ -117,10 +120,26 @@ class _Builder:
         ident = f"0x{self.async_ids:x}"
         self.events.append({"name": name, "ph": "b", "id": ident, **base, "args": {"span": _name(r), **_args(r)}})
         self.events.append({"name": name, "ph": "e", "id": ident, **base, "ts": t1 / 1000})
+        if key is not None:
+            # an arrow binds to a thread slice: a zero-length anchor on the kind's thread where the
+            # write lands (its end) or the scatter starts, nested in whatever slice runs there
+            t = t1 if r.phase == "write" else t0
+            self.events.append({"name": f"{_name(r)} ({'lands' if r.phase == 'write' else 'starts'})", "ph": "X",
+                                "dur": 0, **base, "cat": ANCHOR, "ts": t / 1000, "args": _args(r)})
+            self.slices[key] = (pid, tid, t, t)
+
+    @staticmethod
+    def _flow_key(r: TraceRecord) -> tuple | None:
+        """Where an arrow starts (a bulk write) or ends (a scatter), else None."""
+        if r.phase == "write" and r.role == "prefill" and r.peer >= 0:
+            return ("write", r.room, r.chunk, r.peer, r.rank, r.writer)
+        if r.phase == "scatter" and r.role == "decode":
+            return ("scatter", r.room, r.chunk, r.rank)
+        return None
 
     def flows(self) -> None:
-        """An arrow from each write slice to the scatter slice of its (room, chunk) at
-        its decode rank, anchored mid-slice so that both ends bind to their slice."""
+        """An arrow from each write to the scatter of its (room, chunk) at its decode rank,
+        placed mid-slice (or on the anchor of an async span) so that both ends bind there."""
         n = 0
         for key, (pid, tid, t0, t1) in sorted(self.slices.items(), key=lambda kv: kv[1][2]):
             if key[0] != "write":

@@ -79,8 +79,10 @@ def sample() -> Sample:
     return Sample(time.monotonic(), _host_busy_s(), _own_s(), _loadavg())
 
 
-def measure(before: Sample, after: Sample | None = None, *, note: str = "") -> dict:
-    """summary.json's `conditions` for the interval from `before` to `after` (default: now)."""
+def measure(before: Sample, after: Sample | None = None, *, spawned: bool = True) -> dict:
+    """summary.json's `conditions` for the interval from `before` to `after` (default: now).
+    `spawned=False`: a hardware run whose ranks were started elsewhere (`--no-spawn`),
+    so their CPU time, if on this host, counts as other processes' (said in `note`)."""
     after = after or sample()
     cores = os.cpu_count() or 1
     wall = max(after.wall - before.wall, 0.0)
@@ -97,8 +99,8 @@ def measure(before: Sample, after: Sample | None = None, *, note: str = "") -> d
         "loaded": None,
         "loaded_if_share_above": LOADED_SHARE,
     }
-    if note:
-        out["note"] = note
+    if not spawned:
+        out["note"] = "ranks started elsewhere (--no-spawn): on this host their CPU time counts as other processes"
     if before.busy_s is not None and after.busy_s is not None:
         busy = max(after.busy_s - before.busy_s, 0.0)
         other = max(busy - own, 0.0)

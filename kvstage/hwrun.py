@@ -85,9 +85,7 @@ def run_hardware(
             "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
             "malformed_messages": sum(r.get("malformed", 0) for r in reports),
             "errors": errors,
-            # the spawned ranks are children the launcher waited for: their CPU time is the run's own
-            "conditions": conditions.measure(before, note="" if spawn else "ranks started elsewhere (--no-spawn): "
-                                             "on this host their CPU time counts as other processes"),
+            "conditions": conditions.measure(before, spawned=spawn),  # spawned ranks' CPU time is the run's own
         },
     )
     wrong = summary["bytes_wrong"]

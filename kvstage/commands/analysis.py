@@ -103,10 +103,12 @@ def _print_conditions(result: dict) -> None:
         if len(diff) > 12:
             console.print(f"... and {len(diff) - 12} more", highlight=False, markup=False)
     if result.get("scenario_diff_note"):
-        console.print(result["scenario_diff_note"], highlight=False, markup=False)
+        console.print(result["scenario_diff_note"], highlight=False, markup=False, soft_wrap=True)
     cond = result.get("conditions") or {}
     for tag in ("a", "b"):
-        console.print(f"host of {tag.upper()}: {describe(cond.get(tag))}", highlight=False, markup=False)
+        sim = " (a simulation: simulated times do not depend on it)" if result[tag]["mode"] == "sim" else ""
+        console.print(f"host of {tag.upper()}: {describe(cond.get(tag))}{sim}", highlight=False, markup=False,
+                      soft_wrap=True)
     for w in result.get("warnings") or []:
         console.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
