@@ -591,9 +591,10 @@ class PrefillMachine(MachineBase):
             if busy:
                 waits.append(f"gather/write completion of chunks {busy[:8]} to decode rank {t.decode_rank}")
             if t.unacked:
-                waits.append(f"READY_ACK from decode rank {t.decode_rank} for chunks {sorted(t.unacked)[:8]}")
+                waits.append(f"decode rank {t.decode_rank} to acknowledge CHUNK_READY of chunks "
+                             f"{sorted(t.unacked)[:8]} (READY_ACK)")
             if t.done and not t.done_acked:
-                waits.append(f"DONE_ACK from decode rank {t.decode_rank}")
+                waits.append(f"decode rank {t.decode_rank} to acknowledge WRITER_DONE (DONE_ACK)")
             if t.dst_page_base is None and (self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())):
                 waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
         return f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + (
