@@ -68,6 +68,8 @@ from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 
 ROLES = ("prefill", "decode")
+# peer messages that name a room
+_ROOM_MESSAGES = frozenset(t for t in MESSAGE_TYPES if "room" in t.__dataclass_fields__)
 # trace rows for messages about rooms outside the workload; past this only counted
 MAX_FOREIGN_TRACED = 1000
 
@@ -261,7 +263,10 @@ class RankRuntime:
         """When the driver must deliver a Tick (timeouts, held messages, faults)."""
         if self.dead:
             return None
-        times = [t for t in (self.machine.next_deadline,) if t is not None]
+        deadline = self.machine.next_deadline
+        if not self._timers and not self.join_at and self.kill_at is None:
+            return deadline  # the common case, asked after every event: no list built
+        times = [deadline] if deadline is not None else []
         if self._timers:
             times.append(self._timers[0].due)
         if self.join_at:
@@ -320,8 +325,7 @@ class RankRuntime:
         if handler is not None:
             handler(self, event, now, out)
             return
-        room = getattr(event, "room", None)
-        if room is not None and room not in self._workload and kind in MESSAGE_TYPES:
+        if kind in _ROOM_MESSAGES and event.room not in self._workload:
             self._drop_foreign(event, now, out)
             return
         self._feed(event, now, out)
