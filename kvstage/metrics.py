@@ -35,11 +35,32 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the spans (overlaps counted once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]]:
-    """Per room: arrival, transfer start, done time (all decode ranks), failed flag."""
+    """Per room, from its trace rows alone:
+
+    - `arrival`: the decode's first `room_open` (the request arrived);
+    - `transfer_start`: the prefill's first `room_open` (its first forward began);
+    - `forward_start` / `forward_end`: the earliest start and the latest end of the
+      room's prefill `compute` rows (first chunk's forward start, last chunk's end);
+    - `staging_wait`: the time at least one of its chunks waited for the watermark
+      (the union of its `wm_wait` spans over every prefill rank and target);
+    - `done`: the last decode rank's `room_done` (only when every decode rank that
+      appears in the trace finished it); `failed`: 1.0 when a rank failed it.
+    """
     rooms: dict[int, dict[str, float]] = {}
     decode_ranks: set[int] = set()
     done_count: dict[int, int] = {}
+    waits: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         if r.room < 0:
             continue
@@ -49,15 +70,48 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
         if r.phase == "room_open":
             key = "arrival" if r.role == "decode" else "transfer_start"
             info[key] = min(info.get(key, math.inf), r.start)
+        elif r.phase == "compute" and r.role == "prefill":
+            info["forward_start"] = min(info.get("forward_start", math.inf), r.start)
+            info["forward_end"] = max(info.get("forward_end", -math.inf), r.end)
+        elif r.phase == "wm_wait":
+            waits.setdefault(r.room, []).append((r.start, r.end))
         elif r.phase == "room_done" and r.role == "decode":
             info["done"] = max(info.get("done", -math.inf), r.end)
             done_count[r.room] = done_count.get(r.room, 0) + 1
         elif r.phase == "room_failed":
             info["failed"] = 1.0
     for room, info in rooms.items():
+        info["staging_wait"] = _union_length(waits.get(room, []))
         if done_count.get(room, 0) < len(decode_ranks):
             info.pop("done", None)
     return rooms
+
+
+# summary.json's per-request breakdown: key -> (from, to) in `room_latencies` terms.
+# transfer_latency_s (prefill room_open -> decode ready) contains the prefill forward;
+# kv_transfer_latency_s is the part of it the request waits for after the forward.
+BREAKDOWN: dict[str, tuple[str, str]] = {
+    "queueing_s": ("arrival", "forward_start"),
+    "prefill_compute_s": ("forward_start", "forward_end"),
+    "kv_transfer_latency_s": ("forward_end", "done"),
+}
+
+
+def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[float]]:
+    """Per finished request: transfer_latency_s, ttft_s, the BREAKDOWN spans and
+    staging_wait_s, each a list over the requests that have both ends in the trace."""
+    out: dict[str, list[float]] = {
+        k: [] for k in ("transfer_latency_s", "ttft_s", *BREAKDOWN, "staging_wait_s")
+    }
+    spans = {"transfer_latency_s": ("transfer_start", "done"), "ttft_s": ("arrival", "done"), **BREAKDOWN}
+    for info in rooms.values():
+        if info.get("failed") or "done" not in info:
+            continue
+        for key, (a, b) in spans.items():
+            if a in info and b in info:
+                out[key].append(info[b] - info[a])
+        out["staging_wait_s"].append(info.get("staging_wait", 0.0))
+    return out
 
 
 @dataclass
@@ -139,19 +193,9 @@ def ring_figures(records: Iterable[TraceRecord], pool_bytes: int) -> dict:
 
 def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, requests: int) -> dict:
     rooms = room_latencies(records)
-    transfer, ttft = [], []
-    done = failed = 0
-    for info in rooms.values():
-        if info.get("failed"):
-            failed += 1
-            continue
-        if "done" not in info:
-            continue
-        done += 1
-        if "transfer_start" in info:
-            transfer.append(info["done"] - info["transfer_start"])
-        if "arrival" in info:
-            ttft.append(info["done"] - info["arrival"])
+    done = sum(1 for i in rooms.values() if "done" in i and not i.get("failed"))
+    failed = sum(1 for i in rooms.values() if i.get("failed"))
+    per_request = request_breakdown(rooms)
     payload = 0
     req_total = 0
     first = math.inf
@@ -174,8 +218,7 @@ def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, req
         "requests": requests,
         "requests_done": done,
         "requests_failed": failed,
-        "transfer_latency_s": percentiles(transfer),
-        "ttft_s": percentiles(ttft),
+        **{key: percentiles(values) for key, values in per_request.items()},
         "payload_bytes": payload,
         "throughput_gbps": (payload * 8 / 1e9 / busy) if busy else 0.0,
         **ring_figures(records, pool_bytes),

@@ -12,6 +12,16 @@ def _ms(x) -> str:
     return "-" if x is None or x != x else f"{x * 1e3:,.2f} ms"
 
 
+# TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
+# starts at the first forward, so it holds prefill compute + exposed KV transfer.
+_BREAKDOWN_ROWS = (
+    ("queueing_s", "  queueing (arrival -> first forward)"),
+    ("prefill_compute_s", "  prefill compute (first forward -> last forward end)"),
+    ("kv_transfer_latency_s", "  exposed KV transfer (last forward end -> decode ready)"),
+    ("staging_wait_s", "staging wait (a chunk behind the watermark)"),
+)
+
+
 def _ring(summary: dict, kind: str) -> str:
     b, f = summary.get(f"ring_{kind}_peak_bytes"), summary.get(f"ring_{kind}_peak_fraction")
     return "-" if b is None else f"{b / (1 << 20):,.1f} MiB ({f:.0%} of pool)"
@@ -27,6 +37,9 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t.add_row("transfer latency mean / max", f"{_ms(lat['mean'])} / {_ms(lat['max'])}")
     ttft = summary["ttft_s"]
     t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])}")
+    for key, label in _BREAKDOWN_ROWS:
+        if key in summary:  # summaries written before the breakdown existed lack it
+            t.add_row(f"{label} p50 / p99", f"{_ms(summary[key]['p50'])} / {_ms(summary[key]['p99'])}")
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
     t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))

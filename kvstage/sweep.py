@@ -83,20 +83,15 @@ __all__ = [
 RAY_REQUIREMENT = "ray==2.60.0"
 
 # The flattened summary metrics of a row, in column order. `--metric` and `--target`
-# name one of these.
+# name one of these. Per-request latencies (kvstage/metrics.py): transfer_latency_s
+# starts at the first prefill forward; kv_transfer_latency_s at the last one's end.
+_LATENCIES = (
+    "transfer_latency_s", "ttft_s", "kv_transfer_latency_s", "prefill_compute_s", "queueing_s", "staging_wait_s",
+)
 METRICS: tuple[str, ...] = (
     "requests_done",
     "requests_failed",
-    "transfer_latency_s.p50",
-    "transfer_latency_s.p90",
-    "transfer_latency_s.p99",
-    "transfer_latency_s.mean",
-    "transfer_latency_s.max",
-    "ttft_s.p50",
-    "ttft_s.p90",
-    "ttft_s.p99",
-    "ttft_s.mean",
-    "ttft_s.max",
+    *(f"{key}.{stat}" for key in _LATENCIES for stat in ("p50", "p90", "p99", "mean", "max")),
     "throughput_gbps",
     "payload_bytes",
     "ring_live_peak_bytes",
@@ -636,6 +631,9 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
     nice = {
         "transfer_latency_s": "transfer latency",
         "ttft_s": "TTFT",
+        "kv_transfer_latency_s": "exposed KV transfer",
+        "prefill_compute_s": "prefill compute",
+        "staging_wait_s": "staging wait",
         "watermark_stall_s": "watermark stall",
         "transfer_requests": "transfer requests",
         "ring_live_peak_bytes": "ring live peak",

@@ -6,7 +6,9 @@ in the order given. A point meets the target when it ran ("ok"), its metric is a
 number satisfying the comparison and, unless the target is about `requests_done` /
 `requests_failed` themselves, none of its requests failed (a latency percentile over
 the few requests that survived a timeout is not a pass). "None meets it" is a valid
-answer. No monotonicity is assumed: every value is simulated and the smallest passing
+answer, and it comes with the numbers that say why (`why_unmet`): e.g. that
+transfer_latency_s contains the prefill forward and prefill_compute_s alone misses the
+target. No monotonicity is assumed: every value is simulated and the smallest passing
 one is reported.
 """
 
@@ -19,9 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstage.sweep import STATUS_OK, SweepError, SweepResult, check_metric
+from kvstage.sweep import STATUS_OK, SweepError, SweepResult, check_metric, format_metric
 
-__all__ = ["Target", "is_numeric", "parse_target", "target_answers", "target_report", "value_order"]
+__all__ = [
+    "Target",
+    "is_numeric",
+    "parse_target",
+    "target_answers",
+    "target_report",
+    "value_order",
+    "why_unmet",
+]
 
 _TARGET_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
 _OPS: dict[str, Callable[[float, float], bool]] = {
@@ -49,7 +59,11 @@ class Target:
             return False
         if self.metric not in ("requests_done", "requests_failed") and row.get("requests_failed"):
             return False
-        x = row.get(self.metric)
+        return self.value_passes(row)
+
+    def value_passes(self, row: dict[str, Any], metric: str | None = None) -> bool:
+        """The comparison alone, on `metric` (default: the target's) of `row`."""
+        x = row.get(metric or self.metric)
         if x is None or (isinstance(x, float) and not math.isfinite(x)):
             return False
         return _OPS[self.op](float(x), self.value)
@@ -92,27 +106,82 @@ def target_answers(result: SweepResult, target: Target) -> list[dict[str, Any]]:
     """Per setting of the other varied keys: the smallest first-key value meeting target.
 
     Each answer: {"settings": {other key: value}, "smallest": value or None,
-    "metric_value": the metric at that point (None if none meets it), "meets": bool}.
+    "metric_value": the metric at that point (None if none meets it), "meets": bool},
+    and when none meets it "why": the numbers that say why (`why_unmet`).
     """
     first, others = result.varies[0], result.varies[1:]
     answers = []
     for combo in itertools.product(*(range(len(v.values)) for v in others)):
         settings = {v.key: v.values[j] for v, j in zip(others, combo, strict=True)}
-        best = None
-        for i in value_order(first.values):
-            row = result.row_at((i, *combo))
-            if target.met_by(row):
-                best = row
-                break
-        answers.append(
-            {
-                "settings": settings,
-                "smallest": best[first.key] if best else None,
-                "metric_value": best[target.metric] if best else None,
-                "meets": best is not None,
-            }
-        )
+        rows = [result.row_at((i, *combo)) for i in value_order(first.values)]
+        best = next((row for row in rows if target.met_by(row)), None)
+        answer = {
+            "settings": settings,
+            "smallest": best[first.key] if best else None,
+            "metric_value": best[target.metric] if best else None,
+            "meets": best is not None,
+        }
+        if best is None:
+            answer["why"] = why_unmet(rows, target, first.key)
+        answers.append(answer)
     return answers
+
+
+# What a latency is made of, per request (kvstage/metrics.py): each part is <= the
+# whole for every request, so a part's percentile is a lower bound of the whole's.
+_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "transfer_latency_s": (("prefill_compute_s", "the prefill forward"), ("kv_transfer_latency_s", "")),
+    "ttft_s": (
+        ("queueing_s", "the queueing before the prefill"),
+        ("prefill_compute_s", "the prefill forward"),
+        ("kv_transfer_latency_s", ""),
+    ),
+    "kv_transfer_latency_s": (("staging_wait_s", "the wait for the staging watermark"),),
+}
+
+
+def _at(row: dict[str, Any], key: str) -> str:
+    return f"{key}={row[key]}"
+
+
+def why_unmet(rows: Sequence[dict[str, Any]], target: Target, key: str) -> str:
+    """Why no point of `rows` (one setting of the other keys) meets `target`, in numbers:
+    points that did not run; points that meet it only over the requests that survived;
+    the best value reached and, for a latency, its parts there -- naming a part that
+    alone misses the target at every point (e.g. prefill compute inside transfer_latency_s).
+    """
+    ran = [r for r in rows if r.get("status") == STATUS_OK]
+    if not ran:
+        return f"no point ran ({', '.join(sorted({str(r.get('status')) for r in rows}))})"
+    notes = []
+    survivors = [r for r in ran if r.get("requests_failed") and target.value_passes(r)]
+    if survivors and target.metric not in ("requests_done", "requests_failed"):
+        r = min(survivors, key=lambda row: row["requests_failed"])
+        notes.append(
+            f"{len(survivors)} point(s) meet it only over the requests that survived "
+            f"(at {_at(r, key)}: {r['requests_failed']} failed, {r['requests_done']} done)"
+        )
+    valued = [r for r in ran if isinstance(r.get(target.metric), int | float)]
+    if not valued:
+        return "; ".join(notes or [f"no point has a value of {target.metric}"])
+    sign = 1 if target.op in ("<", "<=") else -1
+    best = min(valued, key=lambda r: sign * float(r[target.metric]))
+    base, _, stat = target.metric.partition(".")
+    text = f"{target.metric} is at best {format_metric(target.metric, best[target.metric])} ({_at(best, key)})"
+    parts = _PARTS.get(base, ()) if sign == 1 else ()
+    shown = []
+    for part, what in parts:
+        name = f"{part}.{stat}"
+        value = best.get(name)
+        if value is None:
+            continue
+        shown.append(f"{name} {format_metric(name, value)}")
+        if what and all(not target.value_passes(r, name) for r in ran if r.get(name) is not None):
+            text += f"; it includes {what}: {name} alone is {format_metric(name, value)} there and misses the target at every point"
+    if shown:
+        text += f" (there: {', '.join(shown)})"
+    notes.append(text)
+    return "; ".join(notes)
 
 
 def target_report(result: SweepResult, target: Target) -> dict[str, Any]:

@@ -248,7 +248,7 @@ def test_cli_sim_writes_run_dir_and_check_passes(tmp_path: Path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == "sim"
     assert summary["requests_done"] == 6 and summary["requests_failed"] == 0
-    for key in ("transfer_latency_s", "ttft_s"):
+    for key in ("transfer_latency_s", "ttft_s", "kv_transfer_latency_s", "prefill_compute_s"):
         lat = summary[key]
         assert set(lat) >= {"p50", "p90", "p99", "mean", "max"}
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]

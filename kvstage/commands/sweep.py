@@ -333,6 +333,10 @@ def _print_results(
         console.print(f"... {len(result.rows) - _MAX_PRINTED_ROWS} more rows in {files['csv']}")
     if report is not None:
         console.print(_target_table(result, report))
+        for a in report["answers"]:
+            if not a["meets"] and a.get("why"):
+                where = ", ".join(f"{k}={v}" for k, v in a["settings"].items())
+                console.print(f"none meets it{' at ' + where if where else ''}: {a['why']}", markup=False, highlight=False)
     console.print(
         f"{len(result.rows)} points in {result.wall_s:.1f} s on {result.backend}; "
         f"files in {out_dir}: {', '.join(p.name for p in files.values())}",
