@@ -297,6 +297,24 @@ class RendezvousError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class ClockOffset:
+    """A rank's clock against the launcher's: launcher time = rank time + offset_s,
+    within +- uncertainty_s (half the round trip of the best sample)."""
+
+    offset_s: float
+    rtt_s: float
+    samples: int
+
+    @property
+    def uncertainty_s(self) -> float:
+        return self.rtt_s / 2
+
+    def to_wire(self) -> dict[str, float]:
+        return {"clock_offset_s": self.offset_s, "clock_uncertainty_s": self.uncertainty_s,
+                "clock_rtt_s": self.rtt_s, "clock_samples": self.samples}
+
+
 class RendezvousClient:
     """A rank's side of the rendezvous (a DEALER socket).
 
@@ -346,6 +364,25 @@ class RendezvousClient:
             raise RendezvousError(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
         return msg
 
+    def clock_offset(self, samples: int = 8, timeout_s: float = 10.0,
+                     clock: Callable[[], float] = time.time) -> ClockOffset:
+        """This rank's offset to the launcher's clock (launcher time = `clock()` + offset):
+        `samples` round trips, the one with the smallest round-trip time; its half RTT
+        bounds the error."""
+        best: ClockOffset | None = None
+        for _ in range(samples):
+            t1 = clock()
+            self.send({"kind": "clock", "t1": t1})
+            reply = self.recv(timeout_s, "a clock answer")
+            t3 = clock()
+            if reply.get("kind") != "clock" or reply.get("t1") != t1:
+                raise RendezvousError(f"the rendezvous at {self.address} answered a clock probe with {reply.get('kind')!r}")
+            rtt = t3 - t1
+            if best is None or rtt < best.rtt_s:
+                best = ClockOffset(float(reply["t2"]) - (t1 + t3) / 2, rtt, samples)
+        assert best is not None
+        return best
+
     def hello(self, me: RankInfo, timeout_s: float) -> tuple[dict[str, RankInfo], float]:
         """Register; returns every rank's info by name, and the run's start time (epoch s)."""
         self.send({"kind": "hello", **me.to_json()})
@@ -391,7 +428,8 @@ class RendezvousServer:
     rank's own connection. `refusals` keeps the reasons (the last 100)."""
 
     def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
-                 ctx: zmq.Context | None = None, *, secret: bytes | None = None) -> None:
+                 ctx: zmq.Context | None = None, *, secret: bytes | None = None,
+                 advertise: str | None = None) -> None:
         secret = run_secret(secret)
         self._up = _Mac(secret, _TO_LAUNCHER)
         self._down = _Mac(secret, _TO_RANK)
@@ -402,7 +440,7 @@ class RendezvousServer:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"{host}:{port}"
+        self.address = f"{advertise or host}:{port}"  # what ranks connect to
         self.expected = set(expected)
         self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
         self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
@@ -459,10 +497,12 @@ class RendezvousServer:
             return self._hello(ident, msg)
         if kind == "report":
             return self._report(ident, msg)
+        if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
+            return self._send(ident, {"kind": "clock", "t1": msg.get("t1"), "t2": time.time()})
         if kind == "query":
             table = [info.to_json() for _, info in self.hellos.values()]
             return self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
-        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query)")
+        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock)")
 
     def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:

@@ -37,6 +37,7 @@ from kvstage.hw.control import (
     run_secret,
     write_secret_file,
 )
+from kvstage.hw.placement import engine_env, launch_addresses
 
 log = logging.getLogger("kvstage.hw.launch")
 
@@ -87,24 +88,26 @@ def launch(
     rank_wrapper: list[str] | None = None,
     secret: bytes | None = None,
     host: str | None = None,
+    bind: str | None = None,
+    advertise: str | None = None,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
     `on_started(address, procs)` is called once every rank has registered.
     `rank_wrapper` is put in front of every spawned rank's command line (a profiler,
     numactl, or an instrumented rank of a test). `secret`: the run secret (default:
-    32 fresh random bytes), written to `log_dir/../run.secret`. `host`: the address
-    the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).
+    32 fresh random bytes), written to `log_dir/../run.secret`. `bind`, `advertise`,
+    `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
     names = rank_names(prefill_tp, decode_tp)
     secret = run_secret(secret) if secret is not None else new_secret()
-    host = host or os.environ.get("KVSTAGE_HOST", "127.0.0.1")
+    bind, advertise, host = launch_addresses(host, bind, advertise)
     log_dir.mkdir(parents=True, exist_ok=True)
     secret_path = log_dir.parent / SECRET_FILE
     write_secret_file(secret_path, secret)
-    server = RendezvousServer(names, host=host, port=port, secret=secret)
+    server = RendezvousServer(names, host=bind, port=port, secret=secret, advertise=advertise)
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
     start = time.monotonic()
@@ -187,18 +190,12 @@ def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("MC_LOG_LEVEL", "ERROR")
-    env.setdefault("MC_TCP_BIND_ADDRESS", host)
-    if _loopback(host) and not str(device or "").startswith("cuda"):
-        # UCX (under NIXL) listens on every network device's address unless told
-        # otherwise; ranks on loopback need none but lo.
-        env.setdefault("UCX_NET_DEVICES", "lo")
+    # UCX (under NIXL) listens on every network device's address unless told
+    # otherwise: keep it, and Mooncake's TCP data path, on the ranks' address
+    env.update(engine_env(host, device, env))
     env[SECRET_ENV] = secret.hex()
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
-
-
-def _loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("localhost", "::1")
 
 
 class _StopOnSignal:

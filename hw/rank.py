@@ -23,9 +23,10 @@ import traceback
 from collections import deque
 from typing import Any
 
-from kvstage.hw.control import ControlPlane, RankInfo, RendezvousClient, rank_name
+from kvstage.hw.control import ClockOffset, ControlPlane, RankInfo, RendezvousClient, rank_name
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
+from kvstage.hw.placement import transport_options
 from kvstage.hw.transport import make_transport
 from kvstage.shared.events import Arrive, Die, PeerLost, Record, RoomDone, RoomFailed, Send, Tick
 from kvstage.shared.layout import owned_heads
@@ -71,6 +72,7 @@ class RankProcess:
         device: str | None = None,
         verify_mode: str | None = None,
         host: str = "127.0.0.1",
+        clock_skew_s: float = 0.0,
     ) -> None:
         self.s = scenario
         self.rank = rank
@@ -94,7 +96,13 @@ class RankProcess:
         heads = g.prefill_heads if self.role == "prefill" else g.decode_heads
         self.pool = KVPool(g.layers, pages, g.page_size, heads, g.head_dim, scenario.model.dtype,
                            device=self.device)
-        self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device)
+        # clock_skew_s: an artificial error of this rank's clock (tests: the offset measured
+        # at the rendezvous must undo it); clock_offset_s: that measured offset
+        self.clock_skew_s = clock_skew_s
+        self.clock: ClockOffset | None = None
+        self.clock_offset_s = 0.0
+        self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device,
+                                        **transport_options(scenario.hardware, self.backend, host))
         self.transport.register(self.pool.tensor)
         self.control = ControlPlane(host)
         self.peers: dict[str, RankInfo] = {}
@@ -134,6 +142,10 @@ class RankProcess:
         me = RankInfo(self.role, self.rank, self.control.address, self.transport.agent_name,
                       self.transport.metadata(), self._rank_extra())
         table, t0 = client.hello(me, rendezvous_timeout_s)
+        # trace times are on the launcher's clock: measure this clock's offset to it, now
+        # that every rank is registered and quiet (before t0, half a second away)
+        self.clock = client.clock_offset(samples=16, clock=self.wall, timeout_s=rendezvous_timeout_s)
+        self.clock_offset_s = self.clock.offset_s
         self.peers = table
         self._connect_peers(table)
         error = ""
@@ -228,8 +240,13 @@ class RankProcess:
         self._heartbeat()  # still here: peers that run on must not think this rank died
         self._receive(0.02)
 
+    def wall(self) -> float:
+        """This rank's own wall clock (with the test-only skew)."""
+        return time.time() + self.clock_skew_s
+
     def now(self) -> float:
-        return time.time() - self.t0
+        """Seconds since the run start, on the launcher's clock."""
+        return self.wall() + self.clock_offset_s - self.t0
 
     def _feed(self, event) -> None:
         for action in self.runtime.handle(event, self.now()):
@@ -259,6 +276,9 @@ class RankProcess:
             "error": error,
             **self.control.counters(),  # malformed, unauthenticated, oversize
             "requests_posted": self.transport.requests_posted,
+            "host": self.host,
+            "device": str(self.device),
+            **(self.clock.to_wire() if self.clock else {}),
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())

@@ -16,48 +16,74 @@ def build_parser() -> argparse.ArgumentParser:
         "through the rendezvous that `kvstage hw` (or `kvstage hw --no-spawn`) runs.",
     )
     p.add_argument("scenario", help="scenario TOML (use the run directory's scenario.toml)")
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--rank", required=True, type=int)
-    p.add_argument("--rendezvous", required=True, help="HOST:PORT of the rendezvous")
+    p.add_argument("--role", default=None, choices=["prefill", "decode"],
+                   help="default: from SLURM (SLURM_PROCID, SLURM_NTASKS) or torchrun (RANK, WORLD_SIZE): "
+                        "global ranks 0..P-1 are prefill 0..P-1, P..P+D-1 decode 0..D-1")
+    p.add_argument("--rank", default=None, type=int, help="this rank's index in its role (with --role)")
+    p.add_argument("--rendezvous", default=None, help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="scenario override key=value")
     p.add_argument("--backend", choices=["nixl", "mooncake"], default=None)
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
-    p.add_argument("--host", default=os.environ.get("KVSTAGE_HOST", "127.0.0.1"),
-                   help="address this rank's control socket binds (default 127.0.0.1)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (cuda: cuda:LOCAL_RANK when set)")
+    p.add_argument("--host", default=None,
+                   help="routable address this rank binds and advertises, and tells NIXL/UCX and Mooncake "
+                        "(default $KVSTAGE_HOST, else this host's address towards MASTER_ADDR, else 127.0.0.1)")
     p.add_argument("--secret-file", default=None,
                    help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
                         "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
+    """`clock_skew_s`: an artificial error of this rank's clock (test wrappers only)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
     from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
     from kvstage.hw.launch import LauncherGone, watch_launcher
+    from kvstage.hw.placement import (
+        PlacementError,
+        default_host,
+        engine_env,
+        identity,
+        rank_device,
+        rendezvous_address,
+    )
+    from kvstage.shared.scenario import ScenarioError, load_scenario
 
     watch_launcher()  # first: a launcher that dies from here on takes this rank along
+    who = f"{args.role}{args.rank}" if args.role is not None and args.rank is not None else "hw-rank"
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else run_secret()
     except RunSecretError as exc:
-        print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        scenario = load_scenario(args.scenario, overrides=args.sets)
+        g = scenario.geometry()
+        me = identity(args.role, args.rank, g.prefill_tp, g.decode_tp)
+        rendezvous = rendezvous_address(args.rendezvous)
+    except (ScenarioError, PlacementError, ValueError) as exc:
+        print(f"{who}: error: {exc}", file=sys.stderr)
+        return 2
+    args.role, args.rank = me.role, me.rank
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
+    host = args.host or default_host()
+    device = rank_device(args.device or scenario.hardware.device, me.local_rank)
     os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
+    os.environ.update(engine_env(host, device))  # the engines keep to this rank's address
+    if me.source != "flags":
+        print(f"{args.role}{args.rank}: global rank {me.global_rank} from {me.source}, device {device}, "
+              f"host {host}, rendezvous {rendezvous}", file=sys.stderr, flush=True)
     import torch
 
     # Many ranks share this machine's cores: one intra-op thread each avoids
     # oversubscription that would stall every rank's event loop.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
     from kvstage.hw.rank import RankError, make_rank
-    from kvstage.shared.scenario import ScenarioError, load_scenario
 
     try:
-        scenario = load_scenario(args.scenario, overrides=args.sets)
-        rank = make_rank(scenario, args.role, args.rank, args.rendezvous, backend=args.backend,
-                         device=args.device, host=args.host)
+        rank = make_rank(scenario, args.role, args.rank, rendezvous, backend=args.backend,
+                         device=device, host=host, clock_skew_s=clock_skew_s)
     except (ScenarioError, RankError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2

@@ -112,6 +112,8 @@ def hw(
     port: Annotated[int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")] = 0,
     trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
     host: Annotated[str | None, typer.Option(help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).")] = None,
+    bind: Annotated[str | None, typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one).")] = None,
+    advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -137,31 +139,30 @@ def hw(
         _fail(problem)
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
-    if not spawn:
-        console.print("waiting for ranks to register (start them with `kvstage hw-rank ... --rendezvous HOST:PORT "
-                      "--secret-file RUN_DIR/run.secret`)")
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
-                           port=port, console=console)
+                           port=port, console=console, host=host, bind=bind, advertise=advertise)
     raise typer.Exit(code)
 
 
 @app.command("hw-rank")
 def hw_rank(
     scenario: ScenarioArg,
-    role: Annotated[str, typer.Option(help="prefill or decode.")],
-    rank: Annotated[int, typer.Option(help="This rank's index in its role.")],
-    rendezvous: Annotated[str, typer.Option(help="HOST:PORT of the rendezvous (kvstage hw --no-spawn --port N).")],
+    role: Annotated[str | None, typer.Option(help="prefill or decode (default: from SLURM or torchrun, global rank r < P is prefill r, else decode r-P).")] = None,
+    rank: Annotated[int | None, typer.Option(help="This rank's index in its role (with --role).")] = None,
+    rendezvous: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT).")] = None,
     set_: SetOpt = None,
     backend: Annotated[str | None, typer.Option(help="nixl or mooncake.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.")] = None,
-    host: Annotated[str, typer.Option(help="Address this rank's control socket binds.")] = "127.0.0.1",
+    host: Annotated[str | None, typer.Option(help="Routable address this rank binds and advertises (default $KVSTAGE_HOST, else the one towards MASTER_ADDR, else 127.0.0.1).")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET).")] = None,
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
     from kvstage.hw.rank_main import main as rank_main
 
-    argv = [str(scenario), "--role", role, "--rank", str(rank), "--rendezvous", rendezvous, "--host", host]
+    argv = [str(scenario)]
+    for flag, value in (("--role", role), ("--rank", rank), ("--rendezvous", rendezvous), ("--host", host)):
+        argv += [flag, str(value)] if value is not None else []
     for item in set_ or []:
         argv += ["--set", item]
     if backend:

@@ -35,6 +35,13 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
+    """Each rank's address and clock against the launcher's, measured at the rendezvous
+    and taken out of its trace times (launcher time = rank time + offset)."""
+    keys = ("host", "clock_offset_s", "clock_uncertainty_s")
+    return {name: {k: r[k] for k in keys if k in r} for name, r in sorted(reports.items())}
+
+
 def run_hardware(
     scenario: Scenario,
     *,
@@ -46,10 +53,11 @@ def run_hardware(
     console: Console | None = None,
     on_started=None,
     rank_wrapper: list[str] | None = None,
+    **placement: str | None,
 ) -> tuple[int, Path]:
     """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right,
     no invariant broke and the failed rooms are the ones the scenario's [expect] allows (none
-    without one); 1 otherwise."""
+    without one); 1 otherwise. `placement`: host, bind, advertise (hw.launch.launch)."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
@@ -63,7 +71,7 @@ def run_hardware(
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
     result = launch(scenario_path, g.prefill_tp, g.decode_tp, run_dir / "logs", backend=hw.backend,
                     device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
-                    rank_wrapper=rank_wrapper)
+                    rank_wrapper=rank_wrapper, **placement)
     records: list[TraceRecord] = []
     for rep in result.reports.values():
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
@@ -84,6 +92,7 @@ def run_hardware(
             "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
             "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
             "malformed_messages": sum(r.get("malformed", 0) for r in reports),
+            "clocks": _clocks(result.reports),
             "errors": errors,
             "conditions": conditions.measure(before, spawned=spawn),  # spawned ranks' CPU time is the run's own
         },

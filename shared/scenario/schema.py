@@ -166,9 +166,14 @@ class LinksConfig(_ProfileNumbers):
 
     def resolved(self) -> ResolvedLinks:
         """The profile merged with the overrides, in bytes/s, seconds and FLOP/s."""
-        if self._resolved is None:  # only when built without validation
-            self._merged, self._resolved = _resolve_links(self, None)
-        return self._resolved
+        # Read the private dict itself: pydantic's attribute hook costs ~2 us a read,
+        # and the simulator asks once per transfer (sim/driver.py).
+        private = self.__pydantic_private__
+        r = private.get("_resolved") if private else None
+        if r is None:  # only when built without validation
+            self._merged, r = _resolve_links(self, None)
+            self._resolved = r
+        return r
 
 
 class WorkloadConfig(_Table):
@@ -258,6 +263,10 @@ class HardwareConfig(_Table):
     # host/device memory for each rank's paged KV pool in hardware mode, MiB; rooms
     # wait for pages when it is full
     kv_pool_mb: PosInt = 512
+    # Mooncake's transport ("tcp" or "rdma") and its device names (RDMA: e.g.
+    # "mlx5_0,mlx5_1"; empty: the engine's choice); NIXL's UCX reads UCX_* variables
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = ""
     scale_down: ScaleDown = Field(default_factory=ScaleDown)
 
     @field_validator("device")

@@ -1,0 +1,198 @@
+"""Where a rank runs and who it is: addresses, network devices, identity from SLURM/torchrun.
+
+Placement. Every rank binds its control socket on one routable address and advertises
+that same address; the transfer engines are told the same: Mooncake's local server name
+and MC_TCP_BIND_ADDRESS, and UCX (under NIXL) UCX_NET_DEVICES = the interface that holds
+the address (`lo` on loopback). A variable the user set is never overridden.
+
+Identity. `kvstage hw-rank` without --role/--rank takes them from the launcher of the
+job: SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE,
+LOCAL_RANK). Global ranks 0..P-1 are prefill ranks 0..P-1, global ranks P..P+D-1 are
+decode ranks 0..D-1; the world size must be P+D. The rendezvous is --rendezvous, else
+MASTER_ADDR:MASTER_PORT. Device "cuda" means cuda:LOCAL_RANK.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915
+
+
+class PlacementError(ValueError):
+    """The environment does not say who this rank is, or says it inconsistently."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 `address` here, or None."""
+    if is_loopback(address):
+        return "lo"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
+
+
+def route_source(peer: str, port: int = 9) -> str | None:
+    """The local address this host would use to reach `peer` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def default_host(env: Mapping[str, str] | None = None) -> str:
+    """The address a rank binds and advertises when not told: $KVSTAGE_HOST; else, when
+    MASTER_ADDR names another host, this host's address on the route to it; else loopback."""
+    env = os.environ if env is None else env
+    if env.get("KVSTAGE_HOST"):
+        return env["KVSTAGE_HOST"]
+    master = env.get("MASTER_ADDR", "")
+    if master and not is_loopback(master):
+        try:
+            src = route_source(socket.gethostbyname(master))
+        except OSError:
+            src = None
+        if src:
+            return src
+    return LOOPBACK
+
+
+def advertised(bind: str) -> str:
+    """The address peers should connect to for a socket bound on `bind`."""
+    if bind not in ("0.0.0.0", "*", ""):
+        return bind
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return LOOPBACK
+
+
+def launch_addresses(host: str | None, bind: str | None, advertise: str | None,
+                     env: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """(bind, advertise, host) of a launcher: the rendezvous binds `bind` (default `host`,
+    $KVSTAGE_HOST, else loopback; 0.0.0.0: every address) and ranks connect to `advertise`
+    (default `bind`, or this host name's address for a wildcard); spawned ranks bind and
+    advertise `host` (default the rendezvous' advertised address)."""
+    env = os.environ if env is None else env
+    bind = bind or host or env.get("KVSTAGE_HOST") or LOOPBACK
+    advertise = advertise or advertised(bind)
+    return bind, advertise, host or advertise
+
+
+def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables that keep the transfer engines on `host` (only those not already set)."""
+    env = os.environ if env is None else env
+    out = {"MC_TCP_BIND_ADDRESS": host}
+    if is_loopback(host):
+        if not str(device or "").startswith("cuda"):
+            out["UCX_NET_DEVICES"] = "lo"  # ranks on loopback need no other network device
+    else:
+        iface = interface_of(host)
+        if iface:
+            out["UCX_NET_DEVICES"] = iface
+    return {k: v for k, v in out.items() if not env.get(k)}
+
+
+def transport_options(hardware: Any, backend: str, host: str) -> dict[str, Any]:
+    """The adapter's options for `backend` from the scenario's [hardware] table."""
+    if backend == "mooncake":
+        return {"protocol": hardware.mooncake_protocol, "device_name": hardware.mooncake_device, "host": host}
+    return {}
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: str
+    rank: int  # within the role
+    global_rank: int | None = None
+    local_rank: int | None = None
+    source: str = "flags"  # flags, slurm or torchrun
+
+
+def role_of(global_rank: int, prefill_tp: int, decode_tp: int) -> tuple[str, int]:
+    """Global rank -> (role, rank): 0..P-1 prefill, P..P+D-1 decode."""
+    if not 0 <= global_rank < prefill_tp + decode_tp:
+        raise PlacementError(f"global rank {global_rank} outside 0..{prefill_tp + decode_tp - 1} "
+                             f"(prefill TP{prefill_tp} + decode TP{decode_tp})")
+    if global_rank < prefill_tp:
+        return "prefill", global_rank
+    return "decode", global_rank - prefill_tp
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    text = env.get(key, "")
+    try:
+        value = int(text)
+    except ValueError:
+        raise PlacementError(f"${key} = {text!r} is not an integer") from None
+    if value < 0:
+        raise PlacementError(f"${key} = {value} is negative")
+    return value
+
+
+def identity(role: str | None, rank: int | None, prefill_tp: int, decode_tp: int,
+             env: Mapping[str, str] | None = None) -> Identity:
+    """This rank's identity: from --role/--rank when given, else from SLURM or torchrun."""
+    env = os.environ if env is None else env
+    local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (
+        _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None)
+    if role is not None or rank is not None:
+        if role is None or rank is None:
+            raise PlacementError("give both --role and --rank, or neither (then SLURM or torchrun say)")
+        return Identity(role, rank, None, local, "flags")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        source, rank_key, world_key = "torchrun", "RANK", "WORLD_SIZE"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        source, rank_key, world_key = "slurm", "SLURM_PROCID", "SLURM_NTASKS"
+    else:
+        raise PlacementError("no --role/--rank and neither torchrun (RANK, WORLD_SIZE) nor SLURM "
+                             "(SLURM_PROCID, SLURM_NTASKS) says who this rank is")
+    world = _int(env, world_key)
+    if world != prefill_tp + decode_tp:
+        raise PlacementError(f"${world_key} = {world} but the scenario has prefill TP{prefill_tp} + decode "
+                             f"TP{decode_tp} = {prefill_tp + decode_tp} ranks: start exactly that many")
+    global_rank = _int(env, rank_key)
+    role, rank = role_of(global_rank, prefill_tp, decode_tp)
+    return Identity(role, rank, global_rank, local, source)
+
+
+def rendezvous_address(flag: str | None, env: Mapping[str, str] | None = None) -> str:
+    """--rendezvous, else MASTER_ADDR:MASTER_PORT."""
+    env = os.environ if env is None else env
+    if flag:
+        return flag
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT')}"
+    raise PlacementError("no rendezvous: give --rendezvous HOST:PORT or set MASTER_ADDR and MASTER_PORT")
+
+
+def rank_device(device: str, local_rank: int | None) -> str:
+    """Plain "cuda" on a rank with a local rank is that GPU; anything else as given."""
+    if device == "cuda" and local_rank is not None:
+        return f"cuda:{local_rank}"
+    return device

@@ -1,0 +1,172 @@
+"""Placement of ranks: identity from SLURM/torchrun, addresses the engines are told, clocks.
+
+No processes here except the clock test's rendezvous (in this process) and the skewed
+hardware run at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstage.hw.control import RendezvousClient, RendezvousServer, new_secret
+from kvstage.hw.placement import (
+    Identity,
+    PlacementError,
+    engine_env,
+    identity,
+    interface_of,
+    rank_device,
+    rendezvous_address,
+    role_of,
+    transport_options,
+)
+from kvstage.shared.scenario import load_scenario
+
+
+def test_global_rank_mapping():
+    assert [role_of(g, 4, 2) for g in range(6)] == [
+        ("prefill", 0), ("prefill", 1), ("prefill", 2), ("prefill", 3), ("decode", 0), ("decode", 1)]
+    with pytest.raises(PlacementError, match="outside 0..5"):
+        role_of(6, 4, 2)
+
+
+def test_identity_from_torchrun():
+    env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    assert identity(None, None, 4, 2, env) == Identity("decode", 1, 5, 1, "torchrun")
+    assert rendezvous_address(None, env) == "10.0.0.7:29500"
+    assert rendezvous_address("h:1", env) == "h:1"  # the flag wins
+    assert rank_device("cuda", 1) == "cuda:1"
+    assert rank_device("cuda:3", 1) == "cuda:3" and rank_device("cpu", 1) == "cpu"
+
+
+def test_identity_from_slurm():
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2"}
+    assert identity(None, None, 2, 4, env) == Identity("decode", 0, 2, 2, "slurm")
+    assert identity(None, None, 4, 2, env) == Identity("prefill", 2, 2, 2, "slurm")
+
+
+def test_flags_win_and_keep_the_local_rank():
+    env = {"RANK": "0", "WORLD_SIZE": "99", "LOCAL_RANK": "3"}
+    assert identity("decode", 1, 4, 2, env) == Identity("decode", 1, None, 3, "flags")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "5"}, r"\$WORLD_SIZE = 5 but the scenario has prefill TP4 \+ decode TP2 = 6"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, r"\$SLURM_NTASKS = 8 but"),
+    ({"RANK": "x", "WORLD_SIZE": "6"}, r"\$RANK = 'x' is not an integer"),
+    ({"RANK": "6", "WORLD_SIZE": "6"}, "global rank 6 outside 0..5"),
+    ({}, "neither torchrun .* nor SLURM"),
+    ({"RANK": "1"}, "neither torchrun"),
+])
+def test_bad_environments_one_clear_error(env, message):
+    with pytest.raises(PlacementError, match=message):
+        identity(None, None, 4, 2, env)
+
+
+def test_half_flags_and_no_rendezvous():
+    with pytest.raises(PlacementError, match="both --role and --rank"):
+        identity("prefill", None, 4, 2, {})
+    with pytest.raises(PlacementError, match="MASTER_ADDR"):
+        rendezvous_address(None, {"MASTER_ADDR": "h"})
+
+
+def test_engines_keep_to_the_rank_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert engine_env("127.0.0.1", "cpu", {}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo"}
+    assert engine_env("127.0.0.1", "cuda:0", {}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    # an address this host does not have: no device guessed (and never lo)
+    assert engine_env("192.0.2.1", "cpu", {}) == {"MC_TCP_BIND_ADDRESS": "192.0.2.1"}
+    # what the user set stays
+    assert engine_env("127.0.0.1", "cpu", {"UCX_NET_DEVICES": "eth0"}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+
+
+def test_mooncake_protocol_and_devices_from_the_scenario(tmp_path):
+    from test_hw import write_scenario
+
+    f = write_scenario(tmp_path, 2, 1, 8)
+    s = load_scenario(f)
+    assert transport_options(s.hardware, "mooncake", "10.1.2.3") == {"protocol": "tcp", "device_name": "", "host": "10.1.2.3"}
+    s = load_scenario(f, overrides=["hardware.mooncake_protocol=rdma", "hardware.mooncake_device=mlx5_0,mlx5_1"])
+    assert transport_options(s.hardware, "mooncake", "h") == {"protocol": "rdma", "device_name": "mlx5_0,mlx5_1", "host": "h"}
+    assert transport_options(s.hardware, "nixl", "h") == {}
+    with pytest.raises(Exception, match="mooncake_protocol"):
+        load_scenario(f, overrides=["hardware.mooncake_protocol=ib"])
+
+
+def test_clock_offset_measured_at_the_rendezvous():
+    secret = new_secret()
+    server = RendezvousServer(["prefill0"], secret=secret, advertise="127.0.0.1")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)], daemon=True)
+    thread.start()
+    try:
+        client = RendezvousClient(server.address, secret=secret)
+        measured = client.clock_offset(samples=8, clock=lambda: time.time() - 7.25)  # this "rank" runs 7.25 s late
+        client.close()
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+    assert measured.samples == 8 and measured.rtt_s < 0.5
+    assert abs(measured.offset_s - 7.25) <= measured.uncertainty_s + 1e-3
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(300)
+def test_skewed_rank_clock_is_corrected_trace_stays_causal(tmp_path):
+    """decode0's clock runs 5 s behind; the offset it measures at the rendezvous puts its
+    trace back on the launcher's clock: every decode `req` follows the prefill `req` it
+    answers, and the summary names the offsets."""
+    from conftest import require_engine
+    from rich.console import Console
+    from test_hw import write_scenario
+
+    from kvstage.hwrun import run_hardware
+    from kvstage.runs import read_summary
+    from kvstage.tracefile import read_records
+
+    require_engine("nixl")
+    s = load_scenario(write_scenario(tmp_path, 2, 1, 8), overrides=["hardware.backend=nixl"])
+    helper = Path(__file__).parent / "helpers" / "skewed_rank.py"
+    code, run_dir = run_hardware(s, out=tmp_path / "run", timeout_s=120, console=Console(width=120),
+                                 rank_wrapper=[sys.executable, str(helper), "decode0=-5.0"])
+    summary = read_summary(run_dir)
+    assert code == 0, summary.get("errors")
+    clocks = summary["clocks"]
+    assert abs(clocks["decode0"]["clock_offset_s"] - 5.0) < 0.05, clocks
+    assert abs(clocks["prefill0"]["clock_offset_s"]) < 0.05, clocks
+    _, records = read_records(run_dir)
+    assert_causal(records)
+
+
+def assert_causal(records) -> int:
+    """Every decode `req` row at or after the first prefill `req` of the same chunk and
+    writer pair; the number of pairs checked."""
+    sent: dict[tuple, float] = {}
+    for r in records:
+        if r.role == "prefill" and r.phase == "req":
+            key = (r.room, r.chunk, r.rank, r.peer)
+            sent[key] = min(sent.get(key, r.start), r.start)
+    checked = 0
+    for r in records:
+        if r.role == "decode" and r.phase == "req":
+            key = (r.room, r.chunk, r.peer, r.rank)
+            assert key in sent, f"decode req without its prefill req: {r}"
+            assert r.start >= sent[key], f"decode req at {r.start:.6f} before its prefill req at {sent[key]:.6f}: {r}"
+            checked += 1
+    assert checked > 0
+    return checked
+
+
+def test_launcher_addresses():
+    from kvstage.hw.placement import launch_addresses
+
+    assert launch_addresses(None, None, None, {}) == ("127.0.0.1", "127.0.0.1", "127.0.0.1")
+    assert launch_addresses(None, "10.77.0.1", None, {}) == ("10.77.0.1", "10.77.0.1", "10.77.0.1")
+    assert launch_addresses(None, "0.0.0.0", "10.0.0.5", {}) == ("0.0.0.0", "10.0.0.5", "10.0.0.5")
+    assert launch_addresses("10.0.0.9", None, None, {"KVSTAGE_HOST": "x"}) == ("10.0.0.9",) * 3
