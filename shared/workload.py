@@ -5,16 +5,19 @@ Both modes call `generate_requests(scenario)` and so replay the very same reques
 uses its own `random.Random` instances (never the global generator) and only the
 stdlib. The only input besides the scenario is `workload.trace_csv` when the
 scenario names one: a CSV with the header arrival_s,prompt_tokens[,prefix_tokens]
-and one row per request (the format and its reader, `read_trace`, are
-shared/scenario/trace_csv.py; loading a scenario already reads it once, so a bad
-trace is refused when the scenario loads, not in the middle of a run).
+[,output_tokens] and one row per request, or a Mooncake trace (JSON Lines, a name
+ending in .jsonl: timestamp in ms, input_length, output_length) (the formats and
+their reader, `read_trace`, are shared/scenario/trace_csv.py and trace_mooncake.py;
+loading a scenario already reads it once, so a bad trace is refused when the
+scenario loads, not in the middle of a run).
 
 Processes (`workload.arrival`), all starting with a request at t = 0:
 - fixed:   request i at i / rate_per_s.
 - poisson: exponential gaps with mean 1 / rate_per_s.
 - burst:   groups of burst_size requests arriving together, one group every
            burst_size / rate_per_s seconds (the same mean rate as `fixed`).
-- trace:   arrival_s of the CSV rows; at most `requests` rows (the first ones).
+- trace:   arrival_s of the trace rows, divided by workload.trace_speedup (2: the
+           trace replayed twice as fast); at most `requests` rows (the first ones).
 
 Prompt lengths (`workload.prompt`): fixed prompt_tokens; uniform integers in
 [prompt_min, prompt_max]; lognormal with median prompt_tokens and sigma
@@ -47,6 +50,7 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     prefix_tokens: int
+    output_tokens: int = 0  # tokens to generate, from a trace that says (0: not known)
 
 
 def _arrivals(w: WorkloadConfig, n: int, rng: random.Random) -> list[float]:
@@ -92,13 +96,13 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     if w.arrival == "trace":
         rows = rows[: w.requests]
         n = len(rows)
-        arrivals = [r.arrival_s for r in rows]
+        arrivals = [r.arrival_s / w.trace_speedup for r in rows]
     else:
         n = w.requests
         arrivals = _arrivals(w, n, arrival_rng)
 
     cap = w.max_prompt_tokens
-    items: list[tuple[float, int, int]] = []
+    items: list[tuple[float, int, int, int]] = []
     for i in range(n):
         row = rows[i % len(rows)] if rows else None
         prompt = (
@@ -109,7 +113,8 @@ def generate_requests(scenario: Scenario) -> list[Request]:
         if row is not None and row.prefix_tokens is not None:
             prefix = row.prefix_tokens
         prefix = min(prefix, prompt // page * page)
-        items.append((arrivals[i], prompt, prefix))
+        output = row.output_tokens if row is not None and row.output_tokens is not None else 0
+        items.append((arrivals[i], prompt, prefix, output))
 
     items.sort(key=lambda it: it[0])  # stable: ties (bursts, trace) keep their order
-    return [Request(room, t, prompt, prefix) for room, (t, prompt, prefix) in enumerate(items)]
+    return [Request(room, *item) for room, item in enumerate(items)]

@@ -14,25 +14,39 @@ class ModelPreset:
     layers: int
     kv_heads: int
     head_dim: int
-    params_b: float
+    params_b: float  # all parameters (every expert of a MoE model)
     note: str = ""
+    active_params_b: float | None = None  # a MoE model's parameters per token
+    source: str = ""  # the Hugging Face repository whose config.json gives the numbers
 
 
-# Numbers from each model's published config.json (num_hidden_layers,
-# num_key_value_heads, hidden_size / num_attention_heads) and its model card.
+# Numbers from each model's published config.json on Hugging Face (`source`:
+# num_hidden_layers, num_key_value_heads, head_dim or hidden_size /
+# num_attention_heads) and its model card (parameters; a MoE model's card gives total
+# and activated parameters).
+_MIXTRAL = "sparse MoE: 8 experts, 2 per token"
 PRESETS: dict[str, ModelPreset] = {
-    "llama-2-7b": ModelPreset(32, 32, 128, 6.7, "multi-head attention: 32 KV heads"),
-    "llama-3-8b": ModelPreset(32, 8, 128, 8.0),
-    "llama-3.1-8b": ModelPreset(32, 8, 128, 8.0),
-    "llama-3-70b": ModelPreset(80, 8, 128, 70.6),
-    "llama-3.1-70b": ModelPreset(80, 8, 128, 70.6),
-    "llama-3.1-405b": ModelPreset(126, 8, 128, 405.0),
-    "llama-3.2-1b": ModelPreset(16, 8, 64, 1.24),
-    "llama-3.2-3b": ModelPreset(28, 8, 128, 3.2),
-    "mistral-7b": ModelPreset(32, 8, 128, 7.3),
-    "qwen2.5-0.5b": ModelPreset(24, 2, 64, 0.49, "2 KV heads: replication from TP 4"),
-    "qwen2.5-7b": ModelPreset(28, 4, 128, 7.6),
-    "qwen2.5-14b": ModelPreset(48, 8, 128, 14.7),
-    "qwen2.5-32b": ModelPreset(64, 8, 128, 32.5),
-    "qwen2.5-72b": ModelPreset(80, 8, 128, 72.7),
+    "llama-2-7b": ModelPreset(32, 32, 128, 6.7, "multi-head attention: 32 KV heads", source="meta-llama/Llama-2-7b-hf"),
+    "llama-3-8b": ModelPreset(32, 8, 128, 8.0, source="meta-llama/Meta-Llama-3-8B"),
+    "llama-3.1-8b": ModelPreset(32, 8, 128, 8.0, source="meta-llama/Llama-3.1-8B"),
+    "llama-3-70b": ModelPreset(80, 8, 128, 70.6, source="meta-llama/Meta-Llama-3-70B"),
+    "llama-3.1-70b": ModelPreset(80, 8, 128, 70.6, source="meta-llama/Llama-3.1-70B"),
+    "llama-3-405b": ModelPreset(126, 8, 128, 405.0, "released as Llama-3.1-405B", source="meta-llama/Llama-3.1-405B"),
+    "llama-3.1-405b": ModelPreset(126, 8, 128, 405.0, source="meta-llama/Llama-3.1-405B"),
+    "llama-3.2-1b": ModelPreset(16, 8, 64, 1.24, source="meta-llama/Llama-3.2-1B"),
+    "llama-3.2-3b": ModelPreset(28, 8, 128, 3.2, source="meta-llama/Llama-3.2-3B"),
+    "mistral-7b": ModelPreset(32, 8, 128, 7.3, source="mistralai/Mistral-7B-v0.1"),
+    "mixtral-8x7b": ModelPreset(32, 8, 128, 46.7, _MIXTRAL, active_params_b=12.9, source="mistralai/Mixtral-8x7B-v0.1"),
+    "mixtral-8x22b": ModelPreset(56, 8, 128, 141.0, _MIXTRAL, active_params_b=39.0, source="mistralai/Mixtral-8x22B-v0.1"),
+    "qwen2.5-0.5b": ModelPreset(24, 2, 64, 0.49, "2 KV heads: replication from TP 4", source="Qwen/Qwen2.5-0.5B"),
+    "qwen2.5-7b": ModelPreset(28, 4, 128, 7.6, "4 KV heads: replication from TP 8", source="Qwen/Qwen2.5-7B"),
+    "qwen2.5-14b": ModelPreset(48, 8, 128, 14.7, source="Qwen/Qwen2.5-14B"),
+    "qwen2.5-32b": ModelPreset(64, 8, 128, 32.5, source="Qwen/Qwen2.5-32B"),
+    "qwen2.5-72b": ModelPreset(80, 8, 128, 72.7, source="Qwen/Qwen2.5-72B"),
+    "qwen3-30b-a3b": ModelPreset(
+        48, 4, 128, 30.5, "MoE: 128 experts, 8 per token; 4 KV heads", active_params_b=3.3, source="Qwen/Qwen3-30B-A3B"
+    ),
+    "qwen3-235b-a22b": ModelPreset(
+        94, 4, 128, 235.0, "MoE: 128 experts, 8 per token; 4 KV heads", active_params_b=22.0, source="Qwen/Qwen3-235B-A22B"
+    ),
 }

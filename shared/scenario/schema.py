@@ -63,7 +63,10 @@ class ModelConfig(_Table):
     layers: PosInt
     kv_heads: Annotated[int, Field(ge=1, le=1024)]
     head_dim: PosInt
-    params_b: PosFloat  # billions of parameters, for 2 * params * tokens FLOPs
+    params_b: PosFloat  # billions of parameters (all experts of a MoE model)
+    # billions of parameters a token passes through (a MoE model's active experts), for
+    # 2 * active params * tokens FLOPs; absent: params_b (a dense model)
+    active_params_b: PosFloat | None = None
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
 
     @model_validator(mode="before")
@@ -83,7 +86,23 @@ class ModelConfig(_Table):
             "head_dim": p.head_dim,
             "params_b": p.params_b,
         }
+        if p.active_params_b is not None and "params_b" not in data:
+            base["active_params_b"] = p.active_params_b  # not with an explicit params_b
         return {**base, **data}
+
+    @model_validator(mode="after")
+    def _active_within_total(self) -> ModelConfig:
+        if self.active_params_b is not None and self.active_params_b > self.params_b:
+            raise _FieldProblem(
+                {"active_params_b": self.active_params_b, "params_b": self.params_b},
+                "a token cannot pass through more parameters than the model has",
+            )
+        return self
+
+    @property
+    def flops_params_b(self) -> float:
+        """Billions of parameters of the forward's FLOPs: active ones, else all."""
+        return self.active_params_b if self.active_params_b is not None else self.params_b
 
     @property
     def dtype_bytes(self) -> int:
@@ -186,7 +205,10 @@ class WorkloadConfig(_Table):
     arrival: Literal["poisson", "fixed", "burst", "trace"] = "poisson"
     rate_per_s: PosFloat = 2.0
     burst_size: PosInt = 8
-    trace_csv: str | None = None  # columns arrival_s,prompt_tokens[,prefix_tokens]
+    # a CSV with columns arrival_s,prompt_tokens[,prefix_tokens][,output_tokens], or a
+    # Mooncake trace (JSON Lines, a name ending in .jsonl); see shared/scenario/trace_csv.py
+    trace_csv: str | None = None
+    trace_speedup: PosFloat = 1.0  # trace arrival times are divided by it (2: twice as fast)
     prompt: Literal["fixed", "uniform", "lognormal", "csv"] = "fixed"
     prompt_tokens: PosInt = 8192  # fixed length; lognormal median
     prompt_min: PosInt = 1024
@@ -230,7 +252,8 @@ class WorkloadConfig(_Table):
             raise _FieldProblem(
                 {"trace_csv": self.trace_csv},
                 'required when arrival = "trace" or prompt = "csv" '
-                "(a CSV with columns arrival_s,prompt_tokens[,prefix_tokens])",
+                "(a CSV with columns arrival_s,prompt_tokens[,prefix_tokens], or a Mooncake "
+                "trace: JSON Lines, a name ending in .jsonl)",
             )
         if needs_csv and self.trace_csv and not Path(self.trace_csv).is_file():
             raise _FieldProblem({"trace_csv": self.trace_csv}, "no such file")
@@ -367,11 +390,12 @@ class Scenario(_Table):
 
         One home for the formula so the simulator and `hardware.forward_delay` agree:
         tokens / tokens_per_s when given, else 2 * params * tokens / tp FLOPs at
-        `prefill.tflops` sustained (attention's quadratic term is ignored).
+        `prefill.tflops` sustained, params the active ones of a MoE model
+        (attention's quadratic term is ignored).
         """
         if self.prefill.tokens_per_s is not None:
             return tokens / self.prefill.tokens_per_s
-        flops = 2.0 * self.model.params_b * 1e9 * tokens / self.prefill.tp
+        flops = 2.0 * self.model.flops_params_b * 1e9 * tokens / self.prefill.tp
         return flops / (self.prefill.tflops * 1e12)
 
     # --- transforms --------------------------------------------------------------
@@ -389,7 +413,9 @@ class Scenario(_Table):
         data = self.model_dump(exclude_none=True)
         if sd.layers is not None and sd.layers < self.model.layers:
             data["model"]["layers"] = sd.layers
-            data["model"]["params_b"] = self.model.params_b * sd.layers / self.model.layers
+            for key in ("params_b", "active_params_b"):
+                if key in data["model"]:
+                    data["model"][key] = data["model"][key] * sd.layers / self.model.layers
         if sd.requests is not None:
             data["workload"]["requests"] = min(self.workload.requests, sd.requests)
         if sd.max_prompt_tokens is not None:

@@ -1,12 +1,15 @@
-"""The trace CSV of `workload.trace_csv`: its format and its reader.
+"""The trace file of `workload.trace_csv`: its CSV format and the reader of both formats.
 
-The format (the workload generator, shared/workload.py, says how rows are used):
+A file whose name ends in `.jsonl` is a Mooncake trace (JSON Lines, its reader and
+format in trace_mooncake.py); any other is a CSV in this format (the workload
+generator, shared/workload.py, says how rows are used):
 
 - the first line that is not blank and not a `#` comment is the header: the columns
-  arrival_s and prompt_tokens, optionally prefix_tokens, in any order, each once;
+  arrival_s and prompt_tokens, optionally prefix_tokens and output_tokens, in any
+  order, each once;
 - then one row per request, with as many fields as the header: arrival_s a finite
-  number of seconds >= 0, prompt_tokens an integer >= 1, prefix_tokens (may be left
-  empty) an integer >= 0;
+  number of seconds >= 0, prompt_tokens an integer >= 1, prefix_tokens and
+  output_tokens (either may be left empty) integers >= 0;
 - blank lines and lines starting with `#` are skipped anywhere; rows need not be
   sorted by arrival (the generator sorts, ties keep file order); UTF-8, a byte-order
   mark is accepted.
@@ -30,19 +33,20 @@ from kvstage.shared.scenario.errors import ScenarioError
 
 __all__ = ["TRACE_COLUMNS", "TraceRow", "read_trace"]
 
-TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens")
+TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens", "output_tokens")
 _REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens")
-_FORMAT = "arrival_s,prompt_tokens[,prefix_tokens]"
+_FORMAT = "arrival_s,prompt_tokens[,prefix_tokens][,output_tokens]"
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRow:
-    """One data row of a trace CSV; `line` is its line number in the file."""
+    """One request of a trace file; `line` is its line number in the file."""
 
     arrival_s: float
     prompt_tokens: int
     prefix_tokens: int | None
     line: int
+    output_tokens: int | None = None  # tokens generated, when the trace says
 
 
 def _parse_int(text: str, column: str, where: str, minimum: int) -> int:
@@ -123,9 +127,11 @@ def _rows(reader: Any, p: Path) -> list[TraceRow]:
         row = dict(zip(header, cells, strict=True))
         arrival = _parse_arrival(row["arrival_s"], where)
         prompt = _parse_int(row["prompt_tokens"], "prompt_tokens", where, 1)
-        prefix_text = row.get("prefix_tokens", "").strip()
-        prefix = _parse_int(prefix_text, "prefix_tokens", where, 0) if prefix_text else None
-        rows.append(TraceRow(arrival, prompt, prefix, reader.line_num))
+        optional = {}
+        for column in ("prefix_tokens", "output_tokens"):
+            text = row.get(column, "").strip()
+            optional[column] = _parse_int(text, column, where, 0) if text else None
+        rows.append(TraceRow(arrival, prompt, optional["prefix_tokens"], reader.line_num, optional["output_tokens"]))
     if header is None:
         raise ScenarioError(
             f"{p}: the trace file is empty; expected a header line {_FORMAT} and then one "
@@ -140,12 +146,17 @@ def _rows(reader: Any, p: Path) -> list[TraceRow]:
 
 
 def read_trace(path: str | Path) -> list[TraceRow]:
-    """Rows of a trace CSV (the format is this module's docstring).
+    """Rows of a trace file: Mooncake JSON Lines when its name ends in `.jsonl`, else a
+    CSV (the format is this module's docstring).
 
     Any problem -- a missing or unreadable file, an empty one, a bad header, a bad
     row -- raises one ScenarioError naming the file and line.
     """
     p = Path(path)
+    if p.suffix.lower() == ".jsonl":
+        from kvstage.shared.scenario.trace_mooncake import read_mooncake  # it imports TraceRow
+
+        return read_mooncake(p)
     try:
         fh = p.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
