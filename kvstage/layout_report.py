@@ -35,6 +35,33 @@ def request_costs(s: Scenario, prompt_tokens: int) -> dict[str, int]:
     }
 
 
+def duplicate_share(s: Scenario) -> float:
+    """The share of staged bytes that are copies of a head the same decode rank also
+    gets from another writer: with prefill TP > KV heads, prefill_tp / kv_heads prefill
+    ranks hold each head, and every one of them writes it (and takes its staging space)."""
+    g = s.geometry()
+    total = unique = 0
+    for d in range(g.decode_tp):
+        heads: set[int] = set()
+        for p in g.writers(d):
+            hs = g.head_slice(p, d)
+            total += hs.num_heads
+            heads.update(range(hs.dst_head_start, hs.dst_head_start + hs.num_heads))
+        unique += len(heads)
+    return 1 - unique / total if total else 0.0
+
+
+def _duplicates_row(s: Scenario) -> str:
+    share = duplicate_share(s)
+    if not share:
+        return "0%"
+    p, h = s.prefill.tp, s.model.kv_heads
+    return (
+        f"{share:.0%} (prefill TP{p} > {h} KV heads: {p // h} prefill ranks hold each head "
+        "and each writes it)"
+    )
+
+
 def layout_report(s: Scenario, console: Console) -> None:
     g = s.geometry()
     ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {g.total_kv_heads} KV heads")
@@ -73,5 +100,6 @@ def layout_report(s: Scenario, console: Console) -> None:
     sizes.add_row("request: transfer requests, slice path", f"{cost['slice_requests']:,}")
     ratio = cost["slice_requests"] / max(1, cost["staging_requests"])
     sizes.add_row("slice / staging requests", f"{ratio:,.0f}x")
+    sizes.add_row("staged bytes that are duplicates", _duplicates_row(s))
     sizes.add_row("transfer path of this scenario", s.transfer.path)
     console.print(sizes)

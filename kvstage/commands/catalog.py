@@ -1,0 +1,94 @@
+"""`kvstage presets` and `kvstage profiles`: what `[model] preset` and `[links] profile`
+can name, in a table each (the numbers behind them and where they come from)."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def _num(x: float | None, unit: str = "", scale: float = 1.0) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x * scale:,.4g}{unit}"
+
+
+def presets_table() -> Table:
+    """One row per model preset: KV geometry, KV bytes per token (bf16), parameters."""
+    from kvstage.shared.scenario.presets import PRESETS
+
+    t = Table(title="model presets (\\[model] preset = NAME; explicit fields override them)", title_justify="left")
+    for col in ("preset", "layers", "KV heads", "head_dim", "KV KiB/token (bf16)", "params (B)", "active (B)", "note", "config source"):
+        t.add_column(col, justify="left" if col in ("preset", "note", "config source") else "right")
+    for name, p in PRESETS.items():
+        kv = 2 * p.layers * p.kv_heads * p.head_dim * 2  # K and V, 2 bytes each
+        t.add_row(
+            name, str(p.layers), str(p.kv_heads), str(p.head_dim), f"{kv / 1024:,.0f}",
+            _num(p.params_b), _num(p.active_params_b) if p.active_params_b else "= params", p.note,
+            p.source and f"huggingface.co/{p.source}",
+        )
+    return t
+
+
+def _resolve(links_config, name: str, base_dir: str | None):
+    """The profile's numbers; an intra-node-only profile (nvlink) by its intra link."""
+    context = {"base_dir": base_dir}
+    try:
+        return links_config.model_validate({"profile": name}, context=context).resolved()
+    except ValueError:
+        return links_config.model_validate({"profile": name, "placement": "intra"}, context=context).resolved()
+
+
+def profiles_table(base_dir: str | None = None) -> Table:
+    """One row per hardware profile found (profile_dirs): its resolved link numbers."""
+    from kvstage.shared.scenario import ScenarioError
+    from kvstage.shared.scenario.profiles import available_profiles, profile_dirs
+    from kvstage.shared.scenario.schema import LinksConfig
+
+    dirs = ", ".join(str(d) for d in profile_dirs(base_dir) if d.is_dir())
+    t = Table(title=f"hardware profiles (\\[links] profile = NAME; from {dirs})", title_justify="left")
+    for col in ("profile", "NIC Gb/s", "NIC latency", "per request", "NIC Mmsg/s", "NVLink GB/s", "GPU TFLOP/s", "source"):
+        t.add_column(col, justify="left" if col in ("profile", "source") else "right")
+    for name in available_profiles(base_dir):
+        try:
+            r = _resolve(LinksConfig, name, base_dir)
+        except (ScenarioError, ValueError) as exc:
+            t.add_row(name, *["-"] * 6, f"cannot load: {str(exc).splitlines()[-1]}")
+            continue
+        inter, intra = r.inter, r.intra
+        t.add_row(
+            name,
+            _num(inter and inter.bandwidth_bytes_s, scale=8e-9),
+            _num(inter and inter.latency_s, " us", 1e6),
+            _num(inter and inter.per_request_s, " us", 1e6),
+            _num(inter and inter.message_rate, scale=1e-6),
+            _num(intra and intra.bandwidth_bytes_s, scale=1e-9),
+            _num(r.gpu_flops, scale=1e-12),
+            r.source,
+        )
+    return t
+
+
+def presets() -> None:
+    """List the model presets: layers, KV heads, head_dim, KV bytes per token, total and
+    (MoE) active parameters, and the published config each comes from."""
+    console.print(presets_table())
+
+
+def profiles(
+    scenario_dir: Annotated[str | None, typer.Option(help="Also list the profiles a scenario in this folder can name (its profiles/ and ../profiles/).")] = None,
+) -> None:
+    """List the hardware profiles `[links] profile` can name: NIC bandwidth, latency and
+    posting cost per work request, message rate, NVLink bandwidth, GPU FLOP/s, source."""
+    console.print(profiles_table(scenario_dir))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("presets")(presets)
+    app.command("profiles")(profiles)

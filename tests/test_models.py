@@ -1,0 +1,89 @@
+"""Models people deploy: presets (with their published numbers), MoE active parameters
+in the forward's FLOPs, `kvstage presets` / `kvstage profiles`, and `validate`'s share
+of duplicate staged bytes when prefill TP exceeds the KV head count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstage.cli import app
+from kvstage.layout_report import duplicate_share
+from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.scenario.presets import PRESETS
+
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
+WIDE = {"COLUMNS": "300"}
+
+
+def load(*sets: str):
+    return load_scenario(SCENARIO, overrides=["decode.staging_pool_mb=16384", *sets])
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "kv_heads", "head_dim", "params", "active"),
+    [
+        ("llama-3-8b", 32, 8, 128, 8.0, None),
+        ("llama-3-70b", 80, 8, 128, 70.6, None),
+        ("llama-3-405b", 126, 8, 128, 405.0, None),
+        ("qwen2.5-7b", 28, 4, 128, 7.6, None),
+        ("qwen2.5-72b", 80, 8, 128, 72.7, None),
+        ("qwen3-235b-a22b", 94, 4, 128, 235.0, 22.0),
+        ("mixtral-8x7b", 32, 8, 128, 46.7, 12.9),
+    ],
+)
+def test_presets_carry_the_published_numbers(name, layers, kv_heads, head_dim, params, active):
+    p = PRESETS[name]
+    assert (p.layers, p.kv_heads, p.head_dim, p.params_b, p.active_params_b) == (layers, kv_heads, head_dim, params, active)
+    assert p.source  # where the numbers come from
+
+
+def test_moe_forward_uses_active_parameters():
+    dense = load("model.preset=mixtral-8x7b", "model.active_params_b=46.7")
+    moe = load("model.preset=mixtral-8x7b")
+    assert moe.model.params_b == 46.7 and moe.model.active_params_b == 12.9
+    flops = 2 * 12.9e9 * 8192 / moe.prefill.tp
+    assert moe.forward_time_s(8192) == pytest.approx(flops / (moe.prefill.tflops * 1e12))
+    assert moe.forward_time_s(8192) / dense.forward_time_s(8192) == pytest.approx(12.9 / 46.7)
+    # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
+    assert load().model.flops_params_b == 8.0
+    assert load("model.preset=mixtral-8x7b", "model.params_b=40").model.flops_params_b == 40
+
+
+def test_active_parameters_are_checked_scaled_and_kept():
+    with pytest.raises(ScenarioError, match="active_params_b"):
+        load("model.preset=mixtral-8x7b", "model.active_params_b=50")
+    moe = load("model.preset=mixtral-8x7b", "hardware.scale_down.enabled=true")
+    small = moe.scaled()
+    assert small.model.layers == 4
+    assert small.model.active_params_b == pytest.approx(12.9 * 4 / 32)
+    assert small.model.params_b == pytest.approx(46.7 * 4 / 32)
+    assert "active_params_b = 12.9" in moe.to_toml()
+
+
+def test_duplicate_share_of_staged_bytes():
+    assert duplicate_share(load()) == 0  # TP4 -> TP2, 8 heads: every head written once
+    qwen = load("model.preset=qwen3-235b-a22b", "prefill.tp=8", "decode.staging_pool_mb=65536")
+    assert duplicate_share(qwen) == 0.5  # 4 heads on 8 prefill ranks: each written twice
+    tiny = load("model.preset=qwen2.5-0.5b", "prefill.tp=8", "decode.tp=1")
+    assert duplicate_share(tiny) == 0.75  # 2 heads, 8 writers into one decode rank
+    # decode TP > heads replicates on the decode side: each rank needs its own copy
+    assert duplicate_share(load("model.preset=qwen2.5-7b", "prefill.tp=2", "decode.tp=8")) == 0
+    res = CliRunner().invoke(app, ["validate", str(SCENARIO), "--set", "model.preset=qwen3-235b-a22b",
+                                   "--set", "prefill.tp=8", "--set", "decode.staging_pool_mb=65536"], env=WIDE)
+    assert res.exit_code == 0, res.output
+    assert "50% (prefill TP8 > 4 KV heads: 2 prefill ranks hold each head" in res.output
+
+
+def test_presets_and_profiles_commands():
+    res = CliRunner().invoke(app, ["presets"], env=WIDE)
+    assert res.exit_code == 0, res.output
+    for name in ("llama-3-405b", "qwen3-235b-a22b", "mixtral-8x7b", "huggingface.co/Qwen/Qwen2.5-72B"):
+        assert name in res.output
+    res = CliRunner().invoke(app, ["profiles"], env=WIDE)
+    assert res.exit_code == 0, res.output
+    for name in ("rdma-400g", "tcp-25g", "nvlink", "loopback-cpu"):
+        assert name in res.output
+    assert "cannot load" not in res.output
