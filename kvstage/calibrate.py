@@ -19,6 +19,12 @@ points):
   it (`Calibration.tokens_per_s`);
 - a matmul for gpu_tflops (required by the profile schema; unused once
   prefill.tokens_per_s is set);
+- posting (kvstage/calibrate_posting.py, measured by kvstage.hw.probe_posting): the
+  engine's posting cost per batch and per request (fresh descriptors, and prepared
+  descriptor lists where the engine has them), the small-write rate after posting, and
+  whether two ranks' or two threads' batches serialise; the profile's
+  *_per_batch_us, *_per_request_us, *_prep_per_request_us, *_message_rate_mps and
+  post_threads come from it;
 - the host model (sim/host.py, profile fields host_*): the CPU an idle engine process
   burns (engine_thread_cores), the Python cost of one state-machine event (event_us,
   `measure_handle_cost`: a small simulation, so it is measured here, handed to the
@@ -50,8 +56,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvstage.calibrate_posting import PostingFit, fit_posting
 from kvstage.hw import probe
 from kvstage.hw.probe import KIB, MIB, CalibrationError, CalibrationPlan, ProgressFn, usable_cores
+from kvstage.hw.probe_posting import PostingPlan, measure_posting
 
 __all__ = [
     "Calibration",
@@ -283,8 +291,12 @@ def measure(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """The probe's raw points (kvstage.hw.probe.measure) with the state-machine event
-    cost ("handle") measured in the sender process after the kernels."""
-    return probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
+    cost ("handle") measured in the sender process after the kernels, and the posting
+    probe's (kvstage.hw.probe_posting, host memory) under "posting"."""
+    raw = probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
+    quick = plan is not None and plan.quick
+    raw["posting"] = measure_posting(backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress)
+    return raw
 
 
 # =========================================================================== result
@@ -319,6 +331,7 @@ class Calibration:
     fill_bytes_per_token: int
     gpu_flops: float
     profile: dict[str, Any] = field(default_factory=dict)
+    posting: PostingFit | None = None  # None: raw points without the posting probe
 
     # --- derived numbers -----------------------------------------------------------
     @property
@@ -340,10 +353,34 @@ class Calibration:
         return int(self.raw.get("host_cores") or usable_cores())
 
     @property
+    def post_one_s(self) -> float:
+        """What the sim charges for posting a one-op write: per batch + one request (with
+        hardware mode's fresh descriptors)."""
+        p = self.posting
+        if p is None:
+            return self.per_request.per_request_s
+        return p.per_batch_s + p.per_request_s + p.prep_per_request_s
+
+    @property
     def link_latency_s(self) -> float:
-        """The sim charges latency + requests * per_request + bytes / bw; a one-op write
-        measured `write.latency_s` in total, so the link latency is the rest."""
-        return max(0.0, self.write.latency_s - self.per_request.per_request_s)
+        """The sim charges latency + posting + bytes / bw; a one-op write measured
+        `write.latency_s` in total, so the link latency is the rest."""
+        return max(0.0, self.write.latency_s - self.post_one_s)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The profile's posting fields, per link class (both the same on loopback).
+
+        Hardware-mode ranks build descriptors per write (descriptor_reuse = false) and
+        post from their one loop thread (post_threads = 1)."""
+        p = self.posting
+        per = p.per_request_s if p is not None else self.per_request.per_request_s
+        out: dict[str, Any] = {}
+        for c in ("inter", "intra"):
+            out[f"{c}_per_request_us"] = _r(per * 1e6)
+            out[f"{c}_prep_per_request_us"] = _r(p.prep_per_request_s * 1e6) if p is not None else 0.0
+            out[f"{c}_per_batch_us"] = _r(p.per_batch_s * 1e6) if p is not None else 0.0
+            out[f"{c}_message_rate_mps"] = _r(p.message_rate / 1e6) if p is not None else 0.0
+        return {**out, "post_threads": 1, "descriptor_reuse": False}
 
     def tokens_per_s(self, kv_bytes_per_token: int, chunk_tokens: int) -> float:
         """prefill.tokens_per_s that makes the simulated forward of a `chunk_tokens` chunk
@@ -355,16 +392,14 @@ class Calibration:
     def profile_fields(self) -> dict[str, Any]:
         gbps = _r(self.write.bandwidth_Bps * 8 / 1e9)
         lat_us = _r(self.link_latency_s * 1e6)
-        per_us = _r(self.per_request.per_request_s * 1e6)
         return {
             "source": (f"kvstage calibrate: {self.backend} on {self.device}, host {self.host}, "
                        f"{self.when}{', quick sweep' if self.quick else ''}"),
             "inter_bandwidth_gbps": gbps,
             "inter_latency_us": lat_us,
-            "inter_per_request_us": per_us,
             "intra_bandwidth_gbps": gbps,
             "intra_latency_us": lat_us,
-            "intra_per_request_us": per_us,
+            **self.engine_fields(),
             "control_latency_us": _r(self.control_rtt_s / 2 * 1e6),
             "gpus_per_nic": 1,
             "mem_bandwidth_gbs": _r(2 * self.copy.bandwidth_Bps / 1e9),
@@ -396,6 +431,7 @@ class Calibration:
                             "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth"},
             "per_request_points": self._per_request_points(),
             "link_latency_s": self.link_latency_s,
+            "posting": self.posting.table() if self.posting is not None else None,
             "control": {"rtt_median_s": self.control_rtt_s, "rtt_p90_s": self.control_rtt_p90_s,
                         "one_way_s": self.control_rtt_s / 2, "pings": len(self.raw["control"]["rtt_s"])},
             "gather": {**cp(self.gather), "model": "t = launch + bytes / bandwidth (4 of 4 heads)"},
@@ -459,14 +495,14 @@ class Calibration:
             f"# max |relative residual| {max(abs(r) for r in w.residuals):.1%}.",
             f"# Batches of n x {_fmt_bytes(self.raw['batch']['op_bytes'])}: t(n) = {pr.intercept_s * 1e6:.1f} us + n * "
             f"{pr.slope_s * 1e6:.2f} us, R^2 {pr.r2:.4f}; per request = slope - op bytes / bandwidth.",
-            "# latency_us below is the total minus one request's overhead (the sim adds it back).",
+            "# latency_us below is the total minus one write's posting (the sim adds it back).",
             "# Inter and intra are the same path here: every rank is a process on this host.",
             f"inter_bandwidth_gbps = {p['inter_bandwidth_gbps']!r}",
             f"inter_latency_us = {p['inter_latency_us']!r}",
-            f"inter_per_request_us = {p['inter_per_request_us']!r}",
             f"intra_bandwidth_gbps = {p['intra_bandwidth_gbps']!r}",
             f"intra_latency_us = {p['intra_latency_us']!r}",
-            f"intra_per_request_us = {p['intra_per_request_us']!r}",
+            "",
+            *self._engine_toml(p),
             "",
             "# Half the median round trip of a protocol message over ZMQ PUSH/PULL between two",
             f"# processes (median RTT {self.control_rtt_s * 1e6:.1f} us, p90 {self.control_rtt_p90_s * 1e6:.1f} us, "
@@ -498,6 +534,18 @@ class Calibration:
             f"fill_bandwidth_gbs = {p['fill_bandwidth_gbs']!r}",
         ]
         return "\n".join(lines) + "\n"
+
+
+    def _engine_toml(self, p: dict[str, Any]) -> list[str]:
+        """The posting fields with what was measured (kvstage/calibrate_posting.py)."""
+        notes = self.posting.toml_lines() if self.posting is not None else [
+            "# Posting: not measured (raw points without the posting probe); per request from the batches."]
+        notes += ["# Hardware-mode ranks build descriptors per write and post from their one loop",
+                  "# thread: descriptor_reuse = false, post_threads = 1."]
+        keys = [f"{c}_{k}" for c in ("inter", "intra")
+                for k in ("per_request_us", "prep_per_request_us", "per_batch_us", "message_rate_mps")]
+        lines = [f"{k} = {p[k]!r}" for k in keys]
+        return [*notes, *lines, f"post_threads = {p['post_threads']!r}", "descriptor_reuse = false"]
 
 
 def _fmt_bytes(n: int) -> str:
@@ -547,6 +595,7 @@ def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Cali
         fill=fill,
         fill_bytes_per_token=int(k["fill"]["bytes_per_token"]),
         gpu_flops=flops,
+        posting=fit_posting(raw["posting"]) if raw.get("posting") else None,
     )
 
 

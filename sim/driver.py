@@ -228,8 +228,9 @@ class Simulation:
             self._gather(rt, a, now)
         elif kind is Write or kind is SliceWrite:
             requests = 1 if kind is Write else a.requests
-            ev = self.fabric.transfer(
-                self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes, self.link, requests
+            ev = self.fabric.transfer(  # the scenario's link numbers: engine posting + NIC message rate
+                self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes,
+                self.scenario.links.resolved().link, requests, poster=rt.rank,
             )
             ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
         elif kind is Scatter:

@@ -1,20 +1,36 @@
-"""Network model: NICs whose bandwidth concurrent transfers share max-min fairly.
+"""Network model: NICs whose bandwidth and message rate concurrent transfers share
+max-min fairly, and the posting ranks' engine threads.
 
-A transfer has three phases, in this order:
+A transfer of B bytes as R work requests (one batch call of the engine) has three
+phases, in this order:
 
-1. posting: ``requests * per_request_s``, the CPU/NIC cost of posting the work
-   requests. It is paid per call and is not serialised between calls, because
-   posting happens on many threads/queue pairs in parallel on real hardware.
-2. bytes: a *flow* that competes for the sending NIC's send side and the
-   receiving NIC's receive side (full duplex: the two sides are independent
-   resources), capped by the path's ``bandwidth_Bps``. Rates are the max-min fair
-   allocation over all active flows and are recomputed whenever a flow starts or
-   ends; with every flow bottlenecked on one NIC this is processor sharing.
+1. posting: ``per_batch_s + R * per_request_s`` of CPU on the posting rank: building
+   the request (descriptors, or indices into descriptor lists prepared once) and
+   posting its work requests. With ``post_threads = k > 0`` and a ``poster`` (the
+   rank) every rank has k posting threads: a batch waits, in arrival order, for the
+   first thread free and holds it for its whole posting time, so the batches of one
+   rank queue behind each other (k = 1: posting serialises per rank); ranks never
+   wait for each other (each is its own process with its own cores). With
+   ``post_threads = 0`` (or no poster) every batch posts at once, in parallel.
+2. NIC: a *flow* that occupies the sending NIC's send side and the receiving NIC's
+   receive side (full duplex: the two sides are independent resources), capped by
+   the path's ``bandwidth_Bps``. A NIC side processes work requests one after
+   another; a request of s bytes occupies it for max(s / bandwidth, 1 / message
+   rate). So the flow needs ``work = max(B, R * W)`` bytes of NIC time, with
+   ``W = src NIC bandwidth / message_rate`` the NIC time of one minimal request
+   expressed in bytes; large writes (B >= R * W) are unaffected by the message rate,
+   small ones (a slice write: R requests of a few hundred bytes) cost R / message
+   rate. Rates (in NIC-time bytes per second) are the max-min fair allocation over
+   all active flows and are recomputed whenever a flow starts or ends; with every
+   flow bottlenecked on one NIC this is processor sharing, so concurrent batches
+   through one NIC queue for its message rate exactly as they do for its bandwidth.
+   A slice write of 100,000 requests is still one flow: no per-request events.
 3. latency: ``latency_s`` once, for the last byte to land and the completion to
    be seen.
 
-So one transfer of B bytes alone takes ``latency + requests*per_request_s +
-B / min(bandwidth, NIC bandwidths)``.
+So one transfer alone takes ``latency + per_batch + R * per_request + max(B, R * W) /
+min(bandwidth, NIC bandwidths)``, and two equal message-bound batches through one
+NIC both finish after ``post + 2 R / message_rate``.
 
 Control messages (STAGING_REQ, WATERMARK, ...) are tiny: they do not compete for
 bandwidth and are modeled as a plain delay of the profile's control latency,
@@ -28,8 +44,10 @@ trick). A flow start/end therefore costs O(classes in the touched connected
 component of the NIC-side graph), not O(flows): many rooms between the same
 prefill and decode ranks cost as much as one. One timeout, armed for the earliest
 class finish and superseded through a versioned token, drives all completions.
-All iteration is over insertion-ordered containers keyed by sequence numbers, so
-the same inputs give the same event order.
+A posting thread is a number (the time it is free again), so posting costs no
+events beyond the one timeout of each transfer. All iteration is over
+insertion-ordered containers keyed by sequence numbers, so the same inputs give
+the same event order.
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ import heapq
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import simpy
 
@@ -54,24 +72,82 @@ _INF = math.inf
 
 @dataclass(frozen=True)
 class LinkParams:
-    """One path class (inter-node RDMA, intra-node NVLink, ...).
+    """One path class (inter-node RDMA, intra-node NVLink, ...) and its engine.
 
     bandwidth_Bps: per-flow path cap in bytes/s (``math.inf`` for no cap).
     latency_s: base one-way latency in seconds, added once per transfer.
-    per_request_s: posting cost of one transfer request in seconds.
+    per_request_s: posting CPU of one work request in seconds.
+    per_batch_s: posting CPU of one batch call (one transfer) in seconds.
+    message_rate: work requests per second a NIC side processes (``math.inf``: no limit).
+    post_threads: posting threads per rank (0: unlimited, every batch posts at once).
     """
 
     bandwidth_Bps: float
     latency_s: float
     per_request_s: float
+    per_batch_s: float = 0.0
+    message_rate: float = _INF
+    post_threads: int = 0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps}")
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s}")
-        if not (self.per_request_s >= 0 and math.isfinite(self.per_request_s)):
-            raise ValueError(f"per_request_s must be finite and >= 0, got {self.per_request_s}")
+        for name in ("latency_s", "per_request_s", "per_batch_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        if not self.message_rate > 0:
+            raise ValueError(f"message_rate must be > 0 (math.inf: no limit), got {self.message_rate}")
+        if not (isinstance(self.post_threads, int) and self.post_threads >= 0):
+            raise ValueError(f"post_threads must be an int >= 0, got {self.post_threads!r}")
+
+
+class _Numbers(Protocol):
+    """A link class in SI units as the scenario resolves it (shared LinkNumbers)."""
+
+    bandwidth_bytes_s: float
+    latency_s: float
+    per_request_s: float
+    per_batch_s: float
+    message_rate: float
+    post_threads: int
+
+
+_PARAMS: dict[int, tuple[_Numbers, LinkParams]] = {}
+
+
+def link_params(link: LinkParams | _Numbers) -> LinkParams:
+    """``link`` as LinkParams: a resolved scenario's LinkNumbers are converted once
+    (cached by identity, so the simulator's hot path pays a dict lookup)."""
+    if type(link) is LinkParams:
+        return link
+    hit = _PARAMS.get(id(link))
+    if hit is not None and hit[0] is link:
+        return hit[1]
+    params = LinkParams(link.bandwidth_bytes_s, link.latency_s, link.per_request_s,
+                        link.per_batch_s, link.message_rate, link.post_threads)  # fmt: skip
+    if len(_PARAMS) > 1024:
+        _PARAMS.clear()
+    _PARAMS[id(link)] = (link, params)
+    return params
+
+
+class _Poster:
+    """One rank's posting threads: the time each is free again (no events)."""
+
+    __slots__ = ("free_at",)
+
+    def __init__(self, threads: int) -> None:
+        self.free_at = [0.0] * threads
+
+    def reserve(self, now: float, duration: float) -> float:
+        """Book ``duration`` on the first thread free (lowest index on ties); the end time."""
+        free_at = self.free_at
+        i = 0 if len(free_at) == 1 else min(range(len(free_at)), key=free_at.__getitem__)
+        start = free_at[i]
+        end = (now if now > start else start) + duration
+        free_at[i] = end
+        return end
 
 
 class _Port:
@@ -111,8 +187,9 @@ class Nic:
         return f"Nic({self.name!r}, {self.bandwidth_Bps:g} B/s)"
 
 
-# One flow inside a class: (target on the class clock, flow id, bytes, done event).
-_Member = tuple[float, int, int, simpy.Event]
+# One flow inside a class: (target on the class clock, flow id, NIC-time bytes it needs,
+# bytes it moves, done event). The work is the bytes unless the message rate binds.
+_Member = tuple[float, int, float, int, simpy.Event]
 
 
 class _Class:
@@ -173,6 +250,7 @@ class Fabric:
         self._flush_armed = False
         self._armed_at = math.inf
         self._timer_token = 0
+        self._posters: dict[Any, _Poster] = {}
 
     # -- public API ---------------------------------------------------------
 
@@ -186,14 +264,21 @@ class Fabric:
         self.nics[name] = nic
         return nic
 
-    def transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkParams,
-                 requests: int = 1) -> simpy.Process:  # fmt: skip
-        """Move ``nbytes`` from ``src`` to ``dst``; the event's value is the finish time (s)."""
+    def transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkParams | _Numbers,
+                 requests: int = 1, poster: Any = None) -> simpy.Process:  # fmt: skip
+        """Move ``nbytes`` from ``src`` to ``dst`` as ``requests`` work requests of one batch
+        call; the event's value is the finish time (s).
+
+        ``poster``: a hashable naming the posting rank; with ``params.post_threads > 0`` the
+        batch queues for that rank's posting threads. ``params`` may be a resolved
+        scenario's LinkNumbers (see ``link_params``).
+        """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if requests < 0:
             raise ValueError(f"requests must be >= 0, got {requests}")
-        return self.env.process(self._transfer(src, dst, nbytes, params, requests))
+        params = link_params(params)
+        return self.env.process(self._transfer(src, dst, nbytes, params, requests, poster))
 
     def message(self, latency_s: float) -> simpy.Timeout:
         """A control message: a fixed delay, it does not compete for bandwidth."""
@@ -206,7 +291,10 @@ class Fabric:
         return self._active
 
     def rates(self) -> list[tuple[str, str, float]]:
-        """(src NIC, dst NIC, bytes/s) per active flow, grouped by path in order of first use."""
+        """(src NIC, dst NIC, rate) per active flow, grouped by path in order of first use.
+
+        The rate is in NIC-time bytes per second: bytes/s, unless the flow is bound by the
+        message rate (then its bytes move at rate * bytes / work)."""
         self._flush(None)  # settle starts of this instant first; the allocation is the same
         return [(c.src.name, c.dst.name, c.rate)
                 for c in self._classes.values() for _ in c.members]  # fmt: skip
@@ -244,13 +332,24 @@ class Fabric:
     # -- transfer process ---------------------------------------------------
 
     def _transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkParams,
-                  requests: int) -> Generator[simpy.Event, Any, float]:  # fmt: skip
+                  requests: int, poster: Any) -> Generator[simpy.Event, Any, float]:  # fmt: skip
         env = self.env
-        posting = requests * params.per_request_s
+        posting = requests * params.per_request_s + (params.per_batch_s if requests else 0.0)
         if posting > 0:
-            yield env.timeout(posting)
-        if nbytes > 0:
-            yield self._start_flow(src, dst, nbytes, params.bandwidth_Bps)
+            if params.post_threads and poster is not None:
+                lanes = self._posters.get(poster)
+                if lanes is None or len(lanes.free_at) != params.post_threads:
+                    lanes = self._posters[poster] = _Poster(params.post_threads)
+                now = env.now
+                yield env.timeout(lanes.reserve(now, posting) - now)
+            else:
+                yield env.timeout(posting)
+        work = float(nbytes)
+        if requests and params.message_rate != _INF:
+            # Each request occupies a NIC side for at least 1 / message_rate.
+            work = max(work, requests * src.bandwidth_Bps / params.message_rate)
+        if work > 0:
+            yield self._start_flow(src, dst, nbytes, work, params.bandwidth_Bps)
         if params.latency_s > 0:
             yield env.timeout(params.latency_s)
         self.transfers_done += 1
@@ -258,7 +357,7 @@ class Fabric:
 
     # -- flows and rates ----------------------------------------------------
 
-    def _start_flow(self, src: Nic, dst: Nic, nbytes: int, cap: float) -> simpy.Event:
+    def _start_flow(self, src: Nic, dst: Nic, nbytes: int, work: float, cap: float) -> simpy.Event:
         now = self.env.now
         sp, rp = src.send, dst.recv
         key = (sp.order, rp.order, cap)
@@ -273,7 +372,7 @@ class Fabric:
             c.settle(now)
         done = self.env.event()
         self._next_flow += 1
-        heapq.heappush(c.members, (c.served + nbytes, self._next_flow, nbytes, done))
+        heapq.heappush(c.members, (c.served + work, self._next_flow, work, nbytes, done))
         c.dirty = True
         sp.nflows += 1
         rp.nflows += 1
@@ -446,9 +545,9 @@ class Fabric:
             c.rate = rate = c.new_rate
             c.dirty = False
             c.version += 1
-            target, _, nbytes, _ = c.members[0]
+            target, _, work, _, _ = c.members[0]
             bytes_left = target - c.served
-            if bytes_left <= max(_BYTE_EPS_ABS, _BYTE_EPS_REL * nbytes, rate * time_tol):
+            if bytes_left <= max(_BYTE_EPS_ABS, _BYTE_EPS_REL * work, rate * time_tol):
                 drained.append(c)
                 continue
             heappush(timers, (now + bytes_left / rate, c.seq, c.version, c))
@@ -471,9 +570,9 @@ class Fabric:
             members = c.members
             force = force_head
             while members:
-                target, _, nbytes, done = members[0]
+                target, _, work, nbytes, done = members[0]
                 bytes_left = target - c.served
-                tol = max(_BYTE_EPS_ABS, _BYTE_EPS_REL * nbytes, c.rate * time_tol)
+                tol = max(_BYTE_EPS_ABS, _BYTE_EPS_REL * work, c.rate * time_tol)
                 if bytes_left > tol and not force:
                     break
                 force = False

@@ -155,7 +155,7 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     require_engine(backend)
     stages: set[str] = set()
     cal = calibrate(backend, "cpu", quick=True, progress=lambda stage, done, total: stages.add(stage))
-    assert {"writes", "batches", "control", "kernels", "fill"} <= stages
+    assert {"writes", "batches", "control", "kernels", "fill", "posting fresh", "posting pairs"} <= stages
     assert cal.write.bandwidth_Bps > 0 and cal.write.latency_s >= 0
     assert cal.per_request.per_request_s >= 0
     assert 0 < cal.control_rtt_s < 1.0
@@ -167,7 +167,14 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert side == sidecar_path(profile) and side.is_file()
     extra = json.loads(side.read_text())
     assert extra["backend"] == backend
-    assert {"write", "per_request", "control", "gather", "scatter", "copy", "fill"} <= set(extra["fit"])
+    assert {"write", "per_request", "control", "gather", "scatter", "copy", "fill", "posting"} <= set(extra["fit"])
+    # the posting probe: its fit with R^2 and the serialisation verdicts, in the profile too
+    posting = extra["fit"]["posting"]
+    assert posting["fresh"]["r2"] <= 1.0 and posting["per_request_s"] > 0
+    assert posting["two_ranks"]["verdict"] in ("overlap", "partial", "serialise")
+    assert data["post_threads"] == 1 and data["descriptor_reuse"] is False
+    assert data["inter_per_request_us"] == pytest.approx(posting["per_request_s"] * 1e6, rel=1e-3)
+    assert "two ranks at once" in profile.read_text()
     assert len(extra["raw"]["write"]["sizes"]) == len(CalibrationPlan.quick_plan().sizes)
 
     # a catalogue scenario loads with it and simulates a handful of requests

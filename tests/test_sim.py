@@ -201,7 +201,8 @@ def test_flagship_slice_path_far_more_requests_and_slower():
     assert staging["requests_done"] == sliced["requests_done"] == 6
     # staging: one bulk write per (writer, chunk); slice: one per (token, layer, K/V)
     assert sliced["transfer_requests"]["total"] > 10_000 * staging["transfer_requests"]["total"]
-    assert sliced["transfer_latency_s"]["p50"] > 2 * staging["transfer_latency_s"]["p50"]
+    # slice: each prefill rank posts its requests on one posting thread (rdma-400g, NIXL)
+    assert sliced["transfer_latency_s"]["p50"] > 1.2 * staging["transfer_latency_s"]["p50"]
     assert sliced["transfer_latency_s"]["p99"] > staging["transfer_latency_s"]["p99"]
 
 

@@ -1,4 +1,5 @@
-"""Closed-form checks of the simulator's physical models (sim/links.py, sim/gpu.py)."""
+"""Closed-form checks of the simulator's physical models (sim/links.py, sim/gpu.py):
+bandwidth sharing, posting threads and the NIC message rate."""
 
 from __future__ import annotations
 
@@ -205,6 +206,91 @@ def test_bad_inputs_rejected() -> None:
         fab.transfer(a, b, -1, BARE)
 
 
+# -- posting threads and the NIC message rate ------------------------------------
+# Round numbers: a 10 GB/s NIC that processes 1e6 work requests/s, so one request
+# occupies a NIC side for at least 1 us, i.e. W = 10 GB/s / 1e6/s = 10,000 bytes.
+MSG = LinkParams(bandwidth_Bps=math.inf, latency_s=2e-6, per_request_s=1e-7, per_batch_s=5e-6,
+                 message_rate=1e6)  # fmt: skip
+MSG_ONLY = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=0.0, message_rate=1e6)
+
+
+def test_one_small_batch_alone_costs_batch_plus_requests_over_message_rate() -> None:
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    ev = fab.transfer(a, b, 100_000, MSG, requests=1000)  # 1,000 writes of 100 B
+    env.run()
+    # latency + per batch + R * per request + R / message rate (100 KB alone would take 10 us)
+    assert ev.value == approx(2e-6 + 5e-6 + 1000 * 1e-7 + 1000 / 1e6)
+    assert fab.bytes_moved == 100_000 and a.bytes_sent == 100_000 and b.bytes_received == 100_000
+
+
+def test_two_batches_share_one_nics_message_rate() -> None:
+    env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
+    e1 = fab.transfer(a, b, 50_000, MSG_ONLY, requests=500)  # same sending NIC
+    e2 = fab.transfer(a, c, 100_000, MSG_ONLY, requests=1000)
+    env.run(until=1e-4)
+    fab.check_invariants()
+    env.run()
+    # processor sharing of a's message rate: 500 requests each by 1 ms, then the rest alone
+    assert e1.value == approx(2 * 500 / 1e6) and e2.value == approx((500 + 1000) / 1e6)
+    # the receiving side's message rate is shared the same way (fan-in)
+    env2, fab2, (p, q, d) = fabric(10 * GB, 10 * GB, 10 * GB)
+    f1 = fab2.transfer(p, d, 1000, MSG_ONLY, requests=1000)
+    f2 = fab2.transfer(q, d, 1000, MSG_ONLY, requests=1000)
+    env2.run()
+    assert f1.value == approx(2e-3) and f2.value == approx(2e-3)
+
+
+def test_large_write_unaffected_by_message_rate() -> None:
+    nbytes = 64 << 20  # one request of 64 MiB: 6.7 ms of bytes, 1 us of message rate
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    ev = fab.transfer(a, b, nbytes, MSG, requests=1)
+    env.run()
+    assert ev.value == approx(2e-6 + 5e-6 + 1e-7 + nbytes / (10 * GB))
+    # a slice write whose requests are larger than W = 10,000 bytes is byte-bound too
+    env2, fab2, (a2, b2) = fabric(10 * GB, 10 * GB)
+    ev2 = fab2.transfer(a2, b2, 1000 * 20_000, MSG_ONLY, requests=1000)
+    env2.run()
+    assert ev2.value == approx(1000 * 20_000 / (10 * GB))
+
+
+def test_message_bound_and_byte_bound_flows_share_nic_time() -> None:
+    env, fab, (a, b) = fabric(10 * GB, 10 * GB)
+    small = fab.transfer(a, b, 1000, MSG_ONLY, requests=1000)  # 1 ms of NIC time alone
+    big = fab.transfer(a, b, 10**7, MSG_ONLY, requests=1)  # 1 ms of bytes alone
+    env.run()
+    assert small.value == approx(2e-3) and big.value == approx(2e-3)
+
+
+def test_posting_threads_queue_a_ranks_batches() -> None:
+    def finishes(threads: int, posters: tuple[Any, Any]) -> list[float]:
+        p = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=1e-6, per_batch_s=1e-5,
+                       post_threads=threads)  # fmt: skip
+        env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
+        evs = [fab.transfer(a, dst, 0, p, requests=90, poster=who) for dst, who in zip((b, c), posters, strict=True)]
+        env.run()
+        return [ev.value for ev in evs]
+
+    post = 1e-5 + 90 * 1e-6  # 100 us of posting per batch
+    assert finishes(1, (0, 0)) == [approx(post), approx(2 * post)]  # one thread: serialised
+    assert finishes(2, (0, 0)) == [approx(post), approx(post)]  # two threads: overlap
+    assert finishes(1, (0, 1)) == [approx(post), approx(post)]  # two ranks never wait for each other
+    assert finishes(0, (0, 0)) == [approx(post), approx(post)]  # 0: unlimited (parallel)
+
+
+def test_link_params_from_scenario_numbers() -> None:
+    from kvstage.shared.scenario.profiles import LinkNumbers
+    from kvstage.sim.links import link_params
+
+    n = LinkNumbers(1e9, 1e-6, 2e-7, 3e-6, 5e7, 2)
+    p = link_params(n)
+    assert p == LinkParams(1e9, 1e-6, 2e-7, 3e-6, 5e7, 2) and link_params(n) is p
+    assert link_params(p) is p
+    with pytest.raises(ValueError):
+        LinkParams(bandwidth_Bps=1.0, latency_s=0.0, per_request_s=0.0, message_rate=0.0)
+    with pytest.raises(ValueError):
+        LinkParams(bandwidth_Bps=1.0, latency_s=0.0, per_request_s=0.0, post_threads=-1)
+
+
 def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
                ) -> tuple[Fabric, list[tuple[int, float]], list[tuple[int, float, float]]]:  # fmt: skip
     """``n`` transfers with Poisson arrivals at ~60% load; returns (fabric, finishes, specs).
@@ -228,6 +314,9 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
     paths = [
         LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6),
         LinkParams(bandwidth_Bps=20 * GB, latency_s=2e-6, per_request_s=2e-7),
+        # posting threads (one per sending NIC here) and a NIC message rate
+        LinkParams(bandwidth_Bps=math.inf, latency_s=3e-6, per_request_s=1e-7, per_batch_s=2e-6,
+                   message_rate=5e6, post_threads=1),  # fmt: skip
     ]
     mean_size = 4 << 20
     rate = 0.6 * capacity / mean_size
@@ -236,7 +325,7 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
 
     def one(i: int, src: Nic, dst: Nic, nbytes: int, p: LinkParams, reqs: int
             ) -> Generator[simpy.Event, Any, None]:  # fmt: skip
-        t = yield fab.transfer(src, dst, nbytes, p, reqs)
+        t = yield fab.transfer(src, dst, nbytes, p, reqs, poster=src.name)
         done.append((i, t))
 
     def source() -> Generator[simpy.Event, Any, None]:
@@ -248,7 +337,8 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
             p = rng.choice(paths)
             reqs = rng.randint(1, 8)
             bw = min(src.bandwidth_Bps, dst.bandwidth_Bps, p.bandwidth_Bps)
-            specs.append((nbytes, env.now, p.latency_s + reqs * p.per_request_s + nbytes / bw))
+            post = p.per_batch_s + reqs * p.per_request_s
+            specs.append((nbytes, env.now, p.latency_s + post + nbytes / bw))
             env.process(one(i, src, dst, nbytes, p, reqs))
             if check_every and i % check_every == 0:
                 fab.check_invariants()

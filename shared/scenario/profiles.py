@@ -9,6 +9,7 @@ result in SI units (bytes/s, seconds, FLOP/s), which is what both modes read.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import LinksConfig
 
 __all__ = [
+    "ENGINE_FIELDS",
     "HOST_FIELDS",
     "PROFILE_FIELDS",
     "REPO_PROFILES",
@@ -59,6 +61,30 @@ HOST_FIELDS: tuple[str, ...] = (
 )
 HostModel = Literal["gpu", "cpu-loop"]
 
+# The transfer engine's posting and the NIC's message rate (sim/links.py), per link
+# class (<p> = inter | intra); all optional, absent = the cost is not modeled:
+#   <p>_per_request_us       posting CPU of one work request (build + post + complete)
+#                            with descriptors prepared once and reused
+#   <p>_prep_per_request_us  descriptor preparation per request, paid on every batch
+#                            unless descriptor_reuse = true
+#   <p>_per_batch_us         posting CPU of one batch call (one transfer)
+#   <p>_message_rate_mps     work requests per second one NIC side processes, millions
+#                            (0: no limit)
+#   post_threads             posting threads per rank: a rank's batches queue for them
+#                            (0 or absent: every batch posts at once, in parallel)
+#   descriptor_reuse         the engine reuses descriptor lists prepared at registration
+#                            (NIXL prep_xfer_dlist + make_prepped_xfer); default false
+ENGINE_FIELDS: tuple[str, ...] = (
+    "inter_prep_per_request_us",
+    "inter_per_batch_us",
+    "inter_message_rate_mps",
+    "intra_prep_per_request_us",
+    "intra_per_batch_us",
+    "intra_message_rate_mps",
+    "post_threads",
+    "descriptor_reuse",
+)
+
 # Profile fields in the units people quote them in (Gbit/s for links, GB/s for HBM,
 # microseconds, TFLOP/s). `ResolvedLinks` holds the same numbers in SI units.
 PROFILE_FIELDS: tuple[str, ...] = (
@@ -68,6 +94,7 @@ PROFILE_FIELDS: tuple[str, ...] = (
     "intra_bandwidth_gbps",
     "intra_latency_us",
     "intra_per_request_us",
+    *ENGINE_FIELDS,
     "control_latency_us",
     "gpus_per_nic",
     "mem_bandwidth_gbs",
@@ -90,11 +117,14 @@ def _placement_fields(placement: str) -> tuple[str, str, str]:
 
 @dataclass(frozen=True, slots=True)
 class LinkNumbers:
-    """One link class in SI units."""
+    """One link class and its transfer engine in SI units (see ENGINE_FIELDS)."""
 
     bandwidth_bytes_s: float
     latency_s: float
-    per_request_s: float  # fixed cost of each transfer request (post, completion)
+    per_request_s: float  # posting CPU of each work request, descriptor preparation included
+    per_batch_s: float = 0.0  # posting CPU of each batch call
+    message_rate: float = math.inf  # work requests/s of one NIC side; inf: no limit
+    post_threads: int = 0  # posting threads per rank; 0: unlimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +172,14 @@ class _ProfileNumbers(_Table):
     intra_bandwidth_gbps: PosFloat | None = None
     intra_latency_us: NonNegFloat | None = None
     intra_per_request_us: NonNegFloat | None = None
+    inter_prep_per_request_us: NonNegFloat | None = None
+    inter_per_batch_us: NonNegFloat | None = None
+    inter_message_rate_mps: NonNegFloat | None = None
+    intra_prep_per_request_us: NonNegFloat | None = None
+    intra_per_batch_us: NonNegFloat | None = None
+    intra_message_rate_mps: NonNegFloat | None = None
+    post_threads: Annotated[int, Field(ge=0, le=4096)] | None = None
+    descriptor_reuse: bool | None = None
     control_latency_us: NonNegFloat | None = None
     gpus_per_nic: Annotated[int, Field(ge=1, le=1024)] | None = None
     mem_bandwidth_gbs: PosFloat | None = None
@@ -297,7 +335,16 @@ def _link_numbers(merged: dict[str, Any], placement: str) -> LinkNumbers | None:
     bw, lat, per = (merged.get(k) for k in _placement_fields(placement))
     if bw is None or lat is None or per is None:
         return None
-    return LinkNumbers(bw * 1e9 / 8, lat / 1e6, per / 1e6)
+    prep = 0.0 if merged.get("descriptor_reuse") else merged.get(f"{placement}_prep_per_request_us") or 0.0
+    mps = merged.get(f"{placement}_message_rate_mps")
+    return LinkNumbers(
+        bw * 1e9 / 8,
+        lat / 1e6,
+        (per + prep) / 1e6 if prep else per / 1e6,
+        (merged.get(f"{placement}_per_batch_us") or 0.0) / 1e6,
+        mps * 1e6 if mps else math.inf,
+        int(merged.get("post_threads") or 0),
+    )
 
 
 def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
