@@ -12,6 +12,8 @@ OUT=${OUT:-runs/gpu-check}
 mkdir -p "$OUT"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+# gather / scatter bandwidth as a share of a device-to-device copy (goal: >= 0.8)
+"$PY" benchmarks/gpu_kernels.py --layers 16 --tokens 8192
 for path in staging slice; do
     "$PY" -m kvstage.cli hw scenarios/llama3-8b-p4-d2.toml --device cuda --backend "${BACKEND:-nixl}" \
         --set prefill.tp=2 --set decode.tp=1 --set workload.requests=4 --set transfer.path=$path \
