@@ -189,3 +189,19 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert code == 0
     summary = read_summary(tmp_path / "run")
     assert summary["requests_done"] == 4 and summary["requests_failed"] == 0
+
+
+def test_weak_fits_are_named():
+    """calibrate warns about every fit that explains too little (R² < 0.9)."""
+    from types import SimpleNamespace
+
+    from kvstage.commands.calibrate import MIN_R2, weak_fits
+
+    good, bad = SimpleNamespace(r2=0.99), SimpleNamespace(r2=0.32)
+    cal = SimpleNamespace(write=bad, per_request=good, gather=good, gather_sub=good, scatter=SimpleNamespace(r2=0.5),
+                          copy=good, fill=good)
+    lines = weak_fits(cal)
+    assert len(lines) == 2 and "write bandwidth" in lines[0] and "0.32" in lines[0] and "scatter" in lines[1]
+    assert all(str(MIN_R2) in line for line in lines)
+    cal.write = cal.scatter = good
+    assert weak_fits(cal) == []

@@ -12,6 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 STAGES = ("writes", "batches", "control", "kernels", "fill")
+# a fit below this explains too little of its points to be trusted without a look
+MIN_R2 = 0.9
 
 
 def _default_out(backend: str, device: str) -> Path:
@@ -49,6 +51,18 @@ def print_calibration(cal, console: Console) -> None:
         t.add_row("state-machine event (CPU)", f"{h['mean_s'] * 1e6:.1f} us mean",
                   f"median {h['median_s'] * 1e6:.1f} us, {h['events']} events")
     console.print(t)
+    for line in weak_fits(cal):
+        console.print(f"[bold yellow]warning:[/] {line}", highlight=False)
+
+
+def weak_fits(cal) -> list[str]:
+    """One line per fit with R² below MIN_R2: its numbers may not describe this machine
+    (a loaded host, too few points); measure again on a quiet host before trusting them."""
+    fits = {"write bandwidth / latency": cal.write.r2, "per-request overhead": cal.per_request.r2,
+            "gather": cal.gather.r2, "gather (head subset)": cal.gather_sub.r2, "scatter": cal.scatter.r2,
+            "copy (profile)": cal.copy.r2, "hw prefill fill": cal.fill.r2}
+    return [f"the {name} fit has R² {r2:.2f} (< {MIN_R2}): its numbers may not describe this machine; "
+            "check `uptime` and measure again on a quiet host" for name, r2 in fits.items() if r2 < MIN_R2]
 
 
 def register(app: typer.Typer) -> None:
