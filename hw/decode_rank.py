@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvstage.hw.control import RankInfo, rank_name
-from kvstage.hw.kernels import scatter
+from kvstage.hw.kernels import scatter, wait_for_stream
 from kvstage.hw.kvpool import verify
 from kvstage.hw.rank import RankProcess
 from kvstage.shared.events import Scatter, ScatterDone, Verify, VerifyDone
@@ -51,8 +51,7 @@ class DecodeRank(RankProcess):
     def _scatter_job(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         scatter(self.pool, a.dst_page_base + a.page_start, a.num_pages, region, self.scatter_layout(a.num_pages))
-        if self.on_cuda:
-            torch.cuda.synchronize(self.device)
+        wait_for_stream(self.device)  # finished before the runtime frees its region
 
     def _verify(self, a: Verify) -> None:
         self.jobs.append((self.worker.submit(self._verify_job, a), a))

@@ -273,3 +273,13 @@ def apply_ops(ops: SliceOps, src: torch.Tensor, dst: torch.Tensor) -> None:
     memmove = ctypes.memmove
     for s, d, n in ops.tuples():
         memmove(d, s, n)
+
+
+def wait_for_stream(device: torch.device | str) -> None:
+    """Block the calling thread until the kernels queued so far on its current CUDA
+    stream finished (a no-op on the CPU). An event on that stream, not a device-wide
+    synchronize: other streams (the transfer engine's) keep running meanwhile."""
+    if str(device).startswith("cuda"):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()

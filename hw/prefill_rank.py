@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstage.hw.control import RankInfo, rank_name
-from kvstage.hw.kernels import gather, slice_ops
+from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import RankProcess
 from kvstage.hw.transport import TransferError, XferHandle
@@ -162,8 +162,7 @@ class PrefillRank(RankProcess):
     def _gather_job(self, a: Gather, first_page: int, slot: int) -> None:
         out = self.send_buf[slot : slot + a.nbytes]
         gather(self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out)
-        if self.on_cuda:  # the write must not read a half-gathered block
-            torch.cuda.synchronize(self.device)
+        wait_for_stream(self.device)  # the write must not read a half-gathered block
 
     def _gathers_done(self) -> None:
         while self.gathers and self.gathers[0][0].done():
