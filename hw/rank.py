@@ -30,7 +30,7 @@ from kvstage.hw.placement import transport_options
 from kvstage.hw.transport import make_transport
 from kvstage.shared.events import Arrive, Die, PeerLost, Record, RoomDone, RoomFailed, Send, Tick
 from kvstage.shared.layout import owned_heads
-from kvstage.shared.liveness import PeerWatch
+from kvstage.shared.liveness import HEARTBEAT_S, PEER_TIMEOUT_S, PeerWatch
 from kvstage.shared.pages import kv_pool_pages
 from kvstage.shared.protocol import Heartbeat
 from kvstage.shared.runtime import RankRuntime
@@ -43,12 +43,7 @@ log = logging.getLogger("kvstage.hw.rank")
 # Idle poll interval while transfers are in flight (they complete asynchronously).
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
-# Every rank tells its peers it is alive this often; a peer silent (no heartbeat, no
-# message) for PEER_TIMEOUT_S is lost: its rooms fail, the others go on. The timeout
-# is long against the beat so that a rank descheduled for a moment on a loaded host
-# is not declared dead.
-HEARTBEAT_S = 0.2
-PEER_TIMEOUT_S = 3.0
+
 
 
 class RankError(RuntimeError):

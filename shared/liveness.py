@@ -3,7 +3,8 @@
 A hardware rank tells its peers it is alive a few times a second (HEARTBEAT, and any
 other message counts too); a peer silent for `timeout_s` is lost, reported once, and
 the rank's runtime gets PeerLost for it: the peer's rooms fail with that reason while
-the rank keeps serving the others. The simulator models the same detection as a delay.
+the rank keeps serving the others. The simulator detects a dead rank after the same
+PEER_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 Peer = tuple[str, int]  # (role, rank)
+
+# A rank tells its peers it is alive this often; a peer silent for PEER_TIMEOUT_S is
+# lost. The timeout is long against the beat so that a rank descheduled for a moment
+# on a loaded host is not declared dead. The simulator detects a killed rank after the
+# same timeout, so both modes fail the same rooms for the same reason.
+HEARTBEAT_S = 0.2
+PEER_TIMEOUT_S = 3.0
 
 
 class PeerWatch:

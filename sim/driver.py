@@ -44,6 +44,7 @@ from kvstage.shared.events import (
     WriteDone,
 )
 from kvstage.shared.invariants import InvariantChecker, Violation
+from kvstage.shared.liveness import PEER_TIMEOUT_S
 from kvstage.shared.runtime import (
     RankResult,
     RankRuntime,
@@ -260,7 +261,8 @@ class Simulation:
         self._at(end - now, self._feed, rt, done)
 
     def _die(self, rt: RankRuntime, a: Die) -> None:
-        """The runtime stopped; the failure detector tells its peers a little later."""
+        """The runtime stopped; its peers' failure detectors declare it lost after the
+        heartbeat timeout of hardware mode (shared/liveness.py)."""
         g = self.geometry
         if rt.role == "prefill":
             peers = [self.decode[d] for d in g.targets(rt.rank)]
@@ -268,7 +270,7 @@ class Simulation:
             peers = [self.prefill[p] for p in g.writers(rt.rank)]
         lost = PeerLost(rt.role, rt.rank, a.reason)
         for peer in peers:
-            self._at(2 * self.control_latency + 0.05, self._feed, peer, lost)
+            self._at(PEER_TIMEOUT_S, self._feed, peer, lost)  # silent that long: lost, as in hardware
 
     # --- the end of the run ----------------------------------------------------------------
     def _maybe_end(self) -> None:

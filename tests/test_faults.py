@@ -94,3 +94,17 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     _, records = read_records(run_dir)
     assert not check_records(records)
+
+
+def test_abort_at_rsp_fires_on_every_prefill_rank_that_gets_the_answer():
+    """The 'rsp' phase: each prefill rank aborts the room when its first STAGING_RSP of it
+    arrives (the runtime decides, per rank, as for every phase)."""
+    s = load_scenario(next(p for p in FAULTS if p.stem == "abort-mid-write"),
+                      overrides=['faults.abort=[{room = 3, phase = "rsp"}]', "expect.failed_rooms=[3]",
+                                 'expect.reason_contains="aborted at rsp"'])
+    result = Simulation(s).run()
+    assert not result.violations
+    assert check_expectation(s, result.failures, len(result.requests), "sim") == []
+    by_rank = {r.name: r.faults_injected for r in result.ranks if r.faults_injected}
+    g = s.geometry()
+    assert by_rank == {f"prefill{p}": {"abort:rsp": 1} for p in range(g.prefill_tp)}
