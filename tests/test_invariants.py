@@ -166,3 +166,41 @@ def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
     assert w.decode[0].rooms_done == 1 and w.decode[0].rooms_failed == 1
     reasons = [r for f in w.failed.values() for r in f.values()]
     assert any("watermark of decode rank 0" in r for r in reasons), reasons
+
+
+def test_a_write_outliving_the_abort_grace_is_recorded_and_flagged():
+    """A room fails with a write in flight; the write reports back only after the drain
+    grace ran out (the decode may have handed the region out again): the prefill traces
+    a late_write and the checker calls it a safety violation."""
+    from kvstage.shared.events import AbortRoom, ChunkComputed, Gather, GatherDone, OpenRoom, Tick, Write, WriteDone
+    from kvstage.shared.machine import ProtocolConfig
+    from kvstage.shared.prefill import PrefillMachine
+    from kvstage.shared.protocol import StagingRsp, Watermark
+
+    g = _geometry()
+    p = PrefillMachine(0, g, ProtocolConfig(abort_grace_s=0.5, room_timeout_s=60.0))
+    records = []
+
+    def feed(ev, now):
+        out = p.handle(ev, now)
+        records.extend(a.record for a in out if hasattr(a, "record"))
+        return out
+
+    feed(OpenRoom(0, prompt_tokens=16), 0.0)
+    size = g.region_bytes(g.chunks(4)[0].num_pages)
+    for d in g.targets(0):
+        feed(StagingRsp(0, 0, 0, 0, size, False, 0, d), 0.01)
+        feed(Watermark(0, 0, 0, d), 0.01)
+    out = feed(ChunkComputed(0, 0), 0.02)
+    gathers = [a for a in out if isinstance(a, Gather)]
+    assert gathers
+    writes = [a for ga in gathers for a in feed(GatherDone(0, 0, ga.decode_rank), 0.03) if isinstance(a, Write)]
+    assert writes
+    feed(AbortRoom(0, "test: abort with writes in flight"), 0.04)
+    feed(Tick(), 1.0)  # the grace (0.5 s) ran out: the drain gave up on the writes
+    for w in writes:
+        feed(WriteDone(0, 0, w.decode_rank), 1.2)  # ...which land now
+    late = [r for r in records if r.phase == "late_write"]
+    assert len(late) == len(writes)
+    found = check_records(records)
+    assert any(v.invariant == "safety" and "after the abort grace" in v.message for v in found)
