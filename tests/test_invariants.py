@@ -172,7 +172,16 @@ def test_a_write_outliving_the_abort_grace_is_recorded_and_flagged():
     """A room fails with a write in flight; the write reports back only after the drain
     grace ran out (the decode may have handed the region out again): the prefill traces
     a late_write and the checker calls it a safety violation."""
-    from kvstage.shared.events import AbortRoom, ChunkComputed, Gather, GatherDone, OpenRoom, Tick, Write, WriteDone
+    from kvstage.shared.events import (
+        AbortRoom,
+        ChunkComputed,
+        Gather,
+        GatherDone,
+        OpenRoom,
+        Tick,
+        Write,
+        WriteDone,
+    )
     from kvstage.shared.machine import ProtocolConfig
     from kvstage.shared.prefill import PrefillMachine
     from kvstage.shared.protocol import StagingRsp, Watermark
