@@ -42,6 +42,29 @@ def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
     return {name: {k: r[k] for k in keys if k in r} for name, r in sorted(reports.items())}
 
 
+def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
+    """summary.json's hardware-only figures, summed over the ranks' reports."""
+    hw = scenario.hardware
+    reports = [r for _, r in sorted(by_rank.items())]
+
+    def total(key: str) -> int:
+        return sum(r.get(key, 0) for r in reports)
+
+    return {
+        "backend": hw.backend,
+        "device": hw.device,
+        "verify": hw.verify,
+        "bytes_verified": total("bytes_verified"),
+        "bytes_wrong": total("bytes_wrong"),
+        "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
+        "transfer_requests_posted": total("requests_posted"),
+        "malformed_messages": total("malformed"),
+        "unauthenticated_messages": total("unauthenticated"),  # no valid MAC (control plane security)
+        "oversize_messages": total("oversize"),
+        "clocks": _clocks(by_rank),
+    }
+
+
 def run_hardware(
     scenario: Scenario,
     *,
@@ -84,15 +107,7 @@ def run_hardware(
         scenario, "hw", records, ranks, requests=len(generate_requests(scenario)), wall_s=result.wall_s,
         violations=len(violations),
         extra={
-            "backend": hw.backend,
-            "device": hw.device,
-            "verify": hw.verify,
-            "bytes_verified": sum(r.get("bytes_verified", 0) for r in reports),
-            "bytes_wrong": sum(r.get("bytes_wrong", 0) for r in reports),
-            "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
-            "transfer_requests_posted": sum(r.get("requests_posted", 0) for r in reports),
-            "malformed_messages": sum(r.get("malformed", 0) for r in reports),
-            "clocks": _clocks(result.reports),
+            **_hardware_figures(scenario, result.reports),
             "errors": errors,
             "conditions": conditions.measure(before, spawned=spawn),  # spawned ranks' CPU time is the run's own
         },
