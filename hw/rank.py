@@ -140,7 +140,11 @@ class RankProcess:
         # trace times are on the launcher's clock: measure this clock's offset to it, now
         # that every rank is registered and quiet (before t0, half a second away)
         self.clock = client.clock_offset(samples=16, clock=self.wall, timeout_s=rendezvous_timeout_s)
-        self.clock_offset_s = self.clock.offset_s
+        # Correct only an offset the measurement can tell from zero: ranks sharing one
+        # clock (one host) keep it exactly, instead of each taking its own estimation
+        # error (up to half a round trip), which would reorder their trace by as much.
+        if abs(self.clock.offset_s) > self.clock.uncertainty_s:
+            self.clock_offset_s = self.clock.offset_s
         self.peers = table
         self._connect_peers(table)
         error = ""
@@ -274,6 +278,7 @@ class RankProcess:
             "host": self.host,
             "device": str(self.device),
             **(self.clock.to_wire() if self.clock else {}),
+            "clock_applied_s": self.clock_offset_s,  # 0 when the offset was within its uncertainty
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())

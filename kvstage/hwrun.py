@@ -37,8 +37,9 @@ def device_problem(device: str) -> str | None:
 
 def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
     """Each rank's address and clock against the launcher's, measured at the rendezvous
-    and taken out of its trace times (launcher time = rank time + offset)."""
-    keys = ("host", "clock_offset_s", "clock_uncertainty_s")
+    (launcher time = rank time + offset) and taken out of its trace times when it is
+    larger than its uncertainty (`clock_applied_s`)."""
+    keys = ("host", "clock_offset_s", "clock_uncertainty_s", "clock_applied_s")
     return {name: {k: r[k] for k in keys if k in r} for name, r in sorted(reports.items())}
 
 
