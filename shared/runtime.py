@@ -234,10 +234,6 @@ class RankRuntime:
 
     # --- what the driver reads ---------------------------------------------------------
     @property
-    def joined(self) -> bool:
-        return not self.join_at
-
-    @property
     def rooms_ended(self) -> int:
         """Rooms of this run's workload that ended here (done or failed)."""
         return len(self._workload) - len(self._open_rooms)
