@@ -43,6 +43,13 @@ def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
     return {name: {k: r[k] for k in keys if k in r} for name, r in sorted(reports.items())}
 
 
+def clock_tolerance(reports: dict[str, dict]) -> float:
+    """How far apart the ranks' trace clocks may be: twice the largest uncertainty of an
+    offset that was applied (two ranks, each off by up to its own), 0 on one clock."""
+    applied = [r.get("clock_uncertainty_s", 0.0) for r in reports.values() if r.get("clock_applied_s")]
+    return 2 * max(applied, default=0.0)
+
+
 def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
     """summary.json's hardware-only figures, summed over the ranks' reports."""
     hw = scenario.hardware
@@ -63,6 +70,7 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         "unauthenticated_messages": total("unauthenticated"),  # no valid MAC (control plane security)
         "oversize_messages": total("oversize"),
         "clocks": _clocks(by_rank),
+        "clock_tolerance_s": clock_tolerance(by_rank),
     }
 
 
@@ -101,7 +109,8 @@ def run_hardware(
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
     records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
     errors = list(result.errors)
-    violations = check_records(records, scenario.transfer.path) if result.ok else []
+    tolerance = clock_tolerance(result.reports)
+    violations = check_records(records, scenario.transfer.path, tolerance) if result.ok else []
     reports = [r for _, r in sorted(result.reports.items())]
     ranks = [RankResult.from_wire(r) for r in reports]
     summary = run_summary(

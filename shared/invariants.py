@@ -65,8 +65,12 @@ class _Data:
 
 
 class InvariantChecker:
-    def __init__(self, expect_path: str = "staging") -> None:
+    def __init__(self, expect_path: str = "staging", clock_tolerance_s: float = 0.0) -> None:
         self.expect_path = expect_path
+        # How far apart two ranks' clocks may be (hardware mode across hosts: the
+        # uncertainty of the measured offsets). A prefill's write and a decode's scatter
+        # or free compare times of two clocks; they are ordered only beyond this.
+        self.clock_tolerance_s = clock_tolerance_s
         self.violations: list[Violation] = []
         self._recent: deque[TraceRecord] = deque(maxlen=CONTEXT_RECORDS)
         # per decode rank: (room, chunk) -> data ranges currently in staging
@@ -148,7 +152,7 @@ class InvariantChecker:
         while closed and closed[0][1].died < r.end - 2 * self._max_write - 1e-9:
             closed.popleft()
         for other, s in closed:
-            if other != key and s.died > r.start and s.lo < hi and lo < s.hi:
+            if other != key and s.died > r.start + self.clock_tolerance_s and s.lo < hi and lo < s.hi:
                 self._violate(
                     "safety",
                     f"write [{lo},{hi}) on decode rank {d} started at {r.start:.6f}s while data of "
@@ -173,7 +177,7 @@ class InvariantChecker:
         self._close(r.rank, (r.room, r.chunk), r.end)
         self._scatter_span[key] = (r.start, r.end)
         written = self._write_end.get(key)
-        if written is not None and written > r.start:
+        if written is not None and written > r.start + self.clock_tolerance_s:
             self._violate("exactly_once", f"scatter started at {r.start:.6f}s before the last block "
                           f"landed at {written:.6f}s", r)
         freed = self._freed_at.get(key)
@@ -248,9 +252,10 @@ class InvariantChecker:
             raise InvariantViolation(f"{len(self.violations)} invariant violation(s):\n{self.report()}")
 
 
-def check_records(records, expect_path: str = "staging") -> list[Violation]:
-    """Check a complete trace (sorted by end time) and return every violation."""
-    checker = InvariantChecker(expect_path)
+def check_records(records, expect_path: str = "staging", clock_tolerance_s: float = 0.0) -> list[Violation]:
+    """Check a complete trace (sorted by end time) and return every violation.
+    `clock_tolerance_s`: how far apart the ranks' clocks may be (0: one clock)."""
+    checker = InvariantChecker(expect_path, clock_tolerance_s)
     end = 0.0
     for r in sorted(records, key=lambda x: (x.end, x.start)):
         checker.observe(r)

@@ -213,3 +213,16 @@ def test_a_write_outliving_the_abort_grace_is_recorded_and_flagged():
     assert len(late) == len(writes)
     found = check_records(records)
     assert any(v.invariant == "safety" and "after the abort grace" in v.message for v in found)
+
+
+def test_clock_tolerance_orders_two_clocks_only_beyond_their_uncertainty():
+    """A decode's scatter 0.3 ms 'before' a prefill's write ended: a violation on one clock,
+    but within two hosts' clock uncertainty (1 ms) it is not evidence of an early scatter."""
+    from kvstage.shared.trace import TraceRecord
+
+    write = TraceRecord("prefill", 0, "write", 1.0000, 1.0010, room=0, chunk=0, writer=0, peer=0, offset=0,
+                        bytes=64, requests=1)
+    scatter = TraceRecord("decode", 0, "scatter", 1.0007, 1.0020, room=0, chunk=0, offset=0, bytes=64)
+    one_clock = check_records([write, scatter])
+    assert any(v.invariant == "exactly_once" and "before the last block" in v.message for v in one_clock)
+    assert not [v for v in check_records([write, scatter], clock_tolerance_s=0.001) if v.invariant == "exactly_once"]
