@@ -82,11 +82,16 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
         # a rank whose room was already aborted by a faster peer never gets there, so
         # on hardware it may fire on fewer ranks, never on others. Everything else
         # fires exactly where the simulation fires it.
+        # A message fault that matches every copy (times > 1) fires once per re-send, and
+        # how many re-sends fit before the room times out depends on timing: the same
+        # faults on the same ranks, counts may differ.
         for rank in set(hw_faults) | set(sim_faults):
             hw_r, sim_r = hw_faults.get(rank, {}), sim_faults.get(rank, {})
             for kind in set(hw_r) | set(sim_r):
                 if kind.startswith("abort:"):
                     assert hw_r.get(kind, 0) <= sim_r.get(kind, 0), (rank, kind, hw_faults, sim_faults)
+                elif kind.split(":")[0] in ("drop", "duplicate", "delay"):
+                    assert (kind in hw_r) == (kind in sim_r), (rank, kind, hw_faults, sim_faults)
                 else:
                     assert hw_r.get(kind) == sim_r.get(kind), (rank, kind, hw_faults, sim_faults)
     assert summary["faults_injected"], "no fault was injected"
