@@ -197,13 +197,18 @@ def test_bad_trace_is_one_message_and_exit_2(tmp_path, command, case):
     text, needles = BAD_TRACES[case]
     path = write_case(tmp_path, text)
     extra = ["--out", str(tmp_path / "run")] if command != "validate" else []
-    res = invoke(command, str(path), *extra)
+    assert_one_trace_error(invoke(command, str(path), *extra), path, needles, tmp_path / "run")
+
+
+def assert_one_trace_error(res, path, needles, run_dir) -> None:
+    """A bad trace file: exit 2, one error line naming the file and the field, no
+    traceback, no run directory."""
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
     assert f"{path}: workload.trace_csv" in res.output
     for needle in needles:
         assert needle in res.output, res.output
-    assert not (tmp_path / "run").exists()
+    assert not run_dir.exists()
 
 
 def test_bad_trace_for_prompts_only_and_in_a_sweep(tmp_path):
