@@ -46,6 +46,10 @@ class ByteArena:
                 return start
         return None
 
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
+
     def free(self, start: int, n: int) -> None:
         self._free.append([start, n])
         self._free.sort()
@@ -109,6 +113,14 @@ class PrefillRank(RankProcess):
         self.copy_thread.shutdown(wait=True, cancel_futures=True)
         super().close()
 
+    def _still_held(self) -> list[str]:
+        held = []
+        if self.slots:
+            held.append(f"send-buffer blocks of (room, chunk, decode rank) {sorted(self.slots)[:5]}")
+        if self.arena.free_bytes != self.arena.size:
+            held.append(f"send buffer {self.arena.size - self.arena.free_bytes} of {self.arena.size} bytes")
+        return held
+
     def _busy(self) -> bool:
         return bool(self.pending or self.waiting_gathers or self.computing or self.forwards or self.gathers)
 
@@ -168,7 +180,12 @@ class PrefillRank(RankProcess):
         while self.gathers and self.gathers[0][0].done():
             job, a = self.gathers.popleft()
             job.result()  # a failed kernel is a bug: raise it here, in the loop
-            self._feed(GatherDone(a.room, a.chunk, a.decode_rank))
+            key = (a.room, a.chunk, a.decode_rank)
+            self._feed(GatherDone(*key))
+            abandoned = self.slots.pop(key, None)  # no Write took it: its room failed meanwhile
+            if abandoned is not None:
+                self.arena.free(*abandoned)
+                self._retry_gathers()
 
     def _write(self, a: Write) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
@@ -211,11 +228,15 @@ class PrefillRank(RankProcess):
                 self.arena.free(*p.slot)
             done = p.done if error is None else WriteDone(p.done.room, p.done.chunk, p.done.decode_rank, False, error)
             self._feed(done)
-        if finished and self.waiting_gathers:
-            retry = list(self.waiting_gathers)
-            self.waiting_gathers.clear()
-            for a in retry:  # in order; those that still do not fit queue up again
-                self._gather(a)
+        if finished:
+            self._retry_gathers()
+
+    def _retry_gathers(self) -> None:
+        """Send-buffer space was freed: start the gathers that waited for it."""
+        retry = list(self.waiting_gathers)
+        self.waiting_gathers.clear()
+        for a in retry:  # in order; those that still do not fit queue up again
+            self._gather(a)
 
     _EXECUTORS = {
         Forward: _forward,

@@ -131,6 +131,10 @@ class RankProcess:
     def _report_extra(self) -> dict[str, Any]:
         return {}
 
+    def _still_held(self) -> list[str]:
+        """Executor resources still taken once the runtime settled (a leak, if any)."""
+        return []
+
     # --- life cycle -----------------------------------------------------------------------
     def run(self, rendezvous_timeout_s: float = 60.0) -> dict[str, Any]:
         client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
@@ -150,6 +154,9 @@ class RankProcess:
         error = ""
         try:
             self._loop(t0)
+            held = self._still_held()
+            if held:
+                raise RankError(f"{self.name}: finished with resources still taken: {'; '.join(held)}")
         except Exception as exc:  # report, don't hang the run
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
@@ -219,7 +226,7 @@ class RankProcess:
             if now > hard_deadline:
                 raise RankError(f"{self.name}: run did not finish within {hard_deadline:.0f}s "
                                 f"({rt.machine.rooms_done} done, {rt.machine.rooms_failed} failed "
-                                f"of {len(self.requests)})")
+                                f"of {len(self.requests)}; still {rt.holding()})")
             while arrivals and arrivals[0].arrival_s <= now:
                 self._feed(Arrive(arrivals.popleft()))
             self._progress()

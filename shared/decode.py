@@ -143,6 +143,14 @@ class DecodeMachine(MachineBase):
         """No room live, no scatter running, no failed room's regions quarantined."""
         return not self._rooms and not self._quarantine and not self._scatters
 
+    def holding(self) -> list[str]:
+        """What keeps the machine from being settled, in words."""
+        out = [f"room {r} live" for r in sorted(self._rooms)[:5]]
+        out += [f"room {r} quarantined until {q.until:.2f}s (waiting for prefill {sorted(q.waiting)})"
+                for r, q in sorted(self._quarantine.items())[:5]]
+        out += [f"scatter {k} since {f.start:.2f}s" for k, f in sorted(self._scatters.items())[:5]]
+        return out
+
     def handle(self, event: Event, now: float) -> list[Action]:
         out: list[Action] = []
         handler = self._HANDLERS.get(type(event))

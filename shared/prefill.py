@@ -100,6 +100,13 @@ class PrefillMachine(MachineBase):
         """No room live and no failed room still draining its writes."""
         return not self._rooms and not self._draining
 
+    def holding(self) -> list[str]:
+        """What keeps the machine from being settled, in words."""
+        out = [f"room {r} live" for r in sorted(self._rooms)[:5]]
+        out += [f"room {r} draining until {d.until:.2f}s (pending {sorted(d.pending)[:5]})"
+                for r, d in sorted(self._draining.items())[:5]]
+        return out
+
     def watermark_view(self, decode_rank: int) -> WatermarkPos:
         return self._wm[decode_rank]
 

@@ -184,6 +184,13 @@ class _Owed:
         return bool(self.counts)
 
 
+def _some(items, n: int = 5) -> str:
+    """A few of a collection's items (sorted), for a message."""
+    items = sorted(items)
+    more = f", ... ({len(items)} in all)" if len(items) > n else ""
+    return "(" + ", ".join(map(str, items[:n])) + more + ")"
+
+
 class RankRuntime:
     """One rank: its machine, its workload, its faults and its memory. Pure: the driver
     passes `now` with every event and carries out the returned actions."""
@@ -231,6 +238,9 @@ class RankRuntime:
         self._pages = PageAllocator(kv_pages) if kv_pages is not None else None
         self._waiting: deque[Request] = deque()  # arrived, waiting for pages
         self._memory: dict[int, _RoomMemory] = {}
+        # rooms the machine released before they were admitted here (failed by a peer
+        # first): when they are admitted, the machine never touches their memory
+        self._released_unadmitted: set[int] = set()
 
     # --- what the driver reads ---------------------------------------------------------
     @property
@@ -253,6 +263,24 @@ class RankRuntime:
             and not self._held
             and not self._memory
         )
+
+    def holding(self) -> str:
+        """What keeps this rank from being settled, in words (for a rank that never ends)."""
+        parts = []
+        if self._open_rooms:
+            parts.append(f"rooms not ended {_some(self._open_rooms)}")
+        parts += self.machine.holding()
+        if self._owed:
+            parts.append(f"completions owed {_some(self._owed.counts)}")
+        if self._timers:
+            parts.append(f"{len(self._timers)} timer(s), next at {min(self._timers).due:.2f}s")
+        if self._waiting:
+            parts.append(f"{len(self._waiting)} request(s) waiting for pages")
+        if self._held:
+            parts.append(f"{len(self._held)} event(s) held for a late session")
+        if self._memory:
+            parts.append(f"KV memory of rooms {_some(self._memory)}")
+        return "; ".join(parts) or "nothing"
 
     @property
     def next_wakeup(self) -> float | None:
@@ -396,6 +424,8 @@ class RankRuntime:
         if mem is not None:
             mem.released = True
             self._maybe_free(a.room, now, out)
+        elif a.room in self._workload:
+            self._released_unadmitted.add(a.room)
 
     _ROUTES = {
         Send: _route_send,
@@ -460,6 +490,10 @@ class RankRuntime:
                 self._open_decode(req, first, now, out)
             else:
                 self._schedule_forwards(req, first, out)
+            if req.room in self._released_unadmitted:
+                self._released_unadmitted.discard(req.room)
+                self._memory[req.room].released = True
+                self._maybe_free(req.room, now, out)
 
     def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
         self._feed(OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=first), now, out)
