@@ -55,17 +55,18 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     - `staging_wait`: the time at least one of its chunks waited for the watermark
       (the union of its `wm_wait` spans over every prefill rank and target);
     - `done`: the last decode rank's `room_done` (only when every decode rank that
-      appears in the trace finished it); `failed`: 1.0 when a rank failed it.
+      has a row of the room finished it: in a cluster, the ranks of the decode
+      instance the room was routed to); `failed`: 1.0 when a rank failed it.
     """
     rooms: dict[int, dict[str, float]] = {}
-    decode_ranks: set[int] = set()
+    decode_ranks: dict[int, set[int]] = {}  # room -> decode ranks with a row of it
     done_count: dict[int, int] = {}
     waits: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         if r.room < 0:
             continue
         if r.role == "decode":
-            decode_ranks.add(r.rank)
+            decode_ranks.setdefault(r.room, set()).add(r.rank)
         info = rooms.setdefault(r.room, {})
         if r.phase == "room_open":
             key = "arrival" if r.role == "decode" else "transfer_start"
@@ -82,7 +83,7 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
             info["failed"] = 1.0
     for room, info in rooms.items():
         info["staging_wait"] = _union_length(waits.get(room, []))
-        if done_count.get(room, 0) < len(decode_ranks):
+        if done_count.get(room, 0) < len(decode_ranks.get(room, ())):
             info.pop("done", None)
     return rooms
 

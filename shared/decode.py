@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvstage.shared.cluster import Sessions
 from kvstage.shared.events import (
     AbortRoom,
     Action,
@@ -68,6 +69,7 @@ DECODE_TRANSITIONS: dict[DecodeChunk, frozenset[DecodeChunk]] = {
 class _Room:
     room: int
     created: float
+    writers: list[int]  # the (global) prefill ranks writing this room here: its sessions
     chunks: list[Chunk] | None = None  # known once opened
     dst_page_base: int = 0
     allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
@@ -115,14 +117,17 @@ class DecodeMachine(MachineBase):
     peer_role = "prefill"
 
     def __init__(
-        self, rank: int, geometry: Geometry, pool_bytes: int, config: ProtocolConfig | None = None
+        self, rank: int, geometry: Geometry, pool_bytes: int, config: ProtocolConfig | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
-        if not 0 <= rank < geometry.decode_tp:
-            raise ValueError(f"decode rank {rank} out of range 0..{geometry.decode_tp - 1}")
+        # rank is global (instance * TP + local rank); one instance: the local rank
+        self.sessions = sessions or Sessions(geometry)
+        if not 0 <= rank < self.sessions.decode_ranks:
+            raise ValueError(f"decode rank {rank} out of range 0..{self.sessions.decode_ranks - 1}")
         self.ring = StagingRing(pool_bytes)
-        self.writers = geometry.writers(rank)
-        self._writer_of = {p: w for w, p in enumerate(self.writers)}
+        # every session that may write here, over all prefill instances sharing the ring
+        self._all_writers = frozenset(self.sessions.all_writers(rank))
         self._rooms: dict[int, _Room] = {}
         self._subscribers: list[int] = []  # prefill ranks subscribed to the watermark, in order
         self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
@@ -182,14 +187,15 @@ class DecodeMachine(MachineBase):
             return
         if room is None:
             room = self._new_room(ev.room, now)
-        if self.dead_peers:
-            dead = ", ".join(f"{r}{k}" for (r, k) in self.dead_peers)
+        dead_writers = [(r, k) for (r, k) in self.dead_peers if k in room.writers]
+        if dead_writers:
+            dead = ", ".join(f"{r}{k}" for (r, k) in dead_writers)
             self._fail(room, f"decode rank {self.rank}: writer {dead} is gone", now, out)
             return
         room.chunks = self.geometry.chunks(pages)
         room.dst_page_base = ev.dst_page_base
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
-        for p in self.writers:
+        for p in room.writers:
             out.append(Send(self._peer(p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
         self._arm_deadline(ev.room, now, self.config.retry_s)  # BOOTSTRAP re-sends
         # What came before the open is handled now, checked against the room's grid.
@@ -227,23 +233,26 @@ class DecodeMachine(MachineBase):
 
     def _on_peer_lost(self, ev: PeerLost, now: float, out: list[Action]) -> None:
         """A writer is gone: every room needs it, so fail them and stop sending to it."""
-        if ev.role != "prefill" or ev.rank not in self._writer_of:
+        if ev.role != "prefill" or ev.rank not in self._all_writers:
             return
         self.dead_peers[(ev.role, ev.rank)] = ev.reason or "lost"
         if ev.rank in self._subscribers:
             self._subscribers.remove(ev.rank)
         for room in list(self._rooms.values()):
+            if ev.rank not in room.writers:
+                continue  # a room of another prefill instance: it does not need this writer
             self._fail(room, f"writer prefill rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out,
                        skip_writer=ev.rank)
 
     # --- messages -----------------------------------------------------------------------
     def _writer_for(self, msg, now: float, out: list[Action]) -> int | None:
         """The writer index of the message's prefill rank, or None (dropped) if not ours."""
-        w = self._writer_of.get(msg.prefill_rank)
+        writers = self.sessions.writers(msg.room, self.rank)
+        w = writers.index(msg.prefill_rank) if msg.prefill_rank in writers else None
         if msg.decode_rank != self.rank or w is None:
             self._drop(out, now, f"{type(msg).__name__} from prefill rank {msg.prefill_rank} to decode rank "
-                       f"{msg.decode_rank}: not a writer of decode rank {self.rank} "
-                       f"(writers {self.writers})", getattr(msg, "room", -1))
+                       f"{msg.decode_rank}: not a writer of room {msg.room} at decode rank {self.rank} "
+                       f"(writers {writers})", getattr(msg, "room", -1))
             return None
         if hasattr(msg, "writer") and msg.writer != w:
             self._drop(out, now, f"{type(msg).__name__} claims writer {msg.writer} but prefill rank "
@@ -398,7 +407,7 @@ class DecodeMachine(MachineBase):
     def _chunk_maybe_complete(self, room: _Room, chunk: int, now: float, out: list[Action]) -> None:
         if room.chunks is None or _state(room, chunk) is not DecodeChunk.COLLECTING:
             return
-        if len(room.arrived.get(chunk, ())) < len(self.writers):
+        if len(room.arrived.get(chunk, ())) < len(room.writers):
             return
         c = room.chunks[chunk]
         self._record(out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk)
@@ -412,7 +421,7 @@ class DecodeMachine(MachineBase):
         out.append(Scatter(room.room, chunk, alloc.offset, alloc.nbytes, c.page_start, c.num_pages, room.dst_page_base))
 
     def _maybe_done(self, room: _Room, now: float, out: list[Action]) -> None:
-        if room.chunks is None or len(room.writers_done) < len(self.writers):
+        if room.chunks is None or len(room.writers_done) < len(room.writers):
             return
         if room.complete < len(room.chunks):
             return
@@ -434,7 +443,7 @@ class DecodeMachine(MachineBase):
         del self._rooms[room.room]
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
                 if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
-        waiting = {p for p in self.writers if p != skip_writer}
+        waiting = {p for p in room.writers if p != skip_writer}
         exposed = room.chunks is not None or held
         if exposed and waiting:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
@@ -442,7 +451,7 @@ class DecodeMachine(MachineBase):
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
-        for p in self.writers:
+        for p in room.writers:
             if p != skip_writer:
                 out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
         self._finish(room.room, ok=False)
@@ -470,7 +479,7 @@ class DecodeMachine(MachineBase):
         heard = set(room.writers_done)
         for writers in (*room.asked.values(), *room.arrived.values()):
             heard |= writers
-        silent = [p for w, p in enumerate(self.writers) if w not in heard]
+        silent = [p for w, p in enumerate(room.writers) if w not in heard]
         if not silent:
             return  # every writer has spoken: it had the BOOTSTRAP, no more re-sends
         for p in silent:
@@ -504,21 +513,21 @@ class DecodeMachine(MachineBase):
             for c in room.chunks:
                 if _state(room, c.index) is DecodeChunk.COLLECTING:
                     got = room.arrived.get(c.index, set())
-                    missing[c.index] = [self.writers[w] for w in range(len(self.writers)) if w not in got]
+                    missing[c.index] = [p for w, p in enumerate(room.writers) if w not in got]
             if missing:
                 first = list(missing.items())[:4]
                 waits.append("CHUNK_READY from " + ", ".join(f"chunk {c}: prefill {p}" for c, p in first))
             scattering = sorted(c for c, st in room.state.items() if st is DecodeChunk.SCATTERING)
             if scattering:
                 waits.append(f"scatter of chunks {scattering[:8]}")
-        not_done = [p for w, p in enumerate(self.writers) if w not in room.writers_done]
+        not_done = [p for w, p in enumerate(room.writers) if w not in room.writers_done]
         if not_done:
             waits.append(f"WRITER_DONE from prefill ranks {not_done}")
         return f"decode rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + "; ".join(waits)
 
     # --- ring and watermark ----------------------------------------------------------------
     def _new_room(self, room_id: int, now: float) -> _Room:
-        room = _Room(room_id, now)
+        room = _Room(room_id, now, self.sessions.writers(room_id, self.rank))
         self._rooms[room_id] = room
         room.deadline = self._arm_deadline(room_id, now)
         return room

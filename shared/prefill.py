@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 
+from kvstage.shared.cluster import Sessions
 from kvstage.shared.events import (
     AbortRoom,
     Action,
@@ -63,15 +64,19 @@ class PrefillMachine(MachineBase):
     peer_role = "decode"
 
     def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None,
-                 pool_bytes: int | None = None) -> None:
+                 pool_bytes: int | None = None, sessions: Sessions | None = None) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
         # the decode's staging pool: a region outside it is not one the decode handed out
         self.pool_bytes = pool_bytes
-        if not 0 <= rank < geometry.prefill_tp:
-            raise ValueError(f"prefill rank {rank} out of range 0..{geometry.prefill_tp - 1}")
-        self.targets = geometry.targets(rank)
-        self._writer = {d: geometry.writers(d).index(rank) for d in self.targets}
-        self._heads = {d: geometry.head_slice(rank, d) for d in self.targets}
+        # rank is global (instance * TP + local rank); one instance: the local rank
+        self.sessions = ss = sessions or Sessions(geometry)
+        if not 0 <= rank < ss.prefill_ranks:
+            raise ValueError(f"prefill rank {rank} out of range 0..{ss.prefill_ranks - 1}")
+        self.local = local = ss.local("prefill", rank)
+        # every decode rank this rank may write into, over all decode instances
+        self.targets = ss.all_targets(rank)
+        self._writer = {d: geometry.writers(d % ss.decode_tp).index(local) for d in self.targets}
+        self._heads = {d: geometry.head_slice(local, d % ss.decode_tp) for d in self.targets}
         self._rooms: dict[int, PrefillRoom] = {}
         self._wm: dict[int, WatermarkPos] = {d: WatermarkPos(0, 0) for d in self.targets}
         # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
@@ -127,7 +132,8 @@ class PrefillMachine(MachineBase):
             self._drop(out, now, "room already opened or failed before it opened", ev.room)
             return
         g = self.geometry
-        dead = [f"{r}{k}" for (r, k) in self.dead_peers]
+        targets_here = self.sessions.targets(ev.room, self.rank)
+        dead = [f"{r}{k}" for (r, k) in self.dead_peers if k in targets_here]
         if dead:
             reason = f"prefill rank {self.rank}: peer {', '.join(dead)} is gone ({'; '.join(self.dead_peers.values())})"
             self._record(out, "room_failed", now, now, room=ev.room, detail=reason)
@@ -143,9 +149,7 @@ class PrefillMachine(MachineBase):
             out.append(ReleaseRoom(ev.room))
             self._finish(ev.room, ok=False)
             return
-        targets = {
-            d: Target(d, self._writer[d], self._heads[d]) for d in self.targets
-        }
+        targets = {d: Target(d, self._writer[d], self._heads[d]) for d in targets_here}
         room = PrefillRoom(ev.room, ev.prefix_tokens // g.page_size, g.chunks(pages), targets)
         self._rooms[ev.room] = room
         room.deadline = self._arm_deadline(ev.room, now)
@@ -213,7 +217,7 @@ class PrefillMachine(MachineBase):
             self._record(
                 out, "slice_write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
                 peer=t.decode_rank, bytes=nbytes,
-                requests=self.geometry.slice_requests(self.rank, t.decode_rank, c.num_pages),
+                requests=self._slice_requests(t.decode_rank, c.num_pages),
             )
         if not ev.ok:
             t.move(ev.chunk, ChunkState.FAILED, now)
@@ -261,11 +265,16 @@ class PrefillMachine(MachineBase):
             return
         self.dead_peers[(ev.role, ev.rank)] = ev.reason or "lost"
         for room in list(self._rooms.values()):
-            self._fail(room, f"decode rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out)
+            if ev.rank in room.targets:  # rooms of other decode instances do not need it
+                self._fail(room, f"decode rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out)
 
     # --- messages -----------------------------------------------------------------------
     def _check_peer(self, msg, now: float, out: list[Action]) -> bool:
-        if msg.prefill_rank != self.rank or msg.decode_rank not in self._wm:
+        """The message is from a decode rank this rank writes to (for a room message:
+        a decode rank of the instance that room was routed to)."""
+        room = getattr(msg, "room", None)
+        peers = self._wm if room is None else self.sessions.targets(room, self.rank)
+        if msg.prefill_rank != self.rank or msg.decode_rank not in peers:
             self._drop(
                 out, now, f"{type(msg).__name__} for prefill rank {msg.prefill_rank} from decode rank "
                 f"{msg.decode_rank}: not a peer of prefill rank {self.rank}", getattr(msg, "room", -1),
@@ -391,7 +400,7 @@ class PrefillMachine(MachineBase):
             self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
             out.append(RoomFailed(msg.room, reason))
             out.append(ReleaseRoom(msg.room))
-            self._send_aborts(msg.room, self.targets, reason, out)
+            self._send_aborts(msg.room, self.sessions.targets(msg.room, self.rank), reason, out)
         elif msg.room not in self._draining:
             # Finished here (done, or failed with nothing in flight): confirm at once
             # that this writer will not touch the room's regions again.
@@ -459,7 +468,7 @@ class PrefillMachine(MachineBase):
             SliceWrite(
                 room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
                 c.page_start, c.num_pages, t.dst_page_base, t.heads,
-                self.geometry.slice_requests(self.rank, t.decode_rank, c.num_pages),
+                self._slice_requests(t.decode_rank, c.num_pages),
                 self._block_bytes(c.num_pages, t.heads),
             )
         )
@@ -622,10 +631,13 @@ class PrefillMachine(MachineBase):
         base = self._block_offset_cache.get(key)
         if base is None:
             # all blocks of a region have the same size, so offset = writer * size
-            layout = self.geometry.staging_layout(decode_rank, num_pages)
+            layout = self.geometry.staging_layout(decode_rank % self.sessions.decode_tp, num_pages)
             base = layout.blocks[1].offset if len(layout.blocks) > 1 else layout.blocks[0].nbytes
             self._block_offset_cache[key] = base
         return writer * base
+
+    def _slice_requests(self, decode_rank: int, num_pages: int) -> int:
+        return self.geometry.slice_requests(self.local, decode_rank % self.sessions.decode_tp, num_pages)
 
     _HANDLERS = {
         OpenRoom: _on_open,

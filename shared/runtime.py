@@ -29,6 +29,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvstage.shared.cluster import Sessions
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import (
     AbortRoom,
@@ -204,6 +205,7 @@ class RankRuntime:
         requests: list[Request] | None = None,
         kv_pages: int | None = None,
         verify: bool = False,
+        sessions: Sessions | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} not allowed (allowed: {', '.join(ROLES)})")
@@ -211,11 +213,17 @@ class RankRuntime:
         self.role, self.rank, self.name = role, rank, rank_name(role, rank)
         self.geometry = g
         self.config = protocol_config(scenario)
+        # rank is global across instances (shared/cluster.py); one instance: the local rank
+        self.sessions = sessions or Sessions(g)
+        self.instance = self.sessions.instance(role, rank)
         if role == "prefill":
-            self.machine: PrefillMachine | DecodeMachine = PrefillMachine(rank, g, self.config, scenario.pool_bytes)
+            self.machine: PrefillMachine | DecodeMachine = PrefillMachine(
+                rank, g, self.config, scenario.pool_bytes, sessions=self.sessions)
         else:
-            self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config)
-        self.requests = requests if requests is not None else generate_requests(scenario)
+            self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config, sessions=self.sessions)
+        requests = requests if requests is not None else generate_requests(scenario)
+        # the rooms routed to this rank's instance (all of them with one instance each)
+        self.requests = [r for r in requests if self.sessions.serves(role, rank, r.room)]
         # Exact accounting: the rank is finished when each of these rooms ended, by id;
         # a message about any other room is dropped and counted, never progress.
         self._workload = {r.room for r in self.requests}
@@ -263,6 +271,16 @@ class RankRuntime:
             and not self._held
             and not self._memory
         )
+
+    @property
+    def outstanding(self) -> int:
+        """Rooms of this rank's workload not yet ended here (what a router balances)."""
+        return len(self._open_rooms)
+
+    @property
+    def free_kv_pages(self) -> int:
+        """Free KV pages (0 when the rank does not model its KV pool)."""
+        return self._pages.free_pages if self._pages is not None else 0
 
     def holding(self) -> str:
         """What keeps this rank from being settled, in words (for a rank that never ends)."""
@@ -466,6 +484,15 @@ class RankRuntime:
         self._feed(ev, now, out)
 
     # --- arrivals, admission and forwards -------------------------------------------------------
+    def assign(self, request: Request) -> None:
+        """A room routed here when it arrived (a load-aware router): part of the
+        workload from now on. Call before the room's Arrive and any message about it."""
+        if request.room in self._workload:
+            raise LocalProtocolError(f"room {request.room} assigned to {self.name} twice")
+        self.requests.append(request)
+        self._workload.add(request.room)
+        self._open_rooms.add(request.room)
+
     def _on_arrive(self, ev: Arrive, now: float, out: list[Action]) -> None:
         self._waiting.append(ev.request)
         self._admit(now, out)

@@ -25,6 +25,7 @@ from functools import partial
 
 import simpy
 
+from kvstage.shared.cluster import cluster_sessions
 from kvstage.shared.events import (
     Arrive,
     Die,
@@ -55,6 +56,7 @@ from kvstage.shared.runtime import (
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
+from kvstage.sim.cluster import cluster_nics, instance_loads
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.host import RankLoop, cpu_scale
@@ -121,9 +123,18 @@ class Simulation:
         self.env = simpy.Environment()
         self.config = protocol_config(scenario)
         self.requests = generate_requests(scenario)
-        self.prefill = [RankRuntime(scenario, "prefill", r, requests=self.requests) for r in range(g.prefill_tp)]
-        self.decode = [RankRuntime(scenario, "decode", d, requests=self.requests) for d in range(g.decode_tp)]
+        # ranks are global across instances (shared/cluster.py): instance * TP + local rank
+        self.sessions, self.router = cluster_sessions(scenario, self.requests)
+        ss, workload = self.sessions, self.requests if self.router.static else []
+        self.prefill = [RankRuntime(scenario, "prefill", r, requests=workload, sessions=ss)
+                        for r in range(ss.prefill_ranks)]
+        self.decode = [RankRuntime(scenario, "decode", d, requests=workload, sessions=ss)
+                       for d in range(ss.decode_ranks)]
         self.runtimes = (*self.prefill, *self.decode)
+        self._ended = 0  # rooms ended, counted at each decode instance's first rank
+        # a load-aware router gives ranks their rooms as they arrive: a rank with no
+        # room yet is settled, so the run cannot end before the last arrival
+        self._arrivals_left = len(self.requests)
         self.records: list[TraceRecord] = []
         self.checker = InvariantChecker(self.config.path) if check else None
         self.progress = progress
@@ -137,8 +148,8 @@ class Simulation:
         self._deliver = self._feed
         if self.host is not None:
             self._build_host()
-        else:
-            self.forwards = GroupForward(self)
+        else:  # one forward stream per prefill instance
+            self.group_forwards = [GroupForward(self, g.prefill_tp) for _ in range(ss.prefill_instances)]
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -149,7 +160,9 @@ class Simulation:
         self.link = LinkParams(lk.link.bandwidth_bytes_s, lk.link.latency_s, lk.link.per_request_s)
         self.fabric = Fabric(self.env)
         bw = lk.link.bandwidth_bytes_s
-        if lk.placement == "intra":
+        if not self.sessions.single:
+            self.prefill_nic, self.decode_nic = cluster_nics(self.fabric, s, self.sessions, lk)
+        elif lk.placement == "intra":
             # same node: every GPU has its own NVLink port
             self.prefill_nic = [self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_tp)]
             self.decode_nic = [self.fabric.add_nic(f"decode{d}-nvlink", bw) for d in range(g.decode_tp)]
@@ -160,16 +173,17 @@ class Simulation:
             dn = [self.fabric.add_nic(f"decode-nic{i}", bw) for i in range(-(-g.decode_tp // per))]
             self.prefill_nic = [pn[p // per] for p in range(g.prefill_tp)]
             self.decode_nic = [dn[d // per] for d in range(g.decode_tp)]
-        self.gather_stream = [SerialStream() for _ in range(g.prefill_tp)]
-        self.scatter_stream = [SerialStream() for _ in range(g.decode_tp)]
+        ss = self.sessions
+        self.gather_stream = [SerialStream() for _ in range(ss.prefill_ranks)]
+        self.scatter_stream = [SerialStream() for _ in range(ss.decode_ranks)]
         self.host = lk.host  # None: GPU model; else the cpu-loop host model (sim/host.py)
         # one kernel launch per writer block when a decode rank scatters a chunk
-        self._scatter_launches = [len(g.writers(d)) for d in range(g.decode_tp)]
+        self._scatter_launches = [len(g.writers(d % g.decode_tp)) for d in range(ss.decode_ranks)]
 
     def _build_host(self) -> None:
         """The cpu-loop host model: one loop per rank, CPU sharing as a static slowdown."""
-        g, h = self.geometry, self.host
-        self.cpu_scale = scale = cpu_scale(h, g.prefill_tp + g.decode_tp)
+        h = self.host
+        self.cpu_scale = scale = cpu_scale(h, len(self.runtimes))
         self.event_s = h.event_s * scale
         self.loops = {rt: RankLoop(self.env) for rt in self.runtimes}
         for rt in self.prefill:  # a late session's loop starts late
@@ -224,7 +238,10 @@ class Simulation:
             dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
             self.env.timeout(self.control_latency).callbacks.append(partial(self._deliver, dest, a.msg))
         elif kind is Forward:
-            self.forwards.submit(rt, a, now)
+            if self.host is not None:
+                self.forwards.submit(rt, a, now)
+            else:
+                self.group_forwards[rt.instance].submit(rt, a, now)
         elif kind is Gather:
             self._gather(rt, a, now)
         elif kind is Write or kind is SliceWrite:
@@ -263,11 +280,11 @@ class Simulation:
     def _die(self, rt: RankRuntime, a: Die) -> None:
         """The runtime stopped; its peers' failure detectors declare it lost after the
         heartbeat timeout of hardware mode (shared/liveness.py)."""
-        g = self.geometry
+        ss = self.sessions
         if rt.role == "prefill":
-            peers = [self.decode[d] for d in g.targets(rt.rank)]
+            peers = [self.decode[d] for d in ss.all_targets(rt.rank)]
         else:
-            peers = [self.prefill[p] for p in g.writers(rt.rank)]
+            peers = [self.prefill[p] for p in ss.all_writers(rt.rank)]
         lost = PeerLost(rt.role, rt.rank, a.reason)
         for peer in peers:
             self._at(PEER_TIMEOUT_S, self._feed, peer, lost)  # silent that long: lost, as in hardware
@@ -275,26 +292,47 @@ class Simulation:
     # --- the end of the run ----------------------------------------------------------------
     def _maybe_end(self) -> None:
         """The run ends when every runtime is settled (the runtimes say when)."""
-        if not self._all_done.triggered and all(rt.settled for rt in self.runtimes):
+        if not self._all_done.triggered and not self._arrivals_left and all(rt.settled for rt in self.runtimes):
             self._all_done.succeed()
 
     def _room_finished(self, rt: RankRuntime) -> None:
-        if self.progress is not None and rt.role == "decode" and rt.rank == 0:
-            self.progress(rt.rooms_ended, len(self.requests))
+        if rt.role == "decode" and rt.rank % self.geometry.decode_tp == 0:
+            self._ended += 1
+            if self.progress is not None:
+                self.progress(self._ended, len(self.requests))
 
     # --- workload -----------------------------------------------------------------------
-    def _arrive(self, req: Request, _ev=None) -> None:
+    def _arrive(self, index: int, req: Request, _ev=None) -> None:
+        self._arrivals_left -= 1
         arrive = Arrive(req)
-        for rt in self.decode:
+        prefill, decode = self.prefill, self.decode
+        if not self.sessions.single:
+            prefill, decode = self._route(index, req)
+        for rt in decode:
             self._deliver(rt, arrive)
-        for rt in self.prefill:  # queues the forwards; no loop turn of its own
+        for rt in prefill:  # queues the forwards; no loop turn of its own
             self._feed(rt, arrive)
+
+    def _route(self, index: int, req: Request) -> tuple[list[RankRuntime], list[RankRuntime]]:
+        """The ranks of the instances serving the request; a load-aware router decides
+        now, from what it sees of every instance, and the ranks learn the room."""
+        ss, g = self.sessions, self.geometry
+        if not self.router.static:
+            loads = instance_loads(self.prefill, g.prefill_tp), instance_loads(self.decode, g.decode_tp)
+            ss.routes[req.room] = self.router.route(index, *loads)
+        pi, di = ss.route(req.room)
+        prefill = self.prefill[pi * g.prefill_tp:(pi + 1) * g.prefill_tp]
+        decode = self.decode[di * g.decode_tp:(di + 1) * g.decode_tp]
+        if not self.router.static:
+            for rt in (*prefill, *decode):
+                rt.assign(req)
+        return prefill, decode
 
     # --- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        for req in self.requests:
-            self._at(req.arrival_s, self._arrive, req)
+        for index, req in enumerate(self.requests):
+            self._at(req.arrival_s, self._arrive, index, req)
         for rt in self.runtimes:  # faults that act before any event (a late join, a kill)
             wake = rt.next_wakeup
             if wake is not None:
@@ -318,11 +356,16 @@ class Simulation:
             events=sum(r.events for r in ranks),
             sim_time_s=sim_time,
             wall_s=time.perf_counter() - wall,
-            rooms_done=min(rt.machine.rooms_done for rt in self.decode),
-            rooms_failed=max(rt.machine.rooms_failed for rt in self.decode),
+            rooms_done=sum(min(rt.machine.rooms_done for rt in group) for group in self._decode_groups()),
+            rooms_failed=sum(max(rt.machine.rooms_failed for rt in group) for group in self._decode_groups()),
             failures=merge_failures(ranks),
             ranks=ranks,
         )
+
+
+    def _decode_groups(self) -> list[list[RankRuntime]]:
+        tp = self.geometry.decode_tp
+        return [self.decode[i:i + tp] for i in range(0, len(self.decode), tp)]
 
 
 def _noop() -> None:

@@ -38,10 +38,11 @@ class _GroupChunk:
 
 
 class GroupForward:
-    """The GPU model: one forward stream for the prefill TP group."""
+    """The GPU model: one forward stream for one prefill instance's TP group."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulation, ranks: int) -> None:
         self.sim = sim
+        self.ranks = ranks  # the group's TP size: every rank asks for every chunk
         self.stream = SerialStream()
         self._chunks: dict[tuple[int, int], _GroupChunk] = {}
 
@@ -87,7 +88,7 @@ class GroupForward:
         job = self._chunks[key]
         self.sim._feed(rt, ForwardDone(key[0], key[1], job.start))
         job.delivered += 1
-        if job.delivered == len(self.sim.prefill):
+        if job.delivered == self.ranks:
             del self._chunks[key]
 
 

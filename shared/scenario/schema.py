@@ -22,6 +22,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
+from kvstage.shared.scenario.cluster_table import ClusterConfig
 from kvstage.shared.scenario.errors import _FieldProblem
 from kvstage.shared.scenario.fieldtypes import (
     MIB,
@@ -311,7 +312,7 @@ class ExpectConfig(_Table):
     hw_run_fails: bool = False  # hardware mode: the run itself must fail (e.g. a killed rank)
 
 
-_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect")
+_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect", "cluster")
 
 
 class Scenario(_Table):
@@ -328,6 +329,7 @@ class Scenario(_Table):
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     expect: ExpectConfig = Field(default_factory=ExpectConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     _base_dir: Path | None = PrivateAttr(default=None)
 

@@ -1,0 +1,165 @@
+"""Rank numbering across instances, and which instances serve each room.
+
+A cluster has N prefill instances of TP P and M decode instances of TP D. Every
+rank has a *global* index, `instance * TP + local rank`: that is the number messages,
+trace rows and drivers use, so a decode rank tells the sessions of different prefill
+instances apart (prefill rank 0 of instance 1 is session P), and a prefill rank tells
+the rings of different decode instances apart. The geometry (head slices, writer
+blocks, fan-in) is per instance pair and takes *local* ranks.
+
+With one instance each, global == local and every room is served by instance 0 of
+each side: the one-to-one case, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstage.shared.layout import Geometry
+from kvstage.shared.scenario.cluster_table import ROUTERS
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario import Scenario
+    from kvstage.shared.workload import Request
+
+__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions"]
+
+
+class Sessions:
+    """Global rank numbering and the route (prefill instance, decode instance) of each
+    room. Rooms without a route are served by instance 0 of each side."""
+
+    def __init__(self, geometry: Geometry, prefill_instances: int = 1, decode_instances: int = 1) -> None:
+        if prefill_instances < 1 or decode_instances < 1:
+            raise ValueError(f"instances must be >= 1, got {prefill_instances} prefill, {decode_instances} decode")
+        self.geometry = geometry
+        self.prefill_instances = prefill_instances
+        self.decode_instances = decode_instances
+        self.prefill_tp = geometry.prefill_tp
+        self.decode_tp = geometry.decode_tp
+        self.routes: dict[int, tuple[int, int]] = {}
+        self._writers: dict[tuple[int, int], list[int]] = {}
+        self._targets: dict[tuple[int, int], list[int]] = {}
+
+    @property
+    def single(self) -> bool:
+        return self.prefill_instances == 1 and self.decode_instances == 1
+
+    @property
+    def prefill_ranks(self) -> int:
+        return self.prefill_instances * self.prefill_tp
+
+    @property
+    def decode_ranks(self) -> int:
+        return self.decode_instances * self.decode_tp
+
+    def ranks(self, role: str) -> int:
+        return self.prefill_ranks if role == "prefill" else self.decode_ranks
+
+    def tp(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def instance(self, role: str, rank: int) -> int:
+        return rank // self.tp(role)
+
+    def local(self, role: str, rank: int) -> int:
+        return rank % self.tp(role)
+
+    def route(self, room: int) -> tuple[int, int]:
+        return self.routes.get(room, (0, 0))
+
+    def serves(self, role: str, rank: int, room: int) -> bool:
+        """Whether the instance of this rank serves the room."""
+        return self.route(room)[0 if role == "prefill" else 1] == self.instance(role, rank)
+
+    def writers(self, room: int, decode_rank: int) -> list[int]:
+        """The global prefill ranks that write the room into this (global) decode rank."""
+        key = (self.route(room)[0], decode_rank)
+        w = self._writers.get(key)
+        if w is None:
+            w = _shift(self._writers, key, self.prefill_tp, self.geometry.writers(decode_rank % self.decode_tp))
+        return w
+
+    def targets(self, room: int, prefill_rank: int) -> list[int]:
+        """The global decode ranks this (global) prefill rank writes the room into."""
+        key = (self.route(room)[1], prefill_rank)
+        t = self._targets.get(key)
+        if t is None:
+            t = _shift(self._targets, key, self.decode_tp, self.geometry.targets(prefill_rank % self.prefill_tp))
+        return t
+
+    def all_writers(self, decode_rank: int) -> list[int]:
+        """Every session that may write into this decode rank: its writers in every
+        prefill instance."""
+        local = self.geometry.writers(decode_rank % self.decode_tp)
+        return [i * self.prefill_tp + p for i in range(self.prefill_instances) for p in local]
+
+    def all_targets(self, prefill_rank: int) -> list[int]:
+        """Every decode rank this prefill rank may write into, over all decode instances."""
+        local = self.geometry.targets(prefill_rank % self.prefill_tp)
+        return [i * self.decode_tp + d for i in range(self.decode_instances) for d in local]
+
+
+def _shift(cache: dict, key: tuple[int, int], tp: int, local: list[int]) -> list[int]:
+    """Local ranks of instance key[0] as global ranks, remembered under key (hot path)."""
+    out = cache[key] = [key[0] * tp + r for r in local]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """What a router sees of one instance when a request arrives."""
+
+    outstanding: int  # rooms routed to it that have not ended there
+    free_ring_bytes: int = 0  # decode: the least free staging ring over its ranks
+    free_kv_pages: int = 0  # decode: the least free KV pages over its ranks
+
+
+class Router:
+    """Assigns each request a (prefill instance, decode instance).
+
+    round-robin depends only on the request's position, so it is decided before the
+    run (every rank of a hardware run computes the same routes); the other policies
+    look at the instances' load when the request arrives (simulation)."""
+
+    def __init__(self, policy: str, prefill_instances: int, decode_instances: int) -> None:
+        if policy not in ROUTERS:
+            raise ValueError(f"router {policy!r} not allowed (allowed: {', '.join(ROUTERS)})")
+        self.policy = policy
+        self.prefill_instances = prefill_instances
+        self.decode_instances = decode_instances
+
+    @property
+    def static(self) -> bool:
+        return self.policy == "round-robin" or (self.prefill_instances == 1 and self.decode_instances == 1)
+
+    def static_route(self, index: int) -> tuple[int, int]:
+        return index % self.prefill_instances, index % self.decode_instances
+
+    def route(self, index: int, prefill: Sequence[InstanceLoad], decode: Sequence[InstanceLoad]) -> tuple[int, int]:
+        if self.static:
+            return self.static_route(index)
+        p = _least(prefill, lambda x: (x.outstanding,))
+        if self.policy == "staging-aware":
+            d = _least(decode, lambda x: (-min(x.free_ring_bytes, 1 << 62), -x.free_kv_pages, x.outstanding))
+        else:
+            d = _least(decode, lambda x: (x.outstanding,))
+        return p, d
+
+
+def _least(loads: Sequence[InstanceLoad], key) -> int:
+    """The index of the smallest key; ties go to the lowest index (deterministic)."""
+    return min(range(len(loads)), key=lambda i: (*key(loads[i]), i))
+
+
+def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:
+    """The scenario's Sessions, with every route already decided when the router is static."""
+    c = scenario.cluster
+    sessions = Sessions(scenario.geometry(), c.prefill_instances, c.decode_instances)
+    router = Router(c.router, c.prefill_instances, c.decode_instances)
+    if router.static and not sessions.single:
+        for i, req in enumerate(requests):
+            sessions.routes[req.room] = router.static_route(i)
+    return sessions, router

@@ -1,0 +1,51 @@
+"""[cluster]: prefill and decode instances, the router, and how they sit on nodes.
+
+Without the table a scenario is one prefill instance talking to one decode instance,
+as before. With it, every decode instance owns its own staging ring per rank, shared
+by the sessions of every prefill instance the router sends its rooms from.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from kvstage.shared.scenario.fieldtypes import _Table
+
+__all__ = ["ROUTERS", "ClusterConfig"]
+
+ROUTERS = ("round-robin", "least-outstanding", "staging-aware")
+Instances = Annotated[int, Field(ge=1, le=4096)]
+
+
+class ClusterConfig(_Table):
+    """[cluster]: instance counts, the router, and the node layout.
+
+    router: round-robin (request i -> prefill instance i mod N, decode instance i mod
+    M); least-outstanding (the instances with the fewest rooms not yet ended);
+    staging-aware (prefill: least outstanding; decode: the instance whose ranks have
+    the most free staging ring and KV pages, then the fewest outstanding rooms).
+    Nodes: instances are packed onto nodes of `gpus_per_node` GPUs in order, prefill
+    instances first, decode instances on nodes of their own; a node's `nics_per_node`
+    NICs are rail-aligned (GPU i uses NIC i * nics_per_node // gpus_per_node) and
+    shared by every rank on that rail. Unset: `gpus_per_node / links.gpus_per_nic`.
+    """
+
+    prefill_instances: Instances = 1
+    decode_instances: Instances = 1
+    router: Literal["round-robin", "least-outstanding", "staging-aware"] = "round-robin"
+    gpus_per_node: Annotated[int, Field(ge=1, le=1024)] = 8
+    nics_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+    @model_validator(mode="after")
+    def _nics_fit(self) -> ClusterConfig:
+        if self.nics_per_node is not None and self.nics_per_node > self.gpus_per_node:
+            raise ValueError(f"nics_per_node ({self.nics_per_node}) must be <= gpus_per_node "
+                             f"({self.gpus_per_node}): a NIC serves one or more GPUs")
+        return self
+
+    @property
+    def single(self) -> bool:
+        """One instance each: the one-to-one case."""
+        return self.prefill_instances == 1 and self.decode_instances == 1
