@@ -54,6 +54,10 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
       room's prefill `compute` rows (first chunk's forward start, last chunk's end);
     - `staging_wait`: the time at least one of its chunks waited for the watermark
       (the union of its `wm_wait` spans over every prefill rank and target);
+    - `admitted`: the decode's first `room_open` (its KV pages were granted; later
+      than `arrival`, the decode's `arrive` row, when admission waited);
+    - `generate_start` / `generate_end` / `output_tokens`: the room in its decode
+      instance's continuous batch (when the decode side's generation is modeled);
     - `done`: the last decode rank's `room_done` (only when every decode rank that
       has a row of the room finished it: in a cluster, the ranks of the decode
       instance the room was routed to); `failed`: 1.0 when a rank failed it.
@@ -71,6 +75,14 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
         if r.phase == "room_open":
             key = "arrival" if r.role == "decode" else "transfer_start"
             info[key] = min(info.get(key, math.inf), r.start)
+            if r.role == "decode":
+                info["admitted"] = min(info.get("admitted", math.inf), r.start)
+        elif r.phase == "arrive":  # the decode's admission waited for KV pages
+            info["arrival"] = min(info.get("arrival", math.inf), r.start)
+        elif r.phase == "generate":
+            info["generate_start"] = max(info.get("generate_start", -math.inf), r.start)
+            info["generate_end"] = max(info.get("generate_end", -math.inf), r.end)
+            info["output_tokens"] = r.requests
         elif r.phase == "compute" and r.role == "prefill":
             info["forward_start"] = min(info.get("forward_start", math.inf), r.start)
             info["forward_end"] = max(info.get("forward_end", -math.inf), r.end)
@@ -112,6 +124,23 @@ def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[floa
             if a in info and b in info:
                 out[key].append(info[b] - info[a])
         out["staging_wait_s"].append(info.get("staging_wait", 0.0))
+        for key, value in _decode_side(info).items():
+            out.setdefault(key, []).append(value)
+    if not any(out.get("decode_admission_wait_s", ())):
+        out.pop("decode_admission_wait_s", None)  # nobody waited: not a figure of this run
+    return out
+
+
+def _decode_side(info: dict[str, float]) -> dict[str, float]:
+    """A done request's decode-side spans, where the trace has them: admission wait
+    (kept only when some request waited), time per output token and end to end (when
+    generation is modeled)."""
+    out = {}
+    if "admitted" in info and "arrival" in info:
+        out["decode_admission_wait_s"] = info["admitted"] - info["arrival"]
+    if "generate_end" in info and info.get("output_tokens", 0) > 0:
+        out["tpot_s"] = (info["generate_end"] - info["generate_start"]) / info["output_tokens"]
+        out["e2e_s"] = info["generate_end"] - info["arrival"]
     return out
 
 

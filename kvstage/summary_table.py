@@ -19,6 +19,10 @@ _BREAKDOWN_ROWS = (
     ("prefill_compute_s", "  prefill compute (first forward -> last forward end)"),
     ("kv_transfer_latency_s", "  exposed KV transfer (last forward end -> decode ready)"),
     ("staging_wait_s", "staging wait (a chunk behind the watermark)"),
+    # the decode side, when modeled (KV capacity, generation)
+    ("decode_admission_wait_s", "decode admission wait (arrival -> KV pages granted)"),
+    ("tpot_s", "TPOT (time per output token)"),
+    ("e2e_s", "end to end (arrival -> last token)"),
 )
 
 

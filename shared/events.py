@@ -120,6 +120,15 @@ class ForwardDone:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerateDone:
+    """Decode: a room's generation ended at `now` (its last output token); it joined
+    the instance's batch at `start`. Its KV pages may then be reused."""
+
+    room: int
+    start: float
+
+
+@dataclass(frozen=True, slots=True)
 class VerifyDone:
     """Decode: the landed KV of a done room was checked."""
 
@@ -132,6 +141,7 @@ Event = (
     | ForwardStarted
     | ForwardDone
     | VerifyDone
+    | GenerateDone
     | OpenRoom
     | ChunkComputed
     | GatherDone
@@ -261,6 +271,16 @@ class Verify:
 
 
 @dataclass(frozen=True, slots=True)
+class Generate:
+    """Decode: the room's KV is ready here; generate `output_tokens` tokens with the
+    instance's continuous batch (`context_tokens` of KV per token to start with)."""
+
+    room: int
+    output_tokens: int
+    context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Die:
     """Fault injection: this rank stops now, as if killed."""
 
@@ -269,5 +289,5 @@ class Die:
 
 Action = (
     Send | Gather | Write | SliceWrite | Scatter | RoomDone | RoomFailed | ReleaseRoom | Record
-    | Forward | Verify | Die
+    | Forward | Verify | Generate | Die
 )

@@ -43,6 +43,8 @@ from kvstage.shared.events import (
     ForwardStarted,
     Gather,
     GatherDone,
+    Generate,
+    GenerateDone,
     OpenRoom,
     Record,
     ReleaseRoom,
@@ -147,6 +149,7 @@ class _RoomMemory:
     num_pages: int
     forwards: int = 0  # prefill: forwards handed out and not yet done
     verifying: bool = False  # decode: a Verify handed out and not yet done
+    generating: bool = False  # decode: in the instance's batch, generating its output
     released: bool = False  # the machine said nothing else touches the pages
     opened: bool = False  # prefill: OpenRoom given to the machine
     open_only: bool = False  # prefill: a room with nothing to compute (one empty Forward)
@@ -206,6 +209,7 @@ class RankRuntime:
         kv_pages: int | None = None,
         verify: bool = False,
         sessions: Sessions | None = None,
+        generate: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} not allowed (allowed: {', '.join(ROLES)})")
@@ -230,6 +234,9 @@ class RankRuntime:
         self._open_rooms = set(self._workload)
         self.dropped = 0
         self.verify = verify and role == "decode"
+        # decode: model generation (a room's pages then also hold its output tokens and
+        # stay taken until its last token); the simulator's decode model says how long
+        self.generate = generate and role == "decode"
         faults = scenario.faults
         self.plan = FaultPlan(faults, scenario.workload.seed, stream=fault_stream(role, rank))
         self._message_faults = faults.any_message_fault
@@ -430,7 +437,12 @@ class RankRuntime:
         if self.verify and mem is not None and mem.num_pages:
             mem.verifying = True
             self._owed.add(("verify", a.room))
-            out.append(Verify(a.room, mem.first_page, mem.num_pages, mem.request.prefix_tokens))
+            transferred = decode_room_pages(mem.request, self.geometry.page_size)  # not the output's pages
+            out.append(Verify(a.room, mem.first_page, transferred, mem.request.prefix_tokens))
+        if self.generate and mem is not None and mem.request.output_tokens > 0:
+            mem.generating = True
+            self._owed.add(("generate", a.room))
+            out.append(Generate(a.room, mem.request.output_tokens, mem.request.prompt_tokens))
 
     def _route_failed(self, a: RoomFailed, now: float, out: list[Action]) -> None:
         self._open_rooms.discard(a.room)
@@ -480,6 +492,14 @@ class RankRuntime:
             mem.verifying = False
             self._maybe_free(ev.room, now, out)
 
+    def _on_generate_done(self, ev: GenerateDone, now: float, out: list[Action]) -> None:
+        self._owed.settle(("generate", ev.room))
+        mem = self._memory[ev.room]
+        out.append(Record(TraceRecord(self.role, self.rank, "generate", ev.start, now, room=ev.room,
+                                      requests=mem.request.output_tokens)))
+        mem.generating = False
+        self._maybe_free(ev.room, now, out)
+
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
         self._feed(ev, now, out)
 
@@ -496,6 +516,9 @@ class RankRuntime:
     def _on_arrive(self, ev: Arrive, now: float, out: list[Action]) -> None:
         self._waiting.append(ev.request)
         self._admit(now, out)
+        if self.role == "decode" and self._waiting and self._waiting[-1] is ev.request:
+            # its pages do not fit yet: the arrival is on record, admission waits
+            out.append(Record(TraceRecord(self.role, self.rank, "arrive", now, now, room=ev.request.room)))
 
     def _admit(self, now: float, out: list[Action]) -> None:
         """Open (decode) or schedule the forwards of (prefill) waiting rooms, in arrival
@@ -505,6 +528,8 @@ class RankRuntime:
         while self._waiting:
             req = self._waiting[0]
             n = pages_of(req, page_size)
+            if self.generate:  # the output tokens' KV grows into pages taken now
+                n += -(-req.output_tokens // page_size)
             first = 0
             if n and self._pages is not None:
                 try:
@@ -570,7 +595,7 @@ class RankRuntime:
     # --- memory ----------------------------------------------------------------------------------
     def _maybe_free(self, room: int, now: float, out: list[Action]) -> None:
         mem = self._memory.get(room)
-        if mem is None or not mem.released or mem.forwards > 0 or mem.verifying:
+        if mem is None or not mem.released or mem.forwards > 0 or mem.verifying or mem.generating:
             return
         del self._memory[room]
         if self._pages is not None and mem.num_pages:
@@ -599,5 +624,6 @@ class RankRuntime:
         WriteDone: _on_write_done,
         ScatterDone: _on_scatter_done,
         VerifyDone: _on_verify_done,
+        GenerateDone: _on_generate_done,
         Tick: _on_tick,
     }

@@ -26,12 +26,14 @@ from functools import partial
 import simpy
 
 from kvstage.shared.cluster import cluster_sessions
+from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.events import (
     Arrive,
     Die,
     Forward,
     Gather,
     GatherDone,
+    Generate,
     PeerLost,
     Record,
     RoomDone,
@@ -57,6 +59,7 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import cluster_nics, instance_loads
+from kvstage.sim.decode_batch import DecodeBatches
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.host import RankLoop, cpu_scale
@@ -126,10 +129,15 @@ class Simulation:
         # ranks are global across instances (shared/cluster.py): instance * TP + local rank
         self.sessions, self.router = cluster_sessions(scenario, self.requests)
         ss, workload = self.sessions, self.requests if self.router.static else []
+        # the decode side: KV capacity always when given; generation when requests have output
+        self.decode_model = DecodeModel(scenario)
+        generate = any(r.output_tokens for r in self.requests)
         self.prefill = [RankRuntime(scenario, "prefill", r, requests=workload, sessions=ss)
                         for r in range(ss.prefill_ranks)]
-        self.decode = [RankRuntime(scenario, "decode", d, requests=workload, sessions=ss)
+        self.decode = [RankRuntime(scenario, "decode", d, requests=workload, sessions=ss, generate=generate,
+                                   kv_pages=self.decode_model.capacity_pages)
                        for d in range(ss.decode_ranks)]
+        self.batches = DecodeBatches(self, self.decode_model, g.decode_tp, ss.decode_instances)
         self.runtimes = (*self.prefill, *self.decode)
         self._ended = 0  # rooms ended, counted at each decode instance's first rank
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
@@ -253,8 +261,13 @@ class Simulation:
             ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
         elif kind is Scatter:
             self._scatter(rt, a, now)
-        elif kind is RoomDone or kind is RoomFailed:
+        elif kind is RoomDone:
             self._room_finished(rt)
+        elif kind is RoomFailed:
+            self._room_finished(rt)
+            self.batches.room_failed(rt, a.room)
+        elif kind is Generate:
+            self.batches.submit(rt, a, now)
         elif kind is Die:
             self._die(rt, a)
         # Verify (hardware only: sim runtimes do not verify) and nothing else reach here

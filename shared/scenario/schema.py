@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.cluster_table import ClusterConfig
@@ -130,6 +131,10 @@ class DecodeConfig(_Table):
     page_size: PosInt = 16
     staging_pool_mb: PoolMiB = 4096.0  # MiB per decode rank
     prefix_tokens: NonNegInt = 0  # decode-side cached prefix of every request
+    # KV capacity (shared/decode_model.py): GPU memory of one decode GPU, the share of it
+    # the engine takes, weights first; unset: unlimited (admission never waits)
+    gpu_memory_gib: PosFloat | None = None
+    memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
 
     @field_validator("page_size")
     @classmethod
@@ -218,6 +223,9 @@ class WorkloadConfig(_Table):
     # Cap applied to every prompt after sampling (also trace rows); scale-down sets it.
     max_prompt_tokens: PosInt | None = None
     seed: Annotated[int, Field(ge=0)] = 0  # Random(-s) == Random(s): refuse negatives
+    # tokens each request generates at the decode (a trace's output_tokens win);
+    # 0: the decode's generation is not modeled
+    output_tokens: NonNegInt = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -349,6 +357,11 @@ class Scenario(_Table):
         base_dir = (info.context or {}).get("base_dir")
         self._base_dir = Path(base_dir) if base_dir is not None else None
         _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
+        if self.decode.gpu_memory_gib is not None:
+            try:  # KV capacity left after the weights must hold at least one chunk
+                DecodeModel(self)
+            except ValueError as exc:
+                raise _FieldProblem({"decode.gpu_memory_gib": self.decode.gpu_memory_gib}, str(exc)) from None
         if self.transfer.path == "staging":
             # The slice path writes straight into the KV pool, so any pool (even 0)
             # is fine there; staging needs room for at least one full chunk.

@@ -1,0 +1,97 @@
+"""Continuous batching at each decode instance, in simulated time.
+
+A room joins its decode instance's batch once every rank of the instance has its KV
+(each rank's runtime hands out a `Generate` after its RoomDone); it gets one token per
+step and leaves after its last one, when every rank hears `GenerateDone` and frees
+the room's pages. A step's time comes from `shared.decode_model.DecodeModel`: the
+weights plus the KV of everyone in the batch, read once. Rooms join at step
+boundaries, as in an engine's scheduler.
+
+Cost per step is O(1) plus O(log n) per room that finishes: the batch keeps its KV
+total incrementally and its rooms in a heap by the step they finish at, so a long
+run with large batches stays cheap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstage.shared.decode_model import DecodeModel
+from kvstage.shared.events import Generate, GenerateDone
+from kvstage.shared.runtime import RankRuntime
+
+if TYPE_CHECKING:
+    from kvstage.sim.driver import Simulation
+
+__all__ = ["DecodeBatches"]
+
+
+@dataclass(slots=True)
+class _Batch:
+    steps: int = 0  # steps taken so far
+    kv_tokens: int = 0  # KV of every room in the batch, in tokens
+    size: int = 0
+    stepping: bool = False
+    # (tokens to generate, room, context tokens, ranks, joined at)
+    joining: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
+    # (finish step, room, KV tokens at the end, ranks, joined at)
+    finishing: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
+
+
+class DecodeBatches:
+    """One continuous batch per decode instance."""
+
+    def __init__(self, sim: Simulation, model: DecodeModel, decode_tp: int, instances: int) -> None:
+        self.sim = sim
+        self.model = model
+        self.tp = decode_tp
+        self._batches = [_Batch() for _ in range(instances)]
+        self._ready: dict[int, list[RankRuntime]] = {}  # room -> ranks whose KV is in
+        self._abandoned: set[int] = set()  # rooms that failed at a rank of their instance
+
+    def submit(self, rt: RankRuntime, g: Generate, now: float) -> None:
+        if g.room in self._abandoned:  # failed at another rank: nothing to generate
+            self.sim._deliver(rt, GenerateDone(g.room, now))
+            return
+        ranks = self._ready.setdefault(g.room, [])
+        ranks.append(rt)
+        if len(ranks) < self.tp:
+            return
+        del self._ready[g.room]
+        batch = self._batches[rt.instance]
+        batch.joining.append((g.output_tokens, g.room, g.context_tokens, ranks, now))
+        if not batch.stepping:
+            self._step(batch)
+
+    def room_failed(self, rt: RankRuntime, room: int) -> None:
+        """A decode rank failed the room: ranks that already hold its KV stop waiting."""
+        if rt.role != "decode":
+            return
+        self._abandoned.add(room)
+        for other in self._ready.pop(room, []):
+            self.sim._deliver(other, GenerateDone(room, self.sim.env.now))
+
+    def _step(self, batch: _Batch) -> None:
+        for tokens, room, context, ranks, joined in batch.joining:
+            heapq.heappush(batch.finishing, (batch.steps + tokens, room, context + tokens, ranks, joined))
+            batch.kv_tokens += context
+            batch.size += 1
+        batch.joining.clear()
+        if not batch.size:
+            batch.stepping = False
+            return
+        batch.stepping = True
+        self.sim._at(self.model.step_time_s(batch.kv_tokens), self._stepped, batch)
+
+    def _stepped(self, batch: _Batch, _ev=None) -> None:
+        batch.steps += 1
+        batch.kv_tokens += batch.size  # every room's KV grew by one token
+        while batch.finishing and batch.finishing[0][0] <= batch.steps:
+            _, room, kv_at_end, ranks, joined = heapq.heappop(batch.finishing)
+            batch.size -= 1
+            batch.kv_tokens -= kv_at_end  # the context it joined with plus its tokens
+            for rt in ranks:
+                self.sim._deliver(rt, GenerateDone(room, joined))
+        self._step(batch)

@@ -1,0 +1,105 @@
+"""The decode side in simulation: KV capacity and admission, continuous batching, TPOT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstage.metrics import request_breakdown, room_latencies, summarize
+from kvstage.shared.decode_model import GIB, DecodeModel
+from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.sim.driver import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
+ABORT = ROOT / "scenarios" / "faults" / "abort-mid-write.toml"
+FIXED = ['workload.prompt="fixed"', "workload.max_prompt_tokens=8192"]  # prompts of prompt_tokens
+
+
+def by_phase(records, phase):
+    return {r.room: r for r in records if r.phase == phase and r.role == "decode" and r.rank == 0}
+
+
+def test_capacity_and_step_time_follow_memory_weights_and_bandwidth():
+    s = load_scenario(P8D2, ["decode.gpu_memory_gib=141"])
+    m = DecodeModel(s)
+    g = s.geometry()
+    kv_token = g.layers * 2 * g.decode_heads * g.head_dim * g.dtype_bytes  # K and V, this rank's heads
+    weights = s.model.params_b * 1e9 * 2 / s.decode.tp
+    assert m.kv_bytes_per_token == kv_token
+    assert m.capacity_tokens == int((141 * GIB * 0.9 - weights) // kv_token)
+    hbm = s.links.resolved().mem_bandwidth_bytes_s
+    assert m.step_time_s(1000) == pytest.approx(m.step_overhead_s + (weights + 1000 * kv_token) / hbm)
+    assert DecodeModel(load_scenario(P8D2)).capacity_tokens is None  # unset: unlimited
+
+
+def test_gpu_memory_below_the_weights_is_one_clear_error():
+    with pytest.raises(ScenarioError, match=r"decode.gpu_memory_gib = 40.0: .* GiB of weights"):
+        load_scenario(P8D2, ["decode.gpu_memory_gib=40"])
+
+
+def test_one_request_alone_takes_one_step_per_token_with_its_kv_growing():
+    """Alone in the batch, a request's generation is the sum of the step times of its
+    own KV as it grows by one token per step."""
+    s = load_scenario(P8D2, [*FIXED, "workload.requests=1", "workload.output_tokens=50", "workload.prompt_tokens=4096"])
+    res = simulate(s)
+    gen = by_phase(res.records, "generate")[0]
+    m = DecodeModel(s)
+    expect = sum(m.step_time_s(4096 + i) for i in range(50))
+    assert gen.end - gen.start == pytest.approx(expect, rel=1e-9)
+    assert gen.requests == 50
+    # the room's pages were freed only after its last token: the run ends then
+    assert res.sim_time_s == pytest.approx(gen.end)
+    per = request_breakdown(room_latencies(res.records))
+    assert per["tpot_s"] == [pytest.approx(expect / 50)]
+    assert per["e2e_s"][0] == pytest.approx(gen.end - res.requests[0].arrival_s, abs=1e-6)
+
+
+def test_admission_waits_for_kv_pages_held_by_generating_rooms():
+    """A KV pool holding one room at a time: the second request arrives while the first
+    generates, waits (an `arrive` row), and opens only when the first's pages are
+    freed at its last token."""
+    m = DecodeModel(load_scenario(P8D2))
+    # memory for exactly one room (8192 prompt + 64 output tokens) at utilization 1
+    room_bytes = (8192 + 64) * m.kv_bytes_per_token
+    gib = (m.weight_bytes + room_bytes * 1.5) / GIB
+    s = load_scenario(P8D2, [*FIXED, *(f"{k}={v}" for k, v in (
+        ("workload.requests", 2), ("workload.arrival", '"fixed"'), ("workload.rate_per_s", 100),
+        ("workload.prompt_tokens", 8192), ("workload.output_tokens", 64),
+        ("decode.gpu_memory_gib", gib), ("decode.memory_utilization", 1.0)))])
+    res = simulate(s)
+    assert res.rooms_done == 2 and not res.violations
+    gen, opened, arrived = (by_phase(res.records, p) for p in ("generate", "room_open", "arrive"))
+    assert 1 in arrived and 0 not in arrived  # only the second waited
+    assert opened[1].start == pytest.approx(gen[0].end)  # admitted when room 0's pages came back
+    summary = summarize(res.records, mode="sim", pool_bytes=s.pool_bytes, requests=2)
+    assert summary["decode_admission_wait_s"]["max"] == pytest.approx(gen[0].end - arrived[1].start)
+    assert summary["tpot_s"]["count"] == 2 and summary["e2e_s"]["count"] == 2
+
+
+def test_batched_rooms_share_steps():
+    """Two rooms generating together take longer per token than one alone (the batch's
+    KV is read every step) but far less than twice: that is what batching buys."""
+    base = [*FIXED, "workload.prompt_tokens=4096", "workload.output_tokens=200", "workload.arrival=\"fixed\""]
+    alone = simulate(load_scenario(P8D2, [*base, "workload.requests=1"]))
+    pair = simulate(load_scenario(P8D2, [*base, "workload.requests=2", "workload.rate_per_s=1000"]))
+    t1 = request_breakdown(room_latencies(alone.records))["tpot_s"][0]
+    t2 = max(request_breakdown(room_latencies(pair.records))["tpot_s"])
+    assert t1 < t2 < 1.2 * t1
+
+
+def test_a_failed_room_never_holds_the_others_generation():
+    """A room aborted mid-write fails at the decode; the other rooms generate and the run
+    ends (nothing waits for a room that will never join the batch)."""
+    res = simulate(load_scenario(ABORT, ["workload.output_tokens=16"]))
+    assert set(res.failures) == {2}
+    gens = {r.room for r in res.records if r.phase == "generate"}
+    assert gens == {r.room for r in res.requests} - {2}
+
+
+def test_without_output_tokens_nothing_of_the_decode_side_is_traced():
+    res = simulate(load_scenario(P8D2, ["workload.requests=4"]))
+    assert not [r for r in res.records if r.phase in ("generate", "arrive")]
+    summary = summarize(res.records, mode="sim", pool_bytes=1, requests=4)
+    assert "tpot_s" not in summary and "decode_admission_wait_s" not in summary
