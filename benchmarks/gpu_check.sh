@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Hardware mode on one GPU. First the GPU tests (kernels on device memory; NIXL/UCX
 # transfers between rank processes whose KV pools, staging rings and send buffers are
-# GPU memory, every byte verified), then staging vs slice figures on the GPU for a
-# P2->D1 scenario, both roles on the one device. Needs a CUDA torch and nixl; PY
-# names the interpreter (default: the project's venv). Prints the figures; the run
-# directories land in $OUT (default runs/gpu-check).
+# GPU memory, every byte verified), then one table on the GPU: the engine's raw ceiling
+# (one large write VRAM -> VRAM between two processes, benchmarks/transport_raw.py) beside
+# the staging and slice paths of a P2->D1 scenario, both roles on the one device. Needs
+# a CUDA torch and nixl; PY names the interpreter (default: the project's venv). The run
+# directories and raw.json land in $OUT (default runs/gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -14,18 +15,30 @@ mkdir -p "$OUT"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
 # gather / scatter bandwidth as a share of a device-to-device copy (goal: >= 0.8)
 "$PY" benchmarks/gpu_kernels.py --layers 16 --tokens 8192
+# the ceiling: one 256 MiB write GPU -> GPU through the engine, no protocol (its last write checked byte for byte)
+"$PY" benchmarks/transport_raw.py --backends "${BACKEND:-nixl}" --device cuda --size-mib 256 --reps 5 \
+    --json "$OUT/raw.json"
 for path in staging slice; do
     "$PY" -m kvstage.cli hw scenarios/llama3-8b-p4-d2.toml --device cuda --backend "${BACKEND:-nixl}" \
         --set prefill.tp=2 --set decode.tp=1 --set workload.requests=4 --set transfer.path=$path \
         --out "$OUT/$path"
 done
-"$PY" - "$OUT" <<'PYEOF'
+# One table: GB/s = payload bytes / transfer busy time (summary.json), against the raw write's median.
+"$PY" - "$OUT" "${BACKEND:-nixl}" <<'PYEOF'
 import json, sys
-out = sys.argv[1]
-st = json.load(open(f"{out}/staging/summary.json")); sl = json.load(open(f"{out}/slice/summary.json"))
-def busy(s): return s["payload_bytes"] * 8 / 1e9 / s["throughput_gbps"]
-print(f"staging: {st['payload_bytes']/2**20:.1f} MiB in {busy(st):.4f} s = {st['payload_bytes']/busy(st)/1e9:.2f} GB/s, "
-      f"{st['transfer_requests']['total']} requests, wrong bytes {st['bytes_wrong']} of {st['bytes_verified']} verified")
-print(f"slice:   {busy(sl):.4f} s, slice/staging = {busy(sl)/busy(st):.1f}x, {sl['transfer_requests']['total']} requests, "
-      f"wrong bytes {sl['bytes_wrong']} of {sl['bytes_verified']} verified")
+out, backend = sys.argv[1], sys.argv[2]
+raw = json.load(open(f"{out}/raw.json"))[backend]
+rows = [(f"raw {backend}, 1 write", raw["bytes"], raw["bytes"] / (raw["large"] * 1e9), 1,
+         0 if raw["ok"] else "not ok", raw["bytes"])]  # transport_raw.py exits 1 on a wrong byte
+for path in ("staging", "slice"):
+    s = json.load(open(f"{out}/{path}/summary.json"))
+    busy = s["payload_bytes"] * 8 / 1e9 / s["throughput_gbps"]
+    rows.append((f"{path}, P2->D1", s["payload_bytes"], busy, s["transfer_requests"]["total"],
+                 s["bytes_wrong"], s["bytes_verified"]))
+print(f"{'VRAM -> VRAM':22} {'MiB':>8} {'seconds':>9} {'GB/s':>8} {'of raw':>7} {'requests':>9} {'wrong':>10} / verified bytes")
+for name, nbytes, secs, requests, wrong, verified in rows:
+    gbps = nbytes / secs / 1e9
+    print(f"{name:22} {nbytes / 2**20:8.1f} {secs:9.4f} {gbps:8.2f} {gbps / raw['large']:7.2f} {requests:9d} "
+          f"{wrong:>10} / {verified:<12}")
+sys.exit(0 if all(r[4] == 0 for r in rows) else 1)
 PYEOF

@@ -7,13 +7,16 @@ writes into it through hw.transport:
            source page i to a shuffled destination page, as a paged KV cache would be.
 Each case runs --reps times after one untimed warm-up; a rep is write() (validation,
 descriptor building, post) plus wait(). The receiver checks every byte at the end.
+Both buffers are host memory, or GPU memory with --device cuda (both processes on one
+GPU: the VRAM ceiling benchmarks/gpu_check.sh prints); --json writes the figures.
 
-    .venv/bin/python benchmarks/transport_raw.py [--backends nixl,mooncake] [--reps 5]
+    .venv/bin/python benchmarks/transport_raw.py [--backends nixl,mooncake] [--reps 5] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -47,35 +50,35 @@ def _permutation(n: int) -> Any:
     return torch.randperm(n, generator=torch.Generator().manual_seed(SEED + 1))
 
 
-def receiver(backend: str, nbytes: int, nops: int, conn: Any) -> None:
+def receiver(backend: str, nbytes: int, nops: int, device: str, conn: Any) -> None:
     try:
         import torch
 
         from kvstage.hw.transport import make_transport
 
-        transport = make_transport(backend, "bench-recv")
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        transport = make_transport(backend, "bench-recv", device)
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         transport.register(dst)
         conn.send(("metadata", transport.metadata()))
         _recv(conn, "check")
         # Last thing written: the batched case, source page i -> destination page perm[i].
         page = nbytes // nops
         src = _source(nbytes).view(nops, page)
-        ok = torch.equal(dst.view(nops, page)[_permutation(nops)], src)
+        ok = torch.equal(dst.cpu().view(nops, page)[_permutation(nops)], src)
         conn.send(("checked", ok))
         transport.close()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
-def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, conn: Any) -> None:
+def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, device: str, conn: Any) -> None:
     try:
         import numpy as np
 
         from kvstage.hw.transport import make_transport
 
-        transport = make_transport(backend, "bench-send")
-        src = _source(nbytes)
+        transport = make_transport(backend, "bench-send", device)
+        src = _source(nbytes).to(device)
         local = transport.register(src)
         _, metadata = _recv(conn, "metadata")
         transport.add_peer("bench-recv", metadata)
@@ -111,8 +114,8 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     r_conn, r_child = ctx.Pipe()
     s_conn, s_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=receiver, args=(backend, nbytes, nops, r_child), daemon=True),
-        ctx.Process(target=sender, args=(backend, nbytes, nops, args.reps, args.timeout, s_child),
+        ctx.Process(target=receiver, args=(backend, nbytes, nops, args.device, r_child), daemon=True),
+        ctx.Process(target=sender, args=(backend, nbytes, nops, args.reps, args.timeout, args.device, s_child),
                     daemon=True),
     ]
     for proc in procs:
@@ -140,6 +143,8 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--op-kib", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=60.0, help="bound of one wait()")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both buffers live")
+    parser.add_argument("--json", default=None, help="also write {backend: {case: median GB/s, ...}} here")
     args = parser.parse_args()
     if args.reps < 1 or (args.size_mib << 10) % args.op_kib:
         parser.error("--reps must be >= 1 and --op-kib must divide --size-mib")
@@ -149,6 +154,7 @@ def main() -> int:
     print(f"{'backend':9} {'case':8} {'ops':>5} {'median GB/s':>12} {'best GB/s':>10} "
           f"{'median ms':>10}  bytes ok")
     failed = False
+    figures: dict[str, dict[str, Any]] = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         reason = probe_engine(backend)
         if reason:
@@ -166,6 +172,10 @@ def main() -> int:
         print(f"{backend:9} batched/large throughput ratio {gbps['batched'] / gbps['large']:.2f} "
               f"({res['posted']} transfer requests posted in total)")
         failed = failed or not res["ok"]
+        figures[backend] = {**gbps, "bytes": res["nbytes"], "ok": res["ok"], "device": args.device}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1)
     return 1 if failed else 0
 
 
