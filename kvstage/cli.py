@@ -115,6 +115,7 @@ def hw(
     host: Annotated[str | None, typer.Option(help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).")] = None,
     bind: Annotated[str | None, typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one).")] = None,
     advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
+    secret_file: Annotated[Path | None, typer.Option(help="Use this run secret (a file only its owner can read) instead of drawing one; ranks started elsewhere get the same file, e.g. copied to each node's local disk.")] = None,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -135,13 +136,22 @@ def hw(
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
     s = s.scaled()
-    problem = device_problem(s.hardware.device)
+    # with --no-spawn no rank runs here: the GPU is the ranks' business, not this host's
+    problem = device_problem(s.hardware.device) if spawn else None
     if problem:
         _fail(problem)
+    extra = {}
+    if secret_file is not None:
+        from kvstage.hw.control import RunSecretError, read_secret_file
+
+        try:
+            extra["secret"] = read_secret_file(secret_file)
+        except RunSecretError as exc:
+            _fail(f"--secret-file: {exc}")
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
-                           port=port, console=console, host=host, bind=bind, advertise=advertise)
+                           port=port, console=console, host=host, bind=bind, advertise=advertise, **extra)
     raise typer.Exit(code)
 
 

@@ -22,6 +22,7 @@ import pytest
 import zmq
 from conftest import require_engine
 from test_hw import write_scenario
+from test_outcome import kvstage_cmd
 
 from kvstage.hw.control import (
     MAX_CONTROL_BYTES,
@@ -34,6 +35,7 @@ from kvstage.hw.control import (
     new_secret,
     read_secret_file,
     signed,
+    write_secret_file,
 )
 from kvstage.hw.launch import launch
 from kvstage.hw.rank_main import main as rank_main
@@ -361,3 +363,25 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=10)
+
+
+@pytest.mark.hw
+def test_kvstage_hw_takes_its_secret_from_a_file(tmp_path):
+    """`kvstage hw --secret-file F` runs with that secret (the ranks of the run use it:
+    RUN_DIR/run.secret holds it) instead of drawing one; a file it cannot read is one
+    clear error before anything starts."""
+    require_engine("nixl")
+    secret = os.urandom(32)
+    f = tmp_path / "mine.secret"
+    write_secret_file(f, secret)
+    scenario = write_scenario(tmp_path, 1, 1, 8, requests=3)
+    cmd = [*kvstage_cmd(), "hw", str(scenario), "--backend", "nixl", "--timeout", "120"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path / "run"), "--secret-file", str(f)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "run.secret").read_text().strip() == secret.hex()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["bytes_wrong"] == 0
+    bad = subprocess.run([*cmd, "--out", str(tmp_path / "bad"), "--secret-file", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--secret-file: cannot read the run secret file" in bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stdout + bad.stderr and not (tmp_path / "bad").exists()
