@@ -9,6 +9,10 @@ Staging writer block layout (DESIGN.md "Staging region"; shared.layout.staging_a
 [2, L, tokens, heads, head_dim] (hw.kvpool.KVPool), so a writer block is exactly the
 pool slice [:, :, pages, heads] made contiguous: one copy_ moves all layers and both
 K and V.
+
+MLA (Geometry.kv_factor 1): the pool has one plane, the latent, as one "head" of
+width latent ([1, L, tokens, 1, latent]); every op here follows the pool's or the
+geometry's plane count, so the latent moves once per token per layer.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ def _word(row_bytes: int, *flat: torch.Tensor) -> tuple[int, torch.dtype]:
 
 
 def _pool_words(pool: KVPool, dtype: torch.dtype, size: int) -> torch.Tensor:
-    """The pool as [2, L, tokens, heads, row_words] of `dtype`."""
+    """The pool as [kv_planes, L, tokens, heads, row_words] of `dtype`."""
     return pool.bytes.view(dtype).view(
-        2, pool.layers, pool.num_tokens, pool.heads, pool.token_bytes_per_head // size
+        pool.kv_planes, pool.layers, pool.num_tokens, pool.heads, pool.token_bytes_per_head // size
     )
 
 
@@ -67,7 +71,7 @@ def _check_heads(pool: KVPool, start: int, num: int, what: str) -> None:
 
 def block_bytes(pool: KVPool, num_pages: int, num_heads: int) -> int:
     """Bytes of one writer block of `num_pages` pages and `num_heads` heads from this pool."""
-    return 2 * pool.layers * num_pages * pool.page_size * num_heads * pool.token_bytes_per_head
+    return pool.kv_planes * pool.layers * num_pages * pool.page_size * num_heads * pool.token_bytes_per_head
 
 
 def gather(
@@ -186,11 +190,12 @@ class SliceOps:
 
 
 def _check_desc(desc: PoolDesc, geometry: Geometry, heads: int, side: str) -> None:
-    got = (desc.layers, desc.head_dim, desc.elem_bytes, desc.page_size, desc.heads)
-    want = (geometry.layers, geometry.head_dim, geometry.dtype_bytes, geometry.page_size, heads)
+    got = (desc.layers, desc.head_dim, desc.elem_bytes, desc.page_size, desc.heads, desc.kv_planes)
+    want = (geometry.layers, geometry.head_dim, geometry.dtype_bytes, geometry.page_size, heads,
+            geometry.kv_factor)
     if got != want:
         raise ValueError(
-            f"{side} pool (layers, head_dim, elem_bytes, page_size, heads) = {got} "
+            f"{side} pool (layers, head_dim, elem_bytes, page_size, heads, kv_planes) = {got} "
             f"does not match the geometry's {want}"
         )
 
@@ -217,7 +222,8 @@ def slice_ops(
 
     `src` describes the local prefill pool, `dst` the decode pool as received in the
     peer's metadata, so the prefill computes remote addresses itself. Requests are
-    ordered [K/V][layer][page or token], like a staging block. One request per
+    ordered [K/V][layer][page or token], like a staging block (MLA: [layer][page], the
+    latent once). One request per
     (page, layer, K/V) when Geometry.slice_contiguous_pages holds (a page of whole token
     rows is one run on both sides), otherwise one per (token, layer, K/V) covering the
     head slice. len(result) == geometry.slice_requests(prefill_rank, decode_rank, num_pages).
@@ -234,7 +240,7 @@ def slice_ops(
         unit_tokens, units, nbytes = ps, num_pages, ps * geometry.head_token_bytes(hs.num_heads)
     else:
         unit_tokens, units, nbytes = 1, num_pages * ps, geometry.head_token_bytes(hs.num_heads)
-    kvl = np.arange(2 * geometry.layers, dtype=np.int64).reshape(-1, 1)  # kv * L + layer
+    kvl = np.arange(geometry.kv_factor * geometry.layers, dtype=np.int64).reshape(-1, 1)  # kv * L + layer
     tok = np.arange(units, dtype=np.int64).reshape(1, -1) * unit_tokens
 
     def addrs(desc: PoolDesc, first_page: int, head: int) -> np.ndarray:

@@ -3,7 +3,8 @@
 A `KVPool` is one rank's KV cache: per layer a K and a V buffer of shape
 [num_pages * page_size, heads, head_dim]. All of it lives in ONE contiguous tensor
 shaped [2, layers, tokens, heads, head_dim] (K/V-major) so a transfer engine can
-register the whole pool as a single memory region.
+register the whole pool as a single memory region. An MLA model has one plane, the
+latent (`kv_planes=1`, heads 1, head_dim = latent width): [1, layers, tokens, 1, latent].
 
 The pattern gives every element a value that depends on (room, layer, K/V, GLOBAL
 head, token position in the prompt, element index): a 32-bit hash per row
@@ -71,6 +72,7 @@ class PoolDesc:
     head_dim: int
     elem_bytes: int
     page_size: int
+    kv_planes: int = 2  # K and V; 1 for an MLA latent
 
     @property
     def token_bytes_per_head(self) -> int:
@@ -82,7 +84,7 @@ class PoolDesc:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self.num_tokens * self.heads * self.token_bytes_per_head
+        return self.kv_planes * self.layers * self.num_tokens * self.heads * self.token_bytes_per_head
 
     def addr(self, kv: int, layer: int, token: int, head: int) -> int:
         """Absolute address of element 0 of (K/V, layer, token, head)."""
@@ -98,15 +100,18 @@ class PoolDesc:
             "head_dim": self.head_dim,
             "elem_bytes": self.elem_bytes,
             "page_size": self.page_size,
+            "kv_planes": self.kv_planes,
         }
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> PoolDesc:
-        return cls(**{k: int(data[k]) for k in cls.__slots__})
+        # kv_planes may be absent (a peer from before MLA): its default, K and V, applies
+        return cls(**{k: int(data[k]) for k in cls.__slots__ if k in data or k != "kv_planes"})
 
 
 class KVPool:
-    """One rank's paged KV cache: a [2, layers, tokens, heads, head_dim] tensor + page allocator."""
+    """One rank's paged KV cache: a [kv_planes, layers, tokens, heads, head_dim] tensor
+    (kv_planes 2: K and V; 1: an MLA latent) + page allocator."""
 
     def __init__(
         self,
@@ -118,7 +123,10 @@ class KVPool:
         dtype: str | torch.dtype = "bf16",
         device: str | torch.device = "cpu",
         fill_byte: int | None = 0,
+        kv_planes: int = 2,
     ) -> None:
+        if kv_planes not in (1, 2):
+            raise ValueError(f"kv_planes must be 2 (K and V) or 1 (an MLA latent), got {kv_planes!r}")
         for name, value in (
             ("layers", layers),
             ("num_pages", num_pages),
@@ -133,15 +141,16 @@ class KVPool:
         self.page_size = page_size
         self.heads = heads
         self.head_dim = head_dim
+        self.kv_planes = kv_planes
         self.dtype, self.bits_dtype = resolve_dtype(dtype)
         self.num_tokens = num_pages * page_size
-        shape = (2, layers, self.num_tokens, heads, head_dim)
+        shape = (kv_planes, layers, self.num_tokens, heads, head_dim)
         # Allocate as bytes and view as the dtype: every later access goes through bit
         # views. fill_byte lets a test start from a sentinel (to see stray writes);
         # None skips the fill for large pools that are overwritten anyway.
         elem = torch.empty((), dtype=self.dtype).element_size()
         raw = torch.empty(
-            (2, layers, self.num_tokens, heads, head_dim * elem), dtype=torch.uint8, device=device
+            (kv_planes, layers, self.num_tokens, heads, head_dim * elem), dtype=torch.uint8, device=device
         )
         if fill_byte is not None:
             raw.fill_(fill_byte)
@@ -155,12 +164,12 @@ class KVPool:
 
     @property
     def bits(self) -> torch.Tensor:
-        """The pool as its same-width integer dtype, [2, L, tokens, heads, head_dim]."""
+        """The pool as its same-width integer dtype, [kv_planes, L, tokens, heads, head_dim]."""
         return self.tensor.view(self.bits_dtype)
 
     @property
     def bytes(self) -> torch.Tensor:
-        """The pool as bytes, [2, L, tokens, heads, head_dim * elem_bytes]."""
+        """The pool as bytes, [kv_planes, L, tokens, heads, head_dim * elem_bytes]."""
         return self.tensor.view(torch.uint8)
 
     @property
@@ -185,6 +194,7 @@ class KVPool:
             head_dim=self.head_dim,
             elem_bytes=self.elem_bytes,
             page_size=self.page_size,
+            kv_planes=self.kv_planes,
         )
 
     def addr(self, kv: int, layer: int, token: int, head: int) -> int:
@@ -201,8 +211,8 @@ class KVPool:
     def __repr__(self) -> str:
         return (
             f"KVPool(layers={self.layers}, pages={self.num_pages}x{self.page_size}, "
-            f"heads={self.heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"heads={self.heads}, head_dim={self.head_dim}, kv_planes={self.kv_planes}, "
+            f"dtype={self.dtype}, device={self.device})"
         )
 
 
@@ -246,18 +256,19 @@ def _as_bits(u: torch.Tensor, bits_dtype: torch.dtype) -> torch.Tensor:
 
 
 def row_hashes(
-    layers: int, positions: torch.Tensor, global_heads: Sequence[int], salt: int
+    layers: int, positions: torch.Tensor, global_heads: Sequence[int], salt: int, kv_planes: int = 2
 ) -> torch.Tensor:
-    """32-bit hash per (K/V, layer, position, global head): int64 [2, layers, T, heads].
+    """32-bit hash per (K/V, layer, position, global head): int64 [kv_planes, layers, T, heads].
 
     Nested: each stage adds one coordinate and re-mixes, so the value depends on all
-    of them and two different rows collide only with probability ~2^-32.
+    of them and two different rows collide only with probability ~2^-32. An MLA
+    latent (kv_planes 1) hashes like the K plane of the same geometry.
     """
     device = positions.device
     pos = positions.to(torch.int64)
     heads = torch.as_tensor(list(global_heads), dtype=torch.int64, device=device)
-    kvl = torch.arange(2 * layers, dtype=torch.int64, device=device)  # kv * layers + layer
-    h = _mix32((kvl * _C_KVL + salt) & _M32).view(2, layers, 1, 1)
+    kvl = torch.arange(kv_planes * layers, dtype=torch.int64, device=device)  # kv * layers + layer
+    h = _mix32((kvl * _C_KVL + salt) & _M32).view(kv_planes, layers, 1, 1)
     h = _mix32((h + pos.view(1, 1, -1, 1) * _C_POS) & _M32)
     return _mix32((h + heads.view(1, 1, 1, -1) * _C_HEAD) & _M32)
 
@@ -269,8 +280,9 @@ def pattern_bits(
     head_dim: int,
     bits_dtype: torch.dtype,
     salt: int,
+    kv_planes: int = 2,
 ) -> torch.Tensor:
-    """The pattern for the given prompt positions: [2, layers, T, heads, head_dim] integer bits.
+    """The pattern for the given prompt positions: [kv_planes, layers, T, heads, head_dim] bits.
 
     Element e of a row is w-bit window (e mod 32/w) of the row's 32-bit hash, XORed
     with a per-(room, e) mask. So every row of at least 32/w elements carries its whole
@@ -280,7 +292,7 @@ def pattern_bits(
     """
     width = _BITS_WIDTH[bits_dtype]
     per_row = 32 // width  # windows in one row hash
-    h = row_hashes(layers, positions, global_heads, salt)
+    h = row_hashes(layers, positions, global_heads, salt, kv_planes)
     device = h.device
     e = torch.arange(head_dim, dtype=torch.int64, device=device)
     mask = _as_bits(_mix32((e * _C_ELEM + salt) & _M32) & ((1 << width) - 1), bits_dtype)
@@ -302,7 +314,7 @@ def _check_heads(pool: KVPool, global_head_of_local: Sequence[int]) -> None:
 
 def _token_steps(pool: KVPool, num_tokens: int) -> Iterator[tuple[int, int]]:
     """[t0, t1) token ranges whose pattern fits in _STEP_ELEMS elements."""
-    per_token = 2 * pool.layers * pool.heads * pool.head_dim
+    per_token = pool.kv_planes * pool.layers * pool.heads * pool.head_dim
     step = max(1, _STEP_ELEMS // per_token)
     for t0 in range(0, num_tokens, step):
         yield t0, min(num_tokens, t0 + step)
@@ -333,7 +345,7 @@ def fill_pattern(
     for t0, t1 in _token_steps(pool, num_pages * pool.page_size):
         pos = _positions(pool, token_offset, t0, t1)
         chunk = pattern_bits(
-            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt
+            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes
         )
         bits[:, :, base + t0 : base + t1].copy_(chunk)
 
@@ -345,11 +357,11 @@ def expected_pattern(
     token_offset: int,
     global_head_of_local: Sequence[int],
 ) -> torch.Tensor:
-    """The room's expected KV for `num_pages` pages, [2, L, T, heads, head_dim] in the pool dtype."""
+    """The room's expected KV for `num_pages` pages, [kv_planes, L, T, heads, head_dim], pool dtype."""
     _check_heads(pool, global_head_of_local)
     pos = _positions(pool, token_offset, 0, num_pages * pool.page_size)
     bits = pattern_bits(
-        pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, room_salt(room)
+        pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, room_salt(room), pool.kv_planes
     )
     return bits.view(pool.dtype)
 
@@ -403,7 +415,7 @@ def verify(
     word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
     for actual, pos in steps:
         exp = pattern_bits(
-            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt
+            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes
         )
         exp_bytes = exp.view(torch.uint8).view(*exp.shape[:-1], row_bytes)
         checked += exp_bytes.numel()

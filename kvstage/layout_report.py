@@ -51,8 +51,25 @@ def duplicate_share(s: Scenario) -> float:
     return 1 - unique / total if total else 0.0
 
 
+def mla_mapping(s: Scenario) -> str:
+    """One line on MLA's layout: the latent is on every rank, each decode rank reads it
+    from one prefill rank, d % P, so the reads spread over the prefill ranks."""
+    g = s.geometry()
+    pairs = ", ".join(f"{d} <- {g.writers(d)[0]}" for d in range(g.decode_tp))
+    idle = [p for p in range(g.prefill_tp) if not g.targets(p)]
+    line = (
+        f"latent KV replicated on every rank: no head resharding; decode rank d reads from "
+        f"prefill rank d % {g.prefill_tp} ({pairs})"
+    )
+    if idle:
+        line += f"; prefill ranks {idle[0]}..{idle[-1]} compute but send nothing"
+    return line
+
+
 def _duplicates_row(s: Scenario) -> str:
     share = duplicate_share(s)
+    if s.geometry().mla:
+        return "0% (MLA: each decode rank reads the latent once, from one prefill rank)"
     if not share:
         return "0%"
     p, h = s.prefill.tp, s.model.kv_heads
@@ -62,9 +79,10 @@ def _duplicates_row(s: Scenario) -> str:
     )
 
 
-def layout_report(s: Scenario, console: Console) -> None:
+def _ranks_table(s: Scenario) -> Table:
     g = s.geometry()
-    ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {g.total_kv_heads} KV heads")
+    what = f"MLA latent of {g.head_dim}" if g.mla else f"{g.total_kv_heads} KV heads"
+    ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {what}")
     for col in ("decode rank", "owns heads", "writer", "prefill rank", "src heads", "dst heads", "block bytes/token"):
         ranks.add_column(col)
     for d in range(g.decode_tp):
@@ -80,7 +98,14 @@ def layout_report(s: Scenario, console: Console) -> None:
                 f"{hs.dst_head_start}..{hs.dst_head_start + hs.num_heads - 1}",
                 f"{g.block_bytes(1, hs.num_heads):,}",
             )
-    console.print(ranks)
+    return ranks
+
+
+def layout_report(s: Scenario, console: Console) -> None:
+    g = s.geometry()
+    console.print(_ranks_table(s))
+    if g.mla:
+        console.print(mla_mapping(s))
 
     prompt = s.workload.prompt_tokens
     cost = request_costs(s, prompt)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 DTYPE_BYTES: dict[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+# "mha": K and V heads split across TP ranks (GQA/MQA included: fewer KV heads than
+# query heads). "mla": multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), one
+# compressed latent vector per token per layer, replicated on every TP rank.
+ATTENTION_KINDS: tuple[str, ...] = ("mha", "mla")
 
 
 class LayoutError(ValueError):
@@ -96,6 +100,24 @@ def owned_heads(tp: int, rank: int, total_kv_heads: int) -> range:
     replication = max(1, tp // total_kv_heads)
     start = (rank // replication) * per
     return range(start, start + per)
+
+
+def mla_writers_of(decode_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """MLA: the one prefill rank decode rank d reads from, d % prefill_tp.
+
+    Every prefill rank holds the whole latent, so any one will do; d % P spreads the
+    decode ranks over the prefill ranks (with P > D, ranks D..P-1 send nothing).
+    """
+    if not 0 <= decode_rank < decode_tp:
+        raise LayoutError(f"decode_rank={decode_rank} out of range 0..{decode_tp - 1}")
+    return [decode_rank % prefill_tp]
+
+
+def mla_targets_of(prefill_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """MLA: the decode ranks whose one writer `prefill_rank` is (possibly none)."""
+    if not 0 <= prefill_rank < prefill_tp:
+        raise LayoutError(f"prefill_rank={prefill_rank} out of range 0..{prefill_tp - 1}")
+    return list(range(prefill_rank, decode_tp, prefill_tp))
 
 
 def writers_of(decode_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
@@ -184,7 +206,13 @@ def room_pages(prompt_tokens: int, prefix_tokens: int, page_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """All the numbers the protocol needs about model, TP sizes and paging."""
+    """All the numbers the protocol needs about model, TP sizes and paging.
+
+    MLA (`attention="mla"`) is one "head" of width `head_dim` = the latent width
+    (kv_lora_rank + rope dim), K only: `total_kv_heads` is 1 and `kv_factor` 1, so
+    the byte layout, head slices and slice-path requests of MHA apply unchanged with
+    a single KV plane; only who writes to whom differs (`mla_writers_of`).
+    """
 
     prefill_tp: int
     decode_tp: int
@@ -194,13 +222,31 @@ class Geometry:
     dtype_bytes: int
     page_size: int
     chunked_prefill_size: int = 8192
+    attention: str = "mha"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise LayoutError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        if self.attention == "mla" and self.total_kv_heads != 1:
+            raise LayoutError(
+                f"MLA has one latent vector per token per layer: total_kv_heads must be 1 "
+                f"(head_dim = the latent width), got {self.total_kv_heads}"
+            )
         validate_tp(self.prefill_tp, self.decode_tp, self.total_kv_heads)
         for name in ("layers", "head_dim", "dtype_bytes", "page_size", "chunked_prefill_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def mla(self) -> bool:
+        """True when every rank holds the whole latent KV: nothing to reshard."""
+        return self.attention == "mla"
+
+    @property
+    def kv_factor(self) -> int:
+        """KV planes per layer: K and V (2), or MLA's single latent (1)."""
+        return 1 if self.attention == "mla" else 2
 
     @property
     def prefill_heads(self) -> int:
@@ -215,12 +261,25 @@ class Geometry:
         return grid_pages(self.page_size, self.chunked_prefill_size)
 
     def writers(self, decode_rank: int) -> list[int]:
+        if self.attention == "mla":
+            return mla_writers_of(decode_rank, self.prefill_tp, self.decode_tp)
         return writers_of(decode_rank, self.prefill_tp, self.decode_tp)
 
     def targets(self, prefill_rank: int) -> list[int]:
+        """Decode ranks `prefill_rank` writes to; with MLA and P > D possibly none."""
+        if self.attention == "mla":
+            return mla_targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
         return targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
 
     def head_slice(self, prefill_rank: int, decode_rank: int) -> HeadSlice:
+        if self.attention == "mla":
+            # The whole latent, from and to local "head" 0, once paired.
+            if self.writers(decode_rank) != [prefill_rank]:
+                raise LayoutError(
+                    f"prefill rank {prefill_rank} does not write to decode rank {decode_rank} "
+                    f"(MLA: its one writer is prefill rank {decode_rank % self.prefill_tp})"
+                )
+            return HeadSlice(src_head_start=0, num_heads=1, dst_head_start=0)
         return _cached_head_slice(
             self.prefill_tp, self.decode_tp, prefill_rank, decode_rank, self.total_kv_heads
         )
@@ -234,12 +293,13 @@ class Geometry:
         return heads * self.head_dim * self.dtype_bytes
 
     def kv_bytes_per_token(self) -> int:
-        """Whole model, all heads, K and V: what one prompt token costs in KV."""
-        return 2 * self.layers * self.head_token_bytes(self.total_kv_heads)
+        """Whole model, all heads, K and V (MLA: the latent once): one prompt token's KV."""
+        return self.kv_factor * self.layers * self.head_token_bytes(self.total_kv_heads)
 
     def block_bytes(self, num_tokens: int, heads: int) -> int:
-        """One writer block: [K layer 0..L-1, V layer 0..L-1] x [T][heads][head_dim]."""
-        return 2 * self.layers * num_tokens * self.head_token_bytes(heads)
+        """One writer block: [K layer 0..L-1, V layer 0..L-1] x [T][heads][head_dim]
+        (MLA: [latent layer 0..L-1] x [T][1][latent])."""
+        return self.kv_factor * self.layers * num_tokens * self.head_token_bytes(heads)
 
     def staging_layout(self, decode_rank: int, num_pages: int) -> StagingLayout:
         """Writer blocks back to back for one chunk of `num_pages` pages on `decode_rank`."""
@@ -262,7 +322,8 @@ class Geometry:
         """True when a head slice is a whole token row on both sides.
 
         Then a page of tokens is one contiguous run and costs one request per
-        (page, layer, K/V); otherwise every token is its own strided piece.
+        (page, layer, K/V); otherwise every token is its own strided piece. MLA's
+        latent is always a whole row: one request per (page, layer).
         """
         hs = self.head_slice(prefill_rank, decode_rank)
         return hs.num_heads == self.prefill_heads == self.decode_heads
@@ -274,7 +335,7 @@ class Geometry:
             if self.slice_contiguous_pages(prefill_rank, decode_rank)
             else num_pages * self.page_size
         )
-        return 2 * self.layers * per_kv_layer
+        return self.kv_factor * self.layers * per_kv_layer
 
 
 @lru_cache(maxsize=4096)
@@ -294,7 +355,9 @@ def _staging_layout(g: Geometry, decode_rank: int, num_pages: int) -> StagingLay
 def staging_address(
     geometry: Geometry, layout: StagingLayout, writer: int, kv: int, layer: int, token: int, head: int
 ) -> int:
-    """Byte offset, from the region start, of element 0 of (writer, K/V, layer, token, head)."""
+    """Byte offset, from the region start, of element 0 of (writer, K/V, layer, token, head).
+
+    `kv` is 0 (K) or 1 (V); MLA has only plane 0, the latent."""
     block = layout.blocks[writer]
     heads = block.heads.num_heads
     t = layout.num_tokens

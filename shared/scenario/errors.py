@@ -103,7 +103,9 @@ def _explain_one(err: Mapping[str, Any], root: type[BaseModel]) -> tuple[str, st
         if loc[:1] == ["model"] and len(loc) == 2:
             return path, (
                 f"{path}: missing; set model.preset (one of: {', '.join(PRESETS)}) or give "
-                "model.layers, model.kv_heads, model.head_dim and model.params_b"
+                "model.layers, model.kv_heads, model.head_dim and model.params_b "
+                '(MLA: model.attention = "mla" and model.latent_dim instead of kv_heads '
+                "and head_dim)"
             )
         return path, f"{path}: missing (required)"
     msg = str(err.get("msg", "invalid"))

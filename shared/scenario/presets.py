@@ -9,7 +9,12 @@ __all__ = ["PRESETS", "ModelPreset"]
 
 @dataclass(frozen=True, slots=True)
 class ModelPreset:
-    """Published KV geometry of a model: what the transfer moves, and params for FLOPs."""
+    """Published KV geometry of a model: what the transfer moves, and params for FLOPs.
+
+    An MLA model (`attention="mla"`) caches one latent vector per token per layer:
+    `kv_heads` is 1 and `head_dim` the latent width (kv_lora_rank + qk_rope_head_dim),
+    held once (no separate V) and replicated on every TP rank.
+    """
 
     layers: int
     kv_heads: int
@@ -18,13 +23,27 @@ class ModelPreset:
     note: str = ""
     active_params_b: float | None = None  # a MoE model's parameters per token
     source: str = ""  # the Hugging Face repository whose config.json gives the numbers
+    attention: str = "mha"  # "mha" (MHA/GQA/MQA: K and V heads) or "mla" (one latent)
+
+    @property
+    def latent_dim(self) -> int | None:
+        """The MLA latent width per token per layer; None for MHA."""
+        return self.head_dim if self.attention == "mla" else None
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """KV elements one token caches over all layers: K and V heads, or the latent once."""
+        planes = 1 if self.attention == "mla" else 2
+        return planes * self.layers * self.kv_heads * self.head_dim
 
 
 # Numbers from each model's published config.json on Hugging Face (`source`:
 # num_hidden_layers, num_key_value_heads, head_dim or hidden_size /
 # num_attention_heads) and its model card (parameters; a MoE model's card gives total
-# and activated parameters).
+# and activated parameters). MLA presets: latent = kv_lora_rank + qk_rope_head_dim
+# (512 + 64 = 576 in all three).
 _MIXTRAL = "sparse MoE: 8 experts, 2 per token"
+_MLA = "MLA: one 576-wide latent (512 + 64 rope) per token per layer, on every TP rank"
 PRESETS: dict[str, ModelPreset] = {
     "llama-2-7b": ModelPreset(32, 32, 128, 6.7, "multi-head attention: 32 KV heads", source="meta-llama/Llama-2-7b-hf"),
     "llama-3-8b": ModelPreset(32, 8, 128, 8.0, source="meta-llama/Meta-Llama-3-8B"),
@@ -48,5 +67,17 @@ PRESETS: dict[str, ModelPreset] = {
     ),
     "qwen3-235b-a22b": ModelPreset(
         94, 4, 128, 235.0, "MoE: 128 experts, 8 per token; 4 KV heads", active_params_b=22.0, source="Qwen/Qwen3-235B-A22B"
+    ),
+    "deepseek-v2": ModelPreset(
+        60, 1, 576, 236.0, f"{_MLA}; MoE: 160 experts, 6 per token", active_params_b=21.0,
+        source="deepseek-ai/DeepSeek-V2", attention="mla",
+    ),
+    "deepseek-v3": ModelPreset(
+        61, 1, 576, 671.0, f"{_MLA}; MoE: 256 experts, 8 per token", active_params_b=37.0,
+        source="deepseek-ai/DeepSeek-V3", attention="mla",
+    ),
+    "kimi-k2": ModelPreset(
+        61, 1, 576, 1000.0, f"{_MLA}; MoE: 384 experts, 8 per token", active_params_b=32.0,
+        source="moonshotai/Kimi-K2-Instruct", attention="mla",
     ),
 }

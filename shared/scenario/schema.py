@@ -59,12 +59,20 @@ __all__ = [
 
 
 class ModelConfig(_Table):
-    """[model]: a preset, or explicit geometry; explicit fields override the preset."""
+    """[model]: a preset, or explicit geometry; explicit fields override the preset.
+
+    `attention = "mla"` (DeepSeek-V2/V3, Kimi-K2) caches one latent vector of
+    `latent_dim` elements per token per layer (kv_lora_rank + rope dim), no separate
+    V, replicated on every TP rank. Its geometry is one "head" of width latent_dim:
+    kv_heads resolves to 1 and head_dim to latent_dim (explicit values must agree).
+    """
 
     preset: str | None = None
+    attention: Literal["mha", "mla"] = "mha"
     layers: PosInt
     kv_heads: Annotated[int, Field(ge=1, le=1024)]
     head_dim: PosInt
+    latent_dim: PosInt | None = None  # MLA only: the latent width per token per layer
     params_b: PosFloat  # billions of parameters (all experts of a MoE model)
     # billions of parameters a token passes through (a MoE model's active experts), for
     # 2 * active params * tokens FLOPs; absent: params_b (a dense model)
@@ -75,22 +83,21 @@ class ModelConfig(_Table):
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("preset") is None:
-            return data
+            return _mla_geometry(data)
         name = data["preset"]
         if not isinstance(name, str) or name not in PRESETS:
             raise _FieldProblem(
                 {"preset": name}, f"unknown model preset; allowed: {', '.join(PRESETS)}"
             )
         p = PRESETS[name]
-        base = {
-            "layers": p.layers,
-            "kv_heads": p.kv_heads,
-            "head_dim": p.head_dim,
-            "params_b": p.params_b,
-        }
+        base: dict[str, Any] = {"layers": p.layers, "params_b": p.params_b}
+        if p.attention == "mla":
+            base |= {"attention": "mla", "latent_dim": p.latent_dim}
+        else:
+            base |= {"kv_heads": p.kv_heads, "head_dim": p.head_dim}
         if p.active_params_b is not None and "params_b" not in data:
             base["active_params_b"] = p.active_params_b  # not with an explicit params_b
-        return {**base, **data}
+        return _mla_geometry({**base, **data})
 
     @model_validator(mode="after")
     def _active_within_total(self) -> ModelConfig:
@@ -98,6 +105,27 @@ class ModelConfig(_Table):
             raise _FieldProblem(
                 {"active_params_b": self.active_params_b, "params_b": self.params_b},
                 "a token cannot pass through more parameters than the model has",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _latent_consistent(self) -> ModelConfig:
+        if self.attention == "mha":
+            if self.latent_dim is not None:
+                raise _FieldProblem(
+                    {"latent_dim": self.latent_dim},
+                    'only with attention = "mla" (allowed attention: "mha", "mla"); '
+                    "an MHA/GQA model gives kv_heads and head_dim",
+                )
+            return self
+        if self.latent_dim is None:
+            raise _FieldProblem({"latent_dim": None}, _LATENT_REQUIRED)
+        if (self.kv_heads, self.head_dim) != (1, self.latent_dim):
+            raise _FieldProblem(
+                {"kv_heads": self.kv_heads, "head_dim": self.head_dim},
+                f'with attention = "mla" the KV is one latent vector of latent_dim = '
+                f"{self.latent_dim} per token per layer: kv_heads must be 1 and head_dim "
+                f"{self.latent_dim} (or leave both out)",
             )
         return self
 
@@ -109,6 +137,30 @@ class ModelConfig(_Table):
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+
+_LATENT_REQUIRED = (
+    'required when attention = "mla": the latent width per token per layer, '
+    "kv_lora_rank + qk_rope_head_dim (e.g. 512 + 64 = 576 for DeepSeek-V3)"
+)
+
+
+def _mla_geometry(data: Any) -> Any:
+    """MLA's geometry as one "head" of width latent_dim: fill kv_heads and head_dim.
+
+    Only fills what is absent; a contradicting explicit value is reported by
+    `ModelConfig._latent_consistent`, naming the field.
+    """
+    if not isinstance(data, dict) or data.get("attention") != "mla":
+        return data
+    latent = data.get("latent_dim")
+    if latent is None:
+        raise _FieldProblem({"latent_dim": None}, _LATENT_REQUIRED)
+    # A bad latent_dim is reported on latent_dim alone: head_dim then gets a
+    # placeholder that never survives (validation fails on latent_dim).
+    valid = isinstance(latent, int) and not isinstance(latent, bool) and latent >= 1
+    width = latent if valid else 1
+    return {"kv_heads": 1, "head_dim": width, **data}
 
 
 class PrefillConfig(_Table):
@@ -320,6 +372,12 @@ class ExpectConfig(_Table):
     hw_run_fails: bool = False  # hardware mode: the run itself must fail (e.g. a killed rank)
 
 
+_MLA_NO_STAGING = (
+    "MLA keeps the whole latent KV on every TP rank, so there are no heads to reshard "
+    "and nothing to stage: each decode rank reads its pages from one prefill rank. "
+    'Use transfer.path = "slice"'
+)
+
 _OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect", "cluster")
 
 
@@ -362,6 +420,8 @@ class Scenario(_Table):
                 DecodeModel(self)
             except ValueError as exc:
                 raise _FieldProblem({"decode.gpu_memory_gib": self.decode.gpu_memory_gib}, str(exc)) from None
+        if self.transfer.path == "staging" and self.model.attention == "mla":
+            raise _FieldProblem({"transfer.path": "staging", "model.attention": "mla"}, _MLA_NO_STAGING)
         if self.transfer.path == "staging":
             # The slice path writes straight into the KV pool, so any pool (even 0)
             # is fine there; staging needs room for at least one full chunk.
@@ -388,6 +448,7 @@ class Scenario(_Table):
             dtype_bytes=self.model.dtype_bytes,
             page_size=self.decode.page_size,
             chunked_prefill_size=self.prefill.chunked_prefill_size,
+            attention=self.model.attention,
         )
 
     @property
