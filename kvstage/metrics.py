@@ -144,6 +144,52 @@ def _decode_side(info: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def request_figures(info: dict[str, float]) -> dict[str, float] | None:
+    """A finished request's SLO figures (ttft_s; tpot_s and e2e_s when its generation is
+    modeled); None when it failed or did not finish."""
+    if info.get("failed") or "done" not in info or "arrival" not in info:
+        return None
+    side = _decode_side(info)
+    return {"ttft_s": info["done"] - info["arrival"], **{k: side[k] for k in ("tpot_s", "e2e_s") if k in side}}
+
+
+def serving_span(rooms: dict[int, dict[str, float]]) -> float:
+    """First arrival to the last finished request's end (its last token when generation
+    is modeled, else decode ready): the time the run served its requests."""
+    starts = [i["arrival"] for i in rooms.values() if "arrival" in i]
+    ends = [i.get("generate_end", i["done"]) for i in rooms.values() if "done" in i and not i.get("failed")]
+    return max(ends) - min(starts) if starts and ends else 0.0
+
+
+def slo_figures(rooms: dict[int, dict[str, float]], targets: dict[str, float], *, requests: int, gpus: int) -> dict:
+    """summary.json's SLO keys for `targets` (metric -> bound in seconds; empty: none).
+
+    A request meets the SLO when it finished and every target holds for it; a failed or
+    unfinished request, or one without a figure a target names (no TPOT when generation
+    is not modeled), misses. `slo_attainment` = met / `requests`; `goodput_rps` = met /
+    `serving_span` (first arrival -> last finished request's end); `goodput_per_gpu_rps`
+    divides it by the run's GPUs. `slo_unmeasured` names targets no request has a figure of.
+    """
+    if not targets:
+        return {}
+    figures = [f for f in map(request_figures, rooms.values()) if f is not None]
+    met = sum(1 for f in figures if all(k in f and f[k] <= v for k, v in targets.items()))
+    span = serving_span(rooms)
+    goodput = met / span if span > 0 else 0.0
+    out = {
+        "slo": dict(targets),
+        "slo_met": met,
+        "slo_attainment": met / requests if requests else 0.0,
+        "goodput_rps": goodput,
+        "goodput_per_gpu_rps": goodput / gpus if gpus else 0.0,
+        "serving_span_s": span,
+    }
+    unmeasured = [k for k in targets if not any(k in f for f in figures)]
+    if unmeasured:
+        out["slo_unmeasured"] = unmeasured
+    return out
+
+
 @dataclass
 class RingSeries:
     """One decode rank's staging ring over time, from the trace.
@@ -221,8 +267,12 @@ def ring_figures(records: Iterable[TraceRecord], pool_bytes: int) -> dict:
     }
 
 
-def summarize(records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, requests: int) -> dict:
-    rooms = room_latencies(records)
+def summarize(
+    records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, requests: int,
+    rooms: dict[int, dict[str, float]] | None = None,
+) -> dict:
+    """The trace metrics of summary.json; `rooms`: `room_latencies(records)` if already made."""
+    rooms = room_latencies(records) if rooms is None else rooms
     done = sum(1 for i in rooms.values() if "done" in i and not i.get("failed"))
     failed = sum(1 for i in rooms.values() if i.get("failed"))
     per_request = request_breakdown(rooms)

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstage.bottleneck import bottleneck
 from kvstage.expect import group_failures
-from kvstage.metrics import summarize
+from kvstage.metrics import room_latencies, slo_figures, summarize
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
+from kvstage.shared.workload import Request, generate_requests
 
 FAILURES_LISTED = 20
 
@@ -32,7 +34,8 @@ def run_summary(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's summary. `ranks` are the ranks that reported (a killed one does not)."""
-    summary = summarize(records, mode=mode, pool_bytes=scenario.pool_bytes, requests=requests)
+    rooms = room_latencies(records)
+    summary = summarize(records, mode=mode, pool_bytes=scenario.pool_bytes, requests=requests, rooms=rooms)
     failures = merge_failures(list(ranks))
     summary.update(
         {
@@ -51,5 +54,25 @@ def run_summary(
             "ranks_died": sorted(r.name for r in ranks if r.died),
         }
     )
+    summary.update(capacity_figures(scenario, rooms, summary, requests=requests))
     summary.update(extra or {})
     return summary
+
+
+def capacity_figures(scenario: Scenario, rooms: dict, summary: dict[str, Any], *, requests: int,
+                     workload: Sequence[Request] | None = None, always: bool = False) -> dict[str, Any]:
+    """The SLO keys (kvstage/metrics.py `slo_figures`) when the scenario has [slo]
+    targets; `offered_load_rps` and `bottleneck` (kvstage/bottleneck.py) when it has
+    targets or models the decode side (output tokens, KV capacity), or `always`.
+    Without either, nothing: summaries of such runs stay as they were."""
+    targets = scenario.slo.targets()
+    c = scenario.cluster
+    gpus = c.prefill_instances * scenario.prefill.tp + c.decode_instances * scenario.decode.tp
+    out = slo_figures(rooms, targets, requests=requests, gpus=gpus)
+    decode_side = "tpot_s" in summary or scenario.decode.gpu_memory_gib is not None
+    if targets or decode_side or always:
+        verdict = bottleneck(scenario, generate_requests(scenario) if workload is None else workload, rooms, summary)
+        if verdict["offered"]["requests_per_s"] is not None:
+            out["offered_load_rps"] = verdict["offered"]["requests_per_s"]
+        out["bottleneck"] = verdict
+    return out

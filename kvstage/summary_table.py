@@ -31,6 +31,22 @@ def _ring(summary: dict, kind: str) -> str:
     return "-" if b is None else f"{b / (1 << 20):,.1f} MiB ({f:.0%} of pool)"
 
 
+def _capacity_rows(t: Table, summary: dict) -> None:
+    """SLO attainment, goodput, offered load and the bottleneck verdict, when present."""
+    if "slo" in summary:
+        targets = ", ".join(f"{k} <= {_ms(v)}" for k, v in summary["slo"].items())
+        missing = summary.get("slo_unmeasured")
+        note = f" (no figure of {', '.join(missing)}: counted as missed)" if missing else ""
+        t.add_row(f"SLO attainment ({targets})", f"{summary['slo_attainment']:.1%}{note}")
+        t.add_row("goodput (met SLO / serving span)",
+                  f"{summary['goodput_rps']:,.3f} req/s ({summary['goodput_per_gpu_rps']:,.4f} per GPU)")
+    if "offered_load_rps" in summary:
+        t.add_row("offered load", f"{summary['offered_load_rps']:,.3f} req/s")
+    if "bottleneck" in summary:
+        b = summary["bottleneck"]
+        t.add_row(f"bottleneck ({b['reason']})", b["explanation"])
+
+
 def print_summary(summary: dict, console: Console, title: str = "summary") -> None:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -44,6 +60,7 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     for key, label in _BREAKDOWN_ROWS:
         if key in summary:  # summaries written before the breakdown existed lack it
             t.add_row(f"{label} p50 / p99", f"{_ms(summary[key]['p50'])} / {_ms(summary[key]['p99'])}")
+    _capacity_rows(t, summary)
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
     t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))

@@ -85,8 +85,10 @@ RAY_REQUIREMENT = "ray==2.60.0"
 # The flattened summary metrics of a row, in column order. `--metric` and `--target`
 # name one of these. Per-request latencies (kvstage/metrics.py): transfer_latency_s
 # starts at the first prefill forward; kv_transfer_latency_s at the last one's end.
+# Decode-side and SLO ([slo] targets) figures are empty where a point lacks them.
 _LATENCIES = (
     "transfer_latency_s", "ttft_s", "kv_transfer_latency_s", "prefill_compute_s", "queueing_s", "staging_wait_s",
+    "decode_admission_wait_s", "tpot_s", "e2e_s",
 )
 METRICS: tuple[str, ...] = (
     "requests_done",
@@ -107,7 +109,13 @@ METRICS: tuple[str, ...] = (
     "sim_time_s",
     "wall_s",
     "invariant_violations",
+    "slo_attainment",
+    "goodput_rps",
+    "goodput_per_gpu_rps",
+    "offered_load_rps",
 )
+# Text columns after METRICS: the bottleneck verdict of each point (kvstage/bottleneck.py).
+VERDICT = ("bottleneck", "bottleneck_why")
 
 STATUS_OK, STATUS_INVALID, STATUS_ERROR = "ok", "invalid", "error"
 
@@ -340,17 +348,24 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
     directory (trace, scenario.toml, summary.json) is written.
     """
     try:
+        from kvstage.metrics import room_latencies
         from kvstage.sim.driver import Simulation
         from kvstage.simrun import simulation_summary
+        from kvstage.summary import capacity_figures
 
         result = Simulation(scenario).run()
         summary = simulation_summary(scenario, result)
+        if "bottleneck" not in summary:  # a point without [slo] or decode side: judge it anyway
+            summary.update(capacity_figures(scenario, room_latencies(result.records), summary,
+                                            requests=len(result.requests), workload=result.requests, always=True))
         if keep_dir is not None:
             from kvstage.runs import write_run
 
             Path(keep_dir).mkdir(parents=True, exist_ok=True)
             write_run(Path(keep_dir), scenario, result.records, summary, "sim")
         row = flatten_summary(summary)
+        row["bottleneck"] = summary["bottleneck"]["stage"]
+        row["bottleneck_why"] = summary["bottleneck"]["explanation"]
         row["status"] = STATUS_OK
         if result.violations:
             row["reason"] = "; ".join(v.format() for v in result.violations[:3])
@@ -555,16 +570,16 @@ def run_sweep(
         _run_ray(jobs, ray_address, workers, done)
     wall = time.perf_counter() - t0
 
-    columns = [v.key for v in varies] + ["status", *METRICS, "reason"]
+    columns = [v.key for v in varies] + ["status", *METRICS, *VERDICT, "reason"]
     rows = []
     for p in points:
         row: dict[str, Any] = dict(p.settings)
         row["status"] = STATUS_INVALID
-        row.update(dict.fromkeys(METRICS))
+        row.update(dict.fromkeys((*METRICS, *VERDICT)))
         row["reason"] = p.reason
         if p.scenario is not None:
             got = results.get(p.index, {"status": STATUS_ERROR, "reason": "no result came back"})
-            row.update({k: got.get(k) for k in ("status", *METRICS, "reason")})
+            row.update({k: got.get(k) for k in ("status", *METRICS, *VERDICT, "reason")})
         rows.append({c: row.get(c) for c in columns})
     return SweepResult(list(varies), rows, columns, backend, nworkers, wall, points)
 
@@ -644,6 +659,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         "payload_bytes": "payload",
         "sim_time_s": "simulated time",
         "wall_s": "wall time",
+        "tpot_s": "TPOT", "e2e_s": "end to end", "slo_attainment": "SLO attainment", "goodput_rps": "goodput (req/s)",
     }.get(base, base.replace("_", " "))
     label = f"{nice} {stat}".strip()
     nums = [v for v in values if v is not None]
@@ -653,7 +669,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         return 1.0, "s", label
     if base.endswith("_bytes"):
         return 1 / (1 << 20), "MiB", label
-    if base.endswith("_peak_fraction"):
+    if base.endswith("_peak_fraction") or base == "slo_attainment":
         return 100.0, "%", label
     if base == "throughput_gbps":
         return 1.0, "Gbit/s", label

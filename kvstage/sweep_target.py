@@ -134,10 +134,20 @@ _PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "ttft_s": (
         ("queueing_s", "the queueing before the prefill"),
         ("prefill_compute_s", "the prefill forward"),
+        ("decode_admission_wait_s", "the wait for decode KV pages"),
         ("kv_transfer_latency_s", ""),
     ),
     "kv_transfer_latency_s": (("staging_wait_s", "the wait for the staging watermark"),),
+    "e2e_s": (
+        ("ttft_s", "the time to the first token"),
+        ("queueing_s", "the queueing before the prefill"),
+        ("prefill_compute_s", "the prefill forward"),
+    ),
 }
+# What a part is, shown beside its value.
+_MEANS = {"kv_transfer_latency_s": "the part the request waits for after its forward"}
+# Figures that exist only with [slo] targets in the scenario.
+_SLO_ONLY = ("slo_attainment", "goodput_rps", "goodput_per_gpu_rps")
 
 
 def _at(row: dict[str, Any], key: str) -> str:
@@ -163,7 +173,8 @@ def why_unmet(rows: Sequence[dict[str, Any]], target: Target, key: str) -> str:
         )
     valued = [r for r in ran if isinstance(r.get(target.metric), int | float)]
     if not valued:
-        return "; ".join(notes or [f"no point has a value of {target.metric}"])
+        hint = " (give [slo] targets, e.g. --set slo.ttft_s=2)" if target.metric in _SLO_ONLY else ""
+        return "; ".join(notes or [f"no point has a value of {target.metric}{hint}"])
     sign = 1 if target.op in ("<", "<=") else -1
     best = min(valued, key=lambda r: sign * float(r[target.metric]))
     base, _, stat = target.metric.partition(".")
@@ -175,11 +186,14 @@ def why_unmet(rows: Sequence[dict[str, Any]], target: Target, key: str) -> str:
         value = best.get(name)
         if value is None:
             continue
-        shown.append(f"{name} {format_metric(name, value)}")
+        means = f" ({_MEANS[part]})" if part in _MEANS else ""
+        shown.append(f"{name} {format_metric(name, value)}{means}")
         if what and all(not target.value_passes(r, name) for r in ran if r.get(name) is not None):
             text += f"; it includes {what}: {name} alone is {format_metric(name, value)} there and misses the target at every point"
     if shown:
         text += f" (there: {', '.join(shown)})"
+    if best.get("bottleneck_why"):  # the verdict at the best point (kvstage/bottleneck.py)
+        text += f"; what limits it there: {best['bottleneck_why']}"
     notes.append(text)
     return "; ".join(notes)
 

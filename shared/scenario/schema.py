@@ -42,6 +42,7 @@ from kvstage.shared.scenario.profiles import (
     _resolve_links,
     links_table,
 )
+from kvstage.shared.scenario.slo_table import SloConfig
 from kvstage.shared.scenario.toml_out import dumps_toml
 
 __all__ = [
@@ -378,7 +379,7 @@ _MLA_NO_STAGING = (
     'Use transfer.path = "slice"'
 )
 
-_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect", "cluster")
+_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect", "cluster", "slo")
 
 
 class Scenario(_Table):
@@ -396,6 +397,7 @@ class Scenario(_Table):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     expect: ExpectConfig = Field(default_factory=ExpectConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
 
     _base_dir: Path | None = PrivateAttr(default=None)
 
