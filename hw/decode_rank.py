@@ -36,14 +36,14 @@ class DecodeRank(RankProcess):
         return {**super()._rank_extra(), "ring_addr": int(self.ring_buf.data_ptr())}
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
-        for p in self.g.writers(self.rank):
+        for p in self.sessions.all_writers(self.rank):  # the sessions of every prefill instance
             info = table[rank_name("prefill", p)]
             self.control.connect(info.name, info.control)
 
     # --- scatter ---------------------------------------------------------------------------
     def scatter_layout(self, num_pages: int) -> StagingLayout:
         """Where each writer block of a chunk lands (the shared layout)."""
-        return self.g.staging_layout(self.rank, num_pages)
+        return self.g.staging_layout(self.local, num_pages)
 
     def _scatter(self, a: Scatter) -> None:
         self.jobs.append((self.worker.submit(self._scatter_job, a), a))

@@ -87,8 +87,12 @@ class PrefillRank(RankProcess):
     def __init__(self, scenario, rank: int, rendezvous: str, **kw) -> None:
         super().__init__(scenario, rank, rendezvous, **kw)
         g = self.g
-        full = max(g.block_bytes(g.grid_pages * g.page_size, g.head_slice(rank, d).num_heads) for d in g.targets(rank))
-        self.send_buf = torch.zeros(full * SEND_BUFFER_CHUNKS * len(g.targets(rank)), dtype=torch.uint8,
+        # room for SEND_BUFFER_CHUNKS full chunks per decode rank written (every decode instance)
+        targets = self.sessions.all_targets(rank)
+        full = max((g.block_bytes(g.grid_pages * g.page_size, g.head_slice(self.local, d % g.decode_tp).num_heads)
+                    for d in targets), default=0)
+        # (a rank that writes to nobody, as with MLA's one reader per decode rank, keeps a byte)
+        self.send_buf = torch.zeros(max(1, full * SEND_BUFFER_CHUNKS * len(targets)), dtype=torch.uint8,
                                     device=self.device)
         self.transport.register(self.send_buf)
         self.arena = ByteArena(self.send_buf.numel())
@@ -103,7 +107,7 @@ class PrefillRank(RankProcess):
         self.gathers: deque[tuple[Future, Gather]] = deque()
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
-        for d in self.g.targets(self.rank):
+        for d in self.sessions.all_targets(self.rank):
             info = table[rank_name("decode", d)]
             self.control.connect(info.name, info.control)
             self.transport.add_peer(info.agent, info.metadata)
@@ -196,7 +200,7 @@ class PrefillRank(RankProcess):
 
     def _slice_write(self, a: SliceWrite) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
-        ops = slice_ops(self.g, self.rank, a.decode_rank, self.pool.desc, self.runtime.page_base(a.room) + a.src_page,
+        ops = slice_ops(self.g, self.local, a.decode_rank % self.g.decode_tp, self.pool.desc, self.runtime.page_base(a.room) + a.src_page,
                         PoolDesc.from_wire(peer.extra["kv_pool"]), a.dst_page_base + a.page_start, a.num_pages)
         self._post(peer.agent, ops.tuples(), WriteDone(a.room, a.chunk, a.decode_rank), None)
 

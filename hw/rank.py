@@ -28,6 +28,7 @@ from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
 from kvstage.hw.placement import transport_options
 from kvstage.hw.transport import make_transport
+from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.events import Arrive, Die, PeerLost, Record, RoomDone, RoomFailed, Send, Tick
 from kvstage.shared.layout import owned_heads
 from kvstage.shared.liveness import HEARTBEAT_S, PEER_TIMEOUT_S, PeerWatch
@@ -73,21 +74,24 @@ class RankProcess:
         self.rank = rank
         self.name = rank_name(self.role, rank)
         self.g = g = scenario.geometry()
-        tp = g.prefill_tp if self.role == "prefill" else g.decode_tp
-        if not 0 <= rank < tp:
-            raise RankError(f"{self.role} rank {rank} out of range 0..{tp - 1}")
+        self.requests = generate_requests(scenario)
+        # rank is global across instances (shared/cluster.py); the geometry takes `local`
+        self.sessions, _ = hardware_sessions(scenario, self.requests)
+        n = self.sessions.ranks(self.role)
+        if not 0 <= rank < n:
+            raise RankError(f"{self.role} rank {rank} out of range 0..{n - 1}")
+        tp = self.sessions.tp(self.role)
+        self.local = self.sessions.local(self.role, rank)
         self.backend = backend or scenario.hardware.backend
         self.device = device or scenario.hardware.device
         self.verify_mode = verify_mode or scenario.hardware.verify
-        self.requests = generate_requests(scenario)
-        budget = scenario.hardware.kv_pool_mb << 20
-        pages = kv_pool_pages(g, self.role, self.requests, budget)
+        pages = kv_pool_pages(g, self.role, self._my_requests(), scenario.hardware.kv_pool_mb << 20)
         self.runtime = RankRuntime(scenario, self.role, rank, requests=self.requests, kv_pages=pages,
-                                   verify=self.verify_mode != "off")
+                                   verify=self.verify_mode != "off", sessions=self.sessions)
         self.records: list[TraceRecord] = []
         self.rendezvous_address = rendezvous
         self.host = host
-        self.global_heads = list(owned_heads(tp, rank, g.total_kv_heads))
+        self.global_heads = list(owned_heads(tp, self.local, g.total_kv_heads))
         heads = g.prefill_heads if self.role == "prefill" else g.decode_heads
         self.pool = KVPool(g.layers, pages, g.page_size, heads, g.head_dim, scenario.model.dtype,
                            device=self.device)
@@ -101,6 +105,10 @@ class RankProcess:
         self.transport.register(self.pool.tensor)
         self.control = ControlPlane(host)
         self.peers: dict[str, RankInfo] = {}
+
+    def _my_requests(self) -> list:
+        """The requests routed to this rank's instance (its KV pool is sized for them)."""
+        return [r for r in self.requests if self.sessions.serves(self.role, self.rank, r.room)]
 
     @property
     def on_cuda(self) -> bool:
@@ -176,10 +184,9 @@ class RankProcess:
     # --- the loop ---------------------------------------------------------------------------
     def _peers(self) -> list[tuple[str, int]]:
         """The ranks this one exchanges messages with: (role, rank)."""
-        g = self.g
         if self.role == "prefill":
-            return [("decode", d) for d in g.targets(self.rank)]
-        return [("prefill", p) for p in g.writers(self.rank)]
+            return [("decode", d) for d in self.sessions.all_targets(self.rank)]
+        return [("prefill", p) for p in self.sessions.all_writers(self.rank)]
 
     def _heartbeat(self) -> None:
         now = self.now()
@@ -217,7 +224,7 @@ class RankProcess:
         self.watch = PeerWatch(self._peers(), PEER_TIMEOUT_S, self.now())
         self._next_beat = 0.0
         rt = self.runtime
-        arrivals = deque(self.requests)
+        arrivals = deque(rt.requests)  # the rooms routed to this instance
         last = arrivals[-1].arrival_s if arrivals else 0.0
         hard_deadline = last + rt.join_at + rt.config.room_timeout_s * 3 + 30
         while not rt.settled:
@@ -226,7 +233,7 @@ class RankProcess:
             if now > hard_deadline:
                 raise RankError(f"{self.name}: run did not finish within {hard_deadline:.0f}s "
                                 f"({rt.machine.rooms_done} done, {rt.machine.rooms_failed} failed "
-                                f"of {len(self.requests)}; still {rt.holding()})")
+                                f"of {len(rt.requests)}; still {rt.holding()})")
             while arrivals and arrivals[0].arrival_s <= now:
                 self._feed(Arrive(arrivals.popleft()))
             self._progress()

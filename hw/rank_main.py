@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     try:
         scenario = load_scenario(args.scenario, overrides=args.sets)
         g = scenario.geometry()
-        me = identity(args.role, args.rank, g.prefill_tp, g.decode_tp)
+        c = scenario.cluster  # ranks of every instance: instance * TP + local rank
+        me = identity(args.role, args.rank, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp)
         rendezvous = rendezvous_address(args.rendezvous)
     except (ScenarioError, PlacementError, ValueError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)

@@ -136,6 +136,12 @@ def hw(
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
     s = s.scaled()
+    from kvstage.shared.cluster import hardware_sessions
+
+    try:  # every rank computes the routes itself: only a static router can run
+        hardware_sessions(s, [])
+    except ValueError as exc:
+        _fail(str(exc))
     # with --no-spawn no rank runs here: the GPU is the ranks' business, not this host's
     problem = device_problem(s.hardware.device) if spawn else None
     if problem:

@@ -95,13 +95,16 @@ def run_hardware(
     run_dir = make_run_dir(scenario, "hw", out)
     scenario_path = run_dir / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
-    g = scenario.geometry()
+    g, c = scenario.geometry(), scenario.cluster
+    instances = "" if c.single else f"{c.prefill_instances} x "
     console.print(
-        f"hardware run: {scenario.name}, prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, "
+        f"hardware run: {scenario.name}, {instances}prefill TP{g.prefill_tp} -> "
+        f"{'' if c.single else f'{c.decode_instances} x '}decode TP{g.decode_tp}, "
         f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
     )
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
-    result = launch(scenario_path, g.prefill_tp, g.decode_tp, run_dir / "logs", backend=hw.backend,
+    result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
+                    run_dir / "logs", backend=hw.backend,
                     device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
                     rank_wrapper=rank_wrapper, **placement)
     records: list[TraceRecord] = []

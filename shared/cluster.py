@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions"]
+__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "hardware_sessions"]
 
 
 class Sessions:
@@ -162,4 +162,16 @@ def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[S
     if router.static and not sessions.single:
         for i, req in enumerate(requests):
             sessions.routes[req.room] = router.static_route(i)
+    return sessions, router
+
+
+def hardware_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:
+    """Sessions for a hardware run, where every rank must compute the same routes on its
+    own: only a static router (round-robin) can do that."""
+    sessions, router = cluster_sessions(scenario, requests)
+    if not router.static:
+        raise ValueError(
+            f"cluster.router = '{router.policy}' decides from the instances' load as requests arrive, "
+            'which only the simulator sees; hardware mode routes "round-robin" (set cluster.router)'
+        )
     return sessions, router
