@@ -93,7 +93,7 @@ class RankProcess:
         self.host = host
         self.global_heads = list(owned_heads(tp, self.local, g.total_kv_heads))
         heads = g.prefill_heads if self.role == "prefill" else g.decode_heads
-        self.pool = KVPool(g.layers, pages, g.page_size, heads, g.head_dim, scenario.model.dtype,
+        self.pool = KVPool(g.layers, pages, g.page_size, heads, g.head_dim, scenario.model.dtype, kv_planes=g.kv_factor,
                            device=self.device)
         # clock_skew_s: an artificial error of this rank's clock (tests: the offset measured
         # at the rendezvous must undo it); clock_offset_s: that measured offset

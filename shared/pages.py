@@ -99,6 +99,6 @@ def kv_pool_pages(geometry: Geometry, role: str, requests: list[Request], budget
     else:
         pages = [decode_room_pages(r, g.page_size) for r in requests]
         heads = g.decode_heads
-    page_bytes = 2 * g.layers * g.page_size * heads * g.head_dim * g.dtype_bytes
+    page_bytes = g.block_bytes(g.page_size, heads)  # K and V (one latent plane with MLA)
     biggest = max(pages, default=1)
     return max(1, biggest, min(sum(pages), budget_bytes // max(1, page_bytes)))

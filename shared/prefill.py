@@ -170,6 +170,8 @@ class PrefillMachine(MachineBase):
         if not room.chunks:  # nothing to send: empty room (prompt == prefix)
             for t in targets.values():
                 self._maybe_writer_done(room, t, now, out)
+            if not targets:
+                self._maybe_room_done(room, now, out)
 
     def _on_computed(self, ev: ChunkComputed, now: float, out: list[Action]) -> None:
         room = self._rooms.get(ev.room)
@@ -180,6 +182,10 @@ class PrefillMachine(MachineBase):
         self._record(out, "compute", start, now, room=ev.room, chunk=ev.chunk)
         for t in room.targets.values():
             self._advance(room, t, ev.chunk, now, out)
+        if not room.targets and len(room.computed) == len(room.chunks):
+            # a rank no decode rank reads from (MLA with more prefill than decode
+            # ranks): it computed its part of the forward, nothing to send
+            self._maybe_room_done(room, now, out)
 
     def _on_gather_done(self, ev: GatherDone, now: float, out: list[Action]) -> None:
         t = self._target_in_flight(ev, (ChunkState.GATHERING,), now, out)

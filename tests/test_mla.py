@@ -32,21 +32,6 @@ SCENARIO = ROOT / "scenarios" / "mla" / "deepseek-v3-p8-d2.toml"
 WIDE = {"COLUMNS": "300"}
 LATENT = 36  # a tiny latent (the real one is 576) whose rows are not a power of two
 
-# What the machines outside this change still lack; the tests that need them are
-# marked strict xfail so they turn red (XPASS) the day the change lands.
-NEEDS_IDLE_PREFILL = pytest.mark.xfail(
-    strict=True,
-    reason="shared/prefill.py: a prefill rank without targets (MLA, P > D) must finish "
-    "its room once its last chunk is computed, instead of timing out",
-)
-NEEDS_HW_POOL = pytest.mark.xfail(
-    strict=True,
-    reason="hw/rank.py must build the KV pool with kv_planes=g.kv_factor (one latent "
-    "plane); with P > D also hw/prefill_rank.py (no send buffer without targets) and "
-    "shared/prefill.py (see NEEDS_IDLE_PREFILL)",
-)
-
-
 def mla(p: int, d: int, layers: int = 3, page_size: int = 4) -> Geometry:
     return Geometry(p, d, 1, layers, LATENT, 2, page_size, attention="mla")
 
@@ -255,7 +240,6 @@ def test_sim_fan_out_every_room_done():
     assert check_records(result.records, "slice") == []
 
 
-@NEEDS_IDLE_PREFILL
 def test_cli_sim_runs_the_catalogue_scenario(tmp_path):
     run = tmp_path / "run"
     res = CliRunner().invoke(app, ["sim", str(SCENARIO), "--out", str(run), "--no-progress"], env=WIDE)
@@ -279,7 +263,7 @@ def hw_scenario(tmp_path: Path, p: int, d: int) -> Path:
 
 @pytest.mark.hw
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize(("p", "d"), [pytest.param(1, 2, marks=NEEDS_HW_POOL), pytest.param(2, 1, marks=NEEDS_HW_POOL)])
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
 def test_hw_nixl_every_latent_byte_lands(tmp_path, p, d):
     require_engine("nixl")
     from kvstage.runs import read_summary

@@ -27,7 +27,7 @@ def presets_table() -> Table:
     for col in ("preset", "layers", "KV heads", "head_dim", "KV KiB/token (bf16)", "params (B)", "active (B)", "note", "config source"):
         t.add_column(col, justify="left" if col in ("preset", "note", "config source") else "right")
     for name, p in PRESETS.items():
-        kv = 2 * p.layers * p.kv_heads * p.head_dim * 2  # K and V, 2 bytes each
+        kv = p.kv_elems_per_token * 2  # bf16: K and V heads, or the MLA latent once
         t.add_row(
             name, str(p.layers), str(p.kv_heads), str(p.head_dim), f"{kv / 1024:,.0f}",
             _num(p.params_b), _num(p.active_params_b) if p.active_params_b else "= params", p.note,
