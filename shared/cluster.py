@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "hardware_sessions"]
+__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions"]
 
 
 class Sessions:
@@ -175,3 +175,16 @@ def hardware_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[
             'which only the simulator sees; hardware mode routes "round-robin" (set cluster.router)'
         )
     return sessions, router
+
+
+def fold_problem(scenario: Scenario) -> str | None:
+    """Why this scenario's ranks cannot be folded, or None."""
+    f = scenario.faults
+    if f.drop or f.duplicate or f.delay or f.match or f.abort or f.stall_scatter or f.late_session or f.kill:
+        return "[faults] act on single ranks or messages, so the ranks are no longer alike"
+    if scenario.links.resolved().host is not None:
+        return "the cpu-loop host model shares one host's CPU between every rank"
+    g = scenario.geometry()
+    if any(not g.targets(p) for p in range(g.prefill_tp)):
+        return "some prefill ranks write to no decode rank (MLA with more prefill than decode ranks)"
+    return None

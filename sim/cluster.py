@@ -46,7 +46,7 @@ def instance_loads(runtimes: Sequence[RankRuntime], tp: int) -> list[InstanceLoa
     """What a router sees of each instance (its ranks are runtimes[i*tp:(i+1)*tp])."""
     loads = []
     for i in range(0, len(runtimes), tp):
-        group = runtimes[i:i + tp]
+        group = [rt for rt in runtimes[i:i + tp] if rt is not None]  # folded ranks are None
         ring = [rt.machine.ring.size - rt.machine.ring.used_bytes for rt in group if hasattr(rt.machine, "ring")]
         loads.append(InstanceLoad(
             outstanding=group[0].outstanding,

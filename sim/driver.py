@@ -60,6 +60,7 @@ from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import cluster_nics, instance_loads
 from kvstage.sim.decode_batch import DecodeBatches
+from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.host import RankLoop, cpu_scale
@@ -132,13 +133,20 @@ class Simulation:
         # the decode side: KV capacity always when given; generation when requests have output
         self.decode_model = DecodeModel(scenario)
         generate = any(r.output_tokens for r in self.requests)
+        # [cluster] fold: one rank stands for its symmetric peers (sim/fold.py); the
+        # others are None here and never simulated
+        self.fold = Fold(self) if scenario.cluster.fold else None
+        fold = self.fold
         self.prefill = [RankRuntime(scenario, "prefill", r, requests=workload, sessions=ss)
+                        if fold is None or fold.simulated("prefill", r) else None
                         for r in range(ss.prefill_ranks)]
         self.decode = [RankRuntime(scenario, "decode", d, requests=workload, sessions=ss, generate=generate,
                                    kv_pages=self.decode_model.capacity_pages)
+                       if fold is None or fold.simulated("decode", d) else None
                        for d in range(ss.decode_ranks)]
-        self.batches = DecodeBatches(self, self.decode_model, g.decode_tp, ss.decode_instances)
-        self.runtimes = (*self.prefill, *self.decode)
+        decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
+        self.batches = DecodeBatches(self, self.decode_model, decode_per_instance, ss.decode_instances)
+        self.runtimes = tuple(rt for rt in (*self.prefill, *self.decode) if rt is not None)
         self._ended = 0  # rooms ended, counted at each decode instance's first rank
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
         # room yet is settled, so the run cannot end before the last arrival
@@ -157,7 +165,8 @@ class Simulation:
         if self.host is not None:
             self._build_host()
         else:  # one forward stream per prefill instance
-            self.group_forwards = [GroupForward(self, g.prefill_tp) for _ in range(ss.prefill_instances)]
+            ranks = g.prefill_tp if self.fold is None else 1
+            self.group_forwards = [GroupForward(self, ranks) for _ in range(ss.prefill_instances)]
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -244,7 +253,13 @@ class Simulation:
         kind = type(a)
         if kind is Send:
             dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
-            self.env.timeout(self.control_latency).callbacks.append(partial(self._deliver, dest, a.msg))
+            if dest is None:
+                return  # a folded rank: not simulated
+            ev = self.env.timeout(self.control_latency)
+            ev.callbacks.append(partial(self._deliver, dest, a.msg))
+            if self.fold is not None and rt.role == "prefill":
+                for msg in self.fold.mirrors(a.msg, a.dest.rank):  # as the folded writers send it
+                    ev.callbacks.append(partial(self._deliver, dest, msg))
         elif kind is Forward:
             if self.host is not None:
                 self.forwards.submit(rt, a, now)
@@ -259,6 +274,8 @@ class Simulation:
                 self.scenario.links.resolved().link, requests, poster=rt.rank,
             )
             ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
+            if self.fold is not None:
+                self.fold.ghost_writes(rt, a, requests)
         elif kind is Scatter:
             self._scatter(rt, a, now)
         elif kind is RoomDone:
@@ -298,6 +315,7 @@ class Simulation:
             peers = [self.decode[d] for d in ss.all_targets(rt.rank)]
         else:
             peers = [self.prefill[p] for p in ss.all_writers(rt.rank)]
+        peers = [peer for peer in peers if peer is not None]
         lost = PeerLost(rt.role, rt.rank, a.reason)
         for peer in peers:
             self._at(PEER_TIMEOUT_S, self._feed, peer, lost)  # silent that long: lost, as in hardware
@@ -321,6 +339,8 @@ class Simulation:
         prefill, decode = self.prefill, self.decode
         if not self.sessions.single:
             prefill, decode = self._route(index, req)
+        if self.fold is not None:
+            prefill, decode = [rt for rt in prefill if rt], [rt for rt in decode if rt]
         for rt in decode:
             self._deliver(rt, arrive)
         for rt in prefill:  # queues the forwards; no loop turn of its own
@@ -334,8 +354,8 @@ class Simulation:
             loads = instance_loads(self.prefill, g.prefill_tp), instance_loads(self.decode, g.decode_tp)
             ss.routes[req.room] = self.router.route(index, *loads)
         pi, di = ss.route(req.room)
-        prefill = self.prefill[pi * g.prefill_tp:(pi + 1) * g.prefill_tp]
-        decode = self.decode[di * g.decode_tp:(di + 1) * g.decode_tp]
+        prefill = [rt for rt in self.prefill[pi * g.prefill_tp:(pi + 1) * g.prefill_tp] if rt]
+        decode = [rt for rt in self.decode[di * g.decode_tp:(di + 1) * g.decode_tp] if rt]
         if not self.router.static:
             for rt in (*prefill, *decode):
                 rt.assign(req)
@@ -357,7 +377,7 @@ class Simulation:
         sim_time = self.env.now
         violations: list[Violation] = []
         if self.checker is not None:
-            used = {rt.rank: rt.machine.ring.used_bytes for rt in self.decode if not rt.dead}
+            used = {rt.rank: rt.machine.ring.used_bytes for rt in self.decode if rt and not rt.dead}
             dead = {(rt.role, rt.rank) for rt in self.runtimes if rt.dead}
             violations = self.checker.finish(sim_time, used, ignore_ranks=dead)
         ranks = [rt.result() for rt in self.runtimes]
@@ -378,7 +398,8 @@ class Simulation:
 
     def _decode_groups(self) -> list[list[RankRuntime]]:
         tp = self.geometry.decode_tp
-        return [self.decode[i:i + tp] for i in range(0, len(self.decode), tp)]
+        groups = [[rt for rt in self.decode[i:i + tp] if rt] for i in range(0, len(self.decode), tp)]
+        return [group for group in groups if group]
 
 
 def _noop() -> None:

@@ -30,6 +30,9 @@ class ClusterConfig(_Table):
     instances first, decode instances on nodes of their own; a node's `nics_per_node`
     NICs are rail-aligned (GPU i uses NIC i * nics_per_node // gpus_per_node) and
     shared by every rank on that rail. Unset: `gpus_per_node / links.gpus_per_nic`.
+    fold: simulate local prefill rank 0 of each instance and the decode ranks it writes
+    to; the others' messages and NIC traffic are mirrored (sim/fold.py). Same latencies,
+    a fraction of the cost; refused where the ranks are not alike (faults, host model).
     """
 
     prefill_instances: Instances = 1
@@ -37,6 +40,8 @@ class ClusterConfig(_Table):
     router: Literal["round-robin", "least-outstanding", "staging-aware"] = "round-robin"
     gpus_per_node: Annotated[int, Field(ge=1, le=1024)] = 8
     nics_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
+    # simulate one rank per set of symmetric ranks (sim/fold.py): for speed at scale
+    fold: bool = False
 
     @model_validator(mode="after")
     def _nics_fit(self) -> ClusterConfig:

@@ -417,6 +417,12 @@ class Scenario(_Table):
         base_dir = (info.context or {}).get("base_dir")
         self._base_dir = Path(base_dir) if base_dir is not None else None
         _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
+        if self.cluster.fold:
+            from kvstage.shared.cluster import fold_problem  # (it imports this package)
+
+            problem = fold_problem(self)
+            if problem:
+                raise _FieldProblem({"cluster.fold": True}, f"cannot fold ranks: {problem}")
         if self.decode.gpu_memory_gib is not None:
             try:  # KV capacity left after the weights must hold at least one chunk
                 DecodeModel(self)

@@ -9,7 +9,7 @@ them) hold one JSON object per line:
   timestamp / 1000 (`workload.trace_speedup` then divides it);
 - `input_length`: the prompt in tokens (an integer >= 1) -> prompt_tokens;
 - `output_length` (optional): the tokens generated (an integer >= 0) -> the request's
-  output_tokens (carried, not yet used: the decode side is not modeled);
+  output_tokens (the decode side generates them: TPOT, KV held until the last token);
 - `hash_ids` (optional): ids of the prompt's 512-token blocks, for prefix-cache reuse
   on the prefill side. Checked (a list of integers) but not mapped: this project's
   prefix (`decode.prefix_tokens`) is a prefix the *decode* already holds, which
