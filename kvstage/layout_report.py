@@ -128,3 +128,30 @@ def layout_report(s: Scenario, console: Console) -> None:
     sizes.add_row("staged bytes that are duplicates", _duplicates_row(s))
     sizes.add_row("transfer path of this scenario", s.transfer.path)
     console.print(sizes)
+    console.print(_cluster_table(s))
+
+
+def _cluster_table(s: Scenario) -> Table:
+    """The cluster and the decode side: instances, GPUs, KV capacity, step time."""
+    from kvstage.shared.decode_model import DecodeModel
+
+    c, g, m = s.cluster, s.geometry(), DecodeModel(s)
+    t = Table(title="cluster and decode side", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    gpus = c.prefill_instances * g.prefill_tp + c.decode_instances * g.decode_tp
+    t.add_row("instances", f"{c.prefill_instances} prefill x TP{g.prefill_tp} + "
+              f"{c.decode_instances} decode x TP{g.decode_tp} = {gpus} GPUs")
+    if not c.single:
+        t.add_row("router / nodes", f"{c.router}; {c.gpus_per_node} GPUs per node, "
+                  f"{c.nics_per_node or 'links.gpus_per_nic'} NICs per node; fold {c.fold}")
+    cap = m.capacity_tokens
+    t.add_row("decode KV capacity per rank", "unlimited (set decode.gpu_memory_gib)" if cap is None else
+              f"{cap:,} tokens ({m.weight_bytes / 2**30:,.1f} GiB of weights per rank)")
+    prompt, out = s.workload.prompt_tokens, s.workload.output_tokens
+    if out:
+        step = m.step_time_s(prompt)
+        t.add_row(f"decode step, one request of {prompt} tokens", f"{step * 1e3:,.2f} ms (TPOT alone)")
+    else:
+        t.add_row("decode generation", "not modeled (workload.output_tokens = 0)")
+    return t

@@ -142,3 +142,17 @@ def test_cluster_table_errors_name_the_field_and_the_choices():
         load_scenario(P4D2, ["cluster.nics_per_node=16"])
     with pytest.raises(ScenarioError, match="cluster.prefill_instances"):
         load_scenario(P4D2, ["cluster.prefill_instances=0"])
+
+
+def test_validate_states_the_cluster_and_the_decode_side():
+    from typer.testing import CliRunner
+
+    from kvstage.cli import app
+
+    res = CliRunner().invoke(app, ["validate", str(P4D2), "--set", "cluster.prefill_instances=3",
+                                   "--set", "decode.gpu_memory_gib=80", "--set", "workload.output_tokens=64"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "3 prefill x TP4 + 1 decode x TP2 = 14 GPUs" in res.output
+    assert "tokens (" in res.output and "GiB of weights per rank" in res.output
+    assert "TPOT alone" in res.output
