@@ -344,14 +344,39 @@ def _across_runs(runs: list[Run], figure: _Figures) -> str:
     return "".join(body)
 
 
-def _header(runs: list[Run], title: str) -> str:
+def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
+    """A `kvstage plan` directory: its verdict, Pareto front (table and figure) and search."""
+    from kvstage.plan import front_figure, load_plan, shape
+
+    plan = load_plan(plan_dir)
+    rows = [(shape(r), r["gpus"], f"{r['slo_attainment']:.0%}", f"{r['goodput_per_gpu_rps']:.3g}",
+             _ms(r["ttft_s.p90"]), _ms(r["tpot_s.p90"]), r["bottleneck"] or "-",
+             "winner" if r["winner"] else ("meets" if r["meets"] else "misses")) for r in plan["front"]]
+    counts = ", ".join(f"{n} {k}" for k, n in plan["counts"].items())
+    return "".join([
+        f'<section id="plan-{i}"><h2>Plan {i}: {_e(plan.get("scenario_name", plan_dir.name))}</h2>',
+        f'<p class="meta">{_e(plan_dir)} &middot; SLO {_e(plan["slo"])} for at least {plan["attainment"]:.0%} of '
+        f"requests &middot; configurations: {_e(counts)}</p>",
+        f"<p><b>{_e(plan['verdict'])}</b></p>",
+        _table(rows, header=("configuration", "GPUs", "attainment", "goodput/GPU (req/s)", "TTFT p90", "TPOT p90",
+                             "bottleneck", ""), num_cols=(1, 2, 3, 4, 5)),
+        figure(front_figure(plan), f"plan-front-{i}", "plan front",
+               "Goodput per GPU against TTFT p90 of every simulated configuration; the line is the Pareto front, "
+               "the star the winner (fewest GPUs that meets the SLO)."),
+        "</section>",
+    ])
+
+
+def _header(runs: list[Run], title: str, plans: Sequence[Path] = ()) -> str:
     body = [f"<header><h1>{_e(title)}</h1>"]
     body.append(f'<p class="meta">{len(runs)} run(s) &middot; generated {_e(time.strftime("%Y-%m-%d %H:%M:%S"))} by '
                 "<code>kvstage report</code> from each run's trace, summary.json and scenario.toml</p>")
     body += [_warning(w) for w in loaded_warnings([(f"Run {i} ({r.name})", r.mode, r.summary.get("conditions"))
                                                    for i, r in enumerate(runs, 1)])]
     nav = [f'<li><a href="#run-{i}">Run {i}: {_e(r.name)}</a> ({_e(r.describe())})</li>' for i, r in enumerate(runs, 1)]
-    nav.append('<li><a href="#all-runs">Latency and phases across runs</a></li>')
+    if runs:
+        nav.append('<li><a href="#all-runs">Latency and phases across runs</a></li>')
+    nav += [f'<li><a href="#plan-{i}">Plan {i}: {_e(Path(p).name)}</a></li>' for i, p in enumerate(plans, 1)]
     if len(runs) > 1:
         nav.append('<li><a href="#comparison">Comparison (first run vs each other run)</a></li>')
     body.append("<nav><ul>" + "".join(nav) + "</ul></nav></header>")
@@ -359,20 +384,23 @@ def _header(runs: list[Run], title: str) -> str:
 
 
 def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None,
-                 png_dir: Path | None = None) -> tuple[Path, list[Path]]:
+                 png_dir: Path | None = None, plans: Sequence[Path] = ()) -> tuple[Path, list[Path]]:
     """Write one self-contained HTML report of `run_dirs` to `out` and, with `png_dir`,
     each of its figures as a PNG file there; returns (out, the PNG files).
-    With several runs the first is the reference A, compared with each other run."""
-    if not run_dirs:
+    With several runs the first is the reference A, compared with each other run.
+    `plans`: `kvstage plan` directories, each a section with its Pareto front."""
+    if not run_dirs and not plans:
         raise ValueError("build_report needs at least one run directory")
     runs = [load_run(p) for p in run_dirs]
     _unique_labels(runs)
     out = Path(out)
-    title = title or ("kvstage report: " + ", ".join(r.name for r in runs))
+    title = title or ("kvstage report: " + ", ".join([r.name for r in runs] + [Path(p).name for p in plans]))
     figure = _Figures(png_dir)
-    body = [_header(runs, title)]
+    body = [_header(runs, title, plans)]
     body += [_run_section(i, run, max_rooms, figure) for i, run in enumerate(runs, 1)]
-    body.append(_across_runs(runs, figure))
+    if runs:
+        body.append(_across_runs(runs, figure))
+    body += [_plan_section(i, Path(p), figure) for i, p in enumerate(plans, 1)]
     if len(runs) > 1:
         body.append('<section id="comparison"><h2>Comparison</h2>')
         body.append(f'<p class="meta">A is {_e(runs[0].name)}, the reference; B is each other run. Errors are '

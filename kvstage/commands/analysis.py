@@ -158,7 +158,7 @@ def compare(
 
 
 def report(
-    runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons.")],
+    runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons. A `kvstage plan` directory adds its Pareto front.")],
     out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
     max_rooms: Annotated[int, typer.Option(help="Rooms shown in each run's timeline (the first N).")] = 8,
     png: Annotated[Path | None, typer.Option("--png", help="Also write every figure of the report as a PNG file into this folder (for a terminal that cannot open HTML).")] = None,
@@ -174,10 +174,13 @@ def report(
 
     if max_rooms < 1:
         _fail(f"--max-rooms {max_rooms} not allowed (at least 1)")
-    loaded = [_load(p) for p in runs]
+    from kvstage.plan import is_plan_dir
+
+    plans = [p for p in runs if is_plan_dir(p)]
+    loaded = [_load(p) for p in runs if not is_plan_dir(p)]
     for w in loaded_warnings([(r.path.name, r.mode, r.summary.get("conditions")) for r in loaded]):
         err.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
-    path, pngs = write_report(loaded, out, max_rooms=max_rooms, png_dir=png)
+    path, pngs = write_report(loaded, out, max_rooms=max_rooms, png_dir=png, plans=plans)
     console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False,
                   soft_wrap=True)
     if png is not None:

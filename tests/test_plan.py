@@ -1,0 +1,214 @@
+"""`kvstage plan`: the fewest GPUs that meet the SLO, the Pareto front, skipped
+configurations, the files, the report section, the no-SLO error and Ray == local.
+
+The scenario is a tiny model whose answer can be told by hand. Prefill runs at a fixed
+3,000 tokens/s per instance whatever its TP (`prefill.tokens_per_s`), so 1,024-token
+prompts arriving every 0.25 s (4 req/s) overload one instance (~2.9 req/s) and queue,
+while two serve them in ~0.34 s: TTFT <= 1 s needs two prefill instances. The decode
+GPU (2 GiB, 90% usable) cannot hold the 1B model's 1.86 GiB of weights at TP1, so decode
+TP1 is skipped; at TP2 a 2 MiB pool is smaller than one 4 MiB chunk, skipped too.
+Fewest GPUs: 2 prefill instances of TP1 + 1 decode instance of TP2 = 4.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstage.cli import app
+from kvstage.plan import (
+    DEFAULT_GRID,
+    PlanError,
+    gpus_of,
+    pareto_front,
+    plan_candidates,
+    run_plan,
+    skip_reasons,
+)
+from kvstage.report import write_report
+
+SCENARIO = """
+[model]
+layers = 4
+kv_heads = 8
+head_dim = 64
+params_b = 1.0
+
+[prefill]
+tp = 1
+chunked_prefill_size = 1024
+tokens_per_s = 3000
+
+[decode]
+tp = 2
+staging_pool_mb = 64
+gpu_memory_gib = 2
+
+[links]
+profile = "rdma-400g"
+placement = "inter"
+
+[workload]
+requests = 24
+arrival = "fixed"
+rate_per_s = 4.0
+prompt = "fixed"
+prompt_tokens = 1024
+output_tokens = 16
+"""
+SLO = "\n[slo]\nttft_s = 1.0\ntpot_s = 0.05\n"
+GRID = {
+    "prefill.tp": "1,2",
+    "decode.tp": "1,2",
+    "cluster.prefill_instances": "1,2,3",
+    "cluster.decode_instances": "1,2",
+    "decode.staging_pool_mb": "2,64",
+}
+WINNER = {"prefill.tp": 1, "cluster.prefill_instances": 2, "decode.tp": 2, "cluster.decode_instances": 1,
+          "decode.staging_pool_mb": 64}
+CLI_GRID = ["--prefill-tp", "1,2", "--decode-tp", "1,2", "--prefill-instances", "1,2,3", "--decode-instances",
+            "1,2", "--pool-mb", "2,64"]
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "tiny.toml"
+    path.write_text(SCENARIO + SLO)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cands(scenario):
+    return plan_candidates(scenario, GRID)
+
+
+@pytest.fixture(scope="module")
+def result(scenario, cands):
+    return run_plan(scenario, cands, workers=1)
+
+
+def test_invalid_configurations_are_skipped_with_reasons(cands):
+    assert len(cands.points) + len(cands.skipped) == 2 * 2 * 3 * 2 * 2
+    assert all(p.settings["decode.tp"] == 2 and p.settings["decode.staging_pool_mb"] == 64 for p in cands.points)
+    assert len(cands.points) == 12
+    groups = skip_reasons(cands.skipped)
+    assert sum(g["count"] for g in groups) == 36
+    assert len(groups) == 2
+    text = " ".join(g["reason"] for g in groups)
+    assert "decode.gpu_memory_gib" in text and "weights" in text  # decode TP1 cannot hold the model
+    assert "smaller than one full chunk" in text  # the 2 MiB pool at decode TP2
+    assert cands.targets == {"ttft_s": 1.0, "tpot_s": 0.05}
+
+
+def test_max_gpus_skips_larger_configurations(scenario):
+    c = plan_candidates(scenario, GRID, max_gpus=5)
+    assert max(gpus_of(p.settings) for p in c.points) == 5
+    assert any("over --max-gpus 5" in r["reason"] for r in c.skipped)
+
+
+def test_winner_is_the_fewest_gpus_that_meet_the_slo(result):
+    w = result.winner
+    assert w is not None and {k: w[k] for k in WINNER} == WINNER
+    assert w["gpus"] == 4 and w["meets"] and w["slo_attainment"] >= 0.9
+    assert w["bottleneck"] and w["bottleneck_why"]
+    ran = result.simulated
+    # every configuration with fewer GPUs was simulated and misses: one prefill instance is overloaded
+    smaller = [r for r in ran if r["gpus"] < 4]
+    assert smaller and not any(r["meets"] for r in smaller)
+    assert all(r["cluster.prefill_instances"] == 1 for r in ran if not r["meets"])
+    one = [r for r in ran if r["cluster.prefill_instances"] == 1]
+    assert all(r["bottleneck"].startswith("prefill") for r in one)
+    # the search stopped one GPU count above 4 and left the larger ones out
+    assert result.stopped_at == 5
+    assert {r["gpus"] for r in ran} == {3, 4, 5}
+    assert result.count("not run") == 12 - len(ran)
+
+
+def test_exhaustive_search_agrees(scenario, cands, result):
+    full = run_plan(scenario, cands, workers=1, exhaustive=True)
+    assert full.count("not run") == 0 and len(full.simulated) == 12 and full.stopped_at is None
+    assert {k: full.winner[k] for k in WINNER} == WINNER
+
+
+def test_front_property(result):
+    ran = [r for r in result.simulated if r["ttft_s.p90"] is not None]
+    front = result.front
+    assert front and all(r["on_front"] for r in front)
+    for r in front:
+        assert not any(o["goodput_per_gpu_rps"] > r["goodput_per_gpu_rps"] and o["ttft_s.p90"] < r["ttft_s.p90"]
+                       for o in ran)
+    for r in ran:
+        if r not in front:  # beaten: as good in both, better in one
+            assert any(f["goodput_per_gpu_rps"] >= r["goodput_per_gpu_rps"] and f["ttft_s.p90"] <= r["ttft_s.p90"]
+                       for f in front)
+    synthetic = [{"status": "ok", "goodput_per_gpu_rps": g, "ttft_s.p90": t, "n": n}
+                 for n, (g, t) in enumerate([(1.0, 1.0), (2.0, 2.0), (0.5, 3.0), (2.0, 1.5), (1.0, 1.0)])]
+    assert sorted(r["n"] for r in pareto_front(synthetic)) == [0, 3, 4]
+
+
+def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
+    out = tmp_path / "plan"
+    res = CliRunner().invoke(app, ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(out),
+                                   "--no-progress"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "winner: 4 GPUs, P 2xTP1 + D 1xTP2, pool 64 MiB" in res.output
+    assert "Pareto front" in res.output and "skipped before simulating" in res.output
+    assert {p.name for p in out.iterdir()} == {"plan.csv", "plan.json", "plan_front.png"}
+    with (out / "plan.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 48 and sum(r["winner"] == "true" for r in rows) == 1
+    assert {r["status"] for r in rows} == {"ok", "skipped", "not run"}
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["winner"]["gpus"] == 4 and doc["verdict"].startswith("winner: 4 GPUs")
+    assert doc["slo"] == {"ttft_s": 1.0, "tpot_s": 0.05} and doc["attainment"] == 0.9
+    assert (out / "plan_front.png").read_bytes()[:4] == b"\x89PNG"
+    html = tmp_path / "r.html"
+    write_report([], html, plans=[out])
+    page = html.read_text()
+    assert "Plan 1: tiny" in page and "winner: 4 GPUs" in page and "data:image/png;base64," in page
+    res = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r2.html")])
+    assert res.exit_code == 0, res.output
+    assert "Pareto front" in (tmp_path / "r2.html").read_text()
+
+
+def test_no_configuration_meets(scenario, tmp_path):
+    res = CliRunner().invoke(app, ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(tmp_path / "p"),
+                                   "--no-progress", "--max-gpus", "3"], env={"COLUMNS": "200"})
+    assert res.exit_code == 1, res.output
+    assert "no configuration meets the SLO up to 3 GPUs; the best was 3 GPUs" in res.output
+    assert "limited by prefill" in res.output
+
+
+def test_no_slo_is_one_clear_error(tmp_path):
+    path = tmp_path / "noslo.toml"
+    path.write_text(SCENARIO)
+    with pytest.raises(PlanError, match=r"no \[slo\] targets"):
+        plan_candidates(path, DEFAULT_GRID)
+    res = CliRunner().invoke(app, ["plan", str(path), "--no-progress"], env={"COLUMNS": "200"})
+    assert res.exit_code == 2
+    assert "no [slo] targets" in res.output and "ttft_s" in res.output and "tpot_s" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_bad_option_names_the_option(scenario, tmp_path):
+    res = CliRunner().invoke(app, ["plan", str(scenario), "--decode-tp", "2,0", "--no-progress", "--out", str(tmp_path)],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and "--decode-tp" in res.output, res.output
+
+
+def test_ray_gives_the_same_answer(scenario, cands, result):
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Ray is not installed, and CI must run the Ray tests: pip install ray")
+        pytest.skip("Ray is not installed")
+    on_ray = run_plan(scenario, cands, workers=2, ray_address="local")
+    assert on_ray.backend == "Ray (local)"
+    assert {k: on_ray.winner[k] for k in WINNER} == WINNER
+    assert len(on_ray.simulated) >= len(result.simulated)
