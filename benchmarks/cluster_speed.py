@@ -1,0 +1,137 @@
+"""How fast does the simulator run a cluster? Cost per simulated request as the
+cluster grows, and one simulated hour of a Llama-3-70B cluster.
+
+The cluster: scenarios/llama3-70b-p8-d2.toml (prefill TP8 -> decode TP2, staging,
+rdma-400g, H200-class decode GPUs of 141 GiB), with 2N prefill and N decode
+instances, round-robin routing, ranks folded (`[cluster] fold`, sim/fold.py: one
+simulated rank per set of symmetric ranks; tests/test_fold.py shows the latencies are
+the same as unfolded). The traffic is a Mooncake-format trace (JSON Lines:
+timestamp ms, input_length, output_length, hash_ids) written by this script: Poisson
+arrivals at 60% of the prefill instances' capacity, lognormal prompts (median 6k
+tokens, capped at 16k), 256 output tokens each. With one decode instance per two
+prefill instances that is near the decode side's KV capacity (each request keeps
+~7.6k tokens of KV for the ~12 s of its 256 tokens), so every stage is busy and the
+queues stay bounded: prefill at 60%, the decode KV near full, NICs, rings, batches.
+
+It prints, in one run (the machine may be shared: CPU seconds are the steadier figure):
+
+1. the folded and the unfolded simulation of the same 4-instance minute, CPU per
+   request and their ratio (the baseline of this run);
+2. CPU per simulated request at 1, 4, 16 and 64 decode instances (twice as many
+   prefill instances; the same simulated minute each, so requests grow with the
+   cluster) and its ratio to the 1-instance figure: it should stay flat;
+3. one simulated hour of 16 prefill and 8 decode instances: wall and CPU seconds,
+   requests, rooms done, and TTFT / TPOT percentiles (goal: at most 120 s wall on a
+   2-core machine).
+
+    .venv/bin/python benchmarks/cluster_speed.py            # everything (a few minutes)
+    .venv/bin/python benchmarks/cluster_speed.py --quick    # 2 simulated minutes instead of the hour
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvstage.metrics import percentiles, request_breakdown, room_latencies  # noqa: E402
+from kvstage.shared.scenario import load_scenario  # noqa: E402
+from kvstage.sim.driver import Simulation  # noqa: E402
+
+SCENARIO = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
+LOAD = 0.6  # of the prefill instances' capacity (the decode KV is then near full)
+MEDIAN_PROMPT, MAX_PROMPT, OUTPUT = 6144, 16384, 256
+
+
+def write_trace(path: Path, rate: float, seconds: float, seed: int) -> int:
+    """A Mooncake-format trace: Poisson arrivals at `rate` for `seconds`."""
+    rng = random.Random(seed)
+    t, n = 0.0, 0
+    with path.open("w") as f:
+        while True:
+            t += rng.expovariate(rate)
+            if t >= seconds:
+                return n
+            prompt = min(MAX_PROMPT, max(256, int(rng.lognormvariate(math.log(MEDIAN_PROMPT), 0.6))))
+            blocks = list(range(n * 64, n * 64 + -(-prompt // 512)))
+            f.write(json.dumps({"timestamp": round(t * 1000, 3), "input_length": prompt,
+                                "output_length": OUTPUT, "hash_ids": blocks}) + "\n")
+            n += 1
+
+
+def prefill_capacity_rps(instances: int) -> float:
+    """Requests per second the prefill instances compute at the trace's mean prompt."""
+    s = load_scenario(SCENARIO)
+    mean_prompt = min(MAX_PROMPT, MEDIAN_PROMPT * math.exp(0.6 ** 2 / 2))
+    return instances / s.forward_time_s(int(mean_prompt))
+
+
+def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1) -> dict:
+    """`decode` decode instances and twice as many prefill instances."""
+    rate = LOAD * prefill_capacity_rps(2 * decode)
+    trace = tmp / f"trace-{decode}-{seconds:.0f}.jsonl"
+    n = write_trace(trace, rate, seconds, seed)
+    s = load_scenario(SCENARIO, [
+        f"cluster.prefill_instances={2 * decode}", f"cluster.decode_instances={decode}",
+        f"cluster.fold={'true' if fold else 'false'}",
+        'workload.arrival="trace"', 'workload.prompt="csv"', f'workload.trace_csv="{trace}"',
+        f"workload.requests={n}", f"workload.max_prompt_tokens={MAX_PROMPT}",
+        "decode.gpu_memory_gib=141",
+    ])
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = Simulation(s).run()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    per = request_breakdown(room_latencies(result.records))
+    return {"decode": decode, "rate": rate, "requests": n, "done": result.rooms_done,
+            "failed": result.rooms_failed, "violations": len(result.violations), "sim_s": result.sim_time_s,
+            "cpu_s": cpu, "wall_s": wall, "cpu_per_request_ms": 1e3 * cpu / max(1, n),
+            "ttft": percentiles(per["ttft_s"]), "tpot": percentiles(per.get("tpot_s", []))}
+
+
+def line(r: dict) -> str:
+    return (f"{2 * r['decode']:>3} prefill x TP8 + {r['decode']:>2} decode x TP2: "
+            f"{r['requests']:>7,} requests at {r['rate']:6.1f}/s, {r['done']:>7,} done, {r['failed']} failed, "
+            f"{r['violations']} violations; CPU {r['cpu_s']:7.2f} s, wall {r['wall_s']:7.2f} s, "
+            f"{r['cpu_per_request_ms']:.3f} ms CPU per request")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 simulated minutes for the big run, not an hour")
+    args = ap.parse_args()
+    print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        print("\n1. folded vs unfolded, 4 prefill + 2 decode instances, 60 simulated seconds")
+        unfolded, folded = run(2, 60, False, tmp), run(2, 60, True, tmp)
+        print("   unfolded:", line(unfolded))
+        print("   folded:  ", line(folded))
+        same = unfolded["ttft"] == folded["ttft"] and unfolded["tpot"] == folded["tpot"]
+        print(f"   CPU per request, unfolded / folded: {unfolded['cpu_s'] / folded['cpu_s']:.2f}x; "
+              f"TTFT and TPOT percentiles identical: {same}")
+        print("\n2. cost per simulated request as the cluster grows (folded, 60 simulated seconds)")
+        base = None
+        for n in (1, 4, 16, 64):
+            r = run(n, 60, True, tmp)
+            base = base or r["cpu_per_request_ms"]
+            print(f"   {line(r)}  ({r['cpu_per_request_ms'] / base:.2f}x the 1-instance cost)")
+        seconds = 120 if args.quick else 3600
+        print(f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded)")
+        r = run(8, seconds, True, tmp)
+        print("  ", line(r))
+        print(f"   TTFT p50 / p99 {r['ttft']['p50']:.3f} / {r['ttft']['p99']:.3f} s, "
+              f"TPOT p50 / p99 {1e3 * r['tpot']['p50']:.1f} / {1e3 * r['tpot']['p99']:.1f} ms; "
+              f"goal: at most 120 s wall -> {'met' if r['wall_s'] <= 120 else 'NOT met'} ({r['wall_s']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
