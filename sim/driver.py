@@ -137,11 +137,14 @@ class Simulation:
         # others are None here and never simulated
         self.fold = Fold(self) if scenario.cluster.fold else None
         fold = self.fold
-        self.prefill = [RankRuntime(scenario, "prefill", r, requests=workload, sessions=ss)
+        # each rank gets its instance's rooms (a runtime filtering every request of a
+        # large cluster would cost ranks x requests)
+        mine = _by_instance(workload, ss)
+        self.prefill = [RankRuntime(scenario, "prefill", r, requests=mine["prefill", r // g.prefill_tp], sessions=ss)
                         if fold is None or fold.simulated("prefill", r) else None
                         for r in range(ss.prefill_ranks)]
-        self.decode = [RankRuntime(scenario, "decode", d, requests=workload, sessions=ss, generate=generate,
-                                   kv_pages=self.decode_model.capacity_pages)
+        self.decode = [RankRuntime(scenario, "decode", d, requests=mine["decode", d // g.decode_tp], sessions=ss,
+                                   generate=generate, kv_pages=self.decode_model.capacity_pages)
                        if fold is None or fold.simulated("decode", d) else None
                        for d in range(ss.decode_ranks)]
         decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
@@ -400,6 +403,17 @@ class Simulation:
         tp = self.geometry.decode_tp
         groups = [[rt for rt in self.decode[i:i + tp] if rt] for i in range(0, len(self.decode), tp)]
         return [group for group in groups if group]
+
+
+def _by_instance(requests: list[Request], ss) -> dict[tuple[str, int], list[Request]]:
+    """The requests each prefill and decode instance serves, in order (static routes)."""
+    out: dict[tuple[str, int], list[Request]] = {("prefill", i): [] for i in range(ss.prefill_instances)}
+    out.update({("decode", j): [] for j in range(ss.decode_instances)})
+    for req in requests:
+        pi, di = ss.route(req.room)
+        out["prefill", pi].append(req)
+        out["decode", di].append(req)
+    return out
 
 
 def _noop() -> None:
