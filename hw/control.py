@@ -57,7 +57,10 @@ ZMQ_MAX_CONTROL_FRAME = 1 << 20
 # A report carries the rank's whole trace; a hello its transfer metadata.
 MAX_RENDEZVOUS_BYTES = 512 << 20
 
-_CONTROL = b"kvstage control v1"
+_CONTROL = b"kvstage control v2"  # v2: frames carry sender, incarnation and sequence
+# senders whose last (incarnation, sequence) a control plane remembers (replay state);
+# only authenticated frames create entries, so this bounds a secret holder's flood
+MAX_SENDERS = 4096
 _TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
 _TO_RANK = b"kvstage rendezvous launcher->rank v1"
 
@@ -152,10 +155,21 @@ class _Throttled:
             self.log.warning(f"{fmt} ({kind} #{n})", *args)
 
 
-def signed(frames: Sequence[bytes], secret: bytes) -> list[bytes]:
-    """`frames` with their control MAC appended, as `ControlPlane.send` sends them (for
-    tools and tests that build frames by hand)."""
-    return _Mac(run_secret(secret), _CONTROL).sign(frames)
+_by_hand = iter(range(1, 1 << 62))
+
+
+def signed(frames: Sequence[bytes], secret: bytes, *, sender: bytes = b"by-hand",
+           incarnation: int | None = None, seq: int | None = None) -> list[bytes]:
+    """`frames` as `ControlPlane.send` sends them, header and MAC included (for tools and
+    tests that build frames by hand). By default each call is a fresh frame: the next
+    sequence number of an incarnation that starts now."""
+    inc = time.time_ns() if incarnation is None else incarnation
+    header = _header(inc, next(_by_hand) if seq is None else seq)
+    return _Mac(run_secret(secret), _CONTROL).sign([sender, header, *frames])
+
+
+def _header(incarnation: int, seq: int) -> bytes:
+    return incarnation.to_bytes(8, "big") + seq.to_bytes(8, "big")
 
 
 def _size(frames: Sequence[bytes]) -> int:
@@ -165,17 +179,29 @@ def _size(frames: Sequence[bytes]) -> int:
 class ControlPlane:
     """This rank's inbox (PULL, bound on an ephemeral port) and outboxes (PUSH).
 
-    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET; RunSecretError without one)."""
+    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET; RunSecretError without one).
+
+    Replay protection: every frame carries its sender's name, the sender's incarnation
+    (the wall clock in ns when its control plane started) and a sequence number, under
+    the MAC. A receiver keeps the last (incarnation, sequence) of each sender and drops,
+    as replayed, a frame that is not newer: a captured frame sent again, or a late frame
+    of a sender's earlier incarnation after the restarted process has spoken (PUSH/PULL
+    over TCP keeps one sender's frames in order, so honest frames are always newer)."""
 
     def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None, *,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, name: str | None = None) -> None:
         self._mac = _Mac(run_secret(secret), _CONTROL)
+        self._incarnation = time.time_ns()
+        self._seq = 0
+        self._last: dict[bytes, tuple[int, int]] = {}  # sender -> its newest (incarnation, seq)
         self.ctx = ctx or zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)
         port = self.inbox.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._name = (name or self.address).encode()
+        self.replayed = 0
         self._out: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
@@ -196,7 +222,9 @@ class ControlPlane:
         sock = self._out.get(peer)
         if sock is None:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
-        sock.send_multipart(self._mac.sign(encode(msg)), copy=False)
+        self._seq += 1
+        sock.send_multipart(self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
+                            copy=False)
         self.sent += 1
 
     def receive(self, timeout_s: float) -> list[Message]:
@@ -221,16 +249,38 @@ class ControlPlane:
                 self.unauthenticated += 1
                 self._warn.warn("unauthenticated", "dropped a control message whose MAC is missing or wrong")
                 continue
+            if not self._fresh(body):
+                continue
             try:
-                out.append(decode(body))
+                out.append(decode(body[2:]))
                 self.received += 1
             except ProtocolError as exc:
                 self.malformed += 1
                 log.warning("dropped a malformed control message: %s", exc)
 
+    def _fresh(self, body: list) -> bool:
+        """An authenticated frame newer than its sender's last one (False: dropped)."""
+        if len(body) < 3 or len(body[1]) != 16:
+            self.malformed += 1
+            self._warn.warn("malformed", "dropped a control message without its sender header")
+            return False
+        sender = bytes(body[0])
+        stamp = (int.from_bytes(body[1][:8], "big"), int.from_bytes(body[1][8:], "big"))
+        last = self._last.get(sender)
+        if last is not None and stamp <= last:
+            self.replayed += 1
+            self._warn.warn("replayed", "dropped a control message not newer than its sender's last "
+                            "(replayed, or from an earlier incarnation of a restarted rank)")
+            return False
+        if last is None and len(self._last) >= MAX_SENDERS:
+            self._last.pop(next(iter(self._last)))
+        self._last[sender] = stamp
+        return True
+
     def counters(self) -> dict[str, int]:
         """Messages dropped, by why (the rank's report carries them)."""
-        return {"malformed": self.malformed, "unauthenticated": self.unauthenticated, "oversize": self.oversize}
+        return {"malformed": self.malformed, "unauthenticated": self.unauthenticated, "oversize": self.oversize,
+                "replayed": self.replayed}
 
     def close(self) -> None:
         for sock in self._out.values():

@@ -103,7 +103,7 @@ class RankProcess:
         self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device,
                                         **transport_options(scenario.hardware, self.backend, host))
         self.transport.register(self.pool.tensor)
-        self.control = ControlPlane(host)
+        self.control = ControlPlane(host, name=self.name)
         self.peers: dict[str, RankInfo] = {}
 
     def _my_requests(self) -> list:
@@ -287,7 +287,7 @@ class RankProcess:
         report = self.runtime.result().to_wire()
         report.update({
             "error": error,
-            **self.control.counters(),  # malformed, unauthenticated, oversize
+            **self.control.counters(),  # malformed, unauthenticated, oversize, replayed
             "requests_posted": self.transport.requests_posted,
             "host": self.host,
             "device": str(self.device),

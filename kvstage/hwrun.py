@@ -69,6 +69,7 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         "malformed_messages": total("malformed"),
         "unauthenticated_messages": total("unauthenticated"),  # no valid MAC (control plane security)
         "oversize_messages": total("oversize"),
+        "replayed_messages": total("replayed"),  # authenticated but not newer than their sender's last
         "clocks": _clocks(by_rank),
         "clock_tolerance_s": clock_tolerance(by_rank),
     }

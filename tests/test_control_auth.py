@@ -79,7 +79,7 @@ def test_control_plane_drops_what_it_cannot_authenticate():
         raw.send_multipart([b"x" * (MAX_CONTROL_BYTES + 1), os.urandom(32)])  # too big to look at
         got = _receive_until(inbox, lambda got: inbox.unauthenticated + inbox.oversize >= 4 and got)
         assert got == [Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0)]
-        assert inbox.counters() == {"malformed": 0, "unauthenticated": 3, "oversize": 1}
+        assert inbox.counters() == {"malformed": 0, "unauthenticated": 3, "oversize": 1, "replayed": 0}
         # a frame list signed with the run's secret that does not decode is malformed, as before
         raw.send_multipart(signed([b"KVS?", b"junk"], secret))
         assert _receive_until(inbox, lambda _: inbox.malformed == 1) == []
@@ -87,6 +87,38 @@ def test_control_plane_drops_what_it_cannot_authenticate():
     finally:
         raw.close(linger=0)
         for cp in (inbox, honest, other_run):
+            cp.close()
+
+
+def test_a_captured_frame_sent_again_is_dropped_as_replayed():
+    """Frames carry their sender, incarnation and sequence under the MAC: a captured
+    frame sent again, or an older one, is dropped and counted; so is a late frame of a
+    sender's earlier incarnation once its restarted process has spoken. Honest frames in
+    order all arrive."""
+    secret = new_secret()
+    inbox = ControlPlane(secret=secret)
+    honest = ControlPlane(secret=secret, name="prefill0")
+    raw = _push(inbox.address)
+    try:
+        honest.connect("inbox", inbox.address)
+        wm = [Watermark(round=1, tail=t, prefill_rank=0, decode_rank=0) for t in range(4)]
+        for m in wm[:3]:
+            honest.send("inbox", m)
+        assert _receive_until(inbox, lambda got: len(got) == 3) == wm[:3]
+        # an eavesdropper's copies of frames 2 and 5 of an earlier incarnation of prefill1
+        first = signed(encode(wm[0]), secret, sender=b"prefill1", incarnation=100, seq=2)
+        later = signed(encode(wm[1]), secret, sender=b"prefill1", incarnation=100, seq=5)
+        restarted = signed(encode(wm[2]), secret, sender=b"prefill1", incarnation=200, seq=1)
+        for frames in (first, first, later, first, restarted, later):
+            raw.send_multipart(frames)
+        got = _receive_until(inbox, lambda _: inbox.replayed >= 3)
+        assert got == [wm[0], wm[1], wm[2]]  # first, later, the restarted incarnation's frame
+        assert inbox.replayed == 3  # first again, first once more, the old incarnation's later
+        honest.send("inbox", wm[3])  # the honest sender is unaffected
+        assert _receive_until(inbox, lambda got: got) == [wm[3]]
+    finally:
+        raw.close(linger=0)
+        for cp in (inbox, honest):
             cp.close()
 
 
