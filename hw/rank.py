@@ -74,9 +74,9 @@ class RankProcess:
         self.rank = rank
         self.name = rank_name(self.role, rank)
         self.g = g = scenario.geometry()
-        self.requests = generate_requests(scenario)
+        requests = generate_requests(scenario)
         # rank is global across instances (shared/cluster.py); the geometry takes `local`
-        self.sessions, _ = hardware_sessions(scenario, self.requests)
+        self.sessions, _ = hardware_sessions(scenario, requests)
         n = self.sessions.ranks(self.role)
         if not 0 <= rank < n:
             raise RankError(f"{self.role} rank {rank} out of range 0..{n - 1}")
@@ -85,8 +85,10 @@ class RankProcess:
         self.backend = backend or scenario.hardware.backend
         self.device = device or scenario.hardware.device
         self.verify_mode = verify_mode or scenario.hardware.verify
-        pages = kv_pool_pages(g, self.role, self._my_requests(), scenario.hardware.kv_pool_mb << 20)
-        self.runtime = RankRuntime(scenario, self.role, rank, requests=self.requests, kv_pages=pages,
+        # the rooms routed to this rank's instance: its workload, and what its KV pool holds
+        mine = [r for r in requests if self.sessions.serves(self.role, rank, r.room)]
+        pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
+        self.runtime = RankRuntime(scenario, self.role, rank, requests=mine, kv_pages=pages,
                                    verify=self.verify_mode != "off", sessions=self.sessions)
         self.records: list[TraceRecord] = []
         self.rendezvous_address = rendezvous
@@ -105,10 +107,6 @@ class RankProcess:
         self.transport.register(self.pool.tensor)
         self.control = ControlPlane(host, name=self.name)
         self.peers: dict[str, RankInfo] = {}
-
-    def _my_requests(self) -> list:
-        """The requests routed to this rank's instance (its KV pool is sized for them)."""
-        return [r for r in self.requests if self.sessions.serves(self.role, self.rank, r.room)]
 
     @property
     def on_cuda(self) -> bool:
