@@ -191,8 +191,39 @@ def rendezvous_address(flag: str | None, env: Mapping[str, str] | None = None) -
     raise PlacementError("no rendezvous: give --rendezvous HOST:PORT or set MASTER_ADDR and MASTER_PORT")
 
 
-def rank_device(device: str, local_rank: int | None) -> str:
-    """Plain "cuda" on a rank with a local rank is that GPU; anything else as given."""
-    if device == "cuda" and local_rank is not None:
+def visible_gpus(env: Mapping[str, str] | None = None) -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES lets this process see; None when it is unset
+    (every GPU of the node is visible)."""
+    env = os.environ if env is None else env
+    text = env.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return None
+    # CUDA stops at the first invalid entry ("-1" hides every GPU): count what precedes it
+    count = 0
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return count
+
+
+def rank_device(device: str, local_rank: int | None, env: Mapping[str, str] | None = None) -> str:
+    """Plain "cuda" on a rank with a local rank is that rank's GPU; anything else as given.
+
+    Which ordinal that is depends on what the process sees. With every GPU visible
+    (torchrun, or SLURM without GPU binding) it is cuda:LOCAL_RANK. Where the scheduler
+    binds GPUs to tasks (SLURM --gpus-per-task=1 or --gpu-bind, containers) the task's
+    CUDA_VISIBLE_DEVICES lists only its own: one GPU is cuda:0, and with several the
+    local rank counts among those (an error when it is past the last of them)."""
+    if device != "cuda" or local_rank is None:
+        return device
+    visible = visible_gpus(env)
+    if visible is None or visible > local_rank:
         return f"cuda:{local_rank}"
-    return device
+    if visible == 1:
+        return "cuda:0"
+    if visible == 0:
+        raise PlacementError(f"device cuda, but CUDA_VISIBLE_DEVICES = "
+                             f"{(os.environ if env is None else env)['CUDA_VISIBLE_DEVICES']!r} hides every GPU")
+    raise PlacementError(f"local rank {local_rank} but CUDA_VISIBLE_DEVICES lists {visible} GPUs: bind one GPU "
+                         f"per task, or let each task see all of its node's GPUs")

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rendezvous", default=None, help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="scenario override key=value")
     p.add_argument("--backend", choices=["nixl", "mooncake"], default=None)
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (cuda: cuda:LOCAL_RANK when set)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (cuda: this rank's GPU, cuda:LOCAL_RANK, or cuda:0 where CUDA_VISIBLE_DEVICES binds one GPU to the task)")
     p.add_argument("--host", default=None,
                    help="routable address this rank binds and advertises, and tells NIXL/UCX and Mooncake "
                         "(default $KVSTAGE_HOST, else this host's address towards MASTER_ADDR, else 127.0.0.1)")
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         c = scenario.cluster  # ranks of every instance: instance * TP + local rank
         me = identity(args.role, args.rank, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp)
         rendezvous = rendezvous_address(args.rendezvous)
+        device = rank_device(args.device or scenario.hardware.device, me.local_rank)
     except (ScenarioError, PlacementError, ValueError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     args.role, args.rank = me.role, me.rank
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
     host = args.host or default_host()
-    device = rank_device(args.device or scenario.hardware.device, me.local_rank)
     os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

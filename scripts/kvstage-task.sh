@@ -20,10 +20,9 @@ if [[ ! -s $RUN_DIR/run.secret || ! -s $RUN_DIR/scenario.toml ]]; then
     echo "task $SLURM_PROCID on $(hostname): no $RUN_DIR/run.secret and scenario.toml: is RUN_DIR on a shared file system?" >&2
     exit 2
 fi
+# "cuda" means this task's GPU: cuda:SLURM_LOCALID where the task sees every GPU of its
+# node, cuda:0 where SLURM binds one GPU to each task (hw/placement.py rank_device reads
+# CUDA_VISIBLE_DEVICES).
 args=()
-# "cuda" means cuda:SLURM_LOCALID, right when the task sees every GPU of its node. Where
-# SLURM binds one GPU to each task (--gpus-per-task=1, --gpu-bind), that one is cuda:0.
-if [[ ${DEVICE:-} == cuda && -n ${CUDA_VISIBLE_DEVICES:-} && $CUDA_VISIBLE_DEVICES != *,* ]]; then
-    args+=(--device cuda:0)
-fi
+[[ -n ${DEVICE:-} ]] && args+=(--device "$DEVICE")
 exec "$KVSTAGE" hw-rank "$RUN_DIR/scenario.toml" --secret-file "$RUN_DIR/run.secret" "${args[@]}"

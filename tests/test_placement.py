@@ -24,6 +24,7 @@ from kvstage.hw.placement import (
     rendezvous_address,
     role_of,
     transport_options,
+    visible_gpus,
 )
 from kvstage.shared.scenario import load_scenario
 
@@ -40,8 +41,23 @@ def test_identity_from_torchrun():
     assert identity(None, None, 4, 2, env) == Identity("decode", 1, 5, 1, "torchrun")
     assert rendezvous_address(None, env) == "10.0.0.7:29500"
     assert rendezvous_address("h:1", env) == "h:1"  # the flag wins
-    assert rank_device("cuda", 1) == "cuda:1"
-    assert rank_device("cuda:3", 1) == "cuda:3" and rank_device("cpu", 1) == "cpu"
+    assert rank_device("cuda", 1, {}) == "cuda:1"
+    assert rank_device("cuda:3", 1, {}) == "cuda:3" and rank_device("cpu", 1, {}) == "cpu"
+
+
+def test_rank_device_follows_cuda_visible_devices():
+    # every GPU visible: the local rank's ordinal
+    assert rank_device("cuda", 3, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "cuda:3"
+    # SLURM --gpus-per-task=1: each task sees its own GPU only, as cuda:0
+    assert rank_device("cuda", 3, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda:0"
+    assert rank_device("cuda", 0, {"CUDA_VISIBLE_DEVICES": "GPU-5c1e"}) == "cuda:0"
+    # an explicit ordinal is the user's word
+    assert rank_device("cuda:1", 3, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda:1"
+    with pytest.raises(PlacementError, match="local rank 5 but CUDA_VISIBLE_DEVICES lists 2 GPUs"):
+        rank_device("cuda", 5, {"CUDA_VISIBLE_DEVICES": "4,5"})
+    with pytest.raises(PlacementError, match="hides every GPU"):
+        rank_device("cuda", 0, {"CUDA_VISIBLE_DEVICES": "-1"})
+    assert visible_gpus({}) is None and visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}) == 2
 
 
 def test_identity_from_slurm():
