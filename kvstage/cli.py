@@ -6,11 +6,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
 
+from kvstage.errors import click_exceptions, err, fail, usage_error
 from kvstage.shared.machine import TransferPath
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario
 
@@ -25,9 +26,16 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 console = Console()
-err = Console(stderr=True)
+
+# Flags with a fixed set of values: anything else is refused, and --help lists them.
+Backend = Literal["nixl", "mooncake"]
+Verify = Literal["full", "sample", "off"]
+TraceFormat = Literal["parquet", "jsonl"]
+Role = Literal["prefill", "decode"]
+DEVICE_METAVAR = "[cpu|cuda|cuda:N]"  # cuda:N is open-ended: checked by the scenario schema
 
 ScenarioArg = Annotated[Path, typer.Argument(help="Scenario TOML file (see scenarios/README.md).")]
 SetOpt = Annotated[
@@ -40,8 +48,25 @@ SetOpt = Annotated[
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
+    fail(message, code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"kvstage {version('kvstage')}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Staged KV-cache transfer between prefill and decode with different TP sizes:
+    validate scenarios, simulate them (SimPy), run them on real NIXL / Mooncake
+    transfers, and check the protocol's invariants."""
 
 
 def _load(path: Path, overrides: list[str] | None, seed: int | None = None) -> Scenario:
@@ -77,7 +102,7 @@ def sim(
     set_: SetOpt = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-sim-TIME/).")] = None,
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
-    trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
+    trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = "parquet",
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -86,8 +111,6 @@ def sim(
     and summary.json to a run directory; exits 1 if an invariant was violated."""
     from kvstage.simrun import run_simulation
 
-    if trace_format not in ("parquet", "jsonl"):
-        _fail(f"--trace-format {trace_format!r} not allowed (allowed: parquet, jsonl)")
     s = _load(scenario, set_, seed)
     if scaled:
         # the same scale-down `kvstage hw` applies, so the two runs compare
@@ -102,16 +125,16 @@ def sim(
 def hw(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    backend: Annotated[str | None, typer.Option(help="Transfer engine: nixl or mooncake (default: the scenario's).")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the scenario's).")] = None,
-    verify: Annotated[str | None, typer.Option(help="full, sample or off (default: the scenario's).")] = None,
+    backend: Annotated[Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")] = None,
+    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, help="Memory the KV lives in (default: the scenario's).")] = None,
+    verify: Annotated[Verify | None, typer.Option(help="Which bytes the decode checks (default: the scenario's).")] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-hw-TIME/).")] = None,
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
     scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")] = True,
     timeout: Annotated[float, typer.Option(help="Fail the run if it is not finished after this many seconds.")] = 600.0,
     spawn: Annotated[bool, typer.Option(help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank).")] = True,
     port: Annotated[int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")] = 0,
-    trace_format: Annotated[str, typer.Option(help="parquet or jsonl.")] = "parquet",
+    trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = "parquet",
     host: Annotated[str | None, typer.Option(help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).")] = None,
     bind: Annotated[str | None, typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one).")] = None,
     advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
@@ -124,14 +147,9 @@ def hw(
     from kvstage.hwrun import device_problem, run_hardware
 
     sets = list(set_ or [])
-    for key, value, allowed in (("backend", backend, ("nixl", "mooncake")), ("device", device, None), ("verify", verify, ("full", "sample", "off"))):
-        if value is None:
-            continue
-        if allowed and value not in allowed:
-            _fail(f"--{key} {value!r} not allowed (allowed: {', '.join(allowed)})")
-        sets.append(f"hardware.{key}={value}")
-    if trace_format not in ("parquet", "jsonl"):
-        _fail(f"--trace-format {trace_format!r} not allowed (allowed: parquet, jsonl)")
+    for key, value in (("backend", backend), ("device", device), ("verify", verify)):
+        if value is not None:  # the scenario schema checks the device string
+            sets.append(f"hardware.{key}={value}")
     s = _load(scenario, sets, seed)
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
@@ -164,12 +182,12 @@ def hw(
 @app.command("hw-rank")
 def hw_rank(
     scenario: ScenarioArg,
-    role: Annotated[str | None, typer.Option(help="prefill or decode (default: from SLURM or torchrun, global rank r < P is prefill r, else decode r-P).")] = None,
+    role: Annotated[Role | None, typer.Option(help="This rank's role (default: from SLURM or torchrun, global rank r < P is prefill r, else decode r-P).")] = None,
     rank: Annotated[int | None, typer.Option(help="This rank's index in its role (with --role).")] = None,
     rendezvous: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT).")] = None,
     set_: SetOpt = None,
-    backend: Annotated[str | None, typer.Option(help="nixl or mooncake.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.")] = None,
+    backend: Annotated[Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")] = None,
+    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, help="Memory the KV lives in; cuda: this rank's GPU (default: the scenario's).")] = None,
     host: Annotated[str | None, typer.Option(help="Routable address this rank binds and advertises (default $KVSTAGE_HOST, else the one towards MASTER_ADDR, else 127.0.0.1).")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET).")] = None,
 ) -> None:
@@ -237,11 +255,23 @@ _register_command_modules()
 
 
 def main() -> None:
+    # standalone_mode=False: click's usage errors come back here, to be printed like
+    # every other error (kvstage/errors.py) instead of as a panel in a CI log
+    cx = click_exceptions()
     try:
-        app()
+        code = app(standalone_mode=False)
+    except cx.NoArgsIsHelpError as exc:
+        console.print(exc.ctx.get_help(), markup=False, highlight=False)
+        code = 2
+    except cx.ClickException as exc:
+        code = usage_error(exc)
+    except (getattr(cx, "Abort", typer.Abort), typer.Abort):
+        err.print("aborted")
+        code = 1
     except KeyboardInterrupt:
         err.print("interrupted")
-        sys.exit(130)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

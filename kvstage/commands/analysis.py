@@ -16,15 +16,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvstage.errors import fail as _fail
+from kvstage.errors import warn
+
 console = Console()
-err = Console(stderr=True)
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (or its trace file), as written by `kvstage sim` / `kvstage hw`.")]
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _load(path: Path):
@@ -110,7 +107,7 @@ def _print_conditions(result: dict) -> None:
         console.print(f"host of {tag.upper()}: {describe(cond.get(tag))}{sim}", highlight=False, markup=False,
                       soft_wrap=True)
     for w in result.get("warnings") or []:
-        console.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+        warn(w)
 
 
 def compare(
@@ -179,7 +176,7 @@ def report(
     plans = [p for p in runs if is_plan_dir(p)]
     loaded = [_load(p) for p in runs if not is_plan_dir(p)]
     for w in loaded_warnings([(r.path.name, r.mode, r.summary.get("conditions")) for r in loaded]):
-        err.print(f"[bold yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+        warn(w)
     path, pngs = write_report(loaded, out, max_rooms=max_rooms, png_dir=png, plans=plans)
     console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False,
                   soft_wrap=True)

@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvstage.errors import fail as _fail
+
 console = Console()
-err = Console(stderr=True)
 
 ListOpt = Annotated[str | None, typer.Option(metavar="V1,V2,...", help="Values to search, comma separated (defaults below).")]
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _num(x: Any, fmt: str = "{:.3g}") -> str:

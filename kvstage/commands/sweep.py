@@ -10,22 +10,18 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvstage.errors import fail as _fail
+
 console = Console()
-err = Console(stderr=True)
 
 _MAX_PRINTED_ROWS = 60
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(code)
 
 
 def _default_out(stem: str) -> Path:

@@ -1,0 +1,62 @@
+"""What the command line prints when it is not talking to a terminal (CI logs, pipes):
+errors literal and on one line, --version and -h, the choices of every enum flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstage.errors import one_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kvstage(*args: str) -> subprocess.CompletedProcess:
+    # stdout and stderr are pipes here: exactly the "not a terminal" case
+    return subprocess.run([str(Path(sys.executable).parent / "kvstage"), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "80"})
+
+
+def test_a_scenario_error_is_one_literal_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npreset = "llama-3-8b"\n[prefill]\ntp = 2\n[decode]\ntp = 1\nbogus = 1\n')
+    res = kvstage("validate", str(bad))
+    assert res.returncode == 2
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr  # 80 columns, yet not wrapped
+    # the brackets are text, not rich markup to be swallowed
+    assert "decode.bogus: unknown key; allowed keys in [decode]: tp, page_size" in lines[0]
+    assert lines[0].startswith("error: ")
+
+
+def test_several_problems_join_on_one_line():
+    assert one_line("f.toml: 2 problems:\n  a.b: bad\n  c: missing\n") == "f.toml: 2 problems: a.b: bad; c: missing"
+    assert one_line("plain") == "plain"
+
+
+def test_a_refused_flag_value_names_the_choices_on_one_line():
+    res = kvstage("hw", "scenarios/llama3-8b-p4-d2.toml", "--backend", "ucx")
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("error: Invalid value for '--backend': 'ucx' is not one of 'nixl', 'mooncake'. "
+                                  "(see 'kvstage hw --help')")
+    res = kvstage("nosuch")
+    assert res.returncode == 2 and res.stderr.strip() == "error: No such command 'nosuch'. (see 'kvstage --help')"
+
+
+def test_version_and_short_help():
+    from importlib.metadata import version
+
+    res = kvstage("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"kvstage {version('kvstage')}"
+    for args in (("-h",), ("sim", "-h"), ("hw", "-h")):
+        res = kvstage(*args)
+        assert res.returncode == 0 and "Usage: kvstage" in res.stdout, args
+
+
+def test_help_lists_the_choices_of_enum_flags():
+    hw = " ".join(kvstage("hw", "--help").stdout.split())
+    for choices in ("nixl|mooncake", "full|sample|off", "parquet|jsonl", "cpu|cuda|cuda:N"):
+        assert choices in hw, choices
+    assert "prefill|decode" in " ".join(kvstage("hw-rank", "--help").stdout.split())
+    assert "parquet|jsonl" in " ".join(kvstage("sim", "--help").stdout.split())
