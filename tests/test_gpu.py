@@ -1,5 +1,7 @@
-"""Hardware mode on a GPU: kernels on device memory, and real NIXL (UCX) transfers
-between rank processes whose KV pools, staging rings and send buffers live on the GPU.
+"""Hardware mode on a GPU: kernels on device memory, and real NIXL (UCX) and Mooncake
+transfers between rank processes whose KV pools, staging rings and send buffers live on
+the GPU. Mooncake needs its CUDA wheel (`mooncake-transfer-engine`; the CPU build,
+`-non-cuda`, cannot register device memory): without it those cases skip, saying so.
 
 These run only where torch sees a CUDA device (a GPU machine: `benchmarks/gpu_check.sh`
 runs them there). CI machines have no GPU, so here they skip, saying so.
@@ -50,7 +52,18 @@ def test_gather_scatter_verify_on_the_gpu(P, D, H):
         assert bool((b[:, :, : 5 * PAGE] == 0xAB).all()) and bool((b[:, :, (5 + pages) * PAGE :] == 0xAB).all())
 
 
-def _scenario(tmp_path: Path, device: str, path: str) -> Path:
+def mooncake_cuda_problem() -> str | None:
+    """Why Mooncake cannot move GPU memory here, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("mooncake-transfer-engine")
+    except PackageNotFoundError:
+        return "Mooncake's CUDA wheel (mooncake-transfer-engine) is not installed"
+    return None
+
+
+def _scenario(tmp_path: Path, device: str, path: str, backend: str = "nixl") -> Path:
     f = tmp_path / "gpu.toml"
     f.write_text(f"""
 name = "gpu-p2-d1"
@@ -80,7 +93,7 @@ prompt_min = 300
 prompt_max = 700
 seed = 5
 [hardware]
-backend = "nixl"
+backend = "{backend}"
 device = "{device}"
 """)
     return f
@@ -89,14 +102,16 @@ device = "{device}"
 @pytest.mark.hw
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", ["staging", "slice"])
-@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
-def test_every_byte_lands_between_gpu_pools(tmp_path, device, path):
+@pytest.mark.parametrize(("backend", "device"), [("nixl", "cuda"), ("nixl", "cuda:0"), ("mooncake", "cuda:0")])
+def test_every_byte_lands_between_gpu_pools(tmp_path, backend, device, path):
     from kvstage.hwrun import run_hardware
     from kvstage.runs import read_summary
     from kvstage.shared.scenario import load_scenario
 
-    require_engine("nixl")
-    s = load_scenario(_scenario(tmp_path, device, path))
+    require_engine(backend)
+    if backend == "mooncake" and (why := mooncake_cuda_problem()):
+        pytest.skip(why)
+    s = load_scenario(_scenario(tmp_path, device, path, backend))
     code, run_dir = run_hardware(s, out=tmp_path / "run", timeout_s=240, console=Console(width=120))
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")
