@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from heapq import heappush
 
 import simpy
+from simpy.events import NORMAL
 
 from kvstage.shared.cluster import cluster_sessions
 from kvstage.shared.decode_model import DecodeModel
@@ -349,6 +351,30 @@ class Simulation:
         for rt in prefill:  # queues the forwards; no loop turn of its own
             self._feed(rt, arrive)
 
+    def _schedule_arrival(self, k: int) -> None:
+        """Put the k-th arrival (in time order) on the event queue, as if every arrival
+        had been scheduled before the run started.
+
+        Scheduling them all up front made the queue hold every future request, so each
+        event's push and pop cost log(requests) over an ever larger heap (most of what
+        made a 64-instance cluster dearer per request than one instance). One at a time,
+        the queue holds one arrival; the heap key gives it the place it had: time, then
+        NORMAL priority, then an insertion number below every other event's (arrival k
+        of n gets k - n), so same-time events run in the same order as before.
+        """
+        index = self._arrival_order[k]
+        ev = simpy.Event(self.env)
+        ev._ok, ev._value = True, None  # triggered, as a Timeout is
+        ev.callbacks.append(partial(self._arrive_next, k))
+        next(self.env._eid)  # SimPy's count of events scheduled stays the count of events
+        heappush(self.env._queue, (self.requests[index].arrival_s, NORMAL, k - len(self.requests), ev))
+
+    def _arrive_next(self, k: int, _ev=None) -> None:
+        if k + 1 < len(self._arrival_order):
+            self._schedule_arrival(k + 1)
+        index = self._arrival_order[k]
+        self._arrive(index, self.requests[index])
+
     def _route(self, index: int, req: Request) -> tuple[list[RankRuntime], list[RankRuntime]]:
         """The ranks of the instances serving the request; a load-aware router decides
         now, from what it sees of every instance, and the ranks learn the room."""
@@ -367,8 +393,9 @@ class Simulation:
     # --- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        for index, req in enumerate(self.requests):
-            self._at(req.arrival_s, self._arrive, index, req)
+        self._arrival_order = sorted(range(len(self.requests)), key=lambda i: self.requests[i].arrival_s)
+        if self.requests:
+            self._schedule_arrival(0)
         for rt in self.runtimes:  # faults that act before any event (a late join, a kill)
             wake = rt.next_wakeup
             if wake is not None:
