@@ -288,6 +288,12 @@ def sim_variants(scenario, cal: Calibration, ref: RunData, oracle: bool) -> tupl
         "host": [f"links.{k}={prof[k]!r}" if k != "host_model" else f"links.{k}={prof[k]}"
                  for k in HOST_FIELDS if k in prof],
     }
+    # ... with the other processes' load the reference hw run recorded (its conditions),
+    # instead of the load measured while calibrating: an input of the run, not a fit
+    cond = ref.conditions or {}
+    if cond.get("other_cpu_share") is not None:
+        load = cond["other_cpu_share"] * (cond.get("cores") or cores)
+        variants["host+load"] = [*variants["host"], f"links.background_cores={load!r}"]
     if oracle:
         # Diagnostic, NOT a calibration: per-step means of the reference hw run's own
         # trace, to separate wrong inputs from missing model structure.

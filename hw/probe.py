@@ -9,7 +9,8 @@ part (kvstage/calibrate.py).
   `Transport.write` until `poll` says done;
 - per-request overhead: one batch of n ops of s bytes for a sweep of n;
 - control messages: ping-pong of real protocol messages (shared.protocol codec) over
-  the ZMQ PUSH/PULL control plane of hw/control.py;
+  the ZMQ PUSH/PULL control plane of hw/control.py, and the pinging process's CPU
+  time per ping (a message's CPU cost in a rank loop);
 - gather / scatter: hw/kernels.py on KV pools of this device;
 - the hardware-mode prefill 'forward' (hw.kvpool.fill_pattern, what a prefill rank
   runs per chunk) for a sweep of chunk sizes;
@@ -316,15 +317,20 @@ def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
                 for m in cp.receive(left):
                     if isinstance(m, Watermark) and m.round == i:
                         got = m
+            if i == warm - 1:
+                cpu0 = time.process_time()
             if i >= warm:
                 rtts.append(time.perf_counter() - t0)
             if i % 20 == 0 or i == total - 1:
                 _progress(conn, "control", i + 1, total)
+        cpu = time.process_time()
     finally:
         cp.send("echo", Abort(room=0, prefill_rank=0, decode_rank=0, reason="calibration done"))
         time.sleep(0.05)
         cp.close()
-    return {"rtt_s": rtts}
+    # this process's CPU (every thread: ZMQ's I/O thread too) per measured ping: one
+    # message out and one in, each framed, authenticated and (de)coded
+    return {"rtt_s": rtts, "cpu_per_ping_s": (cpu - cpu0) / len(rtts) if rtts else 0.0}
 
 
 def _time_call(fn: Callable[[], None], device: str) -> float:

@@ -26,12 +26,14 @@ points):
   *_per_batch_us, *_per_request_us, *_prep_per_request_us, *_message_rate_mps and
   post_threads come from it;
 - the host model (sim/host.py, profile fields host_*): the CPU an idle engine process
-  burns (engine_thread_cores), the Python cost of one state-machine event (event_us,
-  `measure_handle_cost`: a small simulation, so it is measured here, handed to the
-  probe as an extra measurement), the fill fit (fill_latency_us, fill_bandwidth_gbs)
-  and this host's usable cores (host_cores); the profile sets host_model = "cpu-loop",
-  so a scenario naming it simulates ranks as hardware mode's single-threaded loops on
-  this host.
+  burns (engine_thread_cores), the CPU of one loop event (event_us: the state
+  machine's handle() cost, `measure_handle_cost`, a small simulation measured here and
+  handed to the probe as an extra measurement, plus one control message's CPU from the
+  control ping), the fill fit (fill_latency_us, fill_bandwidth_gbs), this host's usable
+  cores (host_cores), the cores other processes kept busy meanwhile
+  (background_cores, kvstage.conditions) and hardware mode's rank-loop constants
+  (loop_poll_us, forward_nice); the profile sets host_model = "cpu-loop", so a
+  scenario naming it simulates ranks as hardware mode's processes on this host.
 
 The profile TOML (same fields as scenarios/profiles/*.toml) holds the fitted numbers,
 with the fit quality in comments. The profile loader (shared/scenario.py,
@@ -284,6 +286,16 @@ def measure_handle_cost(progress: ProgressFn) -> dict[str, Any]:
             "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
 
 
+def rank_loop_constants(device: str) -> dict[str, float]:
+    """How hardware mode's rank processes run their work (not measured: set in hw/):
+    the loop's poll period while its threads work, and the forward thread's nice level
+    (on a CPU device; a GPU forward is not reniced)."""
+    from kvstage.hw.prefill_rank import FORWARD_NICE
+    from kvstage.hw.rank import BUSY_POLL_S
+
+    return {"busy_poll_s": BUSY_POLL_S, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
+
+
 def measure(
     backend: str,
     device: str = "cpu",
@@ -293,9 +305,14 @@ def measure(
     """The probe's raw points (kvstage.hw.probe.measure) with the state-machine event
     cost ("handle") measured in the sender process after the kernels, and the posting
     probe's (kvstage.hw.probe_posting, host memory) under "posting"."""
+    from kvstage import conditions
+
+    before = conditions.sample()
     raw = probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
     quick = plan is not None and plan.quick
     raw["posting"] = measure_posting(backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress)
+    raw["conditions"] = conditions.measure(before)  # how busy other processes kept the host
+    raw["rank_loop"] = rank_loop_constants(device)
     return raw
 
 
@@ -343,9 +360,29 @@ class Calibration:
         return idle.get("cpu_s", 0.0) / wall if wall > 0 else 0.0
 
     @property
+    def message_cpu_s(self) -> float:
+        """CPU of one control message in or out (framing, MAC, codec, ZMQ): half the
+        pinging process's CPU per ping (0 in raw points taken before it was measured)."""
+        return float(self.raw["control"].get("cpu_per_ping_s", 0.0)) / 2
+
+    @property
     def event_s(self) -> float:
-        """Loop CPU time of one delivered event: the mean machine.handle() cost."""
-        return float((self.raw.get("handle") or {}).get("mean_s", 0.0))
+        """Loop CPU time of one delivered event: the mean machine.handle() cost plus one
+        control message's CPU (an event mostly is a message in, or sends one out)."""
+        return float((self.raw.get("handle") or {}).get("mean_s", 0.0)) + self.message_cpu_s
+
+    @property
+    def background_cores(self) -> float:
+        """Cores other processes kept busy while the probe ran (kvstage.conditions)."""
+        cond = self.raw.get("conditions") or {}
+        share = cond.get("other_cpu_share")
+        return float(share) * float(cond.get("cores") or 1) if share is not None else 0.0
+
+    @property
+    def rank_loop(self) -> dict[str, float]:
+        """Hardware mode's rank loop constants (hw/rank.py BUSY_POLL_S, hw/prefill_rank.py
+        FORWARD_NICE), as recorded at calibration; read now for older raw points."""
+        return self.raw.get("rank_loop") or rank_loop_constants(self.device)
 
     @property
     def host_cores(self) -> int:
@@ -411,6 +448,9 @@ class Calibration:
             "event_us": _r(self.event_s * 1e6),
             "fill_latency_us": _r(self.fill.latency_s * 1e6),
             "fill_bandwidth_gbs": _r(self.fill.bandwidth_Bps / 1e9),
+            "background_cores": _r(self.background_cores),
+            "loop_poll_us": _r(self.rank_loop["busy_poll_s"] * 1e6),
+            "forward_nice": _r(float(self.rank_loop["forward_nice"])),
         }
 
     def fit_table(self) -> dict[str, Any]:
@@ -522,16 +562,24 @@ class Calibration:
             f"{self.fill.latency_s * 1e6:.0f} us + KV bytes / {self.fill.bandwidth_Bps / 1e9:.3f} GB/s",
             "# (set prefill.tokens_per_s from it; see the sidecar's [forward]).",
             "",
-            "# Host model (sim/host.py): every rank a single-threaded loop, as in hardware mode.",
+            "# Host model (sim/host.py): ranks as hw-mode processes (loop, forward, copy threads).",
             f"# {p['host_cores']} usable cores; an idle engine process burns {self.engine_idle_cores:.3f} cores "
             "(its own threads);",
-            f"# one state-machine event costs {self.event_s * 1e6:.1f} us of loop time (mean machine.handle()).",
+            f"# one event costs {self.event_s * 1e6:.1f} us of loop CPU: machine.handle() "
+            f"{(self.event_s - self.message_cpu_s) * 1e6:.1f} us + one control message "
+            f"{self.message_cpu_s * 1e6:.1f} us (the probe's CPU per ping / 2);",
+            f"# other processes kept {self.background_cores:.2f} cores busy while the probe ran "
+            "(background_cores: set it to the load of the runs you compare with);",
+            "# the rank loop polls its threads every loop_poll_us, the forward thread runs at +forward_nice.",
             f"host_model = {q(p['host_model'])}",
             f"host_cores = {p['host_cores']!r}",
             f"engine_thread_cores = {p['engine_thread_cores']!r}",
             f"event_us = {p['event_us']!r}",
             f"fill_latency_us = {p['fill_latency_us']!r}",
             f"fill_bandwidth_gbs = {p['fill_bandwidth_gbs']!r}",
+            f"background_cores = {p['background_cores']!r}",
+            f"loop_poll_us = {p['loop_poll_us']!r}",
+            f"forward_nice = {p['forward_nice']!r}",
         ]
         return "\n".join(lines) + "\n"
 

@@ -7,9 +7,9 @@ messages over the control latency, bulk and slice writes through the max-min fai
 NIC fabric, gathers and scatters on in-order GPU streams, prefill forwards on the TP
 group's stream (sim/forward.py) — and reports completions back as events. With the
 opt-in host model (`links.host_model = "cpu-loop"`, sim/host.py) every rank is
-instead one single-threaded loop, as in hardware mode: deliveries, gathers, scatters
-and per-rank pattern-fill forwards take turns on it, slowed by the host's CPU
-sharing. Callbacks on SimPy timeouts carry the work (not one process per action),
+instead a hardware-mode process: deliveries take turns on its loop, pattern-fill
+forwards and gathers / scatters run on its threads, all on the host's shared
+cores. Callbacks on SimPy timeouts carry the work (not one process per action),
 which keeps the event loop lean; SimPy orders same-time events by insertion, so a
 run is a deterministic function of scenario and seed.
 """
@@ -65,7 +65,7 @@ from kvstage.sim.decode_batch import DecodeBatches
 from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
-from kvstage.sim.host import RankLoop, cpu_scale
+from kvstage.sim.host import HostModel
 from kvstage.sim.links import Fabric, LinkParams
 
 _INF = float("inf")
@@ -203,14 +203,12 @@ class Simulation:
         self._scatter_launches = [len(g.writers(d % g.decode_tp)) for d in range(ss.decode_ranks)]
 
     def _build_host(self) -> None:
-        """The cpu-loop host model: one loop per rank, CPU sharing as a static slowdown."""
-        h = self.host
-        self.cpu_scale = scale = cpu_scale(h, len(self.runtimes))
-        self.event_s = h.event_s * scale
-        self.loops = {rt: RankLoop(self.env) for rt in self.runtimes}
+        """The cpu-loop host model: per rank a loop and worker threads on shared cores."""
+        self.hostm = HostModel(self.env, self.host, self.runtimes, self.prefill)
+        self.loops = self.hostm.loops
         for rt in self.prefill:  # a late session's loop starts late
             if rt.join_at:
-                self.loops[rt].submit(rt.join_at, _noop)
+                self.loops[rt].wait(rt.join_at)
         self.forwards = HostFills(self)
         self._deliver = self._loop_deliver
 
@@ -244,7 +242,7 @@ class Simulation:
 
     def _loop_deliver(self, rt: RankRuntime, event, _ev=None) -> None:
         """Host model: the event waits for its turn on the rank's loop, then is handled."""
-        self.loops[rt].submit(self.event_s, self._feed, rt, event)
+        self.hostm.deliver(rt, self._feed, event)
 
     def _tick(self, rt: RankRuntime, when: float, _ev=None) -> None:
         if self._tick_at.get(rt) == when:
@@ -297,8 +295,8 @@ class Simulation:
     def _gather(self, rt: RankRuntime, a: Gather, now: float) -> None:
         dur = copy_time(self.gpu, a.nbytes)
         done = GatherDone(a.room, a.chunk, a.decode_rank)
-        if self.host is not None:  # synchronous on the rank's loop, right after this handler
-            self.loops[rt].run_next(dur * self.cpu_scale + self.event_s, self._feed, rt, done)
+        if self.host is not None:  # on the rank's copy thread; its loop reports it
+            self.hostm.offload(self.hostm.copies[rt], rt, dur, self._feed, done)
             return
         end = self.gather_stream[rt.rank].reserve(now, dur)
         self._at(end - now, self._feed, rt, done)
@@ -306,8 +304,8 @@ class Simulation:
     def _scatter(self, rt: RankRuntime, a: Scatter, now: float) -> None:
         dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[rt.rank])
         done = ScatterDone(a.room, a.chunk)
-        if self.host is not None:  # synchronous on the rank's loop
-            self.loops[rt].run_next(dur * self.cpu_scale + self.event_s, self._feed, rt, done)
+        if self.host is not None:  # on the rank's copy thread; its loop reports it
+            self.hostm.offload(self.hostm.copies[rt], rt, dur, self._feed, done)
             return
         end = self.scatter_stream[rt.rank].reserve(now, dur)
         self._at(end - now, self._feed, rt, done)
@@ -441,10 +439,6 @@ def _by_instance(requests: list[Request], ss) -> dict[tuple[str, int], list[Requ
         out["prefill", pi].append(req)
         out["decode", di].append(req)
     return out
-
-
-def _noop() -> None:
-    pass
 
 
 def simulate(scenario: Scenario, **kw) -> SimResult:

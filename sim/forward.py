@@ -93,7 +93,8 @@ class GroupForward:
 
 
 class HostFills:
-    """The host model: each prefill rank fills its chunks on its own loop, in order."""
+    """The host model: each prefill rank fills its chunks on its forward thread, in
+    order; its loop starts each fill and reports it done (as hw/prefill_rank.py)."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -109,27 +110,27 @@ class HostFills:
             self.sim.loops[rt].submit(0.0, self._turn, rt)
 
     def _turn(self, rt: RankRuntime) -> None:
-        """One loop turn of the forward: start the next chunk (its room opens, its
-        STAGING_REQs go out) and fill it; the next chunk's turn queues behind whatever
-        reached the loop meanwhile."""
+        """On the rank's loop: start the next chunk (its room opens, its STAGING_REQs go
+        out) and hand its fill to the forward thread."""
         sim, queue = self.sim, self._queue[rt]
         while queue:
             f = queue.popleft()
             if not rt.forward_wanted(f):  # its room failed before its turn
                 sim._feed(rt, ForwardDone(f.room, f.chunk, sim.env.now))
                 continue
+            start = sim.env.now
             sim._feed(rt, ForwardStarted(f.room, f.chunk))
             if not f.num_pages:  # nothing to fill
-                sim._feed(rt, ForwardDone(f.room, f.chunk, sim.env.now))
+                sim._feed(rt, ForwardDone(f.room, f.chunk, start))
                 continue
-            dur = fill_time(sim.host, f.tokens * self._bytes_per_token) * sim.cpu_scale
-            sim.loops[rt].run_next(dur + sim.event_s, self._filled, rt, f, sim.env.now)
+            host = sim.hostm
+            work = fill_time(sim.host, f.tokens * self._bytes_per_token)
+            host.offload(host.forwards[rt], rt, work, self._filled, (f, start))
             return
         self._filling[rt] = False
 
-    def _filled(self, rt: RankRuntime, f: Forward, start: float) -> None:
+    def _filled(self, rt: RankRuntime, done: tuple[Forward, float], _ev=None) -> None:
+        """On the rank's loop, at its turn after the fill ended: report it, start the next."""
+        f, start = done
         self.sim._feed(rt, ForwardDone(f.room, f.chunk, start))
-        if self._queue[rt]:
-            self.sim.loops[rt].submit(0.0, self._turn, rt)
-        else:
-            self._filling[rt] = False
+        self._turn(rt)

@@ -1,67 +1,185 @@
-"""Host model (opt-in, `links.host_model = "cpu-loop"`): ranks as single-threaded loops.
+"""Host model (opt-in, `links.host_model = "cpu-loop"`): ranks as hardware mode's processes.
 
-In hardware mode on one host (hw/rank.py) every rank is ONE Python loop: it fills a
-prefill chunk (the 'forward', one chunk per loop turn), runs gather and scatter as
-synchronous kernels, polls transfer completions and handles control messages, all
-in turn. Nothing of a rank runs concurrently, and P + D such processes, plus each
-transfer engine's own threads, share the host's few cores. The default simulator
-models independent GPU streams and a fixed control latency instead; this module adds
-what the loop changes:
+In hardware mode on one host every rank is one process (hw/rank.py) with:
+- a loop thread that handles each delivered event (a message, a completion) in turn
+  and posts the writes; while work runs elsewhere it polls for completions every
+  `loop_poll` seconds (it wakes at once for a message);
+- a forward thread (prefill ranks): the pattern fill of one chunk after the other, at
+  a lower CPU priority (nice `forward_nice`, hw/prefill_rank.py);
+- a copy thread: gathers (prefill) or scatters (decode), in order.
+P + D such processes share the host's few cores with each other, with their engines'
+own threads and with whatever else runs on the host. The default simulator models
+independent GPU streams and a fixed control latency instead; this module adds:
 
-- `RankLoop`: one in-order loop per rank. A delivered event (message, write
-  completion, chunk computed) is a job of `event_s`; a gather / scatter / fill is a
-  job of its own duration. Work a handler starts synchronously (a gather or scatter
-  the machine asked for) runs right after the handler, before events that queued
-  meanwhile (`run_next`); everything else queues behind (`submit`).
-- `cpu_scale`: the host's CPU sharing as a static slowdown of loop work,
-  max(1, demand / cores) with demand = (P + D) rank loops + (P + D) * engine thread
-  cores: every rank process keeps a loop runnable (busy polling) and its engine
-  burns `engine_thread_cores` on its own; C cores shared fairly stretch loop work by
-  demand / C when demand exceeds C.
-- `fill_time`: the hw forward, a pattern fill of the chunk's KV bytes on the rank.
+- `CpuShare`: the cores shared among the runnable jobs, weighted fair (as Linux's CFS:
+  a nice level is a 1.25x weight step), at most one core per job, with steady users
+  beside them: each rank's engine threads (`engine_thread_cores`) and other processes
+  (`background_cores`). Every job that starts or ends changes the others' rates: CPU
+  sharing that changes over time.
+- `Worker`: one thread of a rank: its jobs run one at a time, each as a CPU job of
+  its weight (`submit`, `run_next`), or as a wait that takes no CPU (`wait`).
+- `HostModel`: per rank a loop, a copy thread and (prefill) a forward thread; events
+  reach the rank through its loop (`deliver`: `event_s` of loop CPU each); work done
+  on a thread is handled by the loop at its next turn (`offload`: half a poll period
+  later on average, then one event).
+- `fill_time`: the hw forward, a pattern fill of the chunk's KV bytes.
 
-All numbers come from `kvstage calibrate` (profile fields, shared/scenario.py
-HOST_FIELDS). Deterministic: jobs run in submission order on SimPy's clock.
+All numbers come from `kvstage calibrate` (profile fields, shared/scenario
+HOST_FIELDS). Deterministic: SimPy's clock, jobs in submission order.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import simpy
 
 from kvstage.shared.scenario import HostNumbers
 
+NICE_STEP = 1.25  # CFS: one nice level is about 1.25x less (more) CPU weight
+_DONE_S = 1e-12  # work left below this: the job is done (float rounding)
 
-def cpu_scale(host: HostNumbers, ranks: int) -> float:
-    """Static processor-sharing slowdown of loop work: max(1, demand / cores), demand =
-    `ranks` loops + `ranks` * engine thread cores."""
-    demand = ranks * (1.0 + host.engine_thread_cores)
-    return max(1.0, demand / host.cores)
+
+def nice_weight(nice: float) -> float:
+    """CPU weight of a thread at `nice` relative to nice 0 (CFS)."""
+    return NICE_STEP ** -nice
+
+
+def steady_load(host: HostNumbers, ranks: int) -> list[tuple[float, float]]:
+    """(weight, cores) of the host's steady CPU users besides the ranks' loops and
+    threads: every rank's engine threads (weight 1: they mostly sleep, and CFS lets a
+    sleeper take what it asks) and other processes (`background_cores` busy threads)."""
+    out = [(1.0, host.engine_thread_cores)] * ranks if host.engine_thread_cores > 0 else []
+    if host.background_cores > 0:
+        out.append((max(1.0, host.background_cores), host.background_cores))
+    return out
 
 
 def fill_time(host: HostNumbers, nbytes: int) -> float:
-    """Seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes,
-    before CPU sharing."""
+    """CPU seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes,
+    on a core of its own."""
     return host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s
 
 
-class RankLoop:
-    """One rank's single-threaded loop: jobs run one at a time.
+class _Job:
+    __slots__ = ("left", "weight", "rate", "fn", "args")
 
-    A job is (duration, fn, args): the loop is busy for `duration` seconds, then
+    def __init__(self, work: float, weight: float, fn: Callable, args: tuple) -> None:
+        self.left = work
+        self.weight = weight
+        self.rate = 0.0
+        self.fn = fn
+        self.args = args
+
+
+def share(capacity: float, jobs: Iterable[tuple[float, float]]) -> list[float]:
+    """Weighted fair shares of `capacity` cores among (weight, most cores it can use)
+    jobs (water filling: a job that cannot use its fair part leaves the rest to the
+    others), in the order of `jobs`."""
+    js = list(jobs)
+    rates = [0.0] * len(js)
+    cap, total = capacity, sum(w for w, _ in js)
+    for i in sorted(range(len(js)), key=lambda k: js[k][1] / js[k][0]):
+        w, most = js[i]
+        r = cap * w / total if total > 0 else 0.0
+        if r < most:  # this and every job that could use more get their proportional part
+            for k in range(len(js)):
+                if rates[k] == 0.0:
+                    rates[k] = cap * js[k][0] / total
+            return rates
+        rates[i] = most
+        cap -= most
+        total -= w
+    return rates
+
+
+class CpuShare:
+    """The host's cores shared among runnable jobs (see the module docstring).
+
+    `run(work, weight, fn, *args)`: a job of `work` CPU seconds, at most one core;
+    fn(*args) is called when it is done. `steady`: (weight, cores) users that never
+    end (engine threads, other processes). Rates are recomputed whenever a job starts
+    or ends.
+    """
+
+    __slots__ = ("env", "cores", "_steady", "_jobs", "_last", "_gen", "cpu_s")
+
+    def __init__(self, env: simpy.Environment, cores: float, steady: Iterable[tuple[float, float]] = ()) -> None:
+        self.env = env
+        self.cores = cores
+        self._steady = [(w, c) for w, c in steady if c > 0]
+        self._jobs: list[_Job] = []
+        self._last = 0.0
+        self._gen = 0
+        self.cpu_s = 0.0  # CPU seconds of work done
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def rates(self) -> list[float]:
+        """The running jobs' current rates (cores), in start order."""
+        return [j.rate for j in self._jobs]
+
+    def run(self, work: float, weight: float, fn: Callable, *args) -> None:
+        self._advance()
+        self._jobs.append(_Job(work, weight, fn, args))
+        self.cpu_s += work
+        self._schedule()
+
+    def _advance(self) -> None:
+        now = self.env.now
+        dt = now - self._last
+        if dt > 0:
+            for j in self._jobs:
+                j.left -= j.rate * dt
+        self._last = now
+
+    def _schedule(self) -> None:
+        self._gen += 1
+        jobs = self._jobs
+        if not jobs:
+            return
+        rates = share(self.cores, [*((j.weight, 1.0) for j in jobs), *self._steady])
+        for j, r in zip(jobs, rates, strict=False):
+            j.rate = r
+        nxt = min(max(0.0, j.left) / j.rate for j in jobs)
+        self.env.timeout(nxt).callbacks.append(partial(self._fire, self._gen))
+
+    def _fire(self, gen: int, _ev=None) -> None:
+        if gen != self._gen:  # the rates changed since: a later timeout decides
+            return
+        self._advance()
+        done = [j for j in self._jobs if j.left <= _DONE_S]
+        self._jobs = [j for j in self._jobs if j.left > _DONE_S]
+        self._schedule()
+        for j in done:  # in start order
+            j.fn(*j.args)
+
+
+def _noop() -> None:
+    pass
+
+
+class Worker:
+    """One thread of a rank: jobs run one at a time, as CPU jobs of its weight.
+
+    A job is (work, fn, args, on_cpu): the worker is busy until `work` CPU seconds
+    are done on the shared cores (or, not on_cpu, `work` seconds have passed), then
     calls fn(*args) and starts the next job. `submit` queues behind everything;
     `run_next` puts a job at the front (work the running handler started
     synchronously). `busy_s` and `jobs` count what ran.
     """
 
-    __slots__ = ("env", "_queue", "_busy", "busy_s", "jobs")
+    __slots__ = ("env", "cpu", "weight", "_queue", "_busy", "busy_s", "jobs")
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: simpy.Environment, cpu: CpuShare, weight: float = 1.0) -> None:
         self.env = env
-        self._queue: deque[tuple[float, Callable, tuple]] = deque()
+        self.cpu = cpu
+        self.weight = weight
+        self._queue: deque[tuple[float, Callable, tuple, bool]] = deque()
         self._busy = False
         self.busy_s = 0.0
         self.jobs = 0
@@ -74,27 +192,71 @@ class RankLoop:
     def queued(self) -> int:
         return len(self._queue)
 
-    def submit(self, duration: float, fn: Callable, *args) -> None:
-        self._queue.append((duration, fn, args))
+    def submit(self, work: float, fn: Callable, *args) -> None:
+        self._queue.append((work, fn, args, True))
         if not self._busy:
             self._start()
 
-    def run_next(self, duration: float, fn: Callable, *args) -> None:
-        self._queue.appendleft((duration, fn, args))
+    def run_next(self, work: float, fn: Callable, *args) -> None:
+        self._queue.appendleft((work, fn, args, True))
+        if not self._busy:
+            self._start()
+
+    def wait(self, seconds: float) -> None:
+        """Keep the worker away for `seconds` without using CPU (a late start)."""
+        self._queue.append((seconds, _noop, (), False))
         if not self._busy:
             self._start()
 
     def _start(self) -> None:
-        duration, fn, args = self._queue.popleft()
+        work, fn, args, on_cpu = self._queue.popleft()
         self._busy = True
-        self.busy_s += duration
         self.jobs += 1
-        self.env.timeout(duration).callbacks.append(partial(self._end, fn, args))
+        if on_cpu:
+            self.busy_s += work
+            self.cpu.run(work, self.weight, self._end, fn, args)
+        else:
+            self.env.timeout(work).callbacks.append(partial(self._end, fn, args))
 
     def _end(self, fn: Callable, args: tuple, _ev=None) -> None:
-        # The job's effect happens while the loop still counts as busy, so whatever it
+        # The job's effect happens while the worker still counts as busy, so whatever it
         # starts synchronously (run_next) goes first; then the next job starts.
         fn(*args)
         self._busy = False
         if self._queue:
             self._start()
+
+
+class HostModel:
+    """Every rank as hardware mode's process: a loop, a copy thread and (prefill) a
+    forward thread, all on one `CpuShare` of the host."""
+
+    def __init__(self, env: simpy.Environment, host: HostNumbers, runtimes: Iterable, prefill: Iterable) -> None:
+        runtimes = list(runtimes)
+        self.env = env
+        self.host = host
+        self.cpu = CpuShare(env, host.cores, steady_load(host, len(runtimes)))
+        self.event_s = host.event_s
+        self.notice_s = host.loop_poll_s / 2  # a completion waits for the loop's next turn
+        self.loops = {rt: Worker(env, self.cpu) for rt in runtimes}
+        self.copies = {rt: Worker(env, self.cpu) for rt in runtimes}
+        fw = nice_weight(host.forward_nice)
+        self.forwards = {rt: Worker(env, self.cpu, fw) for rt in prefill if rt is not None}
+
+    def deliver(self, rt, fn: Callable, event) -> None:
+        """An event reaches the rank: handled on its loop, `event_s` of CPU, in turn."""
+        self.loops[rt].submit(self.event_s, fn, rt, event)
+
+    def offload(self, worker: Worker, rt, work: float, fn: Callable, event) -> None:
+        """`work` CPU seconds on one of the rank's threads; its loop handles `event`
+        (fn(rt, event)) at its next turn after the work is done."""
+        worker.submit(work, self._noticed, rt, fn, event)
+
+    def _noticed(self, rt, fn: Callable, event) -> None:
+        if self.notice_s > 0:
+            self.env.timeout(self.notice_s).callbacks.append(partial(self._deliver_ev, rt, fn, event))
+        else:
+            self.deliver(rt, fn, event)
+
+    def _deliver_ev(self, rt, fn: Callable, event, _ev=None) -> None:
+        self.deliver(rt, fn, event)

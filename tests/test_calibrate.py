@@ -176,12 +176,22 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert data["inter_per_request_us"] == pytest.approx(posting["per_request_s"] * 1e6, rel=1e-3)
     assert "two ranks at once" in profile.read_text()
     assert len(extra["raw"]["write"]["sizes"]) == len(CalibrationPlan.quick_plan().sizes)
+    # the host model's fields: the rank loop's constants, the message CPU, the host's load
+    from kvstage.hw.prefill_rank import FORWARD_NICE
+    from kvstage.hw.rank import BUSY_POLL_S
+
+    assert data["host_model"] == "cpu-loop"
+    assert data["loop_poll_us"] == pytest.approx(BUSY_POLL_S * 1e6) and data["forward_nice"] == FORWARD_NICE
+    assert extra["raw"]["control"]["cpu_per_ping_s"] > 0
+    assert data["event_us"] > extra["raw"]["handle"]["mean_s"] * 1e6  # handle() + one message
+    assert data["background_cores"] >= 0 and extra["raw"]["conditions"]["cores"] >= 1
 
     # a catalogue scenario loads with it and simulates a handful of requests
     s = load_scenario(REPO / "scenarios" / "llama3-8b-p4-d2.toml",
                       overrides=[f"links.profile={profile}", "workload.requests=4"])
     r = s.links.resolved()
     assert r.profile_path == str(profile.resolve())
+    assert r.host is not None and r.host.loop_poll_s == pytest.approx(BUSY_POLL_S)
     assert r.link.bandwidth_bytes_s == pytest.approx(data["inter_bandwidth_gbps"] * 1e9 / 8)
     assert r.control_latency_s == pytest.approx(data["control_latency_us"] / 1e6)
     code = run_simulation(s, out=tmp_path / "run", trace_format="jsonl", progress=False,
@@ -205,3 +215,24 @@ def test_weak_fits_are_named():
     assert all(str(MIN_R2) in line for line in lines)
     cal.write = cal.scatter = good
     assert weak_fits(cal) == []
+
+
+def test_host_fields_from_raw_points():
+    """event_us = handle() + half the CPU of a ping; background from the recorded
+    conditions; the rank-loop constants as recorded (older raw points: read from hw/)."""
+    from types import SimpleNamespace
+
+    from kvstage.calibrate import Calibration
+
+    raw = {"control": {"rtt_s": [1e-4], "cpu_per_ping_s": 60e-6}, "handle": {"mean_s": 10e-6},
+           "conditions": {"cores": 2, "other_cpu_share": 0.25}, "rank_loop": {"busy_poll_s": 0.002, "forward_nice": 5}}
+    cal = SimpleNamespace(raw=raw, device="cpu")
+    cal.message_cpu_s = Calibration.message_cpu_s.fget(cal)
+    assert cal.message_cpu_s == pytest.approx(30e-6)
+    assert Calibration.event_s.fget(cal) == pytest.approx(40e-6)
+    assert Calibration.background_cores.fget(cal) == pytest.approx(0.5)
+    assert Calibration.rank_loop.fget(cal) == {"busy_poll_s": 0.002, "forward_nice": 5}
+    old = SimpleNamespace(raw={"control": {"rtt_s": [1e-4]}}, device="cuda:0")
+    assert Calibration.message_cpu_s.fget(old) == 0.0
+    assert Calibration.background_cores.fget(old) == 0.0
+    assert Calibration.rank_loop.fget(old)["forward_nice"] == 0  # a GPU forward is not reniced

@@ -17,7 +17,7 @@ from kvstage.shared.scenario import (
     scenario_from_dict,
 )
 from kvstage.sim.driver import Simulation, simulate
-from kvstage.sim.host import RankLoop, cpu_scale, fill_time
+from kvstage.sim.host import CpuShare, Worker, fill_time, nice_weight, share, steady_load
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"
@@ -46,12 +46,54 @@ def _scenario(prefill_tp=2, decode_tp=1, requests=4, host=True, **links):
     return scenario_from_dict(data)
 
 
-# --- the loop and the CPU share, closed form ---------------------------------------------
+# --- the CPU share, the threads and the loop, closed form -------------------------------
 
 
-def test_one_rank_loop_serialises_two_events():
+def _worker(env, cores=1.0, weight=1.0, steady=()):
+    return Worker(env, CpuShare(env, cores, steady), weight)
+
+
+def test_share_is_weighted_fair_and_at_most_one_core_each():
+    assert share(2, [(1, 1)] * 3) == pytest.approx([2 / 3] * 3)
+    assert share(4, [(1, 1)] * 3) == pytest.approx([1, 1, 1])  # more cores than jobs
+    # nice 10 (weight 1.25 ** -10 = 0.107) against nice 0 on one core
+    w = nice_weight(10)
+    assert w == pytest.approx(0.1074, rel=1e-3)
+    assert share(1, [(1, 1), (w, 1)]) == pytest.approx([1 / (1 + w), w / (1 + w)])
+    # a steady user that wants little gets it; the rest share what is left
+    assert share(2, [(1, 1), (1, 1), (1, 1), (1, 0.1)]) == pytest.approx([0.6333, 0.6333, 0.6333, 0.1], rel=1e-3)
+    # two cores, one heavy job capped at one core: the light one gets the other core
+    assert share(2, [(1, 1), (w, 1)]) == pytest.approx([1, 1])
+
+
+def test_rates_change_when_a_job_starts_and_ends():
+    """1 core: A (1 s) alone from 0; B (1 s) joins at 0.5, both at half speed: A ends
+    at 1.5 with B half done, then B alone ends at 2.0."""
     env = simpy.Environment()
-    loop = RankLoop(env)
+    cpu = CpuShare(env, 1.0)
+    seen = []
+    cpu.run(1.0, 1.0, lambda: seen.append(("a", env.now)))
+    env.timeout(0.5).callbacks.append(lambda _e: cpu.run(1.0, 1.0, lambda: seen.append(("b", env.now))))
+    env.run()
+    assert seen == [("a", pytest.approx(1.5)), ("b", pytest.approx(2.0))]
+    assert cpu.cpu_s == 2.0 and cpu.running == 0
+
+
+def test_steady_load_takes_its_share():
+    """Other processes (background) and engine threads take their cores first."""
+    h = _numbers(cores=1.0, engine_thread_cores=0.1, background_cores=0.5)
+    assert steady_load(h, 2) == [(1.0, 0.1), (1.0, 0.1), (1.0, 0.5)]
+    env = simpy.Environment()
+    cpu = CpuShare(env, 1.0, steady_load(_numbers(cores=1.0, engine_thread_cores=0.0, background_cores=0.5), 1))
+    seen = []
+    cpu.run(1.0, 1.0, lambda: seen.append(env.now))
+    env.run()
+    assert seen == [pytest.approx(2.0)]  # half a core left: 1 CPU second takes 2 s
+
+
+def test_one_worker_serialises_its_jobs():
+    env = simpy.Environment()
+    loop = _worker(env)
     seen = []
     loop.submit(1.0, lambda: seen.append(("a", env.now)))
     loop.submit(2.0, lambda: seen.append(("b", env.now)))
@@ -61,70 +103,80 @@ def test_one_rank_loop_serialises_two_events():
 
 
 def test_synchronous_work_runs_before_queued_events():
-    """A gather the handler starts runs next; an event that queued meanwhile waits."""
+    """Work the handler starts on the loop runs next; an event that queued meanwhile waits."""
     env = simpy.Environment()
-    loop = RankLoop(env)
+    loop = _worker(env)
     seen = []
 
     def handler():
         seen.append(("handler", env.now))
-        loop.run_next(0.5, lambda: seen.append(("gather", env.now)))
+        loop.run_next(0.5, lambda: seen.append(("post", env.now)))
 
     loop.submit(1.0, handler)
     loop.submit(0.25, lambda: seen.append(("message", env.now)))
     env.run()
-    assert seen == [("handler", 1.0), ("gather", 1.5), ("message", 1.75)]
+    assert seen == [("handler", 1.0), ("post", 1.5), ("message", 1.75)]
 
 
-def test_fills_interleave_with_messages():
-    """Fill k+1 is queued when fill k ends: a message that arrived during fill k is
-    handled between them, not after the whole queue of fills."""
+def test_threads_of_a_rank_share_the_cores_and_a_wait_takes_none():
+    """Loop and copy thread on 1 core: each gets half while both run; a loop that
+    waits (a late session) leaves the copy thread the whole core."""
     env = simpy.Environment()
-    loop = RankLoop(env)
+    cpu = CpuShare(env, 1.0)
+    loop, copy = Worker(env, cpu), Worker(env, cpu)
     seen = []
-
-    def fill(k):
-        seen.append((f"fill{k}", env.now))
-        if k < 1:
-            loop.submit(1.0, fill, k + 1)
-
-    loop.submit(1.0, fill, 0)
-    env.timeout(0.5).callbacks.append(lambda _e: loop.submit(0.1, lambda: seen.append(("msg", env.now))))
+    loop.submit(1.0, lambda: seen.append(("loop", env.now)))
+    copy.submit(1.0, lambda: seen.append(("copy", env.now)))
     env.run()
-    assert seen == [("fill0", 1.0), ("msg", 1.1), ("fill1", 2.1)]
+    assert seen == [("loop", pytest.approx(2.0)), ("copy", pytest.approx(2.0))]
+    env2 = simpy.Environment()
+    cpu2 = CpuShare(env2, 1.0)
+    loop2, copy2 = Worker(env2, cpu2), Worker(env2, cpu2)
+    loop2.wait(1.0)
+    copy2.submit(1.0, lambda: seen.append(("copy2", env2.now)))
+    env2.run()
+    assert seen[-1] == ("copy2", pytest.approx(1.0))
 
 
-def test_cpu_sharing_scales_loop_work_by_demand_over_cores():
-    # 3 ranks, each one loop + 0.5 core of engine threads, on 2 cores: 4.5 / 2
-    assert cpu_scale(_numbers(), 3) == pytest.approx(2.25)
-    assert cpu_scale(_numbers(engine_thread_cores=0.0), 6) == pytest.approx(3.0)
-    assert cpu_scale(_numbers(cores=16.0), 3) == 1.0  # enough cores: no slowdown
+def test_fill_time():
     assert fill_time(_numbers(), 1_000_000) == pytest.approx(800e-6 + 1e6 / 0.25e9)
+    assert nice_weight(0) == 1.0
 
 
 # --- the driver ----------------------------------------------------------------------------
 
 
-def test_driver_fill_and_gather_take_loop_time():
-    """P1 -> D1: the first chunk's compute span is exactly its scaled fill plus one
-    event; the next chunk starts no earlier than the first ended (one loop)."""
-    s = _scenario(prefill_tp=1, decode_tp=1, requests=1)
+def test_driver_forward_is_fill_plus_poll_wait_plus_one_event():
+    """P1 -> D1 on many cores (no sharing): a chunk's compute span is its fill on the
+    forward thread, half a loop poll until the loop sees it, and one loop event; the
+    next chunk starts no earlier than the first ended."""
+    s = _scenario(prefill_tp=1, decode_tp=1, requests=1, host_cores=64, engine_thread_cores=0.0,
+                  loop_poll_us=1000.0, forward_nice=10)
     sim = Simulation(s)
     r = sim.run()
     assert r.ok and r.rooms_done == 1
     h = s.links.resolved().host
-    scale = cpu_scale(h, 2)
-    assert sim.cpu_scale == scale == pytest.approx(2 * 1.5 / 2)
+    assert (h.loop_poll_s, h.forward_nice, h.background_cores) == (1e-3, 10.0, 0.0)
     g = s.geometry()
     chunk_bytes = 2 * g.layers * g.prefill_heads * g.head_dim * g.dtype_bytes * 256
     computes = sorted((x for x in r.records if x.phase == "compute"), key=lambda x: x.chunk)
     c0 = computes[0]
-    assert c0.end - c0.start == pytest.approx(fill_time(h, chunk_bytes) * scale + h.event_s * scale)
+    assert c0.end - c0.start == pytest.approx(fill_time(h, chunk_bytes) + 0.5e-3 + h.event_s)
     for a, b in zip(computes, computes[1:], strict=False):
         assert b.start >= a.end - 1e-12
-    # every prefill/decode loop was used, and its busy time covers the fills
-    loop = sim.loops[sim.prefill[0]]
-    assert loop.busy_s >= sum(x.end - x.start for x in computes) - 1e-9
+    rt = sim.prefill[0]
+    assert sim.hostm.forwards[rt].jobs == len(computes)
+    assert sim.hostm.copies[rt].jobs >= 1  # gathers ran on the copy thread
+    assert sim.hostm.forwards[rt].weight == pytest.approx(nice_weight(10))
+
+
+def test_background_load_slows_the_forward():
+    """The same run with other processes keeping a core busy takes longer."""
+    quiet = simulate(_scenario(prefill_tp=2, decode_tp=1, requests=2))
+    loaded = simulate(_scenario(prefill_tp=2, decode_tp=1, requests=2, background_cores=1.0))
+    assert quiet.ok and loaded.ok
+    span = lambda r: sum(x.end - x.start for x in r.records if x.phase == "compute")  # noqa: E731
+    assert span(loaded) > span(quiet)
 
 
 def test_host_model_is_deterministic_and_keeps_invariants():

@@ -51,7 +51,13 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       completion) in a rank loop, before CPU sharing
 #   fill_latency_us     hw-mode prefill 'forward' (pattern fill of one chunk):
 #   fill_bandwidth_gbs    t = fill_latency + KV bytes of the chunk / fill_bandwidth (GB/s)
-HOST_FIELDS: tuple[str, ...] = (
+# optional (absent: 0), cpu-loop only:
+#   background_cores    cores other processes on the host keep busy
+#   loop_poll_us        a rank loop's poll period while its threads work: a finished
+#                       fill, gather or scatter waits half of it on average
+#   forward_nice        the forward thread's nice level above the loop's (CPU weight
+#                       1.25 ** -nice)
+HOST_REQUIRED: tuple[str, ...] = (
     "host_model",
     "host_cores",
     "engine_thread_cores",
@@ -59,6 +65,8 @@ HOST_FIELDS: tuple[str, ...] = (
     "fill_latency_us",
     "fill_bandwidth_gbs",
 )
+HOST_OPTIONAL: tuple[str, ...] = ("background_cores", "loop_poll_us", "forward_nice")
+HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
 
 # The transfer engine's posting and the NIC's message rate (sim/links.py), per link
@@ -136,6 +144,9 @@ class HostNumbers:
     event_s: float
     fill_latency_s: float
     fill_bandwidth_bytes_s: float
+    background_cores: float = 0.0
+    loop_poll_s: float = 0.0
+    forward_nice: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +203,9 @@ class _ProfileNumbers(_Table):
     event_us: NonNegFloat | None = None
     fill_latency_us: NonNegFloat | None = None
     fill_bandwidth_gbs: PosFloat | None = None
+    background_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    loop_poll_us: NonNegFloat | None = None
+    forward_nice: Annotated[float, Field(ge=-20, le=39)] | None = None
 
 
 def _looks_like_path(profile: str) -> bool:
@@ -351,12 +365,12 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
     """The cpu-loop host model in SI units; None with the default GPU model."""
     if merged.get("host_model", "gpu") != "cpu-loop":
         return None
-    for key in HOST_FIELDS[1:]:
+    for key in HOST_REQUIRED[1:]:
         if merged.get(key) is None:
             raise _FieldProblem(
                 {key: None},
                 f'profile {profile!r} has host_model = "cpu-loop" but no {key}; '
-                f"set links.{key} (kvstage calibrate writes all of {', '.join(HOST_FIELDS)}) "
+                f"set links.{key} (kvstage calibrate writes all of {', '.join(HOST_REQUIRED)}) "
                 'or host_model = "gpu"',
             )
     return HostNumbers(
@@ -365,6 +379,9 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         event_s=merged["event_us"] / 1e6,
         fill_latency_s=merged["fill_latency_us"] / 1e6,
         fill_bandwidth_bytes_s=merged["fill_bandwidth_gbs"] * 1e9,
+        background_cores=float(merged.get("background_cores") or 0.0),
+        loop_poll_s=(merged.get("loop_poll_us") or 0.0) / 1e6,
+        forward_nice=float(merged.get("forward_nice") or 0.0),
     )
 
 

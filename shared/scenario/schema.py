@@ -222,10 +222,11 @@ class LinksConfig(_ProfileNumbers):
     the merged numbers in SI units.
 
     Host model (opt-in, HOST_FIELDS): `host_model = "cpu-loop"` makes the simulator
-    model each rank as the single-threaded loop of hardware mode (sim/host.py):
-    `host_cores` cores shared by the P + D rank loops and their engines'
-    `engine_thread_cores` each, `event_us` of loop time per delivered event, and the
-    pattern-fill forward `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`.
+    model each rank as hardware mode's process (sim/host.py): a loop (`event_us` of
+    CPU per delivered event, polling its threads every `loop_poll_us`), a forward
+    thread (pattern fill `fill_latency_us` + KV bytes / `fill_bandwidth_gbs`, at nice
+    `forward_nice`) and a copy thread, all sharing `host_cores` cores with their
+    engines' `engine_thread_cores` each and other processes' `background_cores`.
     `kvstage calibrate` writes all of them; absent or "gpu" keeps the GPU model.
     """
 
