@@ -24,6 +24,7 @@ from kvstage.shared.events import (
     Event,
     OpenRoom,
     PeerLost,
+    PeerRejoined,
     ReleaseRoom,
     RoomDone,
     RoomFailed,
@@ -137,6 +138,10 @@ class DecodeMachine(MachineBase):
         # failed rooms whose staging regions and KV pages are kept out of reuse
         self._quarantine: dict[int, _Quarantine] = {}
         self.scatters_issued = 0
+        # writers that were lost and rejoined as a new incarnation: (role, rank) ->
+        # (incarnation, first room it serves); rooms before it stay the lost one's
+        self._rejoined: dict[tuple[str, int], tuple[int, int]] = {}
+        self._incarnation: dict[tuple[str, int], int] = {}  # the newest incarnation known
 
     # --- public -------------------------------------------------------------------------
     @property
@@ -187,7 +192,7 @@ class DecodeMachine(MachineBase):
             return
         if room is None:
             room = self._new_room(ev.room, now)
-        dead_writers = [(r, k) for (r, k) in self.dead_peers if k in room.writers]
+        dead_writers = [(r, k) for (r, k) in self.dead_peers if k in room.writers and self._gone_for(k, ev.room)]
         if dead_writers:
             dead = ", ".join(f"{r}{k}" for (r, k) in dead_writers)
             self._fail(room, f"decode rank {self.rank}: writer {dead} is gone", now, out)
@@ -235,14 +240,55 @@ class DecodeMachine(MachineBase):
         """A writer is gone: every room needs it, so fail them and stop sending to it."""
         if ev.role != "prefill" or ev.rank not in self._all_writers:
             return
-        self.dead_peers[(ev.role, ev.rank)] = ev.reason or "lost"
-        if ev.rank in self._subscribers:
-            self._subscribers.remove(ev.rank)
+        key = (ev.role, ev.rank)
+        if 0 <= ev.incarnation < self._incarnation.get(key, -1):
+            return  # an earlier incarnation than the one that rejoined since: stale
+        self._rejoined.pop(key, None)  # a new incarnation lost too: every room needs it
+        self._lose(ev.rank, ev.reason or "lost", now, out)
+
+    def _lose(self, rank: int, reason: str, now: float, out: list[Action], before: int | None = None) -> None:
+        """Writer `rank` is gone: fail its live rooms (those before room `before` only,
+        when given) and stop sending it watermarks."""
+        self.dead_peers[("prefill", rank)] = reason
+        if rank in self._subscribers:
+            self._subscribers.remove(rank)
         for room in list(self._rooms.values()):
-            if ev.rank not in room.writers:
+            if rank not in room.writers:
                 continue  # a room of another prefill instance: it does not need this writer
-            self._fail(room, f"writer prefill rank {ev.rank} is gone: {ev.reason or 'lost'}", now, out,
-                       skip_writer=ev.rank)
+            if before is not None and room.room >= before:
+                continue  # the rejoining incarnation's to serve
+            self._fail(room, f"writer prefill rank {rank} is gone: {reason}", now, out, skip_writer=rank)
+
+    def _on_peer_rejoined(self, ev: PeerRejoined, now: float, out: list[Action]) -> None:
+        """A lost writer rejoined as a new incarnation: rooms from `ev.first_room` on may
+        open with it. Rooms before it are the lost incarnation's: those that failed stay
+        failed, a room still waiting for it (the loss was not detected yet) fails now as
+        PeerLost fails it, and a later one fails when it opens."""
+        if ev.role != "prefill" or ev.rank not in self._all_writers:
+            return
+        key = (ev.role, ev.rank)
+        if ev.incarnation <= self._incarnation.get(key, -1):
+            return  # not newer than what rejoined already: stale or repeated
+        self._incarnation[key] = ev.incarnation
+        if key not in self.dead_peers or key in self._rejoined:
+            # the incarnation it replaces was not declared lost (it restarted within the
+            # failure detector's timeout, or a rejoined one restarted again): lost now
+            self._rejoined.pop(key, None)
+            self._lose(ev.rank, f"prefill rank {ev.rank} restarted as a new incarnation: its earlier "
+                       f"incarnation is gone", now, out, before=ev.first_room)
+        self._rejoined[key] = (ev.incarnation, ev.first_room)
+
+    def _gone_for(self, prefill_rank: int, room: int) -> bool:
+        """Whether a writer declared lost is still gone for `room` (no incarnation of
+        it that rejoined serves the room)."""
+        rejoined = self._rejoined.get(("prefill", prefill_rank))
+        return rejoined is None or room < rejoined[1]
+
+    def _replaced(self, prefill_rank: int, room: int) -> bool:
+        """The writer rejoined as a new incarnation that does not serve `room`: nothing
+        of it will ever write into the room, nor answer about it."""
+        rejoined = self._rejoined.get(("prefill", prefill_rank))
+        return rejoined is not None and room < rejoined[1]
 
     # --- messages -----------------------------------------------------------------------
     def _writer_for(self, msg, now: float, out: list[Action]) -> int | None:
@@ -443,7 +489,11 @@ class DecodeMachine(MachineBase):
         del self._rooms[room.room]
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
                 if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
-        waiting = {p for p in room.writers if p != skip_writer}
+        if self._rejoined:  # a writer's new incarnation knows nothing of an older room
+            told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
+        else:
+            told = [p for p in room.writers if p != skip_writer]
+        waiting = set(told)
         exposed = room.chunks is not None or held
         if exposed and waiting:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
@@ -451,9 +501,8 @@ class DecodeMachine(MachineBase):
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
-        for p in room.writers:
-            if p != skip_writer:
-                out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
+        for p in told:
+            out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
         self._finish(room.room, ok=False)
         self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
         out.append(RoomFailed(room.room, reason))
@@ -575,6 +624,7 @@ class DecodeMachine(MachineBase):
         AbortRoom: _on_abort_local,
         Tick: _on_tick,
         PeerLost: _on_peer_lost,
+        PeerRejoined: _on_peer_rejoined,
         StagingReq: _on_req,
         ChunkReady: _on_ready,
         WriterDone: _on_writer_done,

@@ -77,11 +77,38 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class PeerLost:
-    """The driver's failure detector says a peer rank is gone for good."""
+    """The driver's failure detector says a peer rank is gone (its incarnation for good).
+
+    `incarnation`: which incarnation of the peer was lost (-1: whichever is current). A
+    loss of an earlier incarnation than one that already rejoined is stale and ignored
+    (the simulator's modeled detection of a rank that restarted before it fired)."""
 
     role: str
     rank: int
     reason: str = ""
+    incarnation: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRejoined:
+    """A lost peer rank was started again and rejoined the run as a new incarnation.
+
+    Rooms from `first_room` on (room ids follow arrival order) are the new
+    incarnation's to serve; rooms before it stay the lost incarnation's: those that
+    already failed stay failed, and any still waiting for it fail as PeerLost fails
+    them. The driver that delivers this chose `first_room` as the first room this
+    rank had not yet seen arrive (`RankRuntime.next_room`), so every room that opens
+    here from now on is one the new incarnation serves. A rejoin of an incarnation
+    not newer than the last one known is stale and ignored.
+
+    Only a prefill rank rejoins (the decode's machine takes this): a decode rank that
+    restarted would bring an empty staging ring and KV pool, and its writers' views of
+    its watermark would have to go back."""
+
+    role: str
+    rank: int
+    incarnation: int
+    first_room: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +177,7 @@ Event = (
     | Tick
     | AbortRoom
     | PeerLost
+    | PeerRejoined
 )
 
 

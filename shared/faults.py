@@ -3,7 +3,7 @@
 `FaultPlan` is a seeded, pure decision maker: drivers ask it, at the message and
 action boundary, what happens to a message (dropped, duplicated, delayed) and
 whether a room is aborted at a phase, a scatter stalls, a session starts late or
-a rank dies. Every rank has its own plan, drawn from the seed and the rank
+a rank dies (and is started again). Every rank has its own plan, drawn from the seed and the rank
 (`shared.runtime.fault_stream`), and asks it in its own event order, so a scenario
 injects the same faults on the same ranks in both modes.
 The schema (`FaultsConfig`) is the scenario's `[faults]` table.
@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstage.shared.protocol import (
     Abort,
@@ -81,9 +81,23 @@ class LateSession(_Strict):
 
 
 class KillRank(_Strict):
+    """A rank dies at `at_s` (as if SIGKILLed). With `restart_after_s` (prefill ranks
+    only) it is started again that long after: its peers learn of the new incarnation
+    (hardware mode: the launcher spawns it again and it re-registers with the
+    rendezvous) and it serves the rooms that had not arrived yet; the rooms it left in
+    flight fail as for a kill alone (PeerLost), the later ones finish."""
+
     role: Literal["prefill", "decode"]
     rank: Annotated[int, Field(ge=0)]
     at_s: Annotated[float, Field(ge=0, le=86400)]
+    restart_after_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+
+    @model_validator(mode="after")
+    def _only_prefill_restarts(self) -> KillRank:
+        if self.restart_after_s is not None and self.role != "prefill":
+            raise ValueError("only a prefill rank can restart (restart_after_s): a decode rank's staging ring "
+                             "and KV pool would come back empty under its writers")
+        return self
 
 
 class FaultsConfig(_Strict):

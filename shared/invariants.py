@@ -11,7 +11,9 @@ time and the records seen just before, so a report says where to look.
 2. Exactly once: a chunk is scattered at most once, and every chunk of a room
    that finished is scattered (staging) or landed (slice).
 3. No leak: at the end every decode ring is empty.
-4. Liveness: every room that opened finished (done or failed with a reason).
+4. Liveness: every room that opened finished (done or failed with a reason); a rank
+   that died is excused its open rooms (`finish(ignore_ranks=...)`, or `retire` when
+   it starts again as a new incarnation).
 5. Monotone watermark at every decode rank and in every prefill view.
 """
 
@@ -212,6 +214,14 @@ class InvariantChecker:
         # data of a failed room's chunks that were never scattered is dropped with its free
         for key in [k for k in self._live.get(r.rank, {}) if k[0] == r.room and r.phase == "room_done"]:
             self._close(r.rank, key, r.end)
+
+    def retire(self, role: str, rank: int) -> None:
+        """A rank's incarnation died and the rank starts again as a new one: the rooms
+        the dead incarnation left open are not its successor's to end (their peers fail
+        them), so liveness no longer expects them of this rank. The successor's own
+        rooms are tracked from its first record, as any rank's."""
+        for key in [k for k in self._open if k[0] == role and k[1] == rank]:
+            del self._open[key]
 
     # --- end of run ---------------------------------------------------------------------
     def finish(

@@ -13,6 +13,10 @@ runtime decides, identically in both modes:
   (message drop / duplicate / delay, abort at a phase, a stalled scatter, a late
   session, a kill), so a scenario injects the same faults on the same ranks in both
   modes;
+- a killed rank's next incarnation (`restarted`): a prefill rank started again
+  serves the rooms from the first one its decode peers had not yet seen arrive when
+  they learnt of the rejoin (`next_room`, PeerRejoined); the rooms before it were the
+  lost incarnation's (failed, or done before the crash);
 - delayed deliveries (held here, released when due) and deferred completions;
 - when a room's KV pages may be reused (on the machine's `ReleaseRoom`, after the
   forwards writing them and the verification reading them ended);
@@ -75,6 +79,8 @@ ROLES = ("prefill", "decode")
 _ROOM_MESSAGES = frozenset(t for t in MESSAGE_TYPES if "room" in t.__dataclass_fields__)
 # trace rows for messages about rooms outside the workload; past this only counted
 MAX_FOREIGN_TRACED = 1000
+# completions of work the runtime handed out (a restarted one drops its predecessor's)
+_COMPLETIONS = frozenset({ForwardStarted, ForwardDone, GatherDone, WriteDone, ScatterDone, VerifyDone, GenerateDone})
 
 
 def rank_name(role: str, rank: int) -> str:
@@ -210,6 +216,9 @@ class RankRuntime:
         verify: bool = False,
         sessions: Sessions | None = None,
         generate: bool = False,
+        first_room: int | None = None,
+        started_at: float = 0.0,
+        incarnation: int = 0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} not allowed (allowed: {', '.join(ROLES)})")
@@ -226,8 +235,15 @@ class RankRuntime:
         else:
             self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config, sessions=self.sessions)
         requests = requests if requests is not None else generate_requests(scenario)
+        self.scenario = scenario
+        self._given = (requests, kv_pages, verify, generate)  # what a restarted incarnation is built from
+        # A restarted incarnation (first_room given: `restarted`) serves the rooms from
+        # first_room on; the rooms before it were its lost predecessor's.
+        self.first_room = first_room
+        self.incarnation = incarnation
         # the rooms routed to this rank's instance (all of them with one instance each)
-        self.requests = [r for r in requests if self.sessions.serves(role, rank, r.room)]
+        self.requests = [r for r in requests if self.sessions.serves(role, rank, r.room)
+                         and (first_room is None or r.room >= first_room)]
         # Exact accounting: the rank is finished when each of these rooms ended, by id;
         # a message about any other room is dropped and counted, never progress.
         self._workload = {r.room for r in self.requests}
@@ -240,9 +256,15 @@ class RankRuntime:
         faults = scenario.faults
         self.plan = FaultPlan(faults, scenario.workload.seed, stream=fault_stream(role, rank))
         self._message_faults = faults.any_message_fault
-        self.join_at = self.plan.session_delay_s(rank) if role == "prefill" else 0.0
-        kills = [k.at_s for k in faults.kill if k.role == role and k.rank == rank]
-        self.kill_at: float | None = min(kills) if kills else None
+        # a late session starts late once; its restarted incarnation joins when it joins
+        self.join_at = self.plan.session_delay_s(rank) if role == "prefill" and first_room is None else 0.0
+        kills = sorted((k.at_s, k.restart_after_s or 0.0) for k in faults.kill if k.role == role and k.rank == rank
+                       and (first_room is None or k.at_s > started_at))  # a restart takes the later kills only
+        self.kill_at: float | None = kills[0][0] if kills else None
+        # when the killed rank starts again (faults: kill restart_after_s): the driver restarts it
+        self.restart_after_s: float | None = (kills[0][1] or None) if kills else None
+        if first_room is not None and any(k.restart_after_s for k in faults.kill if k.role == role and k.rank == rank):
+            self.plan.count(f"restart:{role}")  # the scenario's restart (not one by hand)
         self.dead = False
         self.events = 0
         self.failures: dict[int, str] = {}
@@ -256,6 +278,22 @@ class RankRuntime:
         # rooms the machine released before they were admitted here (failed by a peer
         # first): when they are admitted, the machine never touches their memory
         self._released_unadmitted: set[int] = set()
+        self._last_arrived = -1  # the newest room that arrived here (room ids follow arrival order)
+
+    def restart(self, incarnation: int, first_room: int, now: float) -> None:
+        """Become this rank's next incarnation, started again at `now` after it died:
+        everything fresh (machine, memory, fault plan), serving the rooms from
+        `first_room` on (the rooms before it were the lost incarnation's: its peers
+        failed those, or they were done). No kill fault at or before `now`, no
+        late-session delay. The simulator restarts a runtime in place, so that its
+        executors (streams, loops) keep their key: a completion of the lost
+        incarnation's work that comes in later names a room before `first_room` and
+        is dropped, and a message about one is dropped as foreign, as a new process
+        would. (Hardware mode builds the new incarnation's runtime with `first_room`.)"""
+        requests, kv_pages, verify, generate = self._given
+        self.__init__(self.scenario, self.role, self.rank, requests=requests, kv_pages=kv_pages, verify=verify,
+                      sessions=self.sessions, generate=generate, first_room=first_room, started_at=now,
+                      incarnation=incarnation)
 
     # --- what the driver reads ---------------------------------------------------------
     @property
@@ -266,9 +304,10 @@ class RankRuntime:
     @property
     def settled(self) -> bool:
         """Finished: every request ended here, nothing in flight, owed or held back.
-        A dead rank is settled (it will never do anything again)."""
+        A dead rank is settled (it will never do anything again), unless its fault
+        restarts it (then its next incarnation has to settle)."""
         if self.dead:
-            return True
+            return self.restart_after_s is None
         return (
             not self._open_rooms
             and self.machine.settled
@@ -278,6 +317,12 @@ class RankRuntime:
             and not self._held
             and not self._memory
         )
+
+    @property
+    def next_room(self) -> int:
+        """The first room that has not arrived here yet (room ids follow arrival order):
+        a peer that rejoins now serves the rooms from this one on (PeerRejoined)."""
+        return self._last_arrived + 1
 
     @property
     def outstanding(self) -> int:
@@ -372,6 +417,8 @@ class RankRuntime:
         kind = type(event)
         handler = self._LOCAL.get(kind)
         if handler is not None:
+            if self.first_room is not None and kind in _COMPLETIONS and event.room < self.first_room:
+                return  # the lost incarnation's work, finishing after the restart
             handler(self, event, now, out)
             return
         if kind in _ROOM_MESSAGES and event.room not in self._workload:
@@ -424,11 +471,16 @@ class RankRuntime:
             self._feed(AbortRoom(a.room, "fault injection: aborted while scattering"), now, out)
 
     def _drop_foreign(self, msg, now: float, out: list[Action]) -> None:
-        """A peer's message about a room that is not in this run's workload."""
+        """A peer's message about a room that is not in this run's workload (or was the
+        lost incarnation's, in a restarted one)."""
         self.dropped += 1
         if self.dropped <= MAX_FOREIGN_TRACED:
+            if self.first_room is not None and msg.room < self.first_room:
+                why = f"a room of this rank's lost incarnation (this one serves rooms from {self.first_room})"
+            else:
+                why = "not in this run"
             out.append(Record(TraceRecord(self.role, self.rank, "dropped", now, now, room=msg.room,
-                                          detail=f"{type(msg).__name__} for room {msg.room}, not in this run")))
+                                          detail=f"{type(msg).__name__} for room {msg.room}, {why}")))
 
     def _route_done(self, a: RoomDone, now: float, out: list[Action]) -> None:
         self._open_rooms.discard(a.room)
@@ -514,6 +566,10 @@ class RankRuntime:
         self._open_rooms.add(request.room)
 
     def _on_arrive(self, ev: Arrive, now: float, out: list[Action]) -> None:
+        if ev.request.room > self._last_arrived:
+            self._last_arrived = ev.request.room
+        if self.first_room is not None and ev.request.room < self.first_room:
+            return  # the lost incarnation's room
         self._waiting.append(ev.request)
         self._admit(now, out)
         if self.role == "decode" and self._waiting and self._waiting[-1] is ev.request:

@@ -37,6 +37,7 @@ from kvstage.shared.events import (
     GatherDone,
     Generate,
     PeerLost,
+    PeerRejoined,
     Record,
     RoomDone,
     RoomFailed,
@@ -319,9 +320,33 @@ class Simulation:
         else:
             peers = [self.prefill[p] for p in ss.all_writers(rt.rank)]
         peers = [peer for peer in peers if peer is not None]
-        lost = PeerLost(rt.role, rt.rank, a.reason)
+        lost = PeerLost(rt.role, rt.rank, a.reason, rt.incarnation)
         for peer in peers:
             self._at(PEER_TIMEOUT_S, self._feed, peer, lost)  # silent that long: lost, as in hardware
+        if rt.restart_after_s is not None:  # faults: kill restart_after_s
+            self._at(rt.restart_after_s, self._restart, rt)
+
+    def _restart(self, rt: RankRuntime, _ev=None) -> None:
+        """A killed prefill rank starts again as its next incarnation (hardware mode: it
+        re-registers with the rendezvous, which tells its decode peers): each peer names
+        the first room it has not seen arrive and serves the rank's rooms from there on
+        (PeerRejoined); the new incarnation serves the rooms from the smallest of those
+        (RankRuntime.restart). Rooms that already arrived from there on reach it now."""
+        peers = [self.decode[d] for d in self.sessions.all_targets(rt.rank)]
+        peers = [peer for peer in peers if peer is not None and not peer.dead]
+        incarnation = rt.incarnation + 1
+        first = min((peer.next_room for peer in peers), default=len(self.requests))
+        for peer in peers:
+            self._feed(peer, PeerRejoined(rt.role, rt.rank, incarnation, peer.next_room))
+        if self.checker is not None:
+            self.checker.retire(rt.role, rt.rank)  # its lost incarnation's rooms are not its to end
+        rt.restart(incarnation, first, self.env.now)
+        arrived = len(self.requests) - self._arrivals_left  # rooms are numbered in arrival order
+        for req in rt.requests:
+            if req.room >= arrived:
+                break
+            self._feed(rt, Arrive(req))
+        self._feed(rt, _TICK)
 
     # --- the end of the run ----------------------------------------------------------------
     def _maybe_end(self) -> None:
