@@ -34,24 +34,22 @@ How the simulation is set up to model what the hardware run does:
   which the simulator's single forward stream and per-rank copy streams do not know;
 - variant "host" turns on the simulator's host model (links.host_model = "cpu-loop",
   sim/host.py) with the calibrated host fields (kvstage calibrate writes them into the
-  profile): every rank is one single-threaded loop, as in hw/rank.py, on which each
-  delivered event (event_us), each prefill rank's own pattern fills (one chunk per
-  loop turn, fill_latency_us + bytes / fill_bandwidth_gbs), gathers and scatters take
-  turns, all loop work stretched by max(1, (P + D) * (1 + engine_thread_cores) /
-  host_cores); "cal" and "cal+cpu" force the default GPU model (host_model = "gpu");
+  profile): every rank a hardware-mode process, a loop (event_us of CPU per event,
+  polling its threads every loop_poll_us), a forward thread (pattern fill, nice
+  forward_nice) and a copy thread (gathers / scatters), all on the host's cores shared
+  weighted-fair and re-shared whenever a job starts or ends, beside the engines'
+  threads and other processes (background_cores, as measured while calibrating); plus
+  the in-run factors (fill, copy, control, write) calibrate fits from a short hardware
+  run of its own P1 -> D1 scenario (kvstage/calibrate_inrun.py); "cal" and "cal+cpu"
+  force the default GPU model (host_model = "gpu");
+- variant "host+load": "host" with background_cores set to the other processes' load
+  the reference hw run recorded (its summary.json conditions): a measured input of the
+  run, not a fit;
 - hardware.verify = "sample": verification is hw-only work on the decode loop.
-A third, diagnostic variant "oracle" (--no-oracle drops it) feeds the simulator the
-hw run's own per-step means (forward, control delay, write, gather) instead of the
-calibration: what remains of its error is model structure, not input numbers. It is
-not a calibration and does not count for the target.
-
-Not modeled by the GPU-model variants (so expected misses): OS scheduling of P + D
-busy-polling processes on few cores, the Python cost of handling each message and
-action in a rank's single-threaded loop (a rank cannot receive while it fills or
-gathers), the engine's CPU copies competing with the ranks for the same cores. The
-"host" variant models the loop and, statically, the CPU sharing; not modeled there:
-the decode's verification on idle turns, the engine's CPU copies during transfers,
-the time-varying number of runnable loops.
+A diagnostic variant "oracle" (--no-oracle drops it): "host+load" with the in-run
+factors fitted to the case's own reference hw run instead of the calibration
+scenario: what remains of its error is model structure, not input numbers. It is not
+a calibration and does not count as the best calibrated variant.
 
     .venv/bin/python benchmarks/fidelity.py [--backends nixl] [--quick] [--requests 6]
         [--profile runs/calibration/x.toml] [--only fanin-p2-d1,...] [--out DIR]
@@ -265,7 +263,7 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
     return runs
 
 
-def sim_variants(scenario, cal: Calibration, ref: RunData, oracle: bool) -> tuple[dict[str, list[str]], dict]:
+def sim_variants(scenario, cal: Calibration, ref: RunData) -> tuple[dict[str, list[str]], dict]:
     """Per variant, the --set overrides of the simulation (see the module docstring),
     and the numbers derived on the way."""
     g = scenario.geometry()
@@ -294,22 +292,27 @@ def sim_variants(scenario, cal: Calibration, ref: RunData, oracle: bool) -> tupl
     if cond.get("other_cpu_share") is not None:
         load = cond["other_cpu_share"] * (cond.get("cores") or cores)
         variants["host+load"] = [*variants["host"], f"links.background_cores={load!r}"]
-    if oracle:
-        # Diagnostic, NOT a calibration: per-step means of the reference hw run's own
-        # trace, to separate wrong inputs from missing model structure.
-        m = {p: ref.phase_mean(p) for p in PHASES}
-        ctrl = [m[p] for p in ("ctrl STAGING_REQ", "ctrl STAGING_RSP", "ctrl CHUNK_READY") if m[p] == m[p]]
-        over = [gpu]
-        if m["forward"] == m["forward"] and m["forward"] > 0:
-            over.append(f"prefill.tokens_per_s={chunk_tokens / m['forward']!r}")
-        if ctrl:
-            over.append(f"links.control_latency_us={statistics.fmean(ctrl) * 1e6!r}")
-        if m["write"] == m["write"]:
-            over.append(f"links.intra_latency_us={m['write'] * 1e6!r}")
-        if m["gather"] == m["gather"]:
-            over.append(f"links.kernel_launch_us={m['gather'] * 1e6!r}")
-        variants["oracle"] = over
     return variants, {"cal": tps, "host_slowdown": slow}
+
+
+def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
+    """Diagnostic, NOT a calibration: the host model with its in-run factors fitted
+    (kvstage/calibrate_inrun.py) to this case's own reference hw run instead of the
+    calibration scenario's; what error remains is model structure, not input numbers."""
+    from kvstage.calibrate_inrun import FACTORS, fit_factors, kind_means
+    from kvstage.sim.driver import Simulation
+    from kvstage.steps import step_mean
+
+    names = {name for name, _ in FACTORS.values()}
+    base = [o for o in host if o.split("=", 1)[0].removeprefix("links.") not in names]
+    target = {kind: step_mean(ref.phases, *steps) for kind, (_, steps) in FACTORS.items()}
+
+    def simulate(factors: dict[str, float]) -> dict[str, float]:
+        s = load_scenario(spath, overrides=[*base, *(f"links.{k}={v!r}" for k, v in factors.items())])
+        return kind_means(Simulation(s, check=False).run().records)
+
+    factors, _ = fit_factors(target, simulate)
+    return [*base, *(f"links.{k}={v!r}" for k, v in factors.items())]
 
 
 def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: argparse.Namespace,
@@ -323,7 +326,9 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
     scenario = load_scenario(spath)
     res = Outcome(case)
     res.hw = hw_runs(case, scenario, sdir, backend, args, console)
-    variants, res.tokens_per_s = sim_variants(scenario, cal, res.ref, args.oracle)
+    variants, res.tokens_per_s = sim_variants(scenario, cal, res.ref)
+    if args.oracle:
+        variants["oracle"] = oracle_overrides(spath, variants.get("host+load", variants["host"]), res.ref)
     quiet = Console(file=io.StringIO(), width=120)
     for variant, overrides in variants.items():
         sim_s = load_scenario(spath, overrides=overrides)

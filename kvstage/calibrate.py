@@ -27,7 +27,7 @@ points):
   post_threads come from it;
 - the host model (sim/host.py, profile fields host_*): the CPU an idle engine process
   burns (engine_thread_cores), the CPU of one loop event (event_us: the state
-  machine's handle() cost, `measure_handle_cost`, a small simulation measured here and
+  machine's handle() cost, calibrate_inrun.measure_handle_cost, a small simulation measured here and
   handed to the probe as an extra measurement, plus one control message's CPU from the
   control ping), the fill fit (fill_latency_us, fill_bandwidth_gbs), this host's usable
   cores (host_cores), the cores other processes kept busy meanwhile
@@ -51,13 +51,20 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvstage.calibrate_inrun import (
+    FACTORS,
+    fit_profile,
+    measure_handle_cost,
+    measure_inrun,
+    rank_loop_constants,
+)
 from kvstage.calibrate_posting import PostingFit, fit_posting
 from kvstage.hw import probe
 from kvstage.hw.probe import KIB, MIB, CalibrationError, CalibrationPlan, ProgressFn, usable_cores
@@ -247,55 +254,6 @@ def median_of(reps: Sequence[Sequence[float]]) -> list[float]:
 # =========================================================================== measuring
 
 
-def measure_handle_cost(progress: ProgressFn) -> dict[str, Any]:
-    """CPU cost of one protocol event in a rank's loop: time every machine.handle() call
-    of a small simulated fan-in run (in-process; no I/O, so this is the state machine's
-    own Python cost, without the codec and ZMQ that the control round trip holds)."""
-    from kvstage.shared.scenario import scenario_from_dict
-    from kvstage.sim.driver import Simulation
-
-    scenario = scenario_from_dict({
-        "name": "calibrate-handle-cost",
-        "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
-        "prefill": {"tp": 2, "chunked_prefill_size": 256},
-        "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 16},
-        "links": {"profile": "loopback-cpu", "placement": "intra"},
-        "workload": {"requests": 16, "arrival": "fixed", "rate_per_s": 50.0, "prompt": "uniform",
-                     "prompt_min": 512, "prompt_max": 2048, "seed": 1},
-    })
-    sim = Simulation(scenario, check=False)
-    times: list[float] = []
-    clock = time.perf_counter
-
-    def timed(handle: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(event: Any, now: float) -> Any:
-            t0 = clock()
-            out = handle(event, now)
-            times.append(clock() - t0)
-            return out
-        return wrapper
-
-    for m in [*sim.prefill, *sim.decode]:
-        m.handle = timed(m.handle)
-    progress("events", 0, 1)
-    sim.run()
-    progress("events", 1, 1)
-    xs = sorted(times)
-    return {"events": len(xs), "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
-            "median_s": float(statistics.median(xs)) if xs else 0.0,
-            "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
-
-
-def rank_loop_constants(device: str) -> dict[str, float]:
-    """How hardware mode's rank processes run their work (not measured: set in hw/):
-    the loop's poll period while its threads work, and the forward thread's nice level
-    (on a CPU device; a GPU forward is not reniced)."""
-    from kvstage.hw.prefill_rank import FORWARD_NICE
-    from kvstage.hw.rank import BUSY_POLL_S
-
-    return {"busy_poll_s": BUSY_POLL_S, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
-
-
 def measure(
     backend: str,
     device: str = "cpu",
@@ -313,6 +271,7 @@ def measure(
     raw["posting"] = measure_posting(backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress)
     raw["conditions"] = conditions.measure(before)  # how busy other processes kept the host
     raw["rank_loop"] = rank_loop_constants(device)
+    raw["inrun"] = measure_inrun(backend, device, progress)  # kvstage/calibrate_inrun.py
     return raw
 
 
@@ -349,6 +308,7 @@ class Calibration:
     gpu_flops: float
     profile: dict[str, Any] = field(default_factory=dict)
     posting: PostingFit | None = None  # None: raw points without the posting probe
+    inrun: dict[str, Any] = field(default_factory=dict)  # in-run factors' fit ({}: none)
 
     # --- derived numbers -----------------------------------------------------------
     @property
@@ -451,6 +411,7 @@ class Calibration:
             "background_cores": _r(self.background_cores),
             "loop_poll_us": _r(self.rank_loop["busy_poll_s"] * 1e6),
             "forward_nice": _r(float(self.rank_loop["forward_nice"])),
+            **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
     def fit_table(self) -> dict[str, Any]:
@@ -580,9 +541,19 @@ class Calibration:
             f"background_cores = {p['background_cores']!r}",
             f"loop_poll_us = {p['loop_poll_us']!r}",
             f"forward_nice = {p['forward_nice']!r}",
+            "# In-run factors (kvstage/calibrate_inrun.py): a short hw run's mean step times over the",
+            f"# simulation's (fill, copy, control): {self._inrun_note()}",
+            *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),
         ]
         return "\n".join(lines) + "\n"
 
+
+    def _inrun_note(self) -> str:
+        if not self.inrun:
+            why = "; ".join((self.raw.get("inrun") or {}).get("errors") or []) or "not measured"
+            return f"none ({why[:60]}), all 1."
+        t = self.inrun["target"]
+        return "hw " + ", ".join(f"{k} {t[k] * 1e3:.2f} ms" for k in FACTORS) + "."
 
     def _engine_toml(self, p: dict[str, Any]) -> list[str]:
         """The posting fields with what was measured (kvstage/calibrate_posting.py)."""
@@ -625,7 +596,7 @@ def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Cali
     fill = fit_latency_bandwidth(k["fill"]["bytes"], median_of(k["fill"]["seconds"]))
     mm = k["matmul"]
     flops = 2.0 * mm["n"] ** 3 / statistics.median(mm["seconds"])
-    return Calibration(
+    cal = Calibration(
         backend=backend,
         device=device,
         quick=quick,
@@ -645,6 +616,8 @@ def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Cali
         gpu_flops=flops,
         posting=fit_posting(raw["posting"]) if raw.get("posting") else None,
     )
+    cal.inrun = fit_profile(cal.profile_fields(), raw.get("inrun"))
+    return cal
 
 
 def calibrate(

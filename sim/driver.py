@@ -66,7 +66,7 @@ from kvstage.sim.decode_batch import DecodeBatches
 from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
-from kvstage.sim.host import HostModel
+from kvstage.sim.host import HostModel, scaled_link
 from kvstage.sim.links import Fabric, LinkParams
 
 _INF = float("inf")
@@ -181,6 +181,7 @@ class Simulation:
         self.control_latency = lk.control_latency_s
         self.gpu = GpuParams(mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s, launch_s=lk.kernel_launch_s)
         self.link = LinkParams(lk.link.bandwidth_bytes_s, lk.link.latency_s, lk.link.per_request_s)
+        self.write_link = lk.link  # the numbers bulk and slice writes take
         self.fabric = Fabric(self.env)
         bw = lk.link.bandwidth_bytes_s
         if not self.sessions.single:
@@ -207,6 +208,8 @@ class Simulation:
         """The cpu-loop host model: per rank a loop and worker threads on shared cores."""
         self.hostm = HostModel(self.env, self.host, self.runtimes, self.prefill)
         self.loops = self.hostm.loops
+        self.control_latency *= self.host.control_scale  # a message among busy ranks
+        self.write_link = scaled_link(self.write_link, self.host.write_scale)  # a write among busy ranks
         for rt in self.prefill:  # a late session's loop starts late
             if rt.join_at:
                 self.loops[rt].wait(rt.join_at)
@@ -275,7 +278,7 @@ class Simulation:
             requests = 1 if kind is Write else a.requests
             ev = self.fabric.transfer(  # the scenario's link numbers: engine posting + NIC message rate
                 self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes,
-                self.scenario.links.resolved().link, requests, poster=rt.rank,
+                self.write_link, requests, poster=rt.rank,
             )
             ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
             if self.fold is not None:
@@ -297,7 +300,7 @@ class Simulation:
         dur = copy_time(self.gpu, a.nbytes)
         done = GatherDone(a.room, a.chunk, a.decode_rank)
         if self.host is not None:  # on the rank's copy thread; its loop reports it
-            self.hostm.offload(self.hostm.copies[rt], rt, dur, self._feed, done)
+            self.hostm.copy(rt, dur, self._feed, done)
             return
         end = self.gather_stream[rt.rank].reserve(now, dur)
         self._at(end - now, self._feed, rt, done)
@@ -306,7 +309,7 @@ class Simulation:
         dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[rt.rank])
         done = ScatterDone(a.room, a.chunk)
         if self.host is not None:  # on the rank's copy thread; its loop reports it
-            self.hostm.offload(self.hostm.copies[rt], rt, dur, self._feed, done)
+            self.hostm.copy(rt, dur, self._feed, done)
             return
         end = self.scatter_stream[rt.rank].reserve(now, dur)
         self._at(end - now, self._feed, rt, done)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 
 import simpy
 
-from kvstage.shared.scenario import HostNumbers
+from kvstage.shared.scenario import HostNumbers, LinkNumbers
 
 NICE_STEP = 1.25  # CFS: one nice level is about 1.25x less (more) CPU weight
 _DONE_S = 1e-12  # work left below this: the job is done (float rounding)
@@ -59,8 +60,17 @@ def steady_load(host: HostNumbers, ranks: int) -> list[tuple[float, float]]:
 
 def fill_time(host: HostNumbers, nbytes: int) -> float:
     """CPU seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes,
-    on a core of its own."""
-    return host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s
+    on a core of its own (times the in-run fill_scale)."""
+    return (host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s) * host.fill_scale
+
+
+def scaled_link(link: LinkNumbers, factor: float) -> LinkNumbers:
+    """The link with every write taking `factor` times as long (write_scale)."""
+    if factor == 1.0:
+        return link
+    return replace(link, bandwidth_bytes_s=link.bandwidth_bytes_s / factor, latency_s=link.latency_s * factor,
+                   per_request_s=link.per_request_s * factor, per_batch_s=link.per_batch_s * factor,
+                   message_rate=link.message_rate / factor)
 
 
 class _Job:
@@ -237,6 +247,7 @@ class HostModel:
         self.host = host
         self.cpu = CpuShare(env, host.cores, steady_load(host, len(runtimes)))
         self.event_s = host.event_s
+        self.event_wait_s = host.event_s * (host.event_scale - 1.0)  # loop time beyond its CPU
         self.notice_s = host.loop_poll_s / 2  # a completion waits for the loop's next turn
         self.loops = {rt: Worker(env, self.cpu) for rt in runtimes}
         self.copies = {rt: Worker(env, self.cpu) for rt in runtimes}
@@ -244,13 +255,21 @@ class HostModel:
         self.forwards = {rt: Worker(env, self.cpu, fw) for rt in prefill if rt is not None}
 
     def deliver(self, rt, fn: Callable, event) -> None:
-        """An event reaches the rank: handled on its loop, `event_s` of CPU, in turn."""
-        self.loops[rt].submit(self.event_s, fn, rt, event)
+        """An event reaches the rank: handled on its loop, in turn: `event_s` of CPU
+        after `event_wait_s` of loop time without a core."""
+        loop = self.loops[rt]
+        if self.event_wait_s > 0:
+            loop.wait(self.event_wait_s)
+        loop.submit(self.event_s, fn, rt, event)
 
     def offload(self, worker: Worker, rt, work: float, fn: Callable, event) -> None:
         """`work` CPU seconds on one of the rank's threads; its loop handles `event`
         (fn(rt, event)) at its next turn after the work is done."""
         worker.submit(work, self._noticed, rt, fn, event)
+
+    def copy(self, rt, seconds: float, fn: Callable, event) -> None:
+        """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread."""
+        self.offload(self.copies[rt], rt, seconds * self.host.copy_scale, fn, event)
 
     def _noticed(self, rt, fn: Callable, event) -> None:
         if self.notice_s > 0:

@@ -236,3 +236,46 @@ def test_host_fields_from_raw_points():
     assert Calibration.message_cpu_s.fget(old) == 0.0
     assert Calibration.background_cores.fget(old) == 0.0
     assert Calibration.rank_loop.fget(old)["forward_nice"] == 0  # a GPU forward is not reniced
+
+
+def test_inrun_factors_fixed_point_on_a_model():
+    """fit_factors: each factor moves by target / simulated until they agree."""
+    from kvstage.calibrate_inrun import FACTORS, fit_factors
+
+    truth = {"fill_scale": 4.0, "copy_scale": 2.0, "control_scale": 10.0, "write_scale": 3.0, "event_scale": 6.0}
+    # a step is part scaled work, part fixed (as the poll wait and one loop event are)
+    base = {"fill": (1e-3, 0.5e-3), "copy": (0.2e-3, 0.5e-3), "control": (0.1e-3, 0.1e-3), "write": (0.3e-3, 0.0),
+            "event": (0.2e-3, 0.1e-3)}
+
+    def model(f):
+        return {k: a * f[FACTORS[k][0]] + b for k, (a, b) in base.items()}
+
+    target = model(truth)
+    factors, history = fit_factors(target, model, rounds=40)
+    assert len(history) == 40 and history[0]["factors"] == dict.fromkeys(truth, 1.0)
+    assert history[-1]["worst"] < history[0]["worst"]
+    for name, want in truth.items():
+        assert factors[name] == pytest.approx(want, rel=1e-3)
+    # no figure for a kind (nan) leaves its factor alone
+    factors, _ = fit_factors({**target, "copy": float("nan")}, model, rounds=3)
+    assert factors["copy_scale"] == 1.0
+
+
+def test_inrun_fit_recovers_factors_from_a_simulated_run():
+    """fit_profile on the calibration scenario: step times simulated with known factors
+    are fitted back to factors that reproduce them (the real simulator, no hardware)."""
+    from kvstage.calibrate_inrun import CAL_SCENARIO, fit_profile, kind_means
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.sim.driver import Simulation
+
+    host = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.02, "event_us": 80.0,
+            "fill_latency_us": 330.0, "fill_bandwidth_gbs": 1.7, "loop_poll_us": 1000.0, "forward_nice": 10.0}
+    truth = {"fill_scale": 4.0, "copy_scale": 5.0, "control_scale": 10.0, "write_scale": 3.0, "event_scale": 8.0}
+    data = {**CAL_SCENARIO, "links": {**CAL_SCENARIO["links"], **host, **truth}}
+    target = kind_means(Simulation(scenario_from_dict(data), check=False).run().records)
+    fit = fit_profile(host, {"ok": True, "steps": target})
+    sim = fit["history"][-1]["simulated"]
+    for kind, want in target.items():
+        assert sim[kind] == pytest.approx(want, rel=0.1), kind
+    assert fit["factors"]["fill_scale"] == pytest.approx(4.0, rel=0.15)
+    assert fit_profile(host, {"ok": False, "steps": target}) == {}  # a failed run fits nothing

@@ -57,6 +57,16 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       fill, gather or scatter waits half of it on average
 #   forward_nice        the forward thread's nice level above the loop's (CPU weight
 #                       1.25 ** -nice)
+# optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
+# short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
+# step takes among the other ranks than alone, beyond what the shared cores explain
+#   fill_scale          the forward's fill work
+#   copy_scale          gather and scatter work
+#   control_scale       the control latency of a message
+#   event_scale         a rank loop's time per event over its CPU (event_us): the rest
+#                       holds the loop without using a core (waits for the interpreter
+#                       lock, for a core, for the next poll)
+#   write_scale         a bulk or slice write (latency, posting and bytes / bandwidth)
 HOST_REQUIRED: tuple[str, ...] = (
     "host_model",
     "host_cores",
@@ -65,7 +75,10 @@ HOST_REQUIRED: tuple[str, ...] = (
     "fill_latency_us",
     "fill_bandwidth_gbs",
 )
-HOST_OPTIONAL: tuple[str, ...] = ("background_cores", "loop_poll_us", "forward_nice")
+HOST_OPTIONAL: tuple[str, ...] = (
+    "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
+    "write_scale", "event_scale",
+)
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
 
@@ -147,6 +160,11 @@ class HostNumbers:
     background_cores: float = 0.0
     loop_poll_s: float = 0.0
     forward_nice: float = 0.0
+    fill_scale: float = 1.0
+    copy_scale: float = 1.0
+    control_scale: float = 1.0
+    write_scale: float = 1.0
+    event_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +224,11 @@ class _ProfileNumbers(_Table):
     background_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
     loop_poll_us: NonNegFloat | None = None
     forward_nice: Annotated[float, Field(ge=-20, le=39)] | None = None
+    fill_scale: PosFloat | None = None
+    copy_scale: PosFloat | None = None
+    control_scale: PosFloat | None = None
+    write_scale: PosFloat | None = None
+    event_scale: Annotated[float, Field(ge=1, le=1e6)] | None = None
 
 
 def _looks_like_path(profile: str) -> bool:
@@ -382,6 +405,11 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         background_cores=float(merged.get("background_cores") or 0.0),
         loop_poll_s=(merged.get("loop_poll_us") or 0.0) / 1e6,
         forward_nice=float(merged.get("forward_nice") or 0.0),
+        fill_scale=float(merged.get("fill_scale") or 1.0),
+        copy_scale=float(merged.get("copy_scale") or 1.0),
+        control_scale=float(merged.get("control_scale") or 1.0),
+        write_scale=float(merged.get("write_scale") or 1.0),
+        event_scale=float(merged.get("event_scale") or 1.0),
     )
 
 

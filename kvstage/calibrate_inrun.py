@@ -1,0 +1,189 @@
+"""In-run factors of the host model, fitted from a short hardware run (`kvstage calibrate`).
+
+The probe (hw/probe.py) times each kind of work alone: one fill, one gather, one
+ping-pong. Among busy rank processes a step takes longer than that, beyond what the
+simulator's shared cores (sim/host.py) explain: on this 2-core host fills took 5-8x,
+gathers and scatters 8-10x and control messages 10-40x their lone cost while the host
+was not saturated on average. (A rank's Python threads share one interpreter lock, a
+loop notices finished work at its next poll, a wake-up waits for a core.) So
+calibrate also runs one small hardware scenario of its own (`CAL_SCENARIO`, P1 -> D1:
+not a case of benchmarks/fidelity.py's suite) and fits five host-model factors so
+that the simulation of that scenario gives its mean step times:
+
+  fill_scale     the forward (prefill compute span)
+  copy_scale     gather and scatter spans
+  event_scale    a loop's time per event (STAGING_REQ delays: a room's requests arrive
+                 at the decode in a burst and wait for its loop, one event at a time)
+  control_scale  the control latency (STAGING_RSP and CHUNK_READY delays)
+  write_scale    bulk writes (posting and copy; NIXL copies inside the loop's write())
+
+by damped fixed-point iteration, factor *= (hw mean / simulated mean) ** 0.8, keeping
+the round closest to the hw run (`fit_factors`, pure: tests give it a model). The factors then hold for every scenario simulated with the
+profile; the shared cores still change with each scenario's load over time.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstage.steps import phase_samples, step_mean
+
+# kind of step -> the profile field that scales it, and the steps (kvstage/steps.py) it is
+FACTORS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fill": ("fill_scale", ("forward",)),
+    "copy": ("copy_scale", ("gather", "scatter")),
+    "event": ("event_scale", ("ctrl STAGING_REQ",)),  # a burst queued at the decode's loop
+    "control": ("control_scale", ("ctrl STAGING_RSP", "ctrl CHUNK_READY")),
+    "write": ("write_scale", ("write",)),
+}
+FACTOR_RANGE = (0.2, 100.0)  # a factor outside this is a broken run, not a host
+FLOOR = {"event_scale": 1.0}  # a loop's time per event is at least its CPU
+ROUNDS = 8
+DAMPING = 0.8
+
+CAL_SCENARIO: dict[str, Any] = {
+    "name": "calibrate-inrun",
+    "description": "kvstage calibrate: in-run step times of P1 -> D1 (kvstage/calibrate_inrun.py)",
+    "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
+    "prefill": {"tp": 1, "chunked_prefill_size": 256},
+    "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 32},
+    "transfer": {"path": "staging", "room_timeout_s": 60},
+    "links": {"profile": "loopback-cpu", "placement": "intra"},
+    "workload": {"requests": 8, "arrival": "fixed", "rate_per_s": 6.0, "prompt": "uniform",
+                 "prompt_min": 512, "prompt_max": 2048, "seed": 5},
+    "hardware": {"device": "cpu", "verify": "sample"},
+}
+
+
+def rank_loop_constants(device: str) -> dict[str, float]:
+    """How hardware mode's rank processes run their work (set in hw/, not measured):
+    the loop's poll period while its threads work, and the forward thread's nice level
+    (on a CPU device; a GPU forward is not reniced)."""
+    from kvstage.hw.prefill_rank import FORWARD_NICE
+    from kvstage.hw.rank import BUSY_POLL_S
+
+    return {"busy_poll_s": BUSY_POLL_S, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
+
+
+def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, Any]:
+    """CPU cost of one protocol event in a rank's loop: time every machine.handle() call
+    of a small simulated fan-in run (in-process; no I/O, so this is the state machine's
+    own Python cost, without the codec and ZMQ that the control round trip holds)."""
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.sim.driver import Simulation
+
+    scenario = scenario_from_dict({
+        "name": "calibrate-handle-cost",
+        "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
+        "prefill": {"tp": 2, "chunked_prefill_size": 256},
+        "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 16},
+        "links": {"profile": "loopback-cpu", "placement": "intra"},
+        "workload": {"requests": 16, "arrival": "fixed", "rate_per_s": 50.0, "prompt": "uniform",
+                     "prompt_min": 512, "prompt_max": 2048, "seed": 1},
+    })
+    sim = Simulation(scenario, check=False)
+    times: list[float] = []
+    clock = time.perf_counter
+
+    def timed(handle: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(event: Any, now: float) -> Any:
+            t0 = clock()
+            out = handle(event, now)
+            times.append(clock() - t0)
+            return out
+        return wrapper
+
+    for m in [*sim.prefill, *sim.decode]:
+        m.handle = timed(m.handle)
+    progress("events", 0, 1)
+    sim.run()
+    progress("events", 1, 1)
+    xs = sorted(times)
+    return {"events": len(xs), "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
+            "median_s": float(statistics.median(xs)) if xs else 0.0,
+            "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
+
+
+def kind_means(records: list) -> dict[str, float]:
+    """Mean seconds of each kind of step (FACTORS) in a trace."""
+    samples = phase_samples(records)
+    return {kind: step_mean(samples, *steps) for kind, (_, steps) in FACTORS.items()}
+
+
+def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run CAL_SCENARIO on the real engine; its mean step times and the host's conditions."""
+    from rich.console import Console
+
+    from kvstage.hwrun import run_hardware
+    from kvstage.runs import read_summary
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.tracefile import read_records
+
+    data = {**CAL_SCENARIO, "hardware": {**CAL_SCENARIO["hardware"], "backend": backend, "device": device}}
+    scenario = scenario_from_dict(data, source="kvstage calibrate in-run scenario")
+    if progress:
+        progress("in-run", 0, 1)
+    with tempfile.TemporaryDirectory(prefix="kvstage-inrun-") as tmp:
+        code, run_dir = run_hardware(scenario, out=Path(tmp) / "hw", trace_format="jsonl", timeout_s=120.0,
+                                     console=Console(file=io.StringIO()))
+        summary = read_summary(run_dir)
+        _, records = read_records(run_dir)
+    if progress:
+        progress("in-run", 1, 1)
+    return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
+            "conditions": summary.get("conditions"), "requests_done": summary.get("requests_done")}
+
+
+def _worst(target: dict[str, float], got: dict[str, float]) -> float:
+    errs = [abs(got[k] - t) / t for k, t in target.items() if t == t and t > 0 and got.get(k, math.nan) == got.get(k)]
+    return max(errs, default=math.inf)
+
+
+def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
+                rounds: int = ROUNDS) -> tuple[dict[str, float], list[dict]]:
+    """Factors (FACTORS' fields) such that simulate(factors) ~ target, per kind of step,
+    by factor *= (target / simulated) ** DAMPING (the factors act on each other's steps:
+    a slower loop also delays writes, so a full step can overshoot); returns the round
+    whose worst relative step error is least, and the history of every round."""
+    factors = {name: 1.0 for name, _ in FACTORS.values()}
+    history: list[dict] = []
+    lo, hi = FACTOR_RANGE
+    for _ in range(rounds):
+        got = simulate(dict(factors))
+        history.append({"factors": dict(factors), "simulated": got, "worst": _worst(target, got)})
+        for kind, (name, _) in FACTORS.items():
+            t, g = target.get(kind, math.nan), got.get(kind, math.nan)
+            if t == t and g == g and t > 0 and g > 0:
+                factors[name] = min(hi, max(FLOOR.get(name, lo), factors[name] * (t / g) ** DAMPING))
+    best = min(history, key=lambda h: h["worst"])
+    return best["factors"], history
+
+
+def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
+    """The factors for a profile's `fields` (kvstage/calibrate.py's profile_fields) from
+    the in-run measurement; {} when there is none or its run failed."""
+    if not inrun or not inrun.get("ok"):
+        return {}
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.sim.driver import Simulation
+
+    links = {k: v for k, v in fields.items() if k not in {name for name, _ in FACTORS.values()}}
+    # the factors are what the shared cores do not explain: fit them with the load other
+    # processes put on the host during that run
+    cond = inrun.get("conditions") or {}
+    if cond.get("other_cpu_share") is not None:
+        links["background_cores"] = cond["other_cpu_share"] * (cond.get("cores") or 1)
+
+    def simulate(factors: dict[str, float]) -> dict[str, float]:
+        data = {**CAL_SCENARIO, "links": {**CAL_SCENARIO["links"], **links, **factors}}
+        return kind_means(Simulation(scenario_from_dict(data), check=False).run().records)
+
+    factors, history = fit_factors(inrun["steps"], simulate)
+    return {"factors": factors, "target": inrun["steps"], "history": history}
