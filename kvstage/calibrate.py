@@ -541,8 +541,8 @@ class Calibration:
             f"background_cores = {p['background_cores']!r}",
             f"loop_poll_us = {p['loop_poll_us']!r}",
             f"forward_nice = {p['forward_nice']!r}",
-            "# In-run factors (kvstage/calibrate_inrun.py): a short hw run's mean step times over the",
-            f"# simulation's (fill, copy, control): {self._inrun_note()}",
+            "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
+            f"# run (P1 -> D1) gives its mean step times: {self._inrun_note()}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),
         ]
         return "\n".join(lines) + "\n"

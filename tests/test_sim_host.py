@@ -17,7 +17,16 @@ from kvstage.shared.scenario import (
     scenario_from_dict,
 )
 from kvstage.sim.driver import Simulation, simulate
-from kvstage.sim.host import CpuShare, Worker, fill_time, nice_weight, share, steady_load
+from kvstage.sim.host import (
+    CpuShare,
+    HostModel,
+    Worker,
+    fill_time,
+    nice_weight,
+    scaled_link,
+    share,
+    steady_load,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"
@@ -229,3 +238,31 @@ def test_calibrated_profile_turns_the_host_model_on(tmp_path):
                            overrides=[f"links.profile={profile}", "links.placement=intra"])
         fr = simulate(fs)
         assert fr.ok, (fault, [v.format() for v in fr.violations[:3]])
+
+
+def test_event_scale_holds_the_loop_without_a_core():
+    """event_scale 3: an event holds its loop 3x its CPU; the 2 extra seconds leave the
+    core to others (a copy job of 2 CPU seconds started at once ends at 2.0, not later)."""
+    env = simpy.Environment()
+    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=1.0, event_scale=3.0)
+    host = HostModel(env, h, ["r"], [])
+    seen = []
+    host.deliver("r", lambda rt, ev: seen.append((ev, env.now)), "a")
+    host.deliver("r", lambda rt, ev: seen.append((ev, env.now)), "b")
+    host.copy("r", 2.0, lambda rt, ev: seen.append((ev, env.now)), "copied")
+    env.run()
+    # a: 2 s of wait, then 1 s of CPU; the copy had the core alone meanwhile, so its
+    # 2 CPU seconds were done at 2.0; its completion is an event queued behind b
+    assert seen[0] == ("a", pytest.approx(3.0))
+    assert seen[1] == ("b", pytest.approx(6.0))
+    assert seen[2][0] == "copied" and seen[2][1] == pytest.approx(9.0)  # its event queued behind b
+
+
+def test_scaled_link_stretches_every_part_of_a_write():
+    from kvstage.shared.scenario import LinkNumbers
+
+    link = LinkNumbers(1e9, 10e-6, 1e-6, 2e-6, 1e6, 1)
+    s = scaled_link(link, 2.0)
+    assert (s.bandwidth_bytes_s, s.latency_s, s.per_request_s, s.per_batch_s, s.message_rate) == pytest.approx(
+        (0.5e9, 20e-6, 2e-6, 4e-6, 0.5e6))
+    assert s.post_threads == 1 and scaled_link(link, 1.0) is link
