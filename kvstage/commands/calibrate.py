@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from kvstage.errors import fail
 
 STAGES = ("writes", "batches", "control", "kernels", "fill")
 # a fit below this explains too little of its points to be trusted without a look
@@ -68,8 +70,8 @@ def weak_fits(cal) -> list[str]:
 def register(app: typer.Typer) -> None:
     @app.command()
     def calibrate(
-        backend: Annotated[str, typer.Option(help="Transfer engine to measure: nixl or mooncake.")] = "nixl",
-        device: Annotated[str, typer.Option(help="cpu or cuda (memory the engine moves, kernels run on).")] = "cpu",
+        backend: Annotated[Literal["nixl", "mooncake"], typer.Option(help="Transfer engine to measure.")] = "nixl",
+        device: Annotated[str, typer.Option(metavar="[cpu|cuda|cuda:N]", help="Memory the engine moves and kernels run on.")] = "cpu",
         out: Annotated[Path | None, typer.Option(
             help="Profile TOML to write (default runs/calibration/BACKEND-DEVICE-TIME.toml); "
                  "fit quality and raw points go to STEM.fit.json beside it.")] = None,
@@ -83,13 +85,8 @@ def register(app: typer.Typer) -> None:
         from kvstage.calibrate import calibrate as run_calibration
 
         console = Console()
-        err = Console(stderr=True)
-        if backend not in ("nixl", "mooncake"):
-            err.print(f"[bold red]error:[/] --backend {backend!r} not allowed (allowed: nixl, mooncake)")
-            raise typer.Exit(2)
-        if device != "cpu" and device != "cuda" and not device.startswith("cuda:"):
-            err.print(f"[bold red]error:[/] --device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-            raise typer.Exit(2)
+        if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+            fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
         path = out or _default_out(backend, device)
         bar = Progress(TextColumn("[bold]{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn(), console=console, transient=False)
@@ -106,15 +103,11 @@ def register(app: typer.Typer) -> None:
             with bar:
                 cal = run_calibration(backend, device, quick=quick, progress=progress)
         except CalibrationError as exc:
-            err.print("[bold red]error:[/] ", end="")
-            err.print(str(exc), highlight=False, markup=False)
-            raise typer.Exit(1) from None
+            fail(str(exc), 1)
         print_calibration(cal, console)
         try:
             toml_path, side = write_profile(cal, path)
         except Exception as exc:  # noqa: BLE001 - one clear line, never a traceback
-            err.print("[bold red]error:[/] ", end="")
-            err.print(f"writing the profile {path}: {exc}", highlight=False, markup=False)
-            raise typer.Exit(1) from None
+            fail(f"writing the profile {path}: {exc}", 1)
         console.print(f"profile: {toml_path}\nfit and raw points: {side}")
         console.print(f"use it: kvstage sim SCENARIO --set links.profile={toml_path.resolve()}")
