@@ -18,8 +18,26 @@ Each stage has a utilization (offered / capacity) where a capacity exists:
 * decode compute: output tokens/s offered over what the decode instances generate at
   the TPOT target (the largest batch whose step, `DecodeModel.step_time_s`, fits it).
 
-Prefill queueing and the staging ring have no capacity of their own; they show as
-time. Every finished request's TTFT is split into disjoint parts: queueing (arrival ->
+* staging ring: the bytes the load keeps in each decode rank's ring over what the
+  ring can hold at once. A chunk's region (its writer blocks back to back, the same
+  size on every decode rank of the instance) holds data from the first write into it
+  to its free after the scatter; before the first write its bytes may still hold the
+  previous round's data (the watermark decides when the prefill may overwrite them),
+  so that time is the previous region's, not this one's. Per request, the trace gives
+  B = sum over its chunks of region bytes x (free - first write start) on one decode
+  rank (`room_latencies`' `ring_byte_s`, the mean over the instance's ranks). By
+  Little's law one decode rank then holds rate x mean(B) / decode instances bytes on
+  average (a request lands on one instance, on every rank of it). The ring holds
+  whole regions: a region that does not fit before the end of the pool wraps to 0 and
+  leaves the rest of the round unused, so with regions of the largest size r in the
+  trace it holds floor(S / r) x r of a pool of S bytes (smaller regions, a room's
+  last chunk, may use more: the figure is the conservative one). Utilization =
+  rate x mean(B) / decode instances / (floor(S / r) x r). Where regions are freed
+  out of order, the watermark waits for the oldest, so the ring stalls somewhat below
+  100%: the wait shows as the ring's share of TTFT (staging wait).
+
+Prefill queueing has no capacity of its own; it shows as time. Every finished
+request's TTFT is split into disjoint parts: queueing (arrival ->
 first forward), prefill compute (-> last forward end), then decode admission (waiting
 for KV pages after the forward), staging wait (behind the watermark) and the rest of
 the transfer (the NIC).
@@ -184,6 +202,34 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
     return out
 
 
+def _ring(s: Scenario, requests: Sequence[Request], rooms: dict, summary: dict, rate: float | None) -> dict[str, Any]:
+    waits = [i.get("staging_wait", 0.0) for i in rooms.values() if "done" in i and not i.get("failed")]
+    out: dict[str, Any] = {
+        "staging_wait_s": {k: v for k, v in percentiles(waits).items() if k in ("p50", "p99", "max")} if waits else {},
+        "watermark_stall_total_s": (summary.get("watermark_stall_s") or {}).get("total", 0.0),
+        "ring_live_peak_fraction": summary.get("ring_live_peak_fraction", 0.0),
+    }
+    held = [i["ring_byte_s"] for i in rooms.values() if "ring_byte_s" in i]
+    if not held or not requests:
+        return out  # the slice path, or no region was ever written: no ring in use
+    pool = s.pool_bytes
+    region = int(max(i["ring_region_bytes"] for i in rooms.values() if "ring_region_bytes" in i))
+    fit = pool // region if region else 0
+    usable = fit * region
+    per_request = sum(held) / len(requests)  # requests whose chunks took no region count 0
+    out |= {"pool_bytes": pool, "region_bytes": region, "regions_that_fit": fit, "usable_bytes": usable,
+            "byte_s_per_request": per_request,
+            "hold_s": sum(held) / sum(i["ring_bytes"] for i in rooms.values() if "ring_byte_s" in i)}  # byte-weighted
+    if rate is not None and usable:
+        resident = rate * per_request / s.cluster.decode_instances
+        out |= {"resident_bytes": resident, "utilization": _util(resident, usable)}
+        out["why"] = (f"{rate:.2f} req/s x {per_request / GIB:,.3f} GiB-s of staging per request "
+                      f"/ {s.cluster.decode_instances} decode instance(s) = {resident / GIB:,.2f} GiB held in each "
+                      f"decode rank's ring vs {usable / GIB:,.2f} GiB it holds at once ({fit} region(s) of "
+                      f"{region / GIB:,.2f} GiB in a {pool / GIB:,.2f} GiB pool)")
+    return out
+
+
 def _shares(rooms: dict) -> dict[str, float]:
     parts = [p for p in map(ttft_parts, rooms.values()) if p is not None]
     total = sum(sum(p.values()) for p in parts)
@@ -220,14 +266,11 @@ def bottleneck(scenario: Scenario, requests: Sequence[Request], rooms: dict[int,
     stage's numbers and the TTFT shares. `summary`: the trace metrics (`summarize`)."""
     load = offered_load(requests)
     rate = load["requests_per_s"]
-    waits = [i.get("staging_wait", 0.0) for i in rooms.values() if "done" in i and not i.get("failed")]
     stages = {
         PREFILL: _prefill(scenario, load, rate),
         QUEUE: {"queueing_s": _p(summary, "queueing_s")},
         NIC: _nic(scenario, summary, rate),
-        RING: {"staging_wait_s": {k: v for k, v in percentiles(waits).items() if k in ("p50", "p99", "max")} if waits else {},
-               "watermark_stall_total_s": (summary.get("watermark_stall_s") or {}).get("total", 0.0),
-               "ring_live_peak_fraction": summary.get("ring_live_peak_fraction", 0.0)},
+        RING: _ring(scenario, requests, rooms, summary, rate),
         KV: _decode_kv(scenario, requests, rooms, rate),
         DECODE: _decode_compute(scenario, load, rooms, rate),
     }

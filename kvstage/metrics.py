@@ -60,12 +60,21 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
       instance's continuous batch (when the decode side's generation is modeled);
     - `done`: the last decode rank's `room_done` (only when every decode rank that
       has a row of the room finished it: in a cluster, the ranks of the decode
-      instance the room was routed to); `failed`: 1.0 when a rank failed it.
+      instance the room was routed to); `failed`: 1.0 when a rank failed it;
+    - `ring_byte_s` / `ring_bytes` / `ring_region_bytes` (staging path): what the room
+      took of one decode rank's staging ring: per chunk, its region's bytes (the
+      decode's `free` row) times the time they held data, from the first write into
+      the region (the prefill's `write` row naming the rank as `peer`) to its free
+      after the scatter, summed over the chunks (byte-seconds), and the bytes alone,
+      each averaged over the decode ranks that freed its regions (they are alike);
+      and its largest region's bytes.
     """
     rooms: dict[int, dict[str, float]] = {}
     decode_ranks: dict[int, set[int]] = {}  # room -> decode ranks with a row of it
     done_count: dict[int, int] = {}
     waits: dict[int, list[tuple[float, float]]] = {}
+    written: dict[tuple[int, int, int], float] = {}  # (decode rank, room, chunk) -> first write start
+    freed: list[tuple[int, int, int, float, int]] = []  # (decode rank, room, chunk, free time, region bytes)
     for r in records:
         if r.room < 0:
             continue
@@ -93,11 +102,37 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
             done_count[r.room] = done_count.get(r.room, 0) + 1
         elif r.phase == "room_failed":
             info["failed"] = 1.0
+        elif r.phase == "write" and r.peer >= 0:  # a prefill's write into decode rank `peer`
+            key = (r.peer, r.room, r.chunk)
+            written[key] = min(written.get(key, math.inf), r.start)
+        elif r.phase == "free" and r.role == "decode" and r.bytes > 0:
+            freed.append((r.rank, r.room, r.chunk, r.end, r.bytes))
     for room, info in rooms.items():
         info["staging_wait"] = _union_length(waits.get(room, []))
         if done_count.get(room, 0) < len(decode_ranks.get(room, ())):
             info.pop("done", None)
+    _ring_holds(rooms, written, freed)
     return rooms
+
+
+def _ring_holds(rooms: dict[int, dict[str, float]], written: dict[tuple[int, int, int], float],
+                freed: list[tuple[int, int, int, float, int]]) -> None:
+    """Each room's `ring_byte_s` and `ring_region_bytes` (see `room_latencies`)."""
+    held: dict[int, dict[int, list[float]]] = {}  # room -> decode rank -> [byte-seconds, bytes]
+    largest: dict[int, int] = {}
+    for rank, room, chunk, end, nbytes in freed:
+        start = written.get((rank, room, chunk))
+        if start is None:  # never written (the room failed first): it held no data
+            continue
+        acc = held.setdefault(room, {}).setdefault(rank, [0.0, 0.0])
+        acc[0] += nbytes * max(0.0, end - start)
+        acc[1] += nbytes
+        largest[room] = max(largest.get(room, 0), nbytes)
+    for room, per_rank in held.items():
+        info = rooms[room]
+        info["ring_byte_s"] = sum(a[0] for a in per_rank.values()) / len(per_rank)
+        info["ring_bytes"] = sum(a[1] for a in per_rank.values()) / len(per_rank)
+        info["ring_region_bytes"] = float(largest[room])
 
 
 # summary.json's per-request breakdown: key -> (from, to) in `room_latencies` terms.

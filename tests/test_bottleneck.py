@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstage.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, nic_counts, ttft_parts
+from kvstage.metrics import room_latencies
 from kvstage.shared.decode_model import GIB, DecodeModel
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import simulate
@@ -103,3 +104,87 @@ def test_sweep_says_why_a_transfer_target_is_out_of_reach():
     # an SLO figure on points without [slo]: say how to get it
     bare = [{"decode.staging_pool_mb": 2048, "status": STATUS_OK, "requests_failed": 0}]
     assert "give [slo] targets" in why_unmet(bare, parse_target("slo_attainment>=0.9"), "decode.staging_pool_mb")
+
+
+# --- the staging ring's capacity figure -------------------------------------------------
+MIB = 1 << 20
+
+
+def _row(role: str, rank: int, phase: str, start: float, end: float, **kw):
+    from kvstage.shared.trace import TraceRecord
+    return TraceRecord(role, rank, phase, start, end, **kw)
+
+
+def test_ring_hold_is_region_bytes_times_first_write_to_free_per_decode_rank():
+    rows = [  # room 0, two chunks, two writers into each of two decode ranks
+        _row("prefill", 0, "write", 1.0, 1.2, room=0, chunk=0, peer=0, bytes=50),
+        _row("prefill", 1, "write", 1.1, 1.3, room=0, chunk=0, peer=0, bytes=50),
+        _row("prefill", 0, "write", 1.0, 1.2, room=0, chunk=0, peer=1, bytes=50),
+        _row("decode", 0, "free", 1.5, 1.5, room=0, chunk=0, bytes=100),  # 100 B x 0.5 s
+        _row("decode", 1, "free", 1.7, 1.7, room=0, chunk=0, bytes=100),  # 100 B x 0.7 s
+        _row("prefill", 0, "write", 2.0, 2.1, room=0, chunk=1, peer=0, bytes=60),
+        _row("prefill", 0, "write", 2.0, 2.1, room=0, chunk=1, peer=1, bytes=60),
+        _row("decode", 0, "free", 2.25, 2.25, room=0, chunk=1, bytes=60),  # 60 B x 0.25 s
+        _row("decode", 1, "free", 2.25, 2.25, room=0, chunk=1, bytes=60),
+        _row("decode", 0, "free", 3.0, 3.0, room=1, chunk=0, bytes=100),  # never written: held nothing
+    ]
+    info = room_latencies(rows)
+    assert info[0]["ring_byte_s"] == pytest.approx(((50 + 15) + (70 + 15)) / 2)
+    assert info[0]["ring_bytes"] == 160 and info[0]["ring_region_bytes"] == 100
+    assert "ring_byte_s" not in info[1]
+
+
+def _ring_case(byte_s: float, *sets: str):
+    """Five requests a second apart (1 req/s) whose rooms each held `byte_s` of a ring
+    of 4096 MiB in regions of 1280 MiB: three fit, 3840 MiB usable."""
+    from kvstage.bottleneck import bottleneck
+    from kvstage.shared.workload import Request
+    s = load_scenario(P8D2, list(sets))
+    requests = [Request(i, float(i), 8192, 0) for i in range(5)]
+    rooms = {i: {"ring_byte_s": byte_s, "ring_bytes": 1280.0 * MIB, "ring_region_bytes": 1280.0 * MIB}
+             for i in range(5)}
+    return bottleneck(s, requests, rooms, {})
+
+
+def test_ring_utilization_by_hand():
+    usable = 3 * 1280 * MIB
+    b = _ring_case(0.5 * usable)  # 1 req/s x half the usable bytes for 1 s each
+    ring = b["stages"][RING]
+    assert (ring["regions_that_fit"], ring["usable_bytes"], ring["pool_bytes"]) == (3, usable, 4096 * MIB)
+    assert ring["utilization"] == pytest.approx(0.5)
+    assert ring["hold_s"] == pytest.approx(0.5 * usable / (1280 * MIB))
+    # two decode instances share the requests: each ring holds half as much
+    two = _ring_case(0.5 * usable, "cluster.decode_instances=2")["stages"][RING]
+    assert two["utilization"] == pytest.approx(0.25)
+    # a pool a little short of four regions still holds three
+    short = _ring_case(0.5 * usable, f"decode.staging_pool_mb={4 * 1280 - 1}")["stages"][RING]
+    assert short["utilization"] == pytest.approx(0.5)
+    over = _ring_case(1.5 * usable)
+    assert (over["stage"], over["reason"]) == (RING, "overloaded")
+    assert over["explanation"].startswith("staging ring: 1.00 req/s x ") and "150% of capacity" in over["explanation"]
+
+
+def _fan_in(pool_mb: int, rate: float):
+    """16 prefill instances (TP8) writing 8k-token rooms (one 1280 MiB region per decode
+    rank) into one decode instance (TP2)."""
+    return verdict("cluster.prefill_instances=16", f"workload.rate_per_s={rate}", "workload.prompt_tokens=8192",
+                   f"decode.staging_pool_mb={pool_mb}", requests=48)
+
+
+def test_a_ring_of_one_region_is_the_staging_ring():
+    s, summary = _fan_in(1300, 40)  # one region at a time: ~30 ms each, 40 req/s
+    b = summary["bottleneck"]
+    assert (b["stage"], b["reason"]) == (RING, "overloaded")
+    ring = b["stages"][RING]
+    assert ring["regions_that_fit"] == 1 and ring["region_bytes"] == s.geometry().region_bytes(8192 // 16)
+    assert ring["utilization"] > max(v.get("utilization") or 0 for k, v in b["stages"].items() if k != RING)
+    assert summary["watermark_stall_s"]["total"] > 0  # chunks did wait for the ring
+    # the same load with a roomy pool: the NIC limits (the ring holds three regions)
+    _, roomy = _fan_in(4096, 40)
+    assert roomy["bottleneck"]["stage"] == NIC
+    _, light = _fan_in(4096, 30)
+    assert light["bottleneck"]["stage"] != RING
+    assert light["bottleneck"]["stages"][RING]["utilization"] < 0.5
+    assert "staging ring" not in light["bottleneck"]["explanation"]
+    _, tight = _fan_in(1300, 30)  # 90%: not overloaded, and named as the busiest stage
+    assert "highest utilization: staging ring 9" in tight["bottleneck"]["explanation"]
