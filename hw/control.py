@@ -1,15 +1,12 @@
-"""The ZMQ control plane of one rank, and the rendezvous that introduces ranks.
+"""The ZMQ control plane of one rank, and the run secret every frame is signed with.
 
 Protocol messages travel as the `shared.protocol` codec's multipart frames over
 PUSH/PULL sockets: each rank binds one PULL socket and keeps one PUSH per peer.
 A frame list that does not decode is logged and dropped; it never reaches the
 state machine and never raises out of `receive`.
 
-The rendezvous is a ROUTER socket (run by the launcher, or alone for ranks placed
-by srun/mpirun): every rank sends a JSON hello with its control address and its
-transfer metadata; when all ranks are there each gets the whole table and a common
-start time. At the end every rank sends its report and waits for the go to exit,
-so no process disappears while a peer might still write to it.
+The rendezvous that introduces ranks, tracks their liveness and lets a restarted
+prefill rank rejoin is hw/rendezvous.py (its names are importable from here too).
 
 Every frame list, control or rendezvous, is authenticated with the run's secret
 (32 random bytes the launcher draws per run): an HMAC-SHA256 over the frame count
@@ -22,26 +19,21 @@ is missing or wrong is dropped before it is decoded. Both are counted
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
-import json
 import logging
 import math
 import os
-import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
-from kvstage.shared.runtime import rank_name
+from kvstage.shared.runtime import rank_name  # noqa: F401 - re-exported (launcher, ranks)
 
 log = logging.getLogger("kvstage.hw.control")
 
@@ -186,7 +178,10 @@ class ControlPlane:
     the MAC. A receiver keeps the last (incarnation, sequence) of each sender and drops,
     as replayed, a frame that is not newer: a captured frame sent again, or a late frame
     of a sender's earlier incarnation after the restarted process has spoken (PUSH/PULL
-    over TCP keeps one sender's frames in order, so honest frames are always newer)."""
+    over TCP keeps one sender's frames in order, so honest frames are always newer).
+    Once a rank learns that a peer restarted (the rendezvous says so), it raises that
+    peer's floor to the new incarnation (`expect_incarnation`): every late frame of the
+    old one is dropped from then on, before the new one has said anything."""
 
     def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None, *,
                  secret: bytes | None = None, name: str | None = None) -> None:
@@ -212,11 +207,40 @@ class ControlPlane:
         self.received = 0
         self._warn = _Throttled(log)
 
+    @property
+    def incarnation(self) -> int:
+        """This control plane's incarnation: the wall clock in ns when it started."""
+        return self._incarnation
+
+    def renew_incarnation(self, at_least: int) -> None:
+        """Take an incarnation of at least `at_least` (a restarted rank whose clock is
+        behind its predecessor's); only before the first frame went out."""
+        if self._seq:
+            raise RuntimeError("the incarnation is fixed once a frame went out")
+        self._incarnation = max(self._incarnation, at_least)
+
     def connect(self, peer: str, address: str) -> None:
+        """Send to `peer` at `address` from now on (a peer that restarted: the frames
+        still queued for its old address are dropped)."""
+        old = self._out.pop(peer, None)
+        if old is not None:
+            old.close(linger=0)
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(address)
         self._out[peer] = sock
+
+    def expect_incarnation(self, peer: str, incarnation: int) -> None:
+        """`peer` restarted as `incarnation`: from now on a frame of any earlier
+        incarnation of it is dropped as replayed (a late or replayed frame of the old
+        process), even before the new one has sent anything."""
+        sender = peer.encode()
+        floor = (incarnation, 0)
+        last = self._last.get(sender)
+        if last is None or last < floor:
+            if last is None and len(self._last) >= MAX_SENDERS:
+                self._last.pop(next(iter(self._last)))
+            self._last[sender] = floor
 
     def send(self, peer: str, msg: Message) -> None:
         sock = self._out.get(peer)
@@ -288,314 +312,13 @@ class ControlPlane:
         self.inbox.close(linger=0)
 
 
-# --- rendezvous ---------------------------------------------------------------------
+# The rendezvous lives in hw/rendezvous.py; its names stay importable from here.
+_RENDEZVOUS_NAMES = frozenset(['ClockOffset', 'NOTICES', 'RANK_BEAT_S', 'RANK_SILENT_S', 'REJOIN_ACK_S', 'RankInfo', 'RendezvousClient', 'RendezvousError', 'RendezvousServer'])
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+def __getattr__(name: str) -> Any:
+    if name in _RENDEZVOUS_NAMES:
+        from kvstage.hw import rendezvous
 
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode(), validate=True)
-
-
-_CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
-
-
-@dataclass
-class RankInfo:
-    role: str
-    rank: int
-    control: str  # tcp://host:port of the rank's PULL socket
-    agent: str  # transfer engine agent / session name
-    metadata: bytes  # transfer metadata (registered regions)
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. KV pool / ring descriptors
-
-    @property
-    def name(self) -> str:
-        return rank_name(self.role, self.rank)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "control": self.control, "agent": self.agent,
-                "metadata": _b64(self.metadata), "extra": self.extra}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RankInfo:
-        return cls(d["role"], int(d["rank"]), d["control"], d["agent"], _unb64(d["metadata"]), d.get("extra", {}))
-
-    @classmethod
-    def from_hello(cls, d: dict[str, Any]) -> RankInfo:
-        """A hello's RankInfo, every field checked; ValueError naming the first bad one."""
-        for key, kind in (("role", str), ("rank", int), ("control", str), ("agent", str), ("metadata", str)):
-            if key not in d:
-                raise ValueError(f"no {key!r}")
-            if not isinstance(d[key], kind) or isinstance(d[key], bool):
-                raise ValueError(f"{key!r} is {type(d[key]).__name__}, not {kind.__name__}")
-        if d["role"] not in ("prefill", "decode") or d["rank"] < 0:
-            raise ValueError(f"no such rank: role {d['role']!r}, rank {d['rank']}")
-        if not _CONTROL_ADDRESS.fullmatch(d["control"]):
-            raise ValueError(f"'control' {d['control'][:80]!r} is not tcp://HOST:PORT")
-        if not isinstance(d.get("extra", {}), dict):
-            raise ValueError("'extra' is not an object")
-        try:
-            return cls.from_json(d)
-        except binascii.Error as exc:
-            raise ValueError(f"'metadata' is not base64: {exc}") from None
-
-
-class RendezvousError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class ClockOffset:
-    """A rank's clock against the launcher's: launcher time = rank time + offset_s,
-    within +- uncertainty_s (half the round trip of the best sample)."""
-
-    offset_s: float
-    rtt_s: float
-    samples: int
-
-    @property
-    def uncertainty_s(self) -> float:
-        return self.rtt_s / 2
-
-    def to_wire(self) -> dict[str, float]:
-        return {"clock_offset_s": self.offset_s, "clock_uncertainty_s": self.uncertainty_s,
-                "clock_rtt_s": self.rtt_s, "clock_samples": self.samples}
-
-
-class RendezvousClient:
-    """A rank's side of the rendezvous (a DEALER socket).
-
-    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET). `watch`, if given, is
-    called at least twice a second while waiting for an answer (a rank's check that
-    its launcher is alive)."""
-
-    def __init__(self, address: str, ctx: zmq.Context | None = None, *, secret: bytes | None = None,
-                 watch: Callable[[], None] | None = None) -> None:
-        secret = run_secret(secret)
-        self._up = _Mac(secret, _TO_LAUNCHER)
-        self._down = _Mac(secret, _TO_RANK)
-        self.watch = watch
-        self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        if not address.startswith("tcp://"):
-            address = f"tcp://{address}"
-        self.sock.connect(address)
-        self.address = address
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """One authenticated JSON message to the rendezvous."""
-        self.sock.send_multipart(self._up.sign([json.dumps(msg).encode()]))
-
-    def recv(self, timeout_s: float, what: str) -> dict[str, Any]:
-        """The rendezvous' next answer; RendezvousError when none comes, when it cannot be
-        authenticated (this rank's secret is not the run's) or when it refuses."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.watch is not None:
-                self.watch()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
-                                      f"while waiting for {what}")
-            if self.sock.poll(min(500, math.ceil(left * 1000))):
-                break
-        frames = self.sock.recv_multipart()
-        body = self._down.verify(frames) if _size(frames) <= MAX_RENDEZVOUS_BYTES else None
-        if body is None or len(body) != 1:
-            raise RendezvousError(f"the rendezvous at {self.address} answered with a message this rank cannot "
-                                  f"authenticate: this rank's run secret is not the launcher's (check "
-                                  f"--secret-file / ${SECRET_ENV})")
-        msg = json.loads(body[0])
-        if msg.get("kind") == "refused":
-            raise RendezvousError(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
-        return msg
-
-    def clock_offset(self, samples: int = 8, timeout_s: float = 10.0,
-                     clock: Callable[[], float] = time.time) -> ClockOffset:
-        """This rank's offset to the launcher's clock (launcher time = `clock()` + offset):
-        `samples` round trips, the one with the smallest round-trip time; its half RTT
-        bounds the error."""
-        best: ClockOffset | None = None
-        for _ in range(samples):
-            t1 = clock()
-            self.send({"kind": "clock", "t1": t1})
-            reply = self.recv(timeout_s, "a clock answer")
-            t3 = clock()
-            if reply.get("kind") != "clock" or reply.get("t1") != t1:
-                raise RendezvousError(f"the rendezvous at {self.address} answered a clock probe with {reply.get('kind')!r}")
-            rtt = t3 - t1
-            if best is None or rtt < best.rtt_s:
-                best = ClockOffset(float(reply["t2"]) - (t1 + t3) / 2, rtt, samples)
-        assert best is not None
-        return best
-
-    def hello(self, me: RankInfo, timeout_s: float) -> tuple[dict[str, RankInfo], float]:
-        """Register; returns every rank's info by name, and the run's start time (epoch s)."""
-        self.send({"kind": "hello", **me.to_json()})
-        reply = self.recv(timeout_s, "all ranks to register")
-        if reply.get("kind") == "abort":
-            raise RendezvousError(f"rendezvous aborted the run: {reply.get('reason')}")
-        table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
-        return table, float(reply["t0"])
-
-    def report(self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None) -> None:
-        """Send this rank's report and wait until the launcher says every rank is finished.
-        `serve` is called meanwhile, again and again (it should block for a few ms at
-        most): a rank that finished still answers its peers, whose re-sent messages may
-        wait for an acknowledgement only it can give."""
-        self.send({"kind": "report", **report})
-        if serve is not None:
-            deadline = time.monotonic() + timeout_s
-            while not self.sock.poll(0):
-                if self.watch is not None:
-                    self.watch()
-                if time.monotonic() > deadline:
-                    break  # recv below says so
-                serve()
-        self.recv(max(1.0, timeout_s if serve is None else 1.0), "the other ranks to finish")
-
-    def query(self, timeout_s: float) -> tuple[dict[str, RankInfo], float | None]:
-        """The ranks registered so far and the start time (None before every rank is in):
-        for tools that hold the run secret, e.g. to find a rank's control address."""
-        self.send({"kind": "query"})
-        reply = self.recv(timeout_s, "the rank table")
-        return {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}, reply.get("t0")
-
-    def close(self) -> None:
-        self.sock.close(linger=1000)
-
-
-class RendezvousServer:
-    """The launcher's side: collects hellos and reports of `expected` ranks.
-
-    It refuses, logs and answers "refused" to (and never dies of): a message too big,
-    unauthenticated or not JSON, a hello with a missing or bad field, for a rank not in
-    this run or for one already registered, and a report from anything but a registered
-    rank's own connection. `refusals` keeps the reasons (the last 100)."""
-
-    def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
-                 ctx: zmq.Context | None = None, *, secret: bytes | None = None,
-                 advertise: str | None = None) -> None:
-        secret = run_secret(secret)
-        self._up = _Mac(secret, _TO_LAUNCHER)
-        self._down = _Mac(secret, _TO_RANK)
-        self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"{advertise or host}:{port}"  # what ranks connect to
-        self.expected = set(expected)
-        self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
-        self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
-        self.gone: set[str] = set()  # ranks that died during the run (the launcher says so)
-        self.registered: dict[bytes, str] = {}  # connection identity -> the rank it registered
-        self.refusals: list[str] = []
-        self.started = False
-        self.t0: float | None = None
-        self._warn = _Throttled(log, first=20)
-
-    def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
-        try:
-            self.sock.send_multipart([ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer is gone: nothing to tell
-
-    def _refuse(self, ident: bytes, reason: str) -> None:
-        self.refusals = [*self.refusals[-99:], reason]
-        self._warn.warn("refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason)
-        self._send(ident, {"kind": "refused", "reason": reason})
-
-    def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
-        """Handle what arrived; once all hellos are in, answer them with the table."""
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return
-        while True:
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                self._handle(parts[0], parts[1:])
-            except Exception as exc:  # a stray peer must not take the launcher down
-                self._refuse(parts[0], f"could not handle the message: {type(exc).__name__}: {exc}")
-        if not self.started and set(self.hellos) == self.expected:
-            self.started = True
-            self.t0 = time.time() + start_delay_s
-            table = [info.to_json() for _, info in self.hellos.values()]
-            for ident, _ in self.hellos.values():
-                self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
-
-    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
-        if _size(frames) > MAX_RENDEZVOUS_BYTES:
-            return self._refuse(ident, f"message of {_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
-        body = self._up.verify(frames)
-        if body is None or len(body) != 1:
-            return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
-        try:
-            msg = json.loads(body[0])
-        except ValueError as exc:
-            return self._refuse(ident, f"malformed message: {exc}")
-        kind = msg.get("kind") if isinstance(msg, dict) else None
-        if kind == "hello":
-            return self._hello(ident, msg)
-        if kind == "report":
-            return self._report(ident, msg)
-        if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
-            return self._send(ident, {"kind": "clock", "t1": msg.get("t1"), "t2": time.time()})
-        if kind == "query":
-            table = [info.to_json() for _, info in self.hellos.values()]
-            return self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
-        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock)")
-
-    def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
-        try:
-            info = RankInfo.from_hello(msg)
-        except ValueError as exc:
-            return self._refuse(ident, f"bad hello: {exc}")
-        name = info.name
-        if name not in self.expected:
-            return self._refuse(ident, f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})")
-        if name in self.hellos:
-            return self._refuse(ident, f"{name} is already registered")
-        if ident in self.registered:
-            return self._refuse(ident, f"this connection already registered {self.registered[ident]}")
-        self.hellos[name] = (ident, info)
-        self.registered[ident] = name
-
-    def _report(self, ident: bytes, msg: dict[str, Any]) -> None:
-        name = self.registered.get(ident)
-        if name is None:
-            return self._refuse(ident, "report from a connection that registered no rank")
-        try:
-            claimed = rank_name(msg["role"], int(msg["rank"]))
-        except (KeyError, TypeError, ValueError):
-            claimed = None
-        if claimed != name:
-            return self._refuse(ident, f"report for {claimed} from the connection of {name}")
-        if name in self.reports:
-            return self._refuse(ident, f"{name} has already reported")
-        self.reports[name] = (ident, msg)
-
-    @property
-    def all_reported(self) -> bool:
-        """Every rank reported, or died during the run (`gone`, noted by the launcher)."""
-        return set(self.reports) | self.gone == self.expected
-
-    def release(self) -> None:
-        """Tell every reported rank that it may exit."""
-        for ident, _ in self.reports.values():
-            self._send(ident, {"kind": "bye"})
-
-    def abort(self, reason: str) -> None:
-        for ident, _ in list(self.hellos.values()):
-            self._send(ident, {"kind": "abort", "reason": reason})
-
-    def close(self) -> None:
-        self.sock.close(linger=500)
+        return getattr(rendezvous, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from kvstage.hw.control import RankInfo, rank_name
+from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import scatter, wait_for_stream
 from kvstage.hw.kvpool import verify
 from kvstage.hw.rank import RankProcess
+from kvstage.hw.rendezvous import RankInfo
 from kvstage.shared.events import Scatter, ScatterDone, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
 

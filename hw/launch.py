@@ -2,7 +2,21 @@
 
 It watches every child: a rank that exits before reporting (crash, kill) fails the
 whole run within `poll` time, with a message naming the rank and the tail of its
-log, and every other process is terminated — nothing is left behind.
+log, and every other process is terminated — nothing is left behind. Ranks it did
+not start (`spawn=False`, `kvstage hw --no-spawn`) are watched through the rendezvous:
+every rank says it is alive every RANK_BEAT_S, and one silent for RANK_SILENT_S is
+down (hw/rendezvous.py); a spawned rank that goes silent is killed (it may be hung, not
+dead: it must not write on).
+
+A down rank is gone, and fails the run naming it, unless it rejoins in time: a
+prefill rank restarted (`kvstage hw-rank` with the same role and rank, the run's
+secret and rendezvous) may register again under a new incarnation within
+`rejoin_grace_s` (`kvstage hw --rejoin-grace S`; default 0: no waiting, a dead rank
+fails the run as before) and serve the rooms that arrive after its rejoin; the run
+is then judged by its rooms alone, and `rejoined` says what happened. A decode rank
+never rejoins (its staging ring and KV pool would come back empty). A scenario's
+`faults.kill` with `restart_after_s` is carried out here: the rank, killed by its
+fault, is spawned again at once and registers once `restart_after_s` has passed.
 
 The other way round, no rank outlives its launcher: a SIGTERM (or SIGHUP) to the
 launcher fails the run and terminates every rank; a SIGKILL takes them down through
@@ -16,6 +30,7 @@ to `<run dir>/run.secret` for ranks started elsewhere (`kvstage hw-rank --secret
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -31,19 +46,22 @@ from typing import Any
 
 from kvstage.hw.control import (
     SECRET_ENV,
-    RendezvousServer,
     new_secret,
     rank_name,
     run_secret,
     write_secret_file,
 )
 from kvstage.hw.placement import engine_env, launch_addresses
+from kvstage.hw.rendezvous import RANK_SILENT_S, RendezvousServer
 
 log = logging.getLogger("kvstage.hw.launch")
 
 LAUNCHER_PID_ENV = "KVSTAGE_LAUNCHER_PID"  # set for the ranks a launcher spawns
 SECRET_FILE = "run.secret"
 _PR_SET_PDEATHSIG = 1
+# A rank the launcher spawns again (faults kill restart_after_s) must register within
+# this long after its restart time (its interpreter, torch and engine start meanwhile).
+RESPAWN_GRACE_S = 60.0
 
 
 class LaunchError(RuntimeError):
@@ -55,6 +73,8 @@ class LaunchResult:
     reports: dict[str, dict[str, Any]]
     wall_s: float
     errors: list[str] = field(default_factory=list)
+    # ranks that died (or went silent) and rejoined: rank, incarnation, first_room, after
+    rejoined: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -90,6 +110,8 @@ def launch(
     host: str | None = None,
     bind: str | None = None,
     advertise: str | None = None,
+    rejoin_grace_s: float = 0.0,
+    restarts: dict[str, list[float]] | None = None,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -98,6 +120,8 @@ def launch(
     numactl, or an instrumented rank of a test). `secret`: the run secret (default:
     32 fresh random bytes), written to `log_dir/../run.secret`. `bind`, `advertise`,
     `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
+    `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
+    hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -107,30 +131,24 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     secret_path = log_dir.parent / SECRET_FILE
     write_secret_file(secret_path, secret)
-    server = RendezvousServer(names, host=bind, port=port, secret=secret, advertise=advertise)
-    procs: dict[str, subprocess.Popen] = {}
-    logs: dict[str, Path] = {}
+    restarts = {name: list(delays) for name, delays in (restarts or {}).items()} if spawn else {}
+    server = RendezvousServer(names, host=bind, port=port, secret=secret, advertise=advertise,
+                              silent_s=RANK_SILENT_S, rejoin_grace_s=rejoin_grace_s,
+                              grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()})
+    ranks = _Ranks(log_dir, _rank_env(host, device, secret))
+    procs, logs = ranks.procs, ranks.logs
     start = time.monotonic()
     errors: list[str] = []
-    env = _rank_env(host, device, secret)
     stop = _StopOnSignal()
     try:
         if not spawn:
             print(f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
                   f"{server.address} --secret-file {secret_path}`", file=sys.stderr, flush=True)
         else:
-            preexec = _die_with_launcher()
             for name in names:
-                role = "prefill" if name.startswith("prefill") else "decode"
-                cmd = [*(rank_wrapper or []), sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
-                       "--rank", name[len(role):], "--rendezvous", server.address, "--host", host]
-                cmd += ["--backend", backend] if backend else []
-                cmd += ["--device", device] if device else []
-                logs[name] = log_dir / f"{name}.log"
-                with logs[name].open("w") as fh:
-                    procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                                   start_new_session=True, preexec_fn=preexec)
-        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s)
+                ranks.spawn(name, _rank_command(name, scenario_path, server.address, host, backend, device,
+                                                rank_wrapper))
+        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn)
         errors += died
         server.release()
         for name, proc in procs.items():
@@ -142,10 +160,11 @@ def launch(
         for _name, rep in sorted(reports.items()):
             if rep.get("error"):
                 errors.append(rep["error"])
-        return LaunchResult(reports, time.monotonic() - start, errors)
+        return LaunchResult(reports, time.monotonic() - start, errors, list(server.rejoins))
     except LaunchError as exc:
         server.abort(str(exc))
-        return LaunchResult({n: m for n, (_, m) in server.reports.items()}, time.monotonic() - start, [str(exc)])
+        reports = {n: m for n, (_, m) in server.reports.items()}
+        return LaunchResult(reports, time.monotonic() - start, [str(exc)], list(server.rejoins))
     finally:
         stop.disarm()  # a signal now would cut the clean-up short: it is ignored
         try:
@@ -155,33 +174,93 @@ def launch(
             stop.restore()
 
 
+def _rank_command(name: str, scenario_path: Path, rendezvous: str, host: str, backend: str | None,
+                  device: str | None, rank_wrapper: list[str] | None) -> list[str]:
+    role = "prefill" if name.startswith("prefill") else "decode"
+    cmd = [*(rank_wrapper or []), sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
+           "--rank", name[len(role):], "--rendezvous", rendezvous, "--host", host]
+    cmd += ["--backend", backend] if backend else []
+    cmd += ["--device", device] if device else []
+    return cmd
+
+
+class _Ranks:
+    """The rank processes this launcher started, and their logs (`<name>.log`; a rank
+    started again: `<name>-restartN.log`)."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.restarted: dict[str, int] = {}
+
+    def spawn(self, name: str, cmd: list[str], log: str | None = None) -> None:
+        self.commands.setdefault(name, cmd)
+        self.logs[name] = self.log_dir / (log or f"{name}.log")
+        with self.logs[name].open("w") as fh:
+            self.procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+                                                start_new_session=True, preexec_fn=_die_with_launcher())
+
+    def respawn(self, name: str, register_at: float) -> None:
+        """Start a killed rank again; it registers at `register_at` (epoch s)."""
+        n = self.restarted[name] = self.restarted.get(name, 0) + 1
+        self.spawn(name, [*self.commands[name], "--register-at", f"{register_at:.6f}"], f"{name}-restart{n}.log")
+
+
 def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
-                        on_started, start: float, timeout_s: float) -> list[str]:
-    """Serve the rendezvous until every live rank reported. A rank that dies before the
-    run started is a LaunchError (the run cannot start); one that dies during the run
-    is noted (returned) and the others go on: their failure detectors fail its rooms
-    and they finish. LaunchError too when `timeout_s` passes after `start`."""
+                        on_started, start: float, timeout_s: float, restarts: dict[str, list[float]] | None = None,
+                        respawn: Callable[[str, float], None] | None = None) -> list[str]:
+    """Serve the rendezvous until every rank reported or is gone. A rank that dies
+    before the run started is a LaunchError (the run cannot start); one that dies (or
+    goes silent) during the run is down and the others go on: their failure detectors
+    fail its rooms and they finish. It is gone, and noted (returned: why, in the order
+    they went), unless it rejoins within its grace; a rank with a restart left
+    (`restarts`) is spawned again at once (`respawn`). LaunchError too when
+    `timeout_s` passes after `start`."""
     notified = False
-    died: list[str] = []
+    handled: set[int] = set()  # pids whose end was dealt with
+    fenced: set[int] = set()
+    spares: set[int] = set()  # respawned ranks waiting for their restart time (down, not silent)
+    restarts = restarts or {}
     while not server.all_reported:
         server.poll(0.1)
         if on_started is not None and server.started and not notified:
             notified = True  # every rank registered: the run is under way
             on_started(server.address, procs)
-        for name, proc in procs.items():
+        for name, proc in list(procs.items()):
             code = proc.poll()
-            if code is not None and name not in server.reports and name not in server.gone:
-                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                message = f"rank {name} died before finishing ({why}); its log {logs[name]}:\n{_tail(logs[name])}"
-                if not server.started:
-                    raise LaunchError(message)
-                server.gone.add(name)
-                died.append(message)
+            if code is None or proc.pid in handled or name in server.reports:
+                continue
+            handled.add(proc.pid)
+            why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            message = f"rank {name} died before finishing ({why}); its log {logs[name]}:\n{_tail(logs[name])}"
+            if not server.started:
+                raise LaunchError(message)
+            if restarts.get(name) and respawn is not None and name not in server.gone:
+                delay = restarts[name].pop(0)
+                server.mark_down(name, message)
+                respawn(name, time.time() + delay)  # it registers once its restart time came
+                spares.add(procs[name].pid)
+                print(f"launcher: {name} died ({why}); started again, it rejoins in {delay:g}s",
+                      file=sys.stderr, flush=True)
+            else:
+                server.mark_down(name, message)
+        spares = {pid for pid in spares if any(p.pid == pid and n in server.down for n, p in procs.items())}
+        for name in server.down:  # a spawned rank gone silent may be hung, not dead: it must not write on
+            proc = procs.get(name)
+            if proc is not None and proc.poll() is None and proc.pid not in fenced and proc.pid not in spares:
+                fenced.add(proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for event in server.take_events():
+            print(f"launcher: {event}", file=sys.stderr, flush=True)
         if time.monotonic() - start > timeout_s:
-            missing = sorted(server.expected - set(server.reports))
+            missing = sorted(server.expected - set(server.reports) - set(server.gone))
             stage = "register" if not server.started else "finish"
             raise LaunchError(f"ranks {missing} did not {stage} within {timeout_s:.0f}s")
-    return died
+    return list(server.gone.values())
 
 
 def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.hw.control import RankInfo, rank_name
+from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import RankProcess
+from kvstage.hw.rendezvous import RankInfo
 from kvstage.hw.transport import TransferError, XferHandle
 from kvstage.shared.events import (
     Forward,

@@ -11,6 +11,18 @@ differs by role.
 
 Single-threaded by design: the loop polls transfer handles and the control socket in
 turn, so the runtime is only ever touched from one thread.
+
+Restart and rejoin: a prefill rank process started again while its run goes on
+registers with the rendezvous under its new control plane's incarnation (newer than
+its predecessor's); the rendezvous tells its decode peers, each of which points its
+control connection at the new address, raises the control plane's replay floor to the
+new incarnation (the old process's late frames are dropped from then on), watches the
+rank again and feeds its runtime PeerRejoined with the first room it has not seen
+arrive. The new process gets the smallest of those and serves its rooms from there on
+(its runtime is built with `first_room`); the rooms before it were its predecessor's
+(failed by the peers, or done). It loads its decode peers' transfer metadata afresh,
+as any starting prefill rank does; a decode rank loads no prefill rank's metadata
+(writes are one-sided, from the prefill), so it has no old agent to forget.
 """
 
 from __future__ import annotations
@@ -23,13 +35,24 @@ import traceback
 from collections import deque
 from typing import Any
 
-from kvstage.hw.control import ClockOffset, ControlPlane, RankInfo, RendezvousClient, rank_name
+from kvstage.hw.control import ControlPlane, rank_name
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
 from kvstage.hw.placement import transport_options
+from kvstage.hw.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
 from kvstage.hw.transport import make_transport
 from kvstage.shared.cluster import hardware_sessions
-from kvstage.shared.events import Arrive, Die, PeerLost, Record, RoomDone, RoomFailed, Send, Tick
+from kvstage.shared.events import (
+    Arrive,
+    Die,
+    PeerLost,
+    PeerRejoined,
+    Record,
+    RoomDone,
+    RoomFailed,
+    Send,
+    Tick,
+)
 from kvstage.shared.layout import owned_heads
 from kvstage.shared.liveness import HEARTBEAT_S, PEER_TIMEOUT_S, PeerWatch
 from kvstage.shared.pages import kv_pool_pages
@@ -44,6 +67,8 @@ log = logging.getLogger("kvstage.hw.rank")
 # Idle poll interval while transfers are in flight (they complete asynchronously).
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
+# What a finished rank tells the rendezvous it may be silent for while its report goes out.
+REPORT_QUIET_S = 120.0
 
 
 
@@ -86,8 +111,8 @@ class RankProcess:
         self.device = device or scenario.hardware.device
         self.verify_mode = verify_mode or scenario.hardware.verify
         # the rooms routed to this rank's instance: its workload, and what its KV pool holds
-        mine = [r for r in requests if self.sessions.serves(self.role, rank, r.room)]
-        pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
+        self.mine = mine = [r for r in requests if self.sessions.serves(self.role, rank, r.room)]
+        self.pages = pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
         self.runtime = RankRuntime(scenario, self.role, rank, requests=mine, kv_pages=pages,
                                    verify=self.verify_mode != "off", sessions=self.sessions)
         self.records: list[TraceRecord] = []
@@ -107,6 +132,9 @@ class RankProcess:
         self.transport.register(self.pool.tensor)
         self.control = ControlPlane(host, name=self.name)
         self.peers: dict[str, RankInfo] = {}
+        self.client: RendezvousClient | None = None
+        self.t0 = 0.0
+        self._next_alive = 0.0
 
     @property
     def on_cuda(self) -> bool:
@@ -142,11 +170,22 @@ class RankProcess:
         return []
 
     # --- life cycle -----------------------------------------------------------------------
-    def run(self, rendezvous_timeout_s: float = 60.0) -> dict[str, Any]:
-        client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
+    def run(self, rendezvous_timeout_s: float = 60.0, register_at: float | None = None) -> dict[str, Any]:
+        """Register, run, report. `register_at` (epoch s): not before then (a rank the
+        launcher started again after its fault killed it waits for its restart time)."""
+        client = self.client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
+        while register_at is not None and time.time() < register_at:
+            check_launcher()
+            time.sleep(min(0.1, max(0.0, register_at - time.time())))
+        # a rank registered under this name already (this is a restart): take a newer
+        # incarnation than it, whatever this host's clock says
+        known, _ = client.query(rendezvous_timeout_s)
+        if self.name in known and known[self.name].incarnation >= self.control.incarnation:
+            self.control.renew_incarnation(known[self.name].incarnation + 1)
         me = RankInfo(self.role, self.rank, self.control.address, self.transport.agent_name,
-                      self.transport.metadata(), self._rank_extra())
+                      self.transport.metadata(), self._rank_extra(), self.control.incarnation)
         table, t0 = client.hello(me, rendezvous_timeout_s)
+        self.t0 = t0
         # trace times are on the launcher's clock: measure this clock's offset to it, now
         # that every rank is registered and quiet (before t0, half a second away)
         self.clock = client.clock_offset(samples=16, clock=self.wall, timeout_s=rendezvous_timeout_s)
@@ -155,6 +194,8 @@ class RankProcess:
         # error (up to half a round trip), which would reorder their trace by as much.
         if abs(self.clock.offset_s) > self.clock.uncertainty_s:
             self.clock_offset_s = self.clock.offset_s
+        if client.rejoin is not None:
+            self._rejoin(client.rejoin)
         self.peers = table
         self._connect_peers(table)
         error = ""
@@ -166,12 +207,24 @@ class RankProcess:
         except Exception as exc:  # report, don't hang the run
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
+        client.alive(quiet_s=REPORT_QUIET_S)  # building and sending a long trace takes a while
         report = self._report(error)
         client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
                       serve=None if error else self._serve_late)
         client.close()
         self.close()
         return report
+
+    def _rejoin(self, rejoin: dict[str, Any]) -> None:
+        """This process rejoined a run under way, replacing the rank's lost incarnation:
+        it serves the rooms from the rendezvous' first_room on (None: none)."""
+        first = rejoin.get("first_room")
+        first_room = int(first) if first is not None else max((r.room for r in self.mine), default=-1) + 1
+        self.runtime = RankRuntime(self.s, self.role, self.rank, requests=self.mine, kv_pages=self.pages,
+                                   verify=self.verify_mode != "off", sessions=self.sessions, first_room=first_room,
+                                   started_at=self.now(), incarnation=self.control.incarnation)
+        log.warning("%s: rejoined the run as incarnation %d, serving rooms from %d (%d of its rooms)", self.name,
+                    self.control.incarnation, first_room, len(self.runtime.requests))
 
     def close(self) -> None:
         try:
@@ -191,6 +244,7 @@ class RankProcess:
         if now < self._next_beat:
             return
         self._next_beat = now + HEARTBEAT_S
+        self._rendezvous_turn()
         for role, rank in self._peers():
             if (role, rank) in self.watch.lost:
                 continue
@@ -199,6 +253,41 @@ class RankProcess:
             else:
                 beat = Heartbeat(rank, self.rank, True)
             self.control.send(rank_name(role, rank), beat)
+
+    def _rendezvous_turn(self) -> None:
+        """Tell the rendezvous this rank is alive (every RANK_BEAT_S), and act on what it
+        told this rank (a peer that rejoined)."""
+        client = self.client
+        if client is None:
+            return
+        mono = time.monotonic()
+        if mono >= self._next_alive:
+            self._next_alive = mono + RANK_BEAT_S
+            client.alive()
+        for notice in client.poll_notices():
+            if notice.get("kind") == "rejoin":
+                info = RankInfo.from_json(notice["rank"])
+                client.ack_rejoin(info.name, info.incarnation, self._peer_rejoined(info))
+
+    def _peer_rejoined(self, info: RankInfo) -> int | None:
+        """A peer restarted and rejoined as `info`: talk to its new process, drop the old
+        one's late frames, watch it again, and give the runtime PeerRejoined. Returns
+        the first room the new incarnation serves here (None: not a peer of this rank)."""
+        peer = (info.role, info.rank)
+        if peer not in self.watch:
+            return None
+        old = self.peers.get(info.name)
+        if old is not None and info.incarnation <= old.incarnation:
+            return None  # not newer than the one known
+        self.peers[info.name] = info
+        self.control.connect(info.name, info.control)
+        self.control.expect_incarnation(info.name, info.incarnation)
+        first = self.runtime.next_room
+        log.warning("%s: %s rejoined as incarnation %d (was %s): it serves rooms from %d here", self.name, info.name,
+                    info.incarnation, old.incarnation if old else "?", first)
+        self.watch.rejoined(peer, self.now())
+        self._feed(PeerRejoined(info.role, info.rank, info.incarnation, first))
+        return first
 
     def _receive(self, wait: float) -> bool:
         """Messages in: every one is a sign of life of its sender; heartbeats stop here."""
@@ -213,8 +302,10 @@ class RankProcess:
                 self._feed(msg)
         for role, rank in self.watch.newly_lost(self.now()):
             log.warning("%s: %s%d silent for %.1fs: lost", self.name, role, rank, PEER_TIMEOUT_S)
+            info = self.peers.get(rank_name(role, rank))
             self._feed(PeerLost(role, rank, f"{role} rank {rank} stopped answering "
-                                            f"(no heartbeat for {PEER_TIMEOUT_S:.0f}s)"))
+                                            f"(no heartbeat for {PEER_TIMEOUT_S:.0f}s)",
+                                info.incarnation if info is not None else -1))
         return bool(messages)
 
     def _loop(self, t0: float) -> None:

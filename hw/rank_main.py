@@ -1,4 +1,8 @@
-"""Entry point of one rank process: `python -m kvstage.hw.rank_main ...` (also `kvstage hw-rank`)."""
+"""Entry point of one rank process: `python -m kvstage.hw.rank_main ...` (also `kvstage hw-rank`).
+
+Started again (same role and rank, the run's scenario, secret and rendezvous) while its
+run goes on, a prefill rank rejoins it as a new incarnation (hw/rank.py); the launcher
+must allow it (`kvstage hw --rejoin-grace S`) once it has noticed the rank gone."""
 
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None,
                    help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
                         "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start")
+    p.add_argument("--register-at", default=None, type=float, metavar="EPOCH_S",
+                   help="start up, then register with the rendezvous no earlier than this wall-clock time "
+                        "(epoch seconds): the launcher starts a rank its fault killed again this way "
+                        "(faults.kill restart_after_s)")
     return p
 
 
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        report = rank.run()
+        report = rank.run(register_at=args.register_at)
     except LauncherGone as exc:
         print(f"{args.role}{args.rank}: {exc}: stopped", file=sys.stderr)
         rank.close()

@@ -139,6 +139,7 @@ def hw(
     bind: Annotated[str | None, typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one).")] = None,
     advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="Use this run secret (a file only its owner can read) instead of drawing one; ranks started elsewhere get the same file, e.g. copied to each node's local disk.")] = None,
+    rejoin_grace: Annotated[float, typer.Option(min=0, help="Seconds a prefill rank that died (or went silent) may take to rejoin, started again with hw-rank, before it fails the run (0: a dead rank fails it).")] = 0.0,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -175,7 +176,8 @@ def hw(
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
-                           port=port, console=console, host=host, bind=bind, advertise=advertise, **extra)
+                           port=port, console=console, host=host, bind=bind, advertise=advertise,
+                           rejoin_grace_s=rejoin_grace, **extra)
     raise typer.Exit(code)
 
 

@@ -12,7 +12,7 @@ from kvstage.expect import check_expectation, print_outcome
 from kvstage.hw.launch import launch
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.invariants import check_records
-from kvstage.shared.runtime import RankResult, merge_failures
+from kvstage.shared.runtime import RankResult, merge_failures, rank_name
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import generate_requests
@@ -75,6 +75,23 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
     }
 
 
+def _restarts(scenario: Scenario) -> dict[str, list[float]]:
+    """rank -> the delays after which the launcher starts it again, one per kill fault
+    with restart_after_s, in the order the kills come."""
+    restarts: dict[str, list[float]] = {}
+    for k in sorted(scenario.faults.kill, key=lambda k: k.at_s):
+        if k.restart_after_s is not None:
+            restarts.setdefault(rank_name(k.role, k.rank), []).append(k.restart_after_s)
+    return restarts
+
+
+def _print_rejoins(console: Console, rejoined: list[dict]) -> None:
+    for r in rejoined:
+        first = f"rooms from {r['first_room']}" if r["first_room"] is not None else "no room"
+        console.print(f"rank {r['rank']} rejoined as incarnation {r['incarnation']}, serving {first}, after: "
+                      f"{escape(r['after'])}", highlight=False)
+
+
 def run_hardware(
     scenario: Scenario,
     *,
@@ -86,11 +103,13 @@ def run_hardware(
     console: Console | None = None,
     on_started=None,
     rank_wrapper: list[str] | None = None,
+    rejoin_grace_s: float = 0.0,
     **placement: str | None,
 ) -> tuple[int, Path]:
     """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right,
     no invariant broke and the failed rooms are the ones the scenario's [expect] allows (none
-    without one); 1 otherwise. `placement`: host, bind, advertise (hw.launch.launch)."""
+    without one); 1 otherwise. `placement`: host, bind, advertise (hw.launch.launch);
+    `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (launch)."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
@@ -107,7 +126,7 @@ def run_hardware(
     result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
                     run_dir / "logs", backend=hw.backend,
                     device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
-                    rank_wrapper=rank_wrapper, **placement)
+                    rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s, restarts=_restarts(scenario), **placement)
     records: list[TraceRecord] = []
     for rep in result.reports.values():
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
@@ -123,6 +142,7 @@ def run_hardware(
         extra={
             **_hardware_figures(scenario, result.reports),
             "errors": errors,
+            "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
             "conditions": conditions.measure(before, spawned=spawn),  # spawned ranks' CPU time is the run's own
         },
     )
@@ -130,6 +150,7 @@ def run_hardware(
     failures = merge_failures(ranks)
     write_run(run_dir, scenario, records, summary, "hw", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
+    _print_rejoins(console, result.rejoined)
     console.print(f"run directory: {run_dir}")
     problems = check_expectation(scenario, failures, len(generate_requests(scenario)), "hw",
                                  run_failed=bool(errors))

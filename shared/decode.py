@@ -10,6 +10,19 @@ moves are `DECODE_TRANSITIONS` (any other raises `LocalProtocolError`):
 
     COLLECTING (writers arriving) -> SCATTERING -> COMPLETE
     COLLECTING -> COMPLETE (slice path or OVERSIZED: the bytes are already in the pool)
+
+A writer the driver declares lost (PeerLost) fails every live room that needs it, and
+every later one when it opens; its staging regions are released as for any failed
+room (quarantined until the other writers confirm, a scatter's region when it ends),
+so nothing of a dead writer's rooms stays in the ring. A lost prefill rank that
+restarts rejoins as a new incarnation (PeerRejoined): which rooms it serves is one
+number, `first_room`, the first room that had not arrived here when this rank learnt
+of the rejoin. Rooms before it are the lost incarnation's and stay so: those that
+failed stay failed (each room ends exactly once), one still waiting for it fails as
+PeerLost fails it (the rejoin came before the loss was detected), and one that opens
+later fails at once; the new incarnation is neither aborted to nor waited for about
+them (it never knew them). Rooms from `first_room` on open with it and finish. A loss
+of an incarnation older than the one that rejoined is stale and ignored.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ A hardware rank tells its peers it is alive a few times a second (HEARTBEAT, and
 other message counts too); a peer silent for `timeout_s` is lost, reported once, and
 the rank's runtime gets PeerLost for it: the peer's rooms fail with that reason while
 the rank keeps serving the others. The simulator detects a dead rank after the same
-PEER_TIMEOUT_S.
+PEER_TIMEOUT_S. A lost prefill rank that restarts and rejoins the run (the rendezvous
+tells its peers) is watched again (`rejoined`): PeerRejoined, its new incarnation
+serves the rooms that had not arrived yet.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ class PeerWatch:
         self._last: dict[Peer, float] = {p: now for p in peers}
         self.lost: dict[Peer, float] = {}  # peer -> when it was declared lost
 
+    def __contains__(self, peer: Peer) -> bool:
+        """Whether `peer` is one of the watched peers."""
+        return peer in self._last
+
     def heard(self, peer: Peer, now: float) -> None:
-        """`peer` said something (a heartbeat or any message). A lost peer stays lost."""
+        """`peer` said something (a heartbeat or any message). A lost peer stays lost
+        (until it rejoins: a late frame of its old process does not revive it)."""
         if peer in self._last and peer not in self.lost and now > self._last[peer]:
             self._last[peer] = now
 
@@ -40,6 +47,13 @@ class PeerWatch:
         for p in gone:
             self.lost[p] = now
         return gone
+
+    def rejoined(self, peer: Peer, now: float) -> None:
+        """`peer` came back as a new incarnation (a restarted rank): watched again, as
+        if just heard from."""
+        if peer in self._last:
+            self.lost.pop(peer, None)
+            self._last[peer] = max(self._last[peer], now)
 
     def silent_for(self, peer: Peer, now: float) -> float:
         return now - self._last[peer]

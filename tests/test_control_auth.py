@@ -122,6 +122,44 @@ def test_a_captured_frame_sent_again_is_dropped_as_replayed():
             cp.close()
 
 
+def test_once_a_restart_is_known_the_old_incarnation_is_dropped_before_the_new_one_speaks():
+    """A rank that learns a peer restarted (the rendezvous tells it the new incarnation)
+    drops every later frame of the old incarnation at once, as replayed: not only once
+    the new process has sent something. The new incarnation's frames all arrive, and a
+    reconnect to the new address drops what was still queued for the old one."""
+    secret = new_secret()
+    inbox = ControlPlane(secret=secret)
+    old = ControlPlane(secret=secret, name="prefill1")
+    try:
+        old.connect("inbox", inbox.address)
+        wm = [Watermark(round=1, tail=t, prefill_rank=1, decode_rank=0) for t in range(4)]
+        old.send("inbox", wm[0])
+        assert _receive_until(inbox, lambda got: got) == [wm[0]]
+        new = ControlPlane(secret=secret, name="prefill1")
+        assert new.incarnation > old.incarnation
+        inbox.expect_incarnation("prefill1", new.incarnation)  # what a rejoin notice does
+        old.send("inbox", wm[1])  # a late frame of the old process, newer than its last
+        raw = _push(inbox.address)
+        raw.send_multipart(signed(encode(wm[2]), secret, sender=b"prefill1", incarnation=old.incarnation,
+                                  seq=1 << 40))  # a replay of one of its frames, any sequence number
+        assert _receive_until(inbox, lambda _: inbox.replayed >= 2) == []
+        assert inbox.replayed == 2
+        new.connect("inbox", inbox.address)
+        new.send("inbox", wm[3])
+        assert _receive_until(inbox, lambda got: got) == [wm[3]]
+        # the floor never goes back: an older incarnation named later changes nothing
+        inbox.expect_incarnation("prefill1", old.incarnation)
+        new.send("inbox", wm[0])
+        assert _receive_until(inbox, lambda got: got) == [wm[0]]
+        raw.close(linger=0)
+        new.close()
+        with pytest.raises(RuntimeError, match="fixed once a frame went out"):
+            old.renew_incarnation(old.incarnation + 1)
+    finally:
+        for cp in (inbox, old):
+            cp.close()
+
+
 def test_a_control_plane_needs_the_run_secret(monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(RuntimeError, match="no run secret"):

@@ -1,0 +1,607 @@
+"""The rendezvous that introduces the ranks of a hardware-mode run, and keeps track of them.
+
+The rendezvous is a ROUTER socket (run by the launcher, or alone for ranks placed
+by srun/mpirun): every rank sends a JSON hello with its control address and its
+transfer metadata; when all ranks are there each gets the whole table and a common
+start time. At the end every rank sends its report and waits for the go to exit,
+so no process disappears while a peer might still write to it. Every message is
+authenticated with the run's secret (hw/control.py, channel-bound keys).
+
+During the run each rank says it is alive every RANK_BEAT_S: the launcher's failure
+detector for ranks it did not start (`kvstage hw --no-spawn`). A prefill rank that
+died may register again under a newer incarnation and rejoin the run
+(`RendezvousServer`: its decode peers are told, and say from which room the new
+incarnation serves them).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvstage.hw.control import (
+    _TO_LAUNCHER,
+    _TO_RANK,
+    MAX_RENDEZVOUS_BYTES,
+    SECRET_ENV,
+    _Mac,
+    _size,
+    _Throttled,
+    log,
+    run_secret,
+)
+from kvstage.shared.runtime import rank_name
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode(), validate=True)
+
+
+_CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
+
+
+@dataclass
+class RankInfo:
+    role: str
+    rank: int
+    control: str  # tcp://host:port of the rank's PULL socket
+    agent: str  # transfer engine agent / session name
+    metadata: bytes  # transfer metadata (registered regions)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. KV pool / ring descriptors
+    incarnation: int = 0  # its control plane's incarnation (ControlPlane.incarnation)
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.role, self.rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "control": self.control, "agent": self.agent,
+                "metadata": _b64(self.metadata), "extra": self.extra, "incarnation": self.incarnation}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankInfo:
+        return cls(d["role"], int(d["rank"]), d["control"], d["agent"], _unb64(d["metadata"]), d.get("extra", {}),
+                   int(d.get("incarnation", 0)))
+
+    @classmethod
+    def from_hello(cls, d: dict[str, Any]) -> RankInfo:
+        """A hello's RankInfo, every field checked; ValueError naming the first bad one."""
+        for key, kind in (("role", str), ("rank", int), ("control", str), ("agent", str), ("metadata", str)):
+            if key not in d:
+                raise ValueError(f"no {key!r}")
+            if not isinstance(d[key], kind) or isinstance(d[key], bool):
+                raise ValueError(f"{key!r} is {type(d[key]).__name__}, not {kind.__name__}")
+        if d["role"] not in ("prefill", "decode") or d["rank"] < 0:
+            raise ValueError(f"no such rank: role {d['role']!r}, rank {d['rank']}")
+        if not _CONTROL_ADDRESS.fullmatch(d["control"]):
+            raise ValueError(f"'control' {d['control'][:80]!r} is not tcp://HOST:PORT")
+        if not isinstance(d.get("extra", {}), dict):
+            raise ValueError("'extra' is not an object")
+        inc = d.get("incarnation", 0)
+        if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 1 << 63:
+            raise ValueError(f"'incarnation' {str(inc)[:40]!r} is not an int in [0, 2**63)")
+        try:
+            return cls.from_json(d)
+        except binascii.Error as exc:
+            raise ValueError(f"'metadata' is not base64: {exc}") from None
+
+
+class RendezvousError(RuntimeError):
+    pass
+
+
+# What the rendezvous tells a registered rank unasked (RendezvousClient.notices).
+NOTICES = frozenset({"rejoin"})
+# A registered rank says it is alive this often; one silent for RANK_SILENT_S is down
+# (the launcher's failure detector: longer than the peers' 3 s, so its peers' own
+# detectors fail its rooms first, with their reason).
+RANK_BEAT_S = 0.5
+RANK_SILENT_S = 5.0
+# How long a rejoin waits for the decode ranks' answers before it goes on without them.
+REJOIN_ACK_S = 10.0
+# The longest a rank may announce it will be quiet (alive quiet_s: building its report).
+MAX_QUIET_S = 600.0
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """A rank's clock against the launcher's: launcher time = rank time + offset_s,
+    within +- uncertainty_s (half the round trip of the best sample)."""
+
+    offset_s: float
+    rtt_s: float
+    samples: int
+
+    @property
+    def uncertainty_s(self) -> float:
+        return self.rtt_s / 2
+
+    def to_wire(self) -> dict[str, float]:
+        return {"clock_offset_s": self.offset_s, "clock_uncertainty_s": self.uncertainty_s,
+                "clock_rtt_s": self.rtt_s, "clock_samples": self.samples}
+
+
+class RendezvousClient:
+    """A rank's side of the rendezvous (a DEALER socket).
+
+    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET). `watch`, if given, is
+    called at least twice a second while waiting for an answer (a rank's check that
+    its launcher is alive).
+
+    Besides the answers to its own requests, the rendezvous may tell a registered
+    rank something at any time (a notice: a peer rejoined, `NOTICES`); those are kept
+    in `notices` until the rank takes them (`poll_notices`), never mistaken for an
+    answer. A registered rank says it is alive every RANK_BEAT_S (`alive`)."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None, *, secret: bytes | None = None,
+                 watch: Callable[[], None] | None = None) -> None:
+        secret = run_secret(secret)
+        self._up = _Mac(secret, _TO_LAUNCHER)
+        self._down = _Mac(secret, _TO_RANK)
+        self.watch = watch
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        if not address.startswith("tcp://"):
+            address = f"tcp://{address}"
+        self.sock.connect(address)
+        self.address = address
+        self.notices: list[dict[str, Any]] = []
+        self._replies: deque[dict[str, Any]] = deque()
+        self.rejoin: dict[str, Any] | None = None  # set by hello() when this rank rejoined a run
+
+    def send(self, msg: dict[str, Any], block: bool = True) -> None:
+        """One authenticated JSON message to the rendezvous. `block=False`: dropped if
+        it cannot go at once (a rendezvous that is gone must not stall a rank's loop)."""
+        try:
+            self.sock.send_multipart(self._up.sign([json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _pump(self, timeout_ms: int) -> None:
+        """Take in what the rendezvous sent (waiting up to `timeout_ms` for the first):
+        notices aside, answers in order."""
+        if not self.sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            body = self._down.verify(frames) if _size(frames) <= MAX_RENDEZVOUS_BYTES else None
+            if body is None or len(body) != 1:
+                raise RendezvousError(f"the rendezvous at {self.address} answered with a message this rank cannot "
+                                      f"authenticate: this rank's run secret is not the launcher's (check "
+                                      f"--secret-file / ${SECRET_ENV})")
+            msg = json.loads(body[0])
+            if not isinstance(msg, dict):
+                raise RendezvousError(f"the rendezvous at {self.address} sent {type(msg).__name__}, not an object")
+            if msg.get("kind") in NOTICES:
+                self.notices.append(msg)
+            else:
+                self._replies.append(msg)
+
+    def recv(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """The rendezvous' next answer; RendezvousError when none comes, when it cannot be
+        authenticated (this rank's secret is not the run's) or when it refuses."""
+        deadline = time.monotonic() + timeout_s
+        while not self._replies:
+            if self.watch is not None:
+                self.watch()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
+                                      f"while waiting for {what}")
+            self._pump(min(500, math.ceil(left * 1000)))
+        msg = self._replies.popleft()
+        if msg.get("kind") == "refused":
+            raise RendezvousError(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
+        return msg
+
+    def poll_notices(self) -> list[dict[str, Any]]:
+        """The notices that came in so far (taken: each is returned once). Never waits."""
+        self._pump(0)
+        out, self.notices = self.notices, []
+        return out
+
+    def alive(self, quiet_s: float = 0.0) -> None:
+        """Tell the rendezvous this rank is still there (no answer comes); `quiet_s`: it
+        may say nothing more for that long (busy building its report)."""
+        self.send({"kind": "alive", **({"quiet_s": quiet_s} if quiet_s else {})}, block=False)
+
+    def ack_rejoin(self, rank: str, incarnation: int, first_room: int | None) -> None:
+        """Answer a rejoin notice: this rank serves `rank`'s new incarnation the rooms
+        from `first_room` on (None: not a peer of it)."""
+        self.send({"kind": "rejoin_ack", "rank": rank, "incarnation": incarnation, "first_room": first_room},
+                  block=False)
+
+    def clock_offset(self, samples: int = 8, timeout_s: float = 10.0,
+                     clock: Callable[[], float] = time.time) -> ClockOffset:
+        """This rank's offset to the launcher's clock (launcher time = `clock()` + offset):
+        `samples` round trips, the one with the smallest round-trip time; its half RTT
+        bounds the error."""
+        best: ClockOffset | None = None
+        for _ in range(samples):
+            t1 = clock()
+            self.send({"kind": "clock", "t1": t1})
+            reply = self.recv(timeout_s, "a clock answer")
+            t3 = clock()
+            if reply.get("kind") != "clock" or reply.get("t1") != t1:
+                raise RendezvousError(f"the rendezvous at {self.address} answered a clock probe with {reply.get('kind')!r}")
+            rtt = t3 - t1
+            if best is None or rtt < best.rtt_s:
+                best = ClockOffset(float(reply["t2"]) - (t1 + t3) / 2, rtt, samples)
+        assert best is not None
+        return best
+
+    def hello(self, me: RankInfo, timeout_s: float) -> tuple[dict[str, RankInfo], float]:
+        """Register; returns every rank's info by name, and the run's start time (epoch s).
+        A rank that registers again under a newer incarnation while the run goes on
+        rejoins it: `rejoin` then holds what the rendezvous decided (first_room: the
+        first room this incarnation serves, None: none)."""
+        self.send({"kind": "hello", **me.to_json()})
+        reply = self.recv(timeout_s, "all ranks to register")
+        if reply.get("kind") == "abort":
+            raise RendezvousError(f"rendezvous aborted the run: {reply.get('reason')}")
+        table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
+        self.rejoin = reply.get("rejoin")
+        return table, float(reply["t0"])
+
+    def report(self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None) -> None:
+        """Send this rank's report and wait until the launcher says every rank is finished.
+        `serve` is called meanwhile, again and again (it should block for a few ms at
+        most): a rank that finished still answers its peers, whose re-sent messages may
+        wait for an acknowledgement only it can give."""
+        self.send({"kind": "report", **report})
+        if serve is None:
+            self.recv(max(1.0, timeout_s), "the other ranks to finish")
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self._replies:
+            if self.watch is not None:
+                self.watch()
+            if time.monotonic() > deadline:
+                break  # recv below says so
+            serve()
+            self._pump(0)
+        self.recv(1.0, "the other ranks to finish")
+
+    def query(self, timeout_s: float) -> tuple[dict[str, RankInfo], float | None]:
+        """The ranks registered so far and the start time (None before every rank is in):
+        for tools that hold the run secret, e.g. to find a rank's control address."""
+        self.send({"kind": "query"})
+        reply = self.recv(timeout_s, "the rank table")
+        return {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}, reply.get("t0")
+
+    def rejoins(self, timeout_s: float) -> list[dict[str, Any]]:
+        """The rejoins the rendezvous completed so far (rank, incarnation, first_room, after)."""
+        self.send({"kind": "query"})
+        return list(self.recv(timeout_s, "the rank table").get("rejoins", []))
+
+    def close(self) -> None:
+        self.sock.close(linger=1000)
+
+
+@dataclass
+class _Down:
+    """A registered rank that died or went silent during the run, until it rejoins or
+    its grace ends (then it is gone)."""
+
+    why: str
+    since: float  # time.monotonic()
+    deadline: float
+
+
+@dataclass
+class _Rejoin:
+    """A restarted rank's re-registration: its decode peers are asked which room the
+    new incarnation serves from; it gets its table once all answered (or the wait ends)."""
+
+    ident: bytes
+    info: RankInfo
+    asked: set[str]
+    deadline: float
+    after: str  # what happened to the incarnation it replaces
+    answers: dict[str, int | None] = field(default_factory=dict)
+
+
+class RendezvousServer:
+    """The launcher's side: collects hellos and reports of `expected` ranks.
+
+    It refuses, logs and answers "refused" to (and never dies of): a message too big,
+    unauthenticated or not JSON, a hello with a missing or bad field, for a rank not in
+    this run or for one already registered, and a report from anything but a registered
+    rank's own connection. `refusals` keeps the reasons (the last 100).
+
+    Liveness (`silent_s`, None: not watched): once the run started, a registered rank
+    that has not finished and sent nothing for `silent_s` (ranks say `alive` every
+    RANK_BEAT_S) is *down*, as is one the launcher saw die (`mark_down`). A down rank
+    is *gone* (`gone`: name -> why; the run fails naming it) once its grace is over:
+    `grace_s[name]`, else `rejoin_grace_s` for a prefill rank and 0 for a decode rank.
+
+    Rejoin: a prefill rank of this run that registers again while the run goes on,
+    under a newer incarnation (RankInfo.incarnation) and not yet gone or finished,
+    replaces the one registered (down or not: a restart of a rank nobody saw die
+    replaces it too). Its old connection is unregistered (a report or a beat from it is
+    refused), every live decode rank gets the new RankInfo (notice "rejoin") and
+    answers with the first room it has not seen arrive; the new incarnation gets the
+    table with `rejoin: {incarnation, first_room}`, first_room the smallest answer (None
+    when no decode rank answered: it serves nothing). Everything else stays refused: a
+    decode rank registering again, an incarnation not newer than the registered one,
+    a rank already gone or finished. `rejoins` lists the completed rejoins."""
+
+    def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
+                 ctx: zmq.Context | None = None, *, secret: bytes | None = None,
+                 advertise: str | None = None, silent_s: float | None = None,
+                 rejoin_grace_s: float = 0.0, grace_s: dict[str, float] | None = None) -> None:
+        secret = run_secret(secret)
+        self._up = _Mac(secret, _TO_LAUNCHER)
+        self._down = _Mac(secret, _TO_RANK)
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"{advertise or host}:{port}"  # what ranks connect to
+        self.expected = set(expected)
+        self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
+        self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self.gone: dict[str, str] = {}  # ranks that died during the run for good -> why
+        self.down: dict[str, _Down] = {}  # ranks dead or silent, within their grace
+        self.registered: dict[bytes, str] = {}  # connection identity -> the rank it registered
+        self.refusals: list[str] = []
+        self.started = False
+        self.t0: float | None = None
+        self.silent_s = silent_s
+        self.rejoin_grace_s = rejoin_grace_s
+        self.grace_s: dict[str, float] = dict(grace_s or {})  # per rank, instead of the default grace
+        self.last_heard: dict[str, float] = {}  # rank -> time.monotonic() of its last message
+        self._quiet_until: dict[str, float] = {}  # rank -> silent until then, as it announced
+        self.rejoins: list[dict[str, Any]] = []
+        self._rejoining: dict[str, _Rejoin] = {}
+        self.events: list[str] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
+        self._warn = _Throttled(log, first=20)
+
+    def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone: nothing to tell
+
+    def _refuse(self, ident: bytes, reason: str, answer: bool = True) -> None:
+        """Refuse a message: logged and kept; answered "refused" unless `answer` is False
+        (a message a rank sends without waiting for an answer: it would take a
+        "refused" for the answer to its next request)."""
+        self.refusals = [*self.refusals[-99:], reason]
+        self._warn.warn("refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason)
+        if answer:
+            self._send(ident, {"kind": "refused", "reason": reason})
+
+    def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
+        """Handle what arrived; once all hellos are in, answer them with the table. Then
+        tend the ranks: silent ones go down, down ones past their grace are gone,
+        rejoins whose peers answered complete."""
+        if self.sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self._handle(parts[0], parts[1:])
+                except Exception as exc:  # a stray peer must not take the launcher down
+                    self._refuse(parts[0], f"could not handle the message: {type(exc).__name__}: {exc}")
+        if not self.started and set(self.hellos) == self.expected:
+            self.started = True
+            self.t0 = time.time() + start_delay_s
+            now = time.monotonic()
+            self.last_heard = dict.fromkeys(self.hellos, now)
+            table = [info.to_json() for _, info in self.hellos.values()]
+            for ident, _ in self.hellos.values():
+                self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
+        if self.started:
+            self._tend(time.monotonic())
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+        if _size(frames) > MAX_RENDEZVOUS_BYTES:
+            return self._refuse(ident, f"message of {_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
+        body = self._up.verify(frames)
+        if body is None or len(body) != 1:
+            return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
+        try:
+            msg = json.loads(body[0])
+        except ValueError as exc:
+            return self._refuse(ident, f"malformed message: {exc}")
+        kind = msg.get("kind") if isinstance(msg, dict) else None
+        name = self.registered.get(ident)
+        if name is not None:
+            self.last_heard[name] = time.monotonic()  # any message is a sign of life
+        if kind == "alive":
+            if name is None:  # e.g. a replaced incarnation's old connection
+                return self._refuse(ident, "alive from a connection that registered no rank", answer=False)
+            quiet = msg.get("quiet_s")
+            if isinstance(quiet, (int, float)) and not isinstance(quiet, bool) and quiet > 0:
+                self._quiet_until[name] = time.monotonic() + min(float(quiet), MAX_QUIET_S)
+            return None
+        if kind == "hello":
+            return self._hello(ident, msg)
+        if kind == "report":
+            return self._report(ident, msg)
+        if kind == "rejoin_ack":
+            return self._rejoin_ack(ident, msg)
+        if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
+            return self._send(ident, {"kind": "clock", "t1": msg.get("t1"), "t2": time.time()})
+        if kind == "query":
+            table = [info.to_json() for _, info in self.hellos.values()]
+            return self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoins": self.rejoins})
+        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock, "
+                            f"alive, rejoin_ack)")
+
+    def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            info = RankInfo.from_hello(msg)
+        except ValueError as exc:
+            return self._refuse(ident, f"bad hello: {exc}")
+        name = info.name
+        if name not in self.expected:
+            return self._refuse(ident, f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})")
+        if ident in self.registered:
+            return self._refuse(ident, f"this connection already registered {self.registered[ident]}")
+        if name in self.hellos:
+            if self.started and info.role == "prefill":
+                return self._rejoin(ident, info)
+            why = "" if not self.started else " (only a prefill rank can rejoin a run)"
+            return self._refuse(ident, f"{name} is already registered{why}")
+        self.hellos[name] = (ident, info)
+        self.registered[ident] = name
+
+    # --- rejoin --------------------------------------------------------------------
+    def _rejoin(self, ident: bytes, info: RankInfo) -> None:
+        name = info.name
+        old_ident, old = self.hellos[name]
+        if name in self.reports:
+            return self._refuse(ident, f"{name} is already registered and finished: nothing to rejoin")
+        if name in self.gone:
+            return self._refuse(ident, f"{name} is already registered and was declared gone, too late to rejoin: "
+                                f"{self.gone[name][:200]}")
+        if info.incarnation <= old.incarnation:
+            return self._refuse(ident, f"{name} is already registered as incarnation {old.incarnation}; a rejoin "
+                                f"needs a newer one, not {info.incarnation} (a replayed hello, or a clock behind)")
+        down = self.down.pop(name, None)
+        after = down.why if down is not None else f"{name} restarted before the launcher noticed it was gone"
+        previous = self._rejoining.pop(name, None)  # a restart of a rank still rejoining: this one replaces it
+        if previous is not None:
+            after = previous.after
+        self.registered.pop(old_ident, None)
+        self.hellos[name] = (ident, info)
+        self.registered[ident] = name
+        asked = {n for n, (_, i) in self.hellos.items()
+                 if i.role == "decode" and n not in self.gone and n not in self.down}
+        notice = {"kind": "rejoin", "rank": info.to_json()}
+        for n in sorted(asked):
+            self._send(self.hellos[n][0], notice)
+        self._rejoining[name] = _Rejoin(ident, info, asked, time.monotonic() + REJOIN_ACK_S, after)
+        self.events.append(f"rank {name} registered again as incarnation {info.incarnation}: asking "
+                           f"{', '.join(sorted(asked)) or 'no decode rank'} which rooms it serves")
+
+    def _rejoin_ack(self, ident: bytes, msg: dict[str, Any]) -> None:
+        name = self.registered.get(ident)
+        target, inc, first = msg.get("rank"), msg.get("incarnation"), msg.get("first_room")
+        pending = self._rejoining.get(target) if isinstance(target, str) else None
+        if (name is None or pending is None or pending.info.incarnation != inc or name not in pending.asked
+                or not (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))):
+            return self._refuse(ident, f"rejoin_ack from {name or 'a connection that registered no rank'} for "
+                                f"{str(target)[:40]} incarnation {str(inc)[:24]}: no such rejoin asked of it",
+                                answer=False)
+        pending.answers[name] = first
+
+    def _tend(self, now: float) -> None:
+        for name, r in list(self._rejoining.items()):
+            r.asked -= set(self.gone) | set(self.down)
+            if r.asked <= set(r.answers) or now >= r.deadline:
+                self._rejoined(name, r, now)
+        if self.silent_s is not None:
+            for name in self.hellos:
+                if name in self.reports or name in self.gone or name in self.down or name in self._rejoining:
+                    continue
+                silent = now - self.last_heard.get(name, now)
+                if silent > self.silent_s and now >= self._quiet_until.get(name, 0.0):
+                    self.mark_down(name, f"rank {name} stopped answering the rendezvous (nothing from it for "
+                                         f"{silent:.1f}s): dead, hung or cut off")
+        for name, d in list(self.down.items()):
+            if now >= d.deadline:
+                del self.down[name]
+                self.gone[name] = d.why
+                self.events.append(f"rank {name} is gone{' (it did not rejoin in time)' if d.deadline > d.since else ''}")
+
+    def _rejoined(self, name: str, r: _Rejoin, now: float) -> None:
+        del self._rejoining[name]
+        answers = [v for v in r.answers.values() if v is not None]
+        first = min(answers) if answers else None
+        silent = sorted(r.asked - set(r.answers))
+        table = [info.to_json() for _, info in self.hellos.values()]
+        rejoin = {"incarnation": r.info.incarnation, "first_room": first, "answered": sorted(r.answers),
+                  "silent": silent}
+        self._send(r.ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoin": rejoin})
+        self.last_heard[name] = now
+        self.rejoins.append({"rank": name, "incarnation": r.info.incarnation, "first_room": first,
+                             "after": self.headline(r.after)})
+        self.events.append(f"rank {name} rejoined the run as incarnation {r.info.incarnation}, serving rooms "
+                           f"{'from ' + str(first) if first is not None else 'none'}"
+                           f"{' (no answer from ' + ', '.join(silent) + ')' if silent else ''}")
+
+    def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
+        """`name` died or went silent during the run (`why` says how): down, and gone
+        once its grace is over unless it rejoins first. False if it had finished, or
+        was down or gone already."""
+        if name in self.reports or name in self.gone or name in self.down:
+            return False
+        if grace_s is None:
+            default = self.rejoin_grace_s if name.startswith("prefill") else 0.0
+            grace_s = self.grace_s.get(name, default)
+        now = time.monotonic()
+        self._rejoining.pop(name, None)  # a rank that dies while rejoining rejoins no more
+        self.down[name] = _Down(why, now, now + max(0.0, grace_s))
+        self.events.append(f"rank {name} is down: {self.headline(why)}"
+                           + (f"; it may rejoin within {grace_s:.0f}s" if grace_s > 0 else ""))
+        if grace_s <= 0:
+            del self.down[name]
+            self.gone[name] = why
+        return True
+
+    @staticmethod
+    def headline(why: str) -> str:
+        """A reason's first line, without the log tail a launcher appends."""
+        return why.splitlines()[0].split("; its log ")[0] if why else why
+
+    def take_events(self) -> list[str]:
+        out, self.events = self.events, []
+        return out
+
+    def _report(self, ident: bytes, msg: dict[str, Any]) -> None:
+        name = self.registered.get(ident)
+        if name is None:
+            return self._refuse(ident, "report from a connection that registered no rank")
+        try:
+            claimed = rank_name(msg["role"], int(msg["rank"]))
+        except (KeyError, TypeError, ValueError):
+            claimed = None
+        if claimed != name:
+            return self._refuse(ident, f"report for {claimed} from the connection of {name}")
+        if name in self.reports:
+            return self._refuse(ident, f"{name} has already reported")
+        self.reports[name] = (ident, msg)
+        self.down.pop(name, None)  # a rank thought silent that finished after all
+
+    @property
+    def all_reported(self) -> bool:
+        """Every rank reported, or is gone (died during the run and did not rejoin)."""
+        return set(self.reports) | set(self.gone) == self.expected
+
+    def release(self) -> None:
+        """Tell every reported rank that it may exit."""
+        for ident, _ in self.reports.values():
+            self._send(ident, {"kind": "bye"})
+
+    def abort(self, reason: str) -> None:
+        for ident, _ in list(self.hellos.values()):
+            self._send(ident, {"kind": "abort", "reason": reason})
+
+    def close(self) -> None:
+        self.sock.close(linger=500)
