@@ -273,8 +273,9 @@ def _rank_cmd(run_dir: Path, address: str, backend: str, role: str, rank: int, *
 def _restart_and_replay(run_dir: Path, address: str, backend: str, kill, kill_at: float, register_after_s: float,
                         box: dict) -> None:
     """SIGKILL prefill1 at `kill_at` (epoch s) and start it again (`hw-rank`), registering
-    `register_after_s` later; once it rejoined, replay a frame of its old incarnation at
-    decode0: an ABORT of the workload's last room, which must change nothing."""
+    `register_after_s` later (negative: started before the kill, registering that long
+    after it); once it rejoined, replay a frame of its old incarnation at decode0: an
+    ABORT of the workload's last room, which must change nothing."""
     try:
         secret = read_secret_file(run_dir / "run.secret")
         client = RendezvousClient(address, secret=secret)
@@ -346,7 +347,8 @@ def _assert_rejoined(run_dir: Path, box: dict) -> None:
 @pytest.mark.timeout(300)
 def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
     """`kvstage hw` (NIXL, P2->D1, --rejoin-grace): prefill1 SIGKILLed 1.5 s into the run
-    and started again by hand; it registers 4 s later, after its peers declared it lost."""
+    and started again by hand (its replacement starts up beforehand, so a slow start
+    cannot eat the run); it registers 4 s after the kill, after its peers declared it lost."""
     require_engine("nixl")
     f = write_scenario(tmp_path, 2, 1, 8, requests=160)  # 8 s of arrivals
     box: dict = {"requests": 160}
@@ -357,7 +359,7 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
         victim = spawned["prefill1"]
         threading.Thread(target=_restart_and_replay, daemon=True,
                          args=(tmp_path / "run", address, "nixl", lambda: os.kill(victim.pid, signal.SIGKILL),
-                               time.time() + 1.5, 4.0, box)).start()
+                               time.time() + 1.5, -4.0, box)).start()
 
     try:
         code, run_dir = run(tmp_path, "nixl", f, on_started=on_started, rejoin_grace_s=60)
