@@ -81,6 +81,19 @@ class LaunchResult:
         return not self.errors
 
 
+@dataclass(frozen=True)
+class RunProgress:
+    """Where a run stands, for a progress display: handed to `on_progress` every turn
+    of the launcher's loop (about 10 times a second)."""
+
+    registered: int  # ranks whose hello came in
+    expected: int
+    started: bool  # every rank registered, the table sent
+    rooms: dict[str, tuple[int, int]]  # rank -> (rooms ended, rooms of its workload), as it last said
+    reported: int  # ranks that finished and sent their report
+    elapsed_s: float
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -112,6 +125,7 @@ def launch(
     advertise: str | None = None,
     rejoin_grace_s: float = 0.0,
     restarts: dict[str, list[float]] | None = None,
+    on_progress: Callable[[RunProgress], None] | None = None,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -122,6 +136,7 @@ def launch(
     `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
     `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
+    `on_progress(RunProgress)` is called every turn of the loop (a progress display).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -148,7 +163,8 @@ def launch(
             for name in names:
                 ranks.spawn(name, _rank_command(name, scenario_path, server.address, host, backend, device,
                                                 rank_wrapper))
-        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn)
+        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn,
+                                   on_progress)
         errors += died
         server.release()
         for name, proc in procs.items():
@@ -211,7 +227,8 @@ class _Ranks:
 
 def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
                         on_started, start: float, timeout_s: float, restarts: dict[str, list[float]] | None = None,
-                        respawn: Callable[[str, float], None] | None = None) -> list[str]:
+                        respawn: Callable[[str, float], None] | None = None,
+                        on_progress: Callable[[RunProgress], None] | None = None) -> list[str]:
     """Serve the rendezvous until every rank reported or is gone. A rank that dies
     before the run started is a LaunchError (the run cannot start); one that dies (or
     goes silent) during the run is down and the others go on: their failure detectors
@@ -226,6 +243,9 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
     restarts = restarts or {}
     while not server.all_reported:
         server.poll(0.1)
+        if on_progress is not None:
+            on_progress(RunProgress(len(server.hellos), len(server.expected), server.started, dict(server.rooms),
+                                    len(server.reports), time.monotonic() - start))
         if on_started is not None and server.started and not notified:
             notified = True  # every rank registered: the run is under way
             on_started(server.address, procs)

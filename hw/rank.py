@@ -263,7 +263,8 @@ class RankProcess:
         mono = time.monotonic()
         if mono >= self._next_alive:
             self._next_alive = mono + RANK_BEAT_S
-            client.alive()
+            m = self.runtime.machine
+            client.alive(rooms=(m.rooms_done + m.rooms_failed, len(self.runtime.requests)))
         for notice in client.poll_notices():
             if notice.get("kind") == "rejoin":
                 info = RankInfo.from_json(notice["rank"])

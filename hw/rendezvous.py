@@ -218,10 +218,16 @@ class RendezvousClient:
         out, self.notices = self.notices, []
         return out
 
-    def alive(self, quiet_s: float = 0.0) -> None:
+    def alive(self, quiet_s: float = 0.0, rooms: tuple[int, int] | None = None) -> None:
         """Tell the rendezvous this rank is still there (no answer comes); `quiet_s`: it
-        may say nothing more for that long (busy building its report)."""
-        self.send({"kind": "alive", **({"quiet_s": quiet_s} if quiet_s else {})}, block=False)
+        may say nothing more for that long (busy building its report); `rooms`: (ended,
+        of) the rooms of this rank's workload, for the launcher's progress display."""
+        msg: dict[str, Any] = {"kind": "alive"}
+        if quiet_s:
+            msg["quiet_s"] = quiet_s
+        if rooms is not None:
+            msg["rooms"] = list(rooms)
+        self.send(msg, block=False)
 
     def ack_rejoin(self, rank: str, incarnation: int, first_room: int | None) -> None:
         """Answer a rejoin notice: this rank serves `rank`'s new incarnation the rooms
@@ -376,6 +382,7 @@ class RendezvousServer:
         self.rejoins: list[dict[str, Any]] = []
         self._rejoining: dict[str, _Rejoin] = {}
         self.events: list[str] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
+        self.rooms: dict[str, tuple[int, int]] = {}  # rank -> (rooms ended, rooms of its workload), as it said
         self._warn = _Throttled(log, first=20)
 
     def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
@@ -438,6 +445,10 @@ class RendezvousServer:
             quiet = msg.get("quiet_s")
             if isinstance(quiet, (int, float)) and not isinstance(quiet, bool) and quiet > 0:
                 self._quiet_until[name] = time.monotonic() + min(float(quiet), MAX_QUIET_S)
+            rooms = msg.get("rooms")  # progress only: a bad value is ignored, never trusted for anything else
+            if (isinstance(rooms, list) and len(rooms) == 2 and all(type(v) is int for v in rooms)
+                    and 0 <= rooms[0] <= rooms[1]):
+                self.rooms[name] = (rooms[0], rooms[1])
             return None
         if kind == "hello":
             return self._hello(ident, msg)

@@ -10,6 +10,7 @@ from rich.markup import escape
 from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
 from kvstage.hw.launch import launch
+from kvstage.hw_progress import HwProgress
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.invariants import check_records
 from kvstage.shared.runtime import RankResult, merge_failures, rank_name
@@ -123,10 +124,12 @@ def run_hardware(
         f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
     )
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
-    result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
-                    run_dir / "logs", backend=hw.backend,
-                    device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
-                    rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s, restarts=_restarts(scenario), **placement)
+    with HwProgress(console, g.decode_tp, len(generate_requests(scenario))) as progress:
+        result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
+                        run_dir / "logs", backend=hw.backend,
+                        device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
+                        rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s, restarts=_restarts(scenario),
+                        on_progress=progress, **placement)
     records: list[TraceRecord] = []
     for rep in result.reports.values():
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
