@@ -129,14 +129,13 @@ def launch(
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
-    `on_started(address, procs)` is called once every rank has registered.
+    `on_started(address, procs)`: once every rank registered; `on_progress(RunProgress)`: every loop turn.
     `rank_wrapper` is put in front of every spawned rank's command line (a profiler,
     numactl, or an instrumented rank of a test). `secret`: the run secret (default:
     32 fresh random bytes), written to `log_dir/../run.secret`. `bind`, `advertise`,
     `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
     `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
-    `on_progress(RunProgress)` is called every turn of the loop (a progress display).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -163,9 +162,8 @@ def launch(
             for name in names:
                 ranks.spawn(name, _rank_command(name, scenario_path, server.address, host, backend, device,
                                                 rank_wrapper))
-        died = _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn,
-                                   on_progress)
-        errors += died
+        errors += _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn,
+                                      on_progress)
         server.release()
         for name, proc in procs.items():
             try:

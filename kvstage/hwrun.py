@@ -124,23 +124,21 @@ def run_hardware(
         f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
     )
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
-    with HwProgress(console, g.decode_tp, len(generate_requests(scenario))) as progress:
+    rooms = len(generate_requests(scenario))
+    with HwProgress(console, g.decode_tp, rooms) as progress:
         result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
-                        run_dir / "logs", backend=hw.backend,
-                        device=hw.device, timeout_s=timeout_s, spawn=spawn, port=port, on_started=on_started,
-                        rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s, restarts=_restarts(scenario),
-                        on_progress=progress, **placement)
+                        run_dir / "logs", backend=hw.backend, device=hw.device, timeout_s=timeout_s, spawn=spawn,
+                        port=port, on_started=on_started, rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s,
+                        restarts=_restarts(scenario), on_progress=progress, **placement)
     records: list[TraceRecord] = []
     for rep in result.reports.values():
         records.extend(TraceRecord(*row) for row in rep.get("records", []))
     records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
     errors = list(result.errors)
-    tolerance = clock_tolerance(result.reports)
-    violations = check_records(records, scenario.transfer.path, tolerance) if result.ok else []
-    reports = [r for _, r in sorted(result.reports.items())]
-    ranks = [RankResult.from_wire(r) for r in reports]
+    violations = check_records(records, scenario.transfer.path, clock_tolerance(result.reports)) if result.ok else []
+    ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
     summary = run_summary(
-        scenario, "hw", records, ranks, requests=len(generate_requests(scenario)), wall_s=result.wall_s,
+        scenario, "hw", records, ranks, requests=rooms, wall_s=result.wall_s,
         violations=len(violations),
         extra={
             **_hardware_figures(scenario, result.reports),
@@ -155,8 +153,7 @@ def run_hardware(
     print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
     _print_rejoins(console, result.rejoined)
     console.print(f"run directory: {run_dir}")
-    problems = check_expectation(scenario, failures, len(generate_requests(scenario)), "hw",
-                                 run_failed=bool(errors))
+    problems = check_expectation(scenario, failures, rooms, "hw", run_failed=bool(errors))
     if scenario.expect.hw_run_fails and not problems:
         console.print(f"[green]expected outcome:[/] the run failed as the scenario expects: {escape(errors[0]) if errors else ''}",
                       highlight=False)
