@@ -6,7 +6,11 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
   the decode rank handling it (the decode's `req` record for the same room, chunk and
   writer), p50 / p99 — every rank runs on this host, so one clock;
 - room-open skew: for each room, the spread of the prefill ranks' `room_open` times;
-- req -> rsp round trip at the prefill, p50 / p99.
+- req -> rsp round trip at the prefill, p50 / p99;
+- share of loop time blocked: per rank, the part of its loop's time spent in a turn
+  (handling messages, starting and reporting work, or waiting for the interpreter lock)
+  rather than waiting on its socket, where a message is taken at once; and the longest
+  turns (how long a message could wait to be looked at).
 
 Goal on a quiet machine (issue 13): delivery p50 under 2 ms and p99 under 20 ms for
 P2->D1. Check `uptime` first: on a loaded host these figures mean little.
@@ -17,6 +21,7 @@ P2->D1. Check `uptime` first: on a loaded host these figures mean little.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kvstage.hw.rank import LOOP_STATS_ENV
 from kvstage.hwrun import run_hardware
 from kvstage.shared.scenario import load_scenario
 from kvstage.tracefile import read_records
@@ -65,8 +71,15 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
         f"prefill.tp={P}", f"decode.tp={D}", f"hardware.backend={backend}", f"workload.requests={requests}",
         "workload.rate_per_s=8", "hardware.scale_down.enabled=true"]).scaled()
     with tempfile.TemporaryDirectory() as tmp:
-        code, run_dir = run_hardware(s, out=Path(tmp) / "run", timeout_s=600, console=Console(quiet=True))
+        stats_dir = Path(tmp) / "loop"
+        stats_dir.mkdir()
+        os.environ[LOOP_STATS_ENV] = str(stats_dir)  # the spawned ranks inherit it
+        try:
+            code, run_dir = run_hardware(s, out=Path(tmp) / "run", timeout_s=600, console=Console(quiet=True))
+        finally:
+            del os.environ[LOOP_STATS_ENV]
         _, records = read_records(run_dir)
+        loops = {p.stem: json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.json"))}
     f = figures(records)
     ms = 1e3
     print(f"P{P}->D{D} {backend} ({requests} requests, exit {code}):")
@@ -77,6 +90,10 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
         print(f"  room-open skew        p50 {pct(f['skew'], .5) * ms:7.2f} ms   max {max(f['skew']) * ms:7.2f} ms")
     if f["delivery"]:
         print(f"  delivery mean {statistics.mean(f['delivery']) * ms:.2f} ms")
+    for name, lp in loops.items():
+        print(f"  loop {name:9} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
+              f"{lp['turns']:6d}  p50 {lp['turn_p50_s'] * ms:6.2f} ms  p99 {lp['turn_p99_s'] * ms:6.2f} ms  "
+              f"max {lp['turn_max_s'] * ms:7.2f} ms")
 
 
 def main() -> None:

@@ -168,6 +168,33 @@ def _size(frames: Sequence[bytes]) -> int:
     return sum(len(f) for f in frames)
 
 
+class Waker:
+    """An eventfd that a worker thread (or an engine's completion thread) sets when its
+    work finished: the rank loop's poll wakes on it together with the control socket,
+    so it can block until something happens instead of waking every millisecond to look
+    (each needless wake-up costs the interpreter lock that the workers' glue needs)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        """Wake the loop (thread-safe; any number of sets before it looks wake it once)."""
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass  # closed at shutdown: nobody waits any more
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass  # not set
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1  # a late set() fails instead of writing to a reused number
+        os.close(fd)
+
+
 class ControlPlane:
     """This rank's inbox (PULL, bound on an ephemeral port) and outboxes (PUSH).
 
@@ -200,6 +227,8 @@ class ControlPlane:
         self._out: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
+        self.waker = Waker()
+        self.poller.register(self.waker.fd, zmq.POLLIN)
         self.malformed = 0
         self.unauthenticated = 0
         self.oversize = 0
@@ -251,13 +280,24 @@ class ControlPlane:
                             copy=False)
         self.sent += 1
 
-    def receive(self, timeout_s: float) -> list[Message]:
-        """Every message waiting (after at most `timeout_s` of waiting for the first)."""
-        out: list[Message] = []
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a message is waiting or the waker was set, at most `timeout_s`:
+        True when a message may be waiting (the waker is cleared here)."""
         # round up: a sub-millisecond wait truncated to 0 would spin and starve the
         # other ranks sharing this machine's cores
-        if not self.poller.poll(max(0, math.ceil(timeout_s * 1000))):
-            return out
+        events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        if self.waker.fd in events:
+            self.waker.clear()
+        return self.inbox in events
+
+    def receive(self, timeout_s: float) -> list[Message]:
+        """Every message waiting (after at most `timeout_s` of waiting for the first, or
+        until the waker is set)."""
+        return self.drain() if self.wait(timeout_s) else []
+
+    def drain(self) -> list[Message]:
+        """Every message waiting now, without blocking."""
+        out: list[Message] = []
         while True:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
@@ -310,6 +350,7 @@ class ControlPlane:
         for sock in self._out.values():
             sock.close(linger=500)
         self.inbox.close(linger=0)
+        self.waker.close()
 
 
 # The rendezvous lives in hw/rendezvous.py; its names stay importable from here.

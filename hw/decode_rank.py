@@ -46,8 +46,13 @@ class DecodeRank(RankProcess):
         """Where each writer block of a chunk lands (the shared layout)."""
         return self.g.staging_layout(self.local, num_pages)
 
+    def _submit(self, job, a: Scatter | Verify) -> None:
+        future = self.worker.submit(job, a)
+        future.add_done_callback(self._wake)  # the loop sleeps until then
+        self.jobs.append((future, a))
+
     def _scatter(self, a: Scatter) -> None:
-        self.jobs.append((self.worker.submit(self._scatter_job, a), a))
+        self._submit(self._scatter_job, a)
 
     def _scatter_job(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
@@ -55,14 +60,11 @@ class DecodeRank(RankProcess):
         wait_for_stream(self.device)  # finished before the runtime frees its region
 
     def _verify(self, a: Verify) -> None:
-        self.jobs.append((self.worker.submit(self._verify_job, a), a))
+        self._submit(self._verify_job, a)
 
     def _verify_job(self, a: Verify) -> tuple[int, int]:
         return verify(self.pool, a.first_page, a.num_pages, a.room, a.prefix_tokens, self.global_heads,
                       sample=self.verify_mode == "sample")
-
-    def _busy(self) -> bool:
-        return bool(self.jobs)
 
     def _progress(self) -> None:
         """Report the worker's finished jobs, in order."""

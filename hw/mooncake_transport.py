@@ -15,14 +15,12 @@ keeps submission errors on the caller's thread.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstage.hw.transport import PeerInfo, TransferError, Transport
+from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
 
 # batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not
 # answer the handshake); the C++ code can also return (uint64)-1. Neither is a batch.
@@ -34,18 +32,16 @@ _QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 SUB_BATCH = 4096
 
 
-@dataclass
-class _McBatch:
-    batch_id: int
-    rest: list = field(default_factory=list)  # later sub-batches, posted one after another
-    event: threading.Event = field(default_factory=threading.Event)
+@dataclass(eq=False)
+class _McBatch(LaneBatch):
+    batch_id: int = 0
+    rest: list = field(default_factory=list)  # sub-batches, posted one after another
     rc: int | None = None
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
 
 
 class MooncakeTransport(Transport):
     name: ClassVar[str] = "mooncake"
+    signals_completion: ClassVar[bool] = True  # the lane thread finishes every batch
     engine_module: ClassVar[str] = "mooncake.engine"
     install_hint: ClassVar[str] = (
         'pip install "mooncake-transfer-engine-non-cuda==0.3.13.post1" (CPU; needs the '
@@ -87,7 +83,6 @@ class MooncakeTransport(Transport):
         # batch cannot poison the connection for the rest of the run.
         self._max_ops = int(os.environ.get(_QUEUE_ENV, "1024")) if protocol == "tcp" else None
         self._batches: list[_McBatch] = []
-        self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of batches (see _post)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
         # "*" lets the engine find the memory's NUMA node; on GPU name the device.
@@ -118,13 +113,8 @@ class MooncakeTransport(Transport):
         # lane per peer, cut into sub-batches of SUB_BATCH ops posted one at a time:
         # at most SUB_BATCH ops are ever queued at the engine per peer.
         parts = [ops[i : i + SUB_BATCH] for i in range(0, len(ops), SUB_BATCH)]
-        batch = _McBatch(0, rest=parts)
-        lane = self._lanes.get(peer.name)
-        if lane is None:
-            lane = self._lanes[peer.name] = queue.SimpleQueue()
-            threading.Thread(target=self._run_lane, args=(peer, lane), daemon=True,
-                             name=f"mooncake-lane-{peer.name}").start()
-        lane.put(batch)
+        batch = _McBatch(rest=parts)
+        self._on_lane(peer, batch, self._run_batch)
         self._batches.append(batch)
         return batch
 
@@ -139,28 +129,21 @@ class MooncakeTransport(Transport):
             )
         return batch_id
 
-    def _run_lane(self, peer: PeerInfo, lane: queue.SimpleQueue) -> None:
-        """Post one peer's batches in order, one sub-batch at a time (daemon thread)."""
-        while True:
-            batch = lane.get()
-            try:
-                batch.rc = 0
-                for part in batch.rest:
-                    batch.batch_id = self._post_part(peer, part)
-                    batch.rc = self._engine.get_batch_transfer_status([batch.batch_id])
-                    if batch.rc != 0:
-                        break
-            except BaseException as e:  # surfaced by _check on the owner's thread
-                batch.error = e
-            finally:
-                batch.rest = []
-                batch.event.set()
+    def _run_batch(self, peer: PeerInfo, batch: _McBatch) -> None:
+        """Post a batch's sub-batches one at a time, each waited for (on its lane)."""
+        try:
+            batch.rc = 0
+            for part in batch.rest:
+                batch.batch_id = self._post_part(peer, part)
+                batch.rc = self._engine.get_batch_transfer_status([batch.batch_id])
+                if batch.rc != 0:
+                    break
+        finally:
+            batch.rest = []
 
     def _check(self, native: _McBatch) -> bool:
-        if not native.event.is_set():
+        if not native.ended():
             return False
-        if native.error is not None:
-            raise RuntimeError(f"get_batch_transfer_status raised {native.error!r}")
         if native.rc != 0:
             raise RuntimeError(
                 f"get_batch_transfer_status returned {native.rc} (the engine log has the cause; "
@@ -171,10 +154,6 @@ class MooncakeTransport(Transport):
     def _release(self, native: _McBatch) -> None:
         if native in self._batches:
             self._batches.remove(native)
-
-    def _idle(self, handle: Any, seconds: float) -> None:
-        # The waiter thread sets the event, so wake on completion instead of sleeping.
-        handle.native.event.wait(seconds)
 
     def _close_native(self, in_flight: bool) -> None:
         if in_flight or any(not b.event.is_set() for b in self._batches):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstage.hw.transport import PeerInfo, TransferError, Transport
+from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
 
 _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -28,6 +29,10 @@ _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 # 4 MiB CMA writes as fast). KVSTAGE_NIXL_PROGRESS_DELAY_US overrides it (0: NIXL's spin).
 PROGRESS_DELAY_ENV = "KVSTAGE_NIXL_PROGRESS_DELAY_US"
 PROGRESS_DELAY_US = 1000
+# A lane waiting for a batch that transfer() left in flight looks again after this long,
+# doubling up to the max (on CPU, CMA writes are done when transfer() returns).
+LANE_POLL_MIN_S = 50e-6
+LANE_POLL_MAX_S = 1e-3
 _AGENT_LOCK = threading.Lock()
 
 
@@ -58,14 +63,15 @@ def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
             bind.nixlAgent = make
 
 
-@dataclass
-class _NixlXfer:
-    handle: Any  # nixl_xfer_handle
-    done: bool
+@dataclass(eq=False)
+class _NixlXfer(LaneBatch):
+    ops: np.ndarray | None = None  # until the lane posts them
+    handle: Any = None  # nixl_xfer_handle
 
 
 class NixlTransport(Transport):
     name: ClassVar[str] = "nixl"
+    signals_completion: ClassVar[bool] = True  # every batch ends on its lane
     engine_module: ClassVar[str] = "nixl._api"
     install_hint: ClassVar[str] = 'pip install "torch==2.13.0" "nixl==1.5.1" (CPU)'
     # NIXL's Python logger prints INFO on stdout; WARN keeps rank logs readable.
@@ -115,11 +121,20 @@ class NixlTransport(Transport):
         return _MEM_TYPE[peer.device_type]
 
     def _post(self, peer: PeerInfo, ops: np.ndarray) -> _NixlXfer:
+        # transfer() copies a CMA write's bytes itself before it returns (GIL released):
+        # 20-60 ms for a chunk's block, held off the rank loop by posting on the lane.
+        xfer = _NixlXfer(ops=ops)
+        self._on_lane(peer, xfer, self._transfer)
+        return xfer
+
+    def _transfer(self, peer: PeerInfo, xfer: _NixlXfer) -> None:
+        """Post one batch and wait for it to finish (on its peer's lane)."""
         # One initialize_xfer over N descriptors. Measured here against
         # prep_xfer_dlist + make_prepped_xfer for 1024 x 64 KiB, 4096 x 512 B and
         # 16384 x 256 B: same transfer time, and creating the request was cheaper
         # (0.20 vs 0.32 ms, 0.35 vs 0.62 ms, 7.8 vs 10.5 ms). Prepped lists only pay off
         # when the same descriptor list is reused, which arbitrary ops are not.
+        ops, xfer.ops = xfer.ops, None
         n = len(ops)
         local = np.empty((n, 3), dtype=np.uint64)
         local[:, 0] = ops[:, 0]
@@ -131,30 +146,22 @@ class NixlTransport(Transport):
         remote[:, 2] = peer.device_id
         local_descs = self._agent.get_xfer_descs(local, self._mem_type)
         remote_descs = self._agent.get_xfer_descs(remote, peer.native)
-        handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.name)
-        try:
-            state = self._agent.transfer(handle)  # raises e.g. NIXL_ERR_REMOTE_DISCONNECT
-            if state == "ERR":
-                raise RuntimeError("transfer() returned ERR")
-        except BaseException:
-            try:
-                handle.release()
-            except Exception:
-                pass  # the post failed; a leaked request handle is the lesser problem
-            raise
-        return _NixlXfer(handle, done=state == "DONE")
+        xfer.handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.name)
+        state = self._agent.transfer(xfer.handle)  # raises e.g. NIXL_ERR_REMOTE_DISCONNECT
+        pause = LANE_POLL_MIN_S
+        while state == "PROC":  # an engine that moves the bytes in the background (RDMA)
+            time.sleep(pause)
+            pause = min(LANE_POLL_MAX_S, pause * 2)
+            state = self._agent.check_xfer_state(xfer.handle)
+        if state == "ERR":
+            raise RuntimeError("the transfer ended in ERR")
 
     def _check(self, native: _NixlXfer) -> bool:
-        if native.done:
-            return True
-        state = self._agent.check_xfer_state(native.handle)
-        if state == "ERR":
-            raise RuntimeError("check_xfer_state returned ERR")
-        native.done = state == "DONE"
-        return native.done
+        return native.ended()
 
     def _release(self, native: _NixlXfer) -> None:
-        native.handle.release()
+        if native.handle is not None:
+            native.handle.release()
 
     def _close_native(self, in_flight: bool) -> None:
         if in_flight:

@@ -13,7 +13,7 @@ import torch
 from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
-from kvstage.hw.rank import RankProcess
+from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rendezvous import RankInfo
 from kvstage.hw.transport import TransferError, XferHandle
 from kvstage.shared.events import (
@@ -144,8 +144,15 @@ class PrefillRank(RankProcess):
             held.append(f"send buffer {self.arena.size - self.arena.free_bytes} of {self.arena.size} bytes")
         return held
 
-    def _busy(self) -> bool:
-        return bool(self.pending or self.waiting_gathers or self.computing or self.forwards or self.gathers)
+    def _wait_s(self) -> float:
+        c = self.computing
+        if self.forwards and c is None:
+            return 0.0  # a forward queued this turn starts next turn
+        if c is not None and c.job.done():
+            return max(0.0, c.not_before - self.now())  # hardware.forward_delay: its modeled end
+        if self.pending and not self.transport.signals_completion:
+            return BUSY_POLL_S  # the engine completes writes silently: look again soon
+        return IDLE_POLL_S  # fills and gathers wake the loop when they finish
 
     def _progress(self) -> None:
         self._forward_step()
@@ -181,6 +188,7 @@ class PrefillRank(RankProcess):
                 fill_pattern, self.pool, f.first_page + f.page_start, f.num_pages, f.room,
                 f.page_start * self.g.page_size, self.global_heads,
             )
+            job.add_done_callback(self._wake)
             delay = self.s.forward_time_s(f.tokens) if self.s.hardware.forward_delay else 0.0
             self.computing = _Computing(job, start + delay, f, start)
 
@@ -192,7 +200,9 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
-        self.gathers.append((self.copy_thread.submit(self._gather_job, a, first, slot), a))
+        job = self.copy_thread.submit(self._gather_job, a, first, slot)
+        job.add_done_callback(self._wake)
+        self.gathers.append((job, a))
 
     def _gather_job(self, a: Gather, first_page: int, slot: int) -> None:
         out = self.send_buf[slot : slot + a.nbytes]

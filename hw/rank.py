@@ -27,12 +27,16 @@ as any starting prefill rank does; a decode rank loads no prefill rank's metadat
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from kvstage.hw.control import ControlPlane, rank_name
@@ -64,9 +68,17 @@ from kvstage.shared.workload import generate_requests
 
 log = logging.getLogger("kvstage.hw.rank")
 
-# Idle poll interval while transfers are in flight (they complete asynchronously).
+# Poll interval while transfers that signal no completion (NIXL) are in flight; all
+# other executor work wakes the loop when it finishes (ControlPlane.waker).
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
+# The interpreter asks a thread holding the GIL to hand it over after this long (Python's
+# default: 5 ms). A rank's worker threads run torch glue between kernels; with the default
+# a message that woke the loop could wait 5 ms for the lock, every time.
+SWITCH_INTERVAL_S = float(os.environ.get("KVSTAGE_SWITCH_INTERVAL_US", "500")) * 1e-6
+# KVSTAGE_LOOP_STATS=DIR: each rank writes its LoopClock figures to DIR/<rank>.json
+# (benchmarks/hw_loop.py reads them).
+LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
 # What a finished rank tells the rendezvous it may be silent for while its report goes out.
 REPORT_QUIET_S = 120.0
 
@@ -74,6 +86,39 @@ REPORT_QUIET_S = 120.0
 
 class RankError(RuntimeError):
     pass
+
+
+class LoopClock:
+    """Where a rank loop's time goes: blocked in a turn (a message that arrives then waits
+    until the turn ends, as does a finished transfer or kernel) or waiting on its socket
+    and waker (ready to answer at once)."""
+
+    def __init__(self) -> None:
+        self.started = self._turn_start = time.perf_counter()
+        self.waited_s = 0.0
+        self.turns: list[float] = []  # each turn's length, s
+
+    def wait(self, control: ControlPlane, timeout_s: float) -> bool:
+        """`control.wait(timeout_s)`, timed."""
+        t = time.perf_counter()
+        self.turns.append(t - self._turn_start)
+        ready = control.wait(timeout_s)
+        self._turn_start = end = time.perf_counter()
+        self.waited_s += end - t
+        return ready
+
+    def figures(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        turns = sorted(self.turns) or [0.0]
+        return {"loop_s": total, "waited_s": self.waited_s, "blocked_share": 1 - self.waited_s / total if total else 0.0,
+                "turns": len(self.turns), "turn_p50_s": turns[len(turns) // 2],
+                "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))], "turn_max_s": turns[-1]}
+
+    def dump(self, name: str) -> None:
+        """Write the figures to $KVSTAGE_LOOP_STATS/<name>.json when that is set."""
+        folder = os.environ.get(LOOP_STATS_ENV)
+        if folder:
+            Path(folder, f"{name}.json").write_text(json.dumps(self.figures()))
 
 
 class RankProcess:
@@ -98,6 +143,7 @@ class RankProcess:
         self.s = scenario
         self.rank = rank
         self.name = rank_name(self.role, rank)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.g = g = scenario.geometry()
         requests = generate_requests(scenario)
         # rank is global across instances (shared/cluster.py); the geometry takes `local`
@@ -131,6 +177,9 @@ class RankProcess:
                                         **transport_options(scenario.hardware, self.backend, host))
         self.transport.register(self.pool.tensor)
         self.control = ControlPlane(host, name=self.name)
+        if self.transport.signals_completion:
+            self.transport.on_complete = self.control.waker.set
+        self.loop_clock = LoopClock()
         self.peers: dict[str, RankInfo] = {}
         self.client: RendezvousClient | None = None
         self.t0 = 0.0
@@ -151,16 +200,16 @@ class RankProcess:
     def _progress(self) -> None:
         """Executor work that is not an action: forwards running, transfers completing."""
 
-    def _busy(self) -> bool:
-        """Whether executor work is under way (the loop then polls fast)."""
-        return False
+    def _wait_s(self) -> float:
+        """How long the loop may block on its socket before it must look at executor work
+        again. Work that wakes the loop when it finishes (worker threads, engines that
+        `signals_completion`) needs no polling: IDLE_POLL_S then."""
+        return IDLE_POLL_S
 
-    def _has_idle_work(self) -> bool:
-        """Work waits for a quiet moment (the loop then does not sleep)."""
-        return False
-
-    def _idle_work(self, had_messages: bool) -> None:
-        """Work done only when no message came in this turn (verification)."""
+    def _wake(self, _job: Future | None = None) -> None:
+        """A worker's job finished (a Future's done callback, on the worker thread):
+        wake the loop's poll, so it reports the result now rather than a poll later."""
+        self.control.waker.set()
 
     def _report_extra(self) -> dict[str, Any]:
         return {}
@@ -292,7 +341,7 @@ class RankProcess:
 
     def _receive(self, wait: float) -> bool:
         """Messages in: every one is a sign of life of its sender; heartbeats stop here."""
-        messages = self.control.receive(wait)
+        messages = self.control.drain() if self.loop_clock.wait(self.control, wait) else []
         now = self.now()
         for msg in messages:
             if self.role == "prefill":
@@ -312,6 +361,7 @@ class RankProcess:
     def _loop(self, t0: float) -> None:
         self.t0 = t0
         self.watch = PeerWatch(self._peers(), PEER_TIMEOUT_S, self.now())
+        self.loop_clock = LoopClock()  # the loop's own time, without the start-up before it
         self._next_beat = 0.0
         rt = self.runtime
         arrivals = deque(rt.requests)  # the rooms routed to this instance
@@ -330,12 +380,13 @@ class RankProcess:
             wake = rt.next_wakeup
             if wake is not None and wake <= self.now():
                 self._feed(Tick())
-            wait = 0.0 if self._has_idle_work() else BUSY_POLL_S if self._busy() else IDLE_POLL_S
+            wait = self._wait_s()
             for t in (arrivals[0].arrival_s if arrivals else None, rt.next_wakeup):
                 if t is not None:
                     wait = min(wait, max(0.0, t - self.now()))
             self._heartbeat()
-            self._idle_work(self._receive(min(wait, HEARTBEAT_S)))
+            self._receive(min(wait, HEARTBEAT_S))
+        self.loop_clock.dump(self.name)
 
     def _serve_late(self) -> None:
         """After this rank finished: answer what peers still send (acknowledgements they

@@ -24,9 +24,11 @@ import json
 import logging
 import math
 import os
+import queue
 import struct
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -100,6 +102,23 @@ class XferHandle:
     done: bool = False
     error: str | None = None
     owner: int = field(default=0, repr=False)  # id() of the transport that posted it
+
+
+@dataclass(eq=False)
+class LaneBatch:
+    """A batch an adapter carries out on its peer's lane thread (Transport._on_lane):
+    `event` is set when it ended, `error` says how it failed."""
+
+    event: threading.Event = field(default_factory=threading.Event, repr=False)
+    error: BaseException | None = None
+
+    def ended(self) -> bool:
+        """True once the lane finished it; raises what it failed with."""
+        if not self.event.is_set():
+            return False
+        if self.error is not None:
+            raise RuntimeError(f"the engine raised {self.error!r}")
+        return True
 
 
 class _RegionIndex:
@@ -215,6 +234,10 @@ class Transport(abc.ABC):
     engine_env_defaults: ClassVar[dict[str, str]] = {}
     #: how long close() lets in-flight writes finish before giving up on them
     close_drain_s: ClassVar[float] = 10.0
+    #: True when the adapter calls ``on_complete`` as a batch finishes (from its own
+    #: thread): a caller may then sleep until woken instead of polling. Adapters that
+    #: post through ``_on_lane`` do.
+    signals_completion: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, device: str = "cpu") -> None:
         if not isinstance(agent_name, str) or not agent_name.strip():
@@ -239,6 +262,10 @@ class Transport(abc.ABC):
         self.writes_posted = 0
         #: bytes posted
         self.bytes_posted = 0
+        #: called (from an engine thread) when a batch finished, if the adapter
+        #: `signals_completion`; must be thread-safe and quick
+        self.on_complete: Callable[[], None] | None = None
+        self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -265,8 +292,37 @@ class Transport(abc.ABC):
         """Free the engine handle of a finished batch (success or failure)."""
 
     def _idle(self, handle: XferHandle, seconds: float) -> None:
-        """Pause between polls; adapters with a completion event can wake early."""
-        time.sleep(seconds)
+        """Pause between polls; a batch on a lane wakes it when it ends."""
+        if isinstance(handle.native, LaneBatch):
+            handle.native.event.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+    # --------------------------------------------------------------- lanes
+    def _on_lane(self, peer: PeerInfo, batch: LaneBatch, run: Callable[[PeerInfo, Any], None]) -> None:
+        """Carry out `run(peer, batch)` on the peer's lane: one daemon thread per peer that
+        takes its batches in order. An engine call that copies the bytes itself (NIXL's
+        CMA) or blocks until the batch is done (Mooncake's status) then holds that thread,
+        not the caller's loop; both release the GIL meanwhile."""
+        lane = self._lanes.get(peer.name)
+        if lane is None:
+            lane = self._lanes[peer.name] = queue.SimpleQueue()
+            threading.Thread(target=self._run_lane, args=(peer, lane), daemon=True,
+                             name=f"{self.name}-lane-{peer.name}").start()
+        lane.put((batch, run))
+
+    def _run_lane(self, peer: PeerInfo, lane: queue.SimpleQueue) -> None:
+        while True:
+            batch, run = lane.get()
+            try:
+                run(peer, batch)
+            except BaseException as e:  # surfaced by _check on the owner's thread
+                batch.error = e
+            finally:
+                batch.event.set()
+                wake = self.on_complete
+                if wake is not None:
+                    wake()
 
     @abc.abstractmethod
     def _close_native(self, in_flight: bool) -> None:
