@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions"]
+__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions", "least"]
 
 
 class Sessions:
@@ -141,17 +141,18 @@ class Router:
     def route(self, index: int, prefill: Sequence[InstanceLoad], decode: Sequence[InstanceLoad]) -> tuple[int, int]:
         if self.static:
             return self.static_route(index)
-        p = _least(prefill, lambda x: (x.outstanding,))
-        if self.policy == "staging-aware":
-            d = _least(decode, lambda x: (-min(x.free_ring_bytes, 1 << 62), -x.free_kv_pages, x.outstanding))
-        else:
-            d = _least(decode, lambda x: (x.outstanding,))
-        return p, d
+        return least([self.key("prefill", x) for x in prefill]), least([self.key("decode", x) for x in decode])
+
+    def key(self, role: str, load: InstanceLoad) -> tuple[int, ...]:
+        """How a load-aware policy ranks an instance: the least key wins."""
+        if role == "decode" and self.policy == "staging-aware":
+            return -min(load.free_ring_bytes, 1 << 62), -load.free_kv_pages, load.outstanding
+        return (load.outstanding,)
 
 
-def _least(loads: Sequence[InstanceLoad], key) -> int:
+def least(keys: Sequence[tuple[int, ...]]) -> int:
     """The index of the smallest key; ties go to the lowest index (deterministic)."""
-    return min(range(len(loads)), key=lambda i: (*key(loads[i]), i))
+    return min(range(len(keys)), key=keys.__getitem__)  # min keeps the first of equals
 
 
 def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:

@@ -61,7 +61,7 @@ from kvstage.shared.runtime import (
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
-from kvstage.sim.cluster import cluster_nics, instance_loads
+from kvstage.sim.cluster import LiveLoads, cluster_nics
 from kvstage.sim.decode_batch import DecodeBatches
 from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
@@ -153,6 +153,9 @@ class Simulation:
         decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
         self.batches = DecodeBatches(self, self.decode_model, decode_per_instance, ss.decode_instances)
         self.runtimes = tuple(rt for rt in (*self.prefill, *self.decode) if rt is not None)
+        # what a load-aware router sees of every instance, kept current (sim/cluster.py)
+        self.loads = None if self.router.static else LiveLoads(self.router, self.prefill, g.prefill_tp,
+                                                               self.decode, g.decode_tp)
         self._ended = 0  # rooms ended, counted at each decode instance's first rank
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
         # room yet is settled, so the run cannot end before the last arrival
@@ -233,6 +236,8 @@ class Simulation:
                     observe(a.record)
             else:
                 self._carry(rt, a, now)
+        if self.loads is not None:  # a load-aware router: this instance's load may have moved
+            self.loads.touch(rt)
         if rt.settled:
             self._settled.add(rt)
             if len(self._settled) == len(self.runtimes):
@@ -344,6 +349,8 @@ class Simulation:
         if self.checker is not None:
             self.checker.retire(rt.role, rt.rank)  # its lost incarnation's rooms are not its to end
         rt.restart(incarnation, first, self.env.now)
+        if self.loads is not None:
+            self.loads.touch(rt)
         arrived = len(self.requests) - self._arrivals_left  # rooms are numbered in arrival order
         for req in rt.requests:
             if req.room >= arrived:
@@ -405,15 +412,15 @@ class Simulation:
         """The ranks of the instances serving the request; a load-aware router decides
         now, from what it sees of every instance, and the ranks learn the room."""
         ss, g = self.sessions, self.geometry
-        if not self.router.static:
-            loads = instance_loads(self.prefill, g.prefill_tp), instance_loads(self.decode, g.decode_tp)
-            ss.routes[req.room] = self.router.route(index, *loads)
+        if self.loads is not None:
+            ss.routes[req.room] = self.loads.route()
         pi, di = ss.route(req.room)
         prefill = [rt for rt in self.prefill[pi * g.prefill_tp:(pi + 1) * g.prefill_tp] if rt]
         decode = [rt for rt in self.decode[di * g.decode_tp:(di + 1) * g.decode_tp] if rt]
-        if not self.router.static:
+        if self.loads is not None:
             for rt in (*prefill, *decode):
                 rt.assign(req)
+                self.loads.touch(rt)
         return prefill, decode
 
     # --- run --------------------------------------------------------------------------------
@@ -427,6 +434,9 @@ class Simulation:
             if wake is not None:
                 self._tick_at[rt] = wake
                 self._at(wake, self._tick, rt, wake)
+        # a runtime no event ever reaches (a load-aware router sent it no room) is
+        # settled all along: count it, or the run could never end
+        self._settled.update(rt for rt in self.runtimes if rt.settled)
         if self.requests:
             with _gc_paused():
                 self.env.run(until=self._all_done)

@@ -90,6 +90,39 @@ def test_load_aware_routers_finish_every_room_and_use_every_instance(router):
     assert set(Counter(next(iter(i)) for i in rooms.values())) == {0, 1}
 
 
+@pytest.mark.parametrize("router", ["least-outstanding", "staging-aware"])
+def test_live_loads_route_as_a_fresh_look_at_every_instance(router, monkeypatch):
+    """The simulator keeps each instance's load current as its ranks handle events
+    (sim/cluster.py LiveLoads); at every arrival it must choose what reading every
+    instance afresh would choose."""
+    from kvstage.sim import cluster
+    from kvstage.sim.driver import Simulation
+
+    live, checked = cluster.LiveLoads.route, []
+
+    def route(self):
+        got = live(self)
+        fresh = [[self._router.key(role, cluster._load(g)) for g in groups] for role, groups in self._groups.items()]
+        assert got == (cluster.least(fresh[0]), cluster.least(fresh[1]))
+        checked.append(got)
+        return got
+
+    monkeypatch.setattr(cluster.LiveLoads, "route", route)
+    s = load_scenario(P4D2, [*QUICK, "cluster.prefill_instances=3", "cluster.decode_instances=3",
+                             f'cluster.router="{router}"', "workload.rate_per_s=40", "decode.staging_pool_mb=600"])
+    res = Simulation(s).run()
+    assert res.rooms_done == 24 and len(checked) == 24 and len(set(checked)) > 1
+
+
+def test_a_load_aware_run_ends_when_an_instance_never_gets_a_room():
+    """Two requests far apart go to prefill instance 0 both times (it is idle again):
+    instance 1 never handles an event, and the run still ends."""
+    res = run("cluster.prefill_instances=2", 'cluster.router="least-outstanding"', "workload.requests=2",
+              "workload.rate_per_s=0.1")
+    assert res.rooms_done == 2 and not res.violations
+    assert {r.rank // 4 for r in res.records if r.role == "prefill"} == {0}
+
+
 def test_routers_choose_by_load():
     rr = Router("round-robin", 2, 3)
     assert [rr.route(i, [], []) for i in range(4)] == [(0, 0), (1, 1), (0, 2), (1, 0)]
