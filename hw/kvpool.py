@@ -17,6 +17,7 @@ therefore show up as wrong bytes in `verify`.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -281,8 +282,10 @@ def pattern_bits(
     bits_dtype: torch.dtype,
     salt: int,
     kv_planes: int = 2,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The pattern for the given prompt positions: [kv_planes, layers, T, heads, head_dim] bits.
+    """The pattern for the given prompt positions: [kv_planes, layers, T, heads, head_dim] bits,
+    written into `out` when given (a pool view: the fill writes its pages in one pass).
 
     Element e of a row is w-bit window (e mod 32/w) of the row's 32-bit hash, XORed
     with a per-(room, e) mask. So every row of at least 32/w elements carries its whole
@@ -291,17 +294,40 @@ def pattern_bits(
     filling and verifying large pools fast on CPUs.
     """
     width = _BITS_WIDTH[bits_dtype]
-    per_row = 32 // width  # windows in one row hash
     h = row_hashes(layers, positions, global_heads, salt, kv_planes)
-    device = h.device
-    e = torch.arange(head_dim, dtype=torch.int64, device=device)
+    e = torch.arange(head_dim, dtype=torch.int64, device=h.device)
     mask = _as_bits(_mix32((e * _C_ELEM + salt) & _M32) & ((1 << width) - 1), bits_dtype)
-    shifts = torch.arange(min(per_row, head_dim), dtype=torch.int64, device=device) * width
-    windows = _as_bits((h.unsqueeze(-1) >> shifts) & ((1 << width) - 1), bits_dtype)
-    # Repeat the windows along head_dim (row-sized work), then one full-size XOR.
-    reps = -(-head_dim // windows.shape[-1])
-    full = windows.repeat(1, 1, 1, 1, reps)[..., :head_dim].contiguous()
-    return full.bitwise_xor_(mask)
+    if out is None:
+        out = torch.empty((*h.shape, head_dim), dtype=bits_dtype, device=h.device)
+    _write_pattern(out, h, mask)
+    return out
+
+
+def _write_pattern(out: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> None:
+    """out[..., e] = window (e mod 32/w) of the row's hash ^ mask[e], in one pass over
+    `out` (a fresh tensor, or a pool view whose last dimension is contiguous)."""
+    width = _BITS_WIDTH[out.dtype]
+    per_row = 32 // width
+    head_dim = out.shape[-1]
+    if _words_fit(out, head_dim * width // 8, per_row):
+        # The 32/w windows of a row hash, laid out little-endian, are the hash's own 32
+        # bits: a row is that word repeated, XOR the mask. So write 8-byte words, each
+        # the hash twice (row-sized work), against the mask's words: one full-size op.
+        twice = _as_bits(h, torch.int32).unsqueeze(-1).expand(*h.shape, 2).contiguous().view(torch.int64)
+        torch.bitwise_xor(twice, mask.view(torch.int64), out=out.view(torch.int64))
+        return
+    shifts = torch.arange(min(per_row, head_dim), dtype=torch.int64, device=h.device) * width
+    windows = _as_bits((h.unsqueeze(-1) >> shifts) & ((1 << width) - 1), out.dtype)
+    full = windows.repeat(*([1] * (windows.dim() - 1)), -(-head_dim // windows.shape[-1]))[..., :head_dim]
+    torch.bitwise_xor(full, mask, out=out)
+
+
+def _words_fit(out: torch.Tensor, row_bytes: int, per_row: int) -> bool:
+    """Whether `out` can be written as int64 words of repeated row hashes."""
+    ratio = 8 // out.element_size()
+    return (sys.byteorder == "little" and out.shape[-1] % per_row == 0 and row_bytes % 8 == 0
+            and out.stride(-1) == 1 and out.storage_offset() % ratio == 0
+            and all(st % ratio == 0 for st in out.stride()[:-1]))
 
 
 def _check_heads(pool: KVPool, global_head_of_local: Sequence[int]) -> None:
@@ -344,10 +370,8 @@ def fill_pattern(
     bits = pool.bits
     for t0, t1 in _token_steps(pool, num_pages * pool.page_size):
         pos = _positions(pool, token_offset, t0, t1)
-        chunk = pattern_bits(
-            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes
-        )
-        bits[:, :, base + t0 : base + t1].copy_(chunk)
+        pattern_bits(pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes,
+                     out=bits[:, :, base + t0 : base + t1])  # straight into the pool
 
 
 def expected_pattern(
