@@ -139,12 +139,38 @@ def scatter(
                 f"writer {block.writer} block is {block.nbytes} bytes, this pool's geometry "
                 f"makes it {need}: layout and pool do not match"
             )
+    if _scatter_tiled(pool, tokens, region, layout):
+        return
+    for block in layout.blocks:
+        hs = block.heads
         src = region[block.offset : block.offset + block.nbytes]
         size, dtype = _word(pool.token_bytes_per_head, src)
         dst = _pool_words(pool, dtype, size)[
             :, :, tokens, hs.dst_head_start : hs.dst_head_start + hs.num_heads
         ]
         dst.copy_(src.view(dtype).view(dst.shape))
+
+
+def _scatter_tiled(pool: KVPool, tokens: slice, region: torch.Tensor, layout: StagingLayout) -> bool:
+    """Scatter a region whose writer blocks, back to back from its start, carry the pool's
+    heads in order (fan-in without replication, as P4 -> D2) in ONE copy that writes the
+    destination pages front to back, all heads of a row together. Per-block copies write
+    each row in pieces; measured on CPU (32 layers, 2 blocks of 4 of 8 heads): 1.29x a
+    plain copy's time per block, 1.07x in one. False (nothing done) for other layouts."""
+    blocks = sorted(layout.blocks, key=lambda b: b.offset)
+    n, nh, nbytes = len(blocks), blocks[0].heads.num_heads, blocks[0].nbytes
+    if n < 2 or n * nh != pool.heads or any(
+        b.offset != i * nbytes or b.nbytes != nbytes or b.heads.dst_head_start != i * nh
+        for i, b in enumerate(blocks)
+    ):
+        return False
+    src = region[: n * nbytes]
+    size, dtype = _word(pool.token_bytes_per_head, src)
+    dst = _pool_words(pool, dtype, size)[:, :, tokens]
+    planes, layers, t, _, words = dst.shape
+    dst.view(planes, layers, t, n, nh, words).copy_(
+        src.view(dtype).view(n, planes, layers, t, nh, words).permute(1, 2, 3, 0, 4, 5))
+    return True
 
 
 # --- the slice path -------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvstage.hw.kernels as kernels
 import kvstage.hw.kvpool as kvpool
 from kvstage.hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
 from kvstage.hw.kvpool import (
@@ -397,6 +398,23 @@ def test_wrong_dst_head_start_is_caught() -> None:
         ),
     )
     assert staged_and_verified(c, 0, swapped, region) > 0
+
+
+@pytest.mark.parametrize("tp", [(4, 2, 8), (2, 1, 8), (8, 1, 8)])
+def test_fan_in_scatter_in_one_copy_matches_per_block(tp: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer blocks that tile the decode heads in order are scattered in one copy: the
+    same bytes land as with one copy per block, and nothing outside the room."""
+    c = Cluster(geometry(*tp, "bf16"), "bf16")
+    region, layout = c.stage(0)
+    pool, first = c.decode_pool()
+    tokens = slice(first * pool.page_size, (first + ROOM_PAGES) * pool.page_size)
+    assert kernels._scatter_tiled(pool, tokens, region, layout)  # this layout takes the fused path
+    assert verify(pool, first, ROOM_PAGES, ROOM, PREFIX, c.decode_heads(0)) == (c.room_bytes(), 0)
+    assert untouched_outside(pool, first, ROOM_PAGES)
+    monkeypatch.setattr(kernels, "_scatter_tiled", lambda *a: False)
+    per_block, _ = c.decode_pool()
+    scatter(per_block, first, ROOM_PAGES, region, layout)
+    assert torch.equal(per_block.bytes, pool.bytes)
 
 
 def test_wrong_writer_offset_is_caught() -> None:
