@@ -26,6 +26,12 @@ It prints, in one run (the machine may be shared: CPU seconds are the steadier f
 
     .venv/bin/python benchmarks/cluster_speed.py            # everything (a few minutes)
     .venv/bin/python benchmarks/cluster_speed.py --quick    # 2 simulated minutes instead of the hour
+    .venv/bin/python benchmarks/cluster_speed.py --scaling-only --repeat 3   # 2. only, 3 rounds
+
+With --repeat N the sizes of 2. run N rounds, interleaved (1, 4, 16, 64, 1, 4, ...),
+so a burst of load on a shared machine hits every size alike: each size's figure is
+its least CPU per request over the rounds, and the spread of the per-round ratios is
+printed beside it. --router measures a load-aware router instead of round-robin.
 """
 
 from __future__ import annotations
@@ -75,14 +81,14 @@ def prefill_capacity_rps(instances: int) -> float:
     return instances / s.forward_time_s(int(mean_prompt))
 
 
-def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1) -> dict:
+def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1, router: str = "round-robin") -> dict:
     """`decode` decode instances and twice as many prefill instances."""
     rate = LOAD * prefill_capacity_rps(2 * decode)
     trace = tmp / f"trace-{decode}-{seconds:.0f}.jsonl"
     n = write_trace(trace, rate, seconds, seed)
     s = load_scenario(SCENARIO, [
         f"cluster.prefill_instances={2 * decode}", f"cluster.decode_instances={decode}",
-        f"cluster.fold={'true' if fold else 'false'}",
+        f"cluster.fold={'true' if fold else 'false'}", f'cluster.router="{router}"',
         'workload.arrival="trace"', 'workload.prompt="csv"', f'workload.trace_csv="{trace}"',
         f"workload.requests={n}", f"workload.max_prompt_tokens={MAX_PROMPT}",
         "decode.gpu_memory_gib=141",
@@ -104,13 +110,38 @@ def line(r: dict) -> str:
             f"{r['cpu_per_request_ms']:.3f} ms CPU per request")
 
 
+def scaling(tmp: Path, repeat: int, router: str, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> None:
+    """2.: CPU per simulated request at each size, its least over `repeat` interleaved rounds."""
+    print(f"\n2. cost per simulated request as the cluster grows (folded, 60 simulated seconds, {router}, "
+          f"{repeat} round(s))")
+    rounds: list[dict[int, dict]] = []
+    for _ in range(max(1, repeat)):
+        rounds.append({n: run(n, 60, True, tmp, router=router) for n in sizes})
+        print(f"   round {len(rounds)}: " + ", ".join(f"{n}: {rounds[-1][n]['cpu_per_request_ms']:.3f} ms"
+                                                      for n in sizes) + f" (load {os.getloadavg()[0]:.2f})")
+    best = {n: min((r[n] for r in rounds), key=lambda x: x["cpu_per_request_ms"]) for n in sizes}
+    base = best[sizes[0]]["cpu_per_request_ms"]
+    for n in sizes:
+        ratios = [r[n]["cpu_per_request_ms"] / r[sizes[0]]["cpu_per_request_ms"] for r in rounds]
+        spread = f"; per round {min(ratios):.2f}-{max(ratios):.2f}x" if len(rounds) > 1 else ""
+        print(f"   {line(best[n])}  ({best[n]['cpu_per_request_ms'] / base:.2f}x the 1-instance cost{spread})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 simulated minutes for the big run, not an hour")
+    ap.add_argument("--scaling-only", action="store_true", help="only 2. (cost per request as the cluster grows)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of 2., interleaved; the least CPU of each size")
+    ap.add_argument("--router", default="round-robin", help="the router of 2. (round-robin, least-outstanding, "
+                    "staging-aware)")
     args = ap.parse_args()
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        if args.scaling_only:
+            scaling(tmp, args.repeat, args.router)
+            print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+            return
         print("\n1. folded vs unfolded, 4 prefill + 2 decode instances, 60 simulated seconds")
         unfolded, folded = run(2, 60, False, tmp), run(2, 60, True, tmp)
         print("   unfolded:", line(unfolded))
@@ -118,12 +149,7 @@ def main() -> None:
         same = unfolded["ttft"] == folded["ttft"] and unfolded["tpot"] == folded["tpot"]
         print(f"   CPU per request, unfolded / folded: {unfolded['cpu_s'] / folded['cpu_s']:.2f}x; "
               f"TTFT and TPOT percentiles identical: {same}")
-        print("\n2. cost per simulated request as the cluster grows (folded, 60 simulated seconds)")
-        base = None
-        for n in (1, 4, 16, 64):
-            r = run(n, 60, True, tmp)
-            base = base or r["cpu_per_request_ms"]
-            print(f"   {line(r)}  ({r['cpu_per_request_ms'] / base:.2f}x the 1-instance cost)")
+        scaling(tmp, args.repeat, args.router)
         seconds = 120 if args.quick else 3600
         print(f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded)")
         r = run(8, seconds, True, tmp)
