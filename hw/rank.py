@@ -9,8 +9,11 @@ bulk writes and slice-path descriptor lists through NIXL or Mooncake, forwards
 `PrefillRank` (hw/prefill_rank.py) and `DecodeRank` (hw/decode_rank.py) hold what
 differs by role.
 
-Single-threaded by design: the loop polls transfer handles and the control socket in
-turn, so the runtime is only ever touched from one thread.
+Single-threaded by design: only the loop touches the runtime. Heavy work runs on worker
+threads (fills, gathers, scatters, verification) and transfer lanes (hw/transport.py);
+each sets the control plane's waker when it finishes, so the loop blocks on its socket
+and that waker together instead of polling (only NIXL writes left in flight by
+transfer() are polled, every BUSY_POLL_S).
 
 Restart and rejoin: a prefill rank process started again while its run goes on
 registers with the rendezvous under its new control plane's incarnation (newer than
