@@ -340,7 +340,7 @@ class Calibration:
 
     @property
     def rank_loop(self) -> dict[str, float]:
-        """Hardware mode's rank loop constants (hw/rank.py BUSY_POLL_S, hw/prefill_rank.py
+        """Hardware mode's rank loop constants (calibrate_inrun.rank_loop_constants, hw/prefill_rank.py
         FORWARD_NICE), as recorded at calibration; read now for older raw points."""
         return self.raw.get("rank_loop") or rank_loop_constants(self.device)
 

@@ -64,12 +64,17 @@ CAL_SCENARIO: dict[str, Any] = {
 
 def rank_loop_constants(device: str) -> dict[str, float]:
     """How hardware mode's rank processes run their work (set in hw/, not measured):
-    the loop's poll period while its threads work, and the forward thread's nice level
-    (on a CPU device; a GPU forward is not reniced)."""
-    from kvstage.hw.prefill_rank import FORWARD_NICE
-    from kvstage.hw.rank import BUSY_POLL_S
+    how long a thread's finished job waits for the loop to notice it, as a poll period
+    (0: the loop wakes at once), and the forward thread's nice level (on a CPU device; a
+    GPU forward is not reniced).
 
-    return {"busy_poll_s": BUSY_POLL_S, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
+    A worker thread that finishes a fill, gather or scatter sets the control plane's
+    waker, and the loop blocks on it (hw/rank.py): it notices at once. Only NIXL writes
+    are still polled every BUSY_POLL_S, and the host model does not run writes on a
+    thread, so its poll period is 0."""
+    from kvstage.hw.prefill_rank import FORWARD_NICE
+
+    return {"busy_poll_s": 0.0, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
 
 
 def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, Any]:
