@@ -1,5 +1,9 @@
 """Gather and scatter bandwidth on a GPU, as a share of a plain device-to-device copy of
 the same bytes measured in the same run (run by hand on a GPU machine; prints a table).
+With --device cpu the same table for host memory, the memory hardware mode uses here,
+plus the hw forward's pattern fill and the decode's full verification of the block
+(hw/kvpool.py), each against the same copy (run it with OMP_NUM_THREADS=1: a rank
+process runs one intra-op thread).
 
 A writer block of a full chunk (Llama-3-70B-like: 80 layers scaled to `--layers`, 8 KV
 heads per prefill rank, head_dim 128, bf16, 8192 tokens by default) is gathered from a
@@ -19,7 +23,7 @@ import time
 import torch
 
 from kvstage.hw.kernels import block_bytes, gather, scatter
-from kvstage.hw.kvpool import KVPool
+from kvstage.hw.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.layout import Geometry
 
 
@@ -51,7 +55,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8, help="KV heads per prefill rank (decode: 2x, fan-in of 2)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--device", default="cuda", help="cuda (the figures) or cpu (a dry run of the script)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (host memory; adds fill and verify)")
     args = p.parse_args()
     dev = args.device
     cuda = dev.startswith("cuda")
@@ -73,12 +77,20 @@ def main() -> None:
     gather_s = timed(lambda: gather(src, 4, pages, 0, args.heads, block), args.reps, cuda)
     scatter_s = timed(lambda: scatter(dst, 4, pages, region, layout), args.reps, cuda)
     scatter_bytes = layout.region_bytes
+    rows = [("copy", copy_s, nbytes), ("gather", gather_s, nbytes), ("scatter", scatter_s, scatter_bytes)]
+    if not cuda:  # the CPU-side work of a hw run: the prefill's forward and the decode's check
+        heads = list(range(args.heads))
+        rows.append(("fill", timed(lambda: fill_pattern(src, 4, pages, 7, 0, heads), args.reps, cuda), nbytes))
+        fill_pattern(src, 4, pages, 7, 0, heads)
+        checked, wrong = verify(src, 4, pages, 7, 0, heads)
+        assert checked == nbytes and wrong == 0, (checked, wrong)
+        rows.append(("verify", timed(lambda: verify(src, 4, pages, 7, 0, heads), args.reps, cuda), nbytes))
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     print(f"{name}: block {nbytes / 2**20:.1f} MiB "
           f"({args.layers} layers x {args.tokens} tokens x {args.heads} heads x {args.head_dim})")
     print(f"{'kernel':<10} {'time':>10} {'GB/s (read+write)':>18} {'share of copy':>14}")
     copy_bw = 2 * nbytes / copy_s / 1e9
-    for name, s, n in (("copy", copy_s, nbytes), ("gather", gather_s, nbytes), ("scatter", scatter_s, scatter_bytes)):
+    for name, s, n in rows:
         bw = 2 * n / s / 1e9
         print(f"{name:<10} {s * 1e3:8.3f} ms {bw:18.1f} {bw / copy_bw:14.2f}")
 
