@@ -372,6 +372,34 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
     assert all(p.poll() is not None for p in procs.values())
 
 
+class _NoSpawnRun:
+    """`kvstage hw --no-spawn` on a free port with `flags`, its output to `stdout`; then
+    (`start_ranks`) prefill0, prefill1 and decode0 started by hand as `kvstage hw-rank`."""
+
+    def __init__(self, tmp_path: Path, scenario: Path, backend: str, flags: list[str], stdout) -> None:
+        self.tmp_path, self.backend = tmp_path, backend
+        self.run_dir, port = tmp_path / "run", _free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.ranks: dict[str, subprocess.Popen] = {}
+        self.launcher = subprocess.Popen(
+            [sys.executable, "-m", "kvstage.cli", "hw", str(scenario), "--backend", backend, "--no-spawn",
+             "--port", str(port), "--out", str(self.run_dir), *flags],
+            stdout=stdout, stderr=subprocess.STDOUT, text=True)
+
+    def start_ranks(self) -> float:
+        """Start the ranks once the launcher wrote the run's files; the run's t0."""
+        run_dir = self.run_dir
+        _until(lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60)
+        for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
+            with (self.tmp_path / f"{role}{rank}.log").open("w") as log:
+                self.ranks[f"{role}{rank}"] = subprocess.Popen(
+                    _rank_cmd(run_dir, self.address, self.backend, role, rank), stdout=log, stderr=subprocess.STDOUT)
+        client = RendezvousClient(self.address, secret=read_secret_file(run_dir / "run.secret"))
+        t0 = _until(lambda: client.query(10)[1], 120)
+        client.close()
+        return t0
+
+
 @pytest.mark.hw
 @pytest.mark.timeout(300)
 def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp_path):
@@ -380,23 +408,12 @@ def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp
     the kill: before its peers (3 s) or the launcher (5 s) noticed it was gone."""
     require_engine("mooncake")
     f = write_scenario(tmp_path, 2, 1, 8, requests=180)  # 9 s of arrivals
-    run_dir, port = tmp_path / "run", _free_port()
-    address = f"127.0.0.1:{port}"
     box: dict = {"requests": 180}
-    ranks: dict[str, subprocess.Popen] = {}
     with (tmp_path / "launcher.log").open("w") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "kvstage.cli", "hw", str(f), "--backend", "mooncake",
-                                     "--no-spawn", "--port", str(port), "--out", str(run_dir), "--timeout", "240",
-                                     "--rejoin-grace", "60"], stdout=log, stderr=subprocess.STDOUT)
+        run = _NoSpawnRun(tmp_path, f, "mooncake", ["--timeout", "240", "--rejoin-grace", "60"], log)
+    run_dir, address, launcher, ranks = run.run_dir, run.address, run.launcher, run.ranks
     try:
-        _until(lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60)
-        for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
-            with (tmp_path / f"{role}{rank}.log").open("w") as log:
-                ranks[f"{role}{rank}"] = subprocess.Popen(_rank_cmd(run_dir, address, "mooncake", role, rank),
-                                                          stdout=log, stderr=subprocess.STDOUT)
-        client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
-        t0 = _until(lambda: client.query(10)[1], 120)
-        client.close()
+        t0 = run.start_ranks()
         victim = ranks["prefill1"]
         _restart_and_replay(run_dir, address, "mooncake", lambda: os.kill(victim.pid, signal.SIGKILL),
                             max(time.time(), t0) + 5.0, -0.5, box)
@@ -421,21 +438,10 @@ def test_a_no_spawn_launcher_notices_a_dead_rank_within_seconds(tmp_path):
     the run naming it as soon as the others finished, not at its --timeout (600 s)."""
     require_engine("nixl")
     f = write_scenario(tmp_path, 2, 1, 8, requests=60)  # 3 s of arrivals
-    run_dir, port = tmp_path / "run", _free_port()
-    address = f"127.0.0.1:{port}"
-    ranks: dict[str, subprocess.Popen] = {}
-    launcher = subprocess.Popen([sys.executable, "-m", "kvstage.cli", "hw", str(f), "--backend", "nixl",
-                                 "--no-spawn", "--port", str(port), "--out", str(run_dir)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = _NoSpawnRun(tmp_path, f, "nixl", [], subprocess.PIPE)
+    run_dir, launcher, ranks = run.run_dir, run.launcher, run.ranks
     try:
-        _until(lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60)
-        for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
-            with (tmp_path / f"{role}{rank}.log").open("w") as log:
-                ranks[f"{role}{rank}"] = subprocess.Popen(_rank_cmd(run_dir, address, "nixl", role, rank),
-                                                          stdout=log, stderr=subprocess.STDOUT)
-        client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
-        t0 = _until(lambda: client.query(10)[1], 120)
-        client.close()
+        t0 = run.start_ranks()
         time.sleep(max(0.0, t0 + 1.0 - time.time()))
         os.kill(ranks["prefill1"].pid, signal.SIGKILL)
         killed = time.monotonic()
