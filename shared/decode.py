@@ -502,10 +502,8 @@ class DecodeMachine(MachineBase):
         del self._rooms[room.room]
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
                 if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
-        if self._rejoined:  # a writer's new incarnation knows nothing of an older room
-            told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
-        else:
-            told = [p for p in room.writers if p != skip_writer]
+        # a writer's new incarnation knows nothing of an older room: it is not told
+        told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
         waiting = set(told)
         exposed = room.chunks is not None or held
         if exposed and waiting:
