@@ -10,7 +10,12 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
 - share of loop time blocked: per rank, the part of its loop's time spent in a turn
   (handling messages, starting and reporting work, or waiting for the interpreter lock)
   rather than waiting on its socket, where a message is taken at once; and the longest
-  turns (how long a message could wait to be looked at).
+  turns (how long a message could wait to be looked at);
+- where a STAGING_REQ's delivery goes, from the control planes' stamps (the ranks'
+  wall clocks; hw/control.py): the send() call; if the decode was waiting in its poll
+  when it was sent, sent -> poll woke; if it was in a turn, sent -> that turn's end;
+  then woke -> handled. And per rank, of its turns over 1 ms, the share of their time
+  the loop thread waited, runnable, for a CPU (Linux schedstat run delay).
 
 Goal on a quiet machine (issue 13): delivery p50 under 2 ms and p99 under 20 ms for
 P2->D1. Check `uptime` first: on a loaded host these figures mean little.
@@ -65,6 +70,52 @@ def figures(records) -> dict[str, list[float]]:
     return {"delivery": delivery, "rtt": rtt, "skew": skew}
 
 
+def stamp_figures(stamps: dict[str, list]) -> dict[str, list[float]]:
+    """Per STAGING_REQ: see the docstring. Keys: call, idle (sent -> woke), busy (sent ->
+    the turn's end), handle (woke -> handled); cpu_wait: per rank, run delay / time in
+    turns over 1 ms."""
+    sent = {(rank, e[2]): e for rank, st in stamps.items() for e in st if e[0] == "s" and e[3] == "StagingReq"}
+    out: dict[str, list[float]] = {"call": [e[5] - e[4] for e in sent.values()], "idle": [], "busy": [], "handle": []}
+    cpu_wait: list[tuple[str, float]] = []
+    for rank, st in stamps.items():
+        waits = [e for e in st if e[0] == "w"]
+        long = [(b[1] - a[2], b[3] - a[4]) for a, b in zip(waits, waits[1:], strict=False) if b[1] - a[2] > 1e-3]
+        if long:
+            cpu_wait.append((rank, sum(d for _, d in long) / sum(t for t, _ in long)))
+        handled = iter([e[1] for e in st if e[0] == "h"])
+        wake = None
+        for e in st:
+            if e[0] == "w":
+                wake = e
+            elif e[0] == "r":
+                at = next(handled, float("nan"))
+                s = sent.get((e[1], e[2]))
+                if s is None or wake is None:
+                    continue
+                if wake[1] <= s[5]:
+                    out["idle"].append(wake[2] - s[5])
+                else:  # the turn it waited for ended when this poll started
+                    out["busy"].append(wake[1] - s[5])
+                out["handle"].append(at - wake[2])
+    out["cpu_wait"] = cpu_wait  # type: ignore[assignment]
+    return out
+
+
+def print_stamps(f: dict) -> None:
+    ms = 1e3
+
+    def p(xs: list[float]) -> str:
+        return f"p50 {pct(xs, .5) * ms:6.2f}  p90 {pct(xs, .9) * ms:6.2f} ms"
+
+    n = len(f["idle"]) + len(f["busy"])
+    print(f"  STAGING_REQ send() call {p(f['call'])}")
+    print(f"    decode polling when sent ({len(f['idle'])}/{n}): sent -> woke   {p(f['idle'])}")
+    print(f"    decode in a turn        ({len(f['busy'])}/{n}): sent -> turn end {p(f['busy'])}")
+    print(f"    woke -> handled                        {p(f['handle'])}")
+    waits = "  ".join(f"{rank} {share * 100:.0f}%" for rank, share in f["cpu_wait"])
+    print(f"  turns over 1 ms: share spent waiting for a CPU: {waits}")
+
+
 def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
     P, D = tp
     s = load_scenario(REPO / "scenarios" / "llama3-8b-p4-d2.toml", overrides=[
@@ -80,6 +131,7 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
             del os.environ[LOOP_STATS_ENV]
         _, records = read_records(run_dir)
         loops = {p.stem: json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.json"))}
+        stamps = {p.stem: json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.msgs"))}
     f = figures(records)
     ms = 1e3
     print(f"P{P}->D{D} {backend} ({requests} requests, exit {code}):")
@@ -94,6 +146,7 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
         print(f"  loop {name:9} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
               f"{lp['turns']:6d}  p50 {lp['turn_p50_s'] * ms:6.2f} ms  p99 {lp['turn_p99_s'] * ms:6.2f} ms  "
               f"max {lp['turn_max_s'] * ms:7.2f} ms")
+    print_stamps(stamp_figures(stamps))
 
 
 def main() -> None:

@@ -53,6 +53,9 @@ _CONTROL = b"kvstage control v2"  # v2: frames carry sender, incarnation and seq
 # senders whose last (incarnation, sequence) a control plane remembers (replay state);
 # only authenticated frames create entries, so this bounds a secret holder's flood
 MAX_SENDERS = 4096
+# KVSTAGE_LOOP_STATS=DIR (hw/rank.py): a control plane also stamps every frame it sends and
+# receives and every wake of its poll, for benchmarks/hw_loop.py's delivery breakdown.
+LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
 _TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
 _TO_RANK = b"kvstage rendezvous launcher->rank v1"
 
@@ -168,6 +171,16 @@ def _size(frames: Sequence[bytes]) -> int:
     return sum(len(f) for f in frames)
 
 
+def run_delay_s() -> float:
+    """Seconds the calling thread has waited, runnable, for a CPU (Linux schedstat; nan
+    elsewhere): what separates a turn slowed by the CPU from one slowed by its own work."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
 class Waker:
     """An eventfd that a worker thread (or an engine's completion thread) sets when its
     work finished: the rank loop's poll wakes on it together with the control socket,
@@ -235,6 +248,10 @@ class ControlPlane:
         self.sent = 0
         self.received = 0
         self._warn = _Throttled(log)
+        # with $KVSTAGE_LOOP_STATS: ("s", peer, seq, kind, called, returned) per frame sent,
+        # ("w", poll start, woke, run delay at both) per wait, ("r", sender, seq, kind, received)
+        # per frame accepted (time.time() and run_delay_s(), s)
+        self.stamps: list[tuple] | None = [] if os.environ.get(LOOP_STATS_ENV) else None
 
     @property
     def incarnation(self) -> int:
@@ -276,8 +293,11 @@ class ControlPlane:
         if sock is None:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
         self._seq += 1
+        called = time.time()
         sock.send_multipart(self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
                             copy=False)
+        if self.stamps is not None:
+            self.stamps.append(("s", peer, self._seq, type(msg).__name__, called, time.time()))
         self.sent += 1
 
     def wait(self, timeout_s: float) -> bool:
@@ -285,7 +305,12 @@ class ControlPlane:
         True when a message may be waiting (the waker is cleared here)."""
         # round up: a sub-millisecond wait truncated to 0 would spin and starve the
         # other ranks sharing this machine's cores
-        events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        if self.stamps is None:
+            events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
+        else:
+            delay, start = run_delay_s(), time.time()
+            events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
+            self.stamps.append(("w", start, time.time(), delay, run_delay_s()))
         if self.waker.fd in events:
             self.waker.clear()
         return self.inbox in events
@@ -318,6 +343,9 @@ class ControlPlane:
             try:
                 out.append(decode(body[2:]))
                 self.received += 1
+                if self.stamps is not None:
+                    self.stamps.append(("r", bytes(body[0]).decode(errors="replace"),
+                                        int.from_bytes(body[1][8:], "big"), type(out[-1]).__name__, time.time()))
             except ProtocolError as exc:
                 self.malformed += 1
                 log.warning("dropped a malformed control message: %s", exc)

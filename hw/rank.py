@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvstage.hw.control import ControlPlane, rank_name
+from kvstage.hw.control import LOOP_STATS_ENV, ControlPlane, rank_name
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
 from kvstage.hw.placement import transport_options
@@ -79,9 +79,9 @@ IDLE_POLL_S = 0.05
 # default: 5 ms). A rank's worker threads run torch glue between kernels; with the default
 # a message that woke the loop could wait 5 ms for the lock, every time.
 SWITCH_INTERVAL_S = float(os.environ.get("KVSTAGE_SWITCH_INTERVAL_US", "500")) * 1e-6
-# KVSTAGE_LOOP_STATS=DIR: each rank writes its LoopClock figures to DIR/<rank>.json
-# (benchmarks/hw_loop.py reads them).
-LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
+# KVSTAGE_LOOP_STATS=DIR: each rank writes its LoopClock figures to DIR/<rank>.json and
+# its control plane's stamps, with one ("h", time) per message as the loop starts handling
+# it, to DIR/<rank>.msgs (benchmarks/hw_loop.py reads them). LOOP_STATS_ENV: hw/control.py.
 # What a finished rank tells the rendezvous it may be silent for while its report goes out.
 REPORT_QUIET_S = 120.0
 
@@ -117,11 +117,14 @@ class LoopClock:
                 "turns": len(self.turns), "turn_p50_s": turns[len(turns) // 2],
                 "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))], "turn_max_s": turns[-1]}
 
-    def dump(self, name: str) -> None:
-        """Write the figures to $KVSTAGE_LOOP_STATS/<name>.json when that is set."""
+    def dump(self, name: str, stamps: list | None = None) -> None:
+        """Write the figures to $KVSTAGE_LOOP_STATS/<name>.json (and `stamps`, the control
+        plane's, to <name>.msgs) when that is set."""
         folder = os.environ.get(LOOP_STATS_ENV)
         if folder:
             Path(folder, f"{name}.json").write_text(json.dumps(self.figures()))
+            if stamps is not None:
+                Path(folder, f"{name}.msgs").write_text(json.dumps(stamps))
 
 
 class RankProcess:
@@ -346,7 +349,10 @@ class RankProcess:
         """Messages in: every one is a sign of life of its sender; heartbeats stop here."""
         messages = self.control.drain() if self.loop_clock.wait(self.control, wait) else []
         now = self.now()
+        stamps = self.control.stamps
         for msg in messages:
+            if stamps is not None:
+                stamps.append(("h", time.time()))
             if self.role == "prefill":
                 self.watch.heard(("decode", msg.decode_rank), now)
             else:
@@ -389,7 +395,7 @@ class RankProcess:
                     wait = min(wait, max(0.0, t - self.now()))
             self._heartbeat()
             self._receive(min(wait, HEARTBEAT_S))
-        self.loop_clock.dump(self.name)
+        self.loop_clock.dump(self.name, self.control.stamps)
 
     def _serve_late(self) -> None:
         """After this rank finished: answer what peers still send (acknowledgements they
