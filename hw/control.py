@@ -6,7 +6,7 @@ A frame list that does not decode is logged and dropped; it never reaches the
 state machine and never raises out of `receive`.
 
 The rendezvous that introduces ranks, tracks their liveness and lets a restarted
-prefill rank rejoin is hw/rendezvous.py (its names are importable from here too).
+prefill rank rejoin is hw/rendezvous.py.
 
 Every frame list, control or rendezvous, is authenticated with the run's secret
 (32 random bytes the launcher draws per run): an HMAC-SHA256 over the frame count
@@ -293,7 +293,7 @@ class ControlPlane:
         if sock is None:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
         self._seq += 1
-        called = time.time()
+        called = time.time() if self.stamps is not None else 0.0
         sock.send_multipart(self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
                             copy=False)
         if self.stamps is not None:
@@ -379,15 +379,3 @@ class ControlPlane:
             sock.close(linger=500)
         self.inbox.close(linger=0)
         self.waker.close()
-
-
-# The rendezvous lives in hw/rendezvous.py; its names stay importable from here.
-_RENDEZVOUS_NAMES = frozenset(['ClockOffset', 'NOTICES', 'RANK_BEAT_S', 'RANK_SILENT_S', 'REJOIN_ACK_S', 'RankInfo', 'RendezvousClient', 'RendezvousError', 'RendezvousServer'])
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENDEZVOUS_NAMES:
-        from kvstage.hw import rendezvous
-
-        return getattr(rendezvous, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

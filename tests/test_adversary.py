@@ -29,8 +29,9 @@ from conftest import require_engine
 from test_control_auth import assert_every_room_right
 from test_hw import write_scenario
 
-from kvstage.hw.control import ControlPlane, RendezvousClient, read_secret_file
+from kvstage.hw.control import ControlPlane, read_secret_file
 from kvstage.hw.launch import launch
+from kvstage.hw.rendezvous import RendezvousClient
 from kvstage.shared.layout import room_pages
 from kvstage.shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, Watermark, WriterDone
 from kvstage.shared.scenario import load_scenario

@@ -28,10 +28,6 @@ from kvstage.hw.control import (
     MAX_CONTROL_BYTES,
     SECRET_ENV,
     ControlPlane,
-    RankInfo,
-    RendezvousClient,
-    RendezvousError,
-    RendezvousServer,
     new_secret,
     read_secret_file,
     signed,
@@ -39,6 +35,7 @@ from kvstage.hw.control import (
 )
 from kvstage.hw.launch import launch
 from kvstage.hw.rank_main import main as rank_main
+from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import room_pages
 from kvstage.shared.protocol import Abort, Watermark, encode

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw.control import RendezvousClient, RendezvousServer, new_secret
+from kvstage.hw.control import new_secret
 from kvstage.hw.placement import (
     Identity,
     PlacementError,
@@ -26,6 +26,7 @@ from kvstage.hw.placement import (
     transport_options,
     visible_gpus,
 )
+from kvstage.hw.rendezvous import RendezvousClient, RendezvousServer
 from kvstage.shared.scenario import load_scenario
 
 
