@@ -143,7 +143,13 @@ class DecodeMachine(MachineBase):
         # every session that may write here, over all prefill instances sharing the ring
         self._all_writers = frozenset(self.sessions.all_writers(rank))
         self._rooms: dict[int, _Room] = {}
-        self._subscribers: list[int] = []  # prefill ranks subscribed to the watermark, in order
+        # Prefill ranks told of every watermark move, in order: those with a live room
+        # here. A rank whose last room here ended is dropped, so that a ring shared by
+        # many prefill instances (a load-aware router) does not send each move to every
+        # session it ever saw; its next STAGING_REQ subscribes it again with the
+        # current watermark.
+        self._subscribers: dict[int, None] = {}
+        self._live_rooms_of: dict[int, int] = {}  # prefill rank -> live rooms it writes here
         self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
         self._last_wm = self.ring.watermark
         self._ring_changed = False  # an assign or free since the last watermark check
@@ -263,8 +269,7 @@ class DecodeMachine(MachineBase):
         """Writer `rank` is gone: fail its live rooms (those before room `before` only,
         when given) and stop sending it watermarks."""
         self.dead_peers[("prefill", rank)] = reason
-        if rank in self._subscribers:
-            self._subscribers.remove(rank)
+        self._subscribers.pop(rank, None)
         for room in list(self._rooms.values()):
             if rank not in room.writers:
                 continue  # a room of another prefill instance: it does not need this writer
@@ -351,7 +356,6 @@ class DecodeMachine(MachineBase):
         w = self._writer_for(msg, now, out)
         if w is None:
             return
-        self._subscribe(msg.prefill_rank, now, out)
         room = self._live_room(msg, now, out)
         if room is None:
             return
@@ -380,7 +384,9 @@ class DecodeMachine(MachineBase):
         else:
             rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.prefill_rank, self.rank)
         out.append(Send(self._peer(msg.prefill_rank), rsp))
-        if duplicate:
+        # Subscribed after the RSP: a writer back after a while would hold a watermark
+        # of a round newer than any region it was handed as implausible until the RSP.
+        if not self._subscribe(msg.prefill_rank, out) and duplicate:
             # a re-sent REQ means the writer may have lost our RSP or a WATERMARK
             wm = self.ring.watermark
             out.append(Send(self._peer(msg.prefill_rank), Watermark(wm.round, wm.tail, msg.prefill_rank, self.rank)))
@@ -484,7 +490,7 @@ class DecodeMachine(MachineBase):
             return
         if room.complete < len(room.chunks):
             return
-        del self._rooms[room.room]
+        self._end_room(room)
         self._finish(room.room, ok=True)
         self._record(out, "room_done", now, now, room=room.room, ring_used=self.ring.used_bytes)
         out.append(RoomDone(room.room))
@@ -499,7 +505,7 @@ class DecodeMachine(MachineBase):
         `abort_grace_s` passed, so a late write cannot land on memory that was handed
         out again. A room that never opened here exposed nothing: released at once.
         """
-        del self._rooms[room.room]
+        self._end_room(room)
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
                 if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
         # a writer's new incarnation knows nothing of an older room: it is not told
@@ -589,6 +595,9 @@ class DecodeMachine(MachineBase):
     def _new_room(self, room_id: int, now: float) -> _Room:
         room = _Room(room_id, now, self.sessions.writers(room_id, self.rank))
         self._rooms[room_id] = room
+        live = self._live_rooms_of
+        for p in room.writers:
+            live[p] = live.get(p, 0) + 1
         room.deadline = self._arm_deadline(room_id, now)
         return room
 
@@ -601,12 +610,28 @@ class DecodeMachine(MachineBase):
         self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
                      ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
 
-    def _subscribe(self, prefill_rank: int, now: float, out: list[Action]) -> None:
+    def _end_room(self, room: _Room) -> None:
+        """A room leaves the live set: a writer with no other live room here is no
+        longer told of watermark moves."""
+        del self._rooms[room.room]
+        live = self._live_rooms_of
+        for p in room.writers:
+            n = live[p] - 1
+            if n:
+                live[p] = n
+            else:
+                del live[p]
+                self._subscribers.pop(p, None)
+
+    def _subscribe(self, prefill_rank: int, out: list[Action]) -> bool:
+        """Tell `prefill_rank` of watermark moves from now on, starting with the
+        current watermark; False if it was subscribed already."""
         if prefill_rank in self._subscribers:
-            return
-        self._subscribers.append(prefill_rank)
+            return False
+        self._subscribers[prefill_rank] = None
         wm = self.ring.watermark
         out.append(Send(self._peer(prefill_rank), Watermark(wm.round, wm.tail, prefill_rank, self.rank)))
+        return True
 
     def _broadcast_if_moved(self, now: float, out: list[Action]) -> None:
         self._ring_changed = False

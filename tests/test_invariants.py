@@ -145,6 +145,10 @@ def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
         real_broadcast(self, now, out)
 
     monkeypatch.setattr(decode_mod.DecodeMachine, "_broadcast_if_moved", lambda self, now, out: None)
+    # The writer stays subscribed between its rooms (a decode drops a writer with no
+    # live room, and a new subscriber is sent the current watermark, which the assign
+    # before it already moved: that alone would unstick the chunk).
+    monkeypatch.setattr(decode_mod.DecodeMachine, "_end_room", lambda self, room: self._rooms.pop(room.room))
     monkeypatch.setattr(decode_mod.DecodeMachine, "_free", free_then_broadcast)
     g = _geometry()
     cfg = ProtocolConfig(room_timeout_s=5.0, retry_s=1000.0)  # no re-requests: the hang shows

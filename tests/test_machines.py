@@ -330,8 +330,43 @@ def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
     failed = [a for a in out if isinstance(a, RoomFailed)]
     assert failed and "prefill rank 1 is gone" in failed[0].reason
     assert not any(isinstance(a, Send) and a.dest.rank == 1 for a in out)
-    assert m._subscribers == [0]
+    assert 1 not in m._subscribers
+    assert not m._subscribers  # the only room failed: no writer has a live room here
     m.handle(Abort(0, 0, 0, "drained"), 0.6)  # the live writer confirms
     assert m.ring.empty
     out = m.handle(OpenRoom(1, prompt_tokens=32), 0.7)  # new rooms fail at once
     assert any(isinstance(a, RoomFailed) and "gone" in a.reason for a in out)
+
+
+def test_a_writer_with_no_live_room_is_not_told_of_watermark_moves():
+    """Two prefill instances share one decode ring. Once instance 0's room is done,
+    the ring's moves go to instance 1's writer only; instance 0's next STAGING_REQ
+    subscribes it again, with the current watermark after the RSP (so the RSP's round
+    makes that watermark plausible)."""
+    from kvstage.shared.cluster import Sessions
+    from kvstage.shared.protocol import Watermark
+
+    g = geo(1, 1, 8)
+    ss = Sessions(g, prefill_instances=2, decode_instances=1)
+    ss.routes.update({0: (0, 0), 1: (1, 0), 2: (0, 0)})
+    m = DecodeMachine(0, g, g.chunk_bytes() * 4, sessions=ss)
+
+    def told(out):
+        return [a.dest.rank for a in out if isinstance(a, Send) and isinstance(a.msg, Watermark)]
+
+    for room, p in ((0, 0), (1, 1)):
+        m.handle(OpenRoom(room, prompt_tokens=16), 0.0)
+        out = m.handle(StagingReq(room, 0, 4, p, 0), 0.0)
+        assert [type(a.msg) for a in out if isinstance(a, Send)] == [StagingRsp, Watermark]
+    assert list(m._subscribers) == [0, 1]
+    m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 0.1)
+    m.handle(WriterDone(0, 1, 0, 0, 0), 0.1)
+    out = m.handle(ScatterDone(0, 0), 0.2)  # room 0 done, its region freed: the ring moved
+    assert told(out) == [1]
+    assert list(m._subscribers) == [1]
+    m.handle(OpenRoom(2, prompt_tokens=16), 0.3)
+    out = m.handle(StagingReq(2, 0, 4, 0, 0), 0.3)
+    sends = [a.msg for a in out if isinstance(a, Send)]
+    assert [type(x) for x in sends] == [StagingRsp, Watermark]
+    assert (sends[1].round, sends[1].tail) == tuple(m.ring.watermark)
+    assert list(m._subscribers) == [1, 0]
