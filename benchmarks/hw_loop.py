@@ -20,7 +20,26 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
 Goal on a quiet machine (issue 13): delivery p50 under 2 ms and p99 under 20 ms for
 P2->D1. Check `uptime` first: on a loaded host these figures mean little.
 
-    .venv/bin/python benchmarks/hw_loop.py [--backend nixl] [--requests 24]
+Each loop line names the scheduling class its thread ran in (hw/rank.py LoopPriority:
+the loop thread and the ZMQ I/O threads in SCHED_RR 10 by default; KVSTAGE_LOOP_RT=0
+for normal scheduling, KVSTAGE_LOOP_RT_IO=0 to leave the I/O threads normal). Measured
+on this 2-core host, P2->D1 nixl, 24 requests, modes interleaved, load average 0.7-6.6
+(another agent's simulations besides these runs):
+  normal (16 runs):  p50 1.3-16.8 ms (median 3.0), p99 6.4-254 ms (median 18);
+                     turns over 1 ms waited for a CPU 52-93% of their time
+  rr:10 loop + ZMQ I/O threads (11 runs): p50 0.69-0.93 ms, p99 1.6-3.6 ms; CPU wait 0-2%
+  rr:10 loop thread only (9 runs): p50 1.8-4.0 ms, p99 3.3-79 ms: the loop's own wait
+                     is gone, but the frame still queues behind the workers at the
+                     sender's and the receiver's ZMQ I/O threads
+  nice -15 for the same threads (4 runs): p50 2.0-8.0 ms, p99 11.8-27.4 ms: no gain
+  mooncake, once each: normal p50 2.71 / p99 17.35 ms, rr:10 p50 0.60 / p99 1.66 ms;
+  P4->D2 nixl, once each: normal p50 6.45 / p99 20.40 ms, rr:10 p50 0.75 / p99 7.05 ms.
+Staging throughput is unchanged: the staging run of benchmarks/hw_transfer.py (nixl,
+write-busy time, 9 interleaved rounds on a quiet host) 0.52 s normal, 0.50 s rr:10.
+(Whole hw_transfer runs, 7 each way, gave staging/raw 0.54-1.00 normal, 0.48-0.76 rr:10,
+but their raw ceiling itself ranged 2.1-4.6 GB/s with the other agent's load.)
+
+    .venv/bin/python benchmarks/hw_loop.py [--backend nixl] [--requests 24] [--case p2d1]
 """
 
 from __future__ import annotations
@@ -143,7 +162,7 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
     if f["delivery"]:
         print(f"  delivery mean {statistics.mean(f['delivery']) * ms:.2f} ms")
     for name, lp in loops.items():
-        print(f"  loop {name:9} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
+        print(f"  loop {name:9} {lp.get('loop_sched', '?'):7} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
               f"{lp['turns']:6d}  p50 {lp['turn_p50_s'] * ms:6.2f} ms  p99 {lp['turn_p99_s'] * ms:6.2f} ms  "
               f"max {lp['turn_max_s'] * ms:7.2f} ms")
     print_stamps(stamp_figures(stamps))
@@ -153,9 +172,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--case", choices=["p2d1", "p4d2"], action="append",
+                   help="only these cases (default: both)")
     args = p.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    for tp in ((2, 1), (4, 2)):
+    cases = {"p2d1": (2, 1), "p4d2": (4, 2)}
+    for tp in (cases[c] for c in args.case or cases):
         run_case(tp, args.backend, args.requests)
 
 

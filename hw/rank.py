@@ -14,6 +14,8 @@ threads (fills, gathers, scatters, verification) and transfer lanes (hw/transpor
 each sets the control plane's waker when it finishes, so the loop blocks on its socket
 and that waker together instead of polling (only NIXL writes left in flight by
 transfer() are polled, every BUSY_POLL_S).
+The loop thread and the ZMQ I/O threads run in a real-time class
+(LoopPriority) so that a message wakes them at once on cores the workers keep busy.
 
 Restart and rejoin: a prefill rank process started again while its run goes on
 registers with the rendezvous under its new control plane's incarnation (newer than
@@ -35,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -84,7 +87,91 @@ SWITCH_INTERVAL_S = float(os.environ.get("KVSTAGE_SWITCH_INTERVAL_US", "500")) *
 # it, to DIR/<rank>.msgs (benchmarks/hw_loop.py reads them). LOOP_STATS_ENV: hw/control.py.
 # What a finished rank tells the rendezvous it may be silent for while its report goes out.
 REPORT_QUIET_S = 120.0
+# KVSTAGE_LOOP_RT: the scheduling class of the rank loop's thread and the ZMQ I/O threads
+# that carry its control frames (LoopPriority): "rr:N" / "fifo:N" (real-time, priority N),
+# "nice:N" (N < 0), "0" (normal scheduling, as every other thread of the rank).
+LOOP_RT_ENV = "KVSTAGE_LOOP_RT"
+LOOP_RT_DEFAULT = "rr:10"
+# KVSTAGE_LOOP_RT_IO=0: raise the loop thread only, not the ZMQ I/O threads (for measuring)
+LOOP_RT_IO_ENV = "KVSTAGE_LOOP_RT_IO"
 
+
+class LoopPriority:
+    """Runs the rank loop's thread, which sleeps in poll between short turns, and the ZMQ
+    I/O threads that move control frames (which block in epoll) above the rank's copy,
+    compute and transfer threads. On a host whose cores those threads keep busy (hardware
+    mode on a laptop or CI box: every rank's stand-in compute on a few cores), a control
+    message otherwise waits for a CPU at each of the sender's I/O thread, the receiver's
+    and the receiver's loop; measured in benchmarks/hw_loop.py. Only these threads: a
+    real-time thread that spun would starve its machine, and these all block."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.spec = (os.environ.get(LOOP_RT_ENV, LOOP_RT_DEFAULT) if spec is None else spec).strip().lower()
+        self._raised: list[int] = []  # thread ids moved out of the normal class
+
+    def apply(self) -> str:
+        """Raise the calling thread (and the process's ZMQ I/O threads). Returns the class
+        the loop got ("rr:10", "nice:-15", "normal", "normal (rr:10 refused: ...)"); never
+        raises: where the class is refused (no privilege, a cgroup without real-time
+        runtime) the threads keep the normal one."""
+        if self.spec in ("", "0", "off", "normal"):
+            return "normal"
+        kind, _, level = self.spec.rpartition(":")
+        kind = kind or "rr"
+        try:
+            if kind not in ("rr", "fifo", "nice"):
+                raise ValueError(f"unknown class {kind!r} (rr, fifo, nice)")
+            n = int(level)
+            tid = threading.get_native_id()
+            _set_class(tid, kind, n)
+        except (ValueError, AttributeError, OSError) as exc:
+            return f"normal ({self.spec} refused: {exc})"
+        self._raised.append(tid)
+        io = os.environ.get(LOOP_RT_IO_ENV, "1") != "0"
+        for io_tid in _zmq_io_threads() if io else []:
+            try:
+                _set_class(io_tid, kind, n)
+                self._raised.append(io_tid)
+            except OSError:
+                pass  # the loop keeps its class (a smaller gain alone: benchmarks/hw_loop.py)
+        return f"{kind}:{n}" + ("" if io else " (loop only)")
+
+    def restore(self) -> None:
+        """Back to normal scheduling (the loop ended: building and sending the report is
+        bulk work that must not hold a CPU ahead of ranks still running)."""
+        for tid in self._raised:
+            try:
+                _set_class(tid, "nice", 0)
+            except OSError:
+                pass  # that thread ended
+        self._raised.clear()
+
+
+def _set_class(tid: int, kind: str, level: int) -> None:
+    """Put thread `tid` in `kind` at `level` (nice: SCHED_OTHER at that niceness).
+    SCHED_RESET_ON_FORK: the threads it starts later (worker pools, transfer lanes, engine
+    threads) begin with normal scheduling instead of inheriting its class."""
+    if kind == "nice":
+        os.sched_setscheduler(tid, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, level)
+    else:
+        policy = os.SCHED_RR if kind == "rr" else os.SCHED_FIFO
+        os.sched_setscheduler(tid, policy | os.SCHED_RESET_ON_FORK, os.sched_param(level))
+
+
+def _zmq_io_threads() -> list[int]:
+    """This process's ZMQ I/O threads (libzmq names them ZMQbg/IO/<n>); none off Linux."""
+    found = []
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                if task.joinpath("comm").read_text().startswith("ZMQbg/IO"):
+                    found.append(int(task.name))
+            except (OSError, ValueError):
+                pass  # that thread ended
+    except OSError:
+        pass
+    return found
 
 
 class RankError(RuntimeError):
@@ -98,6 +185,7 @@ class LoopClock:
 
     def __init__(self) -> None:
         self.started = self._turn_start = time.perf_counter()
+        self.sched = "normal"  # the loop thread's scheduling class (LoopPriority)
         self.waited_s = 0.0
         self.turns: list[float] = []  # each turn's length, s
 
@@ -113,7 +201,8 @@ class LoopClock:
     def figures(self) -> dict[str, float]:
         total = time.perf_counter() - self.started
         turns = sorted(self.turns) or [0.0]
-        return {"loop_s": total, "waited_s": self.waited_s, "blocked_share": 1 - self.waited_s / total if total else 0.0,
+        return {"loop_sched": self.sched, "loop_s": total, "waited_s": self.waited_s,
+                "blocked_share": 1 - self.waited_s / total if total else 0.0,
                 "turns": len(self.turns), "turn_p50_s": turns[len(turns) // 2],
                 "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))], "turn_max_s": turns[-1]}
 
@@ -186,6 +275,7 @@ class RankProcess:
         if self.transport.signals_completion:
             self.transport.on_complete = self.control.waker.set
         self.loop_clock = LoopClock()
+        self.priority = LoopPriority()  # the loop's scheduling class, while it runs
         self.peers: dict[str, RankInfo] = {}
         self.client: RendezvousClient | None = None
         self.t0 = 0.0
@@ -262,6 +352,7 @@ class RankProcess:
         except Exception as exc:  # report, don't hang the run
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
+        self.priority.restore()
         client.alive(quiet_s=REPORT_QUIET_S)  # building and sending a long trace takes a while
         report = self._report(error)
         client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
@@ -371,6 +462,7 @@ class RankProcess:
         self.t0 = t0
         self.watch = PeerWatch(self._peers(), PEER_TIMEOUT_S, self.now())
         self.loop_clock = LoopClock()  # the loop's own time, without the start-up before it
+        self.loop_clock.sched = self.priority.apply()
         self._next_beat = 0.0
         rt = self.runtime
         arrivals = deque(rt.requests)  # the rooms routed to this instance
@@ -443,6 +535,7 @@ class RankProcess:
             "device": str(self.device),
             **(self.clock.to_wire() if self.clock else {}),
             "clock_applied_s": self.clock_offset_s,  # 0 when the offset was within its uncertainty
+            "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())
