@@ -94,6 +94,7 @@ def test_hw_ranks_report_their_loop_class_and_verify_every_byte(tmp_path, monkey
     assert summary["requests_failed"] == 0 and summary["bytes_wrong"] == 0 and summary["bytes_verified"] > 0
     classes = {p.stem: json.loads(p.read_text())["loop_sched"] for p in stats.glob("*.json")}
     assert sorted(classes) == ["decode0", "prefill0", "prefill1"]
+    assert summary["loop_sched"] == classes  # the run records the class each loop got
     if expected == "rr:10" and any(c.startswith("normal (") for c in classes.values()):
         pytest.skip(f"real-time scheduling refused on this host: {classes}")
     assert set(classes.values()) == {expected}
