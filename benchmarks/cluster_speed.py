@@ -31,8 +31,8 @@ It prints, in one run (the machine may be shared: CPU seconds are the steadier f
 What 2. shows (issue 11 item 7): events per request are the same at every size
 (~82); the CPU per event grows with the cluster. Two O(cluster) costs were removed
 (every future arrival sat in the event heap; a load-aware router read every instance
-per request). What is left at 64 instances (1.2-1.4x at a load average of 2, more under
-load) is not work that scans the cluster: no function is called more often per
+per request). What is left at 64 instances (1.3-1.4x on a quiet host, load 1: 2026-12-01,
+3 rounds) is not work that scans the cluster: no function is called more often per
 request, heap depth alone costs nothing measurable (padding a small run's heap with
 370 idle entries), the invariant checker and trace records off leave the ratio as
 is. It is the memory the run touches per event: at 64 instances ~2,000 rooms are in
@@ -42,10 +42,26 @@ accordingly (perf: _Py_dict_lookup, PyObject_RichCompare, siftup account for the
 largest growth beside the interpreter loop). At the same total concurrency (64
 instances at one instance's rate, 1 output token) the cost is +10%.
 
+Where that CPU per event goes (cProfile, 1 instance for an hour against 64 for a
+minute, ~14k requests each, so run length is not the difference; GC off changes
+nothing): the same ~82 events per request, every one a little dearer; dict lookups,
+heap pops and pushes, SimPy's step and the fabric's flow bookkeeping each take
+1.2-1.8x as long per call. SimPy's event heap holds ~374 entries at 64 instances
+against ~14 at one (half of them the ranks' deadline ticks, a quarter the prefill
+instances' forwards, a sixth the decode batches' steps): a log-depth cost; moving the
+ticks into a heap of their own would save one level of ~8.5 on heap operations
+that take ~5% of the run (estimated, not built).
+
+--router measures a load-aware router instead of round-robin. With staging-aware at
+64 instances every prefill instance comes to write into every decode ring; each ring
+used to tell every watermark move to every session it had ever seen (3.6x the
+1-instance cost); a session is now told only while it has a live room in that ring
+(shared/decode.py), and the router costs about what round-robin does (1.3-1.5x).
+
 With --repeat N the sizes of 2. run N rounds, interleaved (1, 4, 16, 64, 1, 4, ...),
 so a burst of load on a shared machine hits every size alike: each size's figure is
 its least CPU per request over the rounds, and the spread of the per-round ratios is
-printed beside it. --router measures a load-aware router instead of round-robin.
+printed beside it.
 """
 
 from __future__ import annotations
