@@ -283,7 +283,7 @@ def sim_variants(scenario, cal: Calibration, ref: RunData) -> tuple[dict[str, li
                     f"links.kernel_launch_us={prof['kernel_launch_us'] * slow!r}"],
         # the host model with the calibrated host fields, spelled out (a profile
         # calibrated before some host field existed works too)
-        "host": [f"links.{k}={prof[k]!r}" if k != "host_model" else f"links.{k}={prof[k]}"
+        "host": [f"links.{k}={_override_value(prof[k])}" if k != "host_model" else f"links.{k}={prof[k]}"
                  for k in HOST_FIELDS if k in prof],
     }
     # ... with the other processes' load the reference hw run recorded (its conditions),
@@ -293,6 +293,11 @@ def sim_variants(scenario, cal: Calibration, ref: RunData) -> tuple[dict[str, li
         load = cond["other_cpu_share"] * (cond.get("cores") or cores)
         variants["host+load"] = [*variants["host"], f"links.background_cores={load!r}"]
     return variants, {"cal": tps, "host_slowdown": slow}
+
+
+def _override_value(v: Any) -> str:
+    """A number or a flag as a --set value (TOML: true / false, not Python's True)."""
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v)
 
 
 def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:

@@ -59,8 +59,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstage.calibrate_inrun import (
+    ENGINE_WRITE_THREADS,
     FACTORS,
     fit_profile,
+    loop_is_realtime,
     measure_handle_cost,
     measure_inrun,
     rank_loop_constants,
@@ -411,6 +413,10 @@ class Calibration:
             "background_cores": _r(self.background_cores),
             "loop_poll_us": _r(self.rank_loop["busy_poll_s"] * 1e6),
             "forward_nice": _r(float(self.rank_loop["forward_nice"])),
+            "loop_rt": loop_is_realtime(self.raw.get("inrun")),
+            # host memory over loopback: the engine's threads copy the bytes on this host's cores
+            "write_on_cpu": not str(self.device).startswith("cuda"),
+            "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
             **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
@@ -541,6 +547,11 @@ class Calibration:
             f"background_cores = {p['background_cores']!r}",
             f"loop_poll_us = {p['loop_poll_us']!r}",
             f"forward_nice = {p['forward_nice']!r}",
+            "# loop_rt: the in-run hw run's rank loops got a real-time class (summary.json loop_sched).",
+            f"loop_rt = {str(p['loop_rt']).lower()}",
+            "# write_on_cpu: a write is a copy on a CPU thread of the writer (host memory, loopback).",
+            f"write_on_cpu = {str(p['write_on_cpu']).lower()}",
+            f"write_cpu_threads = {p['write_cpu_threads']!r}",
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
             f"# run (P1 -> D1) gives its mean step times: {self._inrun_note()}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),

@@ -62,6 +62,12 @@ CAL_SCENARIO: dict[str, Any] = {
 }
 
 
+# Threads a loopback write keeps busy on this host (host model write_cpu_threads): NIXL's
+# UCX moves host memory between processes with one copy (shared memory / CMA); Mooncake's
+# TCP transport copies through a socket, a sending and a receiving thread at once.
+ENGINE_WRITE_THREADS = {"nixl": 1, "mooncake": 2}
+
+
 def rank_loop_constants(device: str) -> dict[str, float]:
     """How hardware mode's rank processes run their work (set in hw/, not measured):
     how long a thread's finished job waits for the loop to notice it, as a poll period
@@ -143,7 +149,15 @@ def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int],
     if progress:
         progress("in-run", 1, 1)
     return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
-            "conditions": summary.get("conditions"), "requests_done": summary.get("requests_done")}
+            "conditions": summary.get("conditions"), "requests_done": summary.get("requests_done"),
+            "loop_sched": summary.get("loop_sched") or {}}
+
+
+def loop_is_realtime(inrun: dict | None) -> bool:
+    """Whether every rank loop of the in-run hardware run got a real-time class
+    (summary.json loop_sched, hw/rank.py LoopPriority): the host model's loop_rt."""
+    sched = (inrun or {}).get("loop_sched") or {}
+    return bool(sched) and all(str(v).startswith(("rr:", "fifo:")) for v in sched.values())
 
 
 def _worst(target: dict[str, float], got: dict[str, float]) -> float:

@@ -281,6 +281,9 @@ class Simulation:
             self._gather(rt, a, now)
         elif kind is Write or kind is SliceWrite:
             requests = 1 if kind is Write else a.requests
+            if self.host is not None and self.host.write_on_cpu:
+                self._write_on_cpu(rt, a, requests)
+                return
             ev = self.fabric.transfer(  # the scenario's link numbers: engine posting + NIC message rate
                 self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes,
                 self.write_link, requests, poster=rt.rank,
@@ -300,6 +303,15 @@ class Simulation:
         elif kind is Die:
             self._die(rt, a)
         # Verify (hardware only: sim runtimes do not verify) and nothing else reach here
+
+    def _write_on_cpu(self, rt: RankRuntime, a, requests: int) -> None:
+        """Host memory over loopback: the engine copies the bytes on a CPU thread of the
+        writer (one lane per peer), so a write shares the cores with every other
+        thread; alone it takes the link's time."""
+        lk = self.write_link
+        alone = (lk.latency_s + requests * lk.per_request_s + (lk.per_batch_s if requests else 0.0)
+                 + a.nbytes / lk.bandwidth_bytes_s)
+        self.hostm.write(rt, a.decode_rank, alone, self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank))
 
     def _gather(self, rt: RankRuntime, a: Gather, now: float) -> None:
         dur = copy_time(self.gpu, a.nbytes)

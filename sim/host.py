@@ -3,7 +3,8 @@
 In hardware mode on one host every rank is one process (hw/rank.py) with:
 - a loop thread that handles each delivered event (a message, a completion) in turn
   and posts the writes; while work runs elsewhere it polls for completions every
-  `loop_poll` seconds (it wakes at once for a message);
+  `loop_poll` seconds (it wakes at once for a message); in a real-time class by
+  default (`loop_rt`: it takes a core the moment it has work);
 - a forward thread (prefill ranks): the pattern fill of one chunk after the other, at
   a lower CPU priority (nice `forward_nice`, hw/prefill_rank.py);
 - a copy thread: gathers (prefill) or scatters (decode), in order.
@@ -40,6 +41,10 @@ import simpy
 from kvstage.shared.scenario import HostNumbers, LinkNumbers
 
 NICE_STEP = 1.25  # CFS: one nice level is about 1.25x less (more) CPU weight
+# A real-time thread runs whenever it has work, ahead of every CFS thread: as a weight
+# so large that its fair part is always a whole core (only real-time threads, more of
+# them than cores, share a core among themselves).
+RT_WEIGHT = 1e9
 _DONE_S = 1e-12  # work left below this: the job is done (float rounding)
 
 
@@ -249,10 +254,12 @@ class HostModel:
         self.event_s = host.event_s
         self.event_wait_s = host.event_s * (host.event_scale - 1.0)  # loop time beyond its CPU
         self.notice_s = host.loop_poll_s / 2  # a completion waits for the loop's next turn
-        self.loops = {rt: Worker(env, self.cpu) for rt in runtimes}
+        loop_weight = RT_WEIGHT if host.loop_rt else 1.0
+        self.loops = {rt: Worker(env, self.cpu, loop_weight) for rt in runtimes}
         self.copies = {rt: Worker(env, self.cpu) for rt in runtimes}
         fw = nice_weight(host.forward_nice)
         self.forwards = {rt: Worker(env, self.cpu, fw) for rt in prefill if rt is not None}
+        self.lanes: dict[tuple, Worker] = {}  # (rank, peer) -> its write lane (write_on_cpu)
 
     def deliver(self, rt, fn: Callable, event) -> None:
         """An event reaches the rank: handled on its loop, in turn: `event_s` of CPU
@@ -270,6 +277,25 @@ class HostModel:
     def copy(self, rt, seconds: float, fn: Callable, event) -> None:
         """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread."""
         self.offload(self.copies[rt], rt, seconds * self.host.copy_scale, fn, event)
+
+    def write(self, rt, peer: int, seconds: float, fn: Callable, *args) -> None:
+        """A write of `seconds` (alone) to `peer` on the rank's lane for that peer, a
+        CPU thread (write_on_cpu), and as long on each of the engine's other threads it
+        keeps busy (write_cpu_threads: a socket's receiving end); fn(*args) once all
+        are done."""
+        threads = self.host.write_cpu_threads
+        left = [threads]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                fn(*args)
+
+        for k in range(threads):
+            lane = self.lanes.get((rt, peer, k))
+            if lane is None:
+                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu)
+            lane.submit(seconds, one_done)
 
     def _noticed(self, rt, fn: Callable, event) -> None:
         if self.notice_s > 0:

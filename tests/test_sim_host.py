@@ -266,3 +266,60 @@ def test_scaled_link_stretches_every_part_of_a_write():
     assert (s.bandwidth_bytes_s, s.latency_s, s.per_request_s, s.per_batch_s, s.message_rate) == pytest.approx(
         (0.5e9, 20e-6, 2e-6, 4e-6, 0.5e6))
     assert s.post_threads == 1 and scaled_link(link, 1.0) is link
+
+
+def test_a_real_time_loop_takes_a_core_ahead_of_the_other_threads():
+    """loop_rt (hw/rank.py runs the loop in SCHED_RR): on 1 core beside a copy job, an
+    event's 1 CPU second ends at 1.0 instead of 2.0 (fair halves); the copy gets the core
+    back after it. Without loop_rt the two share it."""
+    def run(loop_rt: bool) -> list:
+        env = simpy.Environment()
+        h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=1.0, loop_rt=loop_rt)
+        host = HostModel(env, h, ["r"], [])
+        seen = []
+        host.copy("r", 2.0, lambda rt, ev: seen.append((ev, env.now)), "copied")
+        host.deliver("r", lambda rt, ev: seen.append((ev, env.now)), "a")
+        env.run()
+        return seen
+
+    assert run(True)[0] == ("a", pytest.approx(1.0))
+    assert run(True)[1] == ("copied", pytest.approx(4.0))  # 3.0 on CPU, then its event on the loop
+    assert run(False)[0] == ("a", pytest.approx(2.0))
+
+
+def test_calibration_sets_loop_rt_from_the_in_run_loops():
+    from kvstage.calibrate_inrun import loop_is_realtime
+
+    assert loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "fifo:5"}})
+    assert not loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "normal (rr:10 refused: EPERM)"}})
+    assert not loop_is_realtime({}) and not loop_is_realtime(None)
+    s = _scenario(loop_rt=True)
+    assert s.links.resolved().host.loop_rt is True
+    assert _scenario().links.resolved().host.loop_rt is False
+
+
+def test_a_write_on_cpu_shares_the_cores_and_a_socket_write_keeps_two_threads_busy():
+    """write_on_cpu: a 1 s write (alone) beside a 1 s copy on 1 core ends at 2.0 (fair
+    halves), not at 1.0 as a link flow would; with write_cpu_threads 2 the write's two
+    threads and the copy take a third each, so the write ends at 3.0 (no RT loop here)."""
+    def run(threads: int) -> dict:
+        env = simpy.Environment()
+        h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.0, write_on_cpu=True, write_cpu_threads=threads)
+        host = HostModel(env, h, ["r"], [])
+        seen = {}
+        host.write("r", 0, 1.0, lambda: seen.setdefault("write", env.now))
+        host.copy("r", 1.0, lambda rt, ev: seen.setdefault(ev, env.now), "copied")
+        env.run()
+        return seen
+
+    assert run(1)["write"] == pytest.approx(2.0)
+    assert run(2)["write"] == pytest.approx(3.0)
+
+
+def test_the_simulator_runs_writes_on_cpu_and_stays_deterministic():
+    s = _scenario(write_on_cpu=True, write_cpu_threads=2, loop_rt=True)
+    a, b = Simulation(s).run(), Simulation(s).run()
+    assert a.rooms_done == 4 and not a.violations
+    assert [r.end for r in a.records] == [r.end for r in b.records]
+    flow = Simulation(_scenario()).run()  # the same writes as link flows finish sooner on 2 cores
+    assert max(r.end for r in a.records) > max(r.end for r in flow.records)

@@ -57,6 +57,16 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       fill, gather or scatter waits half of it on average
 #   forward_nice        the forward thread's nice level above the loop's (CPU weight
 #                       1.25 ** -nice)
+#   loop_rt             true: the loop thread runs in a real-time class (hw/rank.py
+#                       LoopPriority, the hardware default): it takes a core whenever
+#                       it has work, ahead of every other thread (absent: false)
+#   write_on_cpu        true: a write is a copy by a CPU thread of the writing rank (one
+#                       lane per peer, as hw/transport.py's): host memory over loopback,
+#                       where the engine copies the bytes itself; its time alone is the
+#                       link's (latency, posting, bytes / bandwidth), stretched by the
+#                       shared cores like any thread's work (absent: false, a link flow)
+#   write_cpu_threads   threads a write keeps busy for its whole time with write_on_cpu
+#                       (a socket transport copies on both ends: 2; absent: 1)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
 # short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
 # step takes among the other ranks than alone, beyond what the shared cores explain
@@ -77,7 +87,7 @@ HOST_REQUIRED: tuple[str, ...] = (
 )
 HOST_OPTIONAL: tuple[str, ...] = (
     "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
-    "write_scale", "event_scale",
+    "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads",
 )
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
@@ -160,6 +170,9 @@ class HostNumbers:
     background_cores: float = 0.0
     loop_poll_s: float = 0.0
     forward_nice: float = 0.0
+    loop_rt: bool = False
+    write_on_cpu: bool = False
+    write_cpu_threads: int = 1
     fill_scale: float = 1.0
     copy_scale: float = 1.0
     control_scale: float = 1.0
@@ -224,6 +237,9 @@ class _ProfileNumbers(_Table):
     background_cores: Annotated[float, Field(ge=0, le=1e6)] | None = None
     loop_poll_us: NonNegFloat | None = None
     forward_nice: Annotated[float, Field(ge=-20, le=39)] | None = None
+    loop_rt: bool | None = None
+    write_on_cpu: bool | None = None
+    write_cpu_threads: Annotated[int, Field(ge=1, le=64)] | None = None
     fill_scale: PosFloat | None = None
     copy_scale: PosFloat | None = None
     control_scale: PosFloat | None = None
@@ -405,6 +421,9 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         background_cores=float(merged.get("background_cores") or 0.0),
         loop_poll_s=(merged.get("loop_poll_us") or 0.0) / 1e6,
         forward_nice=float(merged.get("forward_nice") or 0.0),
+        loop_rt=bool(merged.get("loop_rt") or False),
+        write_on_cpu=bool(merged.get("write_on_cpu") or False),
+        write_cpu_threads=int(merged.get("write_cpu_threads") or 1),
         fill_scale=float(merged.get("fill_scale") or 1.0),
         copy_scale=float(merged.get("copy_scale") or 1.0),
         control_scale=float(merged.get("control_scale") or 1.0),
