@@ -396,22 +396,33 @@ class DecodeMachine(MachineBase):
             ring_used=self.ring.used_bytes, detail="" if alloc else "oversized",
         )
 
-    def _on_ready(self, msg: ChunkReady, now: float, out: list[Action]) -> None:
+    def _opened_room(self, msg, now: float, out: list[Action], ack) -> tuple[int, _Room] | None:
+        """The writer and its room for a writer's CHUNK_READY or WRITER_DONE, or None:
+        not a writer of a live room, or a room not opened here yet (then the message is
+        kept for the open and acknowledged with `ack`, so the writer stops re-sending)."""
         w = self._writer_for(msg, now, out)
         if w is None:
-            return
+            return None
         room = self._live_room(msg, now, out)
         if room is None:
-            return
+            return None
         if room.chunks is None:
             if self._keep_early(room, msg, now, out):
-                out.append(Send(self._peer(msg.prefill_rank), ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
+                out.append(Send(self._peer(msg.prefill_rank), ack))
+            return None
+        return w, room
+
+    def _on_ready(self, msg: ChunkReady, now: float, out: list[Action]) -> None:
+        ack = ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)
+        found = self._opened_room(msg, now, out, ack)
+        if found is None:
             return
+        w, room = found
         problem = self._implausible_ready(room, msg, w)
         if problem:
             self._drop(out, now, f"CHUNK_READY {problem}", msg.room, msg.chunk, peer=msg.prefill_rank)
             return
-        out.append(Send(self._peer(msg.prefill_rank), ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
+        out.append(Send(self._peer(msg.prefill_rank), ack))
         arrived = room.arrived.setdefault(msg.chunk, set())
         if w in arrived:
             return  # duplicate CHUNK_READY: acknowledged again, never scattered twice
@@ -437,21 +448,16 @@ class DecodeMachine(MachineBase):
         return ""
 
     def _on_writer_done(self, msg: WriterDone, now: float, out: list[Action]) -> None:
-        w = self._writer_for(msg, now, out)
-        if w is None:
+        ack = DoneAck(msg.room, msg.prefill_rank, self.rank)
+        found = self._opened_room(msg, now, out, ack)
+        if found is None:
             return
-        room = self._live_room(msg, now, out)
-        if room is None:
-            return
-        if room.chunks is None:
-            if self._keep_early(room, msg, now, out):
-                out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
-            return
+        w, room = found
         if msg.num_chunks != len(room.chunks):
             self._drop(out, now, f"WRITER_DONE claims {msg.num_chunks} chunks, the room has {len(room.chunks)}",
                        msg.room, peer=msg.prefill_rank)
             return
-        out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
+        out.append(Send(self._peer(msg.prefill_rank), ack))
         room.writers_done.setdefault(w, msg.num_chunks)
         self._maybe_done(room, now, out)
 
