@@ -119,6 +119,15 @@ def is_loaded(conditions: dict | None) -> bool | None:
     return share > LOADED_SHARE
 
 
+def loops_realtime(reports: dict[str, dict]) -> bool | None:
+    """Whether every rank's loop ran in a real-time class (hw/rank.py LoopPriority: its
+    report's loop_sched, "rr:10" or "normal (... refused ...)"); None without reports."""
+    scheds = [str(r.get("loop_sched", "")) for r in reports.values()]
+    if not scheds:
+        return None
+    return all(s.startswith(("rr:", "fifo:")) for s in scheds)
+
+
 def describe(conditions: dict | None, *, short: bool = False) -> str:
     """One line: cores, load before -> after, other processes' share, loaded or quiet."""
     if not conditions:
@@ -146,5 +155,11 @@ def loaded_warnings(runs: list[tuple[str, str, dict | None]]) -> list[str]:
                 f"{label} was taken on a loaded host: other processes took {cond['other_cpu_share']:.0%} of "
                 f"the {cond.get('cores', '?')} cores (more than {LOADED_SHARE:.0%}); its timings measure the "
                 "host as much as the transfer path"
+            )
+        if mode == "hw" and (cond or {}).get("loops_realtime") is False:
+            out.append(
+                f"{label} ran its rank loops without a real-time class (refused by the host, or "
+                "KVSTAGE_LOOP_RT=0; summary.json loop_sched says which): its control messages waited for "
+                "a CPU behind the copies, so its control latencies are not comparable with a run whose loops had one"
             )
     return out

@@ -147,7 +147,10 @@ def run_hardware(
             **_hardware_figures(scenario, result.reports),
             "errors": errors,
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
-            "conditions": conditions.measure(before, spawned=spawn),  # spawned ranks' CPU time is the run's own
+            # spawned ranks' CPU time is the run's own; and whether every rank loop got its
+            # real-time class (a host that refuses it delays control messages)
+            "conditions": {**conditions.measure(before, spawned=spawn),
+                           "loops_realtime": conditions.loops_realtime(result.reports)},
         },
     )
     wrong = summary["bytes_wrong"]

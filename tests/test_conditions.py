@@ -69,3 +69,16 @@ def test_only_measured_runs_are_warned_of():
         "A was taken on a loaded host: other processes took 30% of the 4 cores (more than 25%); its timings "
         "measure the host as much as the transfer path"
     ]
+
+
+def test_a_hw_run_whose_loops_had_no_real_time_class_is_warned_of():
+    from kvstage.conditions import loops_realtime
+
+    assert loops_realtime({"prefill0": {"loop_sched": "rr:10"}, "decode0": {"loop_sched": "rr:10"}}) is True
+    assert loops_realtime({"prefill0": {"loop_sched": "rr:10"},
+                           "decode0": {"loop_sched": "normal (rr:10 refused: [Errno 1] EPERM)"}}) is False
+    assert loops_realtime({}) is None
+    quiet = {"cores": 2, "other_cpu_share": 0.0}
+    assert loaded_warnings([("A", "hw", {**quiet, "loops_realtime": True}), ("C", "sim", {"loops_realtime": False})]) == []
+    (w,) = loaded_warnings([("B", "hw", {**quiet, "loops_realtime": False})])
+    assert w.startswith("B ran its rank loops without a real-time class") and "KVSTAGE_LOOP_RT" in w
