@@ -75,9 +75,8 @@ def rank_loop_constants(device: str) -> dict[str, float]:
     GPU forward is not reniced).
 
     A worker thread that finishes a fill, gather or scatter sets the control plane's
-    waker, and the loop blocks on it (hw/rank.py): it notices at once. Only NIXL writes
-    are still polled every BUSY_POLL_S, and the host model does not run writes on a
-    thread, so its poll period is 0."""
+    waker, and the loop blocks on it (hw/rank.py): it notices at once, and so do the
+    write lanes of both engines (hw/transport.py), so the poll period is 0."""
     from kvstage.hw.prefill_rank import FORWARD_NICE
 
     return {"busy_poll_s": 0.0, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}

@@ -259,7 +259,8 @@ class HostModel:
         self.copies = {rt: Worker(env, self.cpu) for rt in runtimes}
         fw = nice_weight(host.forward_nice)
         self.forwards = {rt: Worker(env, self.cpu, fw) for rt in prefill if rt is not None}
-        self.lanes: dict[tuple, Worker] = {}  # (rank, peer) -> its write lane (write_on_cpu)
+        # (rank, peer, k) -> thread k of the write lane to that peer (write_on_cpu)
+        self.lanes: dict[tuple, Worker] = {}
 
     def deliver(self, rt, fn: Callable, event) -> None:
         """An event reaches the rank: handled on its loop, in turn: `event_s` of CPU
