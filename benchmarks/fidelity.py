@@ -64,7 +64,7 @@ in the host model; 190 s), room latency MAPE: NIXL floor 13.6%, best calibrated 
 An earlier run the same day gave floors of 8.5% and 17.2%: the floor itself moves by
 several points between runs. Two bounds follow from it. A deterministic model predicts
 one latency per room, so against one hardware run it cannot do better than that run's
-own per-room scatter around the mean, about floor / sqrt(2) (6-10% here): the oracle's
+own per-room scatter around the mean, about floor / sqrt(2) (6-12% here): the oracle's
 5% is below it on this host. And the exposed transfer latency (a few ms) differs by
 52-84% between two hardware runs, so no model meets 15% on it here.
 """
