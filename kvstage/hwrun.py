@@ -79,6 +79,13 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
     }
 
 
+def _run_conditions(before: conditions.Sample, spawned: bool, reports: dict[str, dict]) -> dict:
+    """How busy the host was (spawned ranks' CPU time is the run's own), and whether
+    every rank loop got its real-time class (a host that refuses it delays control
+    messages)."""
+    return {**conditions.measure(before, spawned=spawned), "loops_realtime": conditions.loops_realtime(reports)}
+
+
 def _restarts(scenario: Scenario) -> dict[str, list[float]]:
     """rank -> the delays after which the launcher starts it again, one per kill fault
     with restart_after_s, in the order the kills come."""
@@ -147,10 +154,7 @@ def run_hardware(
             **_hardware_figures(scenario, result.reports),
             "errors": errors,
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
-            # spawned ranks' CPU time is the run's own; and whether every rank loop got its
-            # real-time class (a host that refuses it delays control messages)
-            "conditions": {**conditions.measure(before, spawned=spawn),
-                           "loops_realtime": conditions.loops_realtime(result.reports)},
+            "conditions": _run_conditions(before, spawn, result.reports),
         },
     )
     wrong = summary["bytes_wrong"]
