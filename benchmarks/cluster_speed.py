@@ -5,7 +5,9 @@ The cluster: scenarios/llama3-70b-p8-d2.toml (prefill TP8 -> decode TP2, staging
 rdma-400g, H200-class decode GPUs of 141 GiB), with 2N prefill and N decode
 instances, round-robin routing, ranks folded (`[cluster] fold`, sim/fold.py: one
 simulated rank per set of symmetric ranks; tests/test_fold.py shows the latencies are
-the same as unfolded). The traffic is a Mooncake-format trace (JSON Lines:
+the same as unfolded) and sharded (`[cluster] shard`, sim/shard.py: instances that share
+no room and no NIC are simulated as separate groups; tests/test_shard.py shows the
+latencies and rows are the same as one simulation's). The traffic is a Mooncake-format trace (JSON Lines:
 timestamp ms, input_length, output_length, hash_ids) written by this script: Poisson
 arrivals at 60% of the prefill instances' capacity, lognormal prompts (median 6k
 tokens, capped at 16k), 256 output tokens each. With one decode instance per two
@@ -27,6 +29,12 @@ It prints, in one run (the machine may be shared: CPU seconds are the steadier f
     .venv/bin/python benchmarks/cluster_speed.py            # everything (a few minutes)
     .venv/bin/python benchmarks/cluster_speed.py --quick    # 2 simulated minutes instead of the hour
     .venv/bin/python benchmarks/cluster_speed.py --scaling-only --repeat 3   # 2. only, 3 rounds
+    .venv/bin/python benchmarks/cluster_speed.py --scaling-only --no-shard   # 2. as one simulation
+
+Measured 2026-12-01 (2 cores, load 2-3 from other work; --scaling-only --repeat 3):
+sharded 1.00 / 0.99 / 1.00 / 1.02x the 1-instance cost at 1 / 4 / 16 / 64 decode
+instances (0.49-0.50 ms per request); as one simulation (--no-shard) 1.00 / 1.05 /
+1.08 / 1.39x on a quiet host. The paragraphs below are about one simulation.
 
 What 2. shows (issue 11 item 7): events per request are the same at every size
 (~82); the CPU per event grows with the cluster. Two O(cluster) costs were removed
@@ -81,7 +89,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstage.metrics import percentiles, request_breakdown, room_latencies  # noqa: E402
 from kvstage.shared.scenario import load_scenario  # noqa: E402
-from kvstage.sim.driver import Simulation  # noqa: E402
+from kvstage.sim.shard import simulate_scenario  # noqa: E402
 
 SCENARIO = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 LOAD = 0.6  # of the prefill instances' capacity (the decode KV is then near full)
@@ -111,20 +119,23 @@ def prefill_capacity_rps(instances: int) -> float:
     return instances / s.forward_time_s(int(mean_prompt))
 
 
-def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1, router: str = "round-robin") -> dict:
-    """`decode` decode instances and twice as many prefill instances."""
+def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1, router: str = "round-robin",
+        shard: bool = False) -> dict:
+    """`decode` decode instances and twice as many prefill instances; `shard`: in
+    independent groups (sim/shard.py)."""
     rate = LOAD * prefill_capacity_rps(2 * decode)
     trace = tmp / f"trace-{decode}-{seconds:.0f}.jsonl"
     n = write_trace(trace, rate, seconds, seed)
     s = load_scenario(SCENARIO, [
         f"cluster.prefill_instances={2 * decode}", f"cluster.decode_instances={decode}",
         f"cluster.fold={'true' if fold else 'false'}", f'cluster.router="{router}"',
+        f"cluster.shard={'true' if shard else 'false'}",
         'workload.arrival="trace"', 'workload.prompt="csv"', f'workload.trace_csv="{trace}"',
         f"workload.requests={n}", f"workload.max_prompt_tokens={MAX_PROMPT}",
         "decode.gpu_memory_gib=141",
     ])
     wall, cpu = time.perf_counter(), time.process_time()
-    result = Simulation(s).run()
+    result = simulate_scenario(s)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     per = request_breakdown(room_latencies(result.records))
     return {"decode": decode, "rate": rate, "requests": n, "done": result.rooms_done,
@@ -140,13 +151,14 @@ def line(r: dict) -> str:
             f"{r['cpu_per_request_ms']:.3f} ms CPU per request")
 
 
-def scaling(tmp: Path, repeat: int, router: str, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> None:
+def scaling(tmp: Path, repeat: int, router: str, shard: bool, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> None:
     """2.: CPU per simulated request at each size, its least over `repeat` interleaved rounds."""
-    print(f"\n2. cost per simulated request as the cluster grows (folded, 60 simulated seconds, {router}, "
+    how = "sharded" if shard else "one simulation"
+    print(f"\n2. cost per simulated request as the cluster grows (folded, {how}, 60 simulated seconds, {router}, "
           f"{repeat} round(s))")
     rounds: list[dict[int, dict]] = []
     for _ in range(max(1, repeat)):
-        rounds.append({n: run(n, 60, True, tmp, router=router) for n in sizes})
+        rounds.append({n: run(n, 60, True, tmp, router=router, shard=shard) for n in sizes})
         print(f"   round {len(rounds)}: " + ", ".join(f"{n}: {rounds[-1][n]['cpu_per_request_ms']:.3f} ms"
                                                       for n in sizes) + f" (load {os.getloadavg()[0]:.2f})")
     best = {n: min((r[n] for r in rounds), key=lambda x: x["cpu_per_request_ms"]) for n in sizes}
@@ -164,12 +176,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of 2., interleaved; the least CPU of each size")
     ap.add_argument("--router", default="round-robin", help="the router of 2. (round-robin, least-outstanding, "
                     "staging-aware)")
+    ap.add_argument("--no-shard", action="store_true", help="2. and 3. as one simulation each, not in independent "
+                    "groups (sharding needs round-robin: another router is never sharded)")
     args = ap.parse_args()
+    shard = not args.no_shard and args.router == "round-robin"
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.scaling_only:
-            scaling(tmp, args.repeat, args.router)
+            scaling(tmp, args.repeat, args.router, shard)
             print(f"load average at the end: {os.getloadavg()[0]:.2f}")
             return
         print("\n1. folded vs unfolded, 4 prefill + 2 decode instances, 60 simulated seconds")
@@ -179,10 +194,11 @@ def main() -> None:
         same = unfolded["ttft"] == folded["ttft"] and unfolded["tpot"] == folded["tpot"]
         print(f"   CPU per request, unfolded / folded: {unfolded['cpu_s'] / folded['cpu_s']:.2f}x; "
               f"TTFT and TPOT percentiles identical: {same}")
-        scaling(tmp, args.repeat, args.router)
+        scaling(tmp, args.repeat, args.router, shard)
         seconds = 120 if args.quick else 3600
-        print(f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded)")
-        r = run(8, seconds, True, tmp)
+        print(f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded"
+              f"{', sharded' if shard else ''})")
+        r = run(8, seconds, True, tmp, shard=shard)
         print("  ", line(r))
         print(f"   TTFT p50 / p99 {r['ttft']['p50']:.3f} / {r['ttft']['p99']:.3f} s, "
               f"TPOT p50 / p99 {1e3 * r['tpot']['p50']:.1f} / {1e3 * r['tpot']['p99']:.1f} ms; "

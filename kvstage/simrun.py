@@ -11,7 +11,8 @@ from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
 from kvstage.runs import make_run_dir, write_run
 from kvstage.shared.scenario import Scenario
-from kvstage.sim.driver import SimResult, Simulation
+from kvstage.sim.driver import SimResult
+from kvstage.sim.shard import simulate_scenario
 from kvstage.summary import run_summary
 from kvstage.summary_table import print_summary
 
@@ -47,8 +48,7 @@ def run_simulation(
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
     with bar:
         task = bar.add_task(scenario.name, total=total)
-        sim = Simulation(scenario, progress=lambda done, _n: bar.update(task, completed=done))
-        result = sim.run()
+        result = simulate_scenario(scenario, progress=lambda done, _n: bar.update(task, completed=done))
     summary = simulation_summary(scenario, result)
     summary["conditions"] = conditions.measure(before)
     run_dir = make_run_dir(scenario, "sim", out)

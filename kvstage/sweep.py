@@ -349,11 +349,11 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
     """
     try:
         from kvstage.metrics import room_latencies
-        from kvstage.sim.driver import Simulation
+        from kvstage.sim.shard import simulate_scenario
         from kvstage.simrun import simulation_summary
         from kvstage.summary import capacity_figures
 
-        result = Simulation(scenario).run()
+        result = simulate_scenario(scenario)
         summary = simulation_summary(scenario, result)
         if "bottleneck" not in summary:  # a point without [slo] or decode side: judge it anyway
             summary.update(capacity_figures(scenario, room_latencies(result.records), summary,

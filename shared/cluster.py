@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions", "least"]
+__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions", "least",
+           "shard_problem"]
 
 
 class Sessions:
@@ -176,6 +177,17 @@ def hardware_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[
             'which only the simulator sees; hardware mode routes "round-robin" (set cluster.router)'
         )
     return sessions, router
+
+
+def shard_problem(scenario: Scenario) -> str | None:
+    """Why this scenario's instances cannot be simulated in independent groups, or None."""
+    c = scenario.cluster
+    if c.router != "round-robin" and not c.single:
+        return (f"router {c.router!r} routes each request by every instance's load, so no instance is "
+                "independent of the others (allowed: round-robin)")
+    if scenario.links.resolved().host is not None:
+        return "the cpu-loop host model shares one host's CPU between every rank"
+    return None
 
 
 def fold_problem(scenario: Scenario) -> str | None:

@@ -10,7 +10,7 @@ that rail, of whichever instance, shares that NIC through the fair fabric.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvstage.shared.cluster import InstanceLoad, Router, Sessions, least
 from kvstage.shared.runtime import RankRuntime
@@ -21,8 +21,11 @@ from kvstage.sim.links import Fabric
 __all__ = ["LiveLoads", "cluster_nics"]
 
 
-def cluster_nics(fabric: Fabric, scenario: Scenario, sessions: Sessions, links: ResolvedLinks) -> tuple[list, list]:
-    """The NIC of every global prefill rank and every global decode rank."""
+def cluster_nics(fabric: Fabric, scenario: Scenario, sessions: Sessions, links: ResolvedLinks,
+                 instances: tuple[Container[int], Container[int]] | None = None) -> tuple[list, list]:
+    """The NIC of every global prefill rank and every global decode rank; with
+    `instances` (prefill instances, decode instances: one shard of a large cluster,
+    sim/shard.py), None for the ranks of every other instance."""
     c = scenario.cluster
     bw = links.link.bandwidth_bytes_s
     gpn = c.gpus_per_node
@@ -39,8 +42,13 @@ def cluster_nics(fabric: Fabric, scenario: Scenario, sessions: Sessions, links: 
             made[key] = fabric.add_nic(f"{side}-node{key[1]}-{'gpu' if links.placement == 'intra' else 'nic'}{key[2]}", bw)
         return made[key]
 
-    return ([nic("prefill", p) for p in range(sessions.prefill_ranks)],
-            [nic("decode", d) for d in range(sessions.decode_ranks)])
+    if instances is None:
+        return ([nic("prefill", p) for p in range(sessions.prefill_ranks)],
+                [nic("decode", d) for d in range(sessions.decode_ranks)])
+    # a shard holds every instance its NICs are shared with: the others' are never used
+    pi, di = instances
+    return ([nic("prefill", p) if p // sessions.prefill_tp in pi else None for p in range(sessions.prefill_ranks)],
+            [nic("decode", d) if d // sessions.decode_tp in di else None for d in range(sessions.decode_ranks)])
 
 
 def _load(group: Sequence[RankRuntime]) -> InstanceLoad:

@@ -27,7 +27,7 @@ from heapq import heappush
 import simpy
 from simpy.events import NORMAL
 
-from kvstage.shared.cluster import cluster_sessions
+from kvstage.shared.cluster import Router, Sessions, cluster_sessions
 from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.events import (
     Arrive,
@@ -74,7 +74,7 @@ _TICK = Tick()
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Suspend the cyclic garbage collector for the event loop.
 
     A run allocates millions of short-lived objects (events, actions, records) and
@@ -124,14 +124,25 @@ class Simulation:
         *,
         check: bool = True,
         progress: Callable[[int, int], None] | None = None,
+        shard: tuple[frozenset[int], frozenset[int]] | None = None,
+        workload: tuple[list[Request], Sessions, Router] | None = None,
     ) -> None:
+        """`shard`: (prefill instances, decode instances) of one independent group
+        (sim/shard.py): only its ranks and its rooms are simulated. `workload`: the
+        scenario's requests, sessions and router when the caller has them already (every
+        group of a sharded run shares them; static routes are only read)."""
         self.scenario = scenario
+        self.shard = shard
         self.geometry = g = scenario.geometry()
         self.env = simpy.Environment()
         self.config = protocol_config(scenario)
-        self.requests = generate_requests(scenario)
-        # ranks are global across instances (shared/cluster.py): instance * TP + local rank
-        self.sessions, self.router = cluster_sessions(scenario, self.requests)
+        if workload is None:
+            requests = generate_requests(scenario)
+            # ranks are global across instances (shared/cluster.py): instance * TP + local rank
+            workload = (requests, *cluster_sessions(scenario, requests))
+        self.requests, self.sessions, self.router = workload
+        if shard is not None:  # the group's rooms (routes are static and stay within it)
+            self.requests = [r for r in self.requests if self.sessions.route(r.room)[0] in shard[0]]
         ss, workload = self.sessions, self.requests if self.router.static else []
         # the decode side: KV capacity always when given; generation when requests have output
         self.decode_model = DecodeModel(scenario)
@@ -143,12 +154,14 @@ class Simulation:
         # each rank gets its instance's rooms (a runtime filtering every request of a
         # large cluster would cost ranks x requests)
         mine = _by_instance(workload, ss)
+        pi = shard[0] if shard is not None else range(ss.prefill_instances)
+        di = shard[1] if shard is not None else range(ss.decode_instances)
         self.prefill = [RankRuntime(scenario, "prefill", r, requests=mine["prefill", r // g.prefill_tp], sessions=ss)
-                        if fold is None or fold.simulated("prefill", r) else None
+                        if r // g.prefill_tp in pi and (fold is None or fold.simulated("prefill", r)) else None
                         for r in range(ss.prefill_ranks)]
         self.decode = [RankRuntime(scenario, "decode", d, requests=mine["decode", d // g.decode_tp], sessions=ss,
                                    generate=generate, kv_pages=self.decode_model.capacity_pages)
-                       if fold is None or fold.simulated("decode", d) else None
+                       if d // g.decode_tp in di and (fold is None or fold.simulated("decode", d)) else None
                        for d in range(ss.decode_ranks)]
         decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
         self.batches = DecodeBatches(self, self.decode_model, decode_per_instance, ss.decode_instances)
@@ -188,7 +201,7 @@ class Simulation:
         self.fabric = Fabric(self.env)
         bw = lk.link.bandwidth_bytes_s
         if not self.sessions.single:
-            self.prefill_nic, self.decode_nic = cluster_nics(self.fabric, s, self.sessions, lk)
+            self.prefill_nic, self.decode_nic = cluster_nics(self.fabric, s, self.sessions, lk, self.shard)
         elif lk.placement == "intra":
             # same node: every GPU has its own NVLink port
             self.prefill_nic = [self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_tp)]
@@ -450,7 +463,7 @@ class Simulation:
         # settled all along: count it, or the run could never end
         self._settled.update(rt for rt in self.runtimes if rt.settled)
         if self.requests:
-            with _gc_paused():
+            with gc_paused():
                 self.env.run(until=self._all_done)
         sim_time = self.env.now
         violations: list[Violation] = []

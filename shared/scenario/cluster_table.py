@@ -33,6 +33,11 @@ class ClusterConfig(_Table):
     fold: simulate local prefill rank 0 of each instance and the decode ranks it writes
     to; the others' messages and NIC traffic are mirrored (sim/fold.py). Same latencies,
     a fraction of the cost; refused where the ranks are not alike (faults, host model).
+    shard: simulate each independent group of instances on its own (sim/shard.py): with
+    round-robin routing, instances that share no room and no NIC never affect each other,
+    so each group runs as a small simulation and their records are merged in time order.
+    Same latencies; the cost per request no longer grows with the cluster. Refused with
+    a load-aware router (it couples every instance) and with the host model.
     """
 
     prefill_instances: Instances = 1
@@ -42,6 +47,8 @@ class ClusterConfig(_Table):
     nics_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
     # simulate one rank per set of symmetric ranks (sim/fold.py): for speed at scale
     fold: bool = False
+    # simulate each independent group of instances on its own (sim/shard.py)
+    shard: bool = False
 
     @model_validator(mode="after")
     def _nics_fit(self) -> ClusterConfig:

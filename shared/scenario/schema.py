@@ -424,6 +424,12 @@ class Scenario(_Table):
             problem = fold_problem(self)
             if problem:
                 raise _FieldProblem({"cluster.fold": True}, f"cannot fold ranks: {problem}")
+        if self.cluster.shard:
+            from kvstage.shared.cluster import shard_problem
+
+            problem = shard_problem(self)
+            if problem:
+                raise _FieldProblem({"cluster.shard": True}, f"cannot shard the cluster: {problem}")
         if self.decode.gpu_memory_gib is not None:
             try:  # KV capacity left after the weights must hold at least one chunk
                 DecodeModel(self)
