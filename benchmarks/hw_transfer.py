@@ -21,6 +21,25 @@ workload waits behind the others' requests, so its room timeout is sized from th
 workload's request count (room_timeout_s) instead of the scenario's 60 s: the run
 finishes and its figures print even on a slow engine.
 
+Write-path priority (hw/rank.py WritePriority; issue 13 item 2). The staging writes ran
+slowed by the gathers, scatters and fills sharing the 2 cores (a NIXL lane waited for a
+CPU longer than it ran, per its schedstat). Measured here, interleaved, load average
+1.2-4.3 (another agent's simulations besides), staging s / stg/raw / sl/stg / room p50:
+  NIXL, lanes + UCX threads at SCHED_RR 5 (KVSTAGE_WRITE_RT_LANES=1), 6 runs each way:
+    off 0.43-0.65 s / 0.34-0.78 / 3.7-4.7 / 224-444 ms;
+    on 0.225-0.237 s / 0.98-1.93 / 6.2-7.7 / 244-374 ms.
+    Writes at raw speed, rooms no sooner; and hw_loop.py p2d1 delivery p99 went from
+    1.5 ms to 515 ms (2 runs): prefill loop turns of 0.5 s that were not waiting for a
+    CPU, most likely for the interpreter lock held by a normal thread that the raised
+    lanes kept off both cores. Not the default.
+  NIXL, lanes + UCX threads at nice -10 / -19 (4 runs): 0.38-0.60 s, within the noise.
+  NIXL, UCX threads alone at rr:5: 5.2 s (they share UCX's worker lock with the lanes).
+  Mooncake, its engine's threads at rr:5 (the default; its lanes busy-wait, so they stay
+    normal), 4-5 runs each way: off 1.01-1.52 s / 0.43-0.69 / 18-21 / 538-616 ms;
+    on 0.55-0.72 s / 0.85-1.30 / 21-29 / 330-520 ms; hw_loop.py delivery p99 1.37 ms.
+The share can exceed 1: the ceiling is one writer, staging has two writing at once.
+KVSTAGE_WRITE_RT=0 turns it off; the "room ms" column is the staging run's room p50.
+
     .venv/bin/python benchmarks/hw_transfer.py [--backends nixl,mooncake] [--requests 4] [--runs 1]
 """
 
@@ -136,7 +155,8 @@ def run_path(backend: str, path: str, args: argparse.Namespace, tmp: Path) -> di
                        f"{summ.get('errors')}"
         return out
     out.update(payload=summ["payload_bytes"], busy=write_busy(run_dir),
-               requests=summ["transfer_requests"]["total"])
+               requests=summ["transfer_requests"]["total"],
+               room_p50=(summ.get("transfer_latency_s") or {}).get("p50"))
     return out
 
 
@@ -161,6 +181,10 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
             runs.append({path: run_path(backend, path, args, Path(tmp)) for path in ("staging", "slice")})
     raw += raw_seconds(backend, per_writer_mib, max(1, args.reps - before))
     return {"raw_gbs": (per_writer_mib << 20) / statistics.median(raw) / 1e9, "runs": runs}
+
+
+def _ms(x: float | None) -> str:
+    return "?" if x is None else f"{x * 1e3:.1f}"
 
 
 def _share(x: float | None) -> str:
@@ -191,7 +215,8 @@ def report(console: Console, backend: str, m: dict) -> bool:
             ok = ok and ratio >= GOAL_SLICE
             line += (f" {sl['busy']:8.3f} {ratio:8.1f} {'met' if ratio >= GOAL_SLICE else 'MISSED':>6} "
                      f"{st['requests']:6,} {sl['requests']:10,} {sl['room_timeout_s']:6.0f} "
-                     f"{_share(st['other_cpu_share']):>6} {_share(sl['other_cpu_share']):>6}")
+                     f"{_share(st['other_cpu_share']):>6} {_share(sl['other_cpu_share']):>6} "
+                     f"{_ms(st['room_p50']):>7}")
         console.print(line)
     return ok
 
@@ -213,9 +238,10 @@ def main() -> int:
                   f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} cores")
     console.print(f"{'backend':9} {'run':>3} {'raw GB/s':>8} {'MiB':>8} {'staging s':>9} {'GB/s':>8} "
                   f"{'stg/raw':>7} {'goal':>6} {'slice s':>8} {'sl/stg':>8} {'goal':>6} "
-                  f"{'req st':>6} {'req slice':>10} {'tmo s':>6} {'oth st':>6} {'oth sl':>6}")
+                  f"{'req st':>6} {'req slice':>10} {'tmo s':>6} {'oth st':>6} {'oth sl':>6} {'room ms':>7}")
     met = [report(console, b, m) for b, m in results.items()]
-    console.print("oth st / oth sl: share of the host's CPU other processes took during the staging / slice run")
+    console.print("oth st / oth sl: share of the host's CPU other processes took during the staging / slice run; "
+                  "room ms: the staging run's room latency p50 (transfer_latency_s)")
     return 0 if all(met) else 2
 
 

@@ -42,6 +42,9 @@ class _McBatch(LaneBatch):
 class MooncakeTransport(Transport):
     name: ClassVar[str] = "mooncake"
     signals_completion: ClassVar[bool] = True  # the lane thread finishes every batch
+    # get_batch_transfer_status polls without sleeping (measured: a lane took a core for as
+    # long as its batch ran), so a lane must not be raised above the engine's threads
+    lanes_block: ClassVar[bool] = False
     engine_module: ClassVar[str] = "mooncake.engine"
     install_hint: ClassVar[str] = (
         'pip install "mooncake-transfer-engine-non-cuda==0.3.13.post1" (CPU; needs the '

@@ -15,7 +15,8 @@ each sets the control plane's waker when it finishes, so the loop blocks on its 
 and that waker together instead of polling (only NIXL writes left in flight by
 transfer() are polled, every BUSY_POLL_S).
 The loop thread and the ZMQ I/O threads run in a real-time class
-(LoopPriority) so that a message wakes them at once on cores the workers keep busy.
+(LoopPriority) so that a message wakes them at once on cores the workers keep busy; the
+transfer engine's threads in one below it (WritePriority), ahead of gathers and fills.
 
 Restart and rejoin: a prefill rank process started again while its run goes on
 registers with the rendezvous under its new control plane's incarnation (newer than
@@ -94,9 +95,55 @@ LOOP_RT_ENV = "KVSTAGE_LOOP_RT"
 LOOP_RT_DEFAULT = "rr:10"
 # KVSTAGE_LOOP_RT_IO=0: raise the loop thread only, not the ZMQ I/O threads (for measuring)
 LOOP_RT_IO_ENV = "KVSTAGE_LOOP_RT_IO"
+# KVSTAGE_WRITE_RT: the class of the transfer engine's own threads (WritePriority), in the
+# same forms; "0": normal. KVSTAGE_WRITE_RT_LANES=1: the transport's write lanes too.
+WRITE_RT_ENV = "KVSTAGE_WRITE_RT"
+WRITE_RT_DEFAULT = "rr:5"
+WRITE_RT_LANES_ENV = "KVSTAGE_WRITE_RT_LANES"
+_OFF = ("", "0", "off", "normal")
 
 
-class LoopPriority:
+class ThreadPriority:
+    """One scheduling class (`spec`: "rr:N", "fifo:N", "nice:N" or "0") and the threads of
+    this process moved into it, until `restore`. Never raises: a class the host refuses (no
+    privilege, a cgroup without real-time runtime) leaves the thread in the normal one."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec.strip().lower()
+        self._raised: list[int] = []  # thread ids moved out of the normal class
+
+    def raise_thread(self, tid: int) -> str:
+        """Move thread `tid` into the class. Returns the class it got ("rr:10", "normal",
+        "normal (rr:10 refused: ...)")."""
+        if self.spec in _OFF:
+            return "normal"
+        kind, _, level = self.spec.rpartition(":")
+        kind = kind or "rr"
+        try:
+            if kind not in ("rr", "fifo", "nice"):
+                raise ValueError(f"unknown class {kind!r} (rr, fifo, nice)")
+            n = int(level)
+            _set_class(tid, kind, n)
+        except (ValueError, AttributeError, OSError) as exc:
+            return f"normal ({self.spec} refused: {exc})"
+        self._raised.append(tid)
+        return f"{kind}:{n}"
+
+    def raise_threads(self, tids: list[int]) -> int:
+        """Move each of `tids` that still runs into the class; how many were moved."""
+        return sum(not self.raise_thread(tid).startswith("normal") for tid in tids)
+
+    def restore(self) -> None:
+        """Back to normal scheduling (the work they were raised for is over)."""
+        for tid in self._raised:
+            try:
+                _set_class(tid, "nice", 0)
+            except OSError:
+                pass  # that thread ended
+        self._raised.clear()
+
+
+class LoopPriority(ThreadPriority):
     """Runs the rank loop's thread, which sleeps in poll between short turns, and the ZMQ
     I/O threads that move control frames (which block in epoll) above the rank's copy,
     compute and transfer threads. On a host whose cores those threads keep busy (hardware
@@ -106,45 +153,73 @@ class LoopPriority:
     real-time thread that spun would starve its machine, and these all block."""
 
     def __init__(self, spec: str | None = None) -> None:
-        self.spec = (os.environ.get(LOOP_RT_ENV, LOOP_RT_DEFAULT) if spec is None else spec).strip().lower()
-        self._raised: list[int] = []  # thread ids moved out of the normal class
+        super().__init__(os.environ.get(LOOP_RT_ENV, LOOP_RT_DEFAULT) if spec is None else spec)
 
     def apply(self) -> str:
         """Raise the calling thread (and the process's ZMQ I/O threads). Returns the class
-        the loop got ("rr:10", "nice:-15", "normal", "normal (rr:10 refused: ...)"); never
-        raises: where the class is refused (no privilege, a cgroup without real-time
-        runtime) the threads keep the normal one."""
-        if self.spec in ("", "0", "off", "normal"):
-            return "normal"
-        kind, _, level = self.spec.rpartition(":")
-        kind = kind or "rr"
-        try:
-            if kind not in ("rr", "fifo", "nice"):
-                raise ValueError(f"unknown class {kind!r} (rr, fifo, nice)")
-            n = int(level)
-            tid = threading.get_native_id()
-            _set_class(tid, kind, n)
-        except (ValueError, AttributeError, OSError) as exc:
-            return f"normal ({self.spec} refused: {exc})"
-        self._raised.append(tid)
+        the loop got ("rr:10", "nice:-15", "normal", "normal (rr:10 refused: ...)")."""
+        got = self.raise_thread(threading.get_native_id())
+        if got.startswith("normal"):
+            return got
         io = os.environ.get(LOOP_RT_IO_ENV, "1") != "0"
-        for io_tid in _zmq_io_threads() if io else []:
-            try:
-                _set_class(io_tid, kind, n)
-                self._raised.append(io_tid)
-            except OSError:
-                pass  # the loop keeps its class (a smaller gain alone: benchmarks/hw_loop.py)
-        return f"{kind}:{n}" + ("" if io else " (loop only)")
+        if io:  # the loop keeps its class where these are refused (a smaller gain alone)
+            self.raise_threads(_threads("ZMQbg/IO"))
+        return got + ("" if io else " (loop only)")
+
+
+class WritePriority(ThreadPriority):
+    """Runs the threads that carry a write's bytes above the rank's gathers, scatters and
+    fills, while the loop runs, so a write in flight is not queued behind them on a host
+    with few cores: the threads the transfer engine started (Mooncake's workers, which send
+    on the prefill side and receive on the decode side; NIXL's UCX progress and async
+    threads) and, with KVSTAGE_WRITE_RT_LANES=1, the transport's write lanes (where NIXL's
+    CMA copy runs, in transfer()). Below the loop's class (LOOP_RT_DEFAULT), so a control
+    message still preempts a write.
+
+    The lanes stay normal by default: raised, they kept both cores from the normal threads
+    and the loop waited 0.5 s at a time, not for a CPU: most likely for the interpreter
+    lock, which those threads hold between kernels (gathers, fills). Measured (benchmarks/hw_transfer.py, hw_loop.py):
+    NIXL lanes at rr:5 cut the staging write time from 0.43-0.65 s to 0.23 s, but the P2->D1
+    control delivery p99 went from 1.5 ms to 515 ms. The engine's threads never take that
+    lock (Mooncake staging 1.0-1.5 s -> 0.55-0.72 s, delivery p99 unchanged). NIXL's engine
+    threads are raised only with its lanes (Transport.engine_alone: they share UCX's worker
+    lock; raised alone, the staging write time went from 0.44 s to 5.2 s).
+    Only threads that block: a real-time thread that spun would starve the threads it waits
+    for. NIXL's progress thread spins when its delay is 0 (Transport.engine_threads_block);
+    Mooncake's lanes spin in get_batch_transfer_status (Transport.lanes_block; raised,
+    they starved the engine threads that move the bytes and a slice run stalled)."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        super().__init__(os.environ.get(WRITE_RT_ENV, WRITE_RT_DEFAULT) if spec is None else spec)
+        self.engine: list[int] = []  # the engine's threads (set by the rank)
+        self.lanes = "none started"  # the class the write lanes got
+        self.engine_sched = "normal"
+        self._lanes_on = False
+
+    def apply(self, engine_ok: bool = True, lanes_ok: bool = True, engine_alone: bool = True) -> None:
+        """The loop starts: raise the engine's threads (unless `engine_ok` is False, or
+        `engine_alone` is and the lanes stay normal) and, with KVSTAGE_WRITE_RT_LANES=1
+        (and `lanes_ok`), every lane that starts from now on."""
+        self._lanes_on = lanes_ok and os.environ.get(WRITE_RT_LANES_ENV, "0") == "1"
+        if not self._lanes_on:
+            self.lanes = "normal (left out)"
+        if self.spec in _OFF:
+            self.engine_sched = "normal"
+        elif not engine_ok or not (engine_alone or self._lanes_on):
+            self.engine_sched = "normal (left out)"
+        elif self.engine:
+            moved = self.raise_threads(self.engine)
+            self.engine_sched = (f"{self.spec} ({moved} of {len(self.engine)} threads)" if moved
+                                 else f"normal ({self.spec} refused)")
+
+    def lane_started(self) -> None:
+        """Transport.on_lane_start: raise the calling lane thread (while the loop runs)."""
+        if self._lanes_on:
+            self.lanes = self.raise_thread(threading.get_native_id())
 
     def restore(self) -> None:
-        """Back to normal scheduling (the loop ended: building and sending the report is
-        bulk work that must not hold a CPU ahead of ranks still running)."""
-        for tid in self._raised:
-            try:
-                _set_class(tid, "nice", 0)
-            except OSError:
-                pass  # that thread ended
-        self._raised.clear()
+        self._lanes_on = False
+        super().restore()
 
 
 def _set_class(tid: int, kind: str, level: int) -> None:
@@ -159,13 +234,14 @@ def _set_class(tid: int, kind: str, level: int) -> None:
         os.sched_setscheduler(tid, policy | os.SCHED_RESET_ON_FORK, os.sched_param(level))
 
 
-def _zmq_io_threads() -> list[int]:
-    """This process's ZMQ I/O threads (libzmq names them ZMQbg/IO/<n>); none off Linux."""
+def _threads(prefix: str = "") -> list[int]:
+    """This process's threads whose name starts with `prefix` (libzmq names its I/O
+    threads ZMQbg/IO/<n>); none off Linux."""
     found = []
     try:
         for task in Path("/proc/self/task").iterdir():
             try:
-                if task.joinpath("comm").read_text().startswith("ZMQbg/IO"):
+                if task.joinpath("comm").read_text().startswith(prefix):
                     found.append(int(task.name))
             except (OSError, ValueError):
                 pass  # that thread ended
@@ -186,6 +262,7 @@ class LoopClock:
     def __init__(self) -> None:
         self.started = self._turn_start = time.perf_counter()
         self.sched = "normal"  # the loop thread's scheduling class (LoopPriority)
+        self.lane_sched = self.engine_sched = "normal"  # the write lanes' and engine's (WritePriority)
         self.waited_s = 0.0
         self.turns: list[float] = []  # each turn's length, s
 
@@ -201,7 +278,8 @@ class LoopClock:
     def figures(self) -> dict[str, float]:
         total = time.perf_counter() - self.started
         turns = sorted(self.turns) or [0.0]
-        return {"loop_sched": self.sched, "loop_s": total, "waited_s": self.waited_s,
+        return {"loop_sched": self.sched, "lane_sched": self.lane_sched, "engine_sched": self.engine_sched,
+                "loop_s": total, "waited_s": self.waited_s,
                 "blocked_share": 1 - self.waited_s / total if total else 0.0,
                 "turns": len(self.turns), "turn_p50_s": turns[len(turns) // 2],
                 "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))], "turn_max_s": turns[-1]}
@@ -268,9 +346,13 @@ class RankProcess:
         self.clock_skew_s = clock_skew_s
         self.clock: ClockOffset | None = None
         self.clock_offset_s = 0.0
+        before = set(_threads())
         self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device,
                                         **transport_options(scenario.hardware, self.backend, host))
         self.transport.register(self.pool.tensor)
+        self.write_priority = WritePriority()  # the write path's class, while the loop runs
+        self.write_priority.engine = [t for t in _threads() if t not in before]  # the engine started them
+        self.transport.on_lane_start = self.write_priority.lane_started
         self.control = ControlPlane(host, name=self.name)
         if self.transport.signals_completion:
             self.transport.on_complete = self.control.waker.set
@@ -353,6 +435,7 @@ class RankProcess:
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
         self.priority.restore()
+        self.write_priority.restore()
         client.alive(quiet_s=REPORT_QUIET_S)  # building and sending a long trace takes a while
         report = self._report(error)
         client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
@@ -463,6 +546,8 @@ class RankProcess:
         self.watch = PeerWatch(self._peers(), PEER_TIMEOUT_S, self.now())
         self.loop_clock = LoopClock()  # the loop's own time, without the start-up before it
         self.loop_clock.sched = self.priority.apply()
+        lanes, tr = self.write_priority, self.transport
+        lanes.apply(engine_ok=tr.engine_threads_block, lanes_ok=tr.lanes_block, engine_alone=tr.engine_alone)
         self._next_beat = 0.0
         rt = self.runtime
         arrivals = deque(rt.requests)  # the rooms routed to this instance
@@ -487,7 +572,9 @@ class RankProcess:
                     wait = min(wait, max(0.0, t - self.now()))
             self._heartbeat()
             self._receive(min(wait, HEARTBEAT_S))
-        self.loop_clock.dump(self.name, self.control.stamps)
+        clock = self.loop_clock
+        clock.lane_sched, clock.engine_sched = lanes.lanes, lanes.engine_sched
+        clock.dump(self.name, self.control.stamps)
 
     def _serve_late(self) -> None:
         """After this rank finished: answer what peers still send (acknowledgements they
@@ -536,6 +623,8 @@ class RankProcess:
             **(self.clock.to_wire() if self.clock else {}),
             "clock_applied_s": self.clock_offset_s,  # 0 when the offset was within its uncertainty
             "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
+            "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
+            "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())

@@ -238,6 +238,14 @@ class Transport(abc.ABC):
     #: thread): a caller may then sleep until woken instead of polling. Adapters that
     #: post through ``_on_lane`` do.
     signals_completion: ClassVar[bool] = False
+    #: False when an engine thread may spin (never block): then it must not be raised
+    #: above the rank's other threads (hw/rank.py WritePriority)
+    engine_threads_block: bool = True
+    #: False when a lane's engine call busy-waits for its batch (same reason)
+    lanes_block: ClassVar[bool] = True
+    #: False when the engine's threads may be raised only together with the lanes (they
+    #: share a lock: a raised thread would wait on, or spin for, a lane that cannot run)
+    engine_alone: ClassVar[bool] = True
 
     def __init__(self, agent_name: str, device: str = "cpu") -> None:
         if not isinstance(agent_name, str) or not agent_name.strip():
@@ -266,6 +274,8 @@ class Transport(abc.ABC):
         #: `signals_completion`; must be thread-safe and quick
         self.on_complete: Callable[[], None] | None = None
         self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
+        #: called on each lane thread as it starts (the rank sets its scheduling class)
+        self.on_lane_start: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -312,6 +322,8 @@ class Transport(abc.ABC):
         lane.put((batch, run))
 
     def _run_lane(self, peer: PeerInfo, lane: queue.SimpleQueue) -> None:
+        if self.on_lane_start is not None:
+            self.on_lane_start()
         while True:
             batch, run = lane.get()
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import zmq
@@ -18,7 +19,7 @@ from conftest import require_engine
 from test_hw import run, write_scenario
 
 from kvstage.hw.control import LOOP_STATS_ENV
-from kvstage.hw.rank import LOOP_RT_ENV, LoopPriority, _zmq_io_threads
+from kvstage.hw.rank import LOOP_RT_ENV, LoopPriority, _threads
 from kvstage.runs import read_summary
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
@@ -43,7 +44,12 @@ def test_rr_raises_the_loop_and_zmq_io_threads_not_its_children_and_restores(mon
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)  # starts this context's I/O thread
     try:
-        io = _zmq_io_threads()
+        io = _threads("ZMQbg/IO")
+        for _ in range(100):  # the I/O thread names itself once it runs
+            if io:
+                break
+            time.sleep(0.01)
+            io = _threads("ZMQbg/IO")
         assert io, "no ZMQbg/IO thread found"
 
         def loop():
@@ -75,25 +81,37 @@ def test_off_or_unusable_specs_keep_normal_scheduling(spec):
     assert got[1] == os.SCHED_OTHER
 
 
-@pytest.mark.hw
-@pytest.mark.timeout(420)
-@linux_only
-@pytest.mark.parametrize("setting,expected", [(None, "rr:10"), ("0", "normal")])
-def test_hw_ranks_report_their_loop_class_and_verify_every_byte(tmp_path, monkeypatch, setting, expected):
-    require_engine("nixl")
+def hw_case(fn):
+    """A test that runs real ranks on this host (Linux scheduling classes, minutes)."""
+    return pytest.mark.hw(pytest.mark.timeout(420)(linux_only(fn)))
+
+
+def run_with_loop_stats(tmp_path, monkeypatch, env: str, setting: str | None,
+                        backend: str = "nixl") -> tuple[dict, dict[str, dict]]:
+    """A P2->D1 hardware run with `env` set to `setting` (None: unset, the default) in the
+    ranks: its summary (every byte verified) and each rank's loop figures."""
+    require_engine(backend)
     stats = tmp_path / "loop"
     stats.mkdir()
     monkeypatch.setenv(LOOP_STATS_ENV, str(stats))  # the spawned ranks inherit both
     if setting is None:
-        monkeypatch.delenv(LOOP_RT_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(LOOP_RT_ENV, setting)
-    code, run_dir = run(tmp_path, "nixl", write_scenario(tmp_path, 2, 1, 8))
+        monkeypatch.setenv(env, setting)
+    code, run_dir = run(tmp_path, backend, write_scenario(tmp_path, 2, 1, 8))
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")
     assert summary["requests_failed"] == 0 and summary["bytes_wrong"] == 0 and summary["bytes_verified"] > 0
-    classes = {p.stem: json.loads(p.read_text())["loop_sched"] for p in stats.glob("*.json")}
-    assert sorted(classes) == ["decode0", "prefill0", "prefill1"]
+    figures = {p.stem: json.loads(p.read_text()) for p in stats.glob("*.json")}
+    assert sorted(figures) == ["decode0", "prefill0", "prefill1"]
+    return summary, figures
+
+
+@hw_case
+@pytest.mark.parametrize("setting,expected", [(None, "rr:10"), ("0", "normal")])
+def test_hw_ranks_report_their_loop_class_and_verify_every_byte(tmp_path, monkeypatch, setting, expected):
+    summary, figures = run_with_loop_stats(tmp_path, monkeypatch, LOOP_RT_ENV, setting)
+    classes = {name: f["loop_sched"] for name, f in figures.items()}
     assert summary["loop_sched"] == classes  # the run records the class each loop got
     if expected == "rr:10" and any(c.startswith("normal (") for c in classes.values()):
         pytest.skip(f"real-time scheduling refused on this host: {classes}")
