@@ -417,6 +417,7 @@ class Calibration:
             # host memory over loopback: the engine's threads copy the bytes on this host's cores
             "write_on_cpu": not str(self.device).startswith("cuda"),
             "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
+            "write_rt": loop_is_realtime(self.raw.get("inrun"), "engine_sched"),
             **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
@@ -552,6 +553,8 @@ class Calibration:
             "# write_on_cpu: a write is a copy on a CPU thread of the writer (host memory, loopback).",
             f"write_on_cpu = {str(p['write_on_cpu']).lower()}",
             f"write_cpu_threads = {p['write_cpu_threads']!r}",
+            "# write_rt: the in-run hw run's engine threads got a real-time class (summary.json engine_sched).",
+            f"write_rt = {str(p['write_rt']).lower()}",
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
             f"# run (P1 -> D1) gives its mean step times: {self._inrun_note()}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),

@@ -149,13 +149,14 @@ def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int],
         progress("in-run", 1, 1)
     return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
             "conditions": summary.get("conditions"), "requests_done": summary.get("requests_done"),
-            "loop_sched": summary.get("loop_sched") or {}}
+            "loop_sched": summary.get("loop_sched") or {}, "engine_sched": summary.get("engine_sched") or {}}
 
 
-def loop_is_realtime(inrun: dict | None) -> bool:
-    """Whether every rank loop of the in-run hardware run got a real-time class
-    (summary.json loop_sched, hw/rank.py LoopPriority): the host model's loop_rt."""
-    sched = (inrun or {}).get("loop_sched") or {}
+def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
+    """Whether every rank of the in-run hardware run got a real-time class for its loop
+    (summary.json loop_sched, hw/rank.py LoopPriority: the host model's loop_rt), or with
+    key="engine_sched" for its transfer engine's threads (WritePriority: write_rt)."""
+    sched = (inrun or {}).get(key) or {}
     return bool(sched) and all(str(v).startswith(("rr:", "fifo:")) for v in sched.values())
 
 

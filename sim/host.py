@@ -44,7 +44,10 @@ NICE_STEP = 1.25  # CFS: one nice level is about 1.25x less (more) CPU weight
 # A real-time thread runs whenever it has work, ahead of every CFS thread: as a weight
 # so large that its fair part is always a whole core (only real-time threads, more of
 # them than cores, share a core among themselves).
-RT_WEIGHT = 1e9
+RT_WEIGHT = 1e12
+# A real-time class below the loop's (the write path's threads): ahead of every CFS
+# thread, behind the loop.
+RT_LOW_WEIGHT = 1e6
 _DONE_S = 1e-12  # work left below this: the job is done (float rounding)
 
 
@@ -295,7 +298,7 @@ class HostModel:
         for k in range(threads):
             lane = self.lanes.get((rt, peer, k))
             if lane is None:
-                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu)
+                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu, RT_LOW_WEIGHT if self.host.write_rt else 1.0)
             lane.submit(seconds, one_done)
 
     def _noticed(self, rt, fn: Callable, event) -> None:

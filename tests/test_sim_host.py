@@ -323,3 +323,25 @@ def test_the_simulator_runs_writes_on_cpu_and_stays_deterministic():
     assert [r.end for r in a.records] == [r.end for r in b.records]
     flow = Simulation(_scenario()).run()  # the same writes as link flows finish sooner on 2 cores
     assert max(r.end for r in a.records) > max(r.end for r in flow.records)
+
+
+def test_a_real_time_write_goes_ahead_of_the_copies_and_behind_the_loop():
+    """write_rt (Mooncake's engine threads in SCHED_RR 5): on 1 core a 1 s write beside a
+    1 s copy ends at 1.0, the copy at 2.0; an event on a real-time loop (rr:10) still goes
+    first."""
+    env = simpy.Environment()
+    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.5, write_on_cpu=True, write_rt=True, loop_rt=True)
+    host = HostModel(env, h, ["r"], [])
+    seen = {}
+    host.copy("r", 1.0, lambda rt, ev: seen.setdefault(ev, env.now), "copied")
+    host.write("r", 0, 1.0, lambda: seen.setdefault("write", env.now))
+    host.deliver("r", lambda rt, ev: seen.setdefault(ev, env.now), "event")
+    env.run()
+    # (the classes are weights 1e6 apart, so "ahead" holds to a millionth)
+    assert seen["event"] == pytest.approx(0.5, rel=1e-3)
+    assert seen["write"] == pytest.approx(1.5, rel=1e-3)
+    assert seen["copied"] == pytest.approx(3.0, rel=1e-3)  # 2.5 on CPU, then its event on the loop
+    from kvstage.calibrate_inrun import loop_is_realtime
+
+    assert loop_is_realtime({"engine_sched": {"prefill0": "rr:5 (3 of 4 threads)"}}, "engine_sched")
+    assert not loop_is_realtime({"engine_sched": {"prefill0": "normal (left out)"}}, "engine_sched")

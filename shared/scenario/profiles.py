@@ -67,6 +67,10 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       shared cores like any thread's work (absent: false, a link flow)
 #   write_cpu_threads   threads a write keeps busy for its whole time with write_on_cpu
 #                       (a socket transport copies on both ends: 2; absent: 1)
+#   write_rt            true: those threads run in a real-time class below the loop's
+#                       (hw/rank.py WritePriority raises Mooncake's engine threads): a
+#                       write takes its cores ahead of fills, gathers and scatters
+#                       (absent: false)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
 # short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
 # step takes among the other ranks than alone, beyond what the shared cores explain
@@ -87,7 +91,7 @@ HOST_REQUIRED: tuple[str, ...] = (
 )
 HOST_OPTIONAL: tuple[str, ...] = (
     "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
-    "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads",
+    "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads", "write_rt",
 )
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
@@ -173,6 +177,7 @@ class HostNumbers:
     loop_rt: bool = False
     write_on_cpu: bool = False
     write_cpu_threads: int = 1
+    write_rt: bool = False
     fill_scale: float = 1.0
     copy_scale: float = 1.0
     control_scale: float = 1.0
@@ -240,6 +245,7 @@ class _ProfileNumbers(_Table):
     loop_rt: bool | None = None
     write_on_cpu: bool | None = None
     write_cpu_threads: Annotated[int, Field(ge=1, le=64)] | None = None
+    write_rt: bool | None = None
     fill_scale: PosFloat | None = None
     copy_scale: PosFloat | None = None
     control_scale: PosFloat | None = None
@@ -424,6 +430,7 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         loop_rt=bool(merged.get("loop_rt") or False),
         write_on_cpu=bool(merged.get("write_on_cpu") or False),
         write_cpu_threads=int(merged.get("write_cpu_threads") or 1),
+        write_rt=bool(merged.get("write_rt") or False),
         fill_scale=float(merged.get("fill_scale") or 1.0),
         copy_scale=float(merged.get("copy_scale") or 1.0),
         control_scale=float(merged.get("control_scale") or 1.0),
