@@ -58,11 +58,11 @@ a calibration and does not count as the best calibrated variant.
     --quick: quick calibration, two cases, no per-scenario step tables (development).
     Re-simulate without hardware: --hw-from OLD --profile OLD/calibrated-<backend>.toml.
 
-Measured on this 2-core host, quiet (2026-12-01, rank loops in SCHED_RR, writes on CPU
-in the host model; 190 s), room latency MAPE: NIXL floor 13.6%, best calibrated 15.7%
-(1.16x the floor), oracle 15.9%; Mooncake floor 13.9%, best 23.3% (1.68x), oracle 18.2%.
-An earlier run the same day gave floors of 8.5% and 17.2%: the floor itself moves by
-several points between runs. Two bounds follow from it. A deterministic model predicts
+Measured on this 2-core host, quiet (2026-12-01, rank loops in SCHED_RR, Mooncake's
+engine threads in rr:5, writes on CPU in the host model; 182 s), room latency MAPE:
+NIXL floor 9.8%, best calibrated 13.9% (1.42x the floor: PASS), oracle 14.5%; Mooncake
+floor 8.2%, best 16.1% (1.96x), oracle 12.9%. Earlier runs the same day gave floors of
+8.5-17.2%: the floor itself moves by several points between runs. Two bounds follow from it. A deterministic model predicts
 one latency per room, so against one hardware run it cannot do better than that run's
 own per-room scatter around the mean, about floor / sqrt(2) (6-12% here): the oracle's
 5% is below it on this host. And the exposed transfer latency (a few ms) differs by
