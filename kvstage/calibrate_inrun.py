@@ -156,8 +156,9 @@ def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
     """Whether every rank of the in-run hardware run got a real-time class for its loop
     (summary.json loop_sched, hw/rank.py LoopPriority: the host model's loop_rt), or with
     key="engine_sched" for its transfer engine's threads (WritePriority: write_rt)."""
-    sched = (inrun or {}).get(key) or {}
-    return bool(sched) and all(str(v).startswith(("rr:", "fifo:")) for v in sched.values())
+    from kvstage.conditions import all_realtime
+
+    return all_realtime(((inrun or {}).get(key) or {}).values())
 
 
 def _worst(target: dict[str, float], got: dict[str, float]) -> float:

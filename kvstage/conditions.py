@@ -119,13 +119,20 @@ def is_loaded(conditions: dict | None) -> bool | None:
     return share > LOADED_SHARE
 
 
+def all_realtime(classes) -> bool:
+    """Whether every scheduling class a rank reported (hw/rank.py ThreadPriority: "rr:10",
+    "fifo:5", "rr:5 (3 of 4 threads)", "normal (... refused ...)") is a real-time one;
+    False for none."""
+    classes = [str(c) for c in classes]
+    return bool(classes) and all(c.startswith(("rr:", "fifo:")) for c in classes)
+
+
 def loops_realtime(reports: dict[str, dict]) -> bool | None:
-    """Whether every rank's loop ran in a real-time class (hw/rank.py LoopPriority: its
-    report's loop_sched, "rr:10" or "normal (... refused ...)"); None without reports."""
-    scheds = [str(r.get("loop_sched", "")) for r in reports.values()]
-    if not scheds:
+    """Whether every rank's loop ran in a real-time class (its report's loop_sched,
+    hw/rank.py LoopPriority); None without reports."""
+    if not reports:
         return None
-    return all(s.startswith(("rr:", "fifo:")) for s in scheds)
+    return all_realtime(r.get("loop_sched", "") for r in reports.values())
 
 
 def describe(conditions: dict | None, *, short: bool = False) -> str:

@@ -39,10 +39,14 @@ Group = tuple[frozenset[int], frozenset[int]]  # (prefill instances, decode inst
 def independent_groups(scenario: Scenario) -> list[Group]:
     """The scenario's instances in groups that share no room and no NIC, in order of
     their first prefill instance."""
+    _require_shardable(scenario)
+    return _groups(scenario, cluster_sessions(scenario, generate_requests(scenario))[0])
+
+
+def _require_shardable(scenario: Scenario) -> None:
     problem = shard_problem(scenario)
     if problem:
         raise ValueError(f"cannot shard the cluster: {problem}")
-    return _groups(scenario, cluster_sessions(scenario, generate_requests(scenario))[0])
 
 
 def _groups(scenario: Scenario, ss: Sessions) -> list[Group]:
@@ -104,9 +108,7 @@ def simulate_sharded(
 ) -> SimResult:
     """Simulate each independent group on its own and merge the results (one group:
     the plain simulation)."""
-    problem = shard_problem(scenario)
-    if problem:
-        raise ValueError(f"cannot shard the cluster: {problem}")
+    _require_shardable(scenario)
     requests = generate_requests(scenario)
     sessions, router = cluster_sessions(scenario, requests)
     groups = _groups(scenario, sessions)
