@@ -20,7 +20,7 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
 Goal on a quiet machine (issue 13): delivery p50 under 2 ms and p99 under 20 ms for
 P2->D1. Check `uptime` first: on a loaded host these figures mean little.
 
-Each loop line names the scheduling class its thread ran in (hw/rank.py LoopPriority:
+Each loop line names the scheduling class its thread ran in (hw/priority.py LoopPriority:
 the loop thread and the ZMQ I/O threads in SCHED_RR 10 by default; KVSTAGE_LOOP_RT=0
 for normal scheduling, KVSTAGE_LOOP_RT_IO=0 to leave the I/O threads normal). Measured
 on this 2-core host, P2->D1 nixl, 24 requests, modes interleaved, load average 0.7-6.6

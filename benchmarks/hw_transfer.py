@@ -21,7 +21,7 @@ workload waits behind the others' requests, so its room timeout is sized from th
 workload's request count (room_timeout_s) instead of the scenario's 60 s: the run
 finishes and its figures print even on a slow engine.
 
-Write-path priority (hw/rank.py WritePriority; issue 13 item 2). The staging writes ran
+Write-path priority (hw/priority.py WritePriority; issue 13 item 2). The staging writes ran
 slowed by the gathers, scatters and fills sharing the 2 cores (a NIXL lane waited for a
 CPU longer than it ran, per its schedstat). Measured here, interleaved, load average
 1.2-4.3 (another agent's simulations besides), staging s / stg/raw / sl/stg / room p50:

@@ -239,7 +239,7 @@ class Transport(abc.ABC):
     #: post through ``_on_lane`` do.
     signals_completion: ClassVar[bool] = False
     #: False when an engine thread may spin (never block): then it must not be raised
-    #: above the rank's other threads (hw/rank.py WritePriority)
+    #: above the rank's other threads (hw/priority.py WritePriority)
     engine_threads_block: bool = True
     #: False when a lane's engine call busy-waits for its batch (same reason)
     lanes_block: ClassVar[bool] = True

@@ -154,7 +154,7 @@ def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int],
 
 def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
     """Whether every rank of the in-run hardware run got a real-time class for its loop
-    (summary.json loop_sched, hw/rank.py LoopPriority: the host model's loop_rt), or with
+    (summary.json loop_sched, hw/priority.py LoopPriority: the host model's loop_rt), or with
     key="engine_sched" for its transfer engine's threads (WritePriority: write_rt)."""
     from kvstage.conditions import all_realtime
 

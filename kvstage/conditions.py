@@ -129,7 +129,7 @@ def all_realtime(classes) -> bool:
 
 def loops_realtime(reports: dict[str, dict]) -> bool | None:
     """Whether every rank's loop ran in a real-time class (its report's loop_sched,
-    hw/rank.py LoopPriority); None without reports."""
+    hw/priority.py LoopPriority); None without reports."""
     if not reports:
         return None
     return all_realtime(r.get("loop_sched", "") for r in reports.values())

@@ -73,10 +73,10 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         "replayed_messages": total("replayed"),  # authenticated but not newer than their sender's last
         "clocks": _clocks(by_rank),
         "clock_tolerance_s": clock_tolerance(by_rank),
-        # each rank's loop scheduling class (hw/rank.py LoopPriority): "rr:10", or
+        # each rank's loop scheduling class (hw/priority.py LoopPriority): "rr:10", or
         # "normal (...)" where the host refused it; the delivery latency depends on it
         "loop_sched": {name: r.get("loop_sched", "?") for name, r in sorted(by_rank.items())},
-        # the transfer engine's threads' class (hw/rank.py WritePriority: rr:5 for Mooncake's)
+        # the transfer engine's threads' class (hw/priority.py WritePriority: rr:5 for Mooncake's)
         "engine_sched": {name: r.get("engine_sched", "?") for name, r in sorted(by_rank.items())},
     }
 

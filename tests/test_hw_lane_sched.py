@@ -1,4 +1,4 @@
-"""The write path's scheduling class (hw/rank.py WritePriority, issue 13 item 2).
+"""The write path's scheduling class (hw/priority.py WritePriority, issue 13 item 2).
 
 While a rank's loop runs, the transfer engine's own threads run in SCHED_RR 5
 (KVSTAGE_WRITE_RT, below the loop's rr:10) so a write in flight is not queued behind the
@@ -15,7 +15,7 @@ import threading
 import pytest
 from test_hw_loop_sched import _on_thread, _policy, hw_case, run_with_loop_stats
 
-from kvstage.hw.rank import WRITE_RT_ENV, WRITE_RT_LANES_ENV, WritePriority
+from kvstage.hw.priority import WRITE_RT_ENV, WRITE_RT_LANES_ENV, WritePriority
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
 
@@ -58,7 +58,7 @@ def test_engine_threads_and_opted_in_lanes_raised_while_the_loop_runs_then_resto
         assert prio.engine_sched == "rr:5 (1 of 1 threads)" and engine_during == os.SCHED_RR
         if lanes:
             assert prio.lanes == "rr:5" and lane == os.SCHED_RR
-        else:  # by default a lane keeps the normal class (the interpreter lock: hw/rank.py)
+        else:  # by default a lane keeps the normal class (the interpreter lock: hw/priority.py)
             assert prio.lanes == "normal (left out)" and lane == os.SCHED_OTHER
         assert _policy(tid) == os.SCHED_OTHER  # restored with the loop's end
     finally:

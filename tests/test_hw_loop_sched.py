@@ -1,4 +1,4 @@
-"""The rank loop's scheduling class (hw/rank.py LoopPriority, issue 13).
+"""The rank loop's scheduling class (hw/priority.py LoopPriority, issue 13).
 
 A hardware rank raises its loop thread and its ZMQ I/O threads to real-time round robin
 (KVSTAGE_LOOP_RT, default rr:10) so control messages are not queued behind the rank's
@@ -19,7 +19,7 @@ from conftest import require_engine
 from test_hw import run, write_scenario
 
 from kvstage.hw.control import LOOP_STATS_ENV
-from kvstage.hw.rank import LOOP_RT_ENV, LoopPriority, _threads
+from kvstage.hw.priority import LOOP_RT_ENV, LoopPriority, thread_ids
 from kvstage.runs import read_summary
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
@@ -44,12 +44,12 @@ def test_rr_raises_the_loop_and_zmq_io_threads_not_its_children_and_restores(mon
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)  # starts this context's I/O thread
     try:
-        io = _threads("ZMQbg/IO")
+        io = thread_ids("ZMQbg/IO")
         for _ in range(100):  # the I/O thread names itself once it runs
             if io:
                 break
             time.sleep(0.01)
-            io = _threads("ZMQbg/IO")
+            io = thread_ids("ZMQbg/IO")
         assert io, "no ZMQbg/IO thread found"
 
         def loop():

@@ -68,7 +68,7 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #   write_cpu_threads   threads a write keeps busy for its whole time with write_on_cpu
 #                       (a socket transport copies on both ends: 2; absent: 1)
 #   write_rt            true: those threads run in a real-time class below the loop's
-#                       (hw/rank.py WritePriority raises Mooncake's engine threads): a
+#                       (hw/priority.py WritePriority raises Mooncake's engine threads): a
 #                       write takes its cores ahead of fills, gathers and scatters
 #                       (absent: false)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
