@@ -37,6 +37,18 @@ CPU longer than it ran, per its schedstat). Measured here, interleaved, load ave
   Mooncake, its engine's threads at rr:5 (the default; its lanes busy-wait, so they stay
     normal), 4-5 runs each way: off 1.01-1.52 s / 0.43-0.69 / 18-21 / 538-616 ms;
     on 0.55-0.72 s / 0.85-1.30 / 21-29 / 330-520 ms; hw_loop.py delivery p99 1.37 ms.
+  NIXL, KVSTAGE_WRITE_RT_LANES=slots (a lane and UCX's threads at rr:5 only while the lane
+    copies a batch and holds one of the host's cores-1 write slots), 2026-12-01, 6 runs
+    each way interleaved, load 0.1-2.5:
+    off 0.44-0.47 s / 0.47-0.53 / 3.9-4.4 / 212-254 ms;
+    slots 0.26-0.34 s / 0.64-0.82 (5 of 6 met) / 5.2-7.0 / 244-323 ms;
+    lanes=1 once for reference 0.236 s / 0.95 / 6.3 / 281 ms. hw_loop.py p2d1 delivery
+    p99 1.4-1.9 ms with slots (1.4-3.4 off; lanes=1 1.3-1.7 ms: the 515 ms above did not
+    come back). Not the default: the writes gain what the gathers and the decode's
+    scatters lose (a staging run's span sums: writes 240-500 -> 130-250 ms per prefill
+    rank, decode scatter 320-430 -> 660-1140 ms); the last room ends as late (0.60-0.65 s)
+    and the room p50 rises. The slice goal is missed either way (its time, 1.7-2.0 s, does
+    not move). Mooncake unchanged (0.69 s / 0.86 / 19.5; with slots set 0.68 / 0.89 / 20.1).
 The share can exceed 1: the ceiling is one writer, staging has two writing at once.
 KVSTAGE_WRITE_RT=0 turns it off; the "room ms" column is the staging run's room p50.
 

@@ -193,6 +193,7 @@ class RankProcess:
         self.write_priority = WritePriority()  # the write path's class, while the loop runs
         self.write_priority.engine = [t for t in thread_ids() if t not in before]  # the engine started them
         self.transport.on_lane_start = self.write_priority.lane_started
+        self.transport.lane_guard = self.write_priority.lane_batch  # KVSTAGE_WRITE_RT_LANES=slots
         self.control = ControlPlane(host, name=self.name)
         if self.transport.signals_completion:
             self.transport.on_complete = self.control.waker.set

@@ -19,6 +19,7 @@ A transport is owned by one thread; it is not safe to share one between threads.
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import json
 import logging
@@ -29,6 +30,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -276,6 +278,9 @@ class Transport(abc.ABC):
         self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
         #: called on each lane thread as it starts (the rank sets its scheduling class)
         self.on_lane_start: Callable[[], None] | None = None
+        #: a context each batch runs in on its lane (the rank: its scheduling class while
+        #: the engine copies, hw/priority.py WritePriority.lane_batch)
+        self.lane_guard: Callable[[], AbstractContextManager[Any]] | None = None
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -326,8 +331,10 @@ class Transport(abc.ABC):
             self.on_lane_start()
         while True:
             batch, run = lane.get()
+            guard = self.lane_guard
             try:
-                run(peer, batch)
+                with guard() if guard is not None else contextlib.nullcontext():
+                    run(peer, batch)
             except BaseException as e:  # surfaced by _check on the owner's thread
                 batch.error = e
             finally:
