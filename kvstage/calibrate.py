@@ -62,6 +62,7 @@ from kvstage.calibrate_inrun import (
     ENGINE_WRITE_THREADS,
     FACTORS,
     fit_profile,
+    inrun_notes,
     loop_is_realtime,
     measure_handle_cost,
     measure_inrun,
@@ -418,6 +419,7 @@ class Calibration:
             "write_on_cpu": not str(self.device).startswith("cuda"),
             "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
             "write_rt": loop_is_realtime(self.raw.get("inrun"), "engine_sched"),
+            "copy_op_us": _r(self.inrun.get("copy_op_us", 0.0)),
             **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
@@ -530,6 +532,15 @@ class Calibration:
             f"{self.fill.latency_s * 1e6:.0f} us + KV bytes / {self.fill.bandwidth_Bps / 1e9:.3f} GB/s",
             "# (set prefill.tokens_per_s from it; see the sidecar's [forward]).",
             "",
+            *self._host_toml(p),
+        ]
+        return "\n".join(lines) + "\n"
+
+    def _host_toml(self, p: dict[str, Any]) -> list[str]:
+        """The host model's fields with what they come from (sim/host.py)."""
+        q = json.dumps
+        steps_note, copy_note = inrun_notes(self.raw.get("inrun"), self.inrun)
+        return [
             "# Host model (sim/host.py): ranks as hw-mode processes (loop, forward, copy threads).",
             f"# {p['host_cores']} usable cores; an idle engine process burns {self.engine_idle_cores:.3f} cores "
             "(its own threads);",
@@ -555,19 +566,13 @@ class Calibration:
             f"write_cpu_threads = {p['write_cpu_threads']!r}",
             "# write_rt: the in-run hw run's engine threads got a real-time class (summary.json engine_sched).",
             f"write_rt = {str(p['write_rt']).lower()}",
+            "# copy_op_us: a copy's fixed CPU in a rank, from the in-run run and its copy of a quarter",
+            f"# the bytes (kvstage/calibrate_inrun.py fit_profile): {copy_note}",
+            f"copy_op_us = {p['copy_op_us']!r}",
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
-            f"# run (P1 -> D1) gives its mean step times: {self._inrun_note()}",
+            f"# run (P1 -> D1) gives its mean step times: {steps_note}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),
         ]
-        return "\n".join(lines) + "\n"
-
-
-    def _inrun_note(self) -> str:
-        if not self.inrun:
-            why = "; ".join((self.raw.get("inrun") or {}).get("errors") or []) or "not measured"
-            return f"none ({why[:60]}), all 1."
-        t = self.inrun["target"]
-        return "hw " + ", ".join(f"{k} {t[k] * 1e3:.2f} ms" for k in FACTORS) + "."
 
     def _engine_toml(self, p: dict[str, Any]) -> list[str]:
         """The posting fields with what was measured (kvstage/calibrate_posting.py)."""

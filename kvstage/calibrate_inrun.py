@@ -18,7 +18,15 @@ that the simulation of that scenario gives its mean step times:
   write_scale    bulk writes (posting and copy; NIXL copies inside the loop's write())
 
 by damped fixed-point iteration, factor *= (hw mean / simulated mean) ** 0.8, keeping
-the round closest to the hw run (`fit_factors`, pure: tests give it a model). The factors then hold for every scenario simulated with the
+the round closest to the hw run (`fit_factors`, pure: tests give it a model).
+
+Before those, one more number: a copy's cost in a rank is not all bytes. The same run
+with a quarter of the KV heads (`CAL_SMALL`: every gather and scatter a quarter of the
+bytes) took 0.72-0.81 ms per copy against 0.99-1.52 ms, where the copies alone differ
+3.3x; so each copy also costs the rank a fixed part (the hand-off to its copy thread,
+the index glue, the completion that wakes the loop). `copy_op_from_runs` solves the
+two runs' mean copy times for it (profile field copy_op_us), assuming the same slowdown
+in both: t = s * (op + alone); copy_scale is then fitted with it in place. The factors then hold for every scenario simulated with the
 profile; the shared cores still change with each scenario's load over time.
 """
 
@@ -30,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +69,15 @@ CAL_SCENARIO: dict[str, Any] = {
                  "prompt_min": 512, "prompt_max": 2048, "seed": 5},
     "hardware": {"device": "cpu", "verify": "sample"},
 }
+# The same run with a quarter of the KV bytes per copy (copy_op_from_runs)
+CAL_SMALL: dict[str, Any] = {
+    **CAL_SCENARIO,
+    "name": "calibrate-inrun-small",
+    "description": "kvstage calibrate: in-run copies of a quarter the bytes (kvstage/calibrate_inrun.py)",
+    "model": {**CAL_SCENARIO["model"], "kv_heads": 2},
+}
+COPY_OP_MAX_S = 2e-3  # a fixed part above this is a broken run, not a host
+OP_ROUNDS = 4  # corrections of copy_op against the simulated CAL_SMALL run
 
 
 # Threads a loopback write keeps busy on this host (host model write_cpu_threads): NIXL's
@@ -127,8 +145,14 @@ def kind_means(records: list) -> dict[str, float]:
     return {kind: step_mean(samples, *steps) for kind, (_, steps) in FACTORS.items()}
 
 
-def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Run CAL_SCENARIO on the real engine; its mean step times and the host's conditions."""
+def copy_bytes_mean(records: list) -> float:
+    """Mean bytes of the copies `kind_means` times (prefill gathers, decode scatters)."""
+    xs = [r.bytes for r in records if (r.phase, r.role) in (("gather", "prefill"), ("scatter", "decode"))]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _inrun_run(data: dict, backend: str, device: str) -> dict:
+    """One in-run scenario on the real engine: its mean step times and the host's conditions."""
     from rich.console import Console
 
     from kvstage.hwrun import run_hardware
@@ -136,20 +160,42 @@ def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int],
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.tracefile import read_records
 
-    data = {**CAL_SCENARIO, "hardware": {**CAL_SCENARIO["hardware"], "backend": backend, "device": device}}
+    data = {**data, "hardware": {**data["hardware"], "backend": backend, "device": device}}
     scenario = scenario_from_dict(data, source="kvstage calibrate in-run scenario")
-    if progress:
-        progress("in-run", 0, 1)
     with tempfile.TemporaryDirectory(prefix="kvstage-inrun-") as tmp:
         code, run_dir = run_hardware(scenario, out=Path(tmp) / "hw", trace_format="jsonl", timeout_s=120.0,
                                      console=Console(file=io.StringIO()))
         summary = read_summary(run_dir)
         _, records = read_records(run_dir)
-    if progress:
-        progress("in-run", 1, 1)
     return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
-            "conditions": summary.get("conditions"), "requests_done": summary.get("requests_done"),
+            "copy_bytes": copy_bytes_mean(records), "conditions": summary.get("conditions"),
+            "requests_done": summary.get("requests_done"),
             "loop_sched": summary.get("loop_sched") or {}, "engine_sched": summary.get("engine_sched") or {}}
+
+
+def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run CAL_SCENARIO, then CAL_SMALL, on the real engine: the first's mean step times
+    and the host's conditions, with the second's under "small"."""
+    if progress:
+        progress("in-run", 0, 2)
+    out = _inrun_run(CAL_SCENARIO, backend, device)
+    if progress:
+        progress("in-run", 1, 2)
+    out["small"] = _inrun_run(CAL_SMALL, backend, device)
+    if progress:
+        progress("in-run", 2, 2)
+    return out
+
+
+def copy_op_from_runs(big: tuple[float, float], small: tuple[float, float]) -> float:
+    """The fixed CPU part of a copy, `op`, from two runs' (mean copy seconds in the run,
+    mean copy seconds alone) with the same slowdown s: t = s * (op + alone) for both,
+    so op = (t_small * alone_big - t_big * alone_small) / (t_big - t_small), kept within
+    [0, COPY_OP_MAX_S]. 0 when the runs cannot tell (the bigger copies not slower)."""
+    (tb, ab), (ts, as_) = big, small
+    if not all(x == x and x > 0 for x in (tb, ab, ts, as_)) or tb <= ts or ab <= as_:
+        return 0.0
+    return min(COPY_OP_MAX_S, max(0.0, (ts * ab - tb * as_) / (tb - ts)))
 
 
 def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
@@ -188,22 +234,69 @@ def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]],
 
 def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
     """The factors for a profile's `fields` (kvstage/calibrate.py's profile_fields) from
-    the in-run measurement; {} when there is none or its run failed."""
+    the in-run measurement, and copy_op_us where it has a CAL_SMALL run; {} when there is
+    none or its run failed.
+
+    copy_op starts at the closed form (copy_op_from_runs) and is corrected against the
+    simulation of CAL_SMALL: with the factors fitted to CAL_SCENARIO, op moves by the
+    small run's copy error over its current slowdown (the two runs share their cores
+    differently, so the closed form alone is off by a third on a simulated pair)."""
     if not inrun or not inrun.get("ok"):
         return {}
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    links = {k: v for k, v in fields.items() if k not in {name for name, _ in FACTORS.values()}}
+    links = {k: v for k, v in fields.items() if k not in {name for name, _ in FACTORS.values()} | {"copy_op_us"}}
     # the factors are what the shared cores do not explain: fit them with the load other
     # processes put on the host during that run
     cond = inrun.get("conditions") or {}
     if cond.get("other_cpu_share") is not None:
         links["background_cores"] = cond["other_cpu_share"] * (cond.get("cores") or 1)
 
-    def simulate(factors: dict[str, float]) -> dict[str, float]:
-        data = {**CAL_SCENARIO, "links": {**CAL_SCENARIO["links"], **links, **factors}}
+    def simulate(data: dict, factors: dict[str, float], op_s: float) -> dict[str, float]:
+        extra = {"copy_op_us": op_s * 1e6} if op_s > 0 else {}
+        data = {**data, "links": {**data["links"], **links, **factors, **extra}}
         return kind_means(Simulation(scenario_from_dict(data), check=False).run().records)
 
-    factors, history = fit_factors(inrun["steps"], simulate)
-    return {"factors": factors, "target": inrun["steps"], "history": history}
+    op_s = _copy_op(fields, inrun)
+    small = inrun.get("small") or {}
+    for _ in range(OP_ROUNDS if op_s > 0 else 0):
+        factors, _ = fit_factors(inrun["steps"], partial(simulate, CAL_SCENARIO, op_s=op_s))
+        got, want = simulate(CAL_SMALL, factors, op_s)["copy"], small["steps"]["copy"]
+        slowdown = got / (op_s + _copy_alone(fields, small))  # span per CPU second of a copy
+        op_s = min(COPY_OP_MAX_S, max(0.0, op_s + (want - got) / slowdown))
+    factors, history = fit_factors(inrun["steps"], partial(simulate, CAL_SCENARIO, op_s=op_s))
+    return {"factors": factors, "target": inrun["steps"], "history": history, "copy_op_us": op_s * 1e6}
+
+
+def _copy_alone(fields: dict[str, Any], run: dict) -> float:
+    """What the simulator charges a copy alone (sim/gpu.py copy_time: launch + read and
+    write of its bytes) at the run's mean copy size."""
+    launch, bw = fields.get("kernel_launch_us", 0.0) / 1e6, fields["mem_bandwidth_gbs"] * 1e9
+    return launch + 2.0 * run.get("copy_bytes", math.nan) / bw
+
+
+def _copy_op(fields: dict[str, Any], inrun: dict) -> float:
+    """copy_op_from_runs for the in-run measurement (0 without a good CAL_SMALL run)."""
+    small = inrun.get("small") or {}
+    if not small.get("ok") or not fields.get("mem_bandwidth_gbs"):
+        return 0.0
+    return copy_op_from_runs((inrun["steps"].get("copy", math.nan), _copy_alone(fields, inrun)),
+                             (small["steps"].get("copy", math.nan), _copy_alone(fields, small)))
+
+
+def inrun_notes(inrun: dict | None, fit: dict) -> tuple[str, str]:
+    """The profile's comments on the in-run runs (`inrun`: as measure_inrun returned it;
+    `fit`: fit_profile's): the step means fitted to, and the copies copy_op came from."""
+    inrun = inrun or {}
+    if not fit:
+        why = "; ".join(inrun.get("errors") or []) or "not measured"
+        steps = f"none ({why[:60]}), all 1."
+    else:
+        steps = "hw " + ", ".join(f"{k} {fit['target'][k] * 1e3:.2f} ms" for k in FACTORS) + "."
+    small = inrun.get("small") or {}
+    if not small.get("ok"):
+        return steps, "not measured, 0."
+    copy = (fit.get("target") or {}).get("copy", math.nan)
+    return steps, (f"mean copy {copy * 1e3:.2f} ms at {inrun.get('copy_bytes', 0) / 1024:.0f} KiB, "
+                   f"{small['steps'].get('copy', math.nan) * 1e3:.2f} ms at {small.get('copy_bytes', 0) / 1024:.0f} KiB.")

@@ -279,8 +279,10 @@ class HostModel:
         worker.submit(work, self._noticed, rt, fn, event)
 
     def copy(self, rt, seconds: float, fn: Callable, event) -> None:
-        """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread."""
-        self.offload(self.copies[rt], rt, seconds * self.host.copy_scale, fn, event)
+        """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread,
+        plus the rank's own CPU per copy (copy_op_s: hand-off, glue, completion)."""
+        work = (seconds + self.host.copy_op_s) * self.host.copy_scale
+        self.offload(self.copies[rt], rt, work, fn, event)
 
     def write(self, rt, peer: int, seconds: float, fn: Callable, *args) -> None:
         """A write of `seconds` (alone) to `peer` on the rank's lane for that peer, a

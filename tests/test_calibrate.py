@@ -279,3 +279,42 @@ def test_inrun_fit_recovers_factors_from_a_simulated_run():
         assert sim[kind] == pytest.approx(want, rel=0.1), kind
     assert fit["factors"]["fill_scale"] == pytest.approx(4.0, rel=0.15)
     assert fit_profile(host, {"ok": False, "steps": target}) == {}  # a failed run fits nothing
+
+
+def test_copy_op_from_two_runs_of_different_copy_sizes():
+    """copy_op_from_runs: t = s * (op + alone) in both runs gives op back; runs that
+    cannot tell (the bigger copies no slower, a missing figure) give 0, and a broken
+    pair is held to COPY_OP_MAX_S."""
+    from kvstage.calibrate_inrun import COPY_OP_MAX_S, copy_op_from_runs
+
+    s, op, big, small = 4.0, 80e-6, 189e-6, 57e-6
+    assert copy_op_from_runs((s * (op + big), big), (s * (op + small), small)) == pytest.approx(op)
+    assert copy_op_from_runs((s * big, big), (s * small, small)) == pytest.approx(0.0, abs=1e-12)
+    assert copy_op_from_runs((1e-3, big), (1.2e-3, small)) == 0.0  # the big ones were faster
+    assert copy_op_from_runs((float("nan"), big), (1e-3, small)) == 0.0
+    assert copy_op_from_runs((1.0001e-3, big), (1e-3, small)) == COPY_OP_MAX_S
+
+
+def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
+    """fit_profile with the CAL_SMALL run: copies simulated with a known fixed part are
+    fitted back to that part (corrected against the simulated small run: the closed form
+    alone gives 277 here, the runs sharing their cores differently)."""
+    from kvstage.calibrate_inrun import CAL_SCENARIO, CAL_SMALL, copy_bytes_mean, fit_profile, kind_means
+    from kvstage.shared.scenario import scenario_from_dict
+    from kvstage.sim.driver import Simulation
+
+    host = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.02, "event_us": 80.0,
+            "fill_latency_us": 330.0, "fill_bandwidth_gbs": 1.7, "forward_nice": 10.0,
+            "mem_bandwidth_gbs": 20.0, "kernel_launch_us": 10.0}
+    truth = {"copy_op_us": 200.0, "fill_scale": 2.0, "copy_scale": 3.0, "event_scale": 2.0}
+
+    def run(data):
+        records = Simulation(scenario_from_dict({**data, "links": {**data["links"], **host, **truth}}),
+                             check=False).run().records
+        return {"ok": True, "steps": kind_means(records), "copy_bytes": copy_bytes_mean(records)}
+
+    inrun = {**run(CAL_SCENARIO), "small": run(CAL_SMALL)}
+    assert inrun["copy_bytes"] == pytest.approx(4 * inrun["small"]["copy_bytes"])
+    fit = fit_profile(host, inrun)
+    assert fit["copy_op_us"] == pytest.approx(200.0, rel=0.1)
+    assert fit_profile(host, {**inrun, "small": {"ok": False}})["copy_op_us"] == 0.0  # no small run: none

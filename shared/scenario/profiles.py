@@ -71,6 +71,10 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       (hw/priority.py WritePriority raises Mooncake's engine threads): a
 #                       write takes its cores ahead of fills, gathers and scatters
 #                       (absent: false)
+#   copy_op_us          CPU a gather or scatter costs its rank beyond the kernel (the
+#                       hand-off to the copy thread, the index glue, the completion that
+#                       wakes the loop), the same for a small copy as for a big one; it
+#                       is work like the kernel's, times copy_scale (absent: 0)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
 # short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
 # step takes among the other ranks than alone, beyond what the shared cores explain
@@ -92,6 +96,7 @@ HOST_REQUIRED: tuple[str, ...] = (
 HOST_OPTIONAL: tuple[str, ...] = (
     "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
     "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads", "write_rt",
+    "copy_op_us",
 )
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
@@ -178,6 +183,7 @@ class HostNumbers:
     write_on_cpu: bool = False
     write_cpu_threads: int = 1
     write_rt: bool = False
+    copy_op_s: float = 0.0
     fill_scale: float = 1.0
     copy_scale: float = 1.0
     control_scale: float = 1.0
@@ -246,6 +252,7 @@ class _ProfileNumbers(_Table):
     write_on_cpu: bool | None = None
     write_cpu_threads: Annotated[int, Field(ge=1, le=64)] | None = None
     write_rt: bool | None = None
+    copy_op_us: Annotated[float, Field(ge=0, le=1e6)] | None = None
     fill_scale: PosFloat | None = None
     copy_scale: PosFloat | None = None
     control_scale: PosFloat | None = None
@@ -431,6 +438,7 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         write_on_cpu=bool(merged.get("write_on_cpu") or False),
         write_cpu_threads=int(merged.get("write_cpu_threads") or 1),
         write_rt=bool(merged.get("write_rt") or False),
+        copy_op_s=(merged.get("copy_op_us") or 0.0) / 1e6,
         fill_scale=float(merged.get("fill_scale") or 1.0),
         copy_scale=float(merged.get("copy_scale") or 1.0),
         control_scale=float(merged.get("control_scale") or 1.0),
