@@ -78,6 +78,9 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         "loop_sched": {name: r.get("loop_sched", "?") for name, r in sorted(by_rank.items())},
         # the transfer engine's threads' class (hw/priority.py WritePriority: rr:5 for Mooncake's)
         "engine_sched": {name: r.get("engine_sched", "?") for name, r in sorted(by_rank.items())},
+        # the write lanes' class: normal by default, "rr:5 per batch, 1 host slot (N raised,
+        # M normal)" with KVSTAGE_WRITE_RT_LANES=slots (hw/priority.py WritePriority)
+        "lane_sched": {name: r.get("lane_sched", "?") for name, r in sorted(by_rank.items())},
     }
 
 

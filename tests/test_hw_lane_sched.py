@@ -148,9 +148,10 @@ def test_hw_engine_threads_report_their_class_and_verify_every_byte(tmp_path, mo
         monkeypatch.delenv(WRITE_RT_LANES_ENV, raising=False)  # the default: normal lanes
     else:
         monkeypatch.setenv(WRITE_RT_LANES_ENV, lanes_setting)
-    _, figures = run_with_loop_stats(tmp_path, monkeypatch, WRITE_RT_ENV, setting, backend)
+    summary, figures = run_with_loop_stats(tmp_path, monkeypatch, WRITE_RT_ENV, setting, backend)
     lanes = {name: f["lane_sched"] for name, f in figures.items()}
     engine = {name: f["engine_sched"] for name, f in figures.items()}
+    assert summary["lane_sched"] == lanes and summary["engine_sched"] == engine  # summary.json says it too
     if any("refused" in c for c in (*engine.values(), *lanes.values())):
         pytest.skip(f"real-time scheduling refused on this host: {engine} {lanes}")
     if expected != "rr:5 per batch":
