@@ -570,7 +570,7 @@ class Calibration:
             f"# the bytes (kvstage/calibrate_inrun.py fit_profile): {copy_note}",
             f"copy_op_us = {p['copy_op_us']!r}",
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
-            f"# run (P1 -> D1) gives its mean step times: {steps_note}",
+            f"# run (P1 -> D1, and its quarter-heads twin) gives their mean step times: {steps_note}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),
         ]
 

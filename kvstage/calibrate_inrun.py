@@ -237,10 +237,12 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
     the in-run measurement, and copy_op_us where it has a CAL_SMALL run; {} when there is
     none or its run failed.
 
-    copy_op starts at the closed form (copy_op_from_runs) and is corrected against the
-    simulation of CAL_SMALL: with the factors fitted to CAL_SCENARIO, op moves by the
-    small run's copy error over its current slowdown (the two runs share their cores
-    differently, so the closed form alone is off by a third on a simulated pair)."""
+    The factors are fitted to both runs at once (joint_steps), so each rests on twice
+    the samples: fitted to one 8-request run, NIXL's fill_scale came out anywhere from
+    3.4 to 7.7 on this host. copy_op starts at the closed form (copy_op_from_runs) and
+    is corrected against the simulation of CAL_SMALL: with the factors fitted, op moves
+    by the small run's copy error over its current slowdown (the two runs share their
+    cores differently, so the closed form alone is off by a third on a simulated pair)."""
     if not inrun or not inrun.get("ok"):
         return {}
     from kvstage.shared.scenario import scenario_from_dict
@@ -258,15 +260,32 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
         data = {**data, "links": {**data["links"], **links, **factors, **extra}}
         return kind_means(Simulation(scenario_from_dict(data), check=False).run().records)
 
+    small = inrun.get("small") if (inrun.get("small") or {}).get("ok") else None
+    target = joint_steps(inrun["steps"], small["steps"] if small else None)
+
+    def simulate_both(factors: dict[str, float], op_s: float) -> dict[str, float]:
+        big = simulate(CAL_SCENARIO, factors, op_s)
+        return joint_steps(big, simulate(CAL_SMALL, factors, op_s) if small else None)
+
     op_s = _copy_op(fields, inrun)
-    small = inrun.get("small") or {}
     for _ in range(OP_ROUNDS if op_s > 0 else 0):
-        factors, _ = fit_factors(inrun["steps"], partial(simulate, CAL_SCENARIO, op_s=op_s))
+        factors, _ = fit_factors(target, partial(simulate_both, op_s=op_s))
         got, want = simulate(CAL_SMALL, factors, op_s)["copy"], small["steps"]["copy"]
         slowdown = got / (op_s + _copy_alone(fields, small))  # span per CPU second of a copy
         op_s = min(COPY_OP_MAX_S, max(0.0, op_s + (want - got) / slowdown))
-    factors, history = fit_factors(inrun["steps"], partial(simulate, CAL_SCENARIO, op_s=op_s))
-    return {"factors": factors, "target": inrun["steps"], "history": history, "copy_op_us": op_s * 1e6}
+    factors, history = fit_factors(target, partial(simulate_both, op_s=op_s))
+    return {"factors": factors, "target": target, "history": history, "copy_op_us": op_s * 1e6}
+
+
+def joint_steps(big: dict[str, float], small: dict[str, float] | None) -> dict[str, float]:
+    """What the factors are fitted to with both in-run runs: per kind of step the
+    geometric mean of the two runs' means (twice the samples, two geometries), but the
+    copy: CAL_SCENARIO's alone (CAL_SMALL's copy fits copy_op instead)."""
+    if small is None:
+        return dict(big)
+    out = {k: math.sqrt(v * small[k]) if v > 0 and small.get(k, 0) > 0 else math.nan for k, v in big.items()}
+    out["copy"] = big["copy"]
+    return out
 
 
 def _copy_alone(fields: dict[str, Any], run: dict) -> float:
@@ -293,7 +312,8 @@ def inrun_notes(inrun: dict | None, fit: dict) -> tuple[str, str]:
         why = "; ".join(inrun.get("errors") or []) or "not measured"
         steps = f"none ({why[:60]}), all 1."
     else:
-        steps = "hw " + ", ".join(f"{k} {fit['target'][k] * 1e3:.2f} ms" for k in FACTORS) + "."
+        steps = "hw " + ", ".join(f"{k} {fit['target'][k] * 1e3:.2f} ms" for k in FACTORS) + (
+            " (the geometric mean of the two; copy: the first's)." if inrun.get("small") else ".")
     small = inrun.get("small") or {}
     if not small.get("ok"):
         return steps, "not measured, 0."

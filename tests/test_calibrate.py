@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -299,7 +300,13 @@ def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
     """fit_profile with the CAL_SMALL run: copies simulated with a known fixed part are
     fitted back to that part (corrected against the simulated small run: the closed form
     alone gives 277 here, the runs sharing their cores differently)."""
-    from kvstage.calibrate_inrun import CAL_SCENARIO, CAL_SMALL, copy_bytes_mean, fit_profile, kind_means
+    from kvstage.calibrate_inrun import (
+        CAL_SCENARIO,
+        CAL_SMALL,
+        copy_bytes_mean,
+        fit_profile,
+        kind_means,
+    )
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
@@ -318,3 +325,19 @@ def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
     fit = fit_profile(host, inrun)
     assert fit["copy_op_us"] == pytest.approx(200.0, rel=0.1)
     assert fit_profile(host, {**inrun, "small": {"ok": False}})["copy_op_us"] == 0.0  # no small run: none
+
+
+def test_joint_steps_pool_both_runs_but_the_copy():
+    """joint_steps: the factors are fitted to the geometric mean of the two in-run runs'
+    step means, except the copy (the first run's: the second fits copy_op); one run
+    alone is its own target."""
+    from kvstage.calibrate_inrun import joint_steps
+
+    big = {"fill": 4e-3, "copy": 1.5e-3, "event": 1e-3, "control": 0.4e-3, "write": 2e-3}
+    small = {"fill": 1e-3, "copy": 0.8e-3, "event": 0.25e-3, "control": 0.1e-3, "write": 0.5e-3}
+    joint = joint_steps(big, small)
+    assert joint["copy"] == big["copy"]
+    for k in ("fill", "event", "control", "write"):
+        assert joint[k] == pytest.approx(big[k] / 2)
+    assert joint_steps(big, None) == big
+    assert math.isnan(joint_steps(big, {**small, "write": 0.0})["write"])  # no figure: that factor stays

@@ -347,18 +347,18 @@ def test_a_real_time_write_goes_ahead_of_the_copies_and_behind_the_loop():
     assert not loop_is_realtime({"engine_sched": {"prefill0": "normal (left out)"}}, "engine_sched")
 
 
-def test_a_copy_costs_its_fixed_part_and_its_bytes_both_scaled():
+@pytest.mark.parametrize("op_s,want", [(0.0, 2.0 + 1.0), (0.5, 3.0 + 1.0)])
+def test_a_copy_costs_its_fixed_part_and_its_bytes_both_scaled(op_s, want):
     """copy_op_us: every gather or scatter also costs the rank a fixed CPU part, scaled
     with the kernel by copy_scale: a 1 s copy with a 0.5 s part at scale 2 is 3 s of CPU
     (alone on one core: done at 3.0; its event then takes the loop's 1 s)."""
-    for op_s, want in ((0.0, 2.0 + 1.0), (0.5, 3.0 + 1.0)):
-        env = simpy.Environment()
-        h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=1.0, copy_scale=2.0, copy_op_s=op_s)
-        host = HostModel(env, h, ["r"], [])
-        seen = []
-        host.copy("r", 1.0, lambda rt, ev: seen.append(env.now), "copied")
-        env.run()
-        assert seen == [pytest.approx(want)]
+    env = simpy.Environment()
+    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=1.0, copy_scale=2.0, copy_op_s=op_s)
+    host = HostModel(env, h, ["r"], [])
+    seen = []
+    host.copy("r", 1.0, lambda rt, ev: seen.append(env.now), "copied")
+    env.run()
+    assert seen == [pytest.approx(want)]
 
 
 def test_copy_op_us_is_read_from_the_profile_and_slows_the_copies():
