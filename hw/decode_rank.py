@@ -52,7 +52,7 @@ class DecodeRank(RankProcess):
         self.jobs.append((future, a))
 
     def _scatter(self, a: Scatter) -> None:
-        self._submit(self._scatter_job, a)
+        self._submit(self.job_cpu.wrap("scatter", self._scatter_job, a.nbytes), a)
 
     def _scatter_job(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]

@@ -129,7 +129,10 @@ class NixlTransport(Transport):
         # transfer() copies a CMA write's bytes itself before it returns (GIL released):
         # 20-60 ms for a chunk's block, held off the rank loop by posting on the lane.
         xfer = _NixlXfer(ops=ops)
-        self._on_lane(peer, xfer, self._transfer)
+        run = self._transfer  # the lane's CPU is the copy's (Mooncake's lanes only wait)
+        if self.job_cpu is not None:
+            run = self.job_cpu.wrap("write", run, int(ops[:, 2].sum()))
+        self._on_lane(peer, xfer, run)
         return xfer
 
     def _transfer(self, peer: PeerInfo, xfer: _NixlXfer) -> None:

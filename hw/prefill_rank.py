@@ -184,8 +184,9 @@ class PrefillRank(RankProcess):
             if not f.num_pages:
                 self._feed(ForwardDone(f.room, f.chunk, start))
                 continue
+            fill = self.job_cpu.wrap("fill", fill_pattern, f.tokens * self.g.block_bytes(1, self.g.prefill_heads))
             job = self.compute_thread.submit(
-                fill_pattern, self.pool, f.first_page + f.page_start, f.num_pages, f.room,
+                fill, self.pool, f.first_page + f.page_start, f.num_pages, f.room,
                 f.page_start * self.g.page_size, self.global_heads,
             )
             job.add_done_callback(self._wake)
@@ -200,7 +201,7 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
-        job = self.copy_thread.submit(self._gather_job, a, first, slot)
+        job = self.copy_thread.submit(self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot)
         job.add_done_callback(self._wake)
         self.gathers.append((job, a))
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstage.hw.control import LOOP_STATS_ENV, ControlPlane, rank_name
+from kvstage.hw.jobcpu import JobCpu
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
 from kvstage.hw.placement import transport_options
@@ -193,6 +194,8 @@ class RankProcess:
         self.write_priority = WritePriority()  # the write path's class, while the loop runs
         self.write_priority.engine = [t for t in thread_ids() if t not in before]  # the engine started them
         self.transport.on_lane_start = self.write_priority.lane_started
+        self.job_cpu = JobCpu()  # what the heavy jobs cost in CPU (summary.json job_cpu)
+        self.transport.job_cpu = self.job_cpu
         self.transport.lane_guard = self.write_priority.lane_batch  # KVSTAGE_WRITE_RT_LANES=slots
         self.control = ControlPlane(host, name=self.name)
         if self.transport.signals_completion:
@@ -466,6 +469,7 @@ class RankProcess:
             "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
             "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
             "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
+            "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())

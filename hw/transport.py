@@ -276,6 +276,9 @@ class Transport(abc.ABC):
         #: `signals_completion`; must be thread-safe and quick
         self.on_complete: Callable[[], None] | None = None
         self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
+        #: the rank's job CPU totals (hw/jobcpu.py): an adapter whose lane copies the bytes
+        #: itself (NIXL's CMA) counts each batch there as a "write" job
+        self.job_cpu: Any = None
         #: called on each lane thread as it starts (the rank sets its scheduling class)
         self.on_lane_start: Callable[[], None] | None = None
         #: a context each batch runs in on its lane (the rank: its scheduling class while

@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstage.calibrate_inrun import (
+    CPU_FIELDS,
     ENGINE_WRITE_THREADS,
     FACTORS,
     fit_profile,
@@ -420,6 +421,7 @@ class Calibration:
             "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
             "write_rt": loop_is_realtime(self.raw.get("inrun"), "engine_sched"),
             "copy_op_us": _r(self.inrun.get("copy_op_us", 0.0)),
+            **{k: _r(v) for k, v in (self.inrun.get("cpu") or {}).items()},
             **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
@@ -569,6 +571,10 @@ class Calibration:
             "# copy_op_us: a copy's fixed CPU in a rank, from the in-run run and its copy of a quarter",
             f"# the bytes (kvstage/calibrate_inrun.py fit_profile): {copy_note}",
             f"copy_op_us = {p['copy_op_us']!r}",
+            *(["# *_cpu_scale: the CPU of those steps in the in-run runs (summary.json job_cpu) over their",
+               "# time alone; the rest of each *_scale below is time without a core."]
+              if any(k in p for k in CPU_FIELDS) else []),
+            *(f"{k} = {p[k]!r}" for k in CPU_FIELDS if k in p),
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
             f"# run (P1 -> D1, and its quarter-heads twin) gives their mean step times: {steps_note}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),

@@ -78,6 +78,7 @@ CAL_SMALL: dict[str, Any] = {
 }
 COPY_OP_MAX_S = 2e-3  # a fixed part above this is a broken run, not a host
 OP_ROUNDS = 4  # corrections of copy_op against the simulated CAL_SMALL run
+CPU_FIELDS = ("fill_cpu_scale", "copy_cpu_scale", "write_cpu_scale")  # cpu_factors
 
 
 # Threads a loopback write keeps busy on this host (host model write_cpu_threads): NIXL's
@@ -168,7 +169,8 @@ def _inrun_run(data: dict, backend: str, device: str) -> dict:
         summary = read_summary(run_dir)
         _, records = read_records(run_dir)
     return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
-            "copy_bytes": copy_bytes_mean(records), "conditions": summary.get("conditions"),
+            "copy_bytes": copy_bytes_mean(records), "job_cpu": summary.get("job_cpu") or {},
+            "conditions": summary.get("conditions"),
             "requests_done": summary.get("requests_done"),
             "loop_sched": summary.get("loop_sched") or {}, "engine_sched": summary.get("engine_sched") or {}}
 
@@ -213,12 +215,13 @@ def _worst(target: dict[str, float], got: dict[str, float]) -> float:
 
 
 def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
-                rounds: int = ROUNDS) -> tuple[dict[str, float], list[dict]]:
+                rounds: int = ROUNDS, floors: dict[str, float] | None = None) -> tuple[dict[str, float], list[dict]]:
     """Factors (FACTORS' fields) such that simulate(factors) ~ target, per kind of step,
     by factor *= (target / simulated) ** DAMPING (the factors act on each other's steps:
     a slower loop also delays writes, so a full step can overshoot); returns the round
     whose worst relative step error is least, and the history of every round."""
-    factors = {name: 1.0 for name, _ in FACTORS.values()}
+    floor = {**FLOOR, **(floors or {})}
+    factors = {name: max(1.0, floor.get(name, 0.0)) for name, _ in FACTORS.values()}
     history: list[dict] = []
     lo, hi = FACTOR_RANGE
     for _ in range(rounds):
@@ -227,7 +230,7 @@ def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]],
         for kind, (name, _) in FACTORS.items():
             t, g = target.get(kind, math.nan), got.get(kind, math.nan)
             if t == t and g == g and t > 0 and g > 0:
-                factors[name] = min(hi, max(FLOOR.get(name, lo), factors[name] * (t / g) ** DAMPING))
+                factors[name] = min(hi, max(floor.get(name, lo), factors[name] * (t / g) ** DAMPING))
     best = min(history, key=lambda h: h["worst"])
     return best["factors"], history
 
@@ -248,7 +251,8 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    links = {k: v for k, v in fields.items() if k not in {name for name, _ in FACTORS.values()} | {"copy_op_us"}}
+    links = {k: v for k, v in fields.items()
+             if k not in {name for name, _ in FACTORS.values()} | {"copy_op_us", *CPU_FIELDS}}
     # the factors are what the shared cores do not explain: fit them with the load other
     # processes put on the host during that run
     cond = inrun.get("conditions") or {}
@@ -267,14 +271,55 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
         big = simulate(CAL_SCENARIO, factors, op_s)
         return joint_steps(big, simulate(CAL_SMALL, factors, op_s) if small else None)
 
-    op_s = _copy_op(fields, inrun)
-    for _ in range(OP_ROUNDS if op_s > 0 else 0):
-        factors, _ = fit_factors(target, partial(simulate_both, op_s=op_s))
+    cpu = cpu_factors(fields, [inrun, *([small] if small else [])])
+    links.update({k: v for k, v in cpu.items() if k != "copy_op_us"})
+    floors = {name.replace("_cpu", ""): v for name, v in cpu.items() if name.endswith("_cpu_scale")}
+    if "copy_op_us" in cpu:  # measured: the copies' CPU in the two runs (cpu_factors)
+        op_s, rounds = cpu["copy_op_us"] / 1e6, 0
+    else:  # from the two runs' copy times, corrected against their simulation
+        op_s = _copy_op(fields, inrun)
+        rounds = OP_ROUNDS if op_s > 0 else 0
+    for _ in range(rounds):
+        factors, _ = fit_factors(target, partial(simulate_both, op_s=op_s), floors=floors)
         got, want = simulate(CAL_SMALL, factors, op_s)["copy"], small["steps"]["copy"]
         slowdown = got / (op_s + _copy_alone(fields, small))  # span per CPU second of a copy
         op_s = min(COPY_OP_MAX_S, max(0.0, op_s + (want - got) / slowdown))
-    factors, history = fit_factors(target, partial(simulate_both, op_s=op_s))
-    return {"factors": factors, "target": target, "history": history, "copy_op_us": op_s * 1e6}
+    factors, history = fit_factors(target, partial(simulate_both, op_s=op_s), floors=floors)
+    return {"factors": factors, "target": target, "history": history, "copy_op_us": op_s * 1e6,
+            "cpu": {k: v for k, v in cpu.items() if k != "copy_op_us"}}
+
+
+def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
+    """fill_cpu_scale, copy_cpu_scale with copy_op_us, and write_cpu_scale (NIXL: its lane
+    copies) from the in-run runs' job CPU (summary.json job_cpu, hw/jobcpu.py) over what
+    the probe's numbers give those jobs alone; {} for runs that did not measure it. The
+    copy's fixed part is the closed form of copy_op_from_runs on CPU seconds, which the
+    cores' sharing does not stretch."""
+    def per_run(kinds: tuple[str, ...], alone: Callable[[float], float]) -> list[tuple[float, float]]:
+        out = []
+        for run in runs:
+            jobs = [(run.get("job_cpu") or {}).get(k) for k in kinds]
+            n = sum(j["n"] for j in jobs if j)
+            if not all(jobs) or not n:
+                return []
+            out.append((sum(j["cpu_s"] for j in jobs) / n, alone(sum(j["bytes"] for j in jobs) / n)))
+        return out
+
+    out: dict[str, float] = {}
+    fill = per_run(("fill",), lambda b: fields["fill_latency_us"] / 1e6 + b / (fields["fill_bandwidth_gbs"] * 1e9))
+    if fill:
+        out["fill_cpu_scale"] = sum(c for c, _ in fill) / sum(a for _, a in fill)
+    copy = per_run(("gather", "scatter"), lambda b: _copy_alone(fields, {"copy_bytes": b}))
+    if len(copy) == 2:
+        out["copy_op_us"] = copy_op_from_runs(copy[0], copy[1]) * 1e6
+    if copy:
+        c, a = copy[0]
+        out["copy_cpu_scale"] = c / (a + out.get("copy_op_us", 0.0) / 1e6)
+    lat = (fields.get("intra_latency_us", 0.0) + fields.get("intra_per_batch_us", 0.0)) / 1e6
+    write = per_run(("write",), lambda b: lat + b / (fields.get("intra_bandwidth_gbps", math.inf) * 1e9 / 8))
+    if write and fields.get("write_on_cpu"):
+        out["write_cpu_scale"] = sum(c for c, _ in write) / sum(a for _, a in write)
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def joint_steps(big: dict[str, float], small: dict[str, float] | None) -> dict[str, float]:

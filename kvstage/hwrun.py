@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
+from kvstage.hw.jobcpu import merge as merge_job_cpu
 from kvstage.hw.launch import launch
 from kvstage.hw_progress import HwProgress
 from kvstage.runs import make_run_dir, write_run
@@ -81,6 +82,9 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         # the write lanes' class: normal by default, "rr:5 per batch, 1 host slot (N raised,
         # M normal)" with KVSTAGE_WRITE_RT_LANES=slots (hw/priority.py WritePriority)
         "lane_sched": {name: r.get("lane_sched", "?") for name, r in sorted(by_rank.items())},
+        # what the ranks' fills, gathers, scatters and NIXL's lane copies cost in CPU, summed
+        # per kind (hw/jobcpu.py): kvstage calibrate's fill/copy/write CPU
+        "job_cpu": merge_job_cpu([r.get("job_cpu") or {} for r in reports]),
     }
 
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.runtime import RankRuntime
 from kvstage.sim.gpu import SerialStream
-from kvstage.sim.host import fill_time
 
 if TYPE_CHECKING:
     from kvstage.sim.driver import Simulation
@@ -124,8 +123,7 @@ class HostFills:
                 sim._feed(rt, ForwardDone(f.room, f.chunk, start))
                 continue
             host = sim.hostm
-            work = fill_time(sim.host, f.tokens * self._bytes_per_token)
-            host.offload(host.forwards[rt], rt, work, self._filled, (f, start))
+            host.fill(rt, f.tokens * self._bytes_per_token, self._filled, (f, start))
             return
         self._filling[rt] = False
 

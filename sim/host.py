@@ -67,9 +67,24 @@ def steady_load(host: HostNumbers, ranks: int) -> list[tuple[float, float]]:
 
 
 def fill_time(host: HostNumbers, nbytes: int) -> float:
-    """CPU seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes,
-    on a core of its own (times the in-run fill_scale)."""
-    return (host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s) * host.fill_scale
+    """Seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes, on a
+    core of its own (times the in-run fill_scale)."""
+    return fill_alone(host, nbytes) * host.fill_scale
+
+
+def fill_alone(host: HostNumbers, nbytes: int) -> float:
+    """The probe's time of that fill alone."""
+    return host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s
+
+
+def split_work(alone: float, scale: float, cpu_scale: float) -> tuple[float, float]:
+    """(CPU seconds, seconds without a core) of a step of `alone` seconds alone, stretched
+    `scale` times among busy ranks: all of it CPU where its CPU was not measured
+    (cpu_scale 0); else alone x cpu_scale of CPU and the rest of the stretch, if any,
+    spent waiting (for the interpreter lock, or a lower nice level's turn)."""
+    if cpu_scale <= 0:
+        return alone * scale, 0.0
+    return alone * cpu_scale, alone * max(0.0, scale - cpu_scale)
 
 
 def scaled_link(link: LinkNumbers, factor: float) -> LinkNumbers:
@@ -281,16 +296,31 @@ class HostModel:
     def copy(self, rt, seconds: float, fn: Callable, event) -> None:
         """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread,
         plus the rank's own CPU per copy (copy_op_s: hand-off, glue, completion)."""
-        work = (seconds + self.host.copy_op_s) * self.host.copy_scale
+        h = self.host
+        work, wait = split_work(seconds + h.copy_op_s, h.copy_scale, h.copy_cpu_scale)
+        if wait > 0:
+            self.copies[rt].wait(wait)
         self.offload(self.copies[rt], rt, work, fn, event)
+
+    def fill(self, rt, nbytes: int, fn: Callable, event) -> None:
+        """A forward's pattern fill of `nbytes` on the rank's forward thread."""
+        h = self.host
+        work, wait = split_work(fill_alone(h, nbytes), h.fill_scale, h.fill_cpu_scale)
+        if wait > 0:
+            self.forwards[rt].wait(wait)
+        self.offload(self.forwards[rt], rt, work, fn, event)
 
     def write(self, rt, peer: int, seconds: float, fn: Callable, *args) -> None:
         """A write of `seconds` (alone) to `peer` on the rank's lane for that peer, a
         CPU thread (write_on_cpu), and as long on each of the engine's other threads it
         keeps busy (write_cpu_threads: a socket's receiving end); fn(*args) once all
         are done."""
-        threads = self.host.write_cpu_threads
+        h = self.host
+        threads = h.write_cpu_threads
         left = [threads]
+        wait = 0.0
+        if h.write_cpu_scale > 0:  # seconds is the write's alone time times write_scale
+            seconds, wait = split_work(seconds / h.write_scale, h.write_scale, h.write_cpu_scale)
 
         def one_done() -> None:
             left[0] -= 1
@@ -301,6 +331,8 @@ class HostModel:
             lane = self.lanes.get((rt, peer, k))
             if lane is None:
                 lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu, RT_LOW_WEIGHT if self.host.write_rt else 1.0)
+            if wait > 0:
+                lane.wait(wait)
             lane.submit(seconds, one_done)
 
     def _noticed(self, rt, fn: Callable, event) -> None:

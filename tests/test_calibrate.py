@@ -164,7 +164,10 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
 
     # the profile holds every profile field and nothing else; fit and raw go to the sidecar
     data = tomllib.loads(profile.read_text())
-    assert set(data) == {"source", *PROFILE_FIELDS}
+    # every field, but a write's CPU where the engine's own threads copy (Mooncake: its lanes only wait)
+    unmeasured = {"write_cpu_scale"} if backend == "mooncake" else set()
+    assert set(data) == {"source", *PROFILE_FIELDS} - unmeasured
+    assert data["fill_cpu_scale"] > 0 and data["copy_cpu_scale"] > 0  # from summary.json job_cpu
     assert side == sidecar_path(profile) and side.is_file()
     extra = json.loads(side.read_text())
     assert extra["backend"] == backend
@@ -341,3 +344,30 @@ def test_joint_steps_pool_both_runs_but_the_copy():
         assert joint[k] == pytest.approx(big[k] / 2)
     assert joint_steps(big, None) == big
     assert math.isnan(joint_steps(big, {**small, "write": 0.0})["write"])  # no figure: that factor stays
+
+
+def test_cpu_factors_from_the_ranks_job_cpu():
+    """cpu_factors: each step's CPU in the in-run runs over its time alone; the copy's
+    fixed part from the two runs' CPU (t = s * (op + alone) exactly here)."""
+    from kvstage.calibrate_inrun import cpu_factors
+
+    fields = {"fill_latency_us": 200.0, "fill_bandwidth_gbs": 10.0, "kernel_launch_us": 10.0,
+              "mem_bandwidth_gbs": 20.0, "intra_latency_us": 100.0, "intra_per_batch_us": 0.0,
+              "intra_bandwidth_gbps": 80.0, "write_on_cpu": True}
+    s, op = 2.0, 50e-6
+
+    def run(nbytes: int) -> dict:
+        copy_alone = 10e-6 + 2 * nbytes / 20e9
+        return {"job_cpu": {
+            "fill": {"n": 4, "cpu_s": 4 * 3.0 * (200e-6 + nbytes / 10e9), "bytes": 4 * nbytes},
+            "gather": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
+            "scatter": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
+            "write": {"n": 4, "cpu_s": 4 * 1.5 * (100e-6 + nbytes / 10e9), "bytes": 4 * nbytes}}}
+
+    got = cpu_factors(fields, [run(2 << 20), run(512 << 10)])
+    assert got["fill_cpu_scale"] == pytest.approx(3.0, rel=1e-3)
+    assert got["copy_op_us"] == pytest.approx(50.0, rel=1e-3)
+    assert got["copy_cpu_scale"] == pytest.approx(2.0, rel=1e-3)
+    assert got["write_cpu_scale"] == pytest.approx(1.5, rel=1e-3)
+    assert "write_cpu_scale" not in cpu_factors({**fields, "write_on_cpu": False}, [run(2 << 20)])
+    assert cpu_factors(fields, [{}]) == {}  # runs without job_cpu: nothing measured

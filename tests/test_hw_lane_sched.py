@@ -152,6 +152,9 @@ def test_hw_engine_threads_report_their_class_and_verify_every_byte(tmp_path, mo
     lanes = {name: f["lane_sched"] for name, f in figures.items()}
     engine = {name: f["engine_sched"] for name, f in figures.items()}
     assert summary["lane_sched"] == lanes and summary["engine_sched"] == engine  # summary.json says it too
+    jobs = summary["job_cpu"]  # what the heavy jobs cost in CPU (hw/jobcpu.py)
+    assert {"fill", "gather", "scatter"} <= set(jobs) and all(j["n"] > 0 and j["cpu_s"] > 0 for j in jobs.values())
+    assert ("write" in jobs) == (backend == "nixl")  # NIXL's lane copies the bytes; Mooncake's engine does
     if any("refused" in c for c in (*engine.values(), *lanes.values())):
         pytest.skip(f"real-time scheduling refused on this host: {engine} {lanes}")
     if expected != "rr:5 per batch":

@@ -369,3 +369,25 @@ def test_copy_op_us_is_read_from_the_profile_and_slows_the_copies():
     assert spans[1] > spans[0]
     with pytest.raises(ScenarioError, match="copy_op_us"):
         _scenario(copy_op_us=-1.0)
+
+
+def test_split_work_keeps_all_cpu_unless_the_cpu_was_measured():
+    from kvstage.sim.host import split_work
+
+    assert split_work(2.0, 3.0, 0.0) == (6.0, 0.0)  # not measured: all CPU
+    assert split_work(2.0, 3.0, 1.5) == (3.0, 3.0)  # measured: the rest waits
+    assert split_work(2.0, 1.0, 1.5) == (3.0, 0.0)  # never less than its CPU
+
+
+def test_a_fill_whose_cpu_was_measured_waits_the_rest_without_a_core():
+    """fill_cpu_scale 1 of fill_scale 3: a 1 s fill waits 2 s without a core, then takes
+    1 s of CPU; a 2 s copy submitted with it has the one core alone meanwhile."""
+    env = simpy.Environment()
+    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.0, fill_latency_s=1.0,
+                 fill_bandwidth_bytes_s=1e30, fill_scale=3.0, fill_cpu_scale=1.0)
+    host = HostModel(env, h, ["r"], ["r"])
+    seen = {}
+    host.fill("r", 1, lambda rt, ev: seen.setdefault(ev, env.now), "filled")
+    host.copy("r", 2.0, lambda rt, ev: seen.setdefault(ev, env.now), "copied")
+    env.run()
+    assert seen == {"copied": pytest.approx(2.0), "filled": pytest.approx(3.0)}

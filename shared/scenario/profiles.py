@@ -75,6 +75,12 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       hand-off to the copy thread, the index glue, the completion that
 #                       wakes the loop), the same for a small copy as for a big one; it
 #                       is work like the kernel's, times copy_scale (absent: 0)
+#   fill_cpu_scale      the CPU a fill, a copy (with copy_op_us) and a write on the
+#   copy_cpu_scale        writer's lane (write_on_cpu) take among busy ranks, over their
+#   write_cpu_scale       time alone, as hw ranks measure it (summary.json job_cpu). Set,
+#                       a step's CPU is alone x this and the rest of its *_scale is time
+#                       without a core (the interpreter lock, a lower nice level): it
+#                       loads no other thread (absent: all of *_scale is CPU)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
 # short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
 # step takes among the other ranks than alone, beyond what the shared cores explain
@@ -96,7 +102,7 @@ HOST_REQUIRED: tuple[str, ...] = (
 HOST_OPTIONAL: tuple[str, ...] = (
     "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
     "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads", "write_rt",
-    "copy_op_us",
+    "copy_op_us", "fill_cpu_scale", "copy_cpu_scale", "write_cpu_scale",
 )
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
@@ -184,6 +190,9 @@ class HostNumbers:
     write_cpu_threads: int = 1
     write_rt: bool = False
     copy_op_s: float = 0.0
+    fill_cpu_scale: float = 0.0  # 0: not measured (all of fill_scale is CPU)
+    copy_cpu_scale: float = 0.0
+    write_cpu_scale: float = 0.0
     fill_scale: float = 1.0
     copy_scale: float = 1.0
     control_scale: float = 1.0
@@ -253,6 +262,9 @@ class _ProfileNumbers(_Table):
     write_cpu_threads: Annotated[int, Field(ge=1, le=64)] | None = None
     write_rt: bool | None = None
     copy_op_us: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    fill_cpu_scale: PosFloat | None = None
+    copy_cpu_scale: PosFloat | None = None
+    write_cpu_scale: PosFloat | None = None
     fill_scale: PosFloat | None = None
     copy_scale: PosFloat | None = None
     control_scale: PosFloat | None = None
@@ -439,6 +451,9 @@ def _host_numbers(merged: dict[str, Any], profile: str) -> HostNumbers | None:
         write_cpu_threads=int(merged.get("write_cpu_threads") or 1),
         write_rt=bool(merged.get("write_rt") or False),
         copy_op_s=(merged.get("copy_op_us") or 0.0) / 1e6,
+        fill_cpu_scale=float(merged.get("fill_cpu_scale") or 0.0),
+        copy_cpu_scale=float(merged.get("copy_cpu_scale") or 0.0),
+        write_cpu_scale=float(merged.get("write_cpu_scale") or 0.0),
         fill_scale=float(merged.get("fill_scale") or 1.0),
         copy_scale=float(merged.get("copy_scale") or 1.0),
         control_scale=float(merged.get("control_scale") or 1.0),
