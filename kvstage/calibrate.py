@@ -421,7 +421,6 @@ class Calibration:
             "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
             "write_rt": loop_is_realtime(self.raw.get("inrun"), "engine_sched"),
             "copy_op_us": _r(self.inrun.get("copy_op_us", 0.0)),
-            **{k: _r(v) for k, v in (self.inrun.get("cpu") or {}).items()},
             **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
         }
 
@@ -542,6 +541,7 @@ class Calibration:
         """The host model's fields with what they come from (sim/host.py)."""
         q = json.dumps
         steps_note, copy_note = inrun_notes(self.raw.get("inrun"), self.inrun)
+        cpu = self.inrun.get("cpu") or {}
         return [
             "# Host model (sim/host.py): ranks as hw-mode processes (loop, forward, copy threads).",
             f"# {p['host_cores']} usable cores; an idle engine process burns {self.engine_idle_cores:.3f} cores "
@@ -571,10 +571,9 @@ class Calibration:
             "# copy_op_us: a copy's fixed CPU in a rank, from the in-run run and its copy of a quarter",
             f"# the bytes (kvstage/calibrate_inrun.py fit_profile): {copy_note}",
             f"copy_op_us = {p['copy_op_us']!r}",
-            *(["# *_cpu_scale: the CPU of those steps in the in-run runs (summary.json job_cpu) over their",
-               "# time alone; the rest of each *_scale below is time without a core."]
-              if any(k in p for k in CPU_FIELDS) else []),
-            *(f"{k} = {p[k]!r}" for k in CPU_FIELDS if k in p),
+            *(["# The steps' CPU in those runs (summary.json job_cpu) over their time alone, not set",
+               "# (kvstage/calibrate_inrun.py cpu_factors says why): "
+               + ", ".join(f"{k} = {v:.3g}" for k, v in cpu.items() if k in CPU_FIELDS)] if cpu else []),
             "# In-run factors (kvstage/calibrate_inrun.py), fitted so the simulation of a short hw",
             f"# run (P1 -> D1, and its quarter-heads twin) gives their mean step times: {steps_note}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),

@@ -20,14 +20,24 @@ that the simulation of that scenario gives its mean step times:
 by damped fixed-point iteration, factor *= (hw mean / simulated mean) ** 0.8, keeping
 the round closest to the hw run (`fit_factors`, pure: tests give it a model).
 
-Before those, one more number: a copy's cost in a rank is not all bytes. The same run
-with a quarter of the KV heads (`CAL_SMALL`: every gather and scatter a quarter of the
-bytes) took 0.72-0.81 ms per copy against 0.99-1.52 ms, where the copies alone differ
-3.3x; so each copy also costs the rank a fixed part (the hand-off to its copy thread,
-the index glue, the completion that wakes the loop). `copy_op_from_runs` solves the
-two runs' mean copy times for it (profile field copy_op_us), assuming the same slowdown
-in both: t = s * (op + alone); copy_scale is then fitted with it in place. The factors then hold for every scenario simulated with the
-profile; the shared cores still change with each scenario's load over time.
+Two more runs' worth of numbers go with them:
+- the same run with a quarter of the KV heads (`CAL_SMALL`: every gather and scatter a
+  quarter of the bytes) took 0.72-0.81 ms per copy against 0.99-1.52 ms, where the
+  copies alone differ 3.3x: each copy also costs its rank a fixed part (the hand-off to
+  the copy thread, the index glue, the completion that wakes the loop), copy_op_us.
+  The factors are fitted to both runs at once (joint_steps);
+- the ranks measure what each fill, gather, scatter and NIXL lane copy costs in CPU
+  (summary.json job_cpu, hw/jobcpu.py): fills took 1.0-1.2 ms of CPU of 2.5-2.9 ms in
+  their thread, NIXL's copies 1.1x their time alone where write_scale had charged
+  2.3-4.1x. `cpu_factors` makes them fill_cpu_scale, copy_cpu_scale (with copy_op_us
+  from the two runs' copy CPU: t = s * (op + alone), closed form, copy_op_from_runs)
+  and write_cpu_scale; the simulator then charges a step that CPU and spends the rest
+  of its fitted *_scale without a core (sim/host.py split_work), so the time a step
+  waits for the interpreter lock or its turn no longer loads the other ranks. Without
+  job_cpu (older sidecars), copy_op comes from the two runs' copy times, corrected
+  against their simulation.
+The factors then hold for every scenario simulated with the profile; the shared cores
+still change with each scenario's load over time.
 """
 
 from __future__ import annotations
@@ -271,9 +281,10 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
         big = simulate(CAL_SCENARIO, factors, op_s)
         return joint_steps(big, simulate(CAL_SMALL, factors, op_s) if small else None)
 
+    # the steps' CPU (job_cpu): copy_op is CPU by definition, so it comes from there; the
+    # *_cpu_scale are recorded but not set (fidelity with them set: see cpu_factors)
     cpu = cpu_factors(fields, [inrun, *([small] if small else [])])
-    links.update({k: v for k, v in cpu.items() if k != "copy_op_us"})
-    floors = {name.replace("_cpu", ""): v for name, v in cpu.items() if name.endswith("_cpu_scale")}
+    floors: dict[str, float] = {}
     if "copy_op_us" in cpu:  # measured: the copies' CPU in the two runs (cpu_factors)
         op_s, rounds = cpu["copy_op_us"] / 1e6, 0
     else:  # from the two runs' copy times, corrected against their simulation
@@ -294,7 +305,14 @@ def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
     copies) from the in-run runs' job CPU (summary.json job_cpu, hw/jobcpu.py) over what
     the probe's numbers give those jobs alone; {} for runs that did not measure it. The
     copy's fixed part is the closed form of copy_op_from_runs on CPU seconds, which the
-    cores' sharing does not stretch."""
+    cores' sharing does not stretch.
+
+    calibrate writes the *_cpu_scale into the profile as comments, not as fields: set
+    (sim/host.py split_work: a step's CPU is alone x that, the rest of its *_scale a
+    wait without a core), they brought Mooncake's room error from 11.5% to 8.4% and
+    NIXL's from 31.9% to 26.5% on one set of hw runs, but NIXL's from 16.6% to 35.2% on
+    the next (benchmarks/fidelity.py, 2026-12-01): a wait that is fixed per step does
+    not grow with a busier host as waiting for a core does."""
     def per_run(kinds: tuple[str, ...], alone: Callable[[float], float]) -> list[tuple[float, float]]:
         out = []
         for run in runs:
