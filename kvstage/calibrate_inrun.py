@@ -29,13 +29,13 @@ Two more runs' worth of numbers go with them:
 - the ranks measure what each fill, gather, scatter and NIXL lane copy costs in CPU
   (summary.json job_cpu, hw/jobcpu.py): fills took 1.0-1.2 ms of CPU of 2.5-2.9 ms in
   their thread, NIXL's copies 1.1x their time alone where write_scale had charged
-  2.3-4.1x. `cpu_factors` makes them fill_cpu_scale, copy_cpu_scale (with copy_op_us
-  from the two runs' copy CPU: t = s * (op + alone), closed form, copy_op_from_runs)
-  and write_cpu_scale; the simulator then charges a step that CPU and spends the rest
-  of its fitted *_scale without a core (sim/host.py split_work), so the time a step
-  waits for the interpreter lock or its turn no longer loads the other ranks. Without
-  job_cpu (older sidecars), copy_op comes from the two runs' copy times, corrected
-  against their simulation.
+  2.3-4.1x. copy_op_us comes from the two runs' copy CPU (t = s * (op + alone),
+  closed form, copy_op_from_runs: the cores' sharing does not stretch CPU seconds, and
+  the copies' wall times had once given the small run's copies longer than the big
+  one's). `cpu_factors` also gives fill_cpu_scale, copy_cpu_scale and write_cpu_scale,
+  which the profile notes without setting them (why: its docstring). Without job_cpu
+  (older sidecars), copy_op comes from the two runs' copy times, corrected against
+  their simulation.
 The factors then hold for every scenario simulated with the profile; the shared cores
 still change with each scenario's load over time.
 """
