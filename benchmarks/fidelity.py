@@ -58,15 +58,18 @@ a calibration and does not count as the best calibrated variant.
     --quick: quick calibration, two cases, no per-scenario step tables (development).
     Re-simulate without hardware: --hw-from OLD --profile OLD/calibrated-<backend>.toml.
 
-Measured on this 2-core host, quiet (2026-12-01, rank loops in SCHED_RR, Mooncake's
-engine threads in rr:5, writes on CPU in the host model; 182 s), room latency MAPE:
-NIXL floor 9.8%, best calibrated 13.9% (1.42x the floor: PASS), oracle 14.5%; Mooncake
-floor 8.2%, best 16.1% (1.96x), oracle 12.9%. Earlier runs the same day gave floors of
-8.5-17.2%: the floor itself moves by several points between runs. Two bounds follow from it. A deterministic model predicts
+Measured on this 2-core host (2026-12-01, rank loops in SCHED_RR, Mooncake's engine
+threads in rr:5, writes on CPU, copy_op_us from the ranks' copy CPU, factors fitted to
+both in-run runs; 200 s), room latency MAPE: NIXL floor 10.9%, best calibrated 14.3%
+(1.32x the floor: PASS), oracle 14.7%; Mooncake floor 8.8%, best 8.4% (0.95x: PASS),
+oracle 12.4%. The same code re-simulated on two earlier sets of hw runs (--hw-from):
+NIXL 12.6% / 15.5% (floors 10.5 / 8.5%), Mooncake 8.0% / 15.8% (floors 11.5 / 10.7%).
+Floors of 7.1-17.2% were measured the same day: the floor itself moves by several
+points between runs. Two bounds follow from it. A deterministic model predicts
 one latency per room, so against one hardware run it cannot do better than that run's
-own per-room scatter around the mean, about floor / sqrt(2) (6-12% here): the oracle's
+own per-room scatter around the mean, about floor / sqrt(2) (5-12% here): the oracle's
 5% is below it on this host. And the exposed transfer latency (a few ms) differs by
-52-84% between two hardware runs, so no model meets 15% on it here.
+49-84% between two hardware runs, so no model meets 15% on it here.
 """
 
 from __future__ import annotations
