@@ -30,7 +30,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +38,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+    from kvstage.hw.jobcpu import JobCpu
 
 log = logging.getLogger("kvstage.hw.transport")
 
@@ -278,12 +279,12 @@ class Transport(abc.ABC):
         self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
         #: the rank's job CPU totals (hw/jobcpu.py): an adapter whose lane copies the bytes
         #: itself (NIXL's CMA) counts each batch there as a "write" job
-        self.job_cpu: Any = None
+        self.job_cpu: JobCpu | None = None
         #: called on each lane thread as it starts (the rank sets its scheduling class)
         self.on_lane_start: Callable[[], None] | None = None
         #: a context each batch runs in on its lane (the rank: its scheduling class while
         #: the engine copies, hw/priority.py WritePriority.lane_batch)
-        self.lane_guard: Callable[[], AbstractContextManager[Any]] | None = None
+        self.lane_guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod

@@ -225,13 +225,12 @@ def _worst(target: dict[str, float], got: dict[str, float]) -> float:
 
 
 def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
-                rounds: int = ROUNDS, floors: dict[str, float] | None = None) -> tuple[dict[str, float], list[dict]]:
+                rounds: int = ROUNDS) -> tuple[dict[str, float], list[dict]]:
     """Factors (FACTORS' fields) such that simulate(factors) ~ target, per kind of step,
     by factor *= (target / simulated) ** DAMPING (the factors act on each other's steps:
     a slower loop also delays writes, so a full step can overshoot); returns the round
     whose worst relative step error is least, and the history of every round."""
-    floor = {**FLOOR, **(floors or {})}
-    factors = {name: max(1.0, floor.get(name, 0.0)) for name, _ in FACTORS.values()}
+    factors = {name: 1.0 for name, _ in FACTORS.values()}
     history: list[dict] = []
     lo, hi = FACTOR_RANGE
     for _ in range(rounds):
@@ -240,7 +239,7 @@ def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]],
         for kind, (name, _) in FACTORS.items():
             t, g = target.get(kind, math.nan), got.get(kind, math.nan)
             if t == t and g == g and t > 0 and g > 0:
-                factors[name] = min(hi, max(floor.get(name, lo), factors[name] * (t / g) ** DAMPING))
+                factors[name] = min(hi, max(FLOOR.get(name, lo), factors[name] * (t / g) ** DAMPING))
     best = min(history, key=lambda h: h["worst"])
     return best["factors"], history
 
@@ -252,10 +251,12 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
 
     The factors are fitted to both runs at once (joint_steps), so each rests on twice
     the samples: fitted to one 8-request run, NIXL's fill_scale came out anywhere from
-    3.4 to 7.7 on this host. copy_op starts at the closed form (copy_op_from_runs) and
-    is corrected against the simulation of CAL_SMALL: with the factors fitted, op moves
-    by the small run's copy error over its current slowdown (the two runs share their
-    cores differently, so the closed form alone is off by a third on a simulated pair)."""
+    3.4 to 7.7 on this host. copy_op comes from the two runs' copy CPU (cpu_factors);
+    where the runs did not measure it, it starts at the closed form on their copy times
+    (copy_op_from_runs) and is corrected against the simulation of CAL_SMALL: with the
+    factors fitted, op moves by the small run's copy error over its current slowdown
+    (the two runs share their cores differently, so the closed form alone is off by a
+    third on a simulated pair)."""
     if not inrun or not inrun.get("ok"):
         return {}
     from kvstage.shared.scenario import scenario_from_dict
@@ -284,18 +285,17 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
     # the steps' CPU (job_cpu): copy_op is CPU by definition, so it comes from there; the
     # *_cpu_scale are recorded but not set (fidelity with them set: see cpu_factors)
     cpu = cpu_factors(fields, [inrun, *([small] if small else [])])
-    floors: dict[str, float] = {}
     if "copy_op_us" in cpu:  # measured: the copies' CPU in the two runs (cpu_factors)
         op_s, rounds = cpu["copy_op_us"] / 1e6, 0
     else:  # from the two runs' copy times, corrected against their simulation
         op_s = _copy_op(fields, inrun)
         rounds = OP_ROUNDS if op_s > 0 else 0
     for _ in range(rounds):
-        factors, _ = fit_factors(target, partial(simulate_both, op_s=op_s), floors=floors)
+        factors, _ = fit_factors(target, partial(simulate_both, op_s=op_s))
         got, want = simulate(CAL_SMALL, factors, op_s)["copy"], small["steps"]["copy"]
         slowdown = got / (op_s + _copy_alone(fields, small))  # span per CPU second of a copy
         op_s = min(COPY_OP_MAX_S, max(0.0, op_s + (want - got) / slowdown))
-    factors, history = fit_factors(target, partial(simulate_both, op_s=op_s), floors=floors)
+    factors, history = fit_factors(target, partial(simulate_both, op_s=op_s))
     return {"factors": factors, "target": target, "history": history, "copy_op_us": op_s * 1e6,
             "cpu": {k: v for k, v in cpu.items() if k != "copy_op_us"}}
 
