@@ -63,7 +63,8 @@ threads in rr:5, writes on CPU, copy_op_us from the ranks' copy CPU, factors fit
 both in-run runs; 200 s), room latency MAPE: NIXL floor 10.9%, best calibrated 14.3%
 (1.32x the floor: PASS), oracle 14.7%; Mooncake floor 8.8%, best 8.4% (0.95x: PASS),
 oracle 12.4%. The same code re-simulated on two earlier sets of hw runs (--hw-from):
-NIXL 12.6% / 15.5% (floors 10.5 / 8.5%), Mooncake 8.0% / 15.8% (floors 11.5 / 10.7%).
+NIXL 12.6% / 15.5% (floors 10.5 / 8.5%), Mooncake 8.0% / 15.8% (floors 11.5 / 10.7%);
+a later run: NIXL 13.1% (floor 9.2%, PASS), Mooncake 16.5% (floor 8.7%, miss).
 Floors of 7.1-17.2% were measured the same day: the floor itself moves by several
 points between runs. Two bounds follow from it. A deterministic model predicts
 one latency per room, so against one hardware run it cannot do better than that run's
