@@ -23,7 +23,7 @@ independent GPU streams and a fixed control latency instead; this module adds:
   reach the rank through its loop (`deliver`: `event_s` of loop CPU each); work done
   on a thread is handled by the loop at its next turn (`offload`: half a poll period
   later on average, then one event).
-- `fill_time`: the hw forward, a pattern fill of the chunk's KV bytes.
+- `fill_alone`: the hw forward alone, a pattern fill of the chunk's KV bytes.
 
 All numbers come from `kvstage calibrate` (profile fields, shared/scenario
 HOST_FIELDS). Deterministic: SimPy's clock, jobs in submission order.
@@ -66,14 +66,9 @@ def steady_load(host: HostNumbers, ranks: int) -> list[tuple[float, float]]:
     return out
 
 
-def fill_time(host: HostNumbers, nbytes: int) -> float:
-    """Seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes, on a
-    core of its own (times the in-run fill_scale)."""
-    return fill_alone(host, nbytes) * host.fill_scale
-
-
 def fill_alone(host: HostNumbers, nbytes: int) -> float:
-    """The probe's time of that fill alone."""
+    """Seconds of one hw-mode prefill forward (pattern fill) of `nbytes` KV bytes alone,
+    as the probe timed it (HostModel.fill stretches it by the in-run fill_scale)."""
     return host.fill_latency_s + nbytes / host.fill_bandwidth_bytes_s
 
 
@@ -297,18 +292,21 @@ class HostModel:
         """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread,
         plus the rank's own CPU per copy (copy_op_s: hand-off, glue, completion)."""
         h = self.host
-        work, wait = split_work(seconds + h.copy_op_s, h.copy_scale, h.copy_cpu_scale)
-        if wait > 0:
-            self.copies[rt].wait(wait)
-        self.offload(self.copies[rt], rt, work, fn, event)
+        self._stretched(self.copies[rt], rt, seconds + h.copy_op_s, h.copy_scale, h.copy_cpu_scale, fn, event)
 
     def fill(self, rt, nbytes: int, fn: Callable, event) -> None:
         """A forward's pattern fill of `nbytes` on the rank's forward thread."""
         h = self.host
-        work, wait = split_work(fill_alone(h, nbytes), h.fill_scale, h.fill_cpu_scale)
+        self._stretched(self.forwards[rt], rt, fill_alone(h, nbytes), h.fill_scale, h.fill_cpu_scale, fn, event)
+
+    def _stretched(self, worker: Worker, rt, alone: float, scale: float, cpu_scale: float,
+                   fn: Callable, event) -> None:
+        """A step of `alone` seconds alone, stretched by its in-run factor (split_work),
+        offloaded to `worker`."""
+        work, wait = split_work(alone, scale, cpu_scale)
         if wait > 0:
-            self.forwards[rt].wait(wait)
-        self.offload(self.forwards[rt], rt, work, fn, event)
+            worker.wait(wait)
+        self.offload(worker, rt, work, fn, event)
 
     def write(self, rt, peer: int, seconds: float, fn: Callable, *args) -> None:
         """A write of `seconds` (alone) to `peer` on the rank's lane for that peer, a
@@ -330,7 +328,7 @@ class HostModel:
         for k in range(threads):
             lane = self.lanes.get((rt, peer, k))
             if lane is None:
-                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu, RT_LOW_WEIGHT if self.host.write_rt else 1.0)
+                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu, RT_LOW_WEIGHT if h.write_rt else 1.0)
             if wait > 0:
                 lane.wait(wait)
             lane.submit(seconds, one_done)

@@ -21,7 +21,7 @@ from kvstage.sim.host import (
     CpuShare,
     HostModel,
     Worker,
-    fill_time,
+    fill_alone,
     nice_weight,
     scaled_link,
     share,
@@ -147,8 +147,8 @@ def test_threads_of_a_rank_share_the_cores_and_a_wait_takes_none():
     assert seen[-1] == ("copy2", pytest.approx(1.0))
 
 
-def test_fill_time():
-    assert fill_time(_numbers(), 1_000_000) == pytest.approx(800e-6 + 1e6 / 0.25e9)
+def test_fill_alone():
+    assert fill_alone(_numbers(), 1_000_000) == pytest.approx(800e-6 + 1e6 / 0.25e9)
     assert nice_weight(0) == 1.0
 
 
@@ -170,7 +170,7 @@ def test_driver_forward_is_fill_plus_poll_wait_plus_one_event():
     chunk_bytes = 2 * g.layers * g.prefill_heads * g.head_dim * g.dtype_bytes * 256
     computes = sorted((x for x in r.records if x.phase == "compute"), key=lambda x: x.chunk)
     c0 = computes[0]
-    assert c0.end - c0.start == pytest.approx(fill_time(h, chunk_bytes) + 0.5e-3 + h.event_s)
+    assert c0.end - c0.start == pytest.approx(fill_alone(h, chunk_bytes) * h.fill_scale + 0.5e-3 + h.event_s)
     for a, b in zip(computes, computes[1:], strict=False):
         assert b.start >= a.end - 1e-12
     rt = sim.prefill[0]
