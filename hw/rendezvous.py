@@ -504,12 +504,12 @@ class RendezvousServer:
         self.registered[ident] = name
         asked = {n for n, (_, i) in self.hellos.items()
                  if i.role == "decode" and n not in self.gone and n not in self.down}
-        notice = {"kind": "rejoin", "rank": info.to_json()}
-        for n in sorted(asked):
-            self._send(self.hellos[n][0], notice)
         self._rejoining[name] = _Rejoin(ident, info, asked, time.monotonic() + REJOIN_ACK_S, after)
         self.events.append(f"rank {name} registered again as incarnation {info.incarnation}: asking "
                            f"{', '.join(sorted(asked)) or 'no decode rank'} which rooms it serves")
+        notice = {"kind": "rejoin", "rank": info.to_json()}
+        for n in sorted(asked):  # asked only once the rejoin is recorded (as everywhere here)
+            self._send(self.hellos[n][0], notice)
 
     def _rejoin_ack(self, ident: bytes, msg: dict[str, Any]) -> None:
         name = self.registered.get(ident)
@@ -549,13 +549,15 @@ class RendezvousServer:
         table = [info.to_json() for _, info in self.hellos.values()]
         rejoin = {"incarnation": r.info.incarnation, "first_room": first, "answered": sorted(r.answers),
                   "silent": silent}
-        self._send(r.ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoin": rejoin})
+        # Record first, answer last: the rank's hello returns as soon as the table arrives,
+        # and whoever reads `rejoins` next (a query, the launcher) must find the rejoin.
         self.last_heard[name] = now
         self.rejoins.append({"rank": name, "incarnation": r.info.incarnation, "first_room": first,
                              "after": self.headline(r.after)})
         self.events.append(f"rank {name} rejoined the run as incarnation {r.info.incarnation}, serving rooms "
                            f"{'from ' + str(first) if first is not None else 'none'}"
                            f"{' (no answer from ' + ', '.join(silent) + ')' if silent else ''}")
+        self._send(r.ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoin": rejoin})
 
     def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
         """`name` died or went silent during the run (`why` says how): down, and gone

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -177,19 +178,34 @@ def test_a_rank_without_a_secret_does_not_start(monkeypatch, tmp_path, capsys):
     assert "too short" in capsys.readouterr().err
 
 
+
 @contextmanager
 def serving(server: RendezvousServer):
-    """The server handles messages in a thread of its own (the only one touching it)."""
+    """The server handles messages in a thread of its own, the only one that changes it,
+    as in the launcher. The test reads its state; to change it (say, mark a rank down),
+    it hands a call to that thread with the `call` this yields and gets its result."""
     stop = threading.Event()
+    calls: queue.Queue = queue.Queue()
 
     def serve() -> None:
         while not stop.is_set():
             server.poll(0.02)
+            while not calls.empty():
+                fn, box, done = calls.get()
+                box.append(fn())
+                done.set()
+
+    def call(fn):
+        box: list = []
+        done = threading.Event()
+        calls.put((fn, box, done))
+        assert done.wait(10), "the serving thread did not take the call"
+        return box[0]
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield
+        yield call
     finally:
         stop.set()
         thread.join(5)

@@ -181,7 +181,7 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
     server = RendezvousServer(["prefill0", "decode0"], secret=secret, rejoin_grace_s=30)
     clients: list[RendezvousClient] = []
     try:
-        with serving(server):
+        with serving(server) as on_server:
             ranks = _register(server, secret, [_info("prefill", 0, 100), _info("decode", 0, 100)])
             clients += ranks.values()
             # the restarted prefill0 registers again under a newer incarnation ...
@@ -215,7 +215,7 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
             ranks["prefill0"].send({"kind": "report", "role": "prefill", "rank": 0})  # the old connection
             _until(lambda: "report from a connection that registered no rank" in server.refusals[-1])
             # a rank declared gone (its grace over) cannot come back
-            server.mark_down("prefill0", "rank prefill0 died", grace_s=0)
+            on_server(lambda: server.mark_down("prefill0", "rank prefill0 died", grace_s=0))
             assert server.gone == {"prefill0": "rank prefill0 died"}
             stranger.send({"kind": "hello", **_info("prefill", 0, 400).to_json()})
             with pytest.raises(RendezvousError, match="declared gone, too late to rejoin"):
