@@ -56,8 +56,8 @@ MAX_SENDERS = 4096
 # KVSTAGE_LOOP_STATS=DIR (hw/rank.py): a control plane also stamps every frame it sends and
 # receives and every wake of its poll, for benchmarks/hw_loop.py's delivery breakdown.
 LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
-_TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
-_TO_RANK = b"kvstage rendezvous launcher->rank v1"
+TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
+TO_RANK = b"kvstage rendezvous launcher->rank v1"
 
 
 class RunSecretError(RuntimeError):
@@ -111,7 +111,7 @@ def write_secret_file(path: Path, secret: bytes) -> None:
         os.close(fd)
 
 
-class _Mac:
+class FrameMac:
     """HMAC-SHA256 of a frame list under one key and channel label."""
 
     def __init__(self, secret: bytes, label: bytes) -> None:
@@ -136,7 +136,7 @@ class _Mac:
         return body if hmac.compare_digest(self.of(body), frames[-1]) else None
 
 
-class _Throttled:
+class Throttled:
     """Logs the first few of a kind of drop, then every 1000th (a flood stays readable)."""
 
     def __init__(self, logger: logging.Logger, first: int = 5) -> None:
@@ -160,14 +160,14 @@ def signed(frames: Sequence[bytes], secret: bytes, *, sender: bytes = b"by-hand"
     sequence number of an incarnation that starts now."""
     inc = time.time_ns() if incarnation is None else incarnation
     header = _header(inc, next(_by_hand) if seq is None else seq)
-    return _Mac(run_secret(secret), _CONTROL).sign([sender, header, *frames])
+    return FrameMac(run_secret(secret), _CONTROL).sign([sender, header, *frames])
 
 
 def _header(incarnation: int, seq: int) -> bytes:
     return incarnation.to_bytes(8, "big") + seq.to_bytes(8, "big")
 
 
-def _size(frames: Sequence[bytes]) -> int:
+def frames_size(frames: Sequence[bytes]) -> int:
     return sum(len(f) for f in frames)
 
 
@@ -225,7 +225,7 @@ class ControlPlane:
 
     def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None, *,
                  secret: bytes | None = None, name: str | None = None) -> None:
-        self._mac = _Mac(run_secret(secret), _CONTROL)
+        self._mac = FrameMac(run_secret(secret), _CONTROL)
         self._incarnation = time.time_ns()
         self._seq = 0
         self._last: dict[bytes, tuple[int, int]] = {}  # sender -> its newest (incarnation, seq)
@@ -247,7 +247,7 @@ class ControlPlane:
         self.oversize = 0
         self.sent = 0
         self.received = 0
-        self._warn = _Throttled(log)
+        self._warn = Throttled(log)
         # with $KVSTAGE_LOOP_STATS: ("s", peer, seq, kind, called, returned) per frame sent,
         # ("w", poll start, woke, run delay at both) per wait, ("r", sender, seq, kind, received)
         # per frame accepted (time.time() and run_delay_s(), s)
@@ -328,10 +328,10 @@ class ControlPlane:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if len(frames) > MAX_CONTROL_FRAMES or _size(frames) > MAX_CONTROL_BYTES:
+            if len(frames) > MAX_CONTROL_FRAMES or frames_size(frames) > MAX_CONTROL_BYTES:
                 self.oversize += 1
                 self._warn.warn("oversize", "dropped a control message of %d frames, %d bytes (at most %d, %d)",
-                                len(frames), _size(frames), MAX_CONTROL_FRAMES, MAX_CONTROL_BYTES)
+                                len(frames), frames_size(frames), MAX_CONTROL_FRAMES, MAX_CONTROL_BYTES)
                 continue
             body = self._mac.verify(frames)
             if body is None:

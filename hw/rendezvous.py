@@ -30,13 +30,13 @@ from typing import Any
 import zmq
 
 from kvstage.hw.control import (
-    _TO_LAUNCHER,
-    _TO_RANK,
     MAX_RENDEZVOUS_BYTES,
     SECRET_ENV,
-    _Mac,
-    _size,
-    _Throttled,
+    TO_LAUNCHER,
+    TO_RANK,
+    FrameMac,
+    Throttled,
+    frames_size,
     log,
     run_secret,
 )
@@ -150,8 +150,8 @@ class RendezvousClient:
     def __init__(self, address: str, ctx: zmq.Context | None = None, *, secret: bytes | None = None,
                  watch: Callable[[], None] | None = None) -> None:
         secret = run_secret(secret)
-        self._up = _Mac(secret, _TO_LAUNCHER)
-        self._down = _Mac(secret, _TO_RANK)
+        self._up = FrameMac(secret, TO_LAUNCHER)
+        self._down = FrameMac(secret, TO_RANK)
         self.watch = watch
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -182,7 +182,7 @@ class RendezvousClient:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            body = self._down.verify(frames) if _size(frames) <= MAX_RENDEZVOUS_BYTES else None
+            body = self._down.verify(frames) if frames_size(frames) <= MAX_RENDEZVOUS_BYTES else None
             if body is None or len(body) != 1:
                 raise RendezvousError(f"the rendezvous at {self.address} answered with a message this rank cannot "
                                       f"authenticate: this rank's run secret is not the launcher's (check "
@@ -355,8 +355,8 @@ class RendezvousServer:
                  advertise: str | None = None, silent_s: float | None = None,
                  rejoin_grace_s: float = 0.0, grace_s: dict[str, float] | None = None) -> None:
         secret = run_secret(secret)
-        self._up = _Mac(secret, _TO_LAUNCHER)
-        self._down = _Mac(secret, _TO_RANK)
+        self._up = FrameMac(secret, TO_LAUNCHER)
+        self._down = FrameMac(secret, TO_RANK)
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -383,7 +383,7 @@ class RendezvousServer:
         self._rejoining: dict[str, _Rejoin] = {}
         self.events: list[str] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
         self.rooms: dict[str, tuple[int, int]] = {}  # rank -> (rooms ended, rooms of its workload), as it said
-        self._warn = _Throttled(log, first=20)
+        self._warn = Throttled(log, first=20)
 
     def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:
@@ -426,8 +426,8 @@ class RendezvousServer:
             self._tend(time.monotonic())
 
     def _handle(self, ident: bytes, frames: list[bytes]) -> None:
-        if _size(frames) > MAX_RENDEZVOUS_BYTES:
-            return self._refuse(ident, f"message of {_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
+        if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
+            return self._refuse(ident, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
         body = self._up.verify(frames)
         if body is None or len(body) != 1:
             return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
