@@ -27,10 +27,16 @@ of an incarnation older than the one that rejoined is stale and ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
-
 from kvstage.shared.cluster import Sessions
+from kvstage.shared.decode_state import (
+    MAX_EARLY_REQS,
+    DecodeChunk,
+    DecodeRoom,
+    InFlightScatter,
+    Quarantine,
+    chunk_state,
+    move_chunk,
+)
 from kvstage.shared.events import (
     AbortRoom,
     Action,
@@ -46,8 +52,8 @@ from kvstage.shared.events import (
     Send,
     Tick,
 )
-from kvstage.shared.layout import Chunk, Geometry, LayoutError, room_pages
-from kvstage.shared.machine import LocalProtocolError, MachineBase, ProtocolConfig, TransferPath
+from kvstage.shared.layout import Geometry, LayoutError, room_pages
+from kvstage.shared.machine import MachineBase, ProtocolConfig, TransferPath
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
@@ -59,71 +65,7 @@ from kvstage.shared.protocol import (
     Watermark,
     WriterDone,
 )
-from kvstage.shared.ring import Allocation, StagingRing, WatermarkPos
-
-# REQs kept per room before it opens: enough for every writer and chunk of any real
-# room, bounded so that a peer's garbage cannot grow memory without limit.
-MAX_EARLY_REQS = 1 << 14
-
-
-class DecodeChunk(Enum):
-    COLLECTING = "collecting"
-    SCATTERING = "scattering"
-    COMPLETE = "complete"
-
-
-DECODE_TRANSITIONS: dict[DecodeChunk, frozenset[DecodeChunk]] = {
-    DecodeChunk.COLLECTING: frozenset({DecodeChunk.SCATTERING, DecodeChunk.COMPLETE}),
-    DecodeChunk.SCATTERING: frozenset({DecodeChunk.COMPLETE}),
-    DecodeChunk.COMPLETE: frozenset(),
-}
-
-
-@dataclass(slots=True)
-class _Room:
-    room: int
-    created: float
-    writers: list[int]  # the (global) prefill ranks writing this room here: its sessions
-    chunks: list[Chunk] | None = None  # known once opened
-    dst_page_base: int = 0
-    allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
-    deadline: float = 0.0
-    retries: int = 0
-    early: list[StagingReq | ChunkReady | WriterDone] = field(default_factory=list)  # before the open
-    asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
-    arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
-    first_arrival: dict[int, float] = field(default_factory=dict)
-    state: dict[int, DecodeChunk] = field(default_factory=dict)  # absent: COLLECTING
-    complete: int = 0  # chunks COMPLETE
-    writers_done: dict[int, int] = field(default_factory=dict)  # writer -> num_chunks claimed
-
-
-def _move(room: _Room, chunk: int, new: DecodeChunk) -> None:
-    old = room.state.get(chunk, DecodeChunk.COLLECTING)
-    if new not in DECODE_TRANSITIONS[old]:
-        raise LocalProtocolError(f"room {room.room} chunk {chunk}: {old.value} -> {new.value} is not a legal move")
-    room.state[chunk] = new
-    if new is DecodeChunk.COMPLETE:
-        room.complete += 1
-
-
-def _state(room: _Room, chunk: int) -> DecodeChunk:
-    return room.state.get(chunk, DecodeChunk.COLLECTING)
-
-
-@dataclass(slots=True)
-class _InFlightScatter:
-    alloc_id: int
-    start: float
-
-
-@dataclass(slots=True)
-class _Quarantine:
-    """A failed room whose memory stays out of reuse until its writers confirmed."""
-
-    held: list[tuple[int, int]]  # (chunk, allocation id) of staging regions not yet freed
-    waiting: set[int]  # prefill ranks that have not confirmed the abort
-    until: float  # the grace: released then even without every confirmation
+from kvstage.shared.ring import StagingRing, WatermarkPos
 
 
 class DecodeMachine(MachineBase):
@@ -142,7 +84,7 @@ class DecodeMachine(MachineBase):
         self.ring = StagingRing(pool_bytes)
         # every session that may write here, over all prefill instances sharing the ring
         self._all_writers = frozenset(self.sessions.all_writers(rank))
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, DecodeRoom] = {}
         # Prefill ranks told of every watermark move, in order: those with a live room
         # here. A rank whose last room here ended is dropped, so that a ring shared by
         # many prefill instances (a load-aware router) does not send each move to every
@@ -150,12 +92,12 @@ class DecodeMachine(MachineBase):
         # current watermark.
         self._subscribers: dict[int, None] = {}
         self._live_rooms_of: dict[int, int] = {}  # prefill rank -> live rooms it writes here
-        self._scatters: dict[tuple[int, int], _InFlightScatter] = {}
+        self._scatters: dict[tuple[int, int], InFlightScatter] = {}
         self._last_wm = self.ring.watermark
         self._ring_changed = False  # an assign or free since the last watermark check
         self._region_cache: dict[int, int] = {}
         # failed rooms whose staging regions and KV pages are kept out of reuse
-        self._quarantine: dict[int, _Quarantine] = {}
+        self._quarantine: dict[int, Quarantine] = {}
         self.scatters_issued = 0
         # writers that were lost and rejoined as a new incarnation: (role, rank) ->
         # (incarnation, first room it serves); rooms before it stay the lost one's
@@ -244,7 +186,7 @@ class DecodeMachine(MachineBase):
         room = self._rooms.get(ev.room)
         if room is None:
             return  # the room failed while its scatter ran; the region is free now
-        _move(room, ev.chunk, DecodeChunk.COMPLETE)
+        move_chunk(room, ev.chunk, DecodeChunk.COMPLETE)
         self._maybe_done(room, now, out)
 
     def _on_abort_local(self, ev: AbortRoom, now: float, out: list[Action]) -> None:
@@ -324,7 +266,7 @@ class DecodeMachine(MachineBase):
             return None
         return w
 
-    def _live_room(self, msg, now: float, out: list[Action]) -> _Room | None:
+    def _live_room(self, msg, now: float, out: list[Action]) -> DecodeRoom | None:
         """The message's room, created if unknown; None if it already finished (a late
         message about a failed room is answered with the ABORT it may have missed)."""
         if self.is_finished(msg.room):
@@ -342,7 +284,7 @@ class DecodeMachine(MachineBase):
             room = self._new_room(msg.room, now)
         return room
 
-    def _keep_early(self, room: _Room, msg, now: float, out: list[Action]) -> bool:
+    def _keep_early(self, room: DecodeRoom, msg, now: float, out: list[Action]) -> bool:
         """Keep a writer's message that came before the room opened here (clock skew, or
         a KV pool that is full); False if too many are kept (then it is dropped)."""
         if len(room.early) < MAX_EARLY_REQS:
@@ -396,7 +338,7 @@ class DecodeMachine(MachineBase):
             ring_used=self.ring.used_bytes, detail="" if alloc else "oversized",
         )
 
-    def _opened_room(self, msg, now: float, out: list[Action], ack) -> tuple[int, _Room] | None:
+    def _opened_room(self, msg, now: float, out: list[Action], ack) -> tuple[int, DecodeRoom] | None:
         """The writer and its room for a writer's CHUNK_READY or WRITER_DONE, or None:
         not a writer of a live room, or a room not opened here yet (then the message is
         kept for the open and acknowledged with `ack`, so the writer stops re-sending)."""
@@ -432,7 +374,7 @@ class DecodeMachine(MachineBase):
         self._chunk_maybe_complete(room, msg.chunk, now, out)
         self._maybe_done(room, now, out)
 
-    def _implausible_ready(self, room: _Room, msg: ChunkReady, w: int) -> str:
+    def _implausible_ready(self, room: DecodeRoom, msg: ChunkReady, w: int) -> str:
         """Why a CHUNK_READY cannot be a true one from writer `w` ('' if it can be)."""
         if not msg.chunk < len(room.chunks):
             return f"for chunk {msg.chunk} beyond the room's {len(room.chunks)} chunks"
@@ -475,8 +417,8 @@ class DecodeMachine(MachineBase):
         self._drop(out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1))
 
     # --- fan-in and completion ------------------------------------------------------------
-    def _chunk_maybe_complete(self, room: _Room, chunk: int, now: float, out: list[Action]) -> None:
-        if room.chunks is None or _state(room, chunk) is not DecodeChunk.COLLECTING:
+    def _chunk_maybe_complete(self, room: DecodeRoom, chunk: int, now: float, out: list[Action]) -> None:
+        if room.chunks is None or chunk_state(room, chunk) is not DecodeChunk.COLLECTING:
             return
         if len(room.arrived.get(chunk, ())) < len(room.writers):
             return
@@ -484,14 +426,14 @@ class DecodeMachine(MachineBase):
         self._record(out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk)
         alloc = room.allocs.get(chunk)
         if alloc is None:  # slice path or OVERSIZED: the bytes are already in the KV pool
-            _move(room, chunk, DecodeChunk.COMPLETE)
+            move_chunk(room, chunk, DecodeChunk.COMPLETE)
             return
-        _move(room, chunk, DecodeChunk.SCATTERING)
-        self._scatters[(room.room, chunk)] = _InFlightScatter(alloc.id, now)
+        move_chunk(room, chunk, DecodeChunk.SCATTERING)
+        self._scatters[(room.room, chunk)] = InFlightScatter(alloc.id, now)
         self.scatters_issued += 1
         out.append(Scatter(room.room, chunk, alloc.offset, alloc.nbytes, c.page_start, c.num_pages, room.dst_page_base))
 
-    def _maybe_done(self, room: _Room, now: float, out: list[Action]) -> None:
+    def _maybe_done(self, room: DecodeRoom, now: float, out: list[Action]) -> None:
         if room.chunks is None or len(room.writers_done) < len(room.writers):
             return
         if room.complete < len(room.chunks):
@@ -502,7 +444,7 @@ class DecodeMachine(MachineBase):
         out.append(RoomDone(room.room))
         out.append(ReleaseRoom(room.room))
 
-    def _fail(self, room: _Room, reason: str, now: float, out: list[Action], skip_writer: int = -1) -> None:
+    def _fail(self, room: DecodeRoom, reason: str, now: float, out: list[Action], skip_writer: int = -1) -> None:
         """Fail a room: release every region it holds, tell its writers.
 
         A region being scattered is freed when its scatter completes. The others,
@@ -513,14 +455,14 @@ class DecodeMachine(MachineBase):
         """
         self._end_room(room)
         held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
-                if alloc is not None and _state(room, chunk) is not DecodeChunk.SCATTERING]
+                if alloc is not None and chunk_state(room, chunk) is not DecodeChunk.SCATTERING]
         # a writer's new incarnation knows nothing of an older room: it is not told
         told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
         waiting = set(told)
         exposed = room.chunks is not None or held
         if exposed and waiting:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
-            self._quarantine[room.room] = _Quarantine(held, waiting, until)
+            self._quarantine[room.room] = Quarantine(held, waiting, until)
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
@@ -543,7 +485,7 @@ class DecodeMachine(MachineBase):
             elif room_id in self._quarantine and now >= self._quarantine[room_id].until:
                 self._release_quarantine(room_id, now, out)
 
-    def _resend_bootstrap(self, room: _Room, now: float, out: list[Action]) -> None:
+    def _resend_bootstrap(self, room: DecodeRoom, now: float, out: list[Action]) -> None:
         """A writer not heard from about an open room may have lost its BOOTSTRAP (which
         the slice path and OVERSIZED chunks need): send it again, with backoff."""
         if room.chunks is None:
@@ -576,14 +518,14 @@ class DecodeMachine(MachineBase):
             self._free(room_id, chunk, alloc_id, now, out)
         out.append(ReleaseRoom(room_id))
 
-    def _stall_reason(self, room: _Room) -> str:
+    def _stall_reason(self, room: DecodeRoom) -> str:
         waits = []
         if room.chunks is None:
             waits.append("the room to open locally")
         else:
             missing = {}
             for c in room.chunks:
-                if _state(room, c.index) is DecodeChunk.COLLECTING:
+                if chunk_state(room, c.index) is DecodeChunk.COLLECTING:
                     got = room.arrived.get(c.index, set())
                     missing[c.index] = [p for w, p in enumerate(room.writers) if w not in got]
             if missing:
@@ -598,8 +540,8 @@ class DecodeMachine(MachineBase):
         return f"decode rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + "; ".join(waits)
 
     # --- ring and watermark ----------------------------------------------------------------
-    def _new_room(self, room_id: int, now: float) -> _Room:
-        room = _Room(room_id, now, self.sessions.writers(room_id, self.rank))
+    def _new_room(self, room_id: int, now: float) -> DecodeRoom:
+        room = DecodeRoom(room_id, now, self.sessions.writers(room_id, self.rank))
         self._rooms[room_id] = room
         live = self._live_rooms_of
         for p in room.writers:
@@ -616,7 +558,7 @@ class DecodeMachine(MachineBase):
         self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
                      ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
 
-    def _end_room(self, room: _Room) -> None:
+    def _end_room(self, room: DecodeRoom) -> None:
         """A room leaves the live set: a writer with no other live room here is no
         longer told of watermark moves."""
         del self._rooms[room.room]
