@@ -94,18 +94,39 @@ def run_secret(secret: bytes | None = None) -> bytes:
 
 
 def read_secret_file(path: str | Path) -> bytes:
+    """The run secret in `path`, which only its owner may read: a secret that others on
+    the host can read authenticates nobody (RunSecretError, naming the mode and the fix)."""
     try:
-        text = Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise RunSecretError(f"cannot read the run secret file {path}: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if mode & 0o077:
+            raise RunSecretError(f"the run secret file {path} can be read by others (mode {mode & 0o777:04o}); "
+                                 f"allowed: readable by its owner only (chmod 600 {path})")
+        text = os.read(fd, 4096).decode(errors="replace")
+    except OSError as exc:
+        raise RunSecretError(f"cannot read the run secret file {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     return parse_secret(text, str(path))
 
 
 def write_secret_file(path: Path, secret: bytes) -> None:
-    """Write `secret` (hex) to `path`, readable by its owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write `secret` (hex) to a new file `path`, readable by its owner only (0600).
+
+    A file already there (a run directory used again) is removed first, and never
+    followed: `unlink` removes a planted symlink itself, and the new file is created
+    with O_EXCL | O_NOFOLLOW, so a link planted again in between makes this fail
+    instead of writing the secret where the link points."""
     try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
         os.write(fd, (secret.hex() + "\n").encode())
     finally:
         os.close(fd)

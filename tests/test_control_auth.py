@@ -29,6 +29,7 @@ from kvstage.hw.control import (
     MAX_CONTROL_BYTES,
     SECRET_ENV,
     ControlPlane,
+    RunSecretError,
     new_secret,
     read_secret_file,
     signed,
@@ -174,9 +175,40 @@ def test_a_rank_without_a_secret_does_not_start(monkeypatch, tmp_path, capsys):
     assert rank_main([*argv, "--secret-file", str(tmp_path / "missing")]) == 2
     assert "cannot read the run secret file" in capsys.readouterr().err
     (tmp_path / "short").write_text("abcd\n")
+    (tmp_path / "short").chmod(0o600)
     assert rank_main([*argv, "--secret-file", str(tmp_path / "short")]) == 2
     assert "too short" in capsys.readouterr().err
+    write_secret_file(tmp_path / "shared", new_secret())
+    (tmp_path / "shared").chmod(0o644)
+    assert rank_main([*argv, "--secret-file", str(tmp_path / "shared")]) == 2
+    err = capsys.readouterr().err
+    assert "can be read by others (mode 0644)" in err and "chmod 600" in err and "Traceback" not in err
 
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
+def test_a_secret_file_others_can_read_is_refused(tmp_path, mode):
+    f = tmp_path / "run.secret"
+    write_secret_file(f, new_secret())
+    assert len(read_secret_file(f)) == 32  # the owner's own file is fine
+    f.chmod(mode)
+    with pytest.raises(RunSecretError, match=f"can be read by others \\(mode {mode:04o}\\)"):
+        read_secret_file(f)
+
+
+def test_the_secret_file_is_never_written_through_a_planted_link(tmp_path):
+    """A run directory used again gets a fresh 0600 file; a symlink planted where the
+    secret goes is removed, not followed: its target keeps its bytes."""
+    target = tmp_path / "elsewhere"
+    target.write_text("not yours\n")
+    f = tmp_path / "run.secret"
+    f.symlink_to(target)
+    secret = new_secret()
+    write_secret_file(f, secret)
+    assert not f.is_symlink() and f.stat().st_mode & 0o777 == 0o600
+    assert read_secret_file(f) == secret and target.read_text() == "not yours\n"
+    f.chmod(0o644)  # a file left with a wider mode is replaced, not reused
+    write_secret_file(f, new_secret())
+    assert f.stat().st_mode & 0o777 == 0o600 and read_secret_file(f) != secret
 
 
 @contextmanager
