@@ -1,11 +1,12 @@
-"""Code shape: no source file over 700 lines, no function or method over 80 lines.
+"""Code shape: no function or method over 80 lines.
 
 Every .py file under shared/, sim/, hw/ and kvstage/ is parsed with `ast`. A
 function's length runs from its `def` line to its last line (decorators not
 counted; nested functions are measured on their own as well as inside their
 parent). The only exceptions are documented algorithms, listed in ALLOWED_LONG
 below; each entry must still exist and carry a docstring of at least
-MIN_ALLOWLIST_DOCSTRING_LINES lines, so the list cannot rot.
+MIN_ALLOWLIST_DOCSTRING_LINES lines, so the list cannot rot. Files have no length
+limit: a module holds one concept, however long (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("shared", "sim", "hw", "kvstage")
-MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 80
 MIN_ALLOWLIST_DOCSTRING_LINES = 5
 
@@ -65,16 +65,6 @@ def test_source_dirs_exist():
     files = _source_files()
     for d in SOURCE_DIRS:
         assert any(_rel(p).startswith(f"{d}/") for p in files), f"no .py file under {d}/"
-
-
-def test_no_file_over_limit():
-    too_long = []
-    for path in _source_files():
-        text, _ = _parse(path)
-        n = len(text.splitlines())
-        if n > MAX_FILE_LINES:
-            too_long.append(f"{_rel(path)}: {n} lines")
-    assert not too_long, f"files over {MAX_FILE_LINES} lines:\n  " + "\n  ".join(too_long)
 
 
 def test_no_function_over_limit():
