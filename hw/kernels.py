@@ -4,7 +4,7 @@ Everything here copies bytes, never floats: pools and staging buffers are access
 through uint8 (or a wider integer) views, so NaN payloads and fp8 values move bit
 for bit. The same code runs on CPU and CUDA tensors.
 
-Staging writer block layout (DESIGN.md "Staging region"; shared.layout.staging_address):
+Staging writer block layout (docs/design.md, "Staging region"; shared.layout.staging_address):
 [K layer 0..L-1, V layer 0..L-1] x [T tokens][heads][head_dim]. A KV pool is
 [2, L, tokens, heads, head_dim] (hw.kvpool.KVPool), so a writer block is exactly the
 pool slice [:, :, pages, heads] made contiguous: one copy_ moves all layers and both

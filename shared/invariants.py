@@ -1,4 +1,4 @@
-"""The five invariants of DESIGN.md, checked from trace records.
+"""The five invariants of docs/design.md, checked from trace records.
 
 `InvariantChecker.observe(record)` runs live inside a driver (records arrive as
 the machines emit them, roughly in time order, each at its span's end), and the

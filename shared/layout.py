@@ -1,7 +1,7 @@
 """KV geometry under a tensor-parallel mismatch: who writes which heads where.
 
 Everything here is a pure function of integers, so the simulator, the hardware
-drivers, the CLI and the tests all agree on one mapping (DESIGN.md, "Rank mapping"
+drivers, the CLI and the tests all agree on one mapping (docs/design.md, "Rank mapping"
 and "Head slices").
 """
 
@@ -155,7 +155,7 @@ def writer_index(prefill_rank: int, decode_rank: int, prefill_tp: int, decode_tp
 def head_slice(
     prefill_tp: int, decode_tp: int, prefill_rank: int, decode_rank: int, total_kv_heads: int
 ) -> HeadSlice:
-    """The heads `prefill_rank` sends to `decode_rank` (DESIGN.md "Head slices")."""
+    """The heads `prefill_rank` sends to `decode_rank` (docs/design.md, "Head slices")."""
     validate_tp(prefill_tp, decode_tp, total_kv_heads)
     writer_index(prefill_rank, decode_rank, prefill_tp, decode_tp)  # raises if not paired
     sh = heads_per_rank(prefill_tp, total_kv_heads)

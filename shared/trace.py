@@ -1,4 +1,4 @@
-"""The trace record both modes write (DESIGN.md, "One trace for both modes").
+"""The trace record both modes write (docs/design.md, "The trace").
 
 The state machines emit records themselves (as `Record` actions), timed with the
 `now` their driver passes in, so a simulated and a measured run produce the same

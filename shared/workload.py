@@ -1,7 +1,7 @@
 """The request list of a scenario: a pure, seeded function of the scenario.
 
 Both modes call `generate_requests(scenario)` and so replay the very same requests
-(DESIGN.md, "Layout"): same rooms, arrival times, prompt lengths and prefixes. It
+(docs/design.md, "Layout"): same rooms, arrival times, prompt lengths and prefixes. It
 uses its own `random.Random` instances (never the global generator) and only the
 stdlib. The only input besides the scenario is `workload.trace_csv` when the
 scenario names one: a CSV with the header arrival_s,prompt_tokens[,prefix_tokens]

@@ -121,7 +121,7 @@ def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
 
 
 def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
-    """DESIGN.md's case: pool of one chunk, half a chunk assigned and freed, then a full
+    """The watermark case of docs/design.md: pool of one chunk, half a chunk assigned and freed, then a full
     chunk. With WATERMARK sent only after frees (as DESIGN describes) and no re-request,
     only the empty-ring restart keeps that full chunk writable."""
     from kvstage.shared import decode as decode_mod

@@ -30,7 +30,7 @@ def test_place_at_head_then_wrap_to_next_round():
 
 
 def test_empty_ring_restart_cannot_deadlock():
-    # DESIGN.md: pool 100, assign 60, free, assign 70 -> must become ready
+    # docs/design.md, "Staging region": pool 100, assign 60, free, assign 70 -> must become ready
     ring = StagingRing(100)
     a = ring.assign(60)
     ring.free(a.id)

@@ -1,6 +1,6 @@
 """Scenario files: the pydantic schema, the TOML loader, overrides and a TOML writer.
 
-A scenario (DESIGN.md, "Scenarios") is the single input of both modes: the simulator
+A scenario (docs/reference.md, "Scenario sections") is the single input of both modes: the simulator
 and the hardware driver read the same resolved `Scenario`, and a run directory stores
 it back as TOML (`Scenario.to_toml`) so a run can be replayed exactly.
 
