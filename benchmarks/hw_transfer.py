@@ -135,19 +135,10 @@ def write_busy(run_dir: Path) -> float:
     """Seconds during which at least one write was in flight (union of the write and
     slice_write spans in the trace): the transfer time, without the prefill's fill
     ("forward") and gather time between writes."""
+    from kvstage.hw.bandwidth import WRITE_PHASES, busy_seconds
+
     _, records = read_records(run_dir)
-    spans = sorted((r.start, r.end) for r in records if r.phase in ("write", "slice_write"))
-    total, cur_start, cur_end = 0.0, None, None
-    for s, e in spans:
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return busy_seconds((r.start, r.end) for r in records if r.phase in WRITE_PHASES)
 
 
 def run_path(backend: str, path: str, args: argparse.Namespace, tmp: Path) -> dict:

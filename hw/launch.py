@@ -106,6 +106,22 @@ def rank_names(prefill_tp: int, decode_tp: int) -> list[str]:
     return [rank_name("prefill", p) for p in range(prefill_tp)] + [rank_name("decode", d) for d in range(decode_tp)]
 
 
+def _released(server: RendezvousServer, procs: dict[str, subprocess.Popen], start: float,
+              errors: list[str]) -> LaunchResult:
+    """Every rank reported: let them exit, and gather what they said."""
+    server.release()
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            errors.append(f"rank {name} did not exit after the run; killed")
+    reports = {name: msg for name, (_, msg) in server.reports.items()}
+    for _name, rep in sorted(reports.items()):
+        if rep.get("error"):
+            errors.append(rep["error"])
+    return LaunchResult(reports, time.monotonic() - start, errors, list(server.rejoins))
+
+
 def launch(
     scenario_path: Path,
     prefill_tp: int,
@@ -126,6 +142,7 @@ def launch(
     rejoin_grace_s: float = 0.0,
     restarts: dict[str, list[float]] | None = None,
     on_progress: Callable[[RunProgress], None] | None = None,
+    probe_slots: int = 0,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -136,6 +153,7 @@ def launch(
     `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
     `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
+    `probe_slots`: slots of the bandwidth probe before the first room (hw/bandwidth.py).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -148,7 +166,8 @@ def launch(
     restarts = {name: list(delays) for name, delays in (restarts or {}).items()} if spawn else {}
     server = RendezvousServer(names, host=bind, port=port, secret=secret, advertise=advertise,
                               silent_s=RANK_SILENT_S, rejoin_grace_s=rejoin_grace_s,
-                              grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()})
+                              grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
+                              probe_slots=probe_slots)
     ranks = _Ranks(log_dir, _rank_env(host, device, secret))
     procs, logs = ranks.procs, ranks.logs
     start = time.monotonic()
@@ -164,17 +183,7 @@ def launch(
                                                 rank_wrapper))
         errors += _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn,
                                       on_progress)
-        server.release()
-        for name, proc in procs.items():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                errors.append(f"rank {name} did not exit after the run; killed")
-        reports = {name: msg for name, (_, msg) in server.reports.items()}
-        for _name, rep in sorted(reports.items()):
-            if rep.get("error"):
-                errors.append(rep["error"])
-        return LaunchResult(reports, time.monotonic() - start, errors, list(server.rejoins))
+        return _released(server, procs, start, errors)
     except LaunchError as exc:
         server.abort(str(exc))
         reports = {n: m for n, (_, m) in server.reports.items()}

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
+from kvstage.hw.transport_used import mooncake_used
 
 # batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not
 # answer the handshake); the C++ code can also return (uint64)-1. Neither is a batch.
@@ -81,11 +82,23 @@ class MooncakeTransport(Transport):
                 f"mooncake: agent {agent_name!r} could not initialize (host {host}, protocol "
                 f"{protocol!r}, device {device_name!r}): initialize returned {rc}"
             )
+        # Asked for RDMA without an HCA, the engine initializes anyway and serves TCP:
+        # fail closed, naming what it found (hw/transport_used.py)
+        self._used = mooncake_used(protocol, self._engine.get_local_topology())
+        if protocol == "rdma" and not self._used["hcas"]:
+            raise TransferError(
+                f"mooncake: protocol rdma{f' on {device_name}' if device_name else ''}, but the engine found "
+                f"0 HCAs on this host, so it would move the bytes over TCP; allowed: a host with an RDMA "
+                f'NIC (see /sys/class/infiniband), or hardware.mooncake_protocol = "tcp"'
+            )
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         # Refuse (before posting) a batch the TCP queue would reject, so one oversized
         # batch cannot poison the connection for the rest of the run.
         self._max_ops = int(os.environ.get(_QUEUE_ENV, "1024")) if protocol == "tcp" else None
         self._batches: list[_McBatch] = []
+
+    def used(self) -> dict[str, Any]:
+        return dict(self._used)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
         # "*" lets the engine find the memory's NUMA node; on GPU name the device.

@@ -13,11 +13,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
+from kvstage.hw.transport_used import UCX_LOG_ENV, read_ucx_log
 
 _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -103,6 +105,12 @@ class NixlTransport(Transport):
             )
         self._mem_type = _MEM_TYPE[self.device_type]
         self._reg_descs: list[Any] = []
+
+    def used(self) -> dict[str, Any]:
+        """UCX's protocol choices for this process's writes, from the UCX log the rank
+        asked for (hw/rank_main.py sets UCX_PROTO_INFO and UCX_LOG_FILE before NIXL loads)."""
+        path = os.environ.get(UCX_LOG_ENV)
+        return read_ucx_log(Path(path) if path else None)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
         descs = self._agent.register_memory([(addr, nbytes, self.device_id, "")], self._mem_type)

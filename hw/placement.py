@@ -3,7 +3,8 @@
 Placement. Every rank binds its control socket on one routable address and advertises
 that same address; the transfer engines are told the same: Mooncake's local server name
 and MC_TCP_BIND_ADDRESS, and UCX (under NIXL) UCX_NET_DEVICES = the interface that holds
-the address (`lo` on loopback). A variable the user set is never overridden.
+the address (`lo` on loopback) on a host without RDMA devices. A variable the user set
+is never overridden.
 
 Identity. `kvstage hw-rank` without --role/--rank takes them from the launcher of the
 job: SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE,
@@ -22,6 +23,8 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvstage.hw.transport_used import rdma_devices
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915
@@ -104,14 +107,20 @@ def launch_addresses(host: str | None, bind: str | None, advertise: str | None,
     return bind, advertise, host or advertise
 
 
-def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variables that keep the transfer engines on `host` (only those not already set)."""
+def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | None = None,
+               rdma: list[str] | None = None) -> dict[str, str]:
+    """Variables that keep the transfer engines on `host` (only those not already set).
+
+    UCX_NET_DEVICES names the IP interface of `host` only on a host without RDMA
+    devices (`rdma`: default this host's, from sysfs): UCX names RDMA devices `mlx5_N:1`,
+    so an IP interface there would rule RDMA out without a word; with RDMA devices UCX
+    chooses among them, and a user's UCX_NET_DEVICES stands."""
     env = os.environ if env is None else env
     out = {"MC_TCP_BIND_ADDRESS": host}
     if is_loopback(host):
         if not str(device or "").startswith("cuda"):
             out["UCX_NET_DEVICES"] = "lo"  # ranks on loopback need no other network device
-    else:
+    elif not (rdma_devices() if rdma is None else rdma):
         iface = interface_of(host)
         if iface:
             out["UCX_NET_DEVICES"] = iface

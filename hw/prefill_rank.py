@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kvstage.hw.bandwidth import GB, PROBE_MIN_BYTES, PROBE_WRITES, probe_bytes, probe_pairs
 from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
@@ -130,6 +133,45 @@ class PrefillRank(RankProcess):
             info = table[rank_name("decode", d)]
             self.control.connect(info.name, info.control)
             self.transport.add_peer(info.agent, info.metadata)
+
+    def _probe(self, probe: dict[str, float]) -> dict[str, Any]:
+        """Each decode peer's raw write ceiling, in this rank's slots of the probe: a small
+        warm-up write (connection set-up), then PROBE_WRITES writes of one large block
+        into the peer's staging ring, unused before t0 (hw/bandwidth.py), from a buffer of
+        its own (the send buffer is sized for chunks, often far smaller than a ceiling
+        write needs)."""
+        out: dict[str, Any] = {}
+        n = probe_bytes(self.s.pool_bytes)
+        if n:
+            source = torch.ones(n, dtype=torch.uint8, device=self.device)
+            self.transport.register(source)
+        offset = self.clock.offset_s if self.clock else 0.0  # launcher time = wall() + offset
+        counters = (self.transport.requests_posted, self.transport.writes_posted, self.transport.bytes_posted)
+        for k, (p, d) in enumerate(probe_pairs(self.sessions)):
+            if p != self.rank:
+                continue
+            info = self.peers[rank_name("decode", d)]
+            start = probe["start"] + k * probe["slot_s"] - offset
+            while (left := start - self.wall()) > 0:
+                time.sleep(min(left, 0.05))
+            if n == 0:
+                out[info.name] = {"skipped": f"a staging ring under {PROBE_MIN_BYTES >> 20} MiB"}
+                continue
+            local, remote = int(source.data_ptr()), int(info.extra["ring_addr"])
+            self.transport.wait(self.transport.write(info.agent, [(local, remote, 4096)]), 30.0, "probe warm-up")
+            took = []
+            for _ in range(PROBE_WRITES):
+                t = time.perf_counter()
+                self.transport.wait(self.transport.write(info.agent, [(local, remote, n)]), 30.0, "probe write")
+                took.append(time.perf_counter() - t)
+            best = min(took)
+            out[info.name] = {"bytes": n, "best_s": round(best, 6), "gbs": round(n / best / GB, 4),
+                              "writes_s": [round(x, 6) for x in took],
+                              "overran_slot": self.wall() > start + probe["slot_s"]}
+        # the probe's writes are not the run's: the counters the summary reports stay the run's
+        t = self.transport
+        t.requests_posted, t.writes_posted, t.bytes_posted = counters
+        return out
 
     def close(self) -> None:
         self.compute_thread.shutdown(wait=True, cancel_futures=True)

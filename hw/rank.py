@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -49,6 +50,7 @@ from kvstage.hw.control import LOOP_STATS_ENV, ControlPlane, rank_name
 from kvstage.hw.jobcpu import JobCpu
 from kvstage.hw.kvpool import KVPool
 from kvstage.hw.launch import check_launcher
+from kvstage.hw.nic import counter_delta, read_counters
 from kvstage.hw.placement import transport_options
 from kvstage.hw.priority import LoopPriority, WritePriority, thread_ids
 from kvstage.hw.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
@@ -187,6 +189,8 @@ class RankProcess:
         self.clock_skew_s = clock_skew_s
         self.clock: ClockOffset | None = None
         self.clock_offset_s = 0.0
+        self.ceiling: dict[str, Any] = {}  # the bandwidth probe's figures (prefill ranks)
+        self.nic_before: dict[str, dict[str, int]] | None = None
         before = set(thread_ids())
         self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device,
                                         **transport_options(scenario.hardware, self.backend, host))
@@ -236,6 +240,10 @@ class RankProcess:
     def _report_extra(self) -> dict[str, Any]:
         return {}
 
+    def _probe(self, probe: dict[str, float]) -> dict[str, Any]:
+        """The bandwidth probe before t0 (hw/bandwidth.py): only prefill ranks write."""
+        return {}
+
     def _still_held(self) -> list[str]:
         """Executor resources still taken once the runtime settled (a leak, if any)."""
         return []
@@ -245,6 +253,7 @@ class RankProcess:
         """Register, run, report. `register_at` (epoch s): not before then (a rank the
         launcher started again after its fault killed it waits for its restart time)."""
         client = self.client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
+        client.on_wait = lambda note: print(f"{self.name}: {note}", file=sys.stderr, flush=True)
         while register_at is not None and time.time() < register_at:
             check_launcher()
             time.sleep(min(0.1, max(0.0, register_at - time.time())))
@@ -269,6 +278,9 @@ class RankProcess:
             self._rejoin(client.rejoin)
         self.peers = table
         self._connect_peers(table)
+        if client.probe is not None and client.rejoin is None:  # a rejoin finds the rings in use
+            self.ceiling = self._probe(client.probe)
+        self.nic_before = read_counters()
         error = ""
         try:
             self._loop(t0)
@@ -470,6 +482,12 @@ class RankProcess:
             "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
             "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
             "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
+            "transport_used": self.transport.used(),  # what the engine chose (hw/transport_used.py)
+            "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/bandwidth.py)
+            # bytes each NIC of this rank's host (its network namespace) moved while it ran
+            "nic": counter_delta(self.nic_before, read_counters()) if self.nic_before is not None else {},
+            "hostname": socket.gethostname(),
+            "cpu_s": round(sum(os.times()[:2]), 4),  # this process's CPU (conditions: not "others")
             "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
         })
         report.update(self._report_extra())

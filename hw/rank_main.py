@@ -10,6 +10,8 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None,
                    help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
                         "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start")
+    p.add_argument("--rendezvous-timeout", default=60.0, type=float, metavar="S",
+                   help="give up (exit 2) when the rendezvous has not answered within S seconds "
+                        "(default 60; the rank says it is waiting after 5 s)")
     p.add_argument("--register-at", default=None, type=float, metavar="EPOCH_S",
                    help="start up, then register with the rendezvous no earlier than this wall-clock time "
                         "(epoch seconds): the launcher starts a rank its fault killed again this way "
@@ -43,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     """`clock_skew_s`: an artificial error of this rank's clock (test wrappers only)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.rendezvous_timeout > 0:
+        parser.error(f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}")
     from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
-    from kvstage.hw.launch import LauncherGone, watch_launcher
+    from kvstage.hw.launch import watch_launcher
     from kvstage.hw.placement import (
         PlacementError,
         default_host,
@@ -54,6 +62,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         rank_device,
         rendezvous_address,
     )
+    from kvstage.hw.transport_used import ucx_log_env
     from kvstage.shared.scenario import ScenarioError, load_scenario
 
     watch_launcher()  # first: a launcher that dies from here on takes this rank along
@@ -80,6 +89,10 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.update(engine_env(host, device))  # the engines keep to this rank's address
+    ucx_log = None
+    if (args.backend or scenario.hardware.backend) == "nixl":  # before NIXL loads UCX
+        ucx_log = Path(tempfile.gettempdir()) / f"kvstage-ucx-{args.role}{args.rank}-{os.getpid()}.log"
+        os.environ.update(ucx_log_env(ucx_log))
     if me.source != "flags":
         print(f"{args.role}{args.rank}: global rank {me.global_rank} from {me.source}, device {device}, "
               f"host {host}, rendezvous {rendezvous}", file=sys.stderr, flush=True)
@@ -88,20 +101,39 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     # Many ranks share this machine's cores: one intra-op thread each avoids
     # oversubscription that would stall every rank's event loop.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
+    try:
+        return _run_rank(args, scenario, rendezvous, device, host, clock_skew_s)
+    finally:
+        if ucx_log is not None:
+            ucx_log.unlink(missing_ok=True)  # read into the report; nothing left behind
+
+
+def _run_rank(args: argparse.Namespace, scenario, rendezvous: str, device: str, host: str,
+              clock_skew_s: float) -> int:
+    """Make the rank, run it, and say how it ended: 0 done, 1 failed, 2 could not start
+    (one line: a bad scenario, an engine that cannot give what was asked), 3 launcher gone."""
+    from kvstage.hw.launch import LauncherGone
     from kvstage.hw.rank import RankError, make_rank
+    from kvstage.hw.rendezvous import RendezvousError
+    from kvstage.hw.transport import TransferError
+    from kvstage.shared.scenario import ScenarioError
 
     try:
         rank = make_rank(scenario, args.role, args.rank, rendezvous, backend=args.backend,
                          device=device, host=host, clock_skew_s=clock_skew_s)
-    except (ScenarioError, RankError, ValueError) as exc:
+    except (ScenarioError, RankError, TransferError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        report = rank.run(register_at=args.register_at)
+        report = rank.run(rendezvous_timeout_s=args.rendezvous_timeout, register_at=args.register_at)
     except LauncherGone as exc:
         print(f"{args.role}{args.rank}: {exc}: stopped", file=sys.stderr)
         rank.close()
         return 3
+    except RendezvousError as exc:  # none there, a refusal, another run's secret: one line
+        print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
+        rank.close()
+        return 2
     if report["error"]:
         print(report["error"], file=sys.stderr)
         return 1

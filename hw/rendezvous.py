@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from kvstage.hw.bandwidth import PROBE_SLOT_S
 from kvstage.hw.control import (
     MAX_RENDEZVOUS_BYTES,
     SECRET_ENV,
@@ -50,6 +51,10 @@ def _b64(data: bytes) -> str:
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode(), validate=True)
 
+
+# a rank waiting for an answer says so after this long, then again every so often
+WAIT_NOTE_S = 5.0
+WAIT_NOTE_EVERY_S = 15.0
 
 _CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
 
@@ -163,6 +168,9 @@ class RendezvousClient:
         self.notices: list[dict[str, Any]] = []
         self._replies: deque[dict[str, Any]] = deque()
         self.rejoin: dict[str, Any] | None = None  # set by hello() when this rank rejoined a run
+        self.probe: dict[str, float] | None = None  # set by hello(): the bandwidth probe's slots
+        # told, while an answer is long in coming, that this rank still waits (a rank's log)
+        self.on_wait: Callable[[str], None] | None = None
 
     def send(self, msg: dict[str, Any], block: bool = True) -> None:
         """One authenticated JSON message to the rendezvous. `block=False`: dropped if
@@ -198,14 +206,21 @@ class RendezvousClient:
     def recv(self, timeout_s: float, what: str) -> dict[str, Any]:
         """The rendezvous' next answer; RendezvousError when none comes, when it cannot be
         authenticated (this rank's secret is not the run's) or when it refuses."""
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, say_at = start + timeout_s, start + WAIT_NOTE_S
         while not self._replies:
             if self.watch is not None:
                 self.watch()
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
-                                      f"while waiting for {what}")
+                                      f"while waiting for {what}: is its launcher (kvstage hw) running "
+                                      f"there, and the address right?")
+            if self.on_wait is not None and now >= say_at:
+                self.on_wait(f"waiting for the rendezvous at {self.address} ({now - start:.0f}s of "
+                             f"{timeout_s:.0f}s, for {what})")
+                say_at += WAIT_NOTE_EVERY_S
             self._pump(min(500, math.ceil(left * 1000)))
         msg = self._replies.popleft()
         if msg.get("kind") == "refused":
@@ -265,6 +280,10 @@ class RendezvousClient:
             raise RendezvousError(f"rendezvous aborted the run: {reply.get('reason')}")
         table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
         self.rejoin = reply.get("rejoin")
+        probe = reply.get("probe")  # the bandwidth probe's slots, when the launcher asked for one
+        ok = (isinstance(probe, dict) and all(isinstance(probe.get(k), (int, float)) for k in ("start", "slot_s"))
+              and 0 < probe["slot_s"] <= 10)
+        self.probe = {"start": float(probe["start"]), "slot_s": float(probe["slot_s"])} if ok else None
         return table, float(reply["t0"])
 
     def report(self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None) -> None:
@@ -353,7 +372,8 @@ class RendezvousServer:
     def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
                  ctx: zmq.Context | None = None, *, secret: bytes | None = None,
                  advertise: str | None = None, silent_s: float | None = None,
-                 rejoin_grace_s: float = 0.0, grace_s: dict[str, float] | None = None) -> None:
+                 rejoin_grace_s: float = 0.0, grace_s: dict[str, float] | None = None,
+                 probe_slots: int = 0) -> None:
         secret = run_secret(secret)
         self._up = FrameMac(secret, TO_LAUNCHER)
         self._down = FrameMac(secret, TO_RANK)
@@ -384,6 +404,10 @@ class RendezvousServer:
         self.events: list[str] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
         self.rooms: dict[str, tuple[int, int]] = {}  # rank -> (rooms ended, rooms of its workload), as it said
         self._warn = Throttled(log, first=20)
+        # the bandwidth probe (hw/bandwidth.py): this many slots of `probe_slot_s` before
+        # t0, one per (prefill, decode) pair; 0: no probe
+        self.probe_slots = probe_slots
+        self.probe_slot_s = PROBE_SLOT_S
 
     def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:
@@ -416,12 +440,16 @@ class RendezvousServer:
                     self._refuse(parts[0], f"could not handle the message: {type(exc).__name__}: {exc}")
         if not self.started and set(self.hellos) == self.expected:
             self.started = True
-            self.t0 = time.time() + start_delay_s
+            probe_s = self.probe_slots * self.probe_slot_s
+            self.t0 = time.time() + start_delay_s + probe_s
             now = time.monotonic()
             self.last_heard = dict.fromkeys(self.hellos, now)
             table = [info.to_json() for _, info in self.hellos.values()]
+            msg: dict[str, Any] = {"kind": "table", "ranks": table, "t0": self.t0}
+            if self.probe_slots:
+                msg["probe"] = {"start": self.t0 - probe_s, "slot_s": self.probe_slot_s}
             for ident, _ in self.hellos.values():
-                self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0})
+                self._send(ident, msg)
         if self.started:
             self._tend(time.monotonic())
 

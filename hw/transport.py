@@ -415,6 +415,10 @@ class Transport(abc.ABC):
         self._local_index = _RegionIndex(self._regions)
         return region
 
+    def used(self) -> dict[str, Any]:
+        """What this engine chose to move the bytes (hw/transport_used.py), for the report."""
+        return {"source": "not recorded by this engine"}
+
     def metadata(self) -> bytes:
         """Everything a peer needs to write into the regions registered so far."""
         self._check_open()

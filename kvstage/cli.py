@@ -140,6 +140,8 @@ def hw(
     advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="Use this run secret (a file only its owner can read) instead of drawing one; ranks started elsewhere get the same file, e.g. copied to each node's local disk.")] = None,
     rejoin_grace: Annotated[float, typer.Option(min=0, help="Seconds a prefill rank that died (or went silent) may take to rejoin, started again with hw-rank, before it fails the run (0: a dead rank fails it).")] = 0.0,
+    ceiling: Annotated[bool, typer.Option(help="Before the first room, measure each prefill->decode pair's raw write ceiling (one large write in a slot of its own) and print each pair's achieved GB/s against it.")] = True,
+    target: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="Pass only if every pair achieved at least this fraction of its ceiling (a PASS/FAIL line; FAIL exits 1).")] = None,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -161,8 +163,13 @@ def hw(
         hardware_sessions(s, [])
     except ValueError as exc:
         _fail(str(exc))
-    # with --no-spawn no rank runs here: the GPU is the ranks' business, not this host's
-    problem = device_problem(s.hardware.device) if spawn else None
+    from kvstage.hw.placement import launch_addresses
+    from kvstage.hw.preflight import launch_problem
+
+    # before anything is written or started: the port, and for ranks spawned here (with
+    # --no-spawn they run elsewhere and check for themselves) the GPU, RDMA and memory
+    problem = launch_problem(s, spawn=spawn, bind=launch_addresses(host, bind, advertise)[0], port=port,
+                             device_problem=device_problem)
     if problem:
         _fail(problem)
     extra = {}
@@ -177,7 +184,7 @@ def hw(
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
     code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
                            port=port, console=console, host=host, bind=bind, advertise=advertise,
-                           rejoin_grace_s=rejoin_grace, **extra)
+                           rejoin_grace_s=rejoin_grace, ceiling=ceiling, target=target, **extra)
     raise typer.Exit(code)
 
 
@@ -192,6 +199,7 @@ def hw_rank(
     device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, help="Memory the KV lives in; cuda: this rank's GPU (default: the scenario's).")] = None,
     host: Annotated[str | None, typer.Option(help="Routable address this rank binds and advertises (default $KVSTAGE_HOST, else the one towards MASTER_ADDR, else 127.0.0.1).")] = None,
     secret_file: Annotated[Path | None, typer.Option(help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET).")] = None,
+    rendezvous_timeout: Annotated[float, typer.Option(min=0.001, help="Give up (exit 2) when the rendezvous has not answered within this many seconds; the rank says it waits after 5 s.")] = 60.0,
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
@@ -208,6 +216,7 @@ def hw_rank(
         argv += ["--device", device]
     if secret_file:
         argv += ["--secret-file", str(secret_file)]
+    argv += ["--rendezvous-timeout", str(rendezvous_timeout)]
     raise typer.Exit(rank_main(argv))
 
 

@@ -9,10 +9,13 @@ from rich.markup import escape
 
 from kvstage import conditions
 from kvstage.expect import check_expectation, print_outcome
+from kvstage.hw.bandwidth import bandwidth_summary, pair_figures, probe_pairs, verdict
+from kvstage.hw.environment import write_environment
 from kvstage.hw.jobcpu import merge as merge_job_cpu
 from kvstage.hw.launch import launch
 from kvstage.hw_progress import HwProgress
 from kvstage.runs import make_run_dir, write_run
+from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.invariants import check_records
 from kvstage.shared.runtime import RankResult, merge_failures, rank_name
 from kvstage.shared.scenario import Scenario
@@ -85,6 +88,8 @@ def _hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict:
         # what the ranks' fills, gathers, scatters and NIXL's lane copies cost in CPU, summed
         # per kind (hw/jobcpu.py): kvstage calibrate's fill/copy/write CPU
         "job_cpu": merge_job_cpu([r.get("job_cpu") or {} for r in reports]),
+        # per rank, what its engine chose to move the bytes (hw/transport_used.py)
+        "transport_used": {name: r.get("transport_used") or {} for name, r in sorted(by_rank.items())},
     }
 
 
@@ -103,6 +108,49 @@ def _restarts(scenario: Scenario) -> dict[str, list[float]]:
         if k.restart_after_s is not None:
             restarts.setdefault(rank_name(k.role, k.rank), []).append(k.restart_after_s)
     return restarts
+
+
+def print_bandwidth(console: Console, bw: dict) -> None:
+    """Per pair, what it achieved (bytes over the time its writes were busy) against the
+    raw ceiling its prefill measured before the first room, in GB/s."""
+    pairs = bw.get("pairs") or []
+    if not pairs:
+        return
+    console.print("pair                     achieved GB/s   ceiling GB/s   achieved/ceiling", highlight=False)
+    for p in pairs:
+        ceiling = f"{p['ceiling_gbs']:.2f}" if p["ceiling_gbs"] else "-"
+        ratio = f"{p['ratio']:.0%}" if p["ratio"] is not None else "-"
+        console.print(f"{p['prefill'] + ' -> ' + p['decode']:<24} {p['achieved_gbs']:>13.2f}   {ceiling:>12}"
+                      f"   {ratio:>16}", highlight=False)
+
+
+def _print_verdict(console: Console, records: list[TraceRecord], reports: dict[str, dict], target: float) -> bool:
+    """The PASS/FAIL line of `--target` (hw/bandwidth.py); True when it passed."""
+    ceilings = {name: r.get("ceiling") or {} for name, r in reports.items()}
+    passed, line = verdict(pair_figures(records, ceilings), target)
+    console.print(f"[{'green' if passed else 'bold red'}]{escape(line)}[/]", highlight=False)
+    return passed
+
+
+def _probe_slots(scenario: Scenario, requests: list) -> int:
+    """One slot of the bandwidth probe per writing (prefill, decode) pair (hw/bandwidth.py)."""
+    return len(probe_pairs(hardware_sessions(scenario, requests)[0]))
+
+
+def _merged_records(reports: dict[str, dict]) -> list[TraceRecord]:
+    records = [TraceRecord(*row) for rep in reports.values() for row in rep.get("records", [])]
+    records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+    return records
+
+
+def _print_header(console: Console, scenario: Scenario) -> None:
+    g, c, hw = scenario.geometry(), scenario.cluster, scenario.hardware
+    instances = "" if c.single else f"{c.prefill_instances} x "
+    console.print(
+        f"hardware run: {scenario.name}, {instances}prefill TP{g.prefill_tp} -> "
+        f"{'' if c.single else f'{c.decode_instances} x '}decode TP{g.decode_tp}, "
+        f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
+    )
 
 
 def _print_rejoins(console: Console, rejoined: list[dict]) -> None:
@@ -124,35 +172,32 @@ def run_hardware(
     on_started=None,
     rank_wrapper: list[str] | None = None,
     rejoin_grace_s: float = 0.0,
+    ceiling: bool = False,
+    target: float | None = None,
     **placement: str | None,
 ) -> tuple[int, Path]:
     """Run `scenario` on real transfers; 0 when every rank finished, every byte verified right,
     no invariant broke and the failed rooms are the ones the scenario's [expect] allows (none
     without one); 1 otherwise. `placement`: host, bind, advertise (hw.launch.launch);
-    `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (launch)."""
+    `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (launch). `ceiling`, `target`:
+    the bandwidth probe, and the share of it every pair must reach, else exit 1 (hw/bandwidth.py)."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
     scenario_path = run_dir / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
     g, c = scenario.geometry(), scenario.cluster
-    instances = "" if c.single else f"{c.prefill_instances} x "
-    console.print(
-        f"hardware run: {scenario.name}, {instances}prefill TP{g.prefill_tp} -> "
-        f"{'' if c.single else f'{c.decode_instances} x '}decode TP{g.decode_tp}, "
-        f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
-    )
+    _print_header(console, scenario)
+    write_environment(run_dir)  # versions, GPUs, NICs, engine variables (hw/environment.py)
     before = conditions.sample()  # how busy the host was during the run (kvstage/conditions.py)
-    rooms = len(generate_requests(scenario))
+    requests = generate_requests(scenario)
+    rooms, probe_slots = len(requests), _probe_slots(scenario, requests) if ceiling or target else 0
     with HwProgress(console, g.decode_tp, rooms) as progress:
         result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
                         run_dir / "logs", backend=hw.backend, device=hw.device, timeout_s=timeout_s, spawn=spawn,
                         port=port, on_started=on_started, rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s,
-                        restarts=_restarts(scenario), on_progress=progress, **placement)
-    records: list[TraceRecord] = []
-    for rep in result.reports.values():
-        records.extend(TraceRecord(*row) for row in rep.get("records", []))
-    records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+                        restarts=_restarts(scenario), on_progress=progress, probe_slots=probe_slots, **placement)
+    records = _merged_records(result.reports)
     errors = list(result.errors)
     violations = check_records(records, scenario.transfer.path, clock_tolerance(result.reports)) if result.ok else []
     ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
@@ -161,6 +206,7 @@ def run_hardware(
         violations=len(violations),
         extra={
             **_hardware_figures(scenario, result.reports),
+            "bandwidth": bandwidth_summary(records, result.reports),
             "errors": errors,
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
             "conditions": _run_conditions(before, spawn, result.reports),
@@ -171,6 +217,7 @@ def run_hardware(
     write_run(run_dir, scenario, records, summary, "hw", trace_format)
     print_summary(summary, console, title=f"{scenario.name} (hardware, {hw.backend}, {hw.device})")
     _print_rejoins(console, result.rejoined)
+    print_bandwidth(console, summary["bandwidth"])
     console.print(f"run directory: {run_dir}")
     problems = check_expectation(scenario, failures, rooms, "hw", run_failed=bool(errors))
     if scenario.expect.hw_run_fails and not problems:
@@ -189,5 +236,7 @@ def run_hardware(
         code = 1
     for v in violations[:10]:
         console.print(v.format(), markup=False, highlight=False)
+        code = 1
+    if target is not None and not _print_verdict(console, records, result.reports, target):
         code = 1
     return code, run_dir

@@ -105,6 +105,17 @@ def test_every_byte_lands(tmp_path, backend, path, case):
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     if path == "slice":
         assert summary["transfer_requests"]["total"] > 10 * 3 * D
+    # every rank says what its engine chose: on one host, NIXL's UCX writes with CMA and
+    # Mooncake (no HCA here) over TCP
+    used = summary["transport_used"]
+    assert set(used) == {f"prefill{r}" for r in range(P)} | {f"decode{r}" for r in range(D)}
+    for name, u in used.items():
+        if backend == "nixl":
+            assert u["source"] == "UCX_PROTO_INFO" and u["over"] == "same-host", (name, u)
+            if name.startswith("prefill"):
+                assert u["writes"] == {"intra-node": ["cma/memory"]}, (name, u)
+        else:
+            assert u["protocol"] == "tcp" and u["over"] == "tcp" and u["hcas"] == [], (name, u)
 
 
 def test_wrong_head_offset_is_caught(tmp_path):

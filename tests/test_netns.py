@@ -27,7 +27,9 @@ from conftest import IN_CI, require_engine
 from test_hw import write_scenario
 from test_placement import assert_causal
 
+from kvstage.hw.bandwidth import probe_pairs
 from kvstage.runs import read_summary
+from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.layout import room_pages
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
@@ -113,7 +115,8 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     t = time.monotonic()
     launcher = subprocess.Popen(
         ["ip", "netns", "exec", ns_a, str(BIN / "kvstage"), "hw", str(scenario), "--backend", backend, "--no-spawn",
-         "--bind", ADDR_A, "--port", str(PORT), "--out", str(run_dir), "--timeout", "90", "--trace-format", "jsonl"],
+         "--bind", ADDR_A, "--port", str(PORT), "--out", str(run_dir), "--timeout", "90", "--trace-format", "jsonl",
+         "--target", "0.5"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ranks: list[subprocess.Popen] = []
     try:
@@ -138,7 +141,9 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
         wall = time.monotonic() - t
         tx = _veth_tx(ns_a, veth_a) - tx_before
         rank_logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.iterdir()))
-        assert launcher.returncode == 0, f"{out[-3000:]}\n{rank_logs}"
+        # the run's own outcome is good (every byte, below); the exit code follows the verdict
+        verdict_passed = "bandwidth: PASS" in " ".join(out.split())
+        assert launcher.returncode == (0 if verdict_passed else 1), f"{out[-3000:]}\n{rank_logs}"
         for p in ranks:
             assert p.wait(timeout=30) == 0, rank_logs
     finally:
@@ -152,7 +157,7 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     expected = sum(g.decode_tp * room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) * g.page_size * 2 * g.layers
                    * g.decode_heads * g.head_dim * g.dtype_bytes for r in generate_requests(s))
     assert summary["bytes_verified"] == expected and summary["bytes_wrong"] == 0
-    assert summary["requests_done"] == 3 and summary["requests_failed"] == 0
+    assert summary["requests_done"] == 3 and summary["requests_failed"] == 0 and summary["errors"] == []
     clocks = summary["clocks"]
     assert {clocks[f"prefill{p}"]["host"] for p in range(P)} == {ADDR_A}
     assert {clocks[f"decode{d}"]["host"] for d in range(D)} == {ADDR_B}
@@ -162,6 +167,25 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     pairs = assert_causal(records)
     # the KV bytes left namespace A through its veth (plus control traffic)
     assert tx >= expected, f"only {tx} bytes left {veth_a}, {expected} verified"
+    # and each rank says so: its engine wrote over TCP (UCX on the veth; Mooncake's tcp)
+    used = summary["transport_used"]
+    for p in range(P):
+        u = used[f"prefill{p}"]
+        assert u["over"] == "tcp", u
+        if backend == "nixl":
+            assert any(t.startswith("tcp/") for ts in u["writes"].values() for t in ts), u
+    # per pair, GB/s against the ceiling measured in this run across the veth, and the verdict
+    pairs = summary["bandwidth"]["pairs"]
+    sessions, _ = hardware_sessions(s, generate_requests(s))
+    assert [(p["prefill"], p["decode"]) for p in pairs] == [(f"prefill{a}", f"decode{b}")
+                                                           for a, b in probe_pairs(sessions)]
+    for p in pairs:
+        assert p["ceiling_gbs"] > 0 and 0 < p["achieved_gbs"], p
+    # the chunks of this small scenario are a few KiB: latency-bound, far below the ceiling
+    # of one large write (seen here: 1-2%), so the verdict fails, and says by how much
+    assert verdict_passed is all(p["ratio"] >= 0.5 for p in pairs), out[-2000:]
+    assert ("bandwidth: PASS" if verdict_passed else "bandwidth: FAIL") in " ".join(out.split())
+    assert any(f"{p['prefill']} -> {p['decode']}" in out for p in pairs)
     print(f"\n{backend} P{P}->D{D} across namespaces: {expected} bytes verified, {tx} bytes on the veth, "
           f"wall {wall:.1f}s, decode clock offsets "
           f"{[round(clocks[f'decode{d}']['clock_offset_s'], 6) for d in range(D)]} "

@@ -102,6 +102,29 @@ def test_engines_keep_to_the_rank_address():
     assert engine_env("127.0.0.1", "cpu", {"UCX_NET_DEVICES": "eth0"}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
+def test_an_rdma_host_never_gets_its_ip_interface_as_the_ucx_device():
+    """UCX names RDMA devices mlx5_N:1: UCX_NET_DEVICES=eth0 would rule them out silently."""
+    import fcntl
+    import socket
+    import struct
+
+    def address_of(name: str) -> str | None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                return None
+        return socket.inet_ntoa(raw[20:24])
+
+    found = [(a, n) for _, n in socket.if_nameindex() if (a := address_of(n)) and not a.startswith("127.")]
+    if not found:
+        pytest.skip("no network interface here holds a routable IPv4 address")
+    routable, iface = found[0]
+    assert interface_of(routable) == iface
+    assert engine_env(routable, "cpu", {}, rdma=[]) == {"MC_TCP_BIND_ADDRESS": routable, "UCX_NET_DEVICES": iface}
+    assert engine_env(routable, "cuda:0", {}, rdma=["mlx5_0", "mlx5_1"]) == {"MC_TCP_BIND_ADDRESS": routable}
+
+
 def test_mooncake_protocol_and_devices_from_the_scenario(tmp_path):
     from test_hw import write_scenario
 
