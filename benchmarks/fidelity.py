@@ -1,14 +1,14 @@
 """Simulator fidelity: calibrated simulation against real hardware-mode runs, per room.
 
-1. Calibrate this machine's engine (kvstage.calibrate; or --profile reuses a profile
+1. Calibrate this machine's engine (kvstage.calibrate.profile; or --profile reuses a profile
    written by `kvstage calibrate`, with its .fit.json sidecar beside it).
 2. For each scenario of a suite of small TP-mismatch cases (fan-in P2->D1, P4->D2;
    fan-out P1->D2, P2->D4; replication P4->D2 with 2 KV heads; a P2->D2 control),
    written as TOML files into the output directory:
-   - run hardware mode (`kvstage.hwrun.run_hardware`: P + D rank processes on this
+   - run hardware mode (`kvstage.run.hwrun.run_hardware`: P + D rank processes on this
      host, real engine, loopback);
    - simulate the same scenario and seed with the calibrated profile
-     (`kvstage.simrun.run_simulation`).
+     (`kvstage.run.simrun.run_simulation`).
 3. Run each case's hardware twice (--hw-runs): the first run is the reference; the
    second against the first is the FLOOR, what the hardware itself varies by in the
    same conditions (each run's host load and other processes' CPU share, from its
@@ -40,7 +40,7 @@ How the simulation is set up to model what the hardware run does:
   weighted-fair and re-shared whenever a job starts or ends, beside the engines'
   threads and other processes (background_cores, as measured while calibrating); plus
   the in-run factors (fill, copy, control, write) calibrate fits from a short hardware
-  run of its own P1 -> D1 scenario (kvstage/calibrate_inrun.py); "cal" and "cal+cpu"
+  run of its own P1 -> D1 scenario (kvstage/calibrate/inrun.py); "cal" and "cal+cpu"
   force the default GPU model (host_model = "gpu");
 - variant "host+load": "host" with background_cores set to the other processes' load
   the reference hw run recorded (its summary.json conditions): a measured input of the
@@ -107,16 +107,16 @@ from benchmarks.fidelity_analysis import (  # noqa: E402
     rel_errors,
     room_spans,
 )
-from kvstage.calibrate import (  # noqa: E402
+from kvstage.calibrate.profile import (  # noqa: E402
     Calibration,
     analyse,
     calibrate,
     load_sidecar,
     write_profile,
 )
-from kvstage.conditions import describe, is_loaded  # noqa: E402
+from kvstage.run.conditions import describe, is_loaded  # noqa: E402
+from kvstage.run.tracefile import read_records  # noqa: E402
 from kvstage.shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
-from kvstage.tracefile import read_records  # noqa: E402
 
 TARGET_MAPE = 0.15  # calibrated simulation vs hardware, per room
 TARGET_RATIO = 1.5  # ... and at most this many times the hw-vs-hw floor
@@ -252,7 +252,7 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             console: Console) -> list[RunData]:
     """The case's hardware runs: reused from --hw-from where that directory has them
     (DIR/<backend>/<case>/hw, hw2, ...), run here otherwise."""
-    from kvstage.hwrun import run_hardware
+    from kvstage.run.hwrun import run_hardware
 
     runs = []
     for i in range(args.hw_runs):
@@ -316,11 +316,11 @@ def _override_value(v: Any) -> str:
 
 def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
     """Diagnostic, NOT a calibration: the host model with its in-run factors fitted
-    (kvstage/calibrate_inrun.py) to this case's own reference hw run instead of the
+    (kvstage/calibrate/inrun.py) to this case's own reference hw run instead of the
     calibration scenario's; what error remains is model structure, not input numbers."""
-    from kvstage.calibrate_inrun import FACTORS, fit_factors, kind_means
+    from kvstage.calibrate.inrun import FACTORS, fit_factors, kind_means
+    from kvstage.metrics.steps import step_mean
     from kvstage.sim.driver import Simulation
-    from kvstage.steps import step_mean
 
     names = {name for name, _ in FACTORS.values()}
     base = [o for o in host if o.split("=", 1)[0].removeprefix("links.") not in names]
@@ -336,7 +336,7 @@ def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
 
 def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: argparse.Namespace,
              out: Path, console: Console) -> Outcome:
-    from kvstage.simrun import run_simulation
+    from kvstage.run.simrun import run_simulation
 
     sdir = out / case.name
     sdir.mkdir(parents=True, exist_ok=True)

@@ -54,9 +54,9 @@ from pathlib import Path
 from rich.console import Console
 
 from kvstage.hw.rank import LOOP_STATS_ENV
-from kvstage.hwrun import run_hardware
+from kvstage.run.hwrun import run_hardware
+from kvstage.run.tracefile import read_records
 from kvstage.shared.scenario import load_scenario
-from kvstage.tracefile import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -69,12 +69,12 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport_raw import run_backend  # noqa: E402
 
-from kvstage.hwrun import run_hardware  # noqa: E402
-from kvstage.runs import read_summary  # noqa: E402
+from kvstage.run.hwrun import run_hardware  # noqa: E402
+from kvstage.run.rundir import read_summary  # noqa: E402
+from kvstage.run.tracefile import read_records  # noqa: E402
 from kvstage.shared.layout import room_pages  # noqa: E402
 from kvstage.shared.scenario import load_scenario  # noqa: E402
 from kvstage.shared.workload import generate_requests  # noqa: E402
-from kvstage.tracefile import read_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_SHARE = 0.7  # staging GB/s / raw GB/s

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvstage.hwrun import run_hardware
-from kvstage.runs import read_summary
+from kvstage.run.hwrun import run_hardware
+from kvstage.run.rundir import read_summary
 from kvstage.shared.faults import MESSAGE_NAMES
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import Simulation

@@ -27,11 +27,11 @@ from conftest import IN_CI, require_engine
 from test_hw import write_scenario
 from test_placement import assert_causal
 
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
+from kvstage.run.tracefile import read_records
 from kvstage.shared.layout import room_pages
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
-from kvstage.tracefile import read_records
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(300)]
 

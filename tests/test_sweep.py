@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.sweep import (
+from kvstage.cli.main import app
+from kvstage.explore.sweep import (
     METRICS,
     STATUS_INVALID,
     STATUS_OK,
@@ -27,7 +27,7 @@ from kvstage.sweep import (
     ray_init,
     run_sweep,
 )
-from kvstage.sweep_target import Target, parse_target, target_answers
+from kvstage.explore.sweep_target import Target, parse_target, target_answers
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 SETS = [
