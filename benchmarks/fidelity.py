@@ -114,6 +114,7 @@ from kvstage.calibrate.profile import (  # noqa: E402
     load_sidecar,
     write_profile,
 )
+from kvstage.fmt import json_text  # noqa: E402
 from kvstage.run.conditions import describe, is_loaded  # noqa: E402
 from kvstage.run.tracefile import read_records  # noqa: E402
 from kvstage.shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
@@ -483,16 +484,6 @@ def verdicts(results: dict[str, Any], console: Console) -> bool:
     return ok_all
 
 
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="nixl", help="comma-separated: nixl,mooncake")
@@ -576,7 +567,7 @@ def main() -> int:
         summary["profile"] = str(profile)
         results[backend] = summary
     ok = verdicts(results, console)
-    (out / "fidelity.json").write_text(json.dumps(_clean(results), indent=1) + "\n")
+    (out / "fidelity.json").write_text(json_text(results, indent=1))
     console.print(f"results: {out / 'fidelity.json'} ({time.monotonic() - started:.0f} s, {_loadavg()})")
     return 0 if ok else 1
 

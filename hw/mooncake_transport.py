@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvstage.hw.placement import ENGINE_LOG_LEVELS
 from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
 
 # batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not
@@ -51,7 +52,7 @@ class MooncakeTransport(Transport):
         "Debian package libibverbs1) or mooncake-transfer-engine (CUDA)"
     )
     engine_env_defaults: ClassVar[dict[str, str]] = {
-        "MC_LOG_LEVEL": "ERROR",
+        "MC_LOG_LEVEL": ENGINE_LOG_LEVELS["MC_LOG_LEVEL"],
         # The TCP transport queues at most 1024 transfers per peer (+1024 waiting for
         # admission) and FAILS a larger batch outright; worse, the failure leaves the
         # connection to that peer unusable (every later batch fails too). A KV chunk

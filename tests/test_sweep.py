@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstage.cli.main import app
+from kvstage.explore.executor import ray_init
 from kvstage.explore.sweep import (
     METRICS,
     STATUS_INVALID,
@@ -24,7 +25,6 @@ from kvstage.explore.sweep import (
     SweepError,
     _split_values,
     parse_vary,
-    ray_init,
     run_sweep,
 )
 from kvstage.explore.sweep_target import Target, parse_target, target_answers

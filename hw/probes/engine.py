@@ -138,9 +138,10 @@ def _redirect_output(log_path: str) -> None:
 
 
 def _child_setup(log_path: str) -> None:
+    from kvstage.hw.placement import quiet_engines
+
     _redirect_output(log_path)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    quiet_engines(os.environ)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     import torch
 

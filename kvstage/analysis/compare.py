@@ -25,11 +25,11 @@ Definitions (B is measured relative to A):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvstage.fmt import json_text
 from kvstage.metrics.rooms import percentiles, room_latencies
 from kvstage.run.conditions import loaded_warnings
 from kvstage.run.rundir import Run, load_run
@@ -406,14 +406,4 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
 
 def to_json(result: dict) -> str:
     """JSON text of a compare result (NaN / inf written as null)."""
-
-    def clean(obj):
-        if isinstance(obj, float):
-            return _nan_to_none(obj)
-        if isinstance(obj, dict):
-            return {str(k): clean(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [clean(v) for v in obj]
-        return obj
-
-    return json.dumps(clean(result), indent=2) + "\n"
+    return json_text(result)

@@ -17,6 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter
 
 from kvstage.analysis.compare import PHASE_KEYS, PHASE_LABELS, phase_breakdown, room_metrics
+from kvstage.fmt import MIB, quantile
 from kvstage.metrics.rooms import RingSeries, percentiles, ring_series
 from kvstage.run.rundir import Run, load_run
 
@@ -43,7 +44,6 @@ PHASE_COLORS = {
     "control_req_rsp": OKABE_ITO["vermillion"],
     "control_chunk_ready": OKABE_ITO["orange"],
 }
-MIB = 1 << 20
 
 
 def _log(ax, axis: str = "x") -> None:
@@ -386,7 +386,7 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
             vals = []
             for run in runs:
                 ms = [m[key] for m in room_metrics(run.records).values() if key in m]
-                vals.append(_quantile(ms, 0.5 if q == "p50" else 0.99) * 1e3 if ms else 0.0)
+                vals.append(quantile(sorted(ms), 0.5 if q == "p50" else 0.99) * 1e3 if ms else 0.0)
             xs = [i + (j - 0.5) * 0.38 for i in x]
             ax.bar(xs, vals, width=0.36, color=[run_color(i) for i in x], hatch=hatch,
                    edgecolor="white" if not hatch else "#333333", label=q)
@@ -415,14 +415,6 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
     ax.set_axisbelow(True)
     fig.suptitle("staging vs slice", fontsize=11)
     return fig
-
-
-def _quantile(values: Sequence[float], p: float) -> float:
-    xs = sorted(values)
-    pos = (len(xs) - 1) * p
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 # --- comparison of two runs -------------------------------------------------------------------------

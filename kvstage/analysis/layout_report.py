@@ -5,12 +5,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvstage.fmt import MIB
 from kvstage.shared.layout import owned_heads, room_pages
 from kvstage.shared.scenario import Scenario
 
 
 def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.2f} MiB"
+    return f"{n / MIB:,.2f} MiB"
 
 
 def request_costs(s: Scenario, prompt_tokens: int) -> dict[str, int]:

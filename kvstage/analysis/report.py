@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from kvstage.analysis import figures
 from kvstage.analysis.compare import PHASE_KEYS, compare_runs, room_metrics
+from kvstage.fmt import MIB, ms, pct
 from kvstage.metrics.rooms import percentiles, ring_figures, summarize
 from kvstage.run.conditions import describe, loaded_warnings
 from kvstage.run.rundir import Run, load_run
@@ -98,14 +99,6 @@ def _num(x, unit: str = "", digits: int = 2) -> str:
     return f"{x:,.{digits}f}{unit}"
 
 
-def _ms(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x * 1e3:,.2f} ms"
-
-
-def _pct(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:+.1%}"
-
-
 def _table(rows: Iterable[Sequence], header: Sequence[str] | None = None, num_cols: Iterable[int] = ()) -> str:
     nums = set(num_cols)
     out = ["<table>"]
@@ -135,13 +128,13 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
     tr = s.get("transfer_requests") or {}
     rows = [
         ("requests done / failed", f"{s.get('requests_done', '-')} / {s.get('requests_failed', '-')} of {s.get('requests', '-')}"),
-        ("transfer latency p50 / p90 / p99", f"{_ms(lat.get('p50'))} / {_ms(lat.get('p90'))} / {_ms(lat.get('p99'))}"),
-        ("transfer latency mean / max", f"{_ms(lat.get('mean'))} / {_ms(lat.get('max'))}"),
-        ("TTFT p50 / p90 / p99", f"{_ms(ttft.get('p50'))} / {_ms(ttft.get('p90'))} / {_ms(ttft.get('p99'))}"),
+        ("transfer latency p50 / p90 / p99", f"{ms(lat.get('p50'))} / {ms(lat.get('p90'))} / {ms(lat.get('p99'))}"),
+        ("transfer latency mean / max", f"{ms(lat.get('mean'))} / {ms(lat.get('max'))}"),
+        ("TTFT p50 / p90 / p99", f"{ms(ttft.get('p50'))} / {ms(ttft.get('p90'))} / {ms(ttft.get('p99'))}"),
         ("payload", f"{(s.get('payload_bytes') or 0) / (1 << 30):,.2f} GiB"),
         ("throughput", f"{_num(s.get('throughput_gbps'))} Gb/s"),
         *_ring_rows(run, s),
-        ("watermark stall total / p99 / chunks", f"{_num(stall.get('total'), ' s', 4)} / {_ms(stall.get('p99'))} / {stall.get('chunks', '-')}"),
+        ("watermark stall total / p99 / chunks", f"{_num(stall.get('total'), ' s', 4)} / {ms(stall.get('p99'))} / {stall.get('chunks', '-')}"),
         ("transfer requests total / per request", f"{_num(tr.get('total'))} / {_num(tr.get('per_request'), '', 1)}"),
     ]
     for key, label in (
@@ -173,7 +166,7 @@ def _ring_rows(run: Run, s: dict) -> list[tuple[str, str]]:
         s = ring_figures(run.records, run.pool_bytes)
     return [
         (f"ring {kind} peak ({what})",
-         f"{(s.get(f'ring_{kind}_peak_bytes') or 0) / (1 << 20):,.1f} MiB "
+         f"{(s.get(f'ring_{kind}_peak_bytes') or 0) / MIB:,.1f} MiB "
          f"({(s.get(f'ring_{kind}_peak_fraction') or 0):.0%} of the pool)")
         for kind, what in (("live", "written, not yet freed"), ("reserved", "regions handed out"))
     ]
@@ -243,10 +236,10 @@ def _err_rows(name: str, m: dict) -> list[tuple]:
     rows = []
     for q in ("p50", "p99", "mean"):
         e = m.get(q) or {}
-        rows.append((f"{name} {q}", _ms(e.get("a")), _ms(e.get("b")), _ms(e.get("diff_s")), _pct(e.get("rel"))))
+        rows.append((f"{name} {q}", ms(e.get("a")), ms(e.get("b")), ms(e.get("diff_s")), pct(e.get("rel"))))
     unit = "chunks" if name.startswith("chunk") else "rooms"
     rows.append((f"{name} MAPE / bias over {m.get('count', 0)} {unit}", "", "", "",
-                 f"{_pct(m.get('mape')).lstrip('+')} / {_pct(m.get('bias'))}"))
+                 f"{pct(m.get('mape')).lstrip('+')} / {pct(m.get('bias'))}"))
     return rows
 
 
@@ -300,7 +293,7 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
         ph_rows.append((
             ph["label"],
             _num(ph["a"]["total_s"], " s", 4), _num(ph["b"]["total_s"], " s", 4),
-            _ms(ph["a"]["mean_s"]), _ms(ph["b"]["mean_s"]),
+            ms(ph["a"]["mean_s"]), ms(ph["b"]["mean_s"]),
         ))
     out.append(_table(ph_rows, header=("phase", "A total", "B total", "A mean / chunk", "B mean / chunk"),
                       num_cols=(1, 2, 3, 4)))
@@ -321,7 +314,7 @@ def _cdf_values(runs: list[Run]) -> str:
         rm = room_metrics(run.records).values()
         tr = percentiles([m["transfer"] for m in rm if "transfer" in m])
         tt = percentiles([m["ttft"] for m in rm if "ttft" in m])
-        rows.append((run.name, _ms(tr["p50"]), _ms(tr["p99"]), _ms(tt["p50"]), _ms(tt["p99"]), tr["count"]))
+        rows.append((run.name, ms(tr["p50"]), ms(tr["p99"]), ms(tt["p50"]), ms(tt["p99"]), tr["count"]))
     return _table(rows, header=("run", "transfer latency p50", "transfer latency p99", "TTFT p50", "TTFT p99",
                                 "rooms"), num_cols=(1, 2, 3, 4, 5))
 
@@ -351,7 +344,7 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
 
     plan = load_plan(plan_dir)
     rows = [(shape(r), r["gpus"], f"{r['slo_attainment']:.0%}", f"{r['goodput_per_gpu_rps']:.3g}",
-             _ms(r["ttft_s.p90"]), _ms(r["tpot_s.p90"]), r["bottleneck"] or "-",
+             ms(r["ttft_s.p90"]), ms(r["tpot_s.p90"]), r["bottleneck"] or "-",
              "winner" if r["winner"] else ("meets" if r["meets"] else "misses")) for r in plan["front"]]
     counts = ", ".join(f"{n} {k}" for k, n in plan["counts"].items())
     return "".join([

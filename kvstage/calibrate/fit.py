@@ -119,7 +119,11 @@ def _quality(y: np.ndarray, fitted: np.ndarray, w: np.ndarray) -> tuple[float, l
 
 
 def fit_line(
-    counts: Sequence[float], seconds: Sequence[float], *, relative: bool = True, what: str = "fit_line"
+    counts: Sequence[float],
+    seconds: Sequence[float],
+    *,
+    relative: bool = True,
+    what: str = "fit_line",
 ) -> LineFit:
     """Fit t = a + b n by (weighted) least squares, a, b >= 0 (see the module docstring);
     `what` names the fit in the message of a ValueError for bad points."""
@@ -133,11 +137,15 @@ def fit_line(
 def _rate(slope: float, what: str) -> float:
     """1 / slope: the rate of a fit that needs one (a bandwidth)."""
     if not slope > 0:
-        raise ValueError(f"{what}: time does not grow with size (slope {slope:.3g}); cannot fit a bandwidth")
+        raise ValueError(
+            f"{what}: time does not grow with size (slope {slope:.3g}); cannot fit a bandwidth"
+        )
     return 1.0 / slope
 
 
-def fit_latency_bandwidth(sizes: Sequence[float], seconds: Sequence[float], *, relative: bool = True) -> LinearFit:
+def fit_latency_bandwidth(
+    sizes: Sequence[float], seconds: Sequence[float], *, relative: bool = True
+) -> LinearFit:
     """Fit t = latency + bytes / bandwidth (`fit_line`). `sizes` in bytes, `seconds` the
     measured times (medians of reps); a fit whose time does not grow with size has no
     bandwidth (ValueError)."""
@@ -160,7 +168,9 @@ def fit_per_request(
     per-request overhead, per_request_s = c - op_bytes / bandwidth_Bps (>= 0).
     """
     if not (bandwidth_Bps > 0 and math.isfinite(bandwidth_Bps)):
-        raise ValueError(f"fit_per_request: bandwidth_Bps must be finite and > 0, got {bandwidth_Bps}")
+        raise ValueError(
+            f"fit_per_request: bandwidth_Bps must be finite and > 0, got {bandwidth_Bps}"
+        )
     if op_bytes < 0:
         raise ValueError(f"fit_per_request: op_bytes must be >= 0, got {op_bytes}")
     f = fit_line(counts, seconds, relative=relative, what="fit_per_request")

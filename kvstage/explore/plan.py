@@ -16,9 +16,9 @@ before anything runs, with the scenario's reason, as is one above `--max-gpus`.
 
 The search (`run_plan`) simulates GPU counts in increasing order, a whole count at a
 time (several counts per batch while there are fewer points than workers), each point
-with `kvstage.explore.sweep.run_point` through `run_sweep` (local process pool or Ray). It
-stops once a count has a configuration that meets the SLO and the next count above
-it has been simulated too: the winner is exact (every smaller count was simulated in
+with `kvstage.explore.sweep.run_point` on one executor (kvstage/explore/executor.py: local
+process pool or Ray) kept for the whole search. It stops once a count has a
+configuration that meets the SLO and the next count above it has been simulated too: the winner is exact (every smaller count was simulated in
 full), and the one count more puts on the front what one step up buys. Counts above
 it are "not run". `exhaustive=True` simulates every candidate.
 
@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import csv
 import math
-import multiprocessing
-import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.explore.executor import Executor, ExploreError
 from kvstage.explore.figures import front_figure, shape
 from kvstage.explore.sweep import (
     STATUS_ERROR,
@@ -51,9 +49,7 @@ from kvstage.explore.sweep import (
     base_data,
     parse_vary,
     plan_points,
-    ray_init,
     run_point,
-    run_sweep,
     write_json,
 )
 from kvstage.shared.scenario import DecodeConfig
@@ -99,7 +95,7 @@ COLUMNS = (*KEYS, "gpus", "status", "meets", "on_front", "winner", *FIGURES, "bo
            "reason")
 
 
-class PlanError(ValueError):
+class PlanError(ExploreError):
     """Bad plan input: one line for a human (the CLI exits 2)."""
 
 
@@ -239,54 +235,6 @@ def _next_batch(levels: list[list[Point]], start: int, workers: int, found: bool
     return end
 
 
-class _Runner:
-    """Runs batches of points with `kvstage.explore.sweep.run_point`, keeping the workers between
-    batches (a spawned worker takes seconds to import the simulator, and a search runs
-    many small batches): one local process pool for the whole search, or Ray started
-    once (`run_sweep` uses it as is); with one worker, in this process."""
-
-    def __init__(self, path: str | Path, varies: list[Vary], workers: int | None, ray_address: str | None) -> None:
-        self.path, self.varies, self.workers, self.ray_address = path, varies, workers, ray_address
-        self.nworkers = workers or os.cpu_count() or 1
-        self.pool: ProcessPoolExecutor | None = None
-        self.started = False
-        self.backend = "this process"
-
-    def __enter__(self) -> _Runner:
-        if self.ray_address is not None:
-            self.started = ray_init(self.ray_address, self.workers)
-        elif self.nworkers > 1:
-            self.pool = ProcessPoolExecutor(self.nworkers, mp_context=multiprocessing.get_context("spawn"))
-            self.backend = f"{self.nworkers} local processes"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-        if self.started:
-            import ray
-
-            ray.shutdown()
-
-    def run(self, batch: list[Point], on_row: Callable[[int, dict[str, Any]], None]) -> list[dict[str, Any]]:
-        """Each point's `run_point` row, in the order of `batch`."""
-        if self.pool is None:
-            res = run_sweep(self.path, self.varies, workers=self.workers, ray_address=self.ray_address,
-                            points=batch, on_point=on_row)
-            self.backend = res.backend
-            return res.rows
-        futures = {self.pool.submit(run_point, p.scenario): p.index for p in batch}
-        got: dict[int, dict[str, Any]] = {}
-        for fut in as_completed(futures):
-            try:
-                row = fut.result()
-            except Exception as exc:  # the worker process died (e.g. out of memory)
-                row = {"status": STATUS_ERROR, "reason": f"worker failed: {type(exc).__name__}: {exc}"}
-            got[futures[fut]] = row
-            on_row(futures[fut], row)
-        return [got[p.index] for p in batch]
-
-
 def run_plan(path: str | Path, cands: Candidates, *, attainment: float = DEFAULT_ATTAINMENT,
              workers: int | None = None, ray_address: str | None = None, exhaustive: bool = False,
              on_point: Callable[[dict[str, Any]], None] | None = None) -> PlanResult:
@@ -296,18 +244,23 @@ def run_plan(path: str | Path, cands: Candidates, *, attainment: float = DEFAULT
     levels = _levels(cands.points)
     settings = {p.index: p.settings for p in cands.points}
 
+    got: dict[int, dict[str, Any]] = {}  # point index -> its run_point row
+
     def on_row(index: int, row: dict[str, Any]) -> None:
+        got[index] = row
         if on_point is not None:
             on_point(_point_row(settings[index], row, attainment))
 
     done: list[dict[str, Any]] = []
     found, stopped_at, i = None, None, 0
     t0 = time.perf_counter()
-    with _Runner(path, cands.varies, workers, ray_address) as runner:
+    # one executor for the whole search: its workers stay between the (many, small) batches
+    with Executor(workers, ray_address) as runner:
         while i < len(levels):
             end = len(levels) if exhaustive else _next_batch(levels, i, runner.nworkers, found is not None)
             batch = [p for level in levels[i:end] for p in level]
-            rows = runner.run(batch, on_row)
+            runner.run(run_point, [(p.index, (p.scenario,)) for p in batch], on_row)
+            rows = [got[p.index] for p in batch]
             done += [_point_row(p.settings, row, attainment) for p, row in zip(batch, rows, strict=True)]
             i = end
             meeting = [r["gpus"] for r in done if r["meets"]]

@@ -6,7 +6,7 @@ parsed exactly like a `--set` value) on top of the scenario file and its `--set`
 overrides, and collects one row per point: the varied keys, a status, the flattened
 `kvstage.metrics.rooms.summarize` metrics (`METRICS`) and, for a point that did not run,
 the reason. Points run in a local process pool (spawned processes, one point per
-task) or on a Ray cluster; either way the rows come back in the order of the cross
+task) or on a Ray cluster (kvstage/explore/executor.py); either way the rows come back in the order of the cross
 product (the first `--vary` is the outermost loop), whatever order points finish in,
 and the simulation is deterministic, so two sweeps of the same input give the same
 rows except `wall_s`.
@@ -37,19 +37,18 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import logging
 import math
-import multiprocessing
 import os
 import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.explore.executor import STATUS_ERROR, Executor, ExploreError
+from kvstage.fmt import MIB, json_text
 from kvstage.shared.scenario import (
     PRESETS,
     Scenario,
@@ -61,7 +60,6 @@ from kvstage.shared.scenario import (
 
 __all__ = [
     "METRICS",
-    "RAY_REQUIREMENT",
     "Point",
     "SweepError",
     "SweepResult",
@@ -77,9 +75,6 @@ __all__ = [
     "run_sweep",
     "write_tables",
 ]
-
-# What to install for `--ray` (the CLI's message and the docs say the same).
-RAY_REQUIREMENT = "ray==2.60.0"
 
 # The flattened summary metrics of a row, in column order. `--metric` and `--target`
 # name one of these. Per-request latencies (kvstage/metrics/rooms.py): transfer_latency_s
@@ -116,10 +111,10 @@ METRICS: tuple[str, ...] = (
 # Text columns after METRICS: the bottleneck verdict of each point (kvstage/metrics/bottleneck.py).
 VERDICT = ("bottleneck", "bottleneck_why")
 
-STATUS_OK, STATUS_INVALID, STATUS_ERROR = "ok", "invalid", "error"
+STATUS_OK, STATUS_INVALID = "ok", "invalid"  # and STATUS_ERROR, kvstage/explore/executor.py
 
 
-class SweepError(ValueError):
+class SweepError(ExploreError):
     """Bad sweep input: one message for a human, no traceback (the CLI exits 2)."""
 
 
@@ -341,122 +336,6 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
         return {"status": STATUS_ERROR, "reason": f"{type(exc).__name__}: {exc}{where}"}
 
 
-# --------------------------------------------------------------------------- executors
-
-
-def _run_local(
-    jobs: list[tuple[int, Scenario, str | None]],
-    workers: int,
-    done: Callable[[int, dict[str, Any]], None],
-) -> None:
-    if workers <= 1 or len(jobs) <= 1:
-        for index, scenario, keep in jobs:
-            done(index, run_point(scenario, keep))
-        return
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-        futures = {pool.submit(run_point, s, keep): index for index, s, keep in jobs}
-        for fut in as_completed(futures):
-            index = futures[fut]
-            try:
-                row = fut.result()
-            except Exception as exc:  # the worker process died (e.g. out of memory)
-                row = {"status": STATUS_ERROR, "reason": f"worker failed: {type(exc).__name__}: {exc}"}
-            done(index, row)
-
-
-def _project_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
-def require_ray() -> None:
-    """SweepError (install hint) if Ray cannot be imported."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise SweepError(
-            f"--ray needs Ray, which is not installed here: pip install '{RAY_REQUIREMENT}'"
-        ) from None
-
-
-def ray_init(address: str, workers: int | None = None) -> bool:
-    """Start or join Ray; False if it was already initialised (then leave it running).
-
-    "local" starts a private instance on this machine with `workers` CPUs; anything
-    else is a cluster address (host:port, "auto", ray://host:10001) joined with the
-    project's code shipped as the job's working directory, so the workers run this
-    version of kvstage (their Python environment must have its dependencies).
-    """
-    require_ray()
-    import ray
-
-    if ray.is_initialized():
-        return False
-    # Usage statistics would be reported over the network; a sweep has no business doing so.
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        if address == "local":
-            ray.init(
-                address="local",  # a new private instance, even if a cluster runs here
-                num_cpus=workers or os.cpu_count() or 1,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-                object_store_memory=128 << 20,  # results are a few KiB per point
-            )
-        else:
-            root = _project_root()
-            ray.init(
-                address=address,
-                log_to_driver=False,
-                runtime_env={
-                    "working_dir": str(root),
-                    "excludes": [
-                        ".venv/", ".git/", "runs/", "sweeps/", "tests/", "benchmarks/",
-                        "__pycache__/", "*.parquet", "*.jsonl", "*.png",
-                    ],
-                },
-            )
-    except Exception as exc:
-        hint = ""
-        if address != "local" and "RAY_AUTH_MODE" not in os.environ:
-            hint = (
-                " (a cluster started with token authentication, the default of `ray start`,"
-                " needs RAY_AUTH_MODE=token here and its token in ~/.ray/auth_token or"
-                " RAY_AUTH_TOKEN)"
-            )
-        raise SweepError(
-            f"--ray {address}: cannot start or join Ray: {type(exc).__name__}: {exc}{hint}"
-        ) from None
-    return True
-
-
-def _run_ray(
-    jobs: list[tuple[int, Scenario, str | None]],
-    address: str,
-    workers: int | None,
-    done: Callable[[int, dict[str, Any]], None],
-) -> None:
-    started = ray_init(address, workers)
-    import ray
-
-    try:
-        task = ray.remote(num_cpus=1, max_retries=0)(run_point)
-        refs = {task.remote(s, keep): index for index, s, keep in jobs}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            for ref in ready:
-                try:
-                    row = ray.get(ref)
-                except Exception as exc:  # the task or its worker died
-                    row = {"status": STATUS_ERROR, "reason": f"Ray task failed: {type(exc).__name__}: {exc}"}
-                done(refs[ref], row)
-    finally:
-        if started:
-            ray.shutdown()
-
-
 # --------------------------------------------------------------------------- the sweep
 
 
@@ -526,13 +405,8 @@ def run_sweep(
     if on_start is not None:
         on_start(len(jobs))
     t0 = time.perf_counter()
-    if ray_address is None:
-        n = min(nworkers, len(jobs))
-        backend = f"{n} local processes" if n > 1 else "this process"
-        _run_local(jobs, nworkers, done)
-    else:
-        backend = f"Ray ({ray_address})"
-        _run_ray(jobs, ray_address, workers, done)
+    with Executor(workers, ray_address, jobs=len(jobs)) as executor:
+        executor.run(run_point, [(index, (scenario, keep)) for index, scenario, keep in jobs], done)
     wall = time.perf_counter() - t0
 
     columns = [v.key for v in varies] + ["status", *METRICS, *VERDICT, "reason"]
@@ -546,24 +420,14 @@ def run_sweep(
             got = results.get(p.index, {"status": STATUS_ERROR, "reason": "no result came back"})
             row.update({k: got.get(k) for k in ("status", *METRICS, *VERDICT, "reason")})
         rows.append({c: row.get(c) for c in columns})
-    return SweepResult(list(varies), rows, columns, backend, nworkers, wall, points)
+    return SweepResult(list(varies), rows, columns, executor.backend, nworkers, wall, points)
 
 
 # --------------------------------------------------------------------------- files
 
 
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_json(path: Path, obj: Any) -> Path:
-    path.write_text(json.dumps(_json_safe(obj), indent=2) + "\n")
+    path.write_text(json_text(obj))
     return path
 
 
@@ -633,7 +497,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
             return 1e3, "ms", label
         return 1.0, "s", label
     if base.endswith("_bytes"):
-        return 1 / (1 << 20), "MiB", label
+        return 1 / MIB, "MiB", label
     if base.endswith("_peak_fraction") or base == "slo_attainment":
         return 100.0, "%", label
     if base == "throughput_gbps":

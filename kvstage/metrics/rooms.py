@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvstage.fmt import quantile
 from kvstage.shared.trace import TraceRecord
 
 
@@ -18,17 +19,10 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, "max": math.nan, "count": 0}
     xs = sorted(values)
-
-    def q(p: float) -> float:
-        pos = (len(xs) - 1) * p
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
     return {
-        "p50": q(0.50),
-        "p90": q(0.90),
-        "p99": q(0.99),
+        "p50": quantile(xs, 0.50),
+        "p90": quantile(xs, 0.90),
+        "p99": quantile(xs, 0.99),
         "mean": sum(xs) / len(xs),
         "max": xs[-1],
         "count": len(xs),

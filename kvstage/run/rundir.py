@@ -4,12 +4,12 @@ every later tool reads them back (`load_run`)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstage.fmt import json_text, mib_to_bytes
 from kvstage.run.tracefile import find_trace, read_records, write_trace
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
@@ -31,17 +31,6 @@ def make_run_dir(scenario: Scenario, mode: str, out: Path | None = None, root: P
     return path
 
 
-def _clean(obj):
-    """JSON has no NaN: write null for a metric that had no samples."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def write_run(
     run_dir: Path,
     scenario: Scenario,
@@ -57,7 +46,7 @@ def write_run(
         "summary": run_dir / "summary.json",
     }
     paths["scenario"].write_text(scenario.to_toml())
-    paths["summary"].write_text(json.dumps(_clean(summary), indent=2, sort_keys=False) + "\n")
+    paths["summary"].write_text(json_text(summary))  # a metric without samples: null
     return paths
 
 
@@ -96,7 +85,7 @@ class Run:
     @property
     def pool_bytes(self) -> int:
         mb = self.scenario.get("decode", {}).get("staging_pool_mb")
-        return int(round(float(mb) * (1 << 20))) if mb is not None else 0
+        return mib_to_bytes(mb) if mb is not None else 0  # the scenario's own bytes (Scenario.pool_bytes)
 
     @property
     def backend(self) -> str | None:

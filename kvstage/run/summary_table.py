@@ -5,12 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvstage.fmt import MIB, ms
 from kvstage.run.conditions import describe
-
-
-def _ms(x) -> str:
-    return "-" if x is None or x != x else f"{x * 1e3:,.2f} ms"
-
 
 # TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
 # starts at the first forward, so it holds prefill compute + exposed KV transfer.
@@ -28,13 +24,13 @@ _BREAKDOWN_ROWS = (
 
 def _ring(summary: dict, kind: str) -> str:
     b, f = summary.get(f"ring_{kind}_peak_bytes"), summary.get(f"ring_{kind}_peak_fraction")
-    return "-" if b is None else f"{b / (1 << 20):,.1f} MiB ({f:.0%} of pool)"
+    return "-" if b is None else f"{b / MIB:,.1f} MiB ({f:.0%} of pool)"
 
 
 def _capacity_rows(t: Table, summary: dict) -> None:
     """SLO attainment, goodput, offered load and the bottleneck verdict, when present."""
     if "slo" in summary:
-        targets = ", ".join(f"{k} <= {_ms(v)}" for k, v in summary["slo"].items())
+        targets = ", ".join(f"{k} <= {ms(v)}" for k, v in summary["slo"].items())
         missing = summary.get("slo_unmeasured")
         note = f" (no figure of {', '.join(missing)}: counted as missed)" if missing else ""
         t.add_row(f"SLO attainment ({targets})", f"{summary['slo_attainment']:.1%}{note}")
@@ -53,19 +49,19 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t.add_column("value", justify="right")
     t.add_row("requests done / failed", f"{summary['requests_done']} / {summary['requests_failed']} of {summary['requests']}")
     lat = summary["transfer_latency_s"]
-    t.add_row("transfer latency p50 / p99", f"{_ms(lat['p50'])} / {_ms(lat['p99'])}")
-    t.add_row("transfer latency mean / max", f"{_ms(lat['mean'])} / {_ms(lat['max'])}")
+    t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
+    t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
     ttft = summary["ttft_s"]
-    t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])}")
+    t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
     for key, label in _BREAKDOWN_ROWS:
         if key in summary:  # summaries written before the breakdown existed lack it
-            t.add_row(f"{label} p50 / p99", f"{_ms(summary[key]['p50'])} / {_ms(summary[key]['p99'])}")
+            t.add_row(f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}")
     _capacity_rows(t, summary)
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
     t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))
     st = summary["watermark_stall_s"]
-    t.add_row("watermark stall total / p99", f"{st['total']:,.4f} s / {_ms(st['p99'])}")
+    t.add_row("watermark stall total / p99", f"{st['total']:,.4f} s / {ms(st['p99'])}")
     tr = summary["transfer_requests"]
     t.add_row("transfer requests total / per request", f"{tr['total']:,} / {tr['per_request']:,.0f}")
     for key in ("events", "sim_time_s", "wall_s", "backend", "device", "bytes_verified", "bytes_wrong"):

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kvstage.cli.errors import fail as _fail
 from kvstage.cli.errors import warn
+from kvstage.fmt import ms, pct
 
 console = Console()
 
@@ -31,14 +32,6 @@ def _load(path: Path):
         return load_run(path)
     except RunError as exc:
         _fail(str(exc))
-
-
-def _ms(x) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:,.2f} ms"
-
-
-def _pct(x) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:+.1%}"
 
 
 def _print_compare(result: dict) -> None:
@@ -58,10 +51,10 @@ def _print_compare(result: dict) -> None:
         m = result[key]
         for q in ("p50", "p99", "mean"):
             e = m[q]
-            t.add_row(f"{name} {q}", _ms(e["a"]), _ms(e["b"]), _ms(e["diff_s"]), _pct(e["rel"]))
+            t.add_row(f"{name} {q}", ms(e["a"]), ms(e["b"]), ms(e["diff_s"]), pct(e["rel"]))
         mape = m["mape"]
         t.add_row(f"{name} MAPE / bias (n={m['count']})", "", "", "",
-                  f"{'-' if not math.isfinite(mape) else f'{mape:.1%}'} / {_pct(m['bias'])}", end_section=True)
+                  f"{'-' if not math.isfinite(mape) else f'{mape:.1%}'} / {pct(m['bias'])}", end_section=True)
     console.print(t)
     ph = Table(title="phase breakdown (total over all chunks and ranks; mean per chunk and rank)")
     for col in ("phase", "A total", "B total", "A mean", "B mean"):
@@ -70,7 +63,7 @@ def _print_compare(result: dict) -> None:
         p = result["phases"][k]
         if not p["a"]["count"] and not p["b"]["count"]:
             continue
-        ph.add_row(p["label"], f"{p['a']['total_s']:,.4f} s", f"{p['b']['total_s']:,.4f} s", _ms(p["a"]["mean_s"]), _ms(p["b"]["mean_s"]))
+        ph.add_row(p["label"], f"{p['a']['total_s']:,.4f} s", f"{p['b']['total_s']:,.4f} s", ms(p["a"]["mean_s"]), ms(p["b"]["mean_s"]))
     console.print(ph)
     r = result["rooms"]
     console.print(

@@ -148,8 +148,8 @@ def plan(
     (goodput per GPU vs TTFT p90) and the winner (fewest GPUs; ties: most goodput per
     GPU) with its bottleneck; writes plan.csv, plan.json and plan_front.png (`kvstage
     report OUT` shows them). Exits 1 when nothing meets the SLO or a point failed."""
-    from kvstage.explore.plan import PlanError, plan_candidates, run_plan, write_plan
-    from kvstage.explore.sweep import SweepError, require_ray
+    from kvstage.explore.executor import ExploreError, require_ray
+    from kvstage.explore.plan import plan_candidates, run_plan, write_plan
 
     sets = list(set_ or [])
     if not scenario.is_file():
@@ -163,7 +163,7 @@ def plan(
             require_ray()
         cands = plan_candidates(scenario, _grid(prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
                                 sets, max_gpus)
-    except (PlanError, SweepError) as exc:
+    except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
     _print_intro(scenario, cands, attainment, where)
@@ -177,7 +177,7 @@ def plan(
         with bar:
             result = run_plan(scenario, cands, attainment=attainment, workers=workers, ray_address=ray,
                               exhaustive=exhaustive, on_point=on_point)
-    except (PlanError, SweepError) as exc:
+    except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
     from kvstage.run.rundir import make_run_dir
 

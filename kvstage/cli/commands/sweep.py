@@ -216,7 +216,8 @@ def _plan(
 ) -> tuple[Any, list[Any], list[Any]]:
     """Check the options and plan the points: (target or None, varies, points); a bad
     option is one error line and exit 2."""
-    from kvstage.explore.sweep import SweepError, check_metric, parse_vary, plan_points, require_ray
+    from kvstage.explore.executor import ExploreError, require_ray
+    from kvstage.explore.sweep import SweepError, check_metric, parse_vary, plan_points
     from kvstage.explore.sweep_target import parse_target
 
     if not scenario.is_file():
@@ -232,7 +233,7 @@ def _plan(
         if ray is not None:
             require_ray()
         points = plan_points(scenario, varies, sets)
-    except SweepError as exc:
+    except ExploreError as exc:  # SweepError, --ray
         _fail(str(exc))
     return tgt, varies, points
 
@@ -281,7 +282,8 @@ def _run(
     progress: bool,
 ) -> Any:
     """Simulate the points under a progress bar; a failed sweep is one error line and exit 2."""
-    from kvstage.explore.sweep import SweepError, run_sweep
+    from kvstage.explore.executor import ExploreError
+    from kvstage.explore.sweep import run_sweep
 
     bar = _progress_bar(progress)
     task = None
@@ -305,7 +307,7 @@ def _run(
                 on_point=on_point,
                 points=points,
             )
-    except SweepError as exc:
+    except ExploreError as exc:  # SweepError, --ray
         _fail(str(exc))
 
 
