@@ -76,7 +76,6 @@ own per-room scatter around the mean, about floor / sqrt(2) (5-12% here): the or
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -242,8 +241,11 @@ def _loadavg() -> str:
 
 
 def _reduce(label: str, run_dir: Path) -> RunData:
-    summary = json.loads((run_dir / "summary.json").read_text())
     _, records = read_records(run_dir)
+    return _reduced(label, json.loads((run_dir / "summary.json").read_text()), records)
+
+
+def _reduced(label: str, summary: dict, records: list) -> RunData:
     errors = summary.get("errors") or []
     return RunData(label, room_spans(records), phase_samples(records), summary.get("conditions"),
                    ok=not errors, error="; ".join(errors[:2]), wall_s=float(summary.get("wall_s") or 0.0))
@@ -253,7 +255,8 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             console: Console) -> list[RunData]:
     """The case's hardware runs: reused from --hw-from where that directory has them
     (DIR/<backend>/<case>/hw, hw2, ...), run here otherwise."""
-    from kvstage.run.hwrun import run_hardware
+    from kvstage.run.hwrun import launch_run
+    from kvstage.run.rundir import make_run_dir
 
     runs = []
     for i in range(args.hw_runs):
@@ -265,13 +268,14 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             link = sdir / name  # so that this output can be the next --hw-from
             if not link.exists() and not link.is_symlink():
                 link.symlink_to(run_dir, target_is_directory=True)
+            run = _reduce(name, run_dir)
         else:
             before = _loadavg()
-            quiet = Console(file=io.StringIO(), width=120)
-            _, run_dir = run_hardware(scenario, out=sdir / name, trace_format="jsonl", timeout_s=args.hw_timeout,
-                                      console=quiet)
+            run_dir = make_run_dir(scenario, "hw", sdir / name)
+            result = launch_run(scenario, run_dir, timeout_s=args.hw_timeout)
+            result.write(run_dir, "jsonl")  # the next --hw-from reads it
             how = f"ran in {time.monotonic() - t0:.1f} s, {before} before"
-        run = _reduce(name, run_dir)
+            run = _reduced(name, result.summary, result.records)
         runs.append(run)
         console.print(f"    {name}: {how}; {describe(run.conditions, short=True)}"
                       + ("" if run.ok else f" [red]FAILED[/]: {run.error}"), highlight=False)
@@ -337,7 +341,8 @@ def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
 
 def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: argparse.Namespace,
              out: Path, console: Console) -> Outcome:
-    from kvstage.run.simrun import run_simulation
+    from kvstage.run.rundir import make_run_dir
+    from kvstage.run.simrun import simulate
 
     sdir = out / case.name
     sdir.mkdir(parents=True, exist_ok=True)
@@ -349,12 +354,11 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
     variants, res.tokens_per_s = sim_variants(scenario, cal, res.ref)
     if args.oracle:
         variants["oracle"] = oracle_overrides(spath, variants.get("host+load", variants["host"]), res.ref)
-    quiet = Console(file=io.StringIO(), width=120)
     for variant, overrides in variants.items():
         sim_s = load_scenario(spath, overrides=overrides)
-        sim_dir = sdir / f"sim-{variant.replace('+', '-')}"
-        run_simulation(sim_s, out=sim_dir, trace_format="jsonl", progress=False, console=quiet)
-        res.sims[variant] = _reduce(f"sim {variant}", sim_dir)
+        result = simulate(sim_s)
+        result.write(make_run_dir(sim_s, "sim", sdir / f"sim-{variant.replace('+', '-')}"), "jsonl")
+        res.sims[variant] = _reduced(f"sim {variant}", result.summary, result.records)
     return res
 
 

@@ -7,7 +7,6 @@ to (kvstage/calibrate/inrun.py). Everything a profile is fitted from is in the d
 
 from __future__ import annotations
 
-import io
 import statistics
 import tempfile
 import time
@@ -99,21 +98,16 @@ def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, 
 
 def _inrun_run(data: dict, backend: str, device: str) -> dict:
     """One in-run scenario on the real engine: its mean step times and the host's conditions."""
-    from rich.console import Console
-
-    from kvstage.run.hwrun import run_hardware
-    from kvstage.run.rundir import read_summary
-    from kvstage.run.tracefile import read_records
+    from kvstage.run.hwrun import launch_run
+    from kvstage.run.result import judge
     from kvstage.shared.scenario import scenario_from_dict
 
     data = {**data, "hardware": {**data["hardware"], "backend": backend, "device": device}}
     scenario = scenario_from_dict(data, source="kvstage calibrate in-run scenario")
-    with tempfile.TemporaryDirectory(prefix="kvstage-inrun-") as tmp:
-        code, run_dir = run_hardware(scenario, out=Path(tmp) / "hw", trace_format="jsonl", timeout_s=120.0,
-                                     console=Console(file=io.StringIO()))
-        summary = read_summary(run_dir)
-        _, records = read_records(run_dir)
-    return {"ok": code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
+    with tempfile.TemporaryDirectory(prefix="kvstage-inrun-") as tmp:  # the ranks' logs
+        result = launch_run(scenario, Path(tmp), timeout_s=120.0)
+    summary, records = result.summary, result.records
+    return {"ok": judge(result).code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
             "copy_bytes": copy_bytes_mean(records), "job_cpu": summary.get("job_cpu") or {},
             "conditions": summary.get("conditions"),
             "requests_done": summary.get("requests_done"),

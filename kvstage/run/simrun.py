@@ -1,17 +1,18 @@
-"""`kvstage sim`: simulate, write the run directory, print the summary table."""
+"""A simulated run: `simulate` gives its RunResult (kvstage/run/result.py); `kvstage sim`
+(`run_simulation`) ends it with `finish_run`: run directory, summary table, exit code."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstage.run import conditions
-from kvstage.run.expect import check_expectation, print_outcome
-from kvstage.run.rundir import make_run_dir, write_run
+from kvstage.run.result import RunResult, finish_run
+from kvstage.run.rundir import make_run_dir
 from kvstage.run.summary import run_summary
-from kvstage.run.summary_table import print_summary
 from kvstage.shared.scenario import Scenario
 from kvstage.sim.driver import SimResult
 from kvstage.sim.shard import simulate_scenario
@@ -24,6 +25,20 @@ def simulation_summary(scenario: Scenario, result: SimResult) -> dict:
                        extra={"sim_time_s": result.sim_time_s})
 
 
+def simulate(scenario: Scenario, progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Simulate `scenario` (in independent groups where [cluster] shard asks, sim/shard.py);
+    `progress(done, total)` as requests end. The summary holds how busy the host was
+    meanwhile (kvstage/run/conditions.py). Writes and prints nothing."""
+    before = conditions.sample()
+    result = simulate_scenario(scenario, progress=progress)
+    summary = simulation_summary(scenario, result)
+    summary["conditions"] = conditions.measure(before)
+    return RunResult(
+        scenario, "sim", result.records, result.ranks, result.violations, errors=[], failures=result.failures,
+        wall_s=result.wall_s, requests=len(result.requests), summary=summary,
+    )
+
+
 def run_simulation(
     scenario: Scenario,
     *,
@@ -32,8 +47,9 @@ def run_simulation(
     progress: bool = True,
     console: Console | None = None,
 ) -> int:
-    """Simulate `scenario`, write its run directory; 0 if no invariant broke and the
-    failed rooms are the ones the scenario's [expect] allows (none without one), else 1."""
+    """`kvstage sim`: simulate `scenario` under a progress bar and end the run
+    (`finish_run`): 0 if no invariant broke and the failed rooms are the ones the
+    scenario's [expect] allows (none without one), else 1."""
     console = console or Console()
     total = scenario.workload.requests
     bar = Progress(
@@ -45,21 +61,8 @@ def run_simulation(
         disable=not progress or total < 50,
         transient=True,
     )
-    before = conditions.sample()  # how busy the host was during the run (kvstage/run/conditions.py)
     with bar:
         task = bar.add_task(scenario.name, total=total)
-        result = simulate_scenario(scenario, progress=lambda done, _n: bar.update(task, completed=done))
-    summary = simulation_summary(scenario, result)
-    summary["conditions"] = conditions.measure(before)
+        result = simulate(scenario, progress=lambda done, _n: bar.update(task, completed=done))
     run_dir = make_run_dir(scenario, "sim", out)
-    write_run(run_dir, scenario, result.records, summary, "sim", trace_format)
-    print_summary(summary, console, title=f"{scenario.name} (simulation)")
-    console.print(f"run directory: {run_dir}")
-    problems = check_expectation(scenario, result.failures, len(result.requests), "sim")
-    code = print_outcome(console, problems, result.failures)
-    if result.violations:
-        console.print(f"[bold red]{len(result.violations)} invariant violation(s):[/]")
-        for v in result.violations[:10]:
-            console.print(v.format(), markup=False, highlight=False)
-        return 1
-    return code
+    return finish_run(result, run_dir, trace_format=trace_format, console=console)

@@ -110,7 +110,8 @@ def hw(
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
     the same trace and summary as the simulation are written. Exits 1 if a rank failed,
     a byte was wrong, staging leaked or an invariant broke."""
-    from kvstage.run.hwrun import device_problem, run_hardware
+    from kvstage.hw.merge import device_problem
+    from kvstage.run.hwrun import run_hardware
 
     sets = list(set_ or [])
     for key, value in (("backend", backend), ("device", device), ("verify", verify)):
