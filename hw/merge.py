@@ -53,7 +53,9 @@ def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
 def clock_tolerance(reports: dict[str, dict]) -> float:
     """How far apart the ranks' trace clocks may be: twice the largest uncertainty of an
     offset that was applied (two ranks, each off by up to its own), 0 on one clock."""
-    applied = [r.get("clock_uncertainty_s", 0.0) for r in reports.values() if r.get("clock_applied_s")]
+    applied = [
+        r.get("clock_uncertainty_s", 0.0) for r in reports.values() if r.get("clock_applied_s")
+    ]
     return 2 * max(applied, default=0.0)
 
 
@@ -74,9 +76,13 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
         "transfer_requests_posted": total("requests_posted"),
         "malformed_messages": total("malformed"),
-        "unauthenticated_messages": total("unauthenticated"),  # no valid MAC (control plane security)
+        "unauthenticated_messages": total(
+            "unauthenticated"
+        ),  # no valid MAC (control plane security)
         "oversize_messages": total("oversize"),
-        "replayed_messages": total("replayed"),  # authenticated but not newer than their sender's last
+        "replayed_messages": total(
+            "replayed"
+        ),  # authenticated but not newer than their sender's last
         "clocks": _clocks(by_rank),
         "clock_tolerance_s": clock_tolerance(by_rank),
         # each rank's loop scheduling class (hw/priority.py LoopPriority): "rr:10", or

@@ -3,7 +3,6 @@ against the loopback engines whose profile loads into a scenario and simulates."
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -13,15 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_engine
-from rich.console import Console
 from typer.testing import CliRunner
 
 from kvstage.calibrate.fit import fit_copy, fit_latency_bandwidth, fit_per_request, median_of
 from kvstage.calibrate.inrun import CPU_FIELDS
 from kvstage.calibrate.profile import CalibrationPlan, calibrate, sidecar_path, write_profile
 from kvstage.cli.main import app
-from kvstage.run.rundir import read_summary
-from kvstage.run.simrun import run_simulation
+from kvstage.run.result import judge
+from kvstage.run.simrun import simulate
 from kvstage.shared.scenario import PROFILE_FIELDS, load_scenario
 
 IN_CI = os.environ.get("CI") == "true"
@@ -190,11 +188,9 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert r.host is not None and r.host.loop_poll_s == 0
     assert r.link.bandwidth_bytes_s == pytest.approx(data["inter_bandwidth_gbps"] * 1e9 / 8)
     assert r.control_latency_s == pytest.approx(data["control_latency_us"] / 1e6)
-    code = run_simulation(s, out=tmp_path / "run", trace_format="jsonl", progress=False,
-                          console=Console(file=io.StringIO()))
-    assert code == 0
-    summary = read_summary(tmp_path / "run")
-    assert summary["requests_done"] == 4 and summary["requests_failed"] == 0
+    result = simulate(s)
+    assert judge(result).code == 0
+    assert result.summary["requests_done"] == 4 and result.summary["requests_failed"] == 0
 
 
 def test_weak_fits_are_named():

@@ -55,7 +55,7 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
     """One fault semantics: the simulation and a hardware run (NIXL) of the same fault
     scenario inject the same faults on the same ranks and reach the same [expect]."""
     from kvstage.run.hwrun import run_hardware
-    from kvstage.run.simrun import simulation_summary
+    from kvstage.run.summary import simulation_summary
 
     require_engine("nixl")
     s = load_scenario(path)

@@ -12,7 +12,7 @@ from rich.console import Console
 from kvstage.explore.sweep import METRICS, run_point
 from kvstage.explore.sweep_target import parse_target
 from kvstage.metrics.rooms import room_latencies
-from kvstage.run.simrun import simulation_summary
+from kvstage.run.summary import simulation_summary
 from kvstage.run.summary_table import print_summary
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate

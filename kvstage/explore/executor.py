@@ -84,8 +84,16 @@ def ray_init(address: str, workers: int | None = None) -> bool:
                 runtime_env={
                     "working_dir": str(root),
                     "excludes": [
-                        ".venv/", ".git/", "runs/", "sweeps/", "tests/", "benchmarks/",
-                        "__pycache__/", "*.parquet", "*.jsonl", "*.png",
+                        ".venv/",
+                        ".git/",
+                        "runs/",
+                        "sweeps/",
+                        "tests/",
+                        "benchmarks/",
+                        "__pycache__/",
+                        "*.parquet",
+                        "*.jsonl",
+                        "*.png",
                     ],
                 },
             )
@@ -139,7 +147,9 @@ class Executor:
 
             ray.shutdown()
 
-    def run(self, fn: Callable[..., Row], jobs: Sequence[Job], done: Callable[[int, Row], None]) -> None:
+    def run(
+        self, fn: Callable[..., Row], jobs: Sequence[Job], done: Callable[[int, Row], None]
+    ) -> None:
         """fn(*args) for every (index, args) of `jobs`; done(index, row) as each finishes."""
         if self.ray_address is not None:
             self._run_ray(fn, jobs, done)
@@ -155,7 +165,9 @@ class Executor:
                     row = _failed(f"worker failed: {type(exc).__name__}: {exc}")
                 done(futures[fut], row)
 
-    def _run_ray(self, fn: Callable[..., Row], jobs: Sequence[Job], done: Callable[[int, Row], None]) -> None:
+    def _run_ray(
+        self, fn: Callable[..., Row], jobs: Sequence[Job], done: Callable[[int, Row], None]
+    ) -> None:
         import ray
 
         task = ray.remote(num_cpus=1, max_retries=0)(fn)

@@ -309,8 +309,7 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
     """
     try:
         from kvstage.metrics.rooms import room_latencies
-        from kvstage.run.simrun import simulation_summary
-        from kvstage.run.summary import capacity_figures
+        from kvstage.run.summary import capacity_figures, simulation_summary
         from kvstage.sim.shard import simulate_scenario
 
         result = simulate_scenario(scenario)

@@ -8,10 +8,10 @@ what `kvstage sim` / `kvstage hw` would exit with, `write` writes the run direct
 the commands end every run with `finish_run`: write the run directory, print the
 summary table, apply the scenario's [expect] and return the exit code.
 
-The exit code is 1 when the outcome is not the one [expect] allows (kvstage/run/
-expect.py), when the run had an error, a byte arrived wrong, staging bytes were still
-held at the end, or an invariant broke; a hardware run that [expect] hw_run_fails says
-must fail is 0 when it did fail.
+The exit code is 1 when the outcome is not the one [expect] allows
+(kvstage/run/expect.py), when the run had an error, a byte arrived wrong, staging bytes
+were still held at the end, or an invariant broke; a hardware run that [expect]
+hw_run_fails says must fail is 0 when it did fail.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class RunResult:
 
     def write(self, run_dir: Path, trace_format: str = "parquet") -> dict[str, Path]:
         """The run directory: trace, scenario.toml, summary.json."""
-        return write_run(run_dir, self.scenario, self.records, self.summary, self.mode, trace_format)
+        return write_run(
+            run_dir, self.scenario, self.records, self.summary, self.mode, trace_format
+        )
 
 
 @dataclass
@@ -72,7 +74,11 @@ def judge(result: RunResult) -> Verdict:
     """The verdict on `result` (see the module docstring); prints nothing."""
     s = result.summary
     problems = check_expectation(
-        result.scenario, result.failures, result.requests, result.mode, run_failed=bool(result.errors)
+        result.scenario,
+        result.failures,
+        result.requests,
+        result.mode,
+        run_failed=bool(result.errors),
     )
     expected = result.mode == "hw" and result.scenario.expect.hw_run_fails and not problems
     wrong = int(s.get("bytes_wrong") or 0)
@@ -98,8 +104,9 @@ def _print_rejoins(console: Console, rejoined: list[dict]) -> None:
         )
 
 
-def finish_run(result: RunResult, run_dir: Path, *, trace_format: str = "parquet",
-               console: Console) -> int:
+def finish_run(
+    result: RunResult, run_dir: Path, *, trace_format: str = "parquet", console: Console
+) -> int:
     """Write the run directory, print the summary table and the outcome; the exit code."""
     result.write(run_dir, trace_format)
     print_summary(result.summary, console, title=_title(result))
@@ -109,17 +116,22 @@ def finish_run(result: RunResult, run_dir: Path, *, trace_format: str = "parquet
     if v.expected_failure:
         why = escape(result.errors[0]) if result.errors else ""
         console.print(
-            f"[green]expected outcome:[/] the run failed as the scenario expects: {why}", highlight=False
+            f"[green]expected outcome:[/] the run failed as the scenario expects: {why}",
+            highlight=False,
         )
         return v.code
     print_outcome(console, v.problems, result.failures)
     for e in result.errors:
-        console.print(f"[bold red]error:[/] {escape(e)}", highlight=False)  # a log tail is not markup
+        console.print(
+            f"[bold red]error:[/] {escape(e)}", highlight=False
+        )  # a log tail is not markup
     if v.wrong_bytes:
         rooms = result.summary["wrong_rooms"][:10]
         console.print(f"[bold red]{v.wrong_bytes} byte(s) wrong[/] in rooms {rooms}")
     if v.leaked:
-        console.print(f"[bold red]staging leak:[/] ring bytes at the end {result.summary['ring_used_at_end']}")
+        console.print(
+            f"[bold red]staging leak:[/] ring bytes at the end {result.summary['ring_used_at_end']}"
+        )
     if result.violations:
         console.print(f"[bold red]{len(result.violations)} invariant violation(s):[/]")
         for x in result.violations[:VIOLATIONS_SHOWN]:

@@ -12,17 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstage.run import conditions
 from kvstage.run.result import RunResult, finish_run
 from kvstage.run.rundir import make_run_dir
-from kvstage.run.summary import run_summary
+from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario
-from kvstage.sim.driver import SimResult
 from kvstage.sim.shard import simulate_scenario
-
-
-def simulation_summary(scenario: Scenario, result: SimResult) -> dict:
-    """summary.json of a simulation (kvstage/run/summary.py), plus the simulated time."""
-    return run_summary(scenario, "sim", result.records, result.ranks, requests=len(result.requests),
-                       wall_s=result.wall_s, violations=len(result.violations),
-                       extra={"sim_time_s": result.sim_time_s})
 
 
 def simulate(scenario: Scenario, progress: Callable[[int, int], None] | None = None) -> RunResult:

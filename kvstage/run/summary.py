@@ -9,7 +9,7 @@ backend, verified bytes and posted transfer requests of hardware).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstage.metrics.bottleneck import bottleneck
 from kvstage.metrics.rooms import room_latencies, slo_figures, summarize
@@ -18,6 +18,9 @@ from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
+
+if TYPE_CHECKING:
+    from kvstage.sim.driver import SimResult
 
 FAILURES_LISTED = 20
 
@@ -57,6 +60,13 @@ def run_summary(
     summary.update(capacity_figures(scenario, rooms, summary, requests=requests))
     summary.update(extra or {})
     return summary
+
+
+def simulation_summary(scenario: Scenario, result: SimResult) -> dict[str, Any]:
+    """summary.json of a simulation, plus the simulated time."""
+    return run_summary(scenario, "sim", result.records, result.ranks, requests=len(result.requests),
+                       wall_s=result.wall_s, violations=len(result.violations),
+                       extra={"sim_time_s": result.sim_time_s})
 
 
 def capacity_figures(scenario: Scenario, rooms: dict, summary: dict[str, Any], *, requests: int,
