@@ -87,7 +87,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstage.metrics import percentiles, request_breakdown, room_latencies  # noqa: E402
+from kvstage.metrics.rooms import percentiles, request_breakdown, room_latencies  # noqa: E402
 from kvstage.shared.scenario import load_scenario  # noqa: E402
 from kvstage.sim.shard import simulate_scenario  # noqa: E402
 

@@ -1,14 +1,14 @@
 """Simulator fidelity: calibrated simulation against real hardware-mode runs, per room.
 
-1. Calibrate this machine's engine (kvstage.calibrate; or --profile reuses a profile
+1. Calibrate this machine's engine (kvstage.calibrate.profile; or --profile reuses a profile
    written by `kvstage calibrate`, with its .fit.json sidecar beside it).
 2. For each scenario of a suite of small TP-mismatch cases (fan-in P2->D1, P4->D2;
    fan-out P1->D2, P2->D4; replication P4->D2 with 2 KV heads; a P2->D2 control),
    written as TOML files into the output directory:
-   - run hardware mode (`kvstage.hwrun.run_hardware`: P + D rank processes on this
+   - run hardware mode (`kvstage.run.hwrun.run_hardware`: P + D rank processes on this
      host, real engine, loopback);
    - simulate the same scenario and seed with the calibrated profile
-     (`kvstage.simrun.run_simulation`).
+     (`kvstage.run.simrun.run_simulation`).
 3. Run each case's hardware twice (--hw-runs): the first run is the reference; the
    second against the first is the FLOOR, what the hardware itself varies by in the
    same conditions (each run's host load and other processes' CPU share, from its
@@ -40,7 +40,7 @@ How the simulation is set up to model what the hardware run does:
   weighted-fair and re-shared whenever a job starts or ends, beside the engines'
   threads and other processes (background_cores, as measured while calibrating); plus
   the in-run factors (fill, copy, control, write) calibrate fits from a short hardware
-  run of its own P1 -> D1 scenario (kvstage/calibrate_inrun.py); "cal" and "cal+cpu"
+  run of its own P1 -> D1 scenario (kvstage/calibrate/inrun.py); "cal" and "cal+cpu"
   force the default GPU model (host_model = "gpu");
 - variant "host+load": "host" with background_cores set to the other processes' load
   the reference hw run recorded (its summary.json conditions): a measured input of the
@@ -76,7 +76,6 @@ own per-room scatter around the mean, about floor / sqrt(2) (5-12% here): the or
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -107,16 +106,17 @@ from benchmarks.fidelity_analysis import (  # noqa: E402
     rel_errors,
     room_spans,
 )
-from kvstage.calibrate import (  # noqa: E402
+from kvstage.calibrate.profile import (  # noqa: E402
     Calibration,
     analyse,
     calibrate,
     load_sidecar,
     write_profile,
 )
-from kvstage.conditions import describe, is_loaded  # noqa: E402
+from kvstage.fmt import json_text  # noqa: E402
+from kvstage.run.conditions import describe, is_loaded  # noqa: E402
+from kvstage.run.tracefile import read_records  # noqa: E402
 from kvstage.shared.scenario import HOST_FIELDS, load_scenario  # noqa: E402
-from kvstage.tracefile import read_records  # noqa: E402
 
 TARGET_MAPE = 0.15  # calibrated simulation vs hardware, per room
 TARGET_RATIO = 1.5  # ... and at most this many times the hw-vs-hw floor
@@ -241,8 +241,11 @@ def _loadavg() -> str:
 
 
 def _reduce(label: str, run_dir: Path) -> RunData:
-    summary = json.loads((run_dir / "summary.json").read_text())
     _, records = read_records(run_dir)
+    return _reduced(label, json.loads((run_dir / "summary.json").read_text()), records)
+
+
+def _reduced(label: str, summary: dict, records: list) -> RunData:
     errors = summary.get("errors") or []
     return RunData(label, room_spans(records), phase_samples(records), summary.get("conditions"),
                    ok=not errors, error="; ".join(errors[:2]), wall_s=float(summary.get("wall_s") or 0.0))
@@ -252,7 +255,8 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             console: Console) -> list[RunData]:
     """The case's hardware runs: reused from --hw-from where that directory has them
     (DIR/<backend>/<case>/hw, hw2, ...), run here otherwise."""
-    from kvstage.hwrun import run_hardware
+    from kvstage.run.hwrun import launch_run
+    from kvstage.run.rundir import make_run_dir
 
     runs = []
     for i in range(args.hw_runs):
@@ -264,13 +268,14 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             link = sdir / name  # so that this output can be the next --hw-from
             if not link.exists() and not link.is_symlink():
                 link.symlink_to(run_dir, target_is_directory=True)
+            run = _reduce(name, run_dir)
         else:
             before = _loadavg()
-            quiet = Console(file=io.StringIO(), width=120)
-            _, run_dir = run_hardware(scenario, out=sdir / name, trace_format="jsonl", timeout_s=args.hw_timeout,
-                                      console=quiet)
+            run_dir = make_run_dir(scenario, "hw", sdir / name)
+            result = launch_run(scenario, run_dir, timeout_s=args.hw_timeout)
+            result.write(run_dir, "jsonl")  # the next --hw-from reads it
             how = f"ran in {time.monotonic() - t0:.1f} s, {before} before"
-        run = _reduce(name, run_dir)
+            run = _reduced(name, result.summary, result.records)
         runs.append(run)
         console.print(f"    {name}: {how}; {describe(run.conditions, short=True)}"
                       + ("" if run.ok else f" [red]FAILED[/]: {run.error}"), highlight=False)
@@ -316,11 +321,11 @@ def _override_value(v: Any) -> str:
 
 def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
     """Diagnostic, NOT a calibration: the host model with its in-run factors fitted
-    (kvstage/calibrate_inrun.py) to this case's own reference hw run instead of the
+    (kvstage/calibrate/inrun.py) to this case's own reference hw run instead of the
     calibration scenario's; what error remains is model structure, not input numbers."""
-    from kvstage.calibrate_inrun import FACTORS, fit_factors, kind_means
+    from kvstage.calibrate.inrun import FACTORS, fit_factors, kind_means
+    from kvstage.metrics.steps import step_mean
     from kvstage.sim.driver import Simulation
-    from kvstage.steps import step_mean
 
     names = {name for name, _ in FACTORS.values()}
     base = [o for o in host if o.split("=", 1)[0].removeprefix("links.") not in names]
@@ -336,7 +341,8 @@ def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
 
 def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: argparse.Namespace,
              out: Path, console: Console) -> Outcome:
-    from kvstage.simrun import run_simulation
+    from kvstage.run.rundir import make_run_dir
+    from kvstage.run.simrun import simulate
 
     sdir = out / case.name
     sdir.mkdir(parents=True, exist_ok=True)
@@ -348,12 +354,11 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
     variants, res.tokens_per_s = sim_variants(scenario, cal, res.ref)
     if args.oracle:
         variants["oracle"] = oracle_overrides(spath, variants.get("host+load", variants["host"]), res.ref)
-    quiet = Console(file=io.StringIO(), width=120)
     for variant, overrides in variants.items():
         sim_s = load_scenario(spath, overrides=overrides)
-        sim_dir = sdir / f"sim-{variant.replace('+', '-')}"
-        run_simulation(sim_s, out=sim_dir, trace_format="jsonl", progress=False, console=quiet)
-        res.sims[variant] = _reduce(f"sim {variant}", sim_dir)
+        result = simulate(sim_s)
+        result.write(make_run_dir(sim_s, "sim", sdir / f"sim-{variant.replace('+', '-')}"), "jsonl")
+        res.sims[variant] = _reduced(f"sim {variant}", result.summary, result.records)
     return res
 
 
@@ -483,16 +488,6 @@ def verdicts(results: dict[str, Any], console: Console) -> bool:
     return ok_all
 
 
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="nixl", help="comma-separated: nixl,mooncake")
@@ -576,7 +571,7 @@ def main() -> int:
         summary["profile"] = str(profile)
         results[backend] = summary
     ok = verdicts(results, console)
-    (out / "fidelity.json").write_text(json.dumps(_clean(results), indent=1) + "\n")
+    (out / "fidelity.json").write_text(json_text(results, indent=1))
     console.print(f"results: {out / 'fidelity.json'} ({time.monotonic() - started:.0f} s, {_loadavg()})")
     return 0 if ok else 1
 

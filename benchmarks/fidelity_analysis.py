@@ -1,12 +1,12 @@
 """What benchmarks/fidelity.py compares: one run (hardware or simulated) reduced to
 per-room latencies and per-step samples, and the errors between two such runs.
 
-Two per-room metrics (kvstage.metrics.room_latencies terms):
+Two per-room metrics (kvstage.metrics.rooms.room_latencies terms):
 - "room": prefill room_open -> last decode room_done (the forward included);
 - "exposed": the last chunk's forward end -> last decode room_done, the transfer
   latency a request actually waits for (summary.json's kv_transfer_latency_s).
 
-Per step ("phase"): kvstage/steps.py's samples, keyed by what they belong to, so two
+Per step ("phase"): kvstage/metrics/steps.py's samples, keyed by what they belong to, so two
 runs compare instance by instance.
 """
 
@@ -17,9 +17,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstage.metrics import room_latencies
+from kvstage.metrics.rooms import room_latencies
+from kvstage.metrics.steps import PHASES, phase_samples
 from kvstage.shared.trace import TraceRecord
-from kvstage.steps import PHASES, phase_samples
 
 __all__ = ["METRICS", "METRIC_TITLES", "PHASES", "RunData", "phase_samples", "room_spans"]
 

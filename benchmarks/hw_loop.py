@@ -51,12 +51,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
-
 from kvstage.hw.rank import LOOP_STATS_ENV
-from kvstage.hwrun import run_hardware
+from kvstage.run.hwrun import launch_run
+from kvstage.run.result import judge
 from kvstage.shared.scenario import load_scenario
-from kvstage.tracefile import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,10 +143,10 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
         stats_dir.mkdir()
         os.environ[LOOP_STATS_ENV] = str(stats_dir)  # the spawned ranks inherit it
         try:
-            code, run_dir = run_hardware(s, out=Path(tmp) / "run", timeout_s=600, console=Console(quiet=True))
+            result = launch_run(s, Path(tmp), timeout_s=600)
         finally:
             del os.environ[LOOP_STATS_ENV]
-        _, records = read_records(run_dir)
+        code, records = judge(result).code, result.records
         loops = {p.stem: json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.json"))}
         stamps = {p.stem: json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.msgs"))}
     f = figures(records)

@@ -69,12 +69,11 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport_raw import run_backend  # noqa: E402
 
-from kvstage.hwrun import run_hardware  # noqa: E402
-from kvstage.runs import read_summary  # noqa: E402
+from kvstage.run.hwrun import launch_run  # noqa: E402
+from kvstage.run.result import judge  # noqa: E402
 from kvstage.shared.layout import room_pages  # noqa: E402
 from kvstage.shared.scenario import load_scenario  # noqa: E402
 from kvstage.shared.workload import generate_requests  # noqa: E402
-from kvstage.tracefile import read_records  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_SHARE = 0.7  # staging GB/s / raw GB/s
@@ -131,13 +130,12 @@ def room_timeout_s(s) -> float:
     return MIN_ROOM_TIMEOUT_S + slice_requests(s) * SLICE_S_PER_REQUEST
 
 
-def write_busy(run_dir: Path) -> float:
+def write_busy(records: list) -> float:
     """Seconds during which at least one write was in flight (union of the write and
     slice_write spans in the trace): the transfer time, without the prefill's fill
     ("forward") and gather time between writes."""
     from kvstage.hw.bandwidth import WRITE_PHASES, busy_seconds
 
-    _, records = read_records(run_dir)
     return busy_seconds((r.start, r.end) for r in records if r.phase in WRITE_PHASES)
 
 
@@ -148,16 +146,16 @@ def run_path(backend: str, path: str, args: argparse.Namespace, tmp: Path) -> di
     if timeout is not None:
         s = scenario(backend, path, args.requests, args.prompt, timeout)
     limit = (timeout or MIN_ROOM_TIMEOUT_S) * 3 + 120  # the launcher outlives the ranks' own deadline
-    with open(os.devnull, "w") as quiet:
-        code, run_dir = run_hardware(s, out=tmp / path, console=Console(file=quiet), timeout_s=limit)
-    summ = read_summary(run_dir)
+    (tmp / path).mkdir(parents=True, exist_ok=True)  # the ranks' logs
+    result = launch_run(s, tmp / path, timeout_s=limit)
+    code, summ = judge(result).code, result.summary
     out = {"room_timeout_s": s.transfer.room_timeout_s,
            "other_cpu_share": (summ.get("conditions") or {}).get("other_cpu_share")}
     if code != 0 or summ["requests_failed"] or summ["bytes_wrong"]:
         out["error"] = f"exit {code}, {summ['requests_failed']} rooms failed, {summ['bytes_wrong']} bytes wrong: " \
                        f"{summ.get('errors')}"
         return out
-    out.update(payload=summ["payload_bytes"], busy=write_busy(run_dir),
+    out.update(payload=summ["payload_bytes"], busy=write_busy(result.records),
                requests=summ["transfer_requests"]["total"],
                room_p50=(summ.get("transfer_latency_s") or {}).get("p50"))
     return out

@@ -16,10 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rich.console import Console
-
-from kvstage.hwrun import run_hardware
-from kvstage.runs import read_summary
+from kvstage.run.hwrun import launch_run
+from kvstage.run.result import judge
 from kvstage.shared.faults import MESSAGE_NAMES
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import Simulation
@@ -51,8 +49,8 @@ def hardware(rooms: int, backend: str) -> None:
             f"hardware.backend={backend}", "expect.failed_rooms=[]"]
     s = load_scenario(BASE, overrides=sets + loss_overrides(0.01))
     with tempfile.TemporaryDirectory() as tmp:
-        code, run_dir = run_hardware(s, out=Path(tmp) / "run", timeout_s=900, console=Console(quiet=True))
-        summary = read_summary(run_dir)
+        result = launch_run(s, Path(tmp), timeout_s=900)
+    code, summary = judge(result).code, result.summary
     done, failed = summary["requests_done"], summary["requests_failed"]
     drops = sum(v for k, v in summary["faults_injected"].items() if k.startswith("drop:"))
     print(f"hardware ({backend}): {done} of {rooms} rooms done ({done / rooms:.2%}), {failed} failed, "

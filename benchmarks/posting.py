@@ -1,8 +1,8 @@
 """What does posting a transfer cost, and does it serialise? The posting probe alone.
 
-Runs `kvstage.hw.probe_posting.measure_posting` (a receiver and two sender processes
+Runs `kvstage.hw.probes.posting.measure_posting` (a receiver and two sender processes
 on this machine, host memory, the engine called directly) and prints the fit of
-`kvstage.calibrate_posting`: posting per batch and per request with fresh descriptors
+`kvstage.calibrate.posting`: posting per batch and per request with fresh descriptors
 (and, for NIXL, with descriptor lists prepared once), the small-write rate after
 posting, and whether two ranks' (two processes) or two threads' batches posted at once
 overlap or serialise. `kvstage calibrate` runs the same probe and writes these numbers
@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstage.calibrate_posting import fit_posting  # noqa: E402
-from kvstage.hw.probe_posting import PostingPlan, measure_posting  # noqa: E402
+from kvstage.calibrate.posting import fit_posting  # noqa: E402
+from kvstage.hw.probes.posting import PostingPlan, measure_posting  # noqa: E402
 
 
 def main() -> int:

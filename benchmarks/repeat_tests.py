@@ -23,7 +23,6 @@ from collections import Counter
 
 import pytest
 
-
 REPEAT_ARG = "_repeat_run"
 
 

@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 import simpy  # noqa: E402
 
+from kvstage.run.tracefile import write_trace  # noqa: E402
 from kvstage.shared.scenario import Scenario, load_scenario  # noqa: E402
 from kvstage.sim.driver import Simulation  # noqa: E402
-from kvstage.tracefile import write_trace  # noqa: E402
 
 SCENARIO = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 RATE_PER_S = 0.5

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstage.metrics import room_latencies  # noqa: E402
+from kvstage.metrics.rooms import room_latencies  # noqa: E402
 from kvstage.shared.scenario import apply_overrides, scenario_from_dict  # noqa: E402
 from kvstage.sim.driver import Simulation  # noqa: E402
 

@@ -2,7 +2,7 @@
 (fill, gather, scatter, and NIXL's write, whose lane copies the bytes itself), the
 count, the CPU seconds of the thread that ran them (time.thread_time), their wall
 seconds and their bytes. summary.json's job_cpu; `kvstage calibrate` turns the CPU
-into the host model's fill/copy/write CPU (kvstage/calibrate_inrun.py): in a busy rank
+into the host model's fill/copy/write CPU (kvstage/calibrate/inrun.py): in a busy rank
 a job's wall time is its CPU plus time without a core or without the interpreter lock,
 and only the CPU part loads the host's other ranks."""
 

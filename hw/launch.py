@@ -51,7 +51,7 @@ from kvstage.hw.control import (
     run_secret,
     write_secret_file,
 )
-from kvstage.hw.placement import engine_env, launch_addresses
+from kvstage.hw.placement import engine_env, launch_addresses, quiet_engines
 from kvstage.hw.rendezvous import RANK_SILENT_S, RendezvousServer
 
 log = logging.getLogger("kvstage.hw.launch")
@@ -294,8 +294,7 @@ def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:
     """The spawned ranks' environment: the run secret and this launcher's pid, and
     quiet engines that keep to `host`."""
     env = dict(os.environ)
-    env.setdefault("NIXL_LOG_LEVEL", "WARN")
-    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    quiet_engines(env)
     # UCX (under NIXL) listens on every network device's address unless told
     # otherwise: keep it, and Mooncake's TCP data path, on the ranks' address
     env.update(engine_env(host, device, env))

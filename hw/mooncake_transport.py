@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvstage.hw.placement import ENGINE_LOG_LEVELS
 from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
 from kvstage.hw.transport_used import mooncake_used
 
@@ -52,7 +53,7 @@ class MooncakeTransport(Transport):
         "Debian package libibverbs1) or mooncake-transfer-engine (CUDA)"
     )
     engine_env_defaults: ClassVar[dict[str, str]] = {
-        "MC_LOG_LEVEL": "ERROR",
+        "MC_LOG_LEVEL": ENGINE_LOG_LEVELS["MC_LOG_LEVEL"],
         # The TCP transport queues at most 1024 transfers per peer (+1024 waiting for
         # admission) and FAILS a larger batch outright; worse, the failure leaves the
         # connection to that peer unusable (every later batch fails too). A KV chunk

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvstage.hw.placement import ENGINE_LOG_LEVELS
 from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
 from kvstage.hw.transport_used import UCX_LOG_ENV, read_ucx_log
 
@@ -80,7 +81,9 @@ class NixlTransport(Transport):
     engine_module: ClassVar[str] = "nixl._api"
     install_hint: ClassVar[str] = 'pip install "torch==2.13.0" "nixl==1.5.1" (CPU)'
     # NIXL's Python logger prints INFO on stdout; WARN keeps rank logs readable.
-    engine_env_defaults: ClassVar[dict[str, str]] = {"NIXL_LOG_LEVEL": "WARN"}
+    engine_env_defaults: ClassVar[dict[str, str]] = {
+        "NIXL_LOG_LEVEL": ENGINE_LOG_LEVELS["NIXL_LOG_LEVEL"]
+    }
 
     def __init__(self, agent_name: str, device: str = "cpu") -> None:
         super().__init__(agent_name, device)

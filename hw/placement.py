@@ -20,7 +20,7 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,16 @@ def launch_addresses(host: str | None, bind: str | None, advertise: str | None,
     bind = bind or host or env.get("KVSTAGE_HOST") or LOOPBACK
     advertise = advertise or advertised(bind)
     return bind, advertise, host or advertise
+
+
+# The engines' log levels wherever they run (ranks, the probes): warnings and errors only.
+ENGINE_LOG_LEVELS = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR"}
+
+
+def quiet_engines(env: MutableMapping[str, str]) -> None:
+    """Set ENGINE_LOG_LEVELS in `env` (os.environ, or a child's environment) where unset."""
+    for key, value in ENGINE_LOG_LEVELS.items():
+        env.setdefault(key, value)
 
 
 def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | None = None,

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         default_host,
         engine_env,
         identity,
+        quiet_engines,
         rank_device,
         rendezvous_address,
     )
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
     host = args.host or default_host()
     os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    quiet_engines(os.environ)
     os.environ.update(engine_env(host, device))  # the engines keep to this rank's address
     ucx_log = None
     if (args.backend or scenario.hardware.backend) == "nixl":  # before NIXL loads UCX

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="folder for <scenario>-<path>.jsonl and .summary.json")
     p.add_argument("--requests", type=int, default=None, help="override workload.requests (faster)")
     args = p.parse_args(argv)
+    from kvstage.run.summary import simulation_summary
+    from kvstage.run.tracefile import write_trace
     from kvstage.shared.scenario import load_scenario
     from kvstage.sim.driver import Simulation
-    from kvstage.simrun import simulation_summary
-    from kvstage.tracefile import write_trace
 
     args.out.mkdir(parents=True, exist_ok=True)
     for path in scenarios():

@@ -1,4 +1,4 @@
-"""The bottleneck verdict (kvstage/bottleneck.py) on cases whose answer is known: an
+"""The bottleneck verdict (kvstage/metrics/bottleneck.py) on cases whose answer is known: an
 overloaded prefill, a decode KV capacity far below what the load keeps resident, a slow
 link; the TTFT split; the sweep saying why a target is out of reach."""
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, nic_counts, ttft_parts
-from kvstage.metrics import room_latencies
+from kvstage.explore.sweep import STATUS_OK
+from kvstage.explore.sweep_target import parse_target, why_unmet
+from kvstage.metrics.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, nic_counts, ttft_parts
+from kvstage.metrics.rooms import room_latencies
+from kvstage.run.summary import simulation_summary
 from kvstage.shared.decode_model import GIB, DecodeModel
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import simulate
-from kvstage.simrun import simulation_summary
-from kvstage.sweep import STATUS_OK
-from kvstage.sweep_target import parse_target, why_unmet
 
 ROOT = Path(__file__).resolve().parents[1]
 P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
@@ -137,7 +137,7 @@ def test_ring_hold_is_region_bytes_times_first_write_to_free_per_decode_rank():
 def _ring_case(byte_s: float, *sets: str):
     """Five requests a second apart (1 req/s) whose rooms each held `byte_s` of a ring
     of 4096 MiB in regions of 1280 MiB: three fit, 3840 MiB usable."""
-    from kvstage.bottleneck import bottleneck
+    from kvstage.metrics.bottleneck import bottleneck
     from kvstage.shared.workload import Request
     s = load_scenario(P8D2, list(sets))
     requests = [Request(i, float(i), 8192, 0) for i in range(5)]

@@ -3,7 +3,6 @@ against the loopback engines whose profile loads into a scenario and simulates."
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -13,24 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_engine
-from rich.console import Console
 from typer.testing import CliRunner
 
-from kvstage.calibrate import (
-    CalibrationPlan,
-    calibrate,
-    fit_copy,
-    fit_latency_bandwidth,
-    fit_per_request,
-    median_of,
-    sidecar_path,
-    write_profile,
-)
-from kvstage.calibrate_inrun import CPU_FIELDS
-from kvstage.cli import app
-from kvstage.runs import read_summary
+from kvstage.calibrate.fit import fit_copy, fit_latency_bandwidth, fit_per_request, median_of
+from kvstage.calibrate.inrun import CPU_FIELDS
+from kvstage.calibrate.profile import CalibrationPlan, calibrate, sidecar_path, write_profile
+from kvstage.cli.main import app
+from kvstage.run.result import judge
+from kvstage.run.simrun import simulate
 from kvstage.shared.scenario import PROFILE_FIELDS, load_scenario
-from kvstage.simrun import run_simulation
 
 IN_CI = os.environ.get("CI") == "true"
 REPO = Path(__file__).resolve().parents[1]
@@ -198,18 +188,16 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert r.host is not None and r.host.loop_poll_s == 0
     assert r.link.bandwidth_bytes_s == pytest.approx(data["inter_bandwidth_gbps"] * 1e9 / 8)
     assert r.control_latency_s == pytest.approx(data["control_latency_us"] / 1e6)
-    code = run_simulation(s, out=tmp_path / "run", trace_format="jsonl", progress=False,
-                          console=Console(file=io.StringIO()))
-    assert code == 0
-    summary = read_summary(tmp_path / "run")
-    assert summary["requests_done"] == 4 and summary["requests_failed"] == 0
+    result = simulate(s)
+    assert judge(result).code == 0
+    assert result.summary["requests_done"] == 4 and result.summary["requests_failed"] == 0
 
 
 def test_weak_fits_are_named():
     """calibrate warns about every fit that explains too little (R² < 0.9)."""
     from types import SimpleNamespace
 
-    from kvstage.commands.calibrate import MIN_R2, weak_fits
+    from kvstage.cli.commands.calibrate import MIN_R2, weak_fits
 
     good, bad = SimpleNamespace(r2=0.99), SimpleNamespace(r2=0.32)
     cal = SimpleNamespace(write=bad, per_request=good, gather=good, gather_sub=good, scatter=SimpleNamespace(r2=0.5),
@@ -226,7 +214,7 @@ def test_host_fields_from_raw_points():
     conditions; the rank-loop constants as recorded (older raw points: read from hw/)."""
     from types import SimpleNamespace
 
-    from kvstage.calibrate import Calibration
+    from kvstage.calibrate.profile import Calibration
 
     raw = {"control": {"rtt_s": [1e-4], "cpu_per_ping_s": 60e-6}, "handle": {"mean_s": 10e-6},
            "conditions": {"cores": 2, "other_cpu_share": 0.25}, "rank_loop": {"busy_poll_s": 0.002, "forward_nice": 5}}
@@ -244,7 +232,7 @@ def test_host_fields_from_raw_points():
 
 def test_inrun_factors_fixed_point_on_a_model():
     """fit_factors: each factor moves by target / simulated until they agree."""
-    from kvstage.calibrate_inrun import FACTORS, fit_factors
+    from kvstage.calibrate.inrun import FACTORS, fit_factors
 
     truth = {"fill_scale": 4.0, "copy_scale": 2.0, "control_scale": 10.0, "write_scale": 3.0, "event_scale": 6.0}
     # a step is part scaled work, part fixed (as the poll wait and one loop event are)
@@ -268,7 +256,7 @@ def test_inrun_factors_fixed_point_on_a_model():
 def test_inrun_fit_recovers_factors_from_a_simulated_run():
     """fit_profile on the calibration scenario: step times simulated with known factors
     are fitted back to factors that reproduce them (the real simulator, no hardware)."""
-    from kvstage.calibrate_inrun import CAL_SCENARIO, fit_profile, kind_means
+    from kvstage.calibrate.inrun import CAL_SCENARIO, fit_profile, kind_means
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
@@ -289,7 +277,7 @@ def test_copy_op_from_two_runs_of_different_copy_sizes():
     """copy_op_from_runs: t = s * (op + alone) in both runs gives op back; runs that
     cannot tell (the bigger copies no slower, a missing figure) give 0, and a broken
     pair is held to COPY_OP_MAX_S."""
-    from kvstage.calibrate_inrun import COPY_OP_MAX_S, copy_op_from_runs
+    from kvstage.calibrate.inrun import COPY_OP_MAX_S, copy_op_from_runs
 
     s, op, big, small = 4.0, 80e-6, 189e-6, 57e-6
     assert copy_op_from_runs((s * (op + big), big), (s * (op + small), small)) == pytest.approx(op)
@@ -303,7 +291,7 @@ def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
     """fit_profile with the CAL_SMALL run: copies simulated with a known fixed part are
     fitted back to that part (corrected against the simulated small run: the closed form
     alone gives 277 here, the runs sharing their cores differently)."""
-    from kvstage.calibrate_inrun import (
+    from kvstage.calibrate.inrun import (
         CAL_SCENARIO,
         CAL_SMALL,
         copy_bytes_mean,
@@ -334,7 +322,7 @@ def test_joint_steps_pool_both_runs_but_the_copy():
     """joint_steps: the factors are fitted to the geometric mean of the two in-run runs'
     step means, except the copy (the first run's: the second fits copy_op); one run
     alone is its own target."""
-    from kvstage.calibrate_inrun import joint_steps
+    from kvstage.calibrate.inrun import joint_steps
 
     big = {"fill": 4e-3, "copy": 1.5e-3, "event": 1e-3, "control": 0.4e-3, "write": 2e-3}
     small = {"fill": 1e-3, "copy": 0.8e-3, "event": 0.25e-3, "control": 0.1e-3, "write": 0.5e-3}
@@ -349,7 +337,7 @@ def test_joint_steps_pool_both_runs_but_the_copy():
 def test_cpu_factors_from_the_ranks_job_cpu():
     """cpu_factors: each step's CPU in the in-run runs over its time alone; the copy's
     fixed part from the two runs' CPU (t = s * (op + alone) exactly here)."""
-    from kvstage.calibrate_inrun import cpu_factors
+    from kvstage.calibrate.inrun import cpu_factors
 
     fields = {"fill_latency_us": 200.0, "fill_bandwidth_gbs": 10.0, "kernel_launch_us": 10.0,
               "mem_bandwidth_gbs": 20.0, "intra_latency_us": 100.0, "intra_per_batch_us": 0.0,

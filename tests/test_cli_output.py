@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstage.errors import one_line
+from kvstage.cli.errors import one_line
 
 REPO = Path(__file__).resolve().parents[1]
 

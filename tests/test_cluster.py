@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.metrics import room_latencies
+from kvstage.metrics.rooms import room_latencies
 from kvstage.shared.cluster import InstanceLoad, Router, Sessions
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate
@@ -180,7 +180,7 @@ def test_cluster_table_errors_name_the_field_and_the_choices():
 def test_validate_states_the_cluster_and_the_decode_side():
     from typer.testing import CliRunner
 
-    from kvstage.cli import app
+    from kvstage.cli.main import app
 
     res = CliRunner().invoke(app, ["validate", str(P4D2), "--set", "cluster.prefill_instances=3",
                                    "--set", "decode.gpu_memory_gib=80", "--set", "workload.output_tokens=64"],

@@ -12,8 +12,8 @@ from conftest import require_engine
 from test_hw import read_summary, run, write_scenario
 from test_outcome import kvstage_cmd
 
+from kvstage.run.tracefile import read_records
 from kvstage.shared.invariants import check_records
-from kvstage.tracefile import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,19 +15,18 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.compare import (
-    RunError,
+from kvstage.analysis.compare import (
     chunk_latencies,
     compare_runs,
     error_metrics,
-    load_run,
     phase_breakdown,
     to_json,
 )
+from kvstage.cli.main import app
+from kvstage.run.rundir import RunError, load_run
+from kvstage.run.simrun import run_simulation
+from kvstage.run.tracefile import read_records, write_trace
 from kvstage.shared.scenario import load_scenario
-from kvstage.simrun import run_simulation
-from kvstage.tracefile import read_records, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
@@ -268,7 +267,7 @@ def test_loaded_host_is_warned_of(runs, tmp_path):
     (sim / "summary.json").write_text(json.dumps({**summary, "conditions": LOADED}))
     assert compare_runs(sim, quiet)["warnings"] == []
     # the report says it too, at the top and in the run's section
-    from kvstage.report import build_report
+    from kvstage.analysis.report import build_report
 
     text = build_report([runs["staging"], hw], tmp_path / "r.html").read_text()
     assert text.count("was taken on a loaded host") == 3  # header, run section, comparison

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvstage import conditions
-from kvstage.conditions import Sample, describe, is_loaded, loaded_warnings, measure
+from kvstage.run import conditions
+from kvstage.run.conditions import Sample, describe, is_loaded, loaded_warnings, measure
+from kvstage.run.simrun import run_simulation
 from kvstage.shared.scenario import load_scenario
-from kvstage.simrun import run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_only_measured_runs_are_warned_of():
 
 
 def test_a_hw_run_whose_loops_had_no_real_time_class_is_warned_of():
-    from kvstage.conditions import loops_realtime
+    from kvstage.run.conditions import loops_realtime
 
     assert loops_realtime({"prefill0": {"loop_sched": "rr:10"}, "decode0": {"loop_sched": "rr:10"}}) is True
     assert loops_realtime({"prefill0": {"loop_sched": "rr:10"},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.metrics import request_breakdown, room_latencies, summarize
+from kvstage.metrics.rooms import request_breakdown, room_latencies, summarize
 from kvstage.shared.decode_model import GIB, DecodeModel
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate

@@ -8,12 +8,12 @@ import pytest
 from conftest import require_engine
 from rich.console import Console
 
-from kvstage.expect import check_expectation
-from kvstage.runs import read_summary
+from kvstage.run.expect import check_expectation
+from kvstage.run.rundir import read_summary
+from kvstage.run.tracefile import read_records
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import Simulation
-from kvstage.tracefile import read_records
 
 FAULTS = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "faults").glob("*.toml"))
 
@@ -54,8 +54,8 @@ def _random_faults(s) -> bool:
 def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
     """One fault semantics: the simulation and a hardware run (NIXL) of the same fault
     scenario inject the same faults on the same ranks and reach the same [expect]."""
-    from kvstage.hwrun import run_hardware
-    from kvstage.simrun import simulation_summary
+    from kvstage.run.hwrun import run_hardware
+    from kvstage.run.summary import simulation_summary
 
     require_engine("nixl")
     s = load_scenario(path)

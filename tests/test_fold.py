@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.metrics import room_latencies
+from kvstage.metrics.rooms import room_latencies
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate
 

@@ -104,8 +104,8 @@ device = "{device}"
 @pytest.mark.parametrize("path", ["staging", "slice"])
 @pytest.mark.parametrize(("backend", "device"), [("nixl", "cuda"), ("nixl", "cuda:0"), ("mooncake", "cuda:0")])
 def test_every_byte_lands_between_gpu_pools(tmp_path, backend, device, path):
-    from kvstage.hwrun import run_hardware
-    from kvstage.runs import read_summary
+    from kvstage.run.hwrun import run_hardware
+    from kvstage.run.rundir import read_summary
     from kvstage.shared.scenario import load_scenario
 
     require_engine(backend)

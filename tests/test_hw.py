@@ -17,11 +17,11 @@ import pytest
 from conftest import require_engine
 from rich.console import Console
 
-from kvstage.hwrun import run_hardware
-from kvstage.runs import read_summary
+from kvstage.run.hwrun import run_hardware
+from kvstage.run.rundir import read_summary
+from kvstage.run.tracefile import read_records
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import load_scenario
-from kvstage.tracefile import read_records
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]
 
@@ -181,7 +181,7 @@ def test_killed_rank_its_rooms_fail_the_others_finish_nothing_left(tmp_path):
 
 def test_hw_trace_reads_like_a_sim_trace(tmp_path):
     require_engine("nixl")
-    from kvstage.simrun import run_simulation
+    from kvstage.run.simrun import run_simulation
 
     f = write_scenario(tmp_path, 2, 1, 8)
     code, run_dir = run(tmp_path, "nixl", f)

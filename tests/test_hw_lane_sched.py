@@ -31,7 +31,7 @@ from kvstage.hw.priority import (
     WriteSlots,
     write_slot_count,
 )
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
 

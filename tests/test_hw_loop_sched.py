@@ -20,7 +20,7 @@ from test_hw import run, write_scenario
 
 from kvstage.hw.control import LOOP_STATS_ENV
 from kvstage.hw.priority import LOOP_RT_ENV, LoopPriority, thread_ids
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
 

@@ -10,7 +10,7 @@ from conftest import require_engine
 from rich.console import Console
 
 from kvstage.hw.launch import RunProgress
-from kvstage.hw_progress import HwProgress, rooms_ended
+from kvstage.run.hw_progress import HwProgress, rooms_ended
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_on_a_terminal_it_is_a_live_bar():
 @pytest.mark.timeout(180)
 def test_a_hardware_run_reports_its_progress(tmp_path):
     """Real ranks beat to the rendezvous with their room counts: the launcher's log shows them."""
-    from kvstage.hwrun import run_hardware
+    from kvstage.run.hwrun import run_hardware
     from kvstage.shared.scenario import load_scenario
 
     require_engine("nixl")

@@ -17,10 +17,10 @@ from conftest import require_engine
 from test_hw import run, write_scenario
 from typer.testing import CliRunner
 
-from kvstage.cli import app
+from kvstage.analysis.layout_report import duplicate_share
+from kvstage.cli.main import app
 from kvstage.hw.kernels import apply_ops, block_bytes, slice_ops
 from kvstage.hw.kvpool import KVPool, fill_pattern, verify
-from kvstage.layout_report import duplicate_share
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry, LayoutError, owned_heads, room_pages, staging_address
 from kvstage.shared.scenario import ScenarioError, load_scenario, scenario_from_dict
@@ -266,7 +266,7 @@ def hw_scenario(tmp_path: Path, p: int, d: int) -> Path:
 @pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
 def test_hw_nixl_every_latent_byte_lands(tmp_path, p, d):
     require_engine("nixl")
-    from kvstage.runs import read_summary
+    from kvstage.run.rundir import read_summary
     from kvstage.shared.workload import generate_requests
 
     code, run_dir = run(tmp_path, "nixl", hw_scenario(tmp_path, p, d))

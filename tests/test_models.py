@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.layout_report import duplicate_share
+from kvstage.analysis.layout_report import duplicate_share
+from kvstage.cli.main import app
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.scenario.presets import PRESETS
 

@@ -28,12 +28,12 @@ from test_hw import write_scenario
 from test_placement import assert_causal
 
 from kvstage.hw.bandwidth import probe_pairs
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
+from kvstage.run.tracefile import read_records
 from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.layout import room_pages
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
-from kvstage.tracefile import read_records
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(300)]
 

@@ -15,16 +15,16 @@ import pytest
 from conftest import require_engine
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.expect import (
+from kvstage.cli.main import app
+from kvstage.run.expect import (
     GROUPS_SHOWN,
     format_failure_groups,
     group_failures,
     reason_pattern,
 )
+from kvstage.run.summary import run_summary
 from kvstage.shared.runtime import RankResult
 from kvstage.shared.scenario import dumps_toml, load_scenario
-from kvstage.summary import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ROOT / "scenarios" / "faults"

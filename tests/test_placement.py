@@ -166,9 +166,9 @@ def test_skewed_rank_clock_is_corrected_trace_stays_causal(tmp_path):
     from rich.console import Console
     from test_hw import write_scenario
 
-    from kvstage.hwrun import run_hardware
-    from kvstage.runs import read_summary
-    from kvstage.tracefile import read_records
+    from kvstage.run.hwrun import run_hardware
+    from kvstage.run.rundir import read_summary
+    from kvstage.run.tracefile import read_records
 
     require_engine("nixl")
     s = load_scenario(write_scenario(tmp_path, 2, 1, 8), overrides=["hardware.backend=nixl"])

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.plan import (
+from kvstage.analysis.report import write_report
+from kvstage.cli.main import app
+from kvstage.explore.plan import (
     DEFAULT_GRID,
     PlanError,
     gpus_of,
@@ -30,7 +31,6 @@ from kvstage.plan import (
     run_plan,
     skip_reasons,
 )
-from kvstage.report import write_report
 
 SCENARIO = """
 [model]

@@ -1,5 +1,5 @@
 """The transfer engine's posting and the NIC message rate: the posting probe's fits on
-synthetic points (kvstage/calibrate_posting.py), the profile fields that carry them
+synthetic points (kvstage/calibrate/posting.py), the profile fields that carry them
 (shared/scenario/profiles.py), and what they do to a simulation (sim/links.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from kvstage.calibrate_posting import fit_line, fit_posting, overlap
+from kvstage.calibrate.fit import fit_line
+from kvstage.calibrate.posting import fit_posting, overlap
 from kvstage.shared.scenario import scenario_from_dict
 from kvstage.sim.driver import Simulation
 

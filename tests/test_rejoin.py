@@ -29,7 +29,8 @@ from test_hw import run, write_scenario
 
 from kvstage.hw.control import new_secret, read_secret_file, signed
 from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
+from kvstage.run.tracefile import read_records
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import OpenRoom, PeerLost, PeerRejoined, RoomFailed, Send
 from kvstage.shared.invariants import check_records
@@ -38,7 +39,6 @@ from kvstage.shared.protocol import Abort, Bootstrap, encode
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import Simulation
-from kvstage.tracefile import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_RESTART = ROOT / "scenarios" / "faults" / "kill-restart-prefill.toml"

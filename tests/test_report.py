@@ -18,16 +18,16 @@ from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvstage import plots
-from kvstage.chrome_trace import ANCHOR, chrome_events, export_chrome
-from kvstage.cli import app
-from kvstage.compare import room_metrics
-from kvstage.metrics import percentiles
-from kvstage.report import build_report
+from kvstage.analysis import figures
+from kvstage.analysis.chrome_trace import ANCHOR, chrome_events, export_chrome
+from kvstage.analysis.compare import room_metrics
+from kvstage.analysis.report import build_report
+from kvstage.cli.main import app
+from kvstage.metrics.rooms import percentiles
+from kvstage.run.simrun import run_simulation
+from kvstage.run.tracefile import read_records
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
-from kvstage.simrun import run_simulation
-from kvstage.tracefile import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -108,7 +108,7 @@ def test_report_prints_the_cdf_percentiles(runs, report):
 
 
 def test_ring_panels_share_one_scale(runs):
-    fig = plots.ring_occupancy(runs["staging"])
+    fig = figures.ring_occupancy(runs["staging"])
     ylims = {ax.get_ylim() for ax in fig.axes if ax.get_ylabel().startswith("decode")}
     watermark = {ax.get_ylim() for ax in fig.axes if ax.get_ylabel().startswith("watermark")}
     assert len(ylims) == 1 and len(watermark) == 1

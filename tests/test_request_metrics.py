@@ -1,7 +1,7 @@
-"""The per-request breakdown of summary.json (kvstage/metrics.py): queueing, prefill
+"""The per-request breakdown of summary.json (kvstage/metrics/rooms.py): queueing, prefill
 compute, exposed KV transfer and staging wait, checked against a hand-made trace, a
 small simulation's own rows and the forward-time model; and why a sweep target that
-none meets is out of reach (kvstage/sweep_target.py)."""
+none meets is out of reach (kvstage/explore/sweep_target.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvstage.metrics import percentiles, room_latencies, summarize
+from kvstage.explore.sweep import METRICS, STATUS_OK
+from kvstage.explore.sweep_target import parse_target, why_unmet
+from kvstage.metrics.rooms import percentiles, room_latencies, summarize
+from kvstage.run.summary_table import print_summary
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.sim.driver import simulate
-from kvstage.summary_table import print_summary
-from kvstage.sweep import METRICS, STATUS_OK
-from kvstage.sweep_target import parse_target, why_unmet
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 

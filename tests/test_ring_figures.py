@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstage.metrics import ring_figures, ring_series, summarize
+from kvstage.metrics.rooms import ring_figures, ring_series, summarize
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.sim.driver import simulate

@@ -23,7 +23,7 @@ from conftest import require_engine
 from test_control_auth import _bytes_to_verify, _free_port
 from test_hw import write_scenario
 
-from kvstage.runs import read_summary
+from kvstage.run.rundir import read_summary
 from kvstage.shared.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent

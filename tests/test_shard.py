@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.metrics import room_latencies
+from kvstage.metrics.rooms import room_latencies
+from kvstage.run.simrun import run_simulation
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate
 from kvstage.sim.shard import independent_groups, simulate_scenario, simulate_sharded
-from kvstage.simrun import run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 S = ROOT / "scenarios"

@@ -14,14 +14,14 @@ import pytest
 from typer.testing import CliRunner
 
 import kvstage.shared.prefill
-from kvstage.cli import app
-from kvstage.metrics import summarize
-from kvstage.runs import write_run
+from kvstage.cli.main import app
+from kvstage.metrics.rooms import summarize
+from kvstage.run.rundir import write_run
+from kvstage.run.tracefile import read_records, write_trace
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import Scenario, load_scenario
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import SimResult, simulate
-from kvstage.tracefile import read_records, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"

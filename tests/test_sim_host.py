@@ -288,7 +288,7 @@ def test_a_real_time_loop_takes_a_core_ahead_of_the_other_threads():
 
 
 def test_calibration_sets_loop_rt_from_the_in_run_loops():
-    from kvstage.calibrate_inrun import loop_is_realtime
+    from kvstage.calibrate.inrun import loop_is_realtime
 
     assert loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "fifo:5"}})
     assert not loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "normal (rr:10 refused: EPERM)"}})
@@ -341,7 +341,7 @@ def test_a_real_time_write_goes_ahead_of_the_copies_and_behind_the_loop():
     assert seen["event"] == pytest.approx(0.5, rel=1e-3)
     assert seen["write"] == pytest.approx(1.5, rel=1e-3)
     assert seen["copied"] == pytest.approx(3.0, rel=1e-3)  # 2.5 on CPU, then its event on the loop
-    from kvstage.calibrate_inrun import loop_is_realtime
+    from kvstage.calibrate.inrun import loop_is_realtime
 
     assert loop_is_realtime({"engine_sched": {"prefill0": "rr:5 (3 of 4 threads)"}}, "engine_sched")
     assert not loop_is_realtime({"engine_sched": {"prefill0": "normal (left out)"}}, "engine_sched")

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvstage.metrics import room_latencies
+from kvstage.explore.sweep import METRICS, run_point
+from kvstage.explore.sweep_target import parse_target
+from kvstage.metrics.rooms import room_latencies
+from kvstage.run.summary import simulation_summary
+from kvstage.run.summary_table import print_summary
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.sim.driver import simulate
-from kvstage.simrun import simulation_summary
-from kvstage.summary_table import print_summary
-from kvstage.sweep import METRICS, run_point
-from kvstage.sweep_target import parse_target
 
 ROOT = Path(__file__).resolve().parents[1]
 P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"

@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvstage.cli import app
-from kvstage.sweep import (
+from kvstage.cli.main import app
+from kvstage.explore.executor import ray_init
+from kvstage.explore.sweep import (
     METRICS,
     STATUS_INVALID,
     STATUS_OK,
     SweepError,
     _split_values,
     parse_vary,
-    ray_init,
     run_sweep,
 )
-from kvstage.sweep_target import Target, parse_target, target_answers
+from kvstage.explore.sweep_target import Target, parse_target, target_answers
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 SETS = [

@@ -11,7 +11,7 @@ from test_outcome import SCENARIO as OUTCOME_SCENARIO
 from test_outcome import WIDE, assert_one_trace_error
 from typer.testing import CliRunner
 
-from kvstage.cli import app
+from kvstage.cli.main import app
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.scenario.trace_csv import read_trace
 from kvstage.shared.workload import generate_requests

@@ -17,7 +17,7 @@ One concern per module; import the public names from here:
     presets.py     model presets (published KV geometry)
     profiles.py    hardware profile files, their lookup, and the resolved link numbers
     errors.py      ScenarioError, and pydantic errors turned into one clear message
-    loading.py     load_scenario, scenario_from_dict, command-line overrides
+    loading.py     load_scenario, read_scenario_file, scenario_from_dict, command-line overrides
     toml_out.py    the TOML writer (dumps_toml) behind Scenario.to_toml
 
 Only the stdlib and pydantic are used (the `shared/` rule). File reads are the
@@ -33,6 +33,7 @@ from kvstage.shared.scenario.loading import (
     apply_overrides,
     load_scenario,
     parse_override_value,
+    read_scenario_file,
     scenario_from_dict,
 )
 from kvstage.shared.scenario.presets import PRESETS, ModelPreset
@@ -87,5 +88,6 @@ __all__ = [
     "load_scenario",
     "parse_override_value",
     "profile_dirs",
+    "read_scenario_file",
     "scenario_from_dict",
 ]

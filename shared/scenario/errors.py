@@ -23,12 +23,17 @@ __all__ = ["ScenarioError"]
 class ScenarioError(ValueError):
     """Bad scenario input, with one message meant for a human (no traceback needed).
 
-    `field` is the dotted path of the (first) offending field when one is known.
+    `field` is the dotted path of the (first) offending field when one is known;
+    `own_values` the dotted paths of the fields whose value alone the schema rejects (a
+    wrong type, out of range, a field validator), as opposed to a check across fields,
+    which pydantic reports at the table (a sweep tells bad input from a bad combination
+    with it).
     """
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, own_values: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.field = field
+        self.own_values = tuple(own_values)
 
 
 class _FieldProblem(ValueError):
@@ -123,13 +128,17 @@ def _explain(exc: ValidationError, source: str | None, root: type[BaseModel]) ->
     """
     lines: list[str] = []
     first_field = None
+    own: list[str] = []  # errors at a value, not at a table (a cross-field check)
     for err in exc.errors(include_url=False):
         field, line = _explain_one(err, root)
         first_field = first_field or field
         if line not in lines:
             lines.append(line)
+        loc = err.get("loc", ())
+        if _table_at(loc, root) is None:
+            own.append(".".join(str(p) for p in loc))
     prefix = f"{source}: " if source else ""
     if len(lines) == 1:
-        return ScenarioError(prefix + lines[0], first_field)
+        return ScenarioError(prefix + lines[0], first_field, own)
     body = "\n".join(f"  {line}" for line in lines)
-    return ScenarioError(f"{prefix}{len(lines)} problems:\n{body}", first_field)
+    return ScenarioError(f"{prefix}{len(lines)} problems:\n{body}", first_field, own)

@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MIB = 1 << 20
 
+
+def mib_to_bytes(mib: float) -> int:
+    """MiB (a scenario's *_mb fields) to bytes, truncated: the one formula everything
+    that turns a pool size into bytes uses (the app's through kvstage/fmt.py)."""
+    return int(mib * MIB)
+
 # --------------------------------------------------------------------------- field types
 
 # Upper bounds keep absurd values (from typos or fuzzing) from turning into huge

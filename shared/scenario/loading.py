@@ -21,7 +21,7 @@ from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
 from kvstage.shared.scenario.trace_csv import read_trace
 
-__all__ = ["apply_overrides", "load_scenario", "parse_override_value", "scenario_from_dict"]
+__all__ = ["apply_overrides", "load_scenario", "parse_override_value", "read_scenario_file", "scenario_from_dict"]
 
 
 def scenario_from_dict(
@@ -62,18 +62,25 @@ def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:
     `name` defaults to the file stem. Raises ScenarioError for any bad input.
     """
     p = Path(path)
+    data = apply_overrides(read_scenario_file(p), overrides)
+    data.setdefault("name", p.stem)
+    return scenario_from_dict(data, p.parent, source=str(p))
+
+
+def read_scenario_file(path: str | Path) -> dict[str, Any]:
+    """A scenario TOML file's tables as parsed, before any override or validation (what
+    `load_scenario` starts from; a sweep applies each point's overrides to it). Raises
+    ScenarioError when the file is missing, unreadable or not TOML."""
+    p = Path(path)
     try:
         with p.open("rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
         raise ScenarioError(f"{p}: no such scenario file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{p}: invalid TOML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{p}: cannot read: {exc}") from None
-    data = apply_overrides(data, overrides)
-    data.setdefault("name", p.stem)
-    return scenario_from_dict(data, p.parent, source=str(p))
 
 
 def parse_override_value(raw: str) -> Any:

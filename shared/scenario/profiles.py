@@ -82,7 +82,7 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       without a core (the interpreter lock, a lower nice level): it
 #                       loads no other thread (absent: all of *_scale is CPU)
 # optional (absent: 1), cpu-loop only: in-run factors `kvstage calibrate` fits from a
-# short hardware run of its own scenario (kvstage/calibrate_inrun.py): how much longer a
+# short hardware run of its own scenario (kvstage/calibrate/inrun.py): how much longer a
 # step takes among the other ranks than alone, beyond what the shared cores explain
 #   fill_scale          the forward's fill work
 #   copy_scale          gather and scatter work

@@ -34,6 +34,7 @@ from kvstage.shared.scenario.fieldtypes import (
     PosInt,
     TPSize,
     _Table,
+    mib_to_bytes,
 )
 from kvstage.shared.scenario.presets import PRESETS
 from kvstage.shared.scenario.profiles import (
@@ -447,7 +448,7 @@ class Scenario(_Table):
             sd = self.hardware.scale_down
             if sd.staging_pool_mb is not None:
                 sgeo = _scaled_geometry(geo, sd)
-                pool = min(self.pool_bytes, _mib_to_bytes(sd.staging_pool_mb))
+                pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         return self
 
@@ -469,7 +470,7 @@ class Scenario(_Table):
     @property
     def pool_bytes(self) -> int:
         """Staging pool of one decode rank in bytes (staging_pool_mb is MiB)."""
-        return _mib_to_bytes(self.decode.staging_pool_mb)
+        return mib_to_bytes(self.decode.staging_pool_mb)
 
     @property
     def base_dir(self) -> Path | None:
@@ -545,10 +546,6 @@ class Scenario(_Table):
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _mib_to_bytes(mib: float) -> int:
-    return int(mib * MIB)
 
 
 def _fmt_mib(nbytes: float) -> str:

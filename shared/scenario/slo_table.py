@@ -1,6 +1,6 @@
 """[slo]: the service-level targets a run is judged by.
 
-Each target bounds one per-request figure of summary.json (kvstage/metrics.py): a
+Each target bounds one per-request figure of summary.json (kvstage/metrics/rooms.py): a
 request meets the SLO when it finished and every target given holds for it
 (`ttft_s`: arrival -> decode ready; `tpot_s`: time per output token; `e2e_s`: arrival
 -> last token). A failed request misses. Without targets nothing is judged and

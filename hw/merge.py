@@ -1,0 +1,101 @@
+"""One hardware run out of its ranks' reports: the merged trace, the clocks, the
+hardware-only figures of summary.json; and whether this machine can run ranks on a
+device at all (`device_problem`, asked before any rank is spawned).
+
+Each rank reports its trace rows, counters and scheduling classes to the launcher at
+the end of the run (hw/rank.py); `kvstage.run.hwrun` turns the merged run into the
+same RunResult a simulation gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstage.hw.jobcpu import merge as merge_job_cpu
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.trace import TraceRecord
+
+__all__ = ["clock_tolerance", "device_problem", "hardware_figures", "merge_records"]
+
+
+def device_problem(device: str) -> str | None:
+    """Why this machine cannot run ranks on `device`, or None: said before any rank is
+    spawned, instead of every rank failing on its own."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"hardware.device = {device!r} but torch sees no CUDA device here (torch {torch.__version__})"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"hardware.device = {device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def merge_records(reports: dict[str, dict]) -> list[TraceRecord]:
+    """Every rank's trace rows in one list, by end time (then start, role, rank)."""
+    records: list[TraceRecord] = []
+    for rep in reports.values():
+        records.extend(TraceRecord(*row) for row in rep.get("records", []))
+    records.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+    return records
+
+
+def _clocks(reports: dict[str, dict]) -> dict[str, dict]:
+    """Each rank's address and clock against the launcher's, measured at the rendezvous
+    (launcher time = rank time + offset) and taken out of its trace times when it is
+    larger than its uncertainty (`clock_applied_s`)."""
+    keys = ("host", "clock_offset_s", "clock_uncertainty_s", "clock_applied_s")
+    return {name: {k: r[k] for k in keys if k in r} for name, r in sorted(reports.items())}
+
+
+def clock_tolerance(reports: dict[str, dict]) -> float:
+    """How far apart the ranks' trace clocks may be: twice the largest uncertainty of an
+    offset that was applied (two ranks, each off by up to its own), 0 on one clock."""
+    applied = [
+        r.get("clock_uncertainty_s", 0.0) for r in reports.values() if r.get("clock_applied_s")
+    ]
+    return 2 * max(applied, default=0.0)
+
+
+def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, Any]:
+    """summary.json's hardware-only figures, summed over the ranks' reports."""
+    hw = scenario.hardware
+    reports = [r for _, r in sorted(by_rank.items())]
+
+    def total(key: str) -> int:
+        return sum(r.get(key, 0) for r in reports)
+
+    return {
+        "backend": hw.backend,
+        "device": hw.device,
+        "verify": hw.verify,
+        "bytes_verified": total("bytes_verified"),
+        "bytes_wrong": total("bytes_wrong"),
+        "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
+        "transfer_requests_posted": total("requests_posted"),
+        "malformed_messages": total("malformed"),
+        "unauthenticated_messages": total(
+            "unauthenticated"
+        ),  # no valid MAC (control plane security)
+        "oversize_messages": total("oversize"),
+        "replayed_messages": total(
+            "replayed"
+        ),  # authenticated but not newer than their sender's last
+        "clocks": _clocks(by_rank),
+        "clock_tolerance_s": clock_tolerance(by_rank),
+        # each rank's loop scheduling class (hw/priority.py LoopPriority): "rr:10", or
+        # "normal (...)" where the host refused it; the delivery latency depends on it
+        "loop_sched": {name: r.get("loop_sched", "?") for name, r in sorted(by_rank.items())},
+        # the transfer engine's threads' class (hw/priority.py WritePriority: rr:5 for Mooncake's)
+        "engine_sched": {name: r.get("engine_sched", "?") for name, r in sorted(by_rank.items())},
+        # the write lanes' class: normal by default, "rr:5 per batch, 1 host slot (N raised,
+        # M normal)" with KVSTAGE_WRITE_RT_LANES=slots (hw/priority.py WritePriority)
+        "lane_sched": {name: r.get("lane_sched", "?") for name, r in sorted(by_rank.items())},
+        # what the ranks' fills, gathers, scatters and NIXL's lane copies cost in CPU, summed
+        # per kind (hw/jobcpu.py): kvstage calibrate's fill/copy/write CPU
+        "job_cpu": merge_job_cpu([r.get("job_cpu") or {} for r in reports]),
+        # per rank, what its engine chose to move the bytes (hw/transport_used.py)
+        "transport_used": {name: r.get("transport_used") or {} for name, r in sorted(by_rank.items())},
+    }

@@ -1,0 +1,2 @@
+"""The probes of `kvstage calibrate`: real engine processes timed on this machine
+(`engine`: writes, batches, control, kernels, fill; `posting`: posting costs)."""

@@ -1,0 +1,196 @@
+"""`kvstage plan`: the fewest GPUs that meet a scenario's SLOs at its load.
+
+The search is `kvstage.explore.plan` (imported when the command runs); this module is the
+command line: options, progress bar, tables, files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvstage.cli.errors import fail as _fail
+
+console = Console()
+
+ListOpt = Annotated[str | None, typer.Option(metavar="V1,V2,...", help="Values to search, comma separated (defaults below).")]
+
+
+def _num(x: Any, fmt: str = "{:.3g}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
+
+
+def _skipped_table(groups: list[dict[str, Any]]) -> Table:
+    t = Table(title="skipped before simulating", title_justify="left")
+    t.add_column("configs", justify="right")
+    t.add_column("e.g.")
+    t.add_column("why", overflow="fold")
+    for g in groups:
+        t.add_row(str(g["count"]), escape(g["example"]), escape(g["reason"]))
+    return t
+
+
+def _front_table(result: Any) -> Table:
+    t = Table(title="Pareto front: goodput per GPU vs TTFT p90 (no other point has more of the one and less of "
+                    "the other)", title_justify="left")
+    for col, right in (("prefill", False), ("decode", False), ("pool MiB", True), ("GPUs", True),
+                       ("attain.", True), ("goodput/GPU", True), ("TTFT p90", True), ("TPOT p90", True),
+                       ("bottleneck", False), ("", False)):
+        t.add_column(col, justify="right" if right else "left")
+    for r in result.front:
+        mark = "[bold green]winner[/]" if r["winner"] else ("meets" if r["meets"] else "[yellow]misses[/]")
+        t.add_row(f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}",
+                  f"{r['cluster.decode_instances']} x TP{r['decode.tp']}", f"{r['decode.staging_pool_mb']:g}",
+                  str(r["gpus"]), _num(r["slo_attainment"], "{:.0%}"), _num(r["goodput_per_gpu_rps"]),
+                  _secs(r["ttft_s.p90"]), _secs(r["tpot_s.p90"]), r["bottleneck"] or "-", mark,
+                  style="bold" if r["winner"] else None)
+    return t
+
+
+def _progress_bar(progress: bool) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]planning[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.description}"), console=console, disable=not progress, transient=True)
+
+
+def _grid(prefill_tp: str | None, decode_tp: str | None, prefill_instances: str | None,
+          decode_instances: str | None, pool_mb: str | None) -> dict[str, str | None]:
+    from kvstage.explore.plan import DEFAULT_GRID
+
+    given = dict(zip(DEFAULT_GRID, (prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
+                     strict=True))
+    return {k: v if v is not None else DEFAULT_GRID[k] for k, v in given.items()}
+
+
+def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> None:
+    from kvstage.explore.plan import skip_reasons
+
+    gpus = sorted({_gpus(p.settings) for p in cands.points})
+    slo = ", ".join(f"{k} <= {_secs(v)}" for k, v in cands.targets.items())
+    console.print(
+        f"plan [bold]{escape(str(scenario))}[/]: {len(cands.points) + len(cands.skipped)} configurations, "
+        f"{len(cands.skipped)} skipped, {len(cands.points)} to search over {len(gpus)} GPU counts "
+        f"({gpus[0]}..{gpus[-1]}); SLO {slo} for >= {attainment:.0%} of requests; on {where}",
+        highlight=False, soft_wrap=True)
+    s = cands.points[0].scenario
+    if s.decode.gpu_memory_gib is None:
+        console.print("note: decode.gpu_memory_gib is not set: decode KV capacity is unlimited (admission never "
+                      "waits), so the plan cannot tell a decode side too small to hold the load", highlight=False)
+    if {"tpot_s", "e2e_s"} & set(cands.targets) and not s.workload.output_tokens and not s.workload.trace_csv:
+        console.print("note: workload.output_tokens is 0: no request has a TPOT or end-to-end figure, so those "
+                      "targets are missed everywhere", highlight=False)
+    if cands.skipped:
+        console.print(_skipped_table(skip_reasons(cands.skipped)))
+
+
+def _gpus(settings: dict[str, Any]) -> int:
+    from kvstage.explore.plan import gpus_of
+
+    return gpus_of(settings)
+
+
+def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
+    from kvstage.explore.plan import verdict
+
+    console.print(_front_table(result))
+    line = verdict(result)
+    color = "green" if result.winner else "yellow"
+    console.print(f"[bold {color}]{escape(line.split(':', 1)[0])}:[/]{escape(line.split(':', 1)[1])}",
+                  highlight=False, soft_wrap=True)
+    search = (f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
+              f"{result.count('not run')} larger configuration(s) not run" if result.stopped_at is not None
+              else "every candidate simulated")
+    console.print(f"{len(result.simulated)} configurations simulated in {result.wall_s:.1f} s on "
+                  f"{result.backend} ({search}); files in {out_dir}: {', '.join(p.name for p in files.values())}",
+                  highlight=False, soft_wrap=True)
+    errors = result.count("error")
+    if errors:
+        console.print(f"[bold red]{errors} configuration(s) failed to simulate[/] (status error in plan.csv)")
+
+
+def plan(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file with an [slo] table (see scenarios/README.md).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a scenario field, e.g. --set workload.rate_per_s=4 (repeatable).")] = None,
+    prefill_tp: ListOpt = None,
+    decode_tp: ListOpt = None,
+    prefill_instances: ListOpt = None,
+    decode_instances: ListOpt = None,
+    pool_mb: Annotated[str | None, typer.Option(metavar="V1,V2,...", help="Staging pool per decode rank, MiB (default: the scenario's).")] = None,
+    max_gpus: Annotated[int | None, typer.Option(help="Skip configurations with more GPUs than this.")] = None,
+    attainment: Annotated[float, typer.Option(help="A configuration meets the SLO when at least this share of requests meets every [slo] target (0.9: TTFT target = its p90).")] = 0.9,
+    exhaustive: Annotated[bool, typer.Option(help="Simulate every candidate instead of stopping one GPU count above the first that meets the SLO.")] = False,
+    workers: Annotated[int | None, typer.Option(help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs).")] = None,
+    ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help='Run on Ray: "local" starts a private instance here; else a cluster address.')] = None,
+    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/SCENARIO-plan-TIME/).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Search prefill TP, decode TP, instance counts and staging pool for the fewest GPUs
+    that meet the scenario's [slo] targets at its workload (rate or trace).
+
+    Defaults: --prefill-tp 1,2,4,8 --decode-tp 1,2,4,8 --prefill-instances 1,2,4
+    --decode-instances 1,2,4, the scenario's pool. Configurations the scenario rejects
+    (TP mapping vs KV heads, pool < one chunk, decode memory < weights) are skipped with
+    the reason. GPU counts are simulated smallest first; the search stops one count
+    above the first that meets the SLO (--exhaustive: all). Prints the Pareto front
+    (goodput per GPU vs TTFT p90) and the winner (fewest GPUs; ties: most goodput per
+    GPU) with its bottleneck; writes plan.csv, plan.json and plan_front.png (`kvstage
+    report OUT` shows them). Exits 1 when nothing meets the SLO or a point failed."""
+    from kvstage.explore.executor import ExploreError, require_ray
+    from kvstage.explore.plan import plan_candidates, run_plan, write_plan
+
+    sets = list(set_ or [])
+    if not scenario.is_file():
+        _fail(f"scenario file not found: {scenario}")
+    if workers is not None and workers < 1:
+        _fail(f"--workers {workers}: must be at least 1")
+    if not 0 < attainment <= 1:
+        _fail(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
+    try:
+        if ray is not None:
+            require_ray()
+        cands = plan_candidates(scenario, _grid(prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
+                                sets, max_gpus)
+    except ExploreError as exc:  # PlanError, SweepError, --ray
+        _fail(str(exc))
+    where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
+    _print_intro(scenario, cands, attainment, where)
+    bar = _progress_bar(progress)
+    task = bar.add_task("", total=len(cands.points))
+
+    def on_point(row: dict[str, Any]) -> None:
+        bar.update(task, advance=1, description=f"{row['gpus']} GPUs")
+
+    try:
+        with bar:
+            result = run_plan(scenario, cands, attainment=attainment, workers=workers, ray_address=ray,
+                              exhaustive=exhaustive, on_point=on_point)
+    except ExploreError as exc:  # PlanError, SweepError, --ray
+        _fail(str(exc))
+    from kvstage.run.rundir import make_run_dir
+
+    meta = {"scenario": str(scenario), "scenario_name": scenario.stem, "set": sets,
+            "grid": {v.key: list(v.values) for v in cands.varies}, "max_gpus": max_gpus, "exhaustive": exhaustive}
+    try:
+        out_dir = make_run_dir(cands.points[0].scenario, "plan", out)
+        files = write_plan(result, out_dir, meta)
+    except OSError as exc:
+        _fail(f"cannot write the plan to {out or 'runs/'}: {exc}")
+    _print_result(result, files, out_dir)
+    raise typer.Exit(0 if result.winner is not None and not result.count("error") else 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)

@@ -1,0 +1,151 @@
+"""A hardware run: `launch_run` spawns (or waits for) the ranks, merges their reports
+(kvstage/hw/merge.py) and gives the run's RunResult (kvstage/run/result.py); `kvstage hw`
+(`run_hardware`) shows its progress and ends it with `finish_run`: run directory,
+summary table, exit code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from kvstage.hw.bandwidth import PairFigure, bandwidth_summary, probe_pairs, verdict
+from kvstage.hw.environment import write_environment
+from kvstage.hw.launch import RunProgress, launch
+from kvstage.hw.merge import clock_tolerance, hardware_figures, merge_records
+from kvstage.run import conditions
+from kvstage.run.hw_progress import HwProgress
+from kvstage.run.result import RunResult, finish_run
+from kvstage.run.rundir import make_run_dir
+from kvstage.run.summary import run_summary
+from kvstage.shared.cluster import hardware_sessions
+from kvstage.shared.invariants import check_records
+from kvstage.shared.runtime import RankResult, merge_failures, rank_name
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.workload import generate_requests
+
+
+def _run_conditions(before: conditions.Sample, spawned: bool, reports: dict[str, dict]) -> dict:
+    """How busy the host was (spawned ranks' CPU time is the run's own), and whether
+    every rank loop got its real-time class (a host that refuses it delays control
+    messages)."""
+    return {**conditions.measure(before, spawned=spawned), "loops_realtime": conditions.loops_realtime(reports)}
+
+
+def _restarts(scenario: Scenario) -> dict[str, list[float]]:
+    """rank -> the delays after which the launcher starts it again, one per kill fault
+    with restart_after_s, in the order the kills come."""
+    restarts: dict[str, list[float]] = {}
+    for k in sorted(scenario.faults.kill, key=lambda k: k.at_s):
+        if k.restart_after_s is not None:
+            restarts.setdefault(rank_name(k.role, k.rank), []).append(k.restart_after_s)
+    return restarts
+
+
+def launch_run(
+    scenario: Scenario,
+    run_dir: Path,
+    *,
+    timeout_s: float = 600.0,
+    spawn: bool = True,
+    port: int = 0,
+    on_started=None,
+    on_progress: Callable[[RunProgress], None] | None = None,
+    rank_wrapper: list[str] | None = None,
+    rejoin_grace_s: float = 0.0,
+    ceiling: bool = False,
+    **placement: str | None,
+) -> RunResult:
+    """Run `scenario` on real transfers, the ranks' logs and scenario.toml in `run_dir`
+    (which must exist); prints nothing. `placement`: host, bind, advertise
+    (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
+    `ceiling`: measure each pair's raw write ceiling before the first room (hw/bandwidth.py)."""
+    hw, g, c = scenario.hardware, scenario.geometry(), scenario.cluster
+    scenario_path = Path(run_dir) / "scenario.toml"
+    scenario_path.write_text(scenario.to_toml())
+    write_environment(Path(run_dir))  # versions, GPUs, NICs, engine variables (hw/environment.py)
+    before = conditions.sample()  # how busy the host was during the run (kvstage/run/conditions.py)
+    requests = generate_requests(scenario)
+    rooms = len(requests)
+    probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
+    result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
+                    Path(run_dir) / "logs", backend=hw.backend, device=hw.device, timeout_s=timeout_s, spawn=spawn,
+                    port=port, on_started=on_started, rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s,
+                    restarts=_restarts(scenario), on_progress=on_progress, probe_slots=probe_slots, **placement)
+    records = merge_records(result.reports)
+    errors = list(result.errors)
+    violations = check_records(records, scenario.transfer.path, clock_tolerance(result.reports)) if result.ok else []
+    ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
+    summary = run_summary(
+        scenario, "hw", records, ranks, requests=rooms, wall_s=result.wall_s,
+        violations=len(violations),
+        extra={
+            **hardware_figures(scenario, result.reports),
+            "bandwidth": bandwidth_summary(records, result.reports),
+            "errors": errors,
+            "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
+            "conditions": _run_conditions(before, spawn, result.reports),
+        },
+    )
+    return RunResult(scenario, "hw", records, ranks, violations, errors, merge_failures(ranks), result.wall_s,
+                     rooms, summary, rejoined=result.rejoined)
+
+
+def run_hardware(
+    scenario: Scenario,
+    *,
+    out: Path | None = None,
+    trace_format: str = "parquet",
+    console: Console | None = None,
+    target: float | None = None,
+    **launch_options,
+) -> tuple[int, Path]:
+    """`kvstage hw`: `launch_run` under a progress display, then `finish_run`; (exit code,
+    run directory). 0 when every rank finished, every byte verified right, no invariant
+    broke and the failed rooms are the ones the scenario's [expect] allows (none without
+    one); 1 otherwise. `target`: the share of its ceiling every pair must reach (a
+    PASS/FAIL line; FAIL exits 1; implies the probe). `launch_options`: launch_run's."""
+    console = console or Console()
+    hw = scenario.hardware
+    run_dir = make_run_dir(scenario, "hw", out)
+    g, c = scenario.geometry(), scenario.cluster
+    instances = "" if c.single else f"{c.prefill_instances} x "
+    console.print(
+        f"hardware run: {scenario.name}, {instances}prefill TP{g.prefill_tp} -> "
+        f"{'' if c.single else f'{c.decode_instances} x '}decode TP{g.decode_tp}, "
+        f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
+    )
+    with HwProgress(console, g.decode_tp, len(generate_requests(scenario))) as progress:
+        if target is not None:
+            launch_options["ceiling"] = True
+        result = launch_run(scenario, run_dir, on_progress=progress, **launch_options)
+    code = finish_run(result, run_dir, trace_format=trace_format, console=console)
+    print_bandwidth(console, result.summary["bandwidth"])
+    if target is not None and not _print_verdict(console, result, target):
+        code = 1
+    return code, run_dir
+
+
+def print_bandwidth(console: Console, bw: dict) -> None:
+    """Per pair, what it achieved (bytes over the time its writes were busy) against the
+    raw ceiling its prefill measured before the first room, in GB/s."""
+    pairs = bw.get("pairs") or []
+    if not pairs:
+        return
+    console.print("pair                     achieved GB/s   ceiling GB/s   achieved/ceiling", highlight=False)
+    for p in pairs:
+        ceiling = f"{p['ceiling_gbs']:.2f}" if p["ceiling_gbs"] else "-"
+        ratio = f"{p['ratio']:.0%}" if p["ratio"] is not None else "-"
+        console.print(f"{p['prefill'] + ' -> ' + p['decode']:<24} {p['achieved_gbs']:>13.2f}   {ceiling:>12}"
+                      f"   {ratio:>16}", highlight=False)
+
+
+def _print_verdict(console: Console, result: RunResult, target: float) -> bool:
+    """The PASS/FAIL line of `--target` (hw/bandwidth.py); True when it passed."""
+    pairs = [PairFigure(int(p["prefill"][7:]), int(p["decode"][6:]), p["achieved_gbs"], p["ceiling_gbs"], p["bytes"])
+             for p in result.summary["bandwidth"]["pairs"]]
+    passed, line = verdict(pairs, target)
+    console.print(f"[{'green' if passed else 'bold red'}]{escape(line)}[/]", highlight=False)
+    return passed

@@ -1,0 +1,73 @@
+"""The short console table at the end of a run (both modes)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstage.fmt import MIB, ms
+from kvstage.run.conditions import describe
+
+# TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
+# starts at the first forward, so it holds prefill compute + exposed KV transfer.
+_BREAKDOWN_ROWS = (
+    ("queueing_s", "  queueing (arrival -> first forward)"),
+    ("prefill_compute_s", "  prefill compute (first forward -> last forward end)"),
+    ("kv_transfer_latency_s", "  exposed KV transfer (last forward end -> decode ready)"),
+    ("staging_wait_s", "staging wait (a chunk behind the watermark)"),
+    # the decode side, when modeled (KV capacity, generation)
+    ("decode_admission_wait_s", "decode admission wait (arrival -> KV pages granted)"),
+    ("tpot_s", "TPOT (time per output token)"),
+    ("e2e_s", "end to end (arrival -> last token)"),
+)
+
+
+def _ring(summary: dict, kind: str) -> str:
+    b, f = summary.get(f"ring_{kind}_peak_bytes"), summary.get(f"ring_{kind}_peak_fraction")
+    return "-" if b is None else f"{b / MIB:,.1f} MiB ({f:.0%} of pool)"
+
+
+def _capacity_rows(t: Table, summary: dict) -> None:
+    """SLO attainment, goodput, offered load and the bottleneck verdict, when present."""
+    if "slo" in summary:
+        targets = ", ".join(f"{k} <= {ms(v)}" for k, v in summary["slo"].items())
+        missing = summary.get("slo_unmeasured")
+        note = f" (no figure of {', '.join(missing)}: counted as missed)" if missing else ""
+        t.add_row(f"SLO attainment ({targets})", f"{summary['slo_attainment']:.1%}{note}")
+        t.add_row("goodput (met SLO / serving span)",
+                  f"{summary['goodput_rps']:,.3f} req/s ({summary['goodput_per_gpu_rps']:,.4f} per GPU)")
+    if "offered_load_rps" in summary:
+        t.add_row("offered load", f"{summary['offered_load_rps']:,.3f} req/s")
+    if "bottleneck" in summary:
+        b = summary["bottleneck"]
+        t.add_row(f"bottleneck ({b['reason']})", b["explanation"])
+
+
+def print_summary(summary: dict, console: Console, title: str = "summary") -> None:
+    t = Table(title=title, show_header=False)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("requests done / failed", f"{summary['requests_done']} / {summary['requests_failed']} of {summary['requests']}")
+    lat = summary["transfer_latency_s"]
+    t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
+    t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
+    ttft = summary["ttft_s"]
+    t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
+    for key, label in _BREAKDOWN_ROWS:
+        if key in summary:  # summaries written before the breakdown existed lack it
+            t.add_row(f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}")
+    _capacity_rows(t, summary)
+    t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
+    t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
+    t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))
+    st = summary["watermark_stall_s"]
+    t.add_row("watermark stall total / p99", f"{st['total']:,.4f} s / {ms(st['p99'])}")
+    tr = summary["transfer_requests"]
+    t.add_row("transfer requests total / per request", f"{tr['total']:,} / {tr['per_request']:,.0f}")
+    for key in ("events", "sim_time_s", "wall_s", "backend", "device", "bytes_verified", "bytes_wrong"):
+        if key in summary:
+            v = summary[key]
+            t.add_row(key, f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+    if "conditions" in summary:
+        t.add_row("host during the run", describe(summary["conditions"], short=True))
+    console.print(t)
