@@ -9,6 +9,12 @@ application module is on floor 1), the number of floors being the largest.
 
     .venv/bin/python scripts/import_graph.py            # counts
     .venv/bin/python scripts/import_graph.py --arrows   # and every arrow
+    .venv/bin/python scripts/import_graph.py --concepts # a node per concept folder
+    .venv/bin/python scripts/import_graph.py --root DIR # another checkout (a git worktree)
+
+With --concepts every module inside a package of kvstage/ counts as that package
+(kvstage.run.hwrun -> kvstage.run), a top-level module stays itself, and arrows inside
+one concept are not counted: the graph a newcomer reads from the folder names.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ APP = ROOT / "kvstage"
 CORE = ("kvstage.shared", "kvstage.sim", "kvstage.hw")
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for path in sorted(APP.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted((root / "kvstage").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -62,9 +68,17 @@ def arrows(mods: dict[str, Path]) -> set[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arrows", action="store_true", help="print every arrow")
+    p.add_argument("--concepts", action="store_true", help="one node per concept folder of kvstage/")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout to read (default: this one)")
     args = p.parse_args(argv)
-    mods = modules()
+    mods = modules(args.root)
     edges = arrows(mods)
+    if args.concepts:
+        def concept(m: str) -> str:
+            return ".".join(m.split(".")[:2])
+
+        edges = {(concept(a), concept(b)) for a, b in edges if concept(a) != concept(b)}
+        mods = {concept(m): p for m, p in mods.items()}
     out: dict[str, set[str]] = {m: set() for m in mods}
     for a, b in edges:
         out[a].add(b)
@@ -76,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 + max((floor(t, seen | {m}) for t in out[m]), default=0)
 
     floors = max(floor(m) for m in mods)
-    print(f"{len(mods)} modules, {len(edges)} arrows, {floors} floors")
+    print(f"{len(mods)} {'concepts' if args.concepts else 'modules'}, {len(edges)} arrows, {floors} floors")
     if args.arrows:
         for a, b in sorted(edges):
             print(f"  {a} -> {b}")
