@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,35 +42,29 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def achieved_by_pair(records: Iterable[Any]) -> dict[tuple[int, int], dict[str, float]]:
-    """(prefill rank, decode rank) -> bytes, busy_s and GB/s of its writes (prefill rows)."""
-    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    moved: dict[tuple[int, int], int] = {}
+def _achieved(records: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, dict[str, float]]:
+    """Per `key` of the prefill write rows: bytes, busy_s and GB/s (bytes over busy time)."""
+    spans: dict[Any, list[tuple[float, float]]] = {}
+    moved: dict[Any, int] = {}
     for r in records:
         if r.role == "prefill" and r.phase in WRITE_PHASES and r.peer >= 0 and r.end > r.start:
-            key = (r.rank, r.peer)
-            spans.setdefault(key, []).append((r.start, r.end))
-            moved[key] = moved.get(key, 0) + r.bytes
+            spans.setdefault(key(r), []).append((r.start, r.end))
+            moved[key(r)] = moved.get(key(r), 0) + r.bytes
     out = {}
-    for key in sorted(spans):
-        busy = busy_seconds(spans[key])
-        out[key] = {"bytes": moved[key], "busy_s": busy, "gbs": moved[key] / busy / GB if busy > 0 else 0.0}
+    for k in sorted(spans):
+        busy = busy_seconds(spans[k])
+        out[k] = {"bytes": moved[k], "busy_s": busy, "gbs": moved[k] / busy / GB if busy > 0 else 0.0}
     return out
+
+
+def achieved_by_pair(records: Iterable[Any]) -> dict[tuple[int, int], dict[str, float]]:
+    """(prefill rank, decode rank) -> bytes, busy_s and GB/s of its writes (prefill rows)."""
+    return _achieved(records, lambda r: (r.rank, r.peer))
 
 
 def achieved_by_rank(records: Iterable[Any]) -> dict[int, dict[str, float]]:
     """prefill rank -> bytes, busy_s and GB/s of all its writes together."""
-    spans: dict[int, list[tuple[float, float]]] = {}
-    moved: dict[int, int] = {}
-    for r in records:
-        if r.role == "prefill" and r.phase in WRITE_PHASES and r.end > r.start:
-            spans.setdefault(r.rank, []).append((r.start, r.end))
-            moved[r.rank] = moved.get(r.rank, 0) + r.bytes
-    out = {}
-    for rank in sorted(spans):
-        busy = busy_seconds(spans[rank])
-        out[rank] = {"bytes": moved[rank], "busy_s": busy, "gbs": moved[rank] / busy / GB if busy > 0 else 0.0}
-    return out
+    return _achieved(records, lambda r: r.rank)
 
 
 def probe_pairs(sessions: Any) -> list[tuple[int, int]]:
