@@ -105,79 +105,144 @@ def write_trace(path: Path, rate: float, seconds: float, seed: int) -> int:
             t += rng.expovariate(rate)
             if t >= seconds:
                 return n
-            prompt = min(MAX_PROMPT, max(256, int(rng.lognormvariate(math.log(MEDIAN_PROMPT), 0.6))))
+            prompt = min(
+                MAX_PROMPT, max(256, int(rng.lognormvariate(math.log(MEDIAN_PROMPT), 0.6)))
+            )
             blocks = list(range(n * 64, n * 64 + -(-prompt // 512)))
-            f.write(json.dumps({"timestamp": round(t * 1000, 3), "input_length": prompt,
-                                "output_length": OUTPUT, "hash_ids": blocks}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": round(t * 1000, 3),
+                        "input_length": prompt,
+                        "output_length": OUTPUT,
+                        "hash_ids": blocks,
+                    }
+                )
+                + "\n"
+            )
             n += 1
 
 
 def prefill_capacity_rps(instances: int) -> float:
     """Requests per second the prefill instances compute at the trace's mean prompt."""
     s = load_scenario(SCENARIO)
-    mean_prompt = min(MAX_PROMPT, MEDIAN_PROMPT * math.exp(0.6 ** 2 / 2))
+    mean_prompt = min(MAX_PROMPT, MEDIAN_PROMPT * math.exp(0.6**2 / 2))
     return instances / s.forward_time_s(int(mean_prompt))
 
 
-def run(decode: int, seconds: float, fold: bool, tmp: Path, seed: int = 1, router: str = "round-robin",
-        shard: bool = False) -> dict:
+def run(
+    decode: int,
+    seconds: float,
+    fold: bool,
+    tmp: Path,
+    seed: int = 1,
+    router: str = "round-robin",
+    shard: bool = False,
+) -> dict:
     """`decode` decode instances and twice as many prefill instances; `shard`: in
     independent groups (sim/shard.py)."""
     rate = LOAD * prefill_capacity_rps(2 * decode)
     trace = tmp / f"trace-{decode}-{seconds:.0f}.jsonl"
     n = write_trace(trace, rate, seconds, seed)
-    s = load_scenario(SCENARIO, [
-        f"cluster.prefill_instances={2 * decode}", f"cluster.decode_instances={decode}",
-        f"cluster.fold={'true' if fold else 'false'}", f'cluster.router="{router}"',
-        f"cluster.shard={'true' if shard else 'false'}",
-        'workload.arrival="trace"', 'workload.prompt="csv"', f'workload.trace_csv="{trace}"',
-        f"workload.requests={n}", f"workload.max_prompt_tokens={MAX_PROMPT}",
-        "decode.gpu_memory_gib=141",
-    ])
+    s = load_scenario(
+        SCENARIO,
+        [
+            f"cluster.prefill_instances={2 * decode}",
+            f"cluster.decode_instances={decode}",
+            f"cluster.fold={'true' if fold else 'false'}",
+            f'cluster.router="{router}"',
+            f"cluster.shard={'true' if shard else 'false'}",
+            'workload.arrival="trace"',
+            'workload.prompt="csv"',
+            f'workload.trace_csv="{trace}"',
+            f"workload.requests={n}",
+            f"workload.max_prompt_tokens={MAX_PROMPT}",
+            "decode.gpu_memory_gib=141",
+        ],
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     result = simulate_scenario(s)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     per = request_breakdown(room_latencies(result.records))
-    return {"decode": decode, "rate": rate, "requests": n, "done": result.rooms_done,
-            "failed": result.rooms_failed, "violations": len(result.violations), "sim_s": result.sim_time_s,
-            "cpu_s": cpu, "wall_s": wall, "cpu_per_request_ms": 1e3 * cpu / max(1, n),
-            "ttft": percentiles(per["ttft_s"]), "tpot": percentiles(per.get("tpot_s", []))}
+    return {
+        "decode": decode,
+        "rate": rate,
+        "requests": n,
+        "done": result.rooms_done,
+        "failed": result.rooms_failed,
+        "violations": len(result.violations),
+        "sim_s": result.sim_time_s,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "cpu_per_request_ms": 1e3 * cpu / max(1, n),
+        "ttft": percentiles(per["ttft_s"]),
+        "tpot": percentiles(per.get("tpot_s", [])),
+    }
 
 
 def line(r: dict) -> str:
-    return (f"{2 * r['decode']:>3} prefill x TP8 + {r['decode']:>2} decode x TP2: "
-            f"{r['requests']:>7,} requests at {r['rate']:6.1f}/s, {r['done']:>7,} done, {r['failed']} failed, "
-            f"{r['violations']} violations; CPU {r['cpu_s']:7.2f} s, wall {r['wall_s']:7.2f} s, "
-            f"{r['cpu_per_request_ms']:.3f} ms CPU per request")
+    return (
+        f"{2 * r['decode']:>3} prefill x TP8 + {r['decode']:>2} decode x TP2: "
+        f"{r['requests']:>7,} requests at {r['rate']:6.1f}/s, {r['done']:>7,} done, {r['failed']} failed, "
+        f"{r['violations']} violations; CPU {r['cpu_s']:7.2f} s, wall {r['wall_s']:7.2f} s, "
+        f"{r['cpu_per_request_ms']:.3f} ms CPU per request"
+    )
 
 
-def scaling(tmp: Path, repeat: int, router: str, shard: bool, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> None:
+def scaling(
+    tmp: Path, repeat: int, router: str, shard: bool, sizes: tuple[int, ...] = (1, 4, 16, 64)
+) -> None:
     """2.: CPU per simulated request at each size, its least over `repeat` interleaved rounds."""
     how = "sharded" if shard else "one simulation"
-    print(f"\n2. cost per simulated request as the cluster grows (folded, {how}, 60 simulated seconds, {router}, "
-          f"{repeat} round(s))")
+    print(
+        f"\n2. cost per simulated request as the cluster grows (folded, {how}, 60 simulated seconds, {router}, "
+        f"{repeat} round(s))"
+    )
     rounds: list[dict[int, dict]] = []
     for _ in range(max(1, repeat)):
         rounds.append({n: run(n, 60, True, tmp, router=router, shard=shard) for n in sizes})
-        print(f"   round {len(rounds)}: " + ", ".join(f"{n}: {rounds[-1][n]['cpu_per_request_ms']:.3f} ms"
-                                                      for n in sizes) + f" (load {os.getloadavg()[0]:.2f})")
+        print(
+            f"   round {len(rounds)}: "
+            + ", ".join(f"{n}: {rounds[-1][n]['cpu_per_request_ms']:.3f} ms" for n in sizes)
+            + f" (load {os.getloadavg()[0]:.2f})"
+        )
     best = {n: min((r[n] for r in rounds), key=lambda x: x["cpu_per_request_ms"]) for n in sizes}
     base = best[sizes[0]]["cpu_per_request_ms"]
     for n in sizes:
         ratios = [r[n]["cpu_per_request_ms"] / r[sizes[0]]["cpu_per_request_ms"] for r in rounds]
         spread = f"; per round {min(ratios):.2f}-{max(ratios):.2f}x" if len(rounds) > 1 else ""
-        print(f"   {line(best[n])}  ({best[n]['cpu_per_request_ms'] / base:.2f}x the 1-instance cost{spread})")
+        print(
+            f"   {line(best[n])}  ({best[n]['cpu_per_request_ms'] / base:.2f}x the 1-instance cost{spread})"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 simulated minutes for the big run, not an hour")
-    ap.add_argument("--scaling-only", action="store_true", help="only 2. (cost per request as the cluster grows)")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of 2., interleaved; the least CPU of each size")
-    ap.add_argument("--router", default="round-robin", help="the router of 2. (round-robin, least-outstanding, "
-                    "staging-aware)")
-    ap.add_argument("--no-shard", action="store_true", help="2. and 3. as one simulation each, not in independent "
-                    "groups (sharding needs round-robin: another router is never sharded)")
+    ap.add_argument(
+        "--quick", action="store_true", help="2 simulated minutes for the big run, not an hour"
+    )
+    ap.add_argument(
+        "--scaling-only",
+        action="store_true",
+        help="only 2. (cost per request as the cluster grows)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of 2., interleaved; the least CPU of each size",
+    )
+    ap.add_argument(
+        "--router",
+        default="round-robin",
+        help="the router of 2. (round-robin, least-outstanding, staging-aware)",
+    )
+    ap.add_argument(
+        "--no-shard",
+        action="store_true",
+        help="2. and 3. as one simulation each, not in independent "
+        "groups (sharding needs round-robin: another router is never sharded)",
+    )
     args = ap.parse_args()
     shard = not args.no_shard and args.router == "round-robin"
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
@@ -192,17 +257,23 @@ def main() -> None:
         print("   unfolded:", line(unfolded))
         print("   folded:  ", line(folded))
         same = unfolded["ttft"] == folded["ttft"] and unfolded["tpot"] == folded["tpot"]
-        print(f"   CPU per request, unfolded / folded: {unfolded['cpu_s'] / folded['cpu_s']:.2f}x; "
-              f"TTFT and TPOT percentiles identical: {same}")
+        print(
+            f"   CPU per request, unfolded / folded: {unfolded['cpu_s'] / folded['cpu_s']:.2f}x; "
+            f"TTFT and TPOT percentiles identical: {same}"
+        )
         scaling(tmp, args.repeat, args.router, shard)
         seconds = 120 if args.quick else 3600
-        print(f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded"
-              f"{', sharded' if shard else ''})")
+        print(
+            f"\n3. {seconds:.0f} simulated seconds of 16 prefill (TP8) + 8 decode (TP2) instances (folded"
+            f"{', sharded' if shard else ''})"
+        )
         r = run(8, seconds, True, tmp, shard=shard)
         print("  ", line(r))
-        print(f"   TTFT p50 / p99 {r['ttft']['p50']:.3f} / {r['ttft']['p99']:.3f} s, "
-              f"TPOT p50 / p99 {1e3 * r['tpot']['p50']:.1f} / {1e3 * r['tpot']['p99']:.1f} ms; "
-              f"goal: at most 120 s wall -> {'met' if r['wall_s'] <= 120 else 'NOT met'} ({r['wall_s']:.1f} s)")
+        print(
+            f"   TTFT p50 / p99 {r['ttft']['p50']:.3f} / {r['ttft']['p99']:.3f} s, "
+            f"TPOT p50 / p99 {1e3 * r['tpot']['p50']:.1f} / {1e3 * r['tpot']['p99']:.1f} ms; "
+            f"goal: at most 120 s wall -> {'met' if r['wall_s'] <= 120 else 'NOT met'} ({r['wall_s']:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

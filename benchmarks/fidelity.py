@@ -247,12 +247,20 @@ def _reduce(label: str, run_dir: Path) -> RunData:
 
 def _reduced(label: str, summary: dict, records: list) -> RunData:
     errors = summary.get("errors") or []
-    return RunData(label, room_spans(records), phase_samples(records), summary.get("conditions"),
-                   ok=not errors, error="; ".join(errors[:2]), wall_s=float(summary.get("wall_s") or 0.0))
+    return RunData(
+        label,
+        room_spans(records),
+        phase_samples(records),
+        summary.get("conditions"),
+        ok=not errors,
+        error="; ".join(errors[:2]),
+        wall_s=float(summary.get("wall_s") or 0.0),
+    )
 
 
-def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Namespace,
-            console: Console) -> list[RunData]:
+def hw_runs(
+    case: Case, scenario, sdir: Path, backend: str, args: argparse.Namespace, console: Console
+) -> list[RunData]:
     """The case's hardware runs: reused from --hw-from where that directory has them
     (DIR/<backend>/<case>/hw, hw2, ...), run here otherwise."""
     from kvstage.run.hwrun import launch_run
@@ -277,8 +285,11 @@ def hw_runs(case: Case, scenario, sdir: Path, backend: str, args: argparse.Names
             how = f"ran in {time.monotonic() - t0:.1f} s, {before} before"
             run = _reduced(name, result.summary, result.records)
         runs.append(run)
-        console.print(f"    {name}: {how}; {describe(run.conditions, short=True)}"
-                      + ("" if run.ok else f" [red]FAILED[/]: {run.error}"), highlight=False)
+        console.print(
+            f"    {name}: {how}; {describe(run.conditions, short=True)}"
+            + ("" if run.ok else f" [red]FAILED[/]: {run.error}"),
+            highlight=False,
+        )
     return runs
 
 
@@ -297,13 +308,19 @@ def sim_variants(scenario, cal: Calibration, ref: RunData) -> tuple[dict[str, li
     gpu = "links.host_model=gpu"
     variants: dict[str, list[str]] = {
         "cal": [gpu, f"prefill.tokens_per_s={tps!r}"],
-        "cal+cpu": [gpu, f"prefill.tokens_per_s={tps / slow!r}",
-                    f"links.mem_bandwidth_gbs={prof['mem_bandwidth_gbs'] / slow!r}",
-                    f"links.kernel_launch_us={prof['kernel_launch_us'] * slow!r}"],
+        "cal+cpu": [
+            gpu,
+            f"prefill.tokens_per_s={tps / slow!r}",
+            f"links.mem_bandwidth_gbs={prof['mem_bandwidth_gbs'] / slow!r}",
+            f"links.kernel_launch_us={prof['kernel_launch_us'] * slow!r}",
+        ],
         # the host model with the calibrated host fields, spelled out (a profile
         # calibrated before some host field existed works too)
-        "host": [f"links.{k}={_override_value(prof[k])}" if k != "host_model" else f"links.{k}={prof[k]}"
-                 for k in HOST_FIELDS if k in prof],
+        "host": [
+            f"links.{k}={_override_value(prof[k])}" if k != "host_model" else f"links.{k}={prof[k]}"
+            for k in HOST_FIELDS
+            if k in prof
+        ],
     }
     # ... with the other processes' load the reference hw run recorded (its conditions),
     # instead of the load measured while calibrating: an input of the run, not a fit
@@ -332,15 +349,24 @@ def oracle_overrides(spath: Path, host: list[str], ref: RunData) -> list[str]:
     target = {kind: step_mean(ref.phases, *steps) for kind, (_, steps) in FACTORS.items()}
 
     def simulate(factors: dict[str, float]) -> dict[str, float]:
-        s = load_scenario(spath, overrides=[*base, *(f"links.{k}={v!r}" for k, v in factors.items())])
+        s = load_scenario(
+            spath, overrides=[*base, *(f"links.{k}={v!r}" for k, v in factors.items())]
+        )
         return kind_means(Simulation(s, check=False).run().records)
 
     factors, _ = fit_factors(target, simulate)
     return [*base, *(f"links.{k}={v!r}" for k, v in factors.items())]
 
 
-def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: argparse.Namespace,
-             out: Path, console: Console) -> Outcome:
+def run_case(
+    case: Case,
+    profile: Path,
+    cal: Calibration,
+    backend: str,
+    args: argparse.Namespace,
+    out: Path,
+    console: Console,
+) -> Outcome:
     from kvstage.run.rundir import make_run_dir
     from kvstage.run.simrun import simulate
 
@@ -353,7 +379,9 @@ def run_case(case: Case, profile: Path, cal: Calibration, backend: str, args: ar
     res.hw = hw_runs(case, scenario, sdir, backend, args, console)
     variants, res.tokens_per_s = sim_variants(scenario, cal, res.ref)
     if args.oracle:
-        variants["oracle"] = oracle_overrides(spath, variants.get("host+load", variants["host"]), res.ref)
+        variants["oracle"] = oracle_overrides(
+            spath, variants.get("host+load", variants["host"]), res.ref
+        )
     for variant, overrides in variants.items():
         sim_s = load_scenario(spath, overrides=overrides)
         result = simulate(sim_s)
@@ -377,13 +405,22 @@ def _x(x: float) -> str:
     return "-" if x != x else ("inf" if math.isinf(x) else f"{x:.2f}x")
 
 
-def metric_table(outcomes: list[Outcome], backend: str, metric: str, console: Console) -> dict[str, Any]:
+def metric_table(
+    outcomes: list[Outcome], backend: str, metric: str, console: Console
+) -> dict[str, Any]:
     """Per scenario and overall: the floor (hw-vs-hw MAPE) and each variant's MAPE with
     its ratio to the floor. Returns the figures."""
     variants = list(outcomes[0].sims)
-    t = Table(title=f"{backend}: {METRIC_TITLES[metric]}; MAPE against hw run 1 (ratio to the floor)")
-    for col, just in (("scenario", "left"), ("rooms", "right"), ("hw mean", "right"), ("others' CPU", "left"),
-                      ("floor hw2", "right")):
+    t = Table(
+        title=f"{backend}: {METRIC_TITLES[metric]}; MAPE against hw run 1 (ratio to the floor)"
+    )
+    for col, just in (
+        ("scenario", "left"),
+        ("rooms", "right"),
+        ("hw mean", "right"),
+        ("others' CPU", "left"),
+        ("floor hw2", "right"),
+    ):
         t.add_column(col, justify=just, no_wrap=True)
     for v in variants:
         t.add_column(f"sim {v}", justify="right", no_wrap=True)
@@ -392,16 +429,27 @@ def metric_table(outcomes: list[Outcome], backend: str, metric: str, console: Co
         ref = o.ref.spans[metric]
         floor = o.floor(metric)
         cond = " / ".join(_others(h.conditions) for h in o.hw)
-        row = [o.case.name + ("" if all(h.ok for h in o.hw) else " (hw FAILED)"), str(len(ref)),
-               _ms(statistics.fmean(ref.values()) if ref else math.nan) + " ms", cond, _pct(floor)]
+        row = [
+            o.case.name + ("" if all(h.ok for h in o.hw) else " (hw FAILED)"),
+            str(len(ref)),
+            _ms(statistics.fmean(ref.values()) if ref else math.nan) + " ms",
+            cond,
+            _pct(floor),
+        ]
         entry: dict[str, Any] = {"rooms": len(ref), "floor_mape": floor, "variants": {}}
         for v in variants:
             m = o.mape(v, metric)
             row.append(f"{_pct(m)} ({_x(ratio(m, floor))})")
-            entry["variants"][v] = {"mape": m, "ratio_to_floor": ratio(m, floor), "bias": o.bias(v, metric)}
+            entry["variants"][v] = {
+                "mape": m,
+                "ratio_to_floor": ratio(m, floor),
+                "bias": o.bias(v, metric),
+            }
         t.add_row(*row)
         figures["scenarios"][o.case.name] = entry
-    floor = pooled_mape([(o.ref.spans[metric], h.spans[metric]) for o in outcomes for h in o.hw[1:]])
+    floor = pooled_mape(
+        [(o.ref.spans[metric], h.spans[metric]) for o in outcomes for h in o.hw[1:]]
+    )
     row = ["overall", str(sum(len(o.ref.spans[metric]) for o in outcomes)), "", "", _pct(floor)]
     figures["overall"]["floor_mape"] = floor
     for v in variants:
@@ -410,8 +458,11 @@ def metric_table(outcomes: list[Outcome], backend: str, metric: str, console: Co
         figures["overall"][v] = {"mape": m, "ratio_to_floor": ratio(m, floor)}
     t.add_row(*row, style="bold")
     console.print(t)
-    console.print("  others' CPU: other processes' share of the host's cores during each hw run (! = LOADED, "
-                  "over 25%)", highlight=False)
+    console.print(
+        "  others' CPU: other processes' share of the host's cores during each hw run (! = LOADED, "
+        "over 25%)",
+        highlight=False,
+    )
     return figures
 
 
@@ -427,6 +478,7 @@ def phase_table(outcomes: list[Outcome], title: str, console: Console) -> dict[s
         t.add_column(f"sim {v}: err (ms)", justify="right")
     figures: dict[str, Any] = {}
     for phase in PHASES:
+
         def avg(xs: list[float]) -> float:
             xs = [x for x in xs if x == x]
             return statistics.fmean(xs) if xs else math.nan
@@ -439,25 +491,42 @@ def phase_table(outcomes: list[Outcome], title: str, console: Console) -> dict[s
             err = avg([o.phase_err(v, phase) for o in outcomes])
             mean = avg([o.sims[v].phase_mean(phase) for o in outcomes])
             row.append(f"{_pct(err)} ({_ms(mean)})")
-            figures[phase]["variants"][v] = {"error": err, "mean_s": mean, "ratio_to_floor": ratio(err, floor)}
+            figures[phase]["variants"][v] = {
+                "error": err,
+                "mean_s": mean,
+                "ratio_to_floor": ratio(err, floor),
+            }
         t.add_row(*row)
     console.print(t)
     return figures
 
 
-def report(outcomes: list[Outcome], backend: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def report(
+    outcomes: list[Outcome], backend: str, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
     summary: dict[str, Any] = {"backend": backend, "metrics": {}, "phases": {}, "scenarios": {}}
     for metric in METRICS:
         summary["metrics"][metric] = metric_table(outcomes, backend, metric, console)
     summary["phases"]["all"] = phase_table(
-        outcomes, f"{backend}: where the time goes, per step (mean over scenarios)", console)
+        outcomes, f"{backend}: where the time goes, per step (mean over scenarios)", console
+    )
     for o in outcomes:
         if args.phases_per_scenario:
-            summary["phases"][o.case.name] = phase_table([o], f"{backend} {o.case.name}: per step", console)
+            summary["phases"][o.case.name] = phase_table(
+                [o], f"{backend} {o.case.name}: per step", console
+            )
         summary["scenarios"][o.case.name] = {
             "tokens_per_s": o.tokens_per_s,
-            "hw": [{"conditions": h.conditions, "ok": h.ok, "error": h.error, "wall_s": h.wall_s,
-                    "rooms_s": h.spans} for h in o.hw],
+            "hw": [
+                {
+                    "conditions": h.conditions,
+                    "ok": h.ok,
+                    "error": h.error,
+                    "wall_s": h.wall_s,
+                    "rooms_s": h.spans,
+                }
+                for h in o.hw
+            ],
             "sims": {v: {"rooms_s": s.spans} for v, s in o.sims.items()},
         }
     return summary
@@ -465,25 +534,50 @@ def report(outcomes: list[Outcome], backend: str, args: argparse.Namespace, cons
 
 def verdicts(results: dict[str, Any], console: Console) -> bool:
     """PASS / MISS per backend and metric against the goals; True when all pass."""
-    t = Table(title=f"goals: calibrated sim MAPE <= {TARGET_MAPE:.0%} and <= {TARGET_RATIO}x the hw-vs-hw floor; "
-                    f"oracle <= {ORACLE_MAPE:.0%}")
-    for col in ("backend", "metric", "floor", "best calibrated", "MAPE", "x floor", "goal", "oracle", "oracle goal"):
+    t = Table(
+        title=f"goals: calibrated sim MAPE <= {TARGET_MAPE:.0%} and <= {TARGET_RATIO}x the hw-vs-hw floor; "
+        f"oracle <= {ORACLE_MAPE:.0%}"
+    )
+    for col in (
+        "backend",
+        "metric",
+        "floor",
+        "best calibrated",
+        "MAPE",
+        "x floor",
+        "goal",
+        "oracle",
+        "oracle goal",
+    ):
         t.add_column(col)
     ok_all = True
     for backend, summary in results.items():
         for metric, fig in summary["metrics"].items():
             ov = fig["overall"]
             cands = {v: f for v, f in ov.items() if v not in ("floor_mape", "oracle")}
-            best = min(cands, key=lambda v: cands[v]["mape"] if cands[v]["mape"] == cands[v]["mape"] else math.inf)
+            best = min(
+                cands,
+                key=lambda v: (
+                    cands[v]["mape"] if cands[v]["mape"] == cands[v]["mape"] else math.inf
+                ),
+            )
             m, r = cands[best]["mape"], cands[best]["ratio_to_floor"]
             ok = m <= TARGET_MAPE and r <= TARGET_RATIO
             om = ov.get("oracle", {}).get("mape", math.nan)
             ook = om <= ORACLE_MAPE
             ok_all &= ok
             fig["verdict"] = {"best": best, "pass": ok, "oracle_pass": ook}
-            t.add_row(backend, metric, _pct(ov["floor_mape"]), best, _pct(m), _x(r),
-                      "[green]PASS[/]" if ok else "[red]MISS[/]", _pct(om),
-                      "-" if om != om else "[green]PASS[/]" if ook else "[red]MISS[/]")
+            t.add_row(
+                backend,
+                metric,
+                _pct(ov["floor_mape"]),
+                best,
+                _pct(m),
+                _x(r),
+                "[green]PASS[/]" if ok else "[red]MISS[/]",
+                _pct(om),
+                "-" if om != om else "[green]PASS[/]" if ook else "[red]MISS[/]",
+            )
     console.print(t)
     return ok_all
 
@@ -491,14 +585,25 @@ def verdicts(results: dict[str, Any], console: Console) -> bool:
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="nixl", help="comma-separated: nixl,mooncake")
-    ap.add_argument("--profile", type=Path, default=None,
-                    help="use this calibrated profile (its .fit.json beside it) instead of calibrating")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"development subset: quick calibration sweep, only {', '.join(QUICK_CASES)} "
-                         "(unless --only), no per-scenario step tables")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="use this calibrated profile (its .fit.json beside it) instead of calibrating",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"development subset: quick calibration sweep, only {', '.join(QUICK_CASES)} "
+        "(unless --only), no per-scenario step tables",
+    )
     ap.add_argument("--only", default="", help="comma-separated scenario names of the suite")
-    ap.add_argument("--hw-runs", type=int, default=2,
-                    help="hardware runs per case (>= 2: the first is the reference, the others give the floor)")
+    ap.add_argument(
+        "--hw-runs",
+        type=int,
+        default=2,
+        help="hardware runs per case (>= 2: the first is the reference, the others give the floor)",
+    )
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--rate", type=float, default=4.0, help="fixed arrival rate per second")
     ap.add_argument("--prompt-min", type=int, default=768)
@@ -510,13 +615,25 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--hw-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--hw-from", type=Path, default=None,
-                    help="reuse the hw runs of an earlier fidelity output directory (DIR/<backend>/<case>/hw, hw2, "
-                         "...); runs it lacks are taken here")
-    ap.add_argument("--no-oracle", dest="oracle", action="store_false",
-                    help="skip the diagnostic variant that feeds the sim the hw run's own step means")
-    ap.add_argument("--phases-per-scenario", action=argparse.BooleanOptionalAction, default=None,
-                    help="print the per-step table of every scenario (default: on, off with --quick)")
+    ap.add_argument(
+        "--hw-from",
+        type=Path,
+        default=None,
+        help="reuse the hw runs of an earlier fidelity output directory (DIR/<backend>/<case>/hw, hw2, "
+        "...); runs it lacks are taken here",
+    )
+    ap.add_argument(
+        "--no-oracle",
+        dest="oracle",
+        action="store_false",
+        help="skip the diagnostic variant that feeds the sim the hw run's own step means",
+    )
+    ap.add_argument(
+        "--phases-per-scenario",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print the per-step table of every scenario (default: on, off with --quick)",
+    )
     args = ap.parse_args()
     if args.hw_runs < 2:
         ap.error("--hw-runs must be >= 2: the floor needs a second hardware run of each case")
@@ -531,14 +648,18 @@ def _args() -> argparse.Namespace:
     return args
 
 
-def _profile(backend: str, args: argparse.Namespace, out: Path, console: Console) -> tuple[Path, Calibration]:
+def _profile(
+    backend: str, args: argparse.Namespace, out: Path, console: Console
+) -> tuple[Path, Calibration]:
     if args.profile is not None:
         profile = args.profile.resolve()
         side = load_sidecar(profile)
         cal = analyse(side["raw"], side["backend"], side["device"], side["quick"])
         console.print(f"[bold]{backend}[/]: using calibrated profile {profile}")
         return profile, cal
-    console.print(f"[bold]{backend}[/]: calibrating{' (quick)' if args.quick else ''} ... ({_loadavg()})")
+    console.print(
+        f"[bold]{backend}[/]: calibrating{' (quick)' if args.quick else ''} ... ({_loadavg()})"
+    )
     t0 = time.monotonic()
     cal = calibrate(backend, "cpu", quick=args.quick)
     profile, _ = write_profile(cal, out / f"calibrated-{backend}.toml")
@@ -559,20 +680,29 @@ def main() -> int:
         console.print(profile.read_text(), markup=False, highlight=False)
         outcomes = []
         for i, case in enumerate(args.cases, 1):
-            console.print(f"[bold]{backend}[/] [{i}/{len(args.cases)}] {case.name}: {args.hw_runs} hardware runs "
-                          f"+ simulations ({_loadavg()}, {time.monotonic() - started:.0f} s in)")
+            console.print(
+                f"[bold]{backend}[/] [{i}/{len(args.cases)}] {case.name}: {args.hw_runs} hardware runs "
+                f"+ simulations ({_loadavg()}, {time.monotonic() - started:.0f} s in)"
+            )
             o = run_case(case, profile, cal, backend, args, out / backend, console)
-            console.print("    " + "; ".join(
-                f"{metric}: floor {_pct(o.floor(metric))}, "
-                + ", ".join(f"{v} {_pct(o.mape(v, metric))}" for v in o.sims) for metric in METRICS),
-                highlight=False)
+            console.print(
+                "    "
+                + "; ".join(
+                    f"{metric}: floor {_pct(o.floor(metric))}, "
+                    + ", ".join(f"{v} {_pct(o.mape(v, metric))}" for v in o.sims)
+                    for metric in METRICS
+                ),
+                highlight=False,
+            )
             outcomes.append(o)
         summary = report(outcomes, backend, args, console)
         summary["profile"] = str(profile)
         results[backend] = summary
     ok = verdicts(results, console)
     (out / "fidelity.json").write_text(json_text(results, indent=1))
-    console.print(f"results: {out / 'fidelity.json'} ({time.monotonic() - started:.0f} s, {_loadavg()})")
+    console.print(
+        f"results: {out / 'fidelity.json'} ({time.monotonic() - started:.0f} s, {_loadavg()})"
+    )
     return 0 if ok else 1
 
 

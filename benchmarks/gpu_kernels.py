@@ -52,10 +52,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=8, help="KV heads per prefill rank (decode: 2x, fan-in of 2)")
+    p.add_argument(
+        "--heads", type=int, default=8, help="KV heads per prefill rank (decode: 2x, fan-in of 2)"
+    )
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--device", default="cuda", help="cuda, or cpu (host memory; adds fill and verify)")
+    p.add_argument(
+        "--device", default="cuda", help="cuda, or cpu (host memory; adds fill and verify)"
+    )
     args = p.parse_args()
     dev = args.device
     cuda = dev.startswith("cuda")
@@ -66,28 +70,47 @@ def main() -> None:
     nbytes = block_bytes(src, pages, args.heads)
     block = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     # the decode rank holds 2 writers' heads: this writer's block lands at head offset 0
-    g = Geometry(2, 1, 2 * args.heads, args.layers, args.head_dim, 2, page, chunked_prefill_size=args.tokens)
+    g = Geometry(
+        2, 1, 2 * args.heads, args.layers, args.head_dim, 2, page, chunked_prefill_size=args.tokens
+    )
     layout = g.staging_layout(0, pages)
     dst = KVPool(args.layers, pages + 8, page, 2 * args.heads, args.head_dim, "bf16", device=dev)
     region = torch.zeros(layout.region_bytes, dtype=torch.uint8, device=dev)
-    region[: nbytes].copy_(block)
-    a, b = torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    region[:nbytes].copy_(block)
+    a, b = (
+        torch.empty(nbytes, dtype=torch.uint8, device=dev),
+        torch.empty(nbytes, dtype=torch.uint8, device=dev),
+    )
 
     copy_s = timed(lambda: b.copy_(a), args.reps, cuda)
     gather_s = timed(lambda: gather(src, 4, pages, 0, args.heads, block), args.reps, cuda)
     scatter_s = timed(lambda: scatter(dst, 4, pages, region, layout), args.reps, cuda)
     scatter_bytes = layout.region_bytes
-    rows = [("copy", copy_s, nbytes), ("gather", gather_s, nbytes), ("scatter", scatter_s, scatter_bytes)]
+    rows = [
+        ("copy", copy_s, nbytes),
+        ("gather", gather_s, nbytes),
+        ("scatter", scatter_s, scatter_bytes),
+    ]
     if not cuda:  # the CPU-side work of a hw run: the prefill's forward and the decode's check
         heads = list(range(args.heads))
-        rows.append(("fill", timed(lambda: fill_pattern(src, 4, pages, 7, 0, heads), args.reps, cuda), nbytes))
+        rows.append(
+            (
+                "fill",
+                timed(lambda: fill_pattern(src, 4, pages, 7, 0, heads), args.reps, cuda),
+                nbytes,
+            )
+        )
         fill_pattern(src, 4, pages, 7, 0, heads)
         checked, wrong = verify(src, 4, pages, 7, 0, heads)
         assert checked == nbytes and wrong == 0, (checked, wrong)
-        rows.append(("verify", timed(lambda: verify(src, 4, pages, 7, 0, heads), args.reps, cuda), nbytes))
+        rows.append(
+            ("verify", timed(lambda: verify(src, 4, pages, 7, 0, heads), args.reps, cuda), nbytes)
+        )
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    print(f"{name}: block {nbytes / 2**20:.1f} MiB "
-          f"({args.layers} layers x {args.tokens} tokens x {args.heads} heads x {args.head_dim})")
+    print(
+        f"{name}: block {nbytes / 2**20:.1f} MiB "
+        f"({args.layers} layers x {args.tokens} tokens x {args.heads} heads x {args.head_dim})"
+    )
     print(f"{'kernel':<10} {'time':>10} {'GB/s (read+write)':>18} {'share of copy':>14}")
     copy_bw = 2 * nbytes / copy_s / 1e9
     for name, s, n in rows:

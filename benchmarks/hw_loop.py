@@ -91,12 +91,26 @@ def stamp_figures(stamps: dict[str, list]) -> dict[str, list[float]]:
     """Per STAGING_REQ: see the docstring. Keys: call, idle (sent -> woke), busy (sent ->
     the turn's end), handle (woke -> handled); cpu_wait: per rank, run delay / time in
     turns over 1 ms."""
-    sent = {(rank, e[2]): e for rank, st in stamps.items() for e in st if e[0] == "s" and e[3] == "StagingReq"}
-    out: dict[str, list[float]] = {"call": [e[5] - e[4] for e in sent.values()], "idle": [], "busy": [], "handle": []}
+    sent = {
+        (rank, e[2]): e
+        for rank, st in stamps.items()
+        for e in st
+        if e[0] == "s" and e[3] == "StagingReq"
+    }
+    out: dict[str, list[float]] = {
+        "call": [e[5] - e[4] for e in sent.values()],
+        "idle": [],
+        "busy": [],
+        "handle": [],
+    }
     cpu_wait: list[tuple[str, float]] = []
     for rank, st in stamps.items():
         waits = [e for e in st if e[0] == "w"]
-        long = [(b[1] - a[2], b[3] - a[4]) for a, b in zip(waits, waits[1:], strict=False) if b[1] - a[2] > 1e-3]
+        long = [
+            (b[1] - a[2], b[3] - a[4])
+            for a, b in zip(waits, waits[1:], strict=False)
+            if b[1] - a[2] > 1e-3
+        ]
         if long:
             cpu_wait.append((rank, sum(d for _, d in long) / sum(t for t, _ in long)))
         handled = iter([e[1] for e in st if e[0] == "h"])
@@ -122,7 +136,7 @@ def print_stamps(f: dict) -> None:
     ms = 1e3
 
     def p(xs: list[float]) -> str:
-        return f"p50 {pct(xs, .5) * ms:6.2f}  p90 {pct(xs, .9) * ms:6.2f} ms"
+        return f"p50 {pct(xs, 0.5) * ms:6.2f}  p90 {pct(xs, 0.9) * ms:6.2f} ms"
 
     n = len(f["idle"]) + len(f["busy"])
     print(f"  STAGING_REQ send() call {p(f['call'])}")
@@ -135,9 +149,17 @@ def print_stamps(f: dict) -> None:
 
 def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
     P, D = tp
-    s = load_scenario(REPO / "scenarios" / "llama3-8b-p4-d2.toml", overrides=[
-        f"prefill.tp={P}", f"decode.tp={D}", f"hardware.backend={backend}", f"workload.requests={requests}",
-        "workload.rate_per_s=8", "hardware.scale_down.enabled=true"]).scaled()
+    s = load_scenario(
+        REPO / "scenarios" / "llama3-8b-p4-d2.toml",
+        overrides=[
+            f"prefill.tp={P}",
+            f"decode.tp={D}",
+            f"hardware.backend={backend}",
+            f"workload.requests={requests}",
+            "workload.rate_per_s=8",
+            "hardware.scale_down.enabled=true",
+        ],
+    ).scaled()
     with tempfile.TemporaryDirectory() as tmp:
         stats_dir = Path(tmp) / "loop"
         stats_dir.mkdir()
@@ -152,17 +174,25 @@ def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
     f = figures(records)
     ms = 1e3
     print(f"P{P}->D{D} {backend} ({requests} requests, exit {code}):")
-    print(f"  STAGING_REQ delivery  p50 {pct(f['delivery'], .5) * ms:7.2f} ms   p99 {pct(f['delivery'], .99) * ms:7.2f} ms"
-          f"   (n={len(f['delivery'])})")
-    print(f"  REQ -> RSP at prefill p50 {pct(f['rtt'], .5) * ms:7.2f} ms   p99 {pct(f['rtt'], .99) * ms:7.2f} ms")
+    print(
+        f"  STAGING_REQ delivery  p50 {pct(f['delivery'], 0.5) * ms:7.2f} ms   p99 {pct(f['delivery'], 0.99) * ms:7.2f} ms"
+        f"   (n={len(f['delivery'])})"
+    )
+    print(
+        f"  REQ -> RSP at prefill p50 {pct(f['rtt'], 0.5) * ms:7.2f} ms   p99 {pct(f['rtt'], 0.99) * ms:7.2f} ms"
+    )
     if f["skew"]:
-        print(f"  room-open skew        p50 {pct(f['skew'], .5) * ms:7.2f} ms   max {max(f['skew']) * ms:7.2f} ms")
+        print(
+            f"  room-open skew        p50 {pct(f['skew'], 0.5) * ms:7.2f} ms   max {max(f['skew']) * ms:7.2f} ms"
+        )
     if f["delivery"]:
         print(f"  delivery mean {statistics.mean(f['delivery']) * ms:.2f} ms")
     for name, lp in loops.items():
-        print(f"  loop {name:9} {lp.get('loop_sched', '?'):7} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
-              f"{lp['turns']:6d}  p50 {lp['turn_p50_s'] * ms:6.2f} ms  p99 {lp['turn_p99_s'] * ms:6.2f} ms  "
-              f"max {lp['turn_max_s'] * ms:7.2f} ms")
+        print(
+            f"  loop {name:9} {lp.get('loop_sched', '?'):7} blocked {lp['blocked_share'] * 100:5.1f}% of {lp['loop_s']:6.2f} s   turns "
+            f"{lp['turns']:6d}  p50 {lp['turn_p50_s'] * ms:6.2f} ms  p99 {lp['turn_p99_s'] * ms:6.2f} ms  "
+            f"max {lp['turn_max_s'] * ms:7.2f} ms"
+        )
     print_stamps(stamp_figures(stamps))
 
 
@@ -170,8 +200,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--case", choices=["p2d1", "p4d2"], action="append",
-                   help="only these cases (default: both)")
+    p.add_argument(
+        "--case", choices=["p2d1", "p4d2"], action="append", help="only these cases (default: both)"
+    )
     args = p.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     cases = {"p2d1": (2, 1), "p4d2": (4, 2)}

@@ -85,7 +85,9 @@ SLICE_S_PER_REQUEST = 250e-6
 MIN_ROOM_TIMEOUT_S = 60.0
 
 
-def scenario(backend: str, path: str, requests: int, prompt: int, room_timeout_s: float | None = None):
+def scenario(
+    backend: str, path: str, requests: int, prompt: int, room_timeout_s: float | None = None
+):
     overrides = [
         "prefill.tp=2",
         "decode.tp=1",
@@ -120,8 +122,10 @@ def slice_requests(s) -> int:
 def payload_bytes(s) -> int:
     """Bytes the whole workload moves into the decode ranks' staging regions."""
     g = s.geometry()
-    return g.decode_tp * sum(g.region_bytes(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size))
-                             for r in generate_requests(s))
+    return g.decode_tp * sum(
+        g.region_bytes(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size))
+        for r in generate_requests(s)
+    )
 
 
 def room_timeout_s(s) -> float:
@@ -145,25 +149,38 @@ def run_path(backend: str, path: str, args: argparse.Namespace, tmp: Path) -> di
     timeout = room_timeout_s(s) if path == "slice" else None
     if timeout is not None:
         s = scenario(backend, path, args.requests, args.prompt, timeout)
-    limit = (timeout or MIN_ROOM_TIMEOUT_S) * 3 + 120  # the launcher outlives the ranks' own deadline
+    limit = (
+        timeout or MIN_ROOM_TIMEOUT_S
+    ) * 3 + 120  # the launcher outlives the ranks' own deadline
     (tmp / path).mkdir(parents=True, exist_ok=True)  # the ranks' logs
     result = launch_run(s, tmp / path, timeout_s=limit)
     code, summ = judge(result).code, result.summary
-    out = {"room_timeout_s": s.transfer.room_timeout_s,
-           "other_cpu_share": (summ.get("conditions") or {}).get("other_cpu_share")}
+    out = {
+        "room_timeout_s": s.transfer.room_timeout_s,
+        "other_cpu_share": (summ.get("conditions") or {}).get("other_cpu_share"),
+    }
     if code != 0 or summ["requests_failed"] or summ["bytes_wrong"]:
-        out["error"] = f"exit {code}, {summ['requests_failed']} rooms failed, {summ['bytes_wrong']} bytes wrong: " \
-                       f"{summ.get('errors')}"
+        out["error"] = (
+            f"exit {code}, {summ['requests_failed']} rooms failed, {summ['bytes_wrong']} bytes wrong: "
+            f"{summ.get('errors')}"
+        )
         return out
-    out.update(payload=summ["payload_bytes"], busy=write_busy(result.records),
-               requests=summ["transfer_requests"]["total"],
-               room_p50=(summ.get("transfer_latency_s") or {}).get("p50"))
+    out.update(
+        payload=summ["payload_bytes"],
+        busy=write_busy(result.records),
+        requests=summ["transfer_requests"]["total"],
+        room_p50=(summ.get("transfer_latency_s") or {}).get("p50"),
+    )
     return out
 
 
 def raw_seconds(backend: str, per_writer_mib: int, reps: int) -> list[float]:
-    res = run_backend(backend, argparse.Namespace(size_mib=per_writer_mib, op_kib=64, reps=reps, timeout=120.0,
-                                               device="cpu"))
+    res = run_backend(
+        backend,
+        argparse.Namespace(
+            size_mib=per_writer_mib, op_kib=64, reps=reps, timeout=120.0, device="cpu"
+        ),
+    )
     if not res["ok"]:
         raise RuntimeError(f"{backend}: the raw write moved wrong bytes")
     return res["seconds"]["large"]
@@ -179,7 +196,9 @@ def measure(backend: str, args: argparse.Namespace) -> dict:
     runs = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            runs.append({path: run_path(backend, path, args, Path(tmp)) for path in ("staging", "slice")})
+            runs.append(
+                {path: run_path(backend, path, args, Path(tmp)) for path in ("staging", "slice")}
+            )
     raw += raw_seconds(backend, per_writer_mib, max(1, args.reps - before))
     return {"raw_gbs": (per_writer_mib << 20) / statistics.median(raw) / 1e9, "runs": runs}
 
@@ -205,8 +224,10 @@ def report(console: Console, backend: str, m: dict) -> bool:
             continue
         st_gbs = st["payload"] / st["busy"] / 1e9
         share = st_gbs / raw
-        line = (f"{head} {st['payload'] / 2**20:8.0f} {st['busy']:9.3f} {st_gbs:8.2f} "
-                f"{share:7.2f} {'met' if share >= GOAL_SHARE else 'MISSED':>6}")
+        line = (
+            f"{head} {st['payload'] / 2**20:8.0f} {st['busy']:9.3f} {st_gbs:8.2f} "
+            f"{share:7.2f} {'met' if share >= GOAL_SHARE else 'MISSED':>6}"
+        )
         ok = ok and share >= GOAL_SHARE
         if "error" in sl:
             line += f"  slice run failed (room timeout {sl['room_timeout_s']:.0f} s): {sl['error']}"
@@ -214,10 +235,12 @@ def report(console: Console, backend: str, m: dict) -> bool:
         else:
             ratio = sl["busy"] / st["busy"]
             ok = ok and ratio >= GOAL_SLICE
-            line += (f" {sl['busy']:8.3f} {ratio:8.1f} {'met' if ratio >= GOAL_SLICE else 'MISSED':>6} "
-                     f"{st['requests']:6,} {sl['requests']:10,} {sl['room_timeout_s']:6.0f} "
-                     f"{_share(st['other_cpu_share']):>6} {_share(sl['other_cpu_share']):>6} "
-                     f"{_ms(st['room_p50']):>7}")
+            line += (
+                f" {sl['busy']:8.3f} {ratio:8.1f} {'met' if ratio >= GOAL_SLICE else 'MISSED':>6} "
+                f"{st['requests']:6,} {sl['requests']:10,} {sl['room_timeout_s']:6.0f} "
+                f"{_share(st['other_cpu_share']):>6} {_share(sl['other_cpu_share']):>6} "
+                f"{_ms(st['room_p50']):>7}"
+            )
         console.print(line)
     return ok
 
@@ -227,7 +250,9 @@ def main() -> int:
     ap.add_argument("--backends", default="nixl,mooncake")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=4, help="repetitions of the raw write (half before, half after)")
+    ap.add_argument(
+        "--reps", type=int, default=4, help="repetitions of the raw write (half before, half after)"
+    )
     ap.add_argument("--runs", type=int, default=1, help="staging + slice runs per backend")
     args = ap.parse_args()
     console = Console(width=200)
@@ -235,14 +260,20 @@ def main() -> int:
     load = os.getloadavg()
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         results[backend] = measure(backend, args)
-    console.print(f"goals: staging/raw >= {GOAL_SHARE}, slice/staging >= {GOAL_SLICE:g}; "
-                  f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} cores")
-    console.print(f"{'backend':9} {'run':>3} {'raw GB/s':>8} {'MiB':>8} {'staging s':>9} {'GB/s':>8} "
-                  f"{'stg/raw':>7} {'goal':>6} {'slice s':>8} {'sl/stg':>8} {'goal':>6} "
-                  f"{'req st':>6} {'req slice':>10} {'tmo s':>6} {'oth st':>6} {'oth sl':>6} {'room ms':>7}")
+    console.print(
+        f"goals: staging/raw >= {GOAL_SHARE}, slice/staging >= {GOAL_SLICE:g}; "
+        f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} cores"
+    )
+    console.print(
+        f"{'backend':9} {'run':>3} {'raw GB/s':>8} {'MiB':>8} {'staging s':>9} {'GB/s':>8} "
+        f"{'stg/raw':>7} {'goal':>6} {'slice s':>8} {'sl/stg':>8} {'goal':>6} "
+        f"{'req st':>6} {'req slice':>10} {'tmo s':>6} {'oth st':>6} {'oth sl':>6} {'room ms':>7}"
+    )
     met = [report(console, b, m) for b, m in results.items()]
-    console.print("oth st / oth sl: share of the host's CPU other processes took during the staging / slice run; "
-                  "room ms: the staging run's room latency p50 (transfer_latency_s)")
+    console.print(
+        "oth st / oth sl: share of the host's CPU other processes took during the staging / slice run; "
+        "room ms: the staging run's room latency p50 (transfer_latency_s)"
+    )
     return 0 if all(met) else 2
 
 

@@ -37,26 +37,35 @@ def simulated(requests: int) -> None:
     r = Simulation(load_scenario(BASE, overrides=sets + loss_overrides(0.01))).run()
     wall = time.perf_counter() - wall
     drops = sum(v for k, v in r.faults_injected.items() if k.startswith("drop:"))
-    print(f"simulation: {r.rooms_done:,} of {requests:,} rooms done ({r.rooms_done / requests:.3%}), "
-          f"{len(r.failures)} failed, {len(r.violations)} invariant violations, {drops:,} messages dropped, "
-          f"{wall:.1f} s wall")
+    print(
+        f"simulation: {r.rooms_done:,} of {requests:,} rooms done ({r.rooms_done / requests:.3%}), "
+        f"{len(r.failures)} failed, {len(r.violations)} invariant violations, {drops:,} messages dropped, "
+        f"{wall:.1f} s wall"
+    )
     for reason, n in Counter(r.failures.values()).most_common(3):
         print(f"  {n} x {reason[:140]}")
 
 
 def hardware(rooms: int, backend: str) -> None:
-    sets = [f"workload.requests={rooms}", "workload.rate_per_s=20", "transfer.room_timeout_s=20",
-            f"hardware.backend={backend}", "expect.failed_rooms=[]"]
+    sets = [
+        f"workload.requests={rooms}",
+        "workload.rate_per_s=20",
+        "transfer.room_timeout_s=20",
+        f"hardware.backend={backend}",
+        "expect.failed_rooms=[]",
+    ]
     s = load_scenario(BASE, overrides=sets + loss_overrides(0.01))
     with tempfile.TemporaryDirectory() as tmp:
         result = launch_run(s, Path(tmp), timeout_s=900)
     code, summary = judge(result).code, result.summary
     done, failed = summary["requests_done"], summary["requests_failed"]
     drops = sum(v for k, v in summary["faults_injected"].items() if k.startswith("drop:"))
-    print(f"hardware ({backend}): {done} of {rooms} rooms done ({done / rooms:.2%}), {failed} failed, "
-          f"{summary['bytes_wrong']:,} of {summary['bytes_verified']:,} bytes wrong, "
-          f"{summary['invariant_violations']} invariant violations, {drops} messages dropped, "
-          f"{summary['wall_s']:.1f} s wall, exit {code}")
+    print(
+        f"hardware ({backend}): {done} of {rooms} rooms done ({done / rooms:.2%}), {failed} failed, "
+        f"{summary['bytes_wrong']:,} of {summary['bytes_verified']:,} bytes wrong, "
+        f"{summary['invariant_violations']} invariant violations, {drops} messages dropped, "
+        f"{summary['wall_s']:.1f} s wall, exit {code}"
+    )
     for reason, n in list(summary.get("failure_groups", {}).items())[:3]:
         print(f"  {n} x {reason[:140]}")
 

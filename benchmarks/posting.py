@@ -32,7 +32,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("backend", choices=["nixl", "mooncake"])
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes and repetitions")
-    ap.add_argument("--json", type=Path, default=None, help="also write the raw points and the fit here")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="also write the raw points and the fit here"
+    )
     args = ap.parse_args()
     plan = PostingPlan.quick_plan() if args.quick else PostingPlan()
     t0 = time.perf_counter()
@@ -42,9 +44,11 @@ def main() -> int:
     for line in fit.toml_lines():
         print(line.removeprefix("# "))
     for name, o in (("two ranks", fit.two_ranks), ("two threads", fit.two_threads)):
-        print(f"  {name}: {raw['pair_ops']} writes each; alone posted {o.alone_post_s * 1e3:.2f} ms, done "
-              f"{o.alone_done_s * 1e3:.2f} ms; both at once: later posted {o.pair_post_s * 1e3:.2f} ms "
-              f"({o.post_ratio:.2f}x), later done {o.pair_done_s * 1e3:.2f} ms ({o.done_ratio:.2f}x)")
+        print(
+            f"  {name}: {raw['pair_ops']} writes each; alone posted {o.alone_post_s * 1e3:.2f} ms, done "
+            f"{o.alone_done_s * 1e3:.2f} ms; both at once: later posted {o.pair_post_s * 1e3:.2f} ms "
+            f"({o.post_ratio:.2f}x), later done {o.pair_done_s * 1e3:.2f} ms ({o.done_ratio:.2f}x)"
+        )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"raw": raw, "fit": fit.table()}, indent=1) + "\n")

@@ -38,7 +38,9 @@ class Repeat:
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         metafunc.fixturenames.append(REPEAT_ARG)
-        metafunc.parametrize(REPEAT_ARG, range(self.times), ids=[f"run{i}" for i in range(self.times)])
+        metafunc.parametrize(
+            REPEAT_ARG, range(self.times), ids=[f"run{i}" for i in range(self.times)]
+        )
 
     @staticmethod
     def _test(nodeid: str) -> str:
@@ -70,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = (["-k", args.k] if args.k else []) + (["-m", args.m] if args.m else [])
     load0 = os.getloadavg()
     start = time.monotonic()
-    pytest.main(["-q", "-p", "no:cacheprovider", *extra, *args.targets],
-                plugins=[plugin])
+    pytest.main(["-q", "-p", "no:cacheprovider", *extra, *args.targets], plugins=[plugin])
     wall = time.monotonic() - start
     load1 = os.getloadavg()
     print(f"\n{'test':<90} {'failed':>7} / runs")
@@ -80,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         if nodeid in plugin.first_failure:
             print(f"    first failure: {plugin.first_failure[nodeid][:200]}")
     total_failed = sum(plugin.failed.values())
-    print(f"{total_failed} failed of {sum(plugin.runs.values())} runs in {wall:.0f}s; "
-          f"load average {load0[0]:.1f} before, {load1[0]:.1f} after, {os.cpu_count()} cores")
+    print(
+        f"{total_failed} failed of {sum(plugin.runs.values())} runs in {wall:.0f}s; "
+        f"load average {load0[0]:.1f} before, {load1[0]:.1f} after, {os.cpu_count()} cores"
+    )
     return 1 if total_failed else 0
 
 

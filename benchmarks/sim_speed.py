@@ -112,15 +112,24 @@ def bare_simpy(n: int, chains: int = 256) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=None, help="requests of the main run (default 1000, --quick 200)")
-    ap.add_argument("--quick", action="store_true", help="a small run and small scaling sizes (a smoke test)")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests of the main run (default 1000, --quick 200)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a small run and small scaling sizes (a smoke test)"
+    )
     ap.add_argument("--no-scaling", action="store_true", help="skip the scaling series")
     args = ap.parse_args()
     n = args.requests or (200 if args.quick else 1000)
     sizes = [50, 100, 200] if args.quick else [250, 500, 1000, 2000]
 
-    print(f"scenario: {SCENARIO.name}, staging path, {n} requests of {PROMPT_TOKENS} tokens, "
-          f"Poisson {RATE_PER_S}/s")
+    print(
+        f"scenario: {SCENARIO.name}, staging path, {n} requests of {PROMPT_TOKENS} tokens, "
+        f"Poisson {RATE_PER_S}/s"
+    )
     bare_before = bare_simpy(BARE_PROBE)
     sim, result, wall, cpu = simulate(n)
     simpy_events = next(sim.env._eid)  # events the environment scheduled (SimPy's own counter)
@@ -139,24 +148,38 @@ def main() -> None:
     ev_rate = result.events / wall
     bare_rate = result.events / bare
 
-    print(f"  wall                     {wall:10.2f} s   (CPU {cpu:.2f} s; simulated {result.sim_time_s:,.1f} s)")
+    print(
+        f"  wall                     {wall:10.2f} s   (CPU {cpu:.2f} s; simulated {result.sim_time_s:,.1f} s)"
+    )
     print(f"  protocol events          {result.events:10,d}     {ev_rate:12,.0f} events/s")
-    print(f"  SimPy events             {simpy_events:10,d}     {simpy_events / wall:12,.0f} events/s")
+    print(
+        f"  SimPy events             {simpy_events:10,d}     {simpy_events / wall:12,.0f} events/s"
+    )
     print(f"  requests per wall second {n / wall:10,.1f}")
     print(f"  trace records            {len(result.records):10,d}")
-    print(f"  write trace.parquet      {trace_s:10.2f} s   ({trace_mb:.1f} MB, {trace_s / wall:.0%} of the simulation)")
-    print(f"  bare SimPy, {result.events:,d} timeouts {bare:6.2f} s   {bare_rate:12,.0f} events/s   (CPU {bare_cpu:.2f} s)")
-    print(f"  ratio simulated / bare   {ev_rate / bare_rate:10.3f}     (bare is {wall / bare:.1f}x faster; "
-          f"by CPU time {bare_cpu / cpu:.3f})")
+    print(
+        f"  write trace.parquet      {trace_s:10.2f} s   ({trace_mb:.1f} MB, {trace_s / wall:.0%} of the simulation)"
+    )
+    print(
+        f"  bare SimPy, {result.events:,d} timeouts {bare:6.2f} s   {bare_rate:12,.0f} events/s   (CPU {bare_cpu:.2f} s)"
+    )
+    print(
+        f"  ratio simulated / bare   {ev_rate / bare_rate:10.3f}     (bare is {wall / bare:.1f}x faster; "
+        f"by CPU time {bare_cpu / cpu:.3f})"
+    )
     del sim, result
 
     if args.no_scaling:
         return
     print("scaling (wall / request should stay roughly flat):")
-    print(f"  {'requests':>8} {'wall s':>8} {'ms/request':>11} {'CPU s':>8} {'CPU ms/req':>11} {'events':>10} {'events/s':>10}")
+    print(
+        f"  {'requests':>8} {'wall s':>8} {'ms/request':>11} {'CPU s':>8} {'CPU ms/req':>11} {'events':>10} {'events/s':>10}"
+    )
     for k in sizes:
         _, r, w, c = simulate(k)
-        print(f"  {k:8d} {w:8.2f} {w / k * 1e3:11.2f} {c:8.2f} {c / k * 1e3:11.2f} {r.events:10,d} {r.events / w:10,.0f}")
+        print(
+            f"  {k:8d} {w:8.2f} {w / k * 1e3:11.2f} {c:8.2f} {c / k * 1e3:11.2f} {r.events:10,d} {r.events / w:10,.0f}"
+        )
         del r
 
 

@@ -40,8 +40,9 @@ def _recv(conn: Any, what: str) -> tuple:
 def _source(nbytes: int) -> Any:
     import torch
 
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(SEED))
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED)
+    )
 
 
 def _permutation(n: int) -> Any:
@@ -71,7 +72,9 @@ def receiver(backend: str, nbytes: int, nops: int, device: str, conn: Any) -> No
         conn.send(("error", traceback.format_exc()))
 
 
-def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, device: str, conn: Any) -> None:
+def sender(
+    backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, device: str, conn: Any
+) -> None:
     try:
         import numpy as np
 
@@ -87,11 +90,14 @@ def sender(backend: str, nbytes: int, nops: int, reps: int, timeout_s: float, de
         perm = _permutation(nops).numpy().astype(np.int64)
         cases = {
             "large": np.array([[local.addr, remote.addr, nbytes]], dtype=np.int64),
-            "batched": np.stack([
-                local.addr + np.arange(nops, dtype=np.int64) * page,
-                remote.addr + perm * page,
-                np.full(nops, page, dtype=np.int64),
-            ], axis=1),
+            "batched": np.stack(
+                [
+                    local.addr + np.arange(nops, dtype=np.int64) * page,
+                    remote.addr + perm * page,
+                    np.full(nops, page, dtype=np.int64),
+                ],
+                axis=1,
+            ),
         }
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for rep in range(reps + 1):  # rep 0 warms up connections and page tables
@@ -114,9 +120,14 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     r_conn, r_child = ctx.Pipe()
     s_conn, s_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=receiver, args=(backend, nbytes, nops, args.device, r_child), daemon=True),
-        ctx.Process(target=sender, args=(backend, nbytes, nops, args.reps, args.timeout, args.device, s_child),
-                    daemon=True),
+        ctx.Process(
+            target=receiver, args=(backend, nbytes, nops, args.device, r_child), daemon=True
+        ),
+        ctx.Process(
+            target=sender,
+            args=(backend, nbytes, nops, args.reps, args.timeout, args.device, s_child),
+            daemon=True,
+        ),
     ]
     for proc in procs:
         proc.start()
@@ -143,16 +154,22 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--op-kib", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=60.0, help="bound of one wait()")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where both buffers live")
-    parser.add_argument("--json", default=None, help="also write {backend: {case: median GB/s, ...}} here")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N: where both buffers live"
+    )
+    parser.add_argument(
+        "--json", default=None, help="also write {backend: {case: median GB/s, ...}} here"
+    )
     args = parser.parse_args()
     if args.reps < 1 or (args.size_mib << 10) % args.op_kib:
         parser.error("--reps must be >= 1 and --op-kib must divide --size-mib")
 
     from kvstage.hw.transport import probe_engine
 
-    print(f"{'backend':9} {'case':8} {'ops':>5} {'median GB/s':>12} {'best GB/s':>10} "
-          f"{'median ms':>10}  bytes ok")
+    print(
+        f"{'backend':9} {'case':8} {'ops':>5} {'median GB/s':>12} {'best GB/s':>10} "
+        f"{'median ms':>10}  bytes ok"
+    )
     failed = False
     figures: dict[str, dict[str, Any]] = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
@@ -167,10 +184,14 @@ def main() -> int:
             nops = 1 if name == "large" else res["nops"]
             med = statistics.median(secs)
             gbps[name] = res["nbytes"] / med / 1e9
-            print(f"{backend:9} {name:8} {nops:5d} {gbps[name]:12.2f} "
-                  f"{res['nbytes'] / min(secs) / 1e9:10.2f} {med * 1e3:10.2f}  {res['ok']}")
-        print(f"{backend:9} batched/large throughput ratio {gbps['batched'] / gbps['large']:.2f} "
-              f"({res['posted']} transfer requests posted in total)")
+            print(
+                f"{backend:9} {name:8} {nops:5d} {gbps[name]:12.2f} "
+                f"{res['nbytes'] / min(secs) / 1e9:10.2f} {med * 1e3:10.2f}  {res['ok']}"
+            )
+        print(
+            f"{backend:9} batched/large throughput ratio {gbps['batched'] / gbps['large']:.2f} "
+            f"({res['posted']} transfer requests posted in total)"
+        )
         failed = failed or not res["ok"]
         figures[backend] = {**gbps, "bytes": res["nbytes"], "ok": res["ok"], "device": args.device}
     if args.json:

@@ -53,7 +53,11 @@ def _achieved(records: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, di
     out = {}
     for k in sorted(spans):
         busy = busy_seconds(spans[k])
-        out[k] = {"bytes": moved[k], "busy_s": busy, "gbs": moved[k] / busy / GB if busy > 0 else 0.0}
+        out[k] = {
+            "bytes": moved[k],
+            "busy_s": busy,
+            "gbs": moved[k] / busy / GB if busy > 0 else 0.0,
+        }
     return out
 
 
@@ -93,7 +97,9 @@ class PairFigure:
         return self.achieved_gbs / self.ceiling_gbs if self.ceiling_gbs else None
 
 
-def pair_figures(records: Iterable[Any], ceilings: Mapping[str, Mapping[str, Any]]) -> list[PairFigure]:
+def pair_figures(
+    records: Iterable[Any], ceilings: Mapping[str, Mapping[str, Any]]
+) -> list[PairFigure]:
     """Every pair that wrote, with its achieved rate and the ceiling its prefill measured
     (`ceilings`: prefill rank name -> decode rank name -> {"gbs": ...})."""
     out = []
@@ -110,28 +116,53 @@ def verdict(figures: list[PairFigure], target: float) -> tuple[bool, str]:
     missing = [f for f in figures if f.ratio is None]
     if missing:
         names = ", ".join(f"prefill{f.prefill}->decode{f.decode}" for f in missing[:4])
-        return False, (f"bandwidth: FAIL: no ceiling measured for {len(missing)} pair(s) ({names}): the probe "
-                       f"did not run or its write was under {PROBE_MIN_BYTES >> 20} MiB")
+        return False, (
+            f"bandwidth: FAIL: no ceiling measured for {len(missing)} pair(s) ({names}): the probe "
+            f"did not run or its write was under {PROBE_MIN_BYTES >> 20} MiB"
+        )
     low = min(figures, key=lambda f: f.ratio)
-    head = (f"lowest prefill{low.prefill}->decode{low.decode} {low.achieved_gbs:.2f} of "
-            f"{low.ceiling_gbs:.2f} GB/s ({low.ratio:.0%})")
+    head = (
+        f"lowest prefill{low.prefill}->decode{low.decode} {low.achieved_gbs:.2f} of "
+        f"{low.ceiling_gbs:.2f} GB/s ({low.ratio:.0%})"
+    )
     if low.ratio >= target:
-        return True, f"bandwidth: PASS: every pair reached at least {target:.0%} of its ceiling; {head}"
+        return (
+            True,
+            f"bandwidth: PASS: every pair reached at least {target:.0%} of its ceiling; {head}",
+        )
     below = sum(1 for f in figures if f.ratio < target)
-    return False, f"bandwidth: FAIL: {below} of {len(figures)} pair(s) below {target:.0%} of their ceiling; {head}"
+    return (
+        False,
+        f"bandwidth: FAIL: {below} of {len(figures)} pair(s) below {target:.0%} of their ceiling; {head}",
+    )
 
 
-def bandwidth_summary(records: list[Any], reports: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def bandwidth_summary(
+    records: list[Any], reports: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
     """summary.json's `bandwidth`: per pair achieved and ceiling GB/s, per prefill rank its
     achieved GB/s, and per host (network namespace, by its address) the bytes each NIC
     moved while its first rank ran."""
     ceilings = {name: r.get("ceiling") or {} for name, r in reports.items()}
-    pairs = [{"prefill": f"prefill{f.prefill}", "decode": f"decode{f.decode}", "bytes": f.bytes,
-              "achieved_gbs": round(f.achieved_gbs, 4),
-              "ceiling_gbs": f.ceiling_gbs, "ratio": round(f.ratio, 4) if f.ratio is not None else None}
-             for f in pair_figures(records, ceilings)]
-    ranks = {f"prefill{r}": {"bytes": a["bytes"], "busy_s": round(a["busy_s"], 6), "achieved_gbs": round(a["gbs"], 4)}
-             for r, a in achieved_by_rank(records).items()}
+    pairs = [
+        {
+            "prefill": f"prefill{f.prefill}",
+            "decode": f"decode{f.decode}",
+            "bytes": f.bytes,
+            "achieved_gbs": round(f.achieved_gbs, 4),
+            "ceiling_gbs": f.ceiling_gbs,
+            "ratio": round(f.ratio, 4) if f.ratio is not None else None,
+        }
+        for f in pair_figures(records, ceilings)
+    ]
+    ranks = {
+        f"prefill{r}": {
+            "bytes": a["bytes"],
+            "busy_s": round(a["busy_s"], 6),
+            "achieved_gbs": round(a["gbs"], 4),
+        }
+        for r, a in achieved_by_rank(records).items()
+    }
     nic: dict[str, Any] = {}
     for name, r in sorted(reports.items()):
         host = r.get("host", "?")

@@ -72,10 +72,14 @@ def parse_secret(text: str, where: str) -> bytes:
     try:
         secret = bytes.fromhex(text.strip())
     except ValueError:
-        raise RunSecretError(f"{where}: not a run secret (expected {2 * SECRET_BYTES} hex digits)") from None
+        raise RunSecretError(
+            f"{where}: not a run secret (expected {2 * SECRET_BYTES} hex digits)"
+        ) from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise RunSecretError(f"{where}: a run secret of {len(secret)} bytes is too short "
-                             f"(at least {MIN_SECRET_BYTES}; kvstage hw draws {SECRET_BYTES})")
+        raise RunSecretError(
+            f"{where}: a run secret of {len(secret)} bytes is too short "
+            f"(at least {MIN_SECRET_BYTES}; kvstage hw draws {SECRET_BYTES})"
+        )
     return secret
 
 
@@ -83,13 +87,16 @@ def run_secret(secret: bytes | None = None) -> bytes:
     """`secret` if given, else the one in $KVSTAGE_RUN_SECRET; RunSecretError if neither."""
     if secret is not None:
         if len(secret) < MIN_SECRET_BYTES:
-            raise RunSecretError(f"a run secret of {len(secret)} bytes is too short (at least {MIN_SECRET_BYTES})")
+            raise RunSecretError(
+                f"a run secret of {len(secret)} bytes is too short (at least {MIN_SECRET_BYTES})"
+            )
         return bytes(secret)
     text = os.environ.get(SECRET_ENV, "")
     if not text.strip():
         raise RunSecretError(
             f"no run secret: give --secret-file RUN_DIR/run.secret (written by `kvstage hw`) or set "
-            f"{SECRET_ENV} (hex); control and rendezvous messages are authenticated with it")
+            f"{SECRET_ENV} (hex); control and rendezvous messages are authenticated with it"
+        )
     return parse_secret(text, f"${SECRET_ENV}")
 
 
@@ -99,15 +106,21 @@ def read_secret_file(path: str | Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        raise RunSecretError(f"cannot read the run secret file {path}: {exc.strerror or exc}") from None
+        raise RunSecretError(
+            f"cannot read the run secret file {path}: {exc.strerror or exc}"
+        ) from None
     try:
         mode = os.fstat(fd).st_mode
         if mode & 0o077:
-            raise RunSecretError(f"the run secret file {path} can be read by others (mode {mode & 0o777:04o}); "
-                                 f"allowed: readable by its owner only (chmod 600 {path})")
+            raise RunSecretError(
+                f"the run secret file {path} can be read by others (mode {mode & 0o777:04o}); "
+                f"allowed: readable by its owner only (chmod 600 {path})"
+            )
         text = os.read(fd, 4096).decode(errors="replace")
     except OSError as exc:
-        raise RunSecretError(f"cannot read the run secret file {path}: {exc.strerror or exc}") from None
+        raise RunSecretError(
+            f"cannot read the run secret file {path}: {exc.strerror or exc}"
+        ) from None
     finally:
         os.close(fd)
     return parse_secret(text, str(path))
@@ -174,8 +187,14 @@ class Throttled:
 _by_hand = iter(range(1, 1 << 62))
 
 
-def signed(frames: Sequence[bytes], secret: bytes, *, sender: bytes = b"by-hand",
-           incarnation: int | None = None, seq: int | None = None) -> list[bytes]:
+def signed(
+    frames: Sequence[bytes],
+    secret: bytes,
+    *,
+    sender: bytes = b"by-hand",
+    incarnation: int | None = None,
+    seq: int | None = None,
+) -> list[bytes]:
     """`frames` as `ControlPlane.send` sends them, header and MAC included (for tools and
     tests that build frames by hand). By default each call is a fresh frame: the next
     sequence number of an incarnation that starts now."""
@@ -244,8 +263,14 @@ class ControlPlane:
     peer's floor to the new incarnation (`expect_incarnation`): every late frame of the
     old one is dropped from then on, before the new one has said anything."""
 
-    def __init__(self, host: str = "127.0.0.1", ctx: zmq.Context | None = None, *,
-                 secret: bytes | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        ctx: zmq.Context | None = None,
+        *,
+        secret: bytes | None = None,
+        name: str | None = None,
+    ) -> None:
         self._mac = FrameMac(run_secret(secret), _CONTROL)
         self._incarnation = time.time_ns()
         self._seq = 0
@@ -315,8 +340,10 @@ class ControlPlane:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
         self._seq += 1
         called = time.time() if self.stamps is not None else 0.0
-        sock.send_multipart(self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
-                            copy=False)
+        sock.send_multipart(
+            self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
+            copy=False,
+        )
         if self.stamps is not None:
             self.stamps.append(("s", peer, self._seq, type(msg).__name__, called, time.time()))
         self.sent += 1
@@ -351,13 +378,21 @@ class ControlPlane:
                 return out
             if len(frames) > MAX_CONTROL_FRAMES or frames_size(frames) > MAX_CONTROL_BYTES:
                 self.oversize += 1
-                self._warn.warn("oversize", "dropped a control message of %d frames, %d bytes (at most %d, %d)",
-                                len(frames), frames_size(frames), MAX_CONTROL_FRAMES, MAX_CONTROL_BYTES)
+                self._warn.warn(
+                    "oversize",
+                    "dropped a control message of %d frames, %d bytes (at most %d, %d)",
+                    len(frames),
+                    frames_size(frames),
+                    MAX_CONTROL_FRAMES,
+                    MAX_CONTROL_BYTES,
+                )
                 continue
             body = self._mac.verify(frames)
             if body is None:
                 self.unauthenticated += 1
-                self._warn.warn("unauthenticated", "dropped a control message whose MAC is missing or wrong")
+                self._warn.warn(
+                    "unauthenticated", "dropped a control message whose MAC is missing or wrong"
+                )
                 continue
             if not self._fresh(body):
                 continue
@@ -365,8 +400,15 @@ class ControlPlane:
                 out.append(decode(body[2:]))
                 self.received += 1
                 if self.stamps is not None:
-                    self.stamps.append(("r", bytes(body[0]).decode(errors="replace"),
-                                        int.from_bytes(body[1][8:], "big"), type(out[-1]).__name__, time.time()))
+                    self.stamps.append(
+                        (
+                            "r",
+                            bytes(body[0]).decode(errors="replace"),
+                            int.from_bytes(body[1][8:], "big"),
+                            type(out[-1]).__name__,
+                            time.time(),
+                        )
+                    )
             except ProtocolError as exc:
                 self.malformed += 1
                 log.warning("dropped a malformed control message: %s", exc)
@@ -382,8 +424,11 @@ class ControlPlane:
         last = self._last.get(sender)
         if last is not None and stamp <= last:
             self.replayed += 1
-            self._warn.warn("replayed", "dropped a control message not newer than its sender's last "
-                            "(replayed, or from an earlier incarnation of a restarted rank)")
+            self._warn.warn(
+                "replayed",
+                "dropped a control message not newer than its sender's last "
+                "(replayed, or from an earlier incarnation of a restarted rank)",
+            )
             return False
         if last is None and len(self._last) >= MAX_SENDERS:
             self._last.pop(next(iter(self._last)))
@@ -392,8 +437,12 @@ class ControlPlane:
 
     def counters(self) -> dict[str, int]:
         """Messages dropped, by why (the rank's report carries them)."""
-        return {"malformed": self.malformed, "unauthenticated": self.unauthenticated, "oversize": self.oversize,
-                "replayed": self.replayed}
+        return {
+            "malformed": self.malformed,
+            "unauthenticated": self.unauthenticated,
+            "oversize": self.oversize,
+            "replayed": self.replayed,
+        }
 
     def close(self) -> None:
         for sock in self._out.values():

@@ -22,7 +22,9 @@ class DecodeRank(RankProcess):
 
     def __init__(self, scenario, rank: int, rendezvous: str, **kw) -> None:
         super().__init__(scenario, rank, rendezvous, **kw)
-        self.ring_buf = torch.zeros(max(1, scenario.pool_bytes), dtype=torch.uint8, device=self.device)
+        self.ring_buf = torch.zeros(
+            max(1, scenario.pool_bytes), dtype=torch.uint8, device=self.device
+        )
         self.transport.register(self.ring_buf)
         # Scatters and verifications run on one worker thread, in order (a stream): the
         # loop keeps answering messages meanwhile (torch releases the GIL in its kernels).
@@ -56,15 +58,28 @@ class DecodeRank(RankProcess):
 
     def _scatter_job(self, a: Scatter) -> None:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
-        scatter(self.pool, a.dst_page_base + a.page_start, a.num_pages, region, self.scatter_layout(a.num_pages))
+        scatter(
+            self.pool,
+            a.dst_page_base + a.page_start,
+            a.num_pages,
+            region,
+            self.scatter_layout(a.num_pages),
+        )
         wait_for_stream(self.device)  # finished before the runtime frees its region
 
     def _verify(self, a: Verify) -> None:
         self._submit(self._verify_job, a)
 
     def _verify_job(self, a: Verify) -> tuple[int, int]:
-        return verify(self.pool, a.first_page, a.num_pages, a.room, a.prefix_tokens, self.global_heads,
-                      sample=self.verify_mode == "sample")
+        return verify(
+            self.pool,
+            a.first_page,
+            a.num_pages,
+            a.room,
+            a.prefix_tokens,
+            self.global_heads,
+            sample=self.verify_mode == "sample",
+        )
 
     def _progress(self) -> None:
         """Report the worker's finished jobs, in order."""

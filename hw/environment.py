@@ -31,8 +31,16 @@ ENVIRONMENT_FILE = "environment.json"
 ENV_PREFIXES = ("UCX_", "NIXL_", "MC_", "NCCL_", "CUDA_", "KVSTAGE_", "SLURM_", "MASTER_", "OMP_")
 ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HOSTNAME")
 SECRET_WORDS = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-PACKAGES = ("kvstage", "torch", "nixl", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
-            "pyzmq", "numpy", "simpy")
+PACKAGES = (
+    "kvstage",
+    "torch",
+    "nixl",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine",
+    "pyzmq",
+    "numpy",
+    "simpy",
+)
 COMMAND_TIMEOUT_S = 10.0
 
 
@@ -51,7 +59,11 @@ def _run(cmd: list[str]) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unreadable: {exc}"
-    return done.stdout.strip() if done.returncode == 0 else f"unreadable: exit {done.returncode}: {done.stderr.strip()[:300]}"
+    return (
+        done.stdout.strip()
+        if done.returncode == 0
+        else f"unreadable: exit {done.returncode}: {done.stderr.strip()[:300]}"
+    )
 
 
 def versions() -> dict[str, str]:
@@ -105,7 +117,9 @@ def net_interfaces(root: Path = Path("/sys/class/net")) -> dict[str, dict[str, A
         out[name] = {
             "state": _read(d / "operstate"),
             "mtu": _read(d / "mtu"),
-            "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None,
+            "speed_mbps": int(speed)
+            if speed and speed.lstrip("-").isdigit() and int(speed) > 0
+            else None,
             "numa_node": _read(d / "device" / "numa_node"),
             "pci": Path(os.path.realpath(d / "device")).name if (d / "device").exists() else None,
         }
@@ -121,16 +135,27 @@ def rdma_inventory(root: Path = Path("/sys/class/infiniband")) -> dict[str, dict
     for dev in devices:
         ports = {}
         for port in sorted((root / dev / "ports").glob("*")):
-            ports[port.name] = {"state": _read(port / "state"), "rate": _read(port / "rate"),
-                                "link_layer": _read(port / "link_layer")}
-        out[dev] = {"numa_node": _read(root / dev / "device" / "numa_node"),
-                    "pci": Path(os.path.realpath(root / dev / "device")).name, "ports": ports}
+            ports[port.name] = {
+                "state": _read(port / "state"),
+                "rate": _read(port / "rate"),
+                "link_layer": _read(port / "link_layer"),
+            }
+        out[dev] = {
+            "numa_node": _read(root / dev / "device" / "numa_node"),
+            "pci": Path(os.path.realpath(root / dev / "device")).name,
+            "ports": ports,
+        }
     return out
 
 
 def gpus() -> dict[str, Any]:
-    listing = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,pci.bus_id,driver_version",
-                    "--format=csv,noheader"])
+    listing = _run(
+        [
+            "nvidia-smi",
+            "--query-gpu=index,name,memory.total,pci.bus_id,driver_version",
+            "--format=csv,noheader",
+        ]
+    )
     topo = _run(["nvidia-smi", "topo", "-m"])
     return {"nvidia_smi": listing, "topology": topo}
 

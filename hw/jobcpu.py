@@ -43,8 +43,10 @@ class JobCpu:
 
     def to_wire(self) -> dict[str, dict[str, float]]:
         with self._lock:
-            return {k: {"n": int(n), "cpu_s": c, "wall_s": w, "bytes": int(b)}
-                    for k, (n, c, w, b) in sorted(self._totals.items())}
+            return {
+                k: {"n": int(n), "cpu_s": c, "wall_s": w, "bytes": int(b)}
+                for k, (n, c, w, b) in sorted(self._totals.items())
+            }
 
 
 def merge(reports: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -71,7 +71,14 @@ def _check_heads(pool: KVPool, start: int, num: int, what: str) -> None:
 
 def block_bytes(pool: KVPool, num_pages: int, num_heads: int) -> int:
     """Bytes of one writer block of `num_pages` pages and `num_heads` heads from this pool."""
-    return pool.kv_planes * pool.layers * num_pages * pool.page_size * num_heads * pool.token_bytes_per_head
+    return (
+        pool.kv_planes
+        * pool.layers
+        * num_pages
+        * pool.page_size
+        * num_heads
+        * pool.token_bytes_per_head
+    )
 
 
 def gather(
@@ -151,7 +158,9 @@ def scatter(
         dst.copy_(src.view(dtype).view(dst.shape))
 
 
-def _scatter_tiled(pool: KVPool, tokens: slice, region: torch.Tensor, layout: StagingLayout) -> bool:
+def _scatter_tiled(
+    pool: KVPool, tokens: slice, region: torch.Tensor, layout: StagingLayout
+) -> bool:
     """Scatter a region whose writer blocks, back to back from its start, carry the pool's
     heads in order (fan-in without replication, as P4 -> D2) in ONE copy that writes the
     destination pages front to back, all heads of a row together. Per-block copies write
@@ -159,9 +168,13 @@ def _scatter_tiled(pool: KVPool, tokens: slice, region: torch.Tensor, layout: St
     plain copy's time per block, 1.07x in one. False (nothing done) for other layouts."""
     blocks = sorted(layout.blocks, key=lambda b: b.offset)
     n, nh, nbytes = len(blocks), blocks[0].heads.num_heads, blocks[0].nbytes
-    if n < 2 or n * nh != pool.heads or any(
-        b.offset != i * nbytes or b.nbytes != nbytes or b.heads.dst_head_start != i * nh
-        for i, b in enumerate(blocks)
+    if (
+        n < 2
+        or n * nh != pool.heads
+        or any(
+            b.offset != i * nbytes or b.nbytes != nbytes or b.heads.dst_head_start != i * nh
+            for i, b in enumerate(blocks)
+        )
     ):
         return False
     src = region[: n * nbytes]
@@ -169,7 +182,8 @@ def _scatter_tiled(pool: KVPool, tokens: slice, region: torch.Tensor, layout: St
     dst = _pool_words(pool, dtype, size)[:, :, tokens]
     planes, layers, t, _, words = dst.shape
     dst.view(planes, layers, t, n, nh, words).copy_(
-        src.view(dtype).view(n, planes, layers, t, nh, words).permute(1, 2, 3, 0, 4, 5))
+        src.view(dtype).view(n, planes, layers, t, nh, words).permute(1, 2, 3, 0, 4, 5)
+    )
     return True
 
 
@@ -217,8 +231,14 @@ class SliceOps:
 
 def _check_desc(desc: PoolDesc, geometry: Geometry, heads: int, side: str) -> None:
     got = (desc.layers, desc.head_dim, desc.elem_bytes, desc.page_size, desc.heads, desc.kv_planes)
-    want = (geometry.layers, geometry.head_dim, geometry.dtype_bytes, geometry.page_size, heads,
-            geometry.kv_factor)
+    want = (
+        geometry.layers,
+        geometry.head_dim,
+        geometry.dtype_bytes,
+        geometry.page_size,
+        heads,
+        geometry.kv_factor,
+    )
     if got != want:
         raise ValueError(
             f"{side} pool (layers, head_dim, elem_bytes, page_size, heads, kv_planes) = {got} "
@@ -266,7 +286,9 @@ def slice_ops(
         unit_tokens, units, nbytes = ps, num_pages, ps * geometry.head_token_bytes(hs.num_heads)
     else:
         unit_tokens, units, nbytes = 1, num_pages * ps, geometry.head_token_bytes(hs.num_heads)
-    kvl = np.arange(geometry.kv_factor * geometry.layers, dtype=np.int64).reshape(-1, 1)  # kv * L + layer
+    kvl = np.arange(geometry.kv_factor * geometry.layers, dtype=np.int64).reshape(
+        -1, 1
+    )  # kv * L + layer
     tok = np.arange(units, dtype=np.int64).reshape(1, -1) * unit_tokens
 
     def addrs(desc: PoolDesc, first_page: int, head: int) -> np.ndarray:

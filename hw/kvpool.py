@@ -85,7 +85,9 @@ class PoolDesc:
 
     @property
     def nbytes(self) -> int:
-        return self.kv_planes * self.layers * self.num_tokens * self.heads * self.token_bytes_per_head
+        return (
+            self.kv_planes * self.layers * self.num_tokens * self.heads * self.token_bytes_per_head
+        )
 
     def addr(self, kv: int, layer: int, token: int, head: int) -> int:
         """Absolute address of element 0 of (K/V, layer, token, head)."""
@@ -127,7 +129,9 @@ class KVPool:
         kv_planes: int = 2,
     ) -> None:
         if kv_planes not in (1, 2):
-            raise ValueError(f"kv_planes must be 2 (K and V) or 1 (an MLA latent), got {kv_planes!r}")
+            raise ValueError(
+                f"kv_planes must be 2 (K and V) or 1 (an MLA latent), got {kv_planes!r}"
+            )
         for name, value in (
             ("layers", layers),
             ("num_pages", num_pages),
@@ -151,7 +155,9 @@ class KVPool:
         # None skips the fill for large pools that are overwritten anyway.
         elem = torch.empty((), dtype=self.dtype).element_size()
         raw = torch.empty(
-            (kv_planes, layers, self.num_tokens, heads, head_dim * elem), dtype=torch.uint8, device=device
+            (kv_planes, layers, self.num_tokens, heads, head_dim * elem),
+            dtype=torch.uint8,
+            device=device,
         )
         if fill_byte is not None:
             raw.fill_(fill_byte)
@@ -313,21 +319,34 @@ def _write_pattern(out: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> No
         # The 32/w windows of a row hash, laid out little-endian, are the hash's own 32
         # bits: a row is that word repeated, XOR the mask. So write 8-byte words, each
         # the hash twice (row-sized work), against the mask's words: one full-size op.
-        twice = _as_bits(h, torch.int32).unsqueeze(-1).expand(*h.shape, 2).contiguous().view(torch.int64)
+        twice = (
+            _as_bits(h, torch.int32)
+            .unsqueeze(-1)
+            .expand(*h.shape, 2)
+            .contiguous()
+            .view(torch.int64)
+        )
         torch.bitwise_xor(twice, mask.view(torch.int64), out=out.view(torch.int64))
         return
     shifts = torch.arange(min(per_row, head_dim), dtype=torch.int64, device=h.device) * width
     windows = _as_bits((h.unsqueeze(-1) >> shifts) & ((1 << width) - 1), out.dtype)
-    full = windows.repeat(*([1] * (windows.dim() - 1)), -(-head_dim // windows.shape[-1]))[..., :head_dim]
+    full = windows.repeat(*([1] * (windows.dim() - 1)), -(-head_dim // windows.shape[-1]))[
+        ..., :head_dim
+    ]
     torch.bitwise_xor(full, mask, out=out)
 
 
 def _words_fit(out: torch.Tensor, row_bytes: int, per_row: int) -> bool:
     """Whether `out` can be written as int64 words of repeated row hashes."""
     ratio = 8 // out.element_size()
-    return (sys.byteorder == "little" and out.shape[-1] % per_row == 0 and row_bytes % 8 == 0
-            and out.stride(-1) == 1 and out.storage_offset() % ratio == 0
-            and all(st % ratio == 0 for st in out.stride()[:-1]))
+    return (
+        sys.byteorder == "little"
+        and out.shape[-1] % per_row == 0
+        and row_bytes % 8 == 0
+        and out.stride(-1) == 1
+        and out.storage_offset() % ratio == 0
+        and all(st % ratio == 0 for st in out.stride()[:-1])
+    )
 
 
 def _check_heads(pool: KVPool, global_head_of_local: Sequence[int]) -> None:
@@ -370,8 +389,16 @@ def fill_pattern(
     bits = pool.bits
     for t0, t1 in _token_steps(pool, num_pages * pool.page_size):
         pos = _positions(pool, token_offset, t0, t1)
-        pattern_bits(pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes,
-                     out=bits[:, :, base + t0 : base + t1])  # straight into the pool
+        pattern_bits(
+            pool.layers,
+            pos,
+            global_head_of_local,
+            pool.head_dim,
+            pool.bits_dtype,
+            salt,
+            pool.kv_planes,
+            out=bits[:, :, base + t0 : base + t1],
+        )  # straight into the pool
 
 
 def expected_pattern(
@@ -385,7 +412,13 @@ def expected_pattern(
     _check_heads(pool, global_head_of_local)
     pos = _positions(pool, token_offset, 0, num_pages * pool.page_size)
     bits = pattern_bits(
-        pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, room_salt(room), pool.kv_planes
+        pool.layers,
+        pos,
+        global_head_of_local,
+        pool.head_dim,
+        pool.bits_dtype,
+        room_salt(room),
+        pool.kv_planes,
     )
     return bits.view(pool.dtype)
 
@@ -439,7 +472,13 @@ def verify(
     word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
     for actual, pos in steps:
         exp = pattern_bits(
-            pool.layers, pos, global_head_of_local, pool.head_dim, pool.bits_dtype, salt, pool.kv_planes
+            pool.layers,
+            pos,
+            global_head_of_local,
+            pool.head_dim,
+            pool.bits_dtype,
+            salt,
+            pool.kv_planes,
         )
         exp_bytes = exp.view(torch.uint8).view(*exp.shape[:-1], row_bytes)
         checked += exp_bytes.numel()

@@ -89,7 +89,9 @@ class RunProgress:
     registered: int  # ranks whose hello came in
     expected: int
     started: bool  # every rank registered, the table sent
-    rooms: dict[str, tuple[int, int]]  # rank -> (rooms ended, rooms of its workload), as it last said
+    rooms: dict[
+        str, tuple[int, int]
+    ]  # rank -> (rooms ended, rooms of its workload), as it last said
     reported: int  # ranks that finished and sent their report
     elapsed_s: float
 
@@ -103,11 +105,14 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def rank_names(prefill_tp: int, decode_tp: int) -> list[str]:
-    return [rank_name("prefill", p) for p in range(prefill_tp)] + [rank_name("decode", d) for d in range(decode_tp)]
+    return [rank_name("prefill", p) for p in range(prefill_tp)] + [
+        rank_name("decode", d) for d in range(decode_tp)
+    ]
 
 
-def _released(server: RendezvousServer, procs: dict[str, subprocess.Popen], start: float,
-              errors: list[str]) -> LaunchResult:
+def _released(
+    server: RendezvousServer, procs: dict[str, subprocess.Popen], start: float, errors: list[str]
+) -> LaunchResult:
     """Every rank reported: let them exit, and gather what they said."""
     server.release()
     for name, proc in procs.items():
@@ -164,10 +169,17 @@ def launch(
     secret_path = log_dir.parent / SECRET_FILE
     write_secret_file(secret_path, secret)
     restarts = {name: list(delays) for name, delays in (restarts or {}).items()} if spawn else {}
-    server = RendezvousServer(names, host=bind, port=port, secret=secret, advertise=advertise,
-                              silent_s=RANK_SILENT_S, rejoin_grace_s=rejoin_grace_s,
-                              grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
-                              probe_slots=probe_slots)
+    server = RendezvousServer(
+        names,
+        host=bind,
+        port=port,
+        secret=secret,
+        advertise=advertise,
+        silent_s=RANK_SILENT_S,
+        rejoin_grace_s=rejoin_grace_s,
+        grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
+        probe_slots=probe_slots,
+    )
     ranks = _Ranks(log_dir, _rank_env(host, device, secret))
     procs, logs = ranks.procs, ranks.logs
     start = time.monotonic()
@@ -175,14 +187,23 @@ def launch(
     stop = _StopOnSignal()
     try:
         if not spawn:
-            print(f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
-                  f"{server.address} --secret-file {secret_path}`", file=sys.stderr, flush=True)
+            print(
+                f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
+                f"{server.address} --secret-file {secret_path}`",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             for name in names:
-                ranks.spawn(name, _rank_command(name, scenario_path, server.address, host, backend, device,
-                                                rank_wrapper))
-        errors += _until_all_reported(server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn,
-                                      on_progress)
+                ranks.spawn(
+                    name,
+                    _rank_command(
+                        name, scenario_path, server.address, host, backend, device, rank_wrapper
+                    ),
+                )
+        errors += _until_all_reported(
+            server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn, on_progress
+        )
         return _released(server, procs, start, errors)
     except LaunchError as exc:
         server.abort(str(exc))
@@ -197,11 +218,31 @@ def launch(
             stop.restore()
 
 
-def _rank_command(name: str, scenario_path: Path, rendezvous: str, host: str, backend: str | None,
-                  device: str | None, rank_wrapper: list[str] | None) -> list[str]:
+def _rank_command(
+    name: str,
+    scenario_path: Path,
+    rendezvous: str,
+    host: str,
+    backend: str | None,
+    device: str | None,
+    rank_wrapper: list[str] | None,
+) -> list[str]:
     role = "prefill" if name.startswith("prefill") else "decode"
-    cmd = [*(rank_wrapper or []), sys.executable, "-m", "kvstage.hw.rank_main", str(scenario_path), "--role", role,
-           "--rank", name[len(role):], "--rendezvous", rendezvous, "--host", host]
+    cmd = [
+        *(rank_wrapper or []),
+        sys.executable,
+        "-m",
+        "kvstage.hw.rank_main",
+        str(scenario_path),
+        "--role",
+        role,
+        "--rank",
+        name[len(role) :],
+        "--rendezvous",
+        rendezvous,
+        "--host",
+        host,
+    ]
     cmd += ["--backend", backend] if backend else []
     cmd += ["--device", device] if device else []
     return cmd
@@ -223,19 +264,36 @@ class _Ranks:
         self.commands.setdefault(name, cmd)
         self.logs[name] = self.log_dir / (log or f"{name}.log")
         with self.logs[name].open("w") as fh:
-            self.procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
-                                                start_new_session=True, preexec_fn=_die_with_launcher())
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_launcher(),
+            )
 
     def respawn(self, name: str, register_at: float) -> None:
         """Start a killed rank again; it registers at `register_at` (epoch s)."""
         n = self.restarted[name] = self.restarted.get(name, 0) + 1
-        self.spawn(name, [*self.commands[name], "--register-at", f"{register_at:.6f}"], f"{name}-restart{n}.log")
+        self.spawn(
+            name,
+            [*self.commands[name], "--register-at", f"{register_at:.6f}"],
+            f"{name}-restart{n}.log",
+        )
 
 
-def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
-                        on_started, start: float, timeout_s: float, restarts: dict[str, list[float]] | None = None,
-                        respawn: Callable[[str, float], None] | None = None,
-                        on_progress: Callable[[RunProgress], None] | None = None) -> list[str]:
+def _until_all_reported(
+    server: RendezvousServer,
+    procs: dict[str, subprocess.Popen],
+    logs: dict[str, Path],
+    on_started,
+    start: float,
+    timeout_s: float,
+    restarts: dict[str, list[float]] | None = None,
+    respawn: Callable[[str, float], None] | None = None,
+    on_progress: Callable[[RunProgress], None] | None = None,
+) -> list[str]:
     """Serve the rendezvous until every rank reported or is gone. A rank that dies
     before the run started is a LaunchError (the run cannot start); one that dies (or
     goes silent) during the run is down and the others go on: their failure detectors
@@ -251,8 +309,16 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
     while not server.all_reported:
         server.poll(0.1)
         if on_progress is not None:
-            on_progress(RunProgress(len(server.hellos), len(server.expected), server.started, dict(server.rooms),
-                                    len(server.reports), time.monotonic() - start))
+            on_progress(
+                RunProgress(
+                    len(server.hellos),
+                    len(server.expected),
+                    server.started,
+                    dict(server.rooms),
+                    len(server.reports),
+                    time.monotonic() - start,
+                )
+            )
         if on_started is not None and server.started and not notified:
             notified = True  # every rank registered: the run is under way
             on_started(server.address, procs)
@@ -270,14 +336,28 @@ def _until_all_reported(server: RendezvousServer, procs: dict[str, subprocess.Po
                 server.mark_down(name, message)
                 respawn(name, time.time() + delay)  # it registers once its restart time came
                 spares.add(procs[name].pid)
-                print(f"launcher: {name} died ({why}); started again, it rejoins in {delay:g}s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"launcher: {name} died ({why}); started again, it rejoins in {delay:g}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 server.mark_down(name, message)
-        spares = {pid for pid in spares if any(p.pid == pid and n in server.down for n, p in procs.items())}
-        for name in server.down:  # a spawned rank gone silent may be hung, not dead: it must not write on
+        spares = {
+            pid
+            for pid in spares
+            if any(p.pid == pid and n in server.down for n, p in procs.items())
+        }
+        for (
+            name
+        ) in server.down:  # a spawned rank gone silent may be hung, not dead: it must not write on
             proc = procs.get(name)
-            if proc is not None and proc.poll() is None and proc.pid not in fenced and proc.pid not in spares:
+            if (
+                proc is not None
+                and proc.poll() is None
+                and proc.pid not in fenced
+                and proc.pid not in spares
+            ):
                 fenced.add(proc.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -313,12 +393,16 @@ class _StopOnSignal:
 
     def __init__(self) -> None:
         self.armed = threading.current_thread() is threading.main_thread()
-        self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS} if self.armed else {}
+        self.previous = (
+            {s: signal.signal(s, self._handler) for s in self.SIGNALS} if self.armed else {}
+        )
 
     def _handler(self, signum: int, _frame: Any) -> None:
         if self.armed:
             self.armed = False
-            raise LaunchError(f"the launcher received {signal.Signals(signum).name}: run stopped, ranks terminated")
+            raise LaunchError(
+                f"the launcher received {signal.Signals(signum).name}: run stopped, ranks terminated"
+            )
 
     def disarm(self) -> None:
         self.armed = False

@@ -97,5 +97,7 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         # per kind (hw/jobcpu.py): kvstage calibrate's fill/copy/write CPU
         "job_cpu": merge_job_cpu([r.get("job_cpu") or {} for r in reports]),
         # per rank, what its engine chose to move the bytes (hw/transport_used.py)
-        "transport_used": {name: r.get("transport_used") or {} for name, r in sorted(by_rank.items())},
+        "transport_used": {
+            name: r.get("transport_used") or {} for name, r in sorted(by_rank.items())
+        },
     }

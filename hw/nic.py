@@ -32,13 +32,21 @@ def read_counters(net: Path = NET, infiniband: Path = INFINIBAND) -> dict[str, d
         if tx is not None and rx is not None:
             out[d.name] = {"tx_bytes": tx, "rx_bytes": rx}
     for port in sorted(infiniband.glob("*/ports/*")):
-        tx, rx = _int(port / "counters" / "port_xmit_data"), _int(port / "counters" / "port_rcv_data")
+        tx, rx = (
+            _int(port / "counters" / "port_xmit_data"),
+            _int(port / "counters" / "port_rcv_data"),
+        )
         if tx is not None and rx is not None:
-            out[f"{port.parent.parent.name}/{port.name}"] = {"tx_bytes": tx * IB_DATA_UNIT, "rx_bytes": rx * IB_DATA_UNIT}
+            out[f"{port.parent.parent.name}/{port.name}"] = {
+                "tx_bytes": tx * IB_DATA_UNIT,
+                "rx_bytes": rx * IB_DATA_UNIT,
+            }
     return out
 
 
-def counter_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def counter_delta(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
     """Bytes each device moved between two readings (devices in both, with traffic)."""
     out = {}
     for dev in sorted(set(before) & set(after)):

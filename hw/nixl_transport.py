@@ -44,7 +44,9 @@ def progress_delay_us() -> int:
     if not text:
         return PROGRESS_DELAY_US
     if not text.isdigit():
-        raise ValueError(f"{PROGRESS_DELAY_ENV} must be a whole number of microseconds, got {text!r}")
+        raise ValueError(
+            f"{PROGRESS_DELAY_ENV} must be a whole number of microseconds, got {text!r}"
+        )
     return int(text)
 
 
@@ -118,7 +120,9 @@ class NixlTransport(Transport):
     def _register_native(self, addr: int, nbytes: int) -> None:
         descs = self._agent.register_memory([(addr, nbytes, self.device_id, "")], self._mem_type)
         if descs is None:
-            raise TransferError(f"nixl: register_memory returned nothing for {nbytes} B at {addr:#x}")
+            raise TransferError(
+                f"nixl: register_memory returned nothing for {nbytes} B at {addr:#x}"
+            )
         self._reg_descs.append(descs)
 
     def _native_metadata(self) -> bytes:

@@ -95,8 +95,9 @@ def advertised(bind: str) -> str:
         return LOOPBACK
 
 
-def launch_addresses(host: str | None, bind: str | None, advertise: str | None,
-                     env: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+def launch_addresses(
+    host: str | None, bind: str | None, advertise: str | None, env: Mapping[str, str] | None = None
+) -> tuple[str, str, str]:
     """(bind, advertise, host) of a launcher: the rendezvous binds `bind` (default `host`,
     $KVSTAGE_HOST, else loopback; 0.0.0.0: every address) and ranks connect to `advertise`
     (default `bind`, or this host name's address for a wildcard); spawned ranks bind and
@@ -117,8 +118,12 @@ def quiet_engines(env: MutableMapping[str, str]) -> None:
         env.setdefault(key, value)
 
 
-def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | None = None,
-               rdma: list[str] | None = None) -> dict[str, str]:
+def engine_env(
+    host: str,
+    device: str | None = None,
+    env: Mapping[str, str] | None = None,
+    rdma: list[str] | None = None,
+) -> dict[str, str]:
     """Variables that keep the transfer engines on `host` (only those not already set).
 
     UCX_NET_DEVICES names the IP interface of `host` only on a host without RDMA
@@ -140,7 +145,11 @@ def engine_env(host: str, device: str | None = None, env: Mapping[str, str] | No
 def transport_options(hardware: Any, backend: str, host: str) -> dict[str, Any]:
     """The adapter's options for `backend` from the scenario's [hardware] table."""
     if backend == "mooncake":
-        return {"protocol": hardware.mooncake_protocol, "device_name": hardware.mooncake_device, "host": host}
+        return {
+            "protocol": hardware.mooncake_protocol,
+            "device_name": hardware.mooncake_device,
+            "host": host,
+        }
     return {}
 
 
@@ -156,8 +165,10 @@ class Identity:
 def role_of(global_rank: int, prefill_tp: int, decode_tp: int) -> tuple[str, int]:
     """Global rank -> (role, rank): 0..P-1 prefill, P..P+D-1 decode."""
     if not 0 <= global_rank < prefill_tp + decode_tp:
-        raise PlacementError(f"global rank {global_rank} outside 0..{prefill_tp + decode_tp - 1} "
-                             f"(prefill TP{prefill_tp} + decode TP{decode_tp})")
+        raise PlacementError(
+            f"global rank {global_rank} outside 0..{prefill_tp + decode_tp - 1} "
+            f"(prefill TP{prefill_tp} + decode TP{decode_tp})"
+        )
     if global_rank < prefill_tp:
         return "prefill", global_rank
     return "decode", global_rank - prefill_tp
@@ -174,27 +185,41 @@ def _int(env: Mapping[str, str], key: str) -> int:
     return value
 
 
-def identity(role: str | None, rank: int | None, prefill_tp: int, decode_tp: int,
-             env: Mapping[str, str] | None = None) -> Identity:
+def identity(
+    role: str | None,
+    rank: int | None,
+    prefill_tp: int,
+    decode_tp: int,
+    env: Mapping[str, str] | None = None,
+) -> Identity:
     """This rank's identity: from --role/--rank when given, else from SLURM or torchrun."""
     env = os.environ if env is None else env
-    local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (
-        _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None)
+    local = (
+        _int(env, "LOCAL_RANK")
+        if "LOCAL_RANK" in env
+        else (_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None)
+    )
     if role is not None or rank is not None:
         if role is None or rank is None:
-            raise PlacementError("give both --role and --rank, or neither (then SLURM or torchrun say)")
+            raise PlacementError(
+                "give both --role and --rank, or neither (then SLURM or torchrun say)"
+            )
         return Identity(role, rank, None, local, "flags")
     if "RANK" in env and "WORLD_SIZE" in env:
         source, rank_key, world_key = "torchrun", "RANK", "WORLD_SIZE"
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         source, rank_key, world_key = "slurm", "SLURM_PROCID", "SLURM_NTASKS"
     else:
-        raise PlacementError("no --role/--rank and neither torchrun (RANK, WORLD_SIZE) nor SLURM "
-                             "(SLURM_PROCID, SLURM_NTASKS) says who this rank is")
+        raise PlacementError(
+            "no --role/--rank and neither torchrun (RANK, WORLD_SIZE) nor SLURM "
+            "(SLURM_PROCID, SLURM_NTASKS) says who this rank is"
+        )
     world = _int(env, world_key)
     if world != prefill_tp + decode_tp:
-        raise PlacementError(f"${world_key} = {world} but the scenario has prefill TP{prefill_tp} + decode "
-                             f"TP{decode_tp} = {prefill_tp + decode_tp} ranks: start exactly that many")
+        raise PlacementError(
+            f"${world_key} = {world} but the scenario has prefill TP{prefill_tp} + decode "
+            f"TP{decode_tp} = {prefill_tp + decode_tp} ranks: start exactly that many"
+        )
     global_rank = _int(env, rank_key)
     role, rank = role_of(global_rank, prefill_tp, decode_tp)
     return Identity(role, rank, global_rank, local, source)
@@ -207,7 +232,9 @@ def rendezvous_address(flag: str | None, env: Mapping[str, str] | None = None) -
         return flag
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT')}"
-    raise PlacementError("no rendezvous: give --rendezvous HOST:PORT or set MASTER_ADDR and MASTER_PORT")
+    raise PlacementError(
+        "no rendezvous: give --rendezvous HOST:PORT or set MASTER_ADDR and MASTER_PORT"
+    )
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> int | None:
@@ -242,7 +269,11 @@ def rank_device(device: str, local_rank: int | None, env: Mapping[str, str] | No
     if visible == 1:
         return "cuda:0"
     if visible == 0:
-        raise PlacementError(f"device cuda, but CUDA_VISIBLE_DEVICES = "
-                             f"{(os.environ if env is None else env)['CUDA_VISIBLE_DEVICES']!r} hides every GPU")
-    raise PlacementError(f"local rank {local_rank} but CUDA_VISIBLE_DEVICES lists {visible} GPUs: bind one GPU "
-                         f"per task, or let each task see all of its node's GPUs")
+        raise PlacementError(
+            f"device cuda, but CUDA_VISIBLE_DEVICES = "
+            f"{(os.environ if env is None else env)['CUDA_VISIBLE_DEVICES']!r} hides every GPU"
+        )
+    raise PlacementError(
+        f"local rank {local_rank} but CUDA_VISIBLE_DEVICES lists {visible} GPUs: bind one GPU "
+        f"per task, or let each task see all of its node's GPUs"
+    )

@@ -45,7 +45,9 @@ def _lower_priority() -> None:
     """Thread initializer: run this (worker) thread at a lower CPU priority (Linux: per thread)."""
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + FORWARD_NICE))
+        os.setpriority(
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + FORWARD_NICE)
+        )
     except (AttributeError, OSError):
         pass  # not Linux, or not allowed: the forward keeps the normal priority
 
@@ -110,22 +112,37 @@ class PrefillRank(RankProcess):
         g = self.g
         # room for SEND_BUFFER_CHUNKS full chunks per decode rank written (every decode instance)
         targets = self.sessions.all_targets(rank)
-        full = max((g.block_bytes(g.grid_pages * g.page_size, g.head_slice(self.local, d % g.decode_tp).num_heads)
-                    for d in targets), default=0)
+        full = max(
+            (
+                g.block_bytes(
+                    g.grid_pages * g.page_size, g.head_slice(self.local, d % g.decode_tp).num_heads
+                )
+                for d in targets
+            ),
+            default=0,
+        )
         # (a rank that writes to nobody, as with MLA's one reader per decode rank, keeps a byte)
-        self.send_buf = torch.zeros(max(1, full * SEND_BUFFER_CHUNKS * len(targets)), dtype=torch.uint8,
-                                    device=self.device)
+        self.send_buf = torch.zeros(
+            max(1, full * SEND_BUFFER_CHUNKS * len(targets)), dtype=torch.uint8, device=self.device
+        )
         self.transport.register(self.send_buf)
         self.arena = ByteArena(self.send_buf.numel())
         self.pending: list[_Pending] = []
         self.waiting_gathers: deque[Gather] = deque()
-        self.slots: dict[tuple[int, int, int], tuple[int, int]] = {}  # (room, chunk, d) -> (start, n)
+        self.slots: dict[
+            tuple[int, int, int], tuple[int, int]
+        ] = {}  # (room, chunk, d) -> (start, n)
         self.forwards: deque[Forward] = deque()
         self.computing: _Computing | None = None
-        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-forward",
-                                                 initializer=None if self.on_cuda else _lower_priority)
+        self.compute_thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"{self.name}-forward",
+            initializer=None if self.on_cuda else _lower_priority,
+        )
         # gathers run on their own worker thread, in order: the loop keeps answering
-        self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-gather")
+        self.copy_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{self.name}-gather"
+        )
         self.gathers: deque[tuple[Future, Gather]] = deque()
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
@@ -146,7 +163,11 @@ class PrefillRank(RankProcess):
             source = torch.ones(n, dtype=torch.uint8, device=self.device)
             self.transport.register(source)
         offset = self.clock.offset_s if self.clock else 0.0  # launcher time = wall() + offset
-        counters = (self.transport.requests_posted, self.transport.writes_posted, self.transport.bytes_posted)
+        counters = (
+            self.transport.requests_posted,
+            self.transport.writes_posted,
+            self.transport.bytes_posted,
+        )
         for k, (p, d) in enumerate(probe_pairs(self.sessions)):
             if p != self.rank:
                 continue
@@ -158,16 +179,24 @@ class PrefillRank(RankProcess):
                 out[info.name] = {"skipped": f"a staging ring under {PROBE_MIN_BYTES >> 20} MiB"}
                 continue
             local, remote = int(source.data_ptr()), int(info.extra["ring_addr"])
-            self.transport.wait(self.transport.write(info.agent, [(local, remote, 4096)]), 30.0, "probe warm-up")
+            self.transport.wait(
+                self.transport.write(info.agent, [(local, remote, 4096)]), 30.0, "probe warm-up"
+            )
             took = []
             for _ in range(PROBE_WRITES):
                 t = time.perf_counter()
-                self.transport.wait(self.transport.write(info.agent, [(local, remote, n)]), 30.0, "probe write")
+                self.transport.wait(
+                    self.transport.write(info.agent, [(local, remote, n)]), 30.0, "probe write"
+                )
                 took.append(time.perf_counter() - t)
             best = min(took)
-            out[info.name] = {"bytes": n, "best_s": round(best, 6), "gbs": round(n / best / GB, 4),
-                              "writes_s": [round(x, 6) for x in took],
-                              "overran_slot": self.wall() > start + probe["slot_s"]}
+            out[info.name] = {
+                "bytes": n,
+                "best_s": round(best, 6),
+                "gbs": round(n / best / GB, 4),
+                "writes_s": [round(x, 6) for x in took],
+                "overran_slot": self.wall() > start + probe["slot_s"],
+            }
         # the probe's writes are not the run's: the counters the summary reports stay the run's
         t = self.transport
         t.requests_posted, t.writes_posted, t.bytes_posted = counters
@@ -181,9 +210,13 @@ class PrefillRank(RankProcess):
     def _still_held(self) -> list[str]:
         held = []
         if self.slots:
-            held.append(f"send-buffer blocks of (room, chunk, decode rank) {sorted(self.slots)[:5]}")
+            held.append(
+                f"send-buffer blocks of (room, chunk, decode rank) {sorted(self.slots)[:5]}"
+            )
         if self.arena.free_bytes != self.arena.size:
-            held.append(f"send buffer {self.arena.size - self.arena.free_bytes} of {self.arena.size} bytes")
+            held.append(
+                f"send buffer {self.arena.size - self.arena.free_bytes} of {self.arena.size} bytes"
+            )
         return held
 
     def _wait_s(self) -> float:
@@ -226,10 +259,17 @@ class PrefillRank(RankProcess):
             if not f.num_pages:
                 self._feed(ForwardDone(f.room, f.chunk, start))
                 continue
-            fill = self.job_cpu.wrap("fill", fill_pattern, f.tokens * self.g.block_bytes(1, self.g.prefill_heads))
+            fill = self.job_cpu.wrap(
+                "fill", fill_pattern, f.tokens * self.g.block_bytes(1, self.g.prefill_heads)
+            )
             job = self.compute_thread.submit(
-                fill, self.pool, f.first_page + f.page_start, f.num_pages, f.room,
-                f.page_start * self.g.page_size, self.global_heads,
+                fill,
+                self.pool,
+                f.first_page + f.page_start,
+                f.num_pages,
+                f.room,
+                f.page_start * self.g.page_size,
+                self.global_heads,
             )
             job.add_done_callback(self._wake)
             delay = self.s.forward_time_s(f.tokens) if self.s.hardware.forward_delay else 0.0
@@ -243,7 +283,9 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
-        job = self.copy_thread.submit(self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot)
+        job = self.copy_thread.submit(
+            self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot
+        )
         job.add_done_callback(self._wake)
         self.gathers.append((job, a))
 
@@ -268,12 +310,22 @@ class PrefillRank(RankProcess):
         slot = self.slots.pop((a.room, a.chunk, a.decode_rank))
         local = int(self.send_buf.data_ptr()) + slot[0]
         remote = int(peer.extra["ring_addr"]) + a.dst_offset
-        self._post(peer.agent, [(local, remote, a.nbytes)], WriteDone(a.room, a.chunk, a.decode_rank), slot)
+        self._post(
+            peer.agent, [(local, remote, a.nbytes)], WriteDone(a.room, a.chunk, a.decode_rank), slot
+        )
 
     def _slice_write(self, a: SliceWrite) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
-        ops = slice_ops(self.g, self.local, a.decode_rank % self.g.decode_tp, self.pool.desc, self.runtime.page_base(a.room) + a.src_page,
-                        PoolDesc.from_wire(peer.extra["kv_pool"]), a.dst_page_base + a.page_start, a.num_pages)
+        ops = slice_ops(
+            self.g,
+            self.local,
+            a.decode_rank % self.g.decode_tp,
+            self.pool.desc,
+            self.runtime.page_base(a.room) + a.src_page,
+            PoolDesc.from_wire(peer.extra["kv_pool"]),
+            a.dst_page_base + a.page_start,
+            a.num_pages,
+        )
         self._post(peer.agent, ops.tuples(), WriteDone(a.room, a.chunk, a.decode_rank), None)
 
     def _post(self, agent: str, ops, done: WriteDone, slot: tuple[int, int] | None) -> None:
@@ -305,7 +357,11 @@ class PrefillRank(RankProcess):
         for p, error in finished:
             if p.slot:
                 self.arena.free(*p.slot)
-            done = p.done if error is None else WriteDone(p.done.room, p.done.chunk, p.done.decode_rank, False, error)
+            done = (
+                p.done
+                if error is None
+                else WriteDone(p.done.room, p.done.chunk, p.done.decode_rank, False, error)
+            )
             self._feed(done)
         if finished:
             self._retry_gathers()

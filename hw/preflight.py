@@ -33,13 +33,17 @@ def port_problem(bind: str, port: int) -> str | None:
     if port == 0:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds: TIME_WAIT is no conflict
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as ZMQ binds: TIME_WAIT is no conflict
         try:
             s.bind((bind, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return (f"--port {port}: the port is in use on {bind} (another kvstage run, or another "
-                        f"program); allowed: a free port, or 0 to let the system pick one")
+                return (
+                    f"--port {port}: the port is in use on {bind} (another kvstage run, or another "
+                    f"program); allowed: a free port, or 0 to let the system pick one"
+                )
             return f"--port {port}: cannot listen on {bind}:{port}: {exc.strerror or exc}"
     return None
 
@@ -66,8 +70,15 @@ def rank_bytes(scenario: Any, role: str, rank: int) -> int:
     total += probe_bytes(scenario.pool_bytes)
     targets = sessions.all_targets(rank)
     local = sessions.local(role, rank)
-    full = max((g.block_bytes(g.grid_pages * g.page_size, g.head_slice(local, d % g.decode_tp).num_heads)
-                for d in targets), default=0)
+    full = max(
+        (
+            g.block_bytes(
+                g.grid_pages * g.page_size, g.head_slice(local, d % g.decode_tp).num_heads
+            )
+            for d in targets
+        ),
+        default=0,
+    )
     return total + max(1, full * SEND_BUFFER_CHUNKS * len(targets))
 
 
@@ -81,26 +92,33 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def memory_problem(scenario: Any, ranks: list[tuple[str, int]], available: int | None = None) -> str | None:
+def memory_problem(
+    scenario: Any, ranks: list[tuple[str, int]], available: int | None = None
+) -> str | None:
     """The ranks spawned on this host would not fit its free memory (host memory; on
     cuda the pools live on the GPUs, checked by each rank, and only the base counts here)."""
     available = available_host_bytes() if available is None else available
     if available is None or not ranks:
         return None
     on_gpu = scenario.hardware.device.startswith("cuda")
-    need = sum(RANK_BASE_BYTES if on_gpu else rank_bytes(scenario, role, rank) for role, rank in ranks)
+    need = sum(
+        RANK_BASE_BYTES if on_gpu else rank_bytes(scenario, role, rank) for role, rank in ranks
+    )
     usable = max(0, available - HOST_RESERVE_BYTES)
     if need <= usable:
         return None
-    return (f"{len(ranks)} ranks need {need / MIB:,.0f} MiB of host memory (KV pools, staging rings, send "
-            f"buffers, {RANK_BASE_BYTES // MIB} MiB each for the process) but this host has "
-            f"{usable / MIB:,.0f} MiB to spare ({available / MIB:,.0f} MiB available less "
-            f"{HOST_RESERVE_BYTES // MIB} MiB kept back); allowed: a smaller hardware.kv_pool_mb or "
-            f"decode.staging_pool_mb, fewer requests or ranks (hardware.scale_down), or a bigger host")
+    return (
+        f"{len(ranks)} ranks need {need / MIB:,.0f} MiB of host memory (KV pools, staging rings, send "
+        f"buffers, {RANK_BASE_BYTES // MIB} MiB each for the process) but this host has "
+        f"{usable / MIB:,.0f} MiB to spare ({available / MIB:,.0f} MiB available less "
+        f"{HOST_RESERVE_BYTES // MIB} MiB kept back); allowed: a smaller hardware.kv_pool_mb or "
+        f"decode.staging_pool_mb, fewer requests or ranks (hardware.scale_down), or a bigger host"
+    )
 
 
-def launch_problem(scenario: Any, *, spawn: bool, bind: str, port: int,
-                   device_problem: Callable[[str], str | None]) -> str | None:
+def launch_problem(
+    scenario: Any, *, spawn: bool, bind: str, port: int, device_problem: Callable[[str], str | None]
+) -> str | None:
     """The first reason `kvstage hw` must not start, or None."""
     g, c = scenario.geometry(), scenario.cluster
     ranks = [("prefill", r) for r in range(c.prefill_instances * g.prefill_tp)]

@@ -219,8 +219,10 @@ class WritePriority(ThreadPriority):
         if self._mode != "slots":
             return self._lanes
         n = self.slots.count if self.slots else 0
-        return (f"{self.spec} per batch, {n} host slot{'s' if n != 1 else ''} "
-                f"({self.batches_raised} raised, {self.batches_normal} normal)")
+        return (
+            f"{self.spec} per batch, {n} host slot{'s' if n != 1 else ''} "
+            f"({self.batches_raised} raised, {self.batches_normal} normal)"
+        )
 
     @property
     def engine_sched(self) -> str:
@@ -233,7 +235,9 @@ class WritePriority(ThreadPriority):
             return "normal (no batch raised)"
         return f"{self.spec} per batch, with the lanes ({len(self.engine)} threads, {self.batches_raised} batches)"
 
-    def apply(self, engine_ok: bool = True, lanes_ok: bool = True, engine_alone: bool = True) -> None:
+    def apply(
+        self, engine_ok: bool = True, lanes_ok: bool = True, engine_alone: bool = True
+    ) -> None:
         """The loop starts: raise the engine's threads (unless `engine_ok` is False, or
         `engine_alone` is and the lanes stay normal) and, after KVSTAGE_WRITE_RT_LANES (and
         `lanes_ok`), every lane that starts from now on ("1") or each batch a lane copies
@@ -255,8 +259,11 @@ class WritePriority(ThreadPriority):
             self._engine_sched = "normal (left out)"
         elif self.engine:
             moved = self.raise_threads(self.engine)
-            self._engine_sched = (f"{self.spec} ({moved} of {len(self.engine)} threads)" if moved
-                                  else f"normal ({self.spec} refused)")
+            self._engine_sched = (
+                f"{self.spec} ({moved} of {len(self.engine)} threads)"
+                if moved
+                else f"normal ({self.spec} refused)"
+            )
 
     def _prepare_slots(self) -> str:
         if self.spec in _OFF:

@@ -105,7 +105,9 @@ class LoopClock:
     def __init__(self) -> None:
         self.started = self._turn_start = time.perf_counter()
         self.sched = "normal"  # the loop thread's scheduling class (LoopPriority)
-        self.lane_sched = self.engine_sched = "normal"  # the write lanes' and engine's (WritePriority)
+        self.lane_sched = self.engine_sched = (
+            "normal"  # the write lanes' and engine's (WritePriority)
+        )
         self.waited_s = 0.0
         self.turns: list[float] = []  # each turn's length, s
 
@@ -121,11 +123,18 @@ class LoopClock:
     def figures(self) -> dict[str, float]:
         total = time.perf_counter() - self.started
         turns = sorted(self.turns) or [0.0]
-        return {"loop_sched": self.sched, "lane_sched": self.lane_sched, "engine_sched": self.engine_sched,
-                "loop_s": total, "waited_s": self.waited_s,
-                "blocked_share": 1 - self.waited_s / total if total else 0.0,
-                "turns": len(self.turns), "turn_p50_s": turns[len(turns) // 2],
-                "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))], "turn_max_s": turns[-1]}
+        return {
+            "loop_sched": self.sched,
+            "lane_sched": self.lane_sched,
+            "engine_sched": self.engine_sched,
+            "loop_s": total,
+            "waited_s": self.waited_s,
+            "blocked_share": 1 - self.waited_s / total if total else 0.0,
+            "turns": len(self.turns),
+            "turn_p50_s": turns[len(turns) // 2],
+            "turn_p99_s": turns[min(len(turns) - 1, int(0.99 * len(turns)))],
+            "turn_max_s": turns[-1],
+        }
 
     def dump(self, name: str, stamps: list | None = None) -> None:
         """Write the figures to $KVSTAGE_LOOP_STATS/<name>.json (and `stamps`, the control
@@ -175,15 +184,30 @@ class RankProcess:
         # the rooms routed to this rank's instance: its workload, and what its KV pool holds
         self.mine = mine = [r for r in requests if self.sessions.serves(self.role, rank, r.room)]
         self.pages = pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
-        self.runtime = RankRuntime(scenario, self.role, rank, requests=mine, kv_pages=pages,
-                                   verify=self.verify_mode != "off", sessions=self.sessions)
+        self.runtime = RankRuntime(
+            scenario,
+            self.role,
+            rank,
+            requests=mine,
+            kv_pages=pages,
+            verify=self.verify_mode != "off",
+            sessions=self.sessions,
+        )
         self.records: list[TraceRecord] = []
         self.rendezvous_address = rendezvous
         self.host = host
         self.global_heads = list(owned_heads(tp, self.local, g.total_kv_heads))
         heads = g.prefill_heads if self.role == "prefill" else g.decode_heads
-        self.pool = KVPool(g.layers, pages, g.page_size, heads, g.head_dim, scenario.model.dtype, kv_planes=g.kv_factor,
-                           device=self.device)
+        self.pool = KVPool(
+            g.layers,
+            pages,
+            g.page_size,
+            heads,
+            g.head_dim,
+            scenario.model.dtype,
+            kv_planes=g.kv_factor,
+            device=self.device,
+        )
         # clock_skew_s: an artificial error of this rank's clock (tests: the offset measured
         # at the rendezvous must undo it); clock_offset_s: that measured offset
         self.clock_skew_s = clock_skew_s
@@ -192,11 +216,17 @@ class RankProcess:
         self.ceiling: dict[str, Any] = {}  # the bandwidth probe's figures (prefill ranks)
         self.nic_before: dict[str, dict[str, int]] | None = None
         before = set(thread_ids())
-        self.transport = make_transport(self.backend, f"kvstage-{self.name}-{os.getpid()}", self.device,
-                                        **transport_options(scenario.hardware, self.backend, host))
+        self.transport = make_transport(
+            self.backend,
+            f"kvstage-{self.name}-{os.getpid()}",
+            self.device,
+            **transport_options(scenario.hardware, self.backend, host),
+        )
         self.transport.register(self.pool.tensor)
         self.write_priority = WritePriority()  # the write path's class, while the loop runs
-        self.write_priority.engine = [t for t in thread_ids() if t not in before]  # the engine started them
+        self.write_priority.engine = [
+            t for t in thread_ids() if t not in before
+        ]  # the engine started them
         self.transport.on_lane_start = self.write_priority.lane_started
         self.job_cpu = JobCpu()  # what the heavy jobs cost in CPU (summary.json job_cpu)
         self.transport.job_cpu = self.job_cpu
@@ -249,7 +279,9 @@ class RankProcess:
         return []
 
     # --- life cycle -----------------------------------------------------------------------
-    def run(self, rendezvous_timeout_s: float = 60.0, register_at: float | None = None) -> dict[str, Any]:
+    def run(
+        self, rendezvous_timeout_s: float = 60.0, register_at: float | None = None
+    ) -> dict[str, Any]:
         """Register, run, report. `register_at` (epoch s): not before then (a rank the
         launcher started again after its fault killed it waits for its restart time)."""
         client = self.client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
@@ -262,13 +294,22 @@ class RankProcess:
         known, _ = client.query(rendezvous_timeout_s)
         if self.name in known and known[self.name].incarnation >= self.control.incarnation:
             self.control.renew_incarnation(known[self.name].incarnation + 1)
-        me = RankInfo(self.role, self.rank, self.control.address, self.transport.agent_name,
-                      self.transport.metadata(), self._rank_extra(), self.control.incarnation)
+        me = RankInfo(
+            self.role,
+            self.rank,
+            self.control.address,
+            self.transport.agent_name,
+            self.transport.metadata(),
+            self._rank_extra(),
+            self.control.incarnation,
+        )
         table, t0 = client.hello(me, rendezvous_timeout_s)
         self.t0 = t0
         # trace times are on the launcher's clock: measure this clock's offset to it, now
         # that every rank is registered and quiet (before t0, half a second away)
-        self.clock = client.clock_offset(samples=16, clock=self.wall, timeout_s=rendezvous_timeout_s)
+        self.clock = client.clock_offset(
+            samples=16, clock=self.wall, timeout_s=rendezvous_timeout_s
+        )
         # Correct only an offset the measurement can tell from zero: ranks sharing one
         # clock (one host) keep it exactly, instead of each taking its own estimation
         # error (up to half a round trip), which would reorder their trace by as much.
@@ -286,7 +327,9 @@ class RankProcess:
             self._loop(t0)
             held = self._still_held()
             if held:
-                raise RankError(f"{self.name}: finished with resources still taken: {'; '.join(held)}")
+                raise RankError(
+                    f"{self.name}: finished with resources still taken: {'; '.join(held)}"
+                )
         except Exception as exc:  # report, don't hang the run
             error = f"{self.name}: {type(exc).__name__}: {exc}"
             log.error("%s\n%s", error, traceback.format_exc())
@@ -294,8 +337,11 @@ class RankProcess:
         self.write_priority.restore()
         client.alive(quiet_s=REPORT_QUIET_S)  # building and sending a long trace takes a while
         report = self._report(error)
-        client.report(report, timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
-                      serve=None if error else self._serve_late)
+        client.report(
+            report,
+            timeout_s=max(60.0, self.runtime.config.room_timeout_s * 2),
+            serve=None if error else self._serve_late,
+        )
         client.close()
         self.close()
         return report
@@ -304,12 +350,28 @@ class RankProcess:
         """This process rejoined a run under way, replacing the rank's lost incarnation:
         it serves the rooms from the rendezvous' first_room on (None: none)."""
         first = rejoin.get("first_room")
-        first_room = int(first) if first is not None else max((r.room for r in self.mine), default=-1) + 1
-        self.runtime = RankRuntime(self.s, self.role, self.rank, requests=self.mine, kv_pages=self.pages,
-                                   verify=self.verify_mode != "off", sessions=self.sessions, first_room=first_room,
-                                   started_at=self.now(), incarnation=self.control.incarnation)
-        log.warning("%s: rejoined the run as incarnation %d, serving rooms from %d (%d of its rooms)", self.name,
-                    self.control.incarnation, first_room, len(self.runtime.requests))
+        first_room = (
+            int(first) if first is not None else max((r.room for r in self.mine), default=-1) + 1
+        )
+        self.runtime = RankRuntime(
+            self.s,
+            self.role,
+            self.rank,
+            requests=self.mine,
+            kv_pages=self.pages,
+            verify=self.verify_mode != "off",
+            sessions=self.sessions,
+            first_room=first_room,
+            started_at=self.now(),
+            incarnation=self.control.incarnation,
+        )
+        log.warning(
+            "%s: rejoined the run as incarnation %d, serving rooms from %d (%d of its rooms)",
+            self.name,
+            self.control.incarnation,
+            first_room,
+            len(self.runtime.requests),
+        )
 
     def close(self) -> None:
         try:
@@ -369,8 +431,14 @@ class RankProcess:
         self.control.connect(info.name, info.control)
         self.control.expect_incarnation(info.name, info.incarnation)
         first = self.runtime.next_room
-        log.warning("%s: %s rejoined as incarnation %d (was %s): it serves rooms from %d here", self.name, info.name,
-                    info.incarnation, old.incarnation if old else "?", first)
+        log.warning(
+            "%s: %s rejoined as incarnation %d (was %s): it serves rooms from %d here",
+            self.name,
+            info.name,
+            info.incarnation,
+            old.incarnation if old else "?",
+            first,
+        )
         self.watch.rejoined(peer, self.now())
         self._feed(PeerRejoined(info.role, info.rank, info.incarnation, first))
         return first
@@ -392,9 +460,15 @@ class RankProcess:
         for role, rank in self.watch.newly_lost(self.now()):
             log.warning("%s: %s%d silent for %.1fs: lost", self.name, role, rank, PEER_TIMEOUT_S)
             info = self.peers.get(rank_name(role, rank))
-            self._feed(PeerLost(role, rank, f"{role} rank {rank} stopped answering "
-                                            f"(no heartbeat for {PEER_TIMEOUT_S:.0f}s)",
-                                info.incarnation if info is not None else -1))
+            self._feed(
+                PeerLost(
+                    role,
+                    rank,
+                    f"{role} rank {rank} stopped answering "
+                    f"(no heartbeat for {PEER_TIMEOUT_S:.0f}s)",
+                    info.incarnation if info is not None else -1,
+                )
+            )
         return bool(messages)
 
     def _loop(self, t0: float) -> None:
@@ -403,7 +477,9 @@ class RankProcess:
         self.loop_clock = LoopClock()  # the loop's own time, without the start-up before it
         self.loop_clock.sched = self.priority.apply()
         lanes, tr = self.write_priority, self.transport
-        lanes.apply(engine_ok=tr.engine_threads_block, lanes_ok=tr.lanes_block, engine_alone=tr.engine_alone)
+        lanes.apply(
+            engine_ok=tr.engine_threads_block, lanes_ok=tr.lanes_block, engine_alone=tr.engine_alone
+        )
         self._next_beat = 0.0
         rt = self.runtime
         arrivals = deque(rt.requests)  # the rooms routed to this instance
@@ -413,9 +489,11 @@ class RankProcess:
             check_launcher()  # a rank ends with its launcher
             now = self.now()
             if now > hard_deadline:
-                raise RankError(f"{self.name}: run did not finish within {hard_deadline:.0f}s "
-                                f"({rt.machine.rooms_done} done, {rt.machine.rooms_failed} failed "
-                                f"of {len(rt.requests)}; still {rt.holding()})")
+                raise RankError(
+                    f"{self.name}: run did not finish within {hard_deadline:.0f}s "
+                    f"({rt.machine.rooms_done} done, {rt.machine.rooms_failed} failed "
+                    f"of {len(rt.requests)}; still {rt.holding()})"
+                )
             while arrivals and arrivals[0].arrival_s <= now:
                 self._feed(Arrive(arrivals.popleft()))
             self._progress()
@@ -470,26 +548,32 @@ class RankProcess:
     # --- report -------------------------------------------------------------------------------
     def _report(self, error: str) -> dict[str, Any]:
         report = self.runtime.result().to_wire()
-        report.update({
-            "error": error,
-            **self.control.counters(),  # malformed, unauthenticated, oversize, replayed
-            "requests_posted": self.transport.requests_posted,
-            "host": self.host,
-            "device": str(self.device),
-            **(self.clock.to_wire() if self.clock else {}),
-            "clock_applied_s": self.clock_offset_s,  # 0 when the offset was within its uncertainty
-            "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
-            "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
-            "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
-            "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
-            "transport_used": self.transport.used(),  # what the engine chose (hw/transport_used.py)
-            "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/bandwidth.py)
-            # bytes each NIC of this rank's host (its network namespace) moved while it ran
-            "nic": counter_delta(self.nic_before, read_counters()) if self.nic_before is not None else {},
-            "hostname": socket.gethostname(),
-            "cpu_s": round(sum(os.times()[:2]), 4),  # this process's CPU (conditions: not "others")
-            "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
-        })
+        report.update(
+            {
+                "error": error,
+                **self.control.counters(),  # malformed, unauthenticated, oversize, replayed
+                "requests_posted": self.transport.requests_posted,
+                "host": self.host,
+                "device": str(self.device),
+                **(self.clock.to_wire() if self.clock else {}),
+                "clock_applied_s": self.clock_offset_s,  # 0 when the offset was within its uncertainty
+                "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
+                "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
+                "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
+                "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
+                "transport_used": self.transport.used(),  # what the engine chose (hw/transport_used.py)
+                "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/bandwidth.py)
+                # bytes each NIC of this rank's host (its network namespace) moved while it ran
+                "nic": counter_delta(self.nic_before, read_counters())
+                if self.nic_before is not None
+                else {},
+                "hostname": socket.gethostname(),
+                "cpu_s": round(
+                    sum(os.times()[:2]), 4
+                ),  # this process's CPU (conditions: not "others")
+                "records": [[getattr(r, f) for f in TRACE_FIELDS] for r in self.records],
+            }
+        )
         report.update(self._report_extra())
         return report
 

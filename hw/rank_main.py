@@ -22,27 +22,59 @@ def build_parser() -> argparse.ArgumentParser:
         "through the rendezvous that `kvstage hw` (or `kvstage hw --no-spawn`) runs.",
     )
     p.add_argument("scenario", help="scenario TOML (use the run directory's scenario.toml)")
-    p.add_argument("--role", default=None, choices=["prefill", "decode"],
-                   help="default: from SLURM (SLURM_PROCID, SLURM_NTASKS) or torchrun (RANK, WORLD_SIZE): "
-                        "global ranks 0..P-1 are prefill 0..P-1, P..P+D-1 decode 0..D-1")
-    p.add_argument("--rank", default=None, type=int, help="this rank's index in its role (with --role)")
-    p.add_argument("--rendezvous", default=None, help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT)")
-    p.add_argument("--set", dest="sets", action="append", default=[], help="scenario override key=value")
+    p.add_argument(
+        "--role",
+        default=None,
+        choices=["prefill", "decode"],
+        help="default: from SLURM (SLURM_PROCID, SLURM_NTASKS) or torchrun (RANK, WORLD_SIZE): "
+        "global ranks 0..P-1 are prefill 0..P-1, P..P+D-1 decode 0..D-1",
+    )
+    p.add_argument(
+        "--rank", default=None, type=int, help="this rank's index in its role (with --role)"
+    )
+    p.add_argument(
+        "--rendezvous",
+        default=None,
+        help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT)",
+    )
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], help="scenario override key=value"
+    )
     p.add_argument("--backend", choices=["nixl", "mooncake"], default=None)
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (cuda: this rank's GPU, cuda:LOCAL_RANK, or cuda:0 where CUDA_VISIBLE_DEVICES binds one GPU to the task)")
-    p.add_argument("--host", default=None,
-                   help="routable address this rank binds and advertises, and tells NIXL/UCX and Mooncake "
-                        "(default $KVSTAGE_HOST, else this host's address towards MASTER_ADDR, else 127.0.0.1)")
-    p.add_argument("--secret-file", default=None,
-                   help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
-                        "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start")
-    p.add_argument("--rendezvous-timeout", default=60.0, type=float, metavar="S",
-                   help="give up (exit 2) when the rendezvous has not answered within S seconds "
-                        "(default 60; the rank says it is waiting after 5 s)")
-    p.add_argument("--register-at", default=None, type=float, metavar="EPOCH_S",
-                   help="start up, then register with the rendezvous no earlier than this wall-clock time "
-                        "(epoch seconds): the launcher starts a rank its fault killed again this way "
-                        "(faults.kill restart_after_s)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (cuda: this rank's GPU, cuda:LOCAL_RANK, or cuda:0 where CUDA_VISIBLE_DEVICES binds one GPU to the task)",
+    )
+    p.add_argument(
+        "--host",
+        default=None,
+        help="routable address this rank binds and advertises, and tells NIXL/UCX and Mooncake "
+        "(default $KVSTAGE_HOST, else this host's address towards MASTER_ADDR, else 127.0.0.1)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        help="the run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: "
+        "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start",
+    )
+    p.add_argument(
+        "--rendezvous-timeout",
+        default=60.0,
+        type=float,
+        metavar="S",
+        help="give up (exit 2) when the rendezvous has not answered within S seconds "
+        "(default 60; the rank says it is waiting after 5 s)",
+    )
+    p.add_argument(
+        "--register-at",
+        default=None,
+        type=float,
+        metavar="EPOCH_S",
+        help="start up, then register with the rendezvous no earlier than this wall-clock time "
+        "(epoch seconds): the launcher starts a rank its fault killed again this way "
+        "(faults.kill restart_after_s)",
+    )
     return p
 
 
@@ -51,7 +83,9 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.rendezvous_timeout > 0:
-        parser.error(f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}")
+        parser.error(
+            f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}"
+        )
     from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
     from kvstage.hw.launch import watch_launcher
     from kvstage.hw.placement import (
@@ -67,7 +101,9 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     from kvstage.shared.scenario import ScenarioError, load_scenario
 
     watch_launcher()  # first: a launcher that dies from here on takes this rank along
-    who = f"{args.role}{args.rank}" if args.role is not None and args.rank is not None else "hw-rank"
+    who = (
+        f"{args.role}{args.rank}" if args.role is not None and args.rank is not None else "hw-rank"
+    )
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else run_secret()
     except RunSecretError as exc:
@@ -77,25 +113,39 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         scenario = load_scenario(args.scenario, overrides=args.sets)
         g = scenario.geometry()
         c = scenario.cluster  # ranks of every instance: instance * TP + local rank
-        me = identity(args.role, args.rank, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp)
+        me = identity(
+            args.role,
+            args.rank,
+            c.prefill_instances * g.prefill_tp,
+            c.decode_instances * g.decode_tp,
+        )
         rendezvous = rendezvous_address(args.rendezvous)
         device = rank_device(args.device or scenario.hardware.device, me.local_rank)
     except (ScenarioError, PlacementError, ValueError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     args.role, args.rank = me.role, me.rank
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s {args.role}{args.rank} %(levelname)s %(message)s",
+    )
     host = args.host or default_host()
     os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
     quiet_engines(os.environ)
     os.environ.update(engine_env(host, device))  # the engines keep to this rank's address
     ucx_log = None
     if (args.backend or scenario.hardware.backend) == "nixl":  # before NIXL loads UCX
-        ucx_log = Path(tempfile.gettempdir()) / f"kvstage-ucx-{args.role}{args.rank}-{os.getpid()}.log"
+        ucx_log = (
+            Path(tempfile.gettempdir()) / f"kvstage-ucx-{args.role}{args.rank}-{os.getpid()}.log"
+        )
         os.environ.update(ucx_log_env(ucx_log))
     if me.source != "flags":
-        print(f"{args.role}{args.rank}: global rank {me.global_rank} from {me.source}, device {device}, "
-              f"host {host}, rendezvous {rendezvous}", file=sys.stderr, flush=True)
+        print(
+            f"{args.role}{args.rank}: global rank {me.global_rank} from {me.source}, device {device}, "
+            f"host {host}, rendezvous {rendezvous}",
+            file=sys.stderr,
+            flush=True,
+        )
     import torch
 
     # Many ranks share this machine's cores: one intra-op thread each avoids
@@ -108,8 +158,9 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
             ucx_log.unlink(missing_ok=True)  # read into the report; nothing left behind
 
 
-def _run_rank(args: argparse.Namespace, scenario, rendezvous: str, device: str, host: str,
-              clock_skew_s: float) -> int:
+def _run_rank(
+    args: argparse.Namespace, scenario, rendezvous: str, device: str, host: str, clock_skew_s: float
+) -> int:
     """Make the rank, run it, and say how it ended: 0 done, 1 failed, 2 could not start
     (one line: a bad scenario, an engine that cannot give what was asked), 3 launcher gone."""
     from kvstage.hw.launch import LauncherGone
@@ -119,13 +170,23 @@ def _run_rank(args: argparse.Namespace, scenario, rendezvous: str, device: str, 
     from kvstage.shared.scenario import ScenarioError
 
     try:
-        rank = make_rank(scenario, args.role, args.rank, rendezvous, backend=args.backend,
-                         device=device, host=host, clock_skew_s=clock_skew_s)
+        rank = make_rank(
+            scenario,
+            args.role,
+            args.rank,
+            rendezvous,
+            backend=args.backend,
+            device=device,
+            host=host,
+            clock_skew_s=clock_skew_s,
+        )
     except (ScenarioError, RankError, TransferError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        report = rank.run(rendezvous_timeout_s=args.rendezvous_timeout, register_at=args.register_at)
+        report = rank.run(
+            rendezvous_timeout_s=args.rendezvous_timeout, register_at=args.register_at
+        )
     except LauncherGone as exc:
         print(f"{args.role}{args.rank}: {exc}: stopped", file=sys.stderr)
         rank.close()

@@ -74,18 +74,38 @@ class RankInfo:
         return rank_name(self.role, self.rank)
 
     def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "control": self.control, "agent": self.agent,
-                "metadata": _b64(self.metadata), "extra": self.extra, "incarnation": self.incarnation}
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "control": self.control,
+            "agent": self.agent,
+            "metadata": _b64(self.metadata),
+            "extra": self.extra,
+            "incarnation": self.incarnation,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankInfo:
-        return cls(d["role"], int(d["rank"]), d["control"], d["agent"], _unb64(d["metadata"]), d.get("extra", {}),
-                   int(d.get("incarnation", 0)))
+        return cls(
+            d["role"],
+            int(d["rank"]),
+            d["control"],
+            d["agent"],
+            _unb64(d["metadata"]),
+            d.get("extra", {}),
+            int(d.get("incarnation", 0)),
+        )
 
     @classmethod
     def from_hello(cls, d: dict[str, Any]) -> RankInfo:
         """A hello's RankInfo, every field checked; ValueError naming the first bad one."""
-        for key, kind in (("role", str), ("rank", int), ("control", str), ("agent", str), ("metadata", str)):
+        for key, kind in (
+            ("role", str),
+            ("rank", int),
+            ("control", str),
+            ("agent", str),
+            ("metadata", str),
+        ):
             if key not in d:
                 raise ValueError(f"no {key!r}")
             if not isinstance(d[key], kind) or isinstance(d[key], bool):
@@ -136,8 +156,12 @@ class ClockOffset:
         return self.rtt_s / 2
 
     def to_wire(self) -> dict[str, float]:
-        return {"clock_offset_s": self.offset_s, "clock_uncertainty_s": self.uncertainty_s,
-                "clock_rtt_s": self.rtt_s, "clock_samples": self.samples}
+        return {
+            "clock_offset_s": self.offset_s,
+            "clock_uncertainty_s": self.uncertainty_s,
+            "clock_rtt_s": self.rtt_s,
+            "clock_samples": self.samples,
+        }
 
 
 class RendezvousClient:
@@ -152,8 +176,14 @@ class RendezvousClient:
     in `notices` until the rank takes them (`poll_notices`), never mistaken for an
     answer. A registered rank says it is alive every RANK_BEAT_S (`alive`)."""
 
-    def __init__(self, address: str, ctx: zmq.Context | None = None, *, secret: bytes | None = None,
-                 watch: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        ctx: zmq.Context | None = None,
+        *,
+        secret: bytes | None = None,
+        watch: Callable[[], None] | None = None,
+    ) -> None:
         secret = run_secret(secret)
         self._up = FrameMac(secret, TO_LAUNCHER)
         self._down = FrameMac(secret, TO_RANK)
@@ -176,7 +206,9 @@ class RendezvousClient:
         """One authenticated JSON message to the rendezvous. `block=False`: dropped if
         it cannot go at once (a rendezvous that is gone must not stall a rank's loop)."""
         try:
-            self.sock.send_multipart(self._up.sign([json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK)
+            self.sock.send_multipart(
+                self._up.sign([json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK
+            )
         except zmq.Again:
             pass
 
@@ -190,14 +222,20 @@ class RendezvousClient:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            body = self._down.verify(frames) if frames_size(frames) <= MAX_RENDEZVOUS_BYTES else None
+            body = (
+                self._down.verify(frames) if frames_size(frames) <= MAX_RENDEZVOUS_BYTES else None
+            )
             if body is None or len(body) != 1:
-                raise RendezvousError(f"the rendezvous at {self.address} answered with a message this rank cannot "
-                                      f"authenticate: this rank's run secret is not the launcher's (check "
-                                      f"--secret-file / ${SECRET_ENV})")
+                raise RendezvousError(
+                    f"the rendezvous at {self.address} answered with a message this rank cannot "
+                    f"authenticate: this rank's run secret is not the launcher's (check "
+                    f"--secret-file / ${SECRET_ENV})"
+                )
             msg = json.loads(body[0])
             if not isinstance(msg, dict):
-                raise RendezvousError(f"the rendezvous at {self.address} sent {type(msg).__name__}, not an object")
+                raise RendezvousError(
+                    f"the rendezvous at {self.address} sent {type(msg).__name__}, not an object"
+                )
             if msg.get("kind") in NOTICES:
                 self.notices.append(msg)
             else:
@@ -214,17 +252,23 @@ class RendezvousClient:
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
-                raise RendezvousError(f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
-                                      f"while waiting for {what}: is its launcher (kvstage hw) running "
-                                      f"there, and the address right?")
+                raise RendezvousError(
+                    f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
+                    f"while waiting for {what}: is its launcher (kvstage hw) running "
+                    f"there, and the address right?"
+                )
             if self.on_wait is not None and now >= say_at:
-                self.on_wait(f"waiting for the rendezvous at {self.address} ({now - start:.0f}s of "
-                             f"{timeout_s:.0f}s, for {what})")
+                self.on_wait(
+                    f"waiting for the rendezvous at {self.address} ({now - start:.0f}s of "
+                    f"{timeout_s:.0f}s, for {what})"
+                )
                 say_at += WAIT_NOTE_EVERY_S
             self._pump(min(500, math.ceil(left * 1000)))
         msg = self._replies.popleft()
         if msg.get("kind") == "refused":
-            raise RendezvousError(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
+            raise RendezvousError(
+                f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}"
+            )
         return msg
 
     def poll_notices(self) -> list[dict[str, Any]]:
@@ -247,11 +291,19 @@ class RendezvousClient:
     def ack_rejoin(self, rank: str, incarnation: int, first_room: int | None) -> None:
         """Answer a rejoin notice: this rank serves `rank`'s new incarnation the rooms
         from `first_room` on (None: not a peer of it)."""
-        self.send({"kind": "rejoin_ack", "rank": rank, "incarnation": incarnation, "first_room": first_room},
-                  block=False)
+        self.send(
+            {
+                "kind": "rejoin_ack",
+                "rank": rank,
+                "incarnation": incarnation,
+                "first_room": first_room,
+            },
+            block=False,
+        )
 
-    def clock_offset(self, samples: int = 8, timeout_s: float = 10.0,
-                     clock: Callable[[], float] = time.time) -> ClockOffset:
+    def clock_offset(
+        self, samples: int = 8, timeout_s: float = 10.0, clock: Callable[[], float] = time.time
+    ) -> ClockOffset:
         """This rank's offset to the launcher's clock (launcher time = `clock()` + offset):
         `samples` round trips, the one with the smallest round-trip time; its half RTT
         bounds the error."""
@@ -262,7 +314,9 @@ class RendezvousClient:
             reply = self.recv(timeout_s, "a clock answer")
             t3 = clock()
             if reply.get("kind") != "clock" or reply.get("t1") != t1:
-                raise RendezvousError(f"the rendezvous at {self.address} answered a clock probe with {reply.get('kind')!r}")
+                raise RendezvousError(
+                    f"the rendezvous at {self.address} answered a clock probe with {reply.get('kind')!r}"
+                )
             rtt = t3 - t1
             if best is None or rtt < best.rtt_s:
                 best = ClockOffset(float(reply["t2"]) - (t1 + t3) / 2, rtt, samples)
@@ -281,12 +335,19 @@ class RendezvousClient:
         table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
         self.rejoin = reply.get("rejoin")
         probe = reply.get("probe")  # the bandwidth probe's slots, when the launcher asked for one
-        ok = (isinstance(probe, dict) and all(isinstance(probe.get(k), (int, float)) for k in ("start", "slot_s"))
-              and 0 < probe["slot_s"] <= 10)
-        self.probe = {"start": float(probe["start"]), "slot_s": float(probe["slot_s"])} if ok else None
+        ok = (
+            isinstance(probe, dict)
+            and all(isinstance(probe.get(k), (int, float)) for k in ("start", "slot_s"))
+            and 0 < probe["slot_s"] <= 10
+        )
+        self.probe = (
+            {"start": float(probe["start"]), "slot_s": float(probe["slot_s"])} if ok else None
+        )
         return table, float(reply["t0"])
 
-    def report(self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None) -> None:
+    def report(
+        self, report: dict[str, Any], timeout_s: float, serve: Callable[[], None] | None = None
+    ) -> None:
         """Send this rank's report and wait until the launcher says every rank is finished.
         `serve` is called meanwhile, again and again (it should block for a few ms at
         most): a rank that finished still answers its peers, whose re-sent messages may
@@ -310,7 +371,9 @@ class RendezvousClient:
         for tools that hold the run secret, e.g. to find a rank's control address."""
         self.send({"kind": "query"})
         reply = self.recv(timeout_s, "the rank table")
-        return {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}, reply.get("t0")
+        return {
+            RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]
+        }, reply.get("t0")
 
     def rejoins(self, timeout_s: float) -> list[dict[str, Any]]:
         """The rejoins the rendezvous completed so far (rank, incarnation, first_room, after)."""
@@ -369,11 +432,20 @@ class RendezvousServer:
     decode rank registering again, an incarnation not newer than the registered one,
     a rank already gone or finished. `rejoins` lists the completed rejoins."""
 
-    def __init__(self, expected: list[str], host: str = "127.0.0.1", port: int = 0,
-                 ctx: zmq.Context | None = None, *, secret: bytes | None = None,
-                 advertise: str | None = None, silent_s: float | None = None,
-                 rejoin_grace_s: float = 0.0, grace_s: dict[str, float] | None = None,
-                 probe_slots: int = 0) -> None:
+    def __init__(
+        self,
+        expected: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ctx: zmq.Context | None = None,
+        *,
+        secret: bytes | None = None,
+        advertise: str | None = None,
+        silent_s: float | None = None,
+        rejoin_grace_s: float = 0.0,
+        grace_s: dict[str, float] | None = None,
+        probe_slots: int = 0,
+    ) -> None:
         secret = run_secret(secret)
         self._up = FrameMac(secret, TO_LAUNCHER)
         self._down = FrameMac(secret, TO_RANK)
@@ -396,13 +468,19 @@ class RendezvousServer:
         self.t0: float | None = None
         self.silent_s = silent_s
         self.rejoin_grace_s = rejoin_grace_s
-        self.grace_s: dict[str, float] = dict(grace_s or {})  # per rank, instead of the default grace
+        self.grace_s: dict[str, float] = dict(
+            grace_s or {}
+        )  # per rank, instead of the default grace
         self.last_heard: dict[str, float] = {}  # rank -> time.monotonic() of its last message
         self._quiet_until: dict[str, float] = {}  # rank -> silent until then, as it announced
         self.rejoins: list[dict[str, Any]] = []
         self._rejoining: dict[str, _Rejoin] = {}
-        self.events: list[str] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
-        self.rooms: dict[str, tuple[int, int]] = {}  # rank -> (rooms ended, rooms of its workload), as it said
+        self.events: list[
+            str
+        ] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
+        self.rooms: dict[
+            str, tuple[int, int]
+        ] = {}  # rank -> (rooms ended, rooms of its workload), as it said
         self._warn = Throttled(log, first=20)
         # the bandwidth probe (hw/bandwidth.py): this many slots of `probe_slot_s` before
         # t0, one per (prefill, decode) pair; 0: no probe
@@ -411,7 +489,9 @@ class RendezvousServer:
 
     def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:
-            self.sock.send_multipart([ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK)
+            self.sock.send_multipart(
+                [ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK
+            )
         except zmq.ZMQError:
             pass  # the peer is gone: nothing to tell
 
@@ -420,7 +500,9 @@ class RendezvousServer:
         (a message a rank sends without waiting for an answer: it would take a
         "refused" for the answer to its next request)."""
         self.refusals = [*self.refusals[-99:], reason]
-        self._warn.warn("refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason)
+        self._warn.warn(
+            "refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason
+        )
         if answer:
             self._send(ident, {"kind": "refused", "reason": reason})
 
@@ -437,7 +519,9 @@ class RendezvousServer:
                 try:
                     self._handle(parts[0], parts[1:])
                 except Exception as exc:  # a stray peer must not take the launcher down
-                    self._refuse(parts[0], f"could not handle the message: {type(exc).__name__}: {exc}")
+                    self._refuse(
+                        parts[0], f"could not handle the message: {type(exc).__name__}: {exc}"
+                    )
         if not self.started and set(self.hellos) == self.expected:
             self.started = True
             probe_s = self.probe_slots * self.probe_slot_s
@@ -455,7 +539,9 @@ class RendezvousServer:
 
     def _handle(self, ident: bytes, frames: list[bytes]) -> None:
         if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
-            return self._refuse(ident, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})")
+            return self._refuse(
+                ident, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
+            )
         body = self._up.verify(frames)
         if body is None or len(body) != 1:
             return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
@@ -469,13 +555,21 @@ class RendezvousServer:
             self.last_heard[name] = time.monotonic()  # any message is a sign of life
         if kind == "alive":
             if name is None:  # e.g. a replaced incarnation's old connection
-                return self._refuse(ident, "alive from a connection that registered no rank", answer=False)
+                return self._refuse(
+                    ident, "alive from a connection that registered no rank", answer=False
+                )
             quiet = msg.get("quiet_s")
             if isinstance(quiet, (int, float)) and not isinstance(quiet, bool) and quiet > 0:
                 self._quiet_until[name] = time.monotonic() + min(float(quiet), MAX_QUIET_S)
-            rooms = msg.get("rooms")  # progress only: a bad value is ignored, never trusted for anything else
-            if (isinstance(rooms, list) and len(rooms) == 2 and all(type(v) is int for v in rooms)
-                    and 0 <= rooms[0] <= rooms[1]):
+            rooms = msg.get(
+                "rooms"
+            )  # progress only: a bad value is ignored, never trusted for anything else
+            if (
+                isinstance(rooms, list)
+                and len(rooms) == 2
+                and all(type(v) is int for v in rooms)
+                and 0 <= rooms[0] <= rooms[1]
+            ):
                 self.rooms[name] = (rooms[0], rooms[1])
             return None
         if kind == "hello":
@@ -488,9 +582,14 @@ class RendezvousServer:
             return self._send(ident, {"kind": "clock", "t1": msg.get("t1"), "t2": time.time()})
         if kind == "query":
             table = [info.to_json() for _, info in self.hellos.values()]
-            return self._send(ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoins": self.rejoins})
-        return self._refuse(ident, f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock, "
-                            f"alive, rejoin_ack)")
+            return self._send(
+                ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoins": self.rejoins}
+            )
+        return self._refuse(
+            ident,
+            f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock, "
+            f"alive, rejoin_ack)",
+        )
 
     def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:
@@ -499,9 +598,14 @@ class RendezvousServer:
             return self._refuse(ident, f"bad hello: {exc}")
         name = info.name
         if name not in self.expected:
-            return self._refuse(ident, f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})")
+            return self._refuse(
+                ident,
+                f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})",
+            )
         if ident in self.registered:
-            return self._refuse(ident, f"this connection already registered {self.registered[ident]}")
+            return self._refuse(
+                ident, f"this connection already registered {self.registered[ident]}"
+            )
         if name in self.hellos:
             if self.started and info.role == "prefill":
                 return self._rejoin(ident, info)
@@ -515,26 +619,45 @@ class RendezvousServer:
         name = info.name
         old_ident, old = self.hellos[name]
         if name in self.reports:
-            return self._refuse(ident, f"{name} is already registered and finished: nothing to rejoin")
+            return self._refuse(
+                ident, f"{name} is already registered and finished: nothing to rejoin"
+            )
         if name in self.gone:
-            return self._refuse(ident, f"{name} is already registered and was declared gone, too late to rejoin: "
-                                f"{self.gone[name][:200]}")
+            return self._refuse(
+                ident,
+                f"{name} is already registered and was declared gone, too late to rejoin: "
+                f"{self.gone[name][:200]}",
+            )
         if info.incarnation <= old.incarnation:
-            return self._refuse(ident, f"{name} is already registered as incarnation {old.incarnation}; a rejoin "
-                                f"needs a newer one, not {info.incarnation} (a replayed hello, or a clock behind)")
+            return self._refuse(
+                ident,
+                f"{name} is already registered as incarnation {old.incarnation}; a rejoin "
+                f"needs a newer one, not {info.incarnation} (a replayed hello, or a clock behind)",
+            )
         down = self.down.pop(name, None)
-        after = down.why if down is not None else f"{name} restarted before the launcher noticed it was gone"
-        previous = self._rejoining.pop(name, None)  # a restart of a rank still rejoining: this one replaces it
+        after = (
+            down.why
+            if down is not None
+            else f"{name} restarted before the launcher noticed it was gone"
+        )
+        previous = self._rejoining.pop(
+            name, None
+        )  # a restart of a rank still rejoining: this one replaces it
         if previous is not None:
             after = previous.after
         self.registered.pop(old_ident, None)
         self.hellos[name] = (ident, info)
         self.registered[ident] = name
-        asked = {n for n, (_, i) in self.hellos.items()
-                 if i.role == "decode" and n not in self.gone and n not in self.down}
+        asked = {
+            n
+            for n, (_, i) in self.hellos.items()
+            if i.role == "decode" and n not in self.gone and n not in self.down
+        }
         self._rejoining[name] = _Rejoin(ident, info, asked, time.monotonic() + REJOIN_ACK_S, after)
-        self.events.append(f"rank {name} registered again as incarnation {info.incarnation}: asking "
-                           f"{', '.join(sorted(asked)) or 'no decode rank'} which rooms it serves")
+        self.events.append(
+            f"rank {name} registered again as incarnation {info.incarnation}: asking "
+            f"{', '.join(sorted(asked)) or 'no decode rank'} which rooms it serves"
+        )
         notice = {"kind": "rejoin", "rank": info.to_json()}
         for n in sorted(asked):  # asked only once the rejoin is recorded (as everywhere here)
             self._send(self.hellos[n][0], notice)
@@ -543,11 +666,22 @@ class RendezvousServer:
         name = self.registered.get(ident)
         target, inc, first = msg.get("rank"), msg.get("incarnation"), msg.get("first_room")
         pending = self._rejoining.get(target) if isinstance(target, str) else None
-        if (name is None or pending is None or pending.info.incarnation != inc or name not in pending.asked
-                or not (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))):
-            return self._refuse(ident, f"rejoin_ack from {name or 'a connection that registered no rank'} for "
-                                f"{str(target)[:40]} incarnation {str(inc)[:24]}: no such rejoin asked of it",
-                                answer=False)
+        if (
+            name is None
+            or pending is None
+            or pending.info.incarnation != inc
+            or name not in pending.asked
+            or not (
+                first is None
+                or (isinstance(first, int) and not isinstance(first, bool) and first >= 0)
+            )
+        ):
+            return self._refuse(
+                ident,
+                f"rejoin_ack from {name or 'a connection that registered no rank'} for "
+                f"{str(target)[:40]} incarnation {str(inc)[:24]}: no such rejoin asked of it",
+                answer=False,
+            )
         pending.answers[name] = first
 
     def _tend(self, now: float) -> None:
@@ -557,17 +691,27 @@ class RendezvousServer:
                 self._rejoined(name, r, now)
         if self.silent_s is not None:
             for name in self.hellos:
-                if name in self.reports or name in self.gone or name in self.down or name in self._rejoining:
+                if (
+                    name in self.reports
+                    or name in self.gone
+                    or name in self.down
+                    or name in self._rejoining
+                ):
                     continue
                 silent = now - self.last_heard.get(name, now)
                 if silent > self.silent_s and now >= self._quiet_until.get(name, 0.0):
-                    self.mark_down(name, f"rank {name} stopped answering the rendezvous (nothing from it for "
-                                         f"{silent:.1f}s): dead, hung or cut off")
+                    self.mark_down(
+                        name,
+                        f"rank {name} stopped answering the rendezvous (nothing from it for "
+                        f"{silent:.1f}s): dead, hung or cut off",
+                    )
         for name, d in list(self.down.items()):
             if now >= d.deadline:
                 del self.down[name]
                 self.gone[name] = d.why
-                self.events.append(f"rank {name} is gone{' (it did not rejoin in time)' if d.deadline > d.since else ''}")
+                self.events.append(
+                    f"rank {name} is gone{' (it did not rejoin in time)' if d.deadline > d.since else ''}"
+                )
 
     def _rejoined(self, name: str, r: _Rejoin, now: float) -> None:
         del self._rejoining[name]
@@ -575,16 +719,28 @@ class RendezvousServer:
         first = min(answers) if answers else None
         silent = sorted(r.asked - set(r.answers))
         table = [info.to_json() for _, info in self.hellos.values()]
-        rejoin = {"incarnation": r.info.incarnation, "first_room": first, "answered": sorted(r.answers),
-                  "silent": silent}
+        rejoin = {
+            "incarnation": r.info.incarnation,
+            "first_room": first,
+            "answered": sorted(r.answers),
+            "silent": silent,
+        }
         # Record first, answer last: the rank's hello returns as soon as the table arrives,
         # and whoever reads `rejoins` next (a query, the launcher) must find the rejoin.
         self.last_heard[name] = now
-        self.rejoins.append({"rank": name, "incarnation": r.info.incarnation, "first_room": first,
-                             "after": self.headline(r.after)})
-        self.events.append(f"rank {name} rejoined the run as incarnation {r.info.incarnation}, serving rooms "
-                           f"{'from ' + str(first) if first is not None else 'none'}"
-                           f"{' (no answer from ' + ', '.join(silent) + ')' if silent else ''}")
+        self.rejoins.append(
+            {
+                "rank": name,
+                "incarnation": r.info.incarnation,
+                "first_room": first,
+                "after": self.headline(r.after),
+            }
+        )
+        self.events.append(
+            f"rank {name} rejoined the run as incarnation {r.info.incarnation}, serving rooms "
+            f"{'from ' + str(first) if first is not None else 'none'}"
+            f"{' (no answer from ' + ', '.join(silent) + ')' if silent else ''}"
+        )
         self._send(r.ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoin": rejoin})
 
     def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
@@ -599,8 +755,10 @@ class RendezvousServer:
         now = time.monotonic()
         self._rejoining.pop(name, None)  # a rank that dies while rejoining rejoins no more
         self.down[name] = _Down(why, now, now + max(0.0, grace_s))
-        self.events.append(f"rank {name} is down: {self.headline(why)}"
-                           + (f"; it may rejoin within {grace_s:.0f}s" if grace_s > 0 else ""))
+        self.events.append(
+            f"rank {name} is down: {self.headline(why)}"
+            + (f"; it may rejoin within {grace_s:.0f}s" if grace_s > 0 else "")
+        )
         if grace_s <= 0:
             del self.down[name]
             self.gone[name] = why

@@ -209,11 +209,15 @@ def _as_ops(ops: Sequence[tuple[int, int, int]] | np.ndarray) -> np.ndarray:
     try:
         arr = np.asarray(ops, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"ops must be (local_addr, remote_addr, nbytes) integer triples: {e}") from e
+        raise ValueError(
+            f"ops must be (local_addr, remote_addr, nbytes) integer triples: {e}"
+        ) from e
     if arr.size == 0:
         return arr.reshape(0, 3)
     if arr.ndim != 2 or arr.shape[1] != 3:
-        raise ValueError(f"ops must be (local_addr, remote_addr, nbytes) triples, got shape {arr.shape}")
+        raise ValueError(
+            f"ops must be (local_addr, remote_addr, nbytes) triples, got shape {arr.shape}"
+        )
     return arr
 
 
@@ -318,7 +322,9 @@ class Transport(abc.ABC):
             time.sleep(seconds)
 
     # --------------------------------------------------------------- lanes
-    def _on_lane(self, peer: PeerInfo, batch: LaneBatch, run: Callable[[PeerInfo, Any], None]) -> None:
+    def _on_lane(
+        self, peer: PeerInfo, batch: LaneBatch, run: Callable[[PeerInfo, Any], None]
+    ) -> None:
         """Carry out `run(peer, batch)` on the peer's lane: one daemon thread per peer that
         takes its batches in order. An engine call that copies the bytes itself (NIXL's
         CMA) or blocks until the batch is done (Mooncake's status) then holds that thread,
@@ -326,8 +332,12 @@ class Transport(abc.ABC):
         lane = self._lanes.get(peer.name)
         if lane is None:
             lane = self._lanes[peer.name] = queue.SimpleQueue()
-            threading.Thread(target=self._run_lane, args=(peer, lane), daemon=True,
-                             name=f"{self.name}-lane-{peer.name}").start()
+            threading.Thread(
+                target=self._run_lane,
+                args=(peer, lane),
+                daemon=True,
+                name=f"{self.name}-lane-{peer.name}",
+            ).start()
         lane.put((batch, run))
 
     def _run_lane(self, peer: PeerInfo, lane: queue.SimpleQueue) -> None:
@@ -438,7 +448,9 @@ class Transport(abc.ABC):
             header, blob = _unpack_metadata(metadata)
             regions = tuple(Region(int(a), int(n)) for a, n in header["regions"])
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            raise TransferError(f"{self.name}: metadata for peer {peer_name!r} is malformed: {e}") from e
+            raise TransferError(
+                f"{self.name}: metadata for peer {peer_name!r} is malformed: {e}"
+            ) from e
         if header["engine"] != self.name:
             raise TransferError(
                 f"{self.name}: metadata for peer {peer_name!r} comes from engine "
@@ -469,9 +481,7 @@ class Transport(abc.ABC):
             raise TransferError(f"{self.name}: cannot add peer {peer_name!r}: {e}") from e
         self._peers[peer_name] = info
 
-    def write(
-        self, peer_name: str, ops: Sequence[tuple[int, int, int]] | np.ndarray
-    ) -> XferHandle:
+    def write(self, peer_name: str, ops: Sequence[tuple[int, int, int]] | np.ndarray) -> XferHandle:
         """Post all ops (local_addr, remote_addr, nbytes) to one peer as ONE batch.
 
         Returns at once; completion is observed with poll()/wait(). Every range is
@@ -564,8 +574,11 @@ class Transport(abc.ABC):
             if stuck:
                 # The engine may still touch these buffers: keep them alive for good
                 # rather than hand freed memory to a DMA in progress.
-                log.warning("%s: leaking registered memory of %r: a write never finished",
-                            self.name, self.agent_name)
+                log.warning(
+                    "%s: leaking registered memory of %r: a write never finished",
+                    self.name,
+                    self.agent_name,
+                )
             else:
                 self._tensors.clear()
             self._peers.clear()
@@ -577,8 +590,10 @@ class Transport(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self.agent_name!r} on {self.device}, "
-                f"{len(self._regions)} region(s), {len(self._peers)} peer(s)>")
+        return (
+            f"<{type(self).__name__} {self.agent_name!r} on {self.device}, "
+            f"{len(self._regions)} region(s), {len(self._peers)} peer(s)>"
+        )
 
     # ------------------------------------------------------------------ internals
     def _check_open(self) -> None:

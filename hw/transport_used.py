@@ -27,12 +27,37 @@ from typing import Any
 
 # Transport names (the part before "/" in a UCX protocol table's Config column) that are
 # RDMA: InfiniBand / RoCE verbs and mlx5 transports, AWS SRD; "rdma" is Mooncake's.
-RDMA_TRANSPORTS = ("rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "ud", "ud_verbs", "ud_mlx5", "gga",
-                   "gga_mlx5", "srd", "rdma")
+RDMA_TRANSPORTS = (
+    "rc",
+    "rc_verbs",
+    "rc_mlx5",
+    "dc",
+    "dc_mlx5",
+    "ud",
+    "ud_verbs",
+    "ud_mlx5",
+    "gga",
+    "gga_mlx5",
+    "srd",
+    "rdma",
+)
 # Transports that never cross a host: a same-host pair may use them under any ask.
-LOCAL_TRANSPORTS = ("cma", "sysv", "posix", "knem", "xpmem", "cuda_ipc", "rocm_ipc", "self",
-                    "cuda_copy", "rocm_copy", "memory")
-UCX_TABLE_SCOPE = re.compile(r"\|\s*(?P<peer>\S+)\s+(?P<scope>self|intra-node|inter-node)\s+cfg#\d+")
+LOCAL_TRANSPORTS = (
+    "cma",
+    "sysv",
+    "posix",
+    "knem",
+    "xpmem",
+    "cuda_ipc",
+    "rocm_ipc",
+    "self",
+    "cuda_copy",
+    "rocm_copy",
+    "memory",
+)
+UCX_TABLE_SCOPE = re.compile(
+    r"\|\s*(?P<peer>\S+)\s+(?P<scope>self|intra-node|inter-node)\s+cfg#\d+"
+)
 UCX_CONFIG_CELL = re.compile(r"\|[^|]*\|[^|]*\|\s*(?P<config>[^|]+?)\s*\|\s*$")
 
 
@@ -57,7 +82,9 @@ def parse_ucx_proto_info(text: str) -> dict[str, list[str]]:
     scope = None
     in_write = False
     for raw in text.splitlines():
-        line = raw.split("]", 2)[-1] if raw.startswith("[") else raw  # drop "[time] [host:pid:thread]"
+        line = (
+            raw.split("]", 2)[-1] if raw.startswith("[") else raw
+        )  # drop "[time] [host:pid:thread]"
         m = UCX_TABLE_SCOPE.search(line)
         if m:
             scope, in_write = m.group("scope"), False
@@ -67,7 +94,9 @@ def parse_ucx_proto_info(text: str) -> dict[str, list[str]]:
         if "|" in line and "remote memory write" in line:
             in_write = True
             continue
-        if "|" in line and ("active message" in line or "remote memory read" in line or "atomic" in line):
+        if "|" in line and (
+            "active message" in line or "remote memory read" in line or "atomic" in line
+        ):
             in_write = False
             continue
         cell = UCX_CONFIG_CELL.search(line)
@@ -104,8 +133,15 @@ def read_ucx_log(log_path: Path | None) -> dict[str, Any]:
     except OSError as exc:
         return {"source": f"UCX log {log_path} unreadable: {exc.strerror or exc}"}
     writes = parse_ucx_proto_info(text)
-    notes = [ln for ln in text.splitlines() if ("WARN" in ln or "ERROR" in ln) and "|" not in ln][:20]
-    return {"source": "UCX_PROTO_INFO", "writes": writes, "over": carried_over(writes), "ucx_notes": notes}
+    notes = [ln for ln in text.splitlines() if ("WARN" in ln or "ERROR" in ln) and "|" not in ln][
+        :20
+    ]
+    return {
+        "source": "UCX_PROTO_INFO",
+        "writes": writes,
+        "over": carried_over(writes),
+        "ucx_notes": notes,
+    }
 
 
 def mooncake_hcas(topology_json: str) -> list[str]:
@@ -127,8 +163,13 @@ def mooncake_used(protocol: str, topology_json: str) -> dict[str, Any]:
     hcas = mooncake_hcas(topology_json)
     rdma = protocol == "rdma" and bool(hcas)  # Mooncake falls back to TCP without an HCA
     writes = {"any": [f"rdma/{h}" for h in hcas] if rdma else ["tcp"]}
-    return {"source": "Mooncake topology", "protocol": protocol, "hcas": hcas, "writes": writes,
-            "over": "rdma" if rdma else "tcp"}
+    return {
+        "source": "Mooncake topology",
+        "protocol": protocol,
+        "hcas": hcas,
+        "writes": writes,
+        "over": "rdma" if rdma else "tcp",
+    }
 
 
 def carried_over(writes: Mapping[str, Iterable[str]]) -> str | None:
@@ -174,8 +215,11 @@ def rdma_asked(hardware: Any, env: Mapping[str, str] | None = None) -> str | Non
         return 'hardware.mooncake_protocol = "rdma"'
     if hardware.backend == "nixl":
         tls = env.get("UCX_TLS", "")
-        if any(transport_name(t.lstrip("^")) in RDMA_TRANSPORTS or t in ("ib", "rc", "dc", "ud")
-               for t in tls.split(",") if t and not tls.startswith("^")):
+        if any(
+            transport_name(t.lstrip("^")) in RDMA_TRANSPORTS or t in ("ib", "rc", "dc", "ud")
+            for t in tls.split(",")
+            if t and not tls.startswith("^")
+        ):
             return f"UCX_TLS = {tls!r}"
         if "mlx" in env.get("UCX_NET_DEVICES", ""):
             return f"UCX_NET_DEVICES = {env['UCX_NET_DEVICES']!r}"
@@ -189,6 +233,8 @@ def no_rdma_here(asked: str | None, devices: list[str] | None = None) -> str | N
     devices = rdma_devices() if devices is None else devices
     if devices:
         return None
-    return (f"{asked} but this host has no RDMA device (/sys/class/infiniband is empty or absent), so "
-            f"the engine would move the bytes over TCP; allowed: a host with an RDMA NIC, or TCP "
-            f"(mooncake_protocol = \"tcp\", UCX_TLS/UCX_NET_DEVICES without RDMA transports)")
+    return (
+        f"{asked} but this host has no RDMA device (/sys/class/infiniband is empty or absent), so "
+        f"the engine would move the bytes over TCP; allowed: a host with an RDMA NIC, or TCP "
+        f'(mooncake_protocol = "tcp", UCX_TLS/UCX_NET_DEVICES without RDMA transports)'
+    )

@@ -23,12 +23,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WALL_KEYS = {"wall_s", "requests_per_wall_s", "events_per_wall_s"}
 # numbers of the order `kvstage calibrate` writes on a 2-core host
-HOST_MODEL = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.5, "event_us": 40,
-              "fill_latency_us": 200, "fill_bandwidth_gbs": 2}
+HOST_MODEL = {
+    "host_model": "cpu-loop",
+    "host_cores": 2,
+    "engine_thread_cores": 0.5,
+    "event_us": 40,
+    "fill_latency_us": 200,
+    "fill_bandwidth_gbs": 2,
+}
 
 
 def scenarios() -> list[Path]:
-    return sorted((ROOT / "scenarios").glob("*.toml")) + sorted((ROOT / "scenarios" / "faults").glob("*.toml"))
+    return sorted((ROOT / "scenarios").glob("*.toml")) + sorted(
+        (ROOT / "scenarios" / "faults").glob("*.toml")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +61,16 @@ def main(argv: list[str] | None = None) -> int:
             result = Simulation(scenario).run()
             stem = f"{path.stem}-{transfer}"
             write_trace(args.out / f"{stem}.jsonl", result.records, "sim")
-            summary = {k: v for k, v in simulation_summary(scenario, result).items() if k not in WALL_KEYS}
-            (args.out / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
-            print(f"{stem}: {len(result.records)} records, {result.rooms_done} done, {result.rooms_failed} failed",
-                  flush=True)
+            summary = {
+                k: v for k, v in simulation_summary(scenario, result).items() if k not in WALL_KEYS
+            }
+            (args.out / f"{stem}.summary.json").write_text(
+                json.dumps(summary, indent=1, sort_keys=True, default=str)
+            )
+            print(
+                f"{stem}: {len(result.records)} records, {result.rooms_done} done, {result.rooms_failed} failed",
+                flush=True,
+            )
     return 0
 
 

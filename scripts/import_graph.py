@@ -68,12 +68,17 @@ def arrows(mods: dict[str, Path]) -> set[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arrows", action="store_true", help="print every arrow")
-    p.add_argument("--concepts", action="store_true", help="one node per concept folder of kvstage/")
-    p.add_argument("--root", type=Path, default=ROOT, help="the checkout to read (default: this one)")
+    p.add_argument(
+        "--concepts", action="store_true", help="one node per concept folder of kvstage/"
+    )
+    p.add_argument(
+        "--root", type=Path, default=ROOT, help="the checkout to read (default: this one)"
+    )
     args = p.parse_args(argv)
     mods = modules(args.root)
     edges = arrows(mods)
     if args.concepts:
+
         def concept(m: str) -> str:
             return ".".join(m.split(".")[:2])
 
@@ -90,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 + max((floor(t, seen | {m}) for t in out[m]), default=0)
 
     floors = max(floor(m) for m in mods)
-    print(f"{len(mods)} {'concepts' if args.concepts else 'modules'}, {len(edges)} arrows, {floors} floors")
+    print(
+        f"{len(mods)} {'concepts' if args.concepts else 'modules'}, {len(edges)} arrows, {floors} floors"
+    )
     if args.arrows:
         for a, b in sorted(edges):
             print(f"  {a} -> {b}")

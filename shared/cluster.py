@@ -24,17 +24,29 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["InstanceLoad", "Router", "Sessions", "cluster_sessions", "fold_problem", "hardware_sessions", "least",
-           "shard_problem"]
+__all__ = [
+    "InstanceLoad",
+    "Router",
+    "Sessions",
+    "cluster_sessions",
+    "fold_problem",
+    "hardware_sessions",
+    "least",
+    "shard_problem",
+]
 
 
 class Sessions:
     """Global rank numbering and the route (prefill instance, decode instance) of each
     room. Rooms without a route are served by instance 0 of each side."""
 
-    def __init__(self, geometry: Geometry, prefill_instances: int = 1, decode_instances: int = 1) -> None:
+    def __init__(
+        self, geometry: Geometry, prefill_instances: int = 1, decode_instances: int = 1
+    ) -> None:
         if prefill_instances < 1 or decode_instances < 1:
-            raise ValueError(f"instances must be >= 1, got {prefill_instances} prefill, {decode_instances} decode")
+            raise ValueError(
+                f"instances must be >= 1, got {prefill_instances} prefill, {decode_instances} decode"
+            )
         self.geometry = geometry
         self.prefill_instances = prefill_instances
         self.decode_instances = decode_instances
@@ -80,7 +92,12 @@ class Sessions:
         key = (self.route(room)[0], decode_rank)
         w = self._writers.get(key)
         if w is None:
-            w = _shift(self._writers, key, self.prefill_tp, self.geometry.writers(decode_rank % self.decode_tp))
+            w = _shift(
+                self._writers,
+                key,
+                self.prefill_tp,
+                self.geometry.writers(decode_rank % self.decode_tp),
+            )
         return w
 
     def targets(self, room: int, prefill_rank: int) -> list[int]:
@@ -88,7 +105,12 @@ class Sessions:
         key = (self.route(room)[1], prefill_rank)
         t = self._targets.get(key)
         if t is None:
-            t = _shift(self._targets, key, self.decode_tp, self.geometry.targets(prefill_rank % self.prefill_tp))
+            t = _shift(
+                self._targets,
+                key,
+                self.decode_tp,
+                self.geometry.targets(prefill_rank % self.prefill_tp),
+            )
         return t
 
     def all_writers(self, decode_rank: int) -> list[int]:
@@ -134,15 +156,21 @@ class Router:
 
     @property
     def static(self) -> bool:
-        return self.policy == "round-robin" or (self.prefill_instances == 1 and self.decode_instances == 1)
+        return self.policy == "round-robin" or (
+            self.prefill_instances == 1 and self.decode_instances == 1
+        )
 
     def static_route(self, index: int) -> tuple[int, int]:
         return index % self.prefill_instances, index % self.decode_instances
 
-    def route(self, index: int, prefill: Sequence[InstanceLoad], decode: Sequence[InstanceLoad]) -> tuple[int, int]:
+    def route(
+        self, index: int, prefill: Sequence[InstanceLoad], decode: Sequence[InstanceLoad]
+    ) -> tuple[int, int]:
         if self.static:
             return self.static_route(index)
-        return least([self.key("prefill", x) for x in prefill]), least([self.key("decode", x) for x in decode])
+        return least([self.key("prefill", x) for x in prefill]), least(
+            [self.key("decode", x) for x in decode]
+        )
 
     def key(self, role: str, load: InstanceLoad) -> tuple[int, ...]:
         """How a load-aware policy ranks an instance: the least key wins."""
@@ -183,8 +211,10 @@ def shard_problem(scenario: Scenario) -> str | None:
     """Why this scenario's instances cannot be simulated in independent groups, or None."""
     c = scenario.cluster
     if c.router != "round-robin" and not c.single:
-        return (f"router {c.router!r} routes each request by every instance's load, so no instance is "
-                "independent of the others (allowed: round-robin)")
+        return (
+            f"router {c.router!r} routes each request by every instance's load, so no instance is "
+            "independent of the others (allowed: round-robin)"
+        )
     if scenario.links.resolved().host is not None:
         return "the cpu-loop host model shares one host's CPU between every rank"
     return None
@@ -193,11 +223,22 @@ def shard_problem(scenario: Scenario) -> str | None:
 def fold_problem(scenario: Scenario) -> str | None:
     """Why this scenario's ranks cannot be folded, or None."""
     f = scenario.faults
-    if f.drop or f.duplicate or f.delay or f.match or f.abort or f.stall_scatter or f.late_session or f.kill:
+    if (
+        f.drop
+        or f.duplicate
+        or f.delay
+        or f.match
+        or f.abort
+        or f.stall_scatter
+        or f.late_session
+        or f.kill
+    ):
         return "[faults] act on single ranks or messages, so the ranks are no longer alike"
     if scenario.links.resolved().host is not None:
         return "the cpu-loop host model shares one host's CPU between every rank"
     g = scenario.geometry()
     if any(not g.targets(p) for p in range(g.prefill_tp)):
-        return "some prefill ranks write to no decode rank (MLA with more prefill than decode ranks)"
+        return (
+            "some prefill ranks write to no decode rank (MLA with more prefill than decode ranks)"
+        )
     return None

@@ -73,7 +73,11 @@ class DecodeMachine(MachineBase):
     peer_role = "prefill"
 
     def __init__(
-        self, rank: int, geometry: Geometry, pool_bytes: int, config: ProtocolConfig | None = None,
+        self,
+        rank: int,
+        geometry: Geometry,
+        pool_bytes: int,
+        config: ProtocolConfig | None = None,
         sessions: Sessions | None = None,
     ) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
@@ -117,8 +121,10 @@ class DecodeMachine(MachineBase):
     def holding(self) -> list[str]:
         """What keeps the machine from being settled, in words."""
         out = [f"room {r} live" for r in sorted(self._rooms)[:5]]
-        out += [f"room {r} quarantined until {q.until:.2f}s (waiting for prefill {sorted(q.waiting)})"
-                for r, q in sorted(self._quarantine.items())[:5]]
+        out += [
+            f"room {r} quarantined until {q.until:.2f}s (waiting for prefill {sorted(q.waiting)})"
+            for r, q in sorted(self._quarantine.items())[:5]
+        ]
         out += [f"scatter {k} since {f.start:.2f}s" for k, f in sorted(self._scatters.items())[:5]]
         return out
 
@@ -153,7 +159,9 @@ class DecodeMachine(MachineBase):
             return
         if room is None:
             room = self._new_room(ev.room, now)
-        dead_writers = [(r, k) for (r, k) in self.dead_peers if k in room.writers and self._gone_for(k, ev.room)]
+        dead_writers = [
+            (r, k) for (r, k) in self.dead_peers if k in room.writers and self._gone_for(k, ev.room)
+        ]
         if dead_writers:
             dead = ", ".join(f"{r}{k}" for (r, k) in dead_writers)
             self._fail(room, f"decode rank {self.rank}: writer {dead} is gone", now, out)
@@ -179,8 +187,14 @@ class DecodeMachine(MachineBase):
             return
         alloc = self.ring.get(flight.alloc_id)
         self._record(
-            out, "scatter", flight.start, now, room=ev.room, chunk=ev.chunk,
-            offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
+            out,
+            "scatter",
+            flight.start,
+            now,
+            room=ev.room,
+            chunk=ev.chunk,
+            offset=alloc.offset if alloc else -1,
+            bytes=alloc.nbytes if alloc else 0,
         )
         self._free(ev.room, ev.chunk, flight.alloc_id, now, out)
         room = self._rooms.get(ev.room)
@@ -207,7 +221,9 @@ class DecodeMachine(MachineBase):
         self._rejoined.pop(key, None)  # a new incarnation lost too: every room needs it
         self._lose(ev.rank, ev.reason or "lost", now, out)
 
-    def _lose(self, rank: int, reason: str, now: float, out: list[Action], before: int | None = None) -> None:
+    def _lose(
+        self, rank: int, reason: str, now: float, out: list[Action], before: int | None = None
+    ) -> None:
         """Writer `rank` is gone: fail its live rooms (those before room `before` only,
         when given) and stop sending it watermarks."""
         self.dead_peers[("prefill", rank)] = reason
@@ -217,7 +233,9 @@ class DecodeMachine(MachineBase):
                 continue  # a room of another prefill instance: it does not need this writer
             if before is not None and room.room >= before:
                 continue  # the rejoining incarnation's to serve
-            self._fail(room, f"writer prefill rank {rank} is gone: {reason}", now, out, skip_writer=rank)
+            self._fail(
+                room, f"writer prefill rank {rank} is gone: {reason}", now, out, skip_writer=rank
+            )
 
     def _on_peer_rejoined(self, ev: PeerRejoined, now: float, out: list[Action]) -> None:
         """A lost writer rejoined as a new incarnation: rooms from `ev.first_room` on may
@@ -234,8 +252,14 @@ class DecodeMachine(MachineBase):
             # the incarnation it replaces was not declared lost (it restarted within the
             # failure detector's timeout, or a rejoined one restarted again): lost now
             self._rejoined.pop(key, None)
-            self._lose(ev.rank, f"prefill rank {ev.rank} restarted as a new incarnation: its earlier "
-                       f"incarnation is gone", now, out, before=ev.first_room)
+            self._lose(
+                ev.rank,
+                f"prefill rank {ev.rank} restarted as a new incarnation: its earlier "
+                f"incarnation is gone",
+                now,
+                out,
+                before=ev.first_room,
+            )
         self._rejoined[key] = (ev.incarnation, ev.first_room)
 
     def _gone_for(self, prefill_rank: int, room: int) -> bool:
@@ -256,13 +280,23 @@ class DecodeMachine(MachineBase):
         writers = self.sessions.writers(msg.room, self.rank)
         w = writers.index(msg.prefill_rank) if msg.prefill_rank in writers else None
         if msg.decode_rank != self.rank or w is None:
-            self._drop(out, now, f"{type(msg).__name__} from prefill rank {msg.prefill_rank} to decode rank "
-                       f"{msg.decode_rank}: not a writer of room {msg.room} at decode rank {self.rank} "
-                       f"(writers {writers})", getattr(msg, "room", -1))
+            self._drop(
+                out,
+                now,
+                f"{type(msg).__name__} from prefill rank {msg.prefill_rank} to decode rank "
+                f"{msg.decode_rank}: not a writer of room {msg.room} at decode rank {self.rank} "
+                f"(writers {writers})",
+                getattr(msg, "room", -1),
+            )
             return None
         if hasattr(msg, "writer") and msg.writer != w:
-            self._drop(out, now, f"{type(msg).__name__} claims writer {msg.writer} but prefill rank "
-                       f"{msg.prefill_rank} is writer {w}", msg.room)
+            self._drop(
+                out,
+                now,
+                f"{type(msg).__name__} claims writer {msg.writer} but prefill rank "
+                f"{msg.prefill_rank} is writer {w}",
+                msg.room,
+            )
             return None
         return w
 
@@ -271,13 +305,27 @@ class DecodeMachine(MachineBase):
         message about a failed room is answered with the ABORT it may have missed)."""
         if self.is_finished(msg.room):
             if not self._finished[msg.room]:
-                out.append(Send(self._peer(msg.prefill_rank),
-                                Abort(msg.room, msg.prefill_rank, self.rank, "the room failed at the decode")))
+                out.append(
+                    Send(
+                        self._peer(msg.prefill_rank),
+                        Abort(
+                            msg.room, msg.prefill_rank, self.rank, "the room failed at the decode"
+                        ),
+                    )
+                )
             elif type(msg) is ChunkReady:
-                out.append(Send(self._peer(msg.prefill_rank),
-                                ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank)))
+                out.append(
+                    Send(
+                        self._peer(msg.prefill_rank),
+                        ReadyAck(msg.room, msg.chunk, msg.prefill_rank, self.rank),
+                    )
+                )
             elif type(msg) is WriterDone:
-                out.append(Send(self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)))
+                out.append(
+                    Send(
+                        self._peer(msg.prefill_rank), DoneAck(msg.room, msg.prefill_rank, self.rank)
+                    )
+                )
             return None
         room = self._rooms.get(msg.room)
         if room is None:
@@ -290,8 +338,14 @@ class DecodeMachine(MachineBase):
         if len(room.early) < MAX_EARLY_REQS:
             room.early.append(msg)
             return True
-        self._drop(out, now, f"too many messages before room {room.room} opened", msg.room,
-                   getattr(msg, "chunk", -1), peer=msg.prefill_rank)
+        self._drop(
+            out,
+            now,
+            f"too many messages before room {room.room} opened",
+            msg.room,
+            getattr(msg, "chunk", -1),
+            peer=msg.prefill_rank,
+        )
         return False
 
     def _on_req(self, msg: StagingReq, now: float, out: list[Action]) -> None:
@@ -304,8 +358,14 @@ class DecodeMachine(MachineBase):
         if room.chunks is not None and (
             msg.chunk >= len(room.chunks) or room.chunks[msg.chunk].num_pages != msg.num_pages
         ):
-            self._drop(out, now, f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
-                       f"match the room's grid ({len(room.chunks)} chunks)", msg.room, msg.chunk)
+            self._drop(
+                out,
+                now,
+                f"STAGING_REQ chunk {msg.chunk} of {msg.num_pages} pages does not "
+                f"match the room's grid ({len(room.chunks)} chunks)",
+                msg.room,
+                msg.chunk,
+            )
             return
         if room.chunks is None:
             # Not opened here yet: answered at OpenRoom. Staging is only ever reserved
@@ -324,21 +384,46 @@ class DecodeMachine(MachineBase):
         if alloc is None:
             rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.prefill_rank, self.rank)
         else:
-            rsp = StagingRsp(msg.room, msg.chunk, alloc.offset, alloc.round, alloc.end, False, msg.prefill_rank, self.rank)
+            rsp = StagingRsp(
+                msg.room,
+                msg.chunk,
+                alloc.offset,
+                alloc.round,
+                alloc.end,
+                False,
+                msg.prefill_rank,
+                self.rank,
+            )
         out.append(Send(self._peer(msg.prefill_rank), rsp))
         # Subscribed after the RSP: a writer back after a while would hold a watermark
         # of a round newer than any region it was handed as implausible until the RSP.
         if not self._subscribe(msg.prefill_rank, out) and duplicate:
             # a re-sent REQ means the writer may have lost our RSP or a WATERMARK
             wm = self.ring.watermark
-            out.append(Send(self._peer(msg.prefill_rank), Watermark(wm.round, wm.tail, msg.prefill_rank, self.rank)))
+            out.append(
+                Send(
+                    self._peer(msg.prefill_rank),
+                    Watermark(wm.round, wm.tail, msg.prefill_rank, self.rank),
+                )
+            )
         self._record(
-            out, "req", now, now, room=msg.room, chunk=msg.chunk, writer=w, peer=msg.prefill_rank,
-            offset=alloc.offset if alloc else -1, bytes=alloc.nbytes if alloc else 0,
-            ring_used=self.ring.used_bytes, detail="" if alloc else "oversized",
+            out,
+            "req",
+            now,
+            now,
+            room=msg.room,
+            chunk=msg.chunk,
+            writer=w,
+            peer=msg.prefill_rank,
+            offset=alloc.offset if alloc else -1,
+            bytes=alloc.nbytes if alloc else 0,
+            ring_used=self.ring.used_bytes,
+            detail="" if alloc else "oversized",
         )
 
-    def _opened_room(self, msg, now: float, out: list[Action], ack) -> tuple[int, DecodeRoom] | None:
+    def _opened_room(
+        self, msg, now: float, out: list[Action], ack
+    ) -> tuple[int, DecodeRoom] | None:
         """The writer and its room for a writer's CHUNK_READY or WRITER_DONE, or None:
         not a writer of a live room, or a room not opened here yet (then the message is
         kept for the open and acknowledged with `ack`, so the writer stops re-sending)."""
@@ -362,7 +447,9 @@ class DecodeMachine(MachineBase):
         w, room = found
         problem = self._implausible_ready(room, msg, w)
         if problem:
-            self._drop(out, now, f"CHUNK_READY {problem}", msg.room, msg.chunk, peer=msg.prefill_rank)
+            self._drop(
+                out, now, f"CHUNK_READY {problem}", msg.room, msg.chunk, peer=msg.prefill_rank
+            )
             return
         out.append(Send(self._peer(msg.prefill_rank), ack))
         arrived = room.arrived.setdefault(msg.chunk, set())
@@ -380,8 +467,10 @@ class DecodeMachine(MachineBase):
             return f"for chunk {msg.chunk} beyond the room's {len(room.chunks)} chunks"
         c = room.chunks[msg.chunk]
         if (msg.page_start, msg.num_pages) != (c.page_start, c.num_pages):
-            return (f"pages [{msg.page_start}, +{msg.num_pages}) disagree with the chunk's "
-                    f"[{c.page_start}, +{c.num_pages})")
+            return (
+                f"pages [{msg.page_start}, +{msg.num_pages}) disagree with the chunk's "
+                f"[{c.page_start}, +{c.num_pages})"
+            )
         if self.config.path is TransferPath.STAGING:
             if msg.chunk not in room.allocs:
                 return "for a chunk with no staging region"
@@ -396,8 +485,13 @@ class DecodeMachine(MachineBase):
             return
         w, room = found
         if msg.num_chunks != len(room.chunks):
-            self._drop(out, now, f"WRITER_DONE claims {msg.num_chunks} chunks, the room has {len(room.chunks)}",
-                       msg.room, peer=msg.prefill_rank)
+            self._drop(
+                out,
+                now,
+                f"WRITER_DONE claims {msg.num_chunks} chunks, the room has {len(room.chunks)}",
+                msg.room,
+                peer=msg.prefill_rank,
+            )
             return
         out.append(Send(self._peer(msg.prefill_rank), ack))
         room.writers_done.setdefault(w, msg.num_chunks)
@@ -408,22 +502,33 @@ class DecodeMachine(MachineBase):
             return
         room = self._rooms.get(msg.room)
         if room is not None:
-            self._fail(room, f"aborted by prefill rank {msg.prefill_rank}: {msg.reason}", now, out,
-                       skip_writer=msg.prefill_rank)
+            self._fail(
+                room,
+                f"aborted by prefill rank {msg.prefill_rank}: {msg.reason}",
+                now,
+                out,
+                skip_writer=msg.prefill_rank,
+            )
         else:
             self._confirm_abort(msg.room, msg.prefill_rank, now, out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
-        self._drop(out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1))
+        self._drop(
+            out, now, f"decode does not accept {type(msg).__name__}", getattr(msg, "room", -1)
+        )
 
     # --- fan-in and completion ------------------------------------------------------------
-    def _chunk_maybe_complete(self, room: DecodeRoom, chunk: int, now: float, out: list[Action]) -> None:
+    def _chunk_maybe_complete(
+        self, room: DecodeRoom, chunk: int, now: float, out: list[Action]
+    ) -> None:
         if room.chunks is None or chunk_state(room, chunk) is not DecodeChunk.COLLECTING:
             return
         if len(room.arrived.get(chunk, ())) < len(room.writers):
             return
         c = room.chunks[chunk]
-        self._record(out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk)
+        self._record(
+            out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk
+        )
         alloc = room.allocs.get(chunk)
         if alloc is None:  # slice path or OVERSIZED: the bytes are already in the KV pool
             move_chunk(room, chunk, DecodeChunk.COMPLETE)
@@ -431,7 +536,17 @@ class DecodeMachine(MachineBase):
         move_chunk(room, chunk, DecodeChunk.SCATTERING)
         self._scatters[(room.room, chunk)] = InFlightScatter(alloc.id, now)
         self.scatters_issued += 1
-        out.append(Scatter(room.room, chunk, alloc.offset, alloc.nbytes, c.page_start, c.num_pages, room.dst_page_base))
+        out.append(
+            Scatter(
+                room.room,
+                chunk,
+                alloc.offset,
+                alloc.nbytes,
+                c.page_start,
+                c.num_pages,
+                room.dst_page_base,
+            )
+        )
 
     def _maybe_done(self, room: DecodeRoom, now: float, out: list[Action]) -> None:
         if room.chunks is None or len(room.writers_done) < len(room.writers):
@@ -444,7 +559,9 @@ class DecodeMachine(MachineBase):
         out.append(RoomDone(room.room))
         out.append(ReleaseRoom(room.room))
 
-    def _fail(self, room: DecodeRoom, reason: str, now: float, out: list[Action], skip_writer: int = -1) -> None:
+    def _fail(
+        self, room: DecodeRoom, reason: str, now: float, out: list[Action], skip_writer: int = -1
+    ) -> None:
         """Fail a room: release every region it holds, tell its writers.
 
         A region being scattered is freed when its scatter completes. The others,
@@ -454,8 +571,11 @@ class DecodeMachine(MachineBase):
         out again. A room that never opened here exposed nothing: released at once.
         """
         self._end_room(room)
-        held = [(chunk, alloc.id) for chunk, alloc in room.allocs.items()
-                if alloc is not None and chunk_state(room, chunk) is not DecodeChunk.SCATTERING]
+        held = [
+            (chunk, alloc.id)
+            for chunk, alloc in room.allocs.items()
+            if alloc is not None and chunk_state(room, chunk) is not DecodeChunk.SCATTERING
+        ]
         # a writer's new incarnation knows nothing of an older room: it is not told
         told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
         waiting = set(told)
@@ -469,7 +589,15 @@ class DecodeMachine(MachineBase):
         for p in told:
             out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
         self._finish(room.room, ok=False)
-        self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
+        self._record(
+            out,
+            "room_failed",
+            now,
+            now,
+            room=room.room,
+            ring_used=self.ring.used_bytes,
+            detail=reason,
+        )
         out.append(RoomFailed(room.room, reason))
         if room.room not in self._quarantine:
             out.append(ReleaseRoom(room.room))
@@ -503,7 +631,9 @@ class DecodeMachine(MachineBase):
         if now + backoff < room.deadline:
             self._arm_deadline(room.room, now, backoff)
 
-    def _confirm_abort(self, room_id: int, prefill_rank: int, now: float, out: list[Action]) -> None:
+    def _confirm_abort(
+        self, room_id: int, prefill_rank: int, now: float, out: list[Action]
+    ) -> None:
         q = self._quarantine.get(room_id)
         if q is None:
             return
@@ -530,14 +660,19 @@ class DecodeMachine(MachineBase):
                     missing[c.index] = [p for w, p in enumerate(room.writers) if w not in got]
             if missing:
                 first = list(missing.items())[:4]
-                waits.append("CHUNK_READY from " + ", ".join(f"chunk {c}: prefill {p}" for c, p in first))
+                waits.append(
+                    "CHUNK_READY from " + ", ".join(f"chunk {c}: prefill {p}" for c, p in first)
+                )
             scattering = sorted(c for c, st in room.state.items() if st is DecodeChunk.SCATTERING)
             if scattering:
                 waits.append(f"scatter of chunks {scattering[:8]}")
         not_done = [p for w, p in enumerate(room.writers) if w not in room.writers_done]
         if not_done:
             waits.append(f"WRITER_DONE from prefill ranks {not_done}")
-        return f"decode rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + "; ".join(waits)
+        return (
+            f"decode rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for "
+            + "; ".join(waits)
+        )
 
     # --- ring and watermark ----------------------------------------------------------------
     def _new_room(self, room_id: int, now: float) -> DecodeRoom:
@@ -555,8 +690,19 @@ class DecodeMachine(MachineBase):
             return
         self._ring_changed = True
         wm = self.ring.watermark
-        self._record(out, "free", now, now, room=room, chunk=chunk, offset=alloc.offset, bytes=alloc.nbytes,
-                     ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
+        self._record(
+            out,
+            "free",
+            now,
+            now,
+            room=room,
+            chunk=chunk,
+            offset=alloc.offset,
+            bytes=alloc.nbytes,
+            ring_used=self.ring.used_bytes,
+            wm_round=wm.round,
+            wm_tail=wm.tail,
+        )
 
     def _end_room(self, room: DecodeRoom) -> None:
         """A room leaves the live set: a writer with no other live room here is no
@@ -578,7 +724,9 @@ class DecodeMachine(MachineBase):
             return False
         self._subscribers[prefill_rank] = None
         wm = self.ring.watermark
-        out.append(Send(self._peer(prefill_rank), Watermark(wm.round, wm.tail, prefill_rank, self.rank)))
+        out.append(
+            Send(self._peer(prefill_rank), Watermark(wm.round, wm.tail, prefill_rank, self.rank))
+        )
         return True
 
     def _broadcast_if_moved(self, now: float, out: list[Action]) -> None:
@@ -590,7 +738,15 @@ class DecodeMachine(MachineBase):
         self._last_wm = wm
         for s in self._subscribers:
             out.append(Send(self._peer(s), Watermark(wm.round, wm.tail, s, self.rank)))
-        self._record(out, "watermark", now, now, ring_used=self.ring.used_bytes, wm_round=wm.round, wm_tail=wm.tail)
+        self._record(
+            out,
+            "watermark",
+            now,
+            now,
+            ring_used=self.ring.used_bytes,
+            wm_round=wm.round,
+            wm_tail=wm.tail,
+        )
 
     def _region_bytes(self, num_pages: int) -> int:
         size = self._region_cache.get(num_pages)

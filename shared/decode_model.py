@@ -53,4 +53,7 @@ class DecodeModel:
 
     def step_time_s(self, batch_kv_tokens: int) -> float:
         """One step of a batch holding `batch_kv_tokens` tokens of KV in all."""
-        return self.step_overhead_s + (self.weight_bytes + batch_kv_tokens * self.kv_bytes_per_token) / self.hbm_Bps
+        return (
+            self.step_overhead_s
+            + (self.weight_bytes + batch_kv_tokens * self.kv_bytes_per_token) / self.hbm_Bps
+        )

@@ -43,7 +43,9 @@ class DecodeRoom:
     allocs: dict[int, Allocation | None] = field(default_factory=dict)  # None = OVERSIZED
     deadline: float = 0.0
     retries: int = 0
-    early: list[StagingReq | ChunkReady | WriterDone] = field(default_factory=list)  # before the open
+    early: list[StagingReq | ChunkReady | WriterDone] = field(
+        default_factory=list
+    )  # before the open
     asked: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers that sent REQ
     arrived: dict[int, set[int]] = field(default_factory=dict)  # chunk -> writers
     first_arrival: dict[int, float] = field(default_factory=dict)
@@ -55,7 +57,9 @@ class DecodeRoom:
 def move_chunk(room: DecodeRoom, chunk: int, new: DecodeChunk) -> None:
     old = room.state.get(chunk, DecodeChunk.COLLECTING)
     if new not in DECODE_TRANSITIONS[old]:
-        raise LocalProtocolError(f"room {room.room} chunk {chunk}: {old.value} -> {new.value} is not a legal move")
+        raise LocalProtocolError(
+            f"room {room.room} chunk {chunk}: {old.value} -> {new.value} is not a legal move"
+        )
     room.state[chunk] = new
     if new is DecodeChunk.COMPLETE:
         room.complete += 1

@@ -316,6 +316,17 @@ class Die:
 
 
 Action = (
-    Send | Gather | Write | SliceWrite | Scatter | RoomDone | RoomFailed | ReleaseRoom | Record
-    | Forward | Verify | Generate | Die
+    Send
+    | Gather
+    | Write
+    | SliceWrite
+    | Scatter
+    | RoomDone
+    | RoomFailed
+    | ReleaseRoom
+    | Record
+    | Forward
+    | Verify
+    | Generate
+    | Die
 )

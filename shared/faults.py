@@ -42,7 +42,14 @@ MESSAGE_NAMES: dict[type, str] = {
     DoneAck: "DONE_ACK",
 }
 MessageName = Literal[
-    "STAGING_REQ", "STAGING_RSP", "WATERMARK", "CHUNK_READY", "WRITER_DONE", "BOOTSTRAP", "ABORT", "READY_ACK",
+    "STAGING_REQ",
+    "STAGING_RSP",
+    "WATERMARK",
+    "CHUNK_READY",
+    "WRITER_DONE",
+    "BOOTSTRAP",
+    "ABORT",
+    "READY_ACK",
     "DONE_ACK",
 ]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -95,8 +102,10 @@ class KillRank(_Strict):
     @model_validator(mode="after")
     def _only_prefill_restarts(self) -> KillRank:
         if self.restart_after_s is not None and self.role != "prefill":
-            raise ValueError("only a prefill rank can restart (restart_after_s): a decode rank's staging ring "
-                             "and KV pool would come back empty under its writers")
+            raise ValueError(
+                "only a prefill rank can restart (restart_after_s): a decode rank's staging ring "
+                "and KV pool would come back empty under its writers"
+            )
         return self
 
 
@@ -107,7 +116,9 @@ class FaultsConfig(_Strict):
     drop: dict[MessageName, Probability] = Field(default_factory=dict)
     duplicate: dict[MessageName, Probability] = Field(default_factory=dict)
     delay: dict[MessageName, Probability] = Field(default_factory=dict)
-    delay_s: Annotated[float, Field(ge=0, le=3600)] = 0.002  # extra latency of a delayed message (reorders it)
+    delay_s: Annotated[float, Field(ge=0, le=3600)] = (
+        0.002  # extra latency of a delayed message (reorders it)
+    )
     match: list[MessageMatch] = Field(default_factory=list)
     abort: list[AbortAt] = Field(default_factory=list)
     stall_scatter: list[StallScatter] = Field(default_factory=list)
@@ -150,7 +161,11 @@ class FaultPlan:
         action = self._exact(name, msg)
         if action is None:
             r = self.rng.random()
-            p_drop, p_dup, p_delay = c.drop.get(name, 0.0), c.duplicate.get(name, 0.0), c.delay.get(name, 0.0)
+            p_drop, p_dup, p_delay = (
+                c.drop.get(name, 0.0),
+                c.duplicate.get(name, 0.0),
+                c.delay.get(name, 0.0),
+            )
             if r < p_drop:
                 action = "drop"
             elif r < p_drop + p_dup:

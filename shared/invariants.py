@@ -154,7 +154,12 @@ class InvariantChecker:
         while closed and closed[0][1].died < r.end - 2 * self._max_write - 1e-9:
             closed.popleft()
         for other, s in closed:
-            if other != key and s.died > r.start + self.clock_tolerance_s and s.lo < hi and lo < s.hi:
+            if (
+                other != key
+                and s.died > r.start + self.clock_tolerance_s
+                and s.lo < hi
+                and lo < s.hi
+            ):
                 self._violate(
                     "safety",
                     f"write [{lo},{hi}) on decode rank {d} started at {r.start:.6f}s while data of "
@@ -166,8 +171,12 @@ class InvariantChecker:
         self._write_end[ck] = max(r.end, self._write_end.get(ck, r.end))
         span = self._scatter_span.get(ck)
         if span is not None and r.end > span[0]:
-            self._violate("exactly_once", f"writer {r.writer}'s block landed at {r.end:.6f}s, after the chunk's "
-                          f"scatter started at {span[0]:.6f}s: the scatter read incomplete data", r)
+            self._violate(
+                "exactly_once",
+                f"writer {r.writer}'s block landed at {r.end:.6f}s, after the chunk's "
+                f"scatter started at {span[0]:.6f}s: the scatter read incomplete data",
+                r,
+            )
 
     def _on_scatter(self, r: TraceRecord) -> None:
         key = (r.rank, r.room, r.chunk)
@@ -180,18 +189,29 @@ class InvariantChecker:
         self._scatter_span[key] = (r.start, r.end)
         written = self._write_end.get(key)
         if written is not None and written > r.start + self.clock_tolerance_s:
-            self._violate("exactly_once", f"scatter started at {r.start:.6f}s before the last block "
-                          f"landed at {written:.6f}s", r)
+            self._violate(
+                "exactly_once",
+                f"scatter started at {r.start:.6f}s before the last block landed at {written:.6f}s",
+                r,
+            )
         freed = self._freed_at.get(key)
         if freed is not None and freed < r.end and freed >= r.start:
-            self._violate("safety", f"region freed at {freed:.6f}s while its scatter ran until {r.end:.6f}s", r)
+            self._violate(
+                "safety",
+                f"region freed at {freed:.6f}s while its scatter ran until {r.end:.6f}s",
+                r,
+            )
 
     def _on_free(self, r: TraceRecord) -> None:
         key = (r.rank, r.room, r.chunk)
         self._freed_at[key] = r.end
         span = self._scatter_span.get(key)
         if span is not None and span[0] <= r.end < span[1]:
-            self._violate("safety", f"region freed at {r.end:.6f}s while its scatter ran until {span[1]:.6f}s", r)
+            self._violate(
+                "safety",
+                f"region freed at {r.end:.6f}s while its scatter ran until {span[1]:.6f}s",
+                r,
+            )
         self._close(r.rank, (r.room, r.chunk), r.end)
 
     def _close(self, d: int, key: tuple[int, int], when: float) -> None:
@@ -212,7 +232,9 @@ class InvariantChecker:
             missing = sorted(set(range(chunks)) - landed)[:8]
             self._violate("exactly_once", f"room done but chunks {missing} never scattered", r)
         # data of a failed room's chunks that were never scattered is dropped with its free
-        for key in [k for k in self._live.get(r.rank, {}) if k[0] == r.room and r.phase == "room_done"]:
+        for key in [
+            k for k in self._live.get(r.rank, {}) if k[0] == r.room and r.phase == "room_done"
+        ]:
             self._close(r.rank, key, r.end)
 
     def retire(self, role: str, rank: int) -> None:
@@ -225,7 +247,9 @@ class InvariantChecker:
 
     # --- end of run ---------------------------------------------------------------------
     def finish(
-        self, end_time: float, ring_used: dict[int, int] | None = None,
+        self,
+        end_time: float,
+        ring_used: dict[int, int] | None = None,
         ignore_ranks: set[tuple[str, int]] | frozenset = frozenset(),
     ) -> list[Violation]:
         """Close the run: rooms never ended, rings not empty. `ignore_ranks` are ranks
@@ -234,7 +258,14 @@ class InvariantChecker:
             if (role, rank) in ignore_ranks:
                 continue
             self.violations.append(
-                Violation("liveness", "room never finished (neither done nor failed)", end_time, role, rank, room)
+                Violation(
+                    "liveness",
+                    "room never finished (neither done nor failed)",
+                    end_time,
+                    role,
+                    rank,
+                    room,
+                )
             )
         self._open.clear()
         used = dict(self._ring_used)
@@ -242,13 +273,17 @@ class InvariantChecker:
         for d, u in sorted(used.items()):
             if u and ("decode", d) not in ignore_ranks:
                 self.violations.append(
-                    Violation("no_leak", f"staging ring holds {u} bytes at the end", end_time, "decode", d)
+                    Violation(
+                        "no_leak", f"staging ring holds {u} bytes at the end", end_time, "decode", d
+                    )
                 )
         return self.violations
 
     def _violate(self, invariant: str, message: str, r: TraceRecord) -> None:
         self.violations.append(
-            Violation(invariant, message, r.end, r.role, r.rank, r.room, r.chunk, list(self._recent))
+            Violation(
+                invariant, message, r.end, r.role, r.rank, r.room, r.chunk, list(self._recent)
+            )
         )
 
     def report(self, limit: int = 20) -> str:
@@ -259,10 +294,14 @@ class InvariantChecker:
 
     def raise_if_violated(self) -> None:
         if self.violations:
-            raise InvariantViolation(f"{len(self.violations)} invariant violation(s):\n{self.report()}")
+            raise InvariantViolation(
+                f"{len(self.violations)} invariant violation(s):\n{self.report()}"
+            )
 
 
-def check_records(records, expect_path: str = "staging", clock_tolerance_s: float = 0.0) -> list[Violation]:
+def check_records(
+    records, expect_path: str = "staging", clock_tolerance_s: float = 0.0
+) -> list[Violation]:
     """Check a complete trace (sorted by end time) and return every violation.
     `clock_tolerance_s`: how far apart the ranks' clocks may be (0: one clock)."""
     checker = InvariantChecker(expect_path, clock_tolerance_s)

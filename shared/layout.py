@@ -200,7 +200,9 @@ def room_pages(prompt_tokens: int, prefix_tokens: int, page_size: int) -> int:
             f"decode prefix of {prefix_tokens} tokens is not a multiple of page_size={page_size}"
         )
     if prefix_tokens > prompt_tokens:
-        raise LayoutError(f"decode prefix {prefix_tokens} exceeds the prompt ({prompt_tokens} tokens)")
+        raise LayoutError(
+            f"decode prefix {prefix_tokens} exceeds the prompt ({prompt_tokens} tokens)"
+        )
     return math.ceil((prompt_tokens - prefix_tokens) / page_size)
 
 
@@ -226,7 +228,9 @@ class Geometry:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
-            raise LayoutError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+            raise LayoutError(
+                f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}"
+            )
         if self.attention == "mla" and self.total_kv_heads != 1:
             raise LayoutError(
                 f"MLA has one latent vector per token per layer: total_kv_heads must be 1 "
@@ -353,7 +357,13 @@ def _staging_layout(g: Geometry, decode_rank: int, num_pages: int) -> StagingLay
 
 
 def staging_address(
-    geometry: Geometry, layout: StagingLayout, writer: int, kv: int, layer: int, token: int, head: int
+    geometry: Geometry,
+    layout: StagingLayout,
+    writer: int,
+    kv: int,
+    layer: int,
+    token: int,
+    head: int,
 ) -> int:
     """Byte offset, from the region start, of element 0 of (writer, K/V, layer, token, head).
 
@@ -363,4 +373,8 @@ def staging_address(
     t = layout.num_tokens
     b = geometry.dtype_bytes
     d = geometry.head_dim
-    return block.offset + (kv * geometry.layers + layer) * t * heads * d * b + (token * heads + head) * d * b
+    return (
+        block.offset
+        + (kv * geometry.layers + layer) * t * heads * d * b
+        + (token * heads + head) * d * b
+    )

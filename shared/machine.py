@@ -58,7 +58,9 @@ class ProtocolConfig:
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
-            raise ValueError(f"transfer path {self.path!r} not allowed (allowed: {', '.join(PATHS)})")
+            raise ValueError(
+                f"transfer path {self.path!r} not allowed (allowed: {', '.join(PATHS)})"
+            )
         object.__setattr__(self, "path", TransferPath(self.path))
         if self.retry_s is None:
             object.__setattr__(self, "retry_s", min(1.0, self.room_timeout_s / 8))
@@ -96,8 +98,15 @@ class MachineBase:
     def _record(self, out: list[Action], phase: str, start: float, end: float, **kw) -> None:
         out.append(Record(TraceRecord(self.role, self.rank, phase, start, end, **kw)))
 
-    def _drop(self, out: list[Action], now: float, why: str, room: int = -1, chunk: int = -1,
-              peer: int = -1) -> None:
+    def _drop(
+        self,
+        out: list[Action],
+        now: float,
+        why: str,
+        room: int = -1,
+        chunk: int = -1,
+        peer: int = -1,
+    ) -> None:
         """A message that cannot apply: count it, trace it (up to a limit per peer, so
         a flood of garbage cannot grow the trace without bound), change nothing."""
         self.dropped += 1

@@ -63,8 +63,14 @@ class PrefillMachine(MachineBase):
     role = "prefill"
     peer_role = "decode"
 
-    def __init__(self, rank: int, geometry: Geometry, config: ProtocolConfig | None = None,
-                 pool_bytes: int | None = None, sessions: Sessions | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        geometry: Geometry,
+        config: ProtocolConfig | None = None,
+        pool_bytes: int | None = None,
+        sessions: Sessions | None = None,
+    ) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
         # the decode's staging pool: a region outside it is not one the decode handed out
         self.pool_bytes = pool_bytes
@@ -108,8 +114,10 @@ class PrefillMachine(MachineBase):
     def holding(self) -> list[str]:
         """What keeps the machine from being settled, in words."""
         out = [f"room {r} live" for r in sorted(self._rooms)[:5]]
-        out += [f"room {r} draining until {d.until:.2f}s (pending {sorted(d.pending)[:5]})"
-                for r, d in sorted(self._draining.items())[:5]]
+        out += [
+            f"room {r} draining until {d.until:.2f}s (pending {sorted(d.pending)[:5]})"
+            for r, d in sorted(self._draining.items())[:5]
+        ]
         return out
 
     def watermark_view(self, decode_rank: int) -> WatermarkPos:
@@ -166,7 +174,9 @@ class PrefillMachine(MachineBase):
                     out.append(
                         Send(self._peer(d), StagingReq(ev.room, c.index, c.num_pages, self.rank, d))
                     )
-                    self._record(out, "req", now, now, room=ev.room, chunk=c.index, writer=t.writer, peer=d)
+                    self._record(
+                        out, "req", now, now, room=ev.room, chunk=c.index, writer=t.writer, peer=d
+                    )
         if not room.chunks:  # nothing to send: empty room (prompt == prefix)
             for t in targets.values():
                 self._maybe_writer_done(room, t, now, out)
@@ -195,13 +205,27 @@ class PrefillMachine(MachineBase):
         rsp = t.rsp[ev.chunk]
         c = room.chunks[ev.chunk]
         self._record(
-            out, "gather", t.since[ev.chunk], now, room=ev.room, chunk=ev.chunk, writer=t.writer,
-            peer=t.decode_rank, bytes=self._block_bytes(c.num_pages, t.heads),
+            out,
+            "gather",
+            t.since[ev.chunk],
+            now,
+            room=ev.room,
+            chunk=ev.chunk,
+            writer=t.writer,
+            peer=t.decode_rank,
+            bytes=self._block_bytes(c.num_pages, t.heads),
         )
         t.move(ev.chunk, ChunkState.WRITING, now)
         offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
         out.append(
-            Write(ev.room, ev.chunk, t.decode_rank, t.writer, offset, self._block_bytes(c.num_pages, t.heads))
+            Write(
+                ev.room,
+                ev.chunk,
+                t.decode_rank,
+                t.writer,
+                offset,
+                self._block_bytes(c.num_pages, t.heads),
+            )
         )
 
     def _on_write_done(self, ev: WriteDone, now: float, out: list[Action]) -> None:
@@ -216,18 +240,39 @@ class PrefillMachine(MachineBase):
         if t.get(ev.chunk) is ChunkState.WRITING:
             offset = rsp.offset + self._block_offset(t.decode_rank, c.num_pages, t.writer)
             self._record(
-                out, "write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
-                peer=t.decode_rank, offset=offset, bytes=nbytes, requests=1,
+                out,
+                "write",
+                start,
+                now,
+                room=ev.room,
+                chunk=ev.chunk,
+                writer=t.writer,
+                peer=t.decode_rank,
+                offset=offset,
+                bytes=nbytes,
+                requests=1,
             )
         else:
             self._record(
-                out, "slice_write", start, now, room=ev.room, chunk=ev.chunk, writer=t.writer,
-                peer=t.decode_rank, bytes=nbytes,
+                out,
+                "slice_write",
+                start,
+                now,
+                room=ev.room,
+                chunk=ev.chunk,
+                writer=t.writer,
+                peer=t.decode_rank,
+                bytes=nbytes,
                 requests=self._slice_requests(t.decode_rank, c.num_pages),
             )
         if not ev.ok:
             t.move(ev.chunk, ChunkState.FAILED, now)
-            self._fail(room, f"write of chunk {ev.chunk} to decode rank {t.decode_rank} failed: {ev.error}", now, out)
+            self._fail(
+                room,
+                f"write of chunk {ev.chunk} to decode rank {t.decode_rank} failed: {ev.error}",
+                now,
+                out,
+            )
             return
         t.move(ev.chunk, ChunkState.WRITTEN, now)
         t.unacked[ev.chunk] = now
@@ -236,13 +281,20 @@ class PrefillMachine(MachineBase):
 
     def _chunk_ready(self, room: PrefillRoom, t: Target, chunk: int) -> ChunkReady:
         c = room.chunks[chunk]
-        return ChunkReady(room.room, chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank)
+        return ChunkReady(
+            room.room, chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank
+        )
 
     def _writer_done(self, room: PrefillRoom, t: Target) -> WriterDone:
         return WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank)
 
-    def _target_in_flight(self, ev: GatherDone | WriteDone, states: tuple[ChunkState, ...], now: float,
-                          out: list[Action]) -> Target | None:
+    def _target_in_flight(
+        self,
+        ev: GatherDone | WriteDone,
+        states: tuple[ChunkState, ...],
+        now: float,
+        out: list[Action],
+    ) -> Target | None:
         """The target of a completion, if its room is live; a completion of a failed
         room counts toward its drain. A completion in any other state is a local bug."""
         room = self._rooms.get(ev.room)
@@ -282,8 +334,11 @@ class PrefillMachine(MachineBase):
         peers = self._wm if room is None else self.sessions.targets(room, self.rank)
         if msg.prefill_rank != self.rank or msg.decode_rank not in peers:
             self._drop(
-                out, now, f"{type(msg).__name__} for prefill rank {msg.prefill_rank} from decode rank "
-                f"{msg.decode_rank}: not a peer of prefill rank {self.rank}", getattr(msg, "room", -1),
+                out,
+                now,
+                f"{type(msg).__name__} for prefill rank {msg.prefill_rank} from decode rank "
+                f"{msg.decode_rank}: not a peer of prefill rank {self.rank}",
+                getattr(msg, "room", -1),
             )
             return False
         return True
@@ -308,7 +363,9 @@ class PrefillMachine(MachineBase):
             if problem:
                 # never written to: a peer's bad answer must not move bytes (nor fail the
                 # room: the honest answer may still come, or the retry brings it)
-                self._drop(out, now, f"STAGING_RSP {problem}", msg.room, msg.chunk, peer=msg.decode_rank)
+                self._drop(
+                    out, now, f"STAGING_RSP {problem}", msg.room, msg.chunk, peer=msg.decode_rank
+                )
                 return
             if msg.round > self._max_round[msg.decode_rank]:
                 self._max_round[msg.decode_rank] = msg.round
@@ -316,8 +373,16 @@ class PrefillMachine(MachineBase):
         t.rsp[msg.chunk] = msg
         self._heard[msg.decode_rank] = now
         self._record(
-            out, "rsp", now, now, room=msg.room, chunk=msg.chunk, writer=t.writer, peer=msg.decode_rank,
-            offset=-1 if msg.oversized else msg.offset, bytes=0 if msg.oversized else want,
+            out,
+            "rsp",
+            now,
+            now,
+            room=msg.room,
+            chunk=msg.chunk,
+            writer=t.writer,
+            peer=msg.decode_rank,
+            offset=-1 if msg.oversized else msg.offset,
+            bytes=0 if msg.oversized else want,
             detail="oversized" if msg.oversized else "",
         )
         self._advance(room, t, msg.chunk, now, out)
@@ -327,7 +392,9 @@ class PrefillMachine(MachineBase):
         if msg.end - msg.offset != want:
             return f"region of {msg.end - msg.offset} bytes, the chunk needs {want}"
         if self.pool_bytes is not None and not 0 <= msg.offset <= msg.end <= self.pool_bytes:
-            return f"region [{msg.offset}, {msg.end}) outside the {self.pool_bytes}-byte staging pool"
+            return (
+                f"region [{msg.offset}, {msg.end}) outside the {self.pool_bytes}-byte staging pool"
+            )
         return ""
 
     def _on_watermark(self, msg: Watermark, now: float, out: list[Action]) -> None:
@@ -338,7 +405,12 @@ class PrefillMachine(MachineBase):
         if new <= self._wm[d]:
             return  # stale or reordered: keeping the max is only conservative
         if self.pool_bytes is not None and msg.tail > self.pool_bytes:
-            self._drop(out, now, f"WATERMARK tail {msg.tail} beyond the {self.pool_bytes}-byte pool", peer=d)
+            self._drop(
+                out,
+                now,
+                f"WATERMARK tail {msg.tail} beyond the {self.pool_bytes}-byte pool",
+                peer=d,
+            )
             return
         if msg.round > self._max_round[d] + 1:
             # Beyond anything decode rank d handed this rank (its ring restarts a round
@@ -347,8 +419,13 @@ class PrefillMachine(MachineBase):
             held = self._implausible_wm.get(d)
             if held is None or new > held:
                 self._implausible_wm[d] = new
-            self._drop(out, now, f"WATERMARK round {msg.round} beyond round {self._max_round[d]} + 1 "
-                       f"handed out (held until plausible)", peer=d)
+            self._drop(
+                out,
+                now,
+                f"WATERMARK round {msg.round} beyond round {self._max_round[d]} + 1 "
+                f"handed out (held until plausible)",
+                peer=d,
+            )
             return
         self._apply_watermark(d, new, now, out)
 
@@ -410,7 +487,9 @@ class PrefillMachine(MachineBase):
         elif msg.room not in self._draining:
             # Finished here (done, or failed with nothing in flight): confirm at once
             # that this writer will not touch the room's regions again.
-            self._send_aborts(msg.room, [msg.decode_rank], "writer confirms: nothing in flight", out)
+            self._send_aborts(
+                msg.room, [msg.decode_rank], "writer confirms: nothing in flight", out
+            )
 
     def _on_ready_ack(self, msg: ReadyAck, now: float, out: list[Action]) -> None:
         if not self._check_peer(msg, now, out):
@@ -436,13 +515,19 @@ class PrefillMachine(MachineBase):
             self._maybe_room_done(room, now, out)
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
-        self._drop(out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1))
+        self._drop(
+            out, now, f"prefill does not accept {type(msg).__name__}", getattr(msg, "room", -1)
+        )
 
     # --- the chunk pipeline ---------------------------------------------------------------
-    def _advance(self, room: PrefillRoom, t: Target, chunk: int, now: float, out: list[Action]) -> None:
+    def _advance(
+        self, room: PrefillRoom, t: Target, chunk: int, now: float, out: list[Action]
+    ) -> None:
         """Start the next step of `chunk` toward target `t` if its inputs are all there."""
         state = t.get(chunk)
-        if (state is not ChunkState.WAITING and state is not ChunkState.WM_WAIT) or chunk not in room.computed:
+        if (
+            state is not ChunkState.WAITING and state is not ChunkState.WM_WAIT
+        ) or chunk not in room.computed:
             return
         c = room.chunks[chunk]
         rsp = t.rsp.get(chunk)
@@ -452,18 +537,36 @@ class PrefillMachine(MachineBase):
             if not is_ready(rsp.round, rsp.end, self._wm[t.decode_rank]):
                 if state is ChunkState.WAITING:
                     t.move(chunk, ChunkState.WM_WAIT, now)
-                    heapq.heappush(self._waiting[t.decode_rank], (rsp.round, rsp.end, room.room, chunk))
+                    heapq.heappush(
+                        self._waiting[t.decode_rank], (rsp.round, rsp.end, room.room, chunk)
+                    )
                 return
             if state is ChunkState.WM_WAIT:
                 wm = self._wm[t.decode_rank]
                 self._record(
-                    out, "wm_wait", t.since[chunk], now, room=room.room, chunk=chunk, writer=t.writer,
-                    peer=t.decode_rank, wm_round=wm.round, wm_tail=wm.tail,
+                    out,
+                    "wm_wait",
+                    t.since[chunk],
+                    now,
+                    room=room.room,
+                    chunk=chunk,
+                    writer=t.writer,
+                    peer=t.decode_rank,
+                    wm_round=wm.round,
+                    wm_tail=wm.tail,
                 )
             t.move(chunk, ChunkState.GATHERING, now)
             out.append(
-                Gather(room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
-                       c.num_pages, t.heads, self._block_bytes(c.num_pages, t.heads))
+                Gather(
+                    room.room,
+                    chunk,
+                    t.decode_rank,
+                    t.writer,
+                    room.prefix_pages + c.page_start,
+                    c.num_pages,
+                    t.heads,
+                    self._block_bytes(c.num_pages, t.heads),
+                )
             )
             return
         # Slice path, or the fallback for an OVERSIZED chunk: needs the decode's pages.
@@ -472,14 +575,23 @@ class PrefillMachine(MachineBase):
         t.move(chunk, ChunkState.SLICE_WRITING, now)
         out.append(
             SliceWrite(
-                room.room, chunk, t.decode_rank, t.writer, room.prefix_pages + c.page_start,
-                c.page_start, c.num_pages, t.dst_page_base, t.heads,
+                room.room,
+                chunk,
+                t.decode_rank,
+                t.writer,
+                room.prefix_pages + c.page_start,
+                c.page_start,
+                c.num_pages,
+                t.dst_page_base,
+                t.heads,
                 self._slice_requests(t.decode_rank, c.num_pages),
                 self._block_bytes(c.num_pages, t.heads),
             )
         )
 
-    def _maybe_writer_done(self, room: PrefillRoom, t: Target, now: float, out: list[Action]) -> None:
+    def _maybe_writer_done(
+        self, room: PrefillRoom, t: Target, now: float, out: list[Action]
+    ) -> None:
         if t.done or t.written < len(room.chunks):
             return
         t.done = True
@@ -502,7 +614,12 @@ class PrefillMachine(MachineBase):
         self._record(out, "room_failed", now, now, room=room.room, detail=reason)
         out.append(RoomFailed(room.room, reason))
         # Heap entries of the gone room are skipped when popped.
-        pending = {(t.decode_rank, c) for t in room.targets.values() for c, st in t.state.items() if st in IN_FLIGHT}
+        pending = {
+            (t.decode_rank, c)
+            for t in room.targets.values()
+            for c, st in t.state.items()
+            if st in IN_FLIGHT
+        }
         targets = list(room.targets)
         if pending:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
@@ -535,9 +652,23 @@ class PrefillMachine(MachineBase):
         if behind:
             missing.append(room.chunks[behind[0]])
         for c in missing:
-            out.append(Send(self._peer(t.decode_rank), StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank)))
-            self._record(out, "req", now, now, room=room.room, chunk=c.index, writer=t.writer,
-                         peer=t.decode_rank, detail=f"retry {room.retries + 1}")
+            out.append(
+                Send(
+                    self._peer(t.decode_rank),
+                    StagingReq(room.room, c.index, c.num_pages, self.rank, t.decode_rank),
+                )
+            )
+            self._record(
+                out,
+                "req",
+                now,
+                now,
+                room=room.room,
+                chunk=c.index,
+                writer=t.writer,
+                peer=t.decode_rank,
+                detail=f"retry {room.retries + 1}",
+            )
         return bool(missing)
 
     def _resend_unacked(self, room: PrefillRoom, t: Target, now: float, out: list[Action]) -> bool:
@@ -548,25 +679,52 @@ class PrefillMachine(MachineBase):
             if at <= due:
                 t.unacked[chunk] = now
                 out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, chunk)))
-                self._record(out, "resend", now, now, room=room.room, chunk=chunk, writer=t.writer,
-                             peer=t.decode_rank, detail="CHUNK_READY not acknowledged")
+                self._record(
+                    out,
+                    "resend",
+                    now,
+                    now,
+                    room=room.room,
+                    chunk=chunk,
+                    writer=t.writer,
+                    peer=t.decode_rank,
+                    detail="CHUNK_READY not acknowledged",
+                )
                 sent = True
         if t.done and not t.done_acked and t.done_sent <= due:
             t.done_sent = now
             out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
-            self._record(out, "resend", now, now, room=room.room, writer=t.writer, peer=t.decode_rank,
-                         detail="WRITER_DONE not acknowledged")
+            self._record(
+                out,
+                "resend",
+                now,
+                now,
+                room=room.room,
+                writer=t.writer,
+                peer=t.decode_rank,
+                detail="WRITER_DONE not acknowledged",
+            )
             sent = True
         return sent
 
-    def _drained(self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]) -> None:
+    def _drained(
+        self, room_id: int, decode_rank: int, chunk: int, now: float, out: list[Action]
+    ) -> None:
         drain = self._draining.get(room_id)
         if drain is None:
             late = self._expired_drains.get(room_id)
             if late is not None and (decode_rank, chunk) in late:
                 late.discard((decode_rank, chunk))
-                self._record(out, "late_write", now, now, room=room_id, chunk=chunk, peer=decode_rank,
-                             detail="completed after the abort grace: its region may have been handed out again")
+                self._record(
+                    out,
+                    "late_write",
+                    now,
+                    now,
+                    room=room_id,
+                    chunk=chunk,
+                    peer=decode_rank,
+                    detail="completed after the abort grace: its region may have been handed out again",
+                )
             return
         drain.pending.discard((decode_rank, chunk))
         if not drain.pending:
@@ -574,7 +732,9 @@ class PrefillMachine(MachineBase):
             self._send_aborts(room_id, drain.targets, drain.reason, out)
             out.append(ReleaseRoom(room_id))
 
-    def _send_aborts(self, room_id: int, targets: list[int], reason: str, out: list[Action]) -> None:
+    def _send_aborts(
+        self, room_id: int, targets: list[int], reason: str, out: list[Action]
+    ) -> None:
         for d in targets:
             out.append(Send(self._peer(d), Abort(room_id, self.rank, d, reason[:512])))
 
@@ -592,8 +752,12 @@ class PrefillMachine(MachineBase):
                 self._expired_drains[room_id] = set(drain.pending)
                 if len(self._expired_drains) > self.config.finished_memory:
                     self._expired_drains.pop(next(iter(self._expired_drains)))
-                self._send_aborts(room_id, drain.targets,
-                                  drain.reason + f" (in-flight writes {sorted(drain.pending)[:4]} unconfirmed)", out)
+                self._send_aborts(
+                    room_id,
+                    drain.targets,
+                    drain.reason + f" (in-flight writes {sorted(drain.pending)[:4]} unconfirmed)",
+                    out,
+                )
                 out.append(ReleaseRoom(room_id))
 
     def _stall_reason(self, room: PrefillRoom) -> str:
@@ -605,22 +769,33 @@ class PrefillMachine(MachineBase):
             if self.config.path is TransferPath.STAGING:
                 no_rsp = [c.index for c in room.chunks if c.index not in t.rsp]
                 if no_rsp:
-                    waits.append(f"STAGING_RSP from decode rank {t.decode_rank} for chunks {no_rsp[:8]}")
+                    waits.append(
+                        f"STAGING_RSP from decode rank {t.decode_rank} for chunks {no_rsp[:8]}"
+                    )
             behind = t.chunks_in(ChunkState.WM_WAIT)
             if behind:
-                waits.append(f"watermark of decode rank {t.decode_rank} (view {tuple(self._wm[t.decode_rank])}) for chunks {behind[:8]}")
+                waits.append(
+                    f"watermark of decode rank {t.decode_rank} (view {tuple(self._wm[t.decode_rank])}) for chunks {behind[:8]}"
+                )
             busy = t.chunks_in(*IN_FLIGHT)
             if busy:
-                waits.append(f"gather/write completion of chunks {busy[:8]} to decode rank {t.decode_rank}")
+                waits.append(
+                    f"gather/write completion of chunks {busy[:8]} to decode rank {t.decode_rank}"
+                )
             if t.unacked:
-                waits.append(f"decode rank {t.decode_rank} to acknowledge CHUNK_READY of chunks "
-                             f"{sorted(t.unacked)[:8]} (READY_ACK)")
+                waits.append(
+                    f"decode rank {t.decode_rank} to acknowledge CHUNK_READY of chunks "
+                    f"{sorted(t.unacked)[:8]} (READY_ACK)"
+                )
             if t.done and not t.done_acked:
                 waits.append(f"decode rank {t.decode_rank} to acknowledge WRITER_DONE (DONE_ACK)")
-            if t.dst_page_base is None and (self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())):
+            if t.dst_page_base is None and (
+                self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())
+            ):
                 waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
-        return f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for " + (
-            "; ".join(waits) or "nothing pending (internal error)"
+        return (
+            f"prefill rank {self.rank}: room {room.room} timed out after {self.config.room_timeout_s}s waiting for "
+            + ("; ".join(waits) or "nothing pending (internal error)")
         )
 
     # --- geometry helpers (cached: hot in the simulator) -----------------------------------
@@ -643,7 +818,9 @@ class PrefillMachine(MachineBase):
         return writer * base
 
     def _slice_requests(self, decode_rank: int, num_pages: int) -> int:
-        return self.geometry.slice_requests(self.local, decode_rank % self.sessions.decode_tp, num_pages)
+        return self.geometry.slice_requests(
+            self.local, decode_rank % self.sessions.decode_tp, num_pages
+        )
 
     _HANDLERS = {
         OpenRoom: _on_open,

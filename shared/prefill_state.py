@@ -26,7 +26,9 @@ class ChunkState(Enum):
 
 
 CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
-    ChunkState.WAITING: frozenset({ChunkState.WM_WAIT, ChunkState.GATHERING, ChunkState.SLICE_WRITING}),
+    ChunkState.WAITING: frozenset(
+        {ChunkState.WM_WAIT, ChunkState.GATHERING, ChunkState.SLICE_WRITING}
+    ),
     ChunkState.WM_WAIT: frozenset({ChunkState.GATHERING}),
     ChunkState.GATHERING: frozenset({ChunkState.WRITING}),
     ChunkState.WRITING: frozenset({ChunkState.WRITTEN, ChunkState.FAILED}),

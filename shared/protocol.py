@@ -165,7 +165,16 @@ class Heartbeat:
 
 
 Message = (
-    StagingReq | StagingRsp | Watermark | ChunkReady | WriterDone | Bootstrap | Abort | ReadyAck | DoneAck | Heartbeat
+    StagingReq
+    | StagingRsp
+    | Watermark
+    | ChunkReady
+    | WriterDone
+    | Bootstrap
+    | Abort
+    | ReadyAck
+    | DoneAck
+    | Heartbeat
 )
 MESSAGE_TYPES: tuple[type, ...] = (
     StagingReq,
@@ -280,7 +289,9 @@ def _decode(frames: list[bytes]) -> Message:
     if codec.str_field is not None:
         raw = frames[2]
         if len(raw) > MAX_REASON_BYTES:
-            raise ProtocolError(f"{name}.{codec.str_field}: {len(raw)} bytes (max {MAX_REASON_BYTES})")
+            raise ProtocolError(
+                f"{name}.{codec.str_field}: {len(raw)} bytes (max {MAX_REASON_BYTES})"
+            )
         try:
             kwargs[codec.str_field] = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

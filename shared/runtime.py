@@ -80,7 +80,9 @@ _ROOM_MESSAGES = frozenset(t for t in MESSAGE_TYPES if "room" in t.__dataclass_f
 # trace rows for messages about rooms outside the workload; past this only counted
 MAX_FOREIGN_TRACED = 1000
 # completions of work the runtime handed out (a restarted one drops its predecessor's)
-_COMPLETIONS = frozenset({ForwardStarted, ForwardDone, GatherDone, WriteDone, ScatterDone, VerifyDone, GenerateDone})
+_COMPLETIONS = frozenset(
+    {ForwardStarted, ForwardDone, GatherDone, WriteDone, ScatterDone, VerifyDone, GenerateDone}
+)
 
 
 def rank_name(role: str, rank: int) -> str:
@@ -93,7 +95,9 @@ def fault_stream(role: str, rank: int) -> int:
 
 
 def protocol_config(scenario: Scenario) -> ProtocolConfig:
-    return ProtocolConfig(path=scenario.transfer.path, room_timeout_s=scenario.transfer.room_timeout_s)
+    return ProtocolConfig(
+        path=scenario.transfer.path, room_timeout_s=scenario.transfer.room_timeout_s
+    )
 
 
 @dataclass(slots=True)
@@ -184,7 +188,9 @@ class _Owed:
     def settle(self, key: tuple) -> None:
         n = self.counts.get(key, 0)
         if n <= 0:
-            raise LocalProtocolError(f"completion {key} for work that was never handed out (or reported twice)")
+            raise LocalProtocolError(
+                f"completion {key} for work that was never handed out (or reported twice)"
+            )
         if n == 1:
             del self.counts[key]
         else:
@@ -231,19 +237,31 @@ class RankRuntime:
         self.instance = self.sessions.instance(role, rank)
         if role == "prefill":
             self.machine: PrefillMachine | DecodeMachine = PrefillMachine(
-                rank, g, self.config, scenario.pool_bytes, sessions=self.sessions)
+                rank, g, self.config, scenario.pool_bytes, sessions=self.sessions
+            )
         else:
-            self.machine = DecodeMachine(rank, g, scenario.pool_bytes, self.config, sessions=self.sessions)
+            self.machine = DecodeMachine(
+                rank, g, scenario.pool_bytes, self.config, sessions=self.sessions
+            )
         requests = requests if requests is not None else generate_requests(scenario)
         self.scenario = scenario
-        self._given = (requests, kv_pages, verify, generate)  # what a restarted incarnation is built from
+        self._given = (
+            requests,
+            kv_pages,
+            verify,
+            generate,
+        )  # what a restarted incarnation is built from
         # A restarted incarnation (first_room given: `restarted`) serves the rooms from
         # first_room on; the rooms before it were its lost predecessor's.
         self.first_room = first_room
         self.incarnation = incarnation
         # the rooms routed to this rank's instance (all of them with one instance each)
-        self.requests = [r for r in requests if self.sessions.serves(role, rank, r.room)
-                         and (first_room is None or r.room >= first_room)]
+        self.requests = [
+            r
+            for r in requests
+            if self.sessions.serves(role, rank, r.room)
+            and (first_room is None or r.room >= first_room)
+        ]
         # Exact accounting: the rank is finished when each of these rooms ended, by id;
         # a message about any other room is dropped and counted, never progress.
         self._workload = {r.room for r in self.requests}
@@ -257,13 +275,20 @@ class RankRuntime:
         self.plan = FaultPlan(faults, scenario.workload.seed, stream=fault_stream(role, rank))
         self._message_faults = faults.any_message_fault
         # a late session starts late once; its restarted incarnation joins when it joins
-        self.join_at = self.plan.session_delay_s(rank) if role == "prefill" and first_room is None else 0.0
-        kills = sorted((k.at_s, k.restart_after_s or 0.0) for k in faults.kill if k.role == role and k.rank == rank
-                       and (first_room is None or k.at_s > started_at))  # a restart takes the later kills only
+        self.join_at = (
+            self.plan.session_delay_s(rank) if role == "prefill" and first_room is None else 0.0
+        )
+        kills = sorted(
+            (k.at_s, k.restart_after_s or 0.0)
+            for k in faults.kill
+            if k.role == role and k.rank == rank and (first_room is None or k.at_s > started_at)
+        )  # a restart takes the later kills only
         self.kill_at: float | None = kills[0][0] if kills else None
         # when the killed rank starts again (faults: kill restart_after_s): the driver restarts it
         self.restart_after_s: float | None = (kills[0][1] or None) if kills else None
-        if first_room is not None and any(k.restart_after_s for k in faults.kill if k.role == role and k.rank == rank):
+        if first_room is not None and any(
+            k.restart_after_s for k in faults.kill if k.role == role and k.rank == rank
+        ):
             self.plan.count(f"restart:{role}")  # the scenario's restart (not one by hand)
         self.dead = False
         self.events = 0
@@ -291,9 +316,19 @@ class RankRuntime:
         is dropped, and a message about one is dropped as foreign, as a new process
         would. (Hardware mode builds the new incarnation's runtime with `first_room`.)"""
         requests, kv_pages, verify, generate = self._given
-        self.__init__(self.scenario, self.role, self.rank, requests=requests, kv_pages=kv_pages, verify=verify,
-                      sessions=self.sessions, generate=generate, first_room=first_room, started_at=now,
-                      incarnation=incarnation)
+        self.__init__(
+            self.scenario,
+            self.role,
+            self.rank,
+            requests=requests,
+            kv_pages=kv_pages,
+            verify=verify,
+            sessions=self.sessions,
+            generate=generate,
+            first_room=first_room,
+            started_at=now,
+            incarnation=incarnation,
+        )
 
     # --- what the driver reads ---------------------------------------------------------
     @property
@@ -383,10 +418,16 @@ class RankRuntime:
     def result(self) -> RankResult:
         m = self.machine
         return RankResult(
-            role=self.role, rank=self.rank, rooms_done=m.rooms_done, rooms_failed=m.rooms_failed,
-            failures=dict(self.failures), dropped=m.dropped + self.dropped, events=self.events,
+            role=self.role,
+            rank=self.rank,
+            rooms_done=m.rooms_done,
+            rooms_failed=m.rooms_failed,
+            failures=dict(self.failures),
+            dropped=m.dropped + self.dropped,
+            events=self.events,
             faults_injected=dict(self.plan.injected),
-            ring_used=m.ring.used_bytes if self.role == "decode" else 0, died=self.dead,
+            ring_used=m.ring.used_bytes if self.role == "decode" else 0,
+            died=self.dead,
         )
 
     # --- the one entry point -----------------------------------------------------------
@@ -417,7 +458,11 @@ class RankRuntime:
         kind = type(event)
         handler = self._LOCAL.get(kind)
         if handler is not None:
-            if self.first_room is not None and kind in _COMPLETIONS and event.room < self.first_room:
+            if (
+                self.first_room is not None
+                and kind in _COMPLETIONS
+                and event.room < self.first_room
+            ):
                 return  # the lost incarnation's work, finishing after the restart
             handler(self, event, now, out)
             return
@@ -462,7 +507,11 @@ class RankRuntime:
         self._owed.add(("write", a.room, a.chunk, a.decode_rank))
         out.append(a)
         if self.plan.abort_at(a.room, "write"):
-            self._feed(AbortRoom(a.room, "fault injection: aborted mid-transfer (write in flight)"), now, out)
+            self._feed(
+                AbortRoom(a.room, "fault injection: aborted mid-transfer (write in flight)"),
+                now,
+                out,
+            )
 
     def _route_scatter(self, a: Scatter, now: float, out: list[Action]) -> None:
         self._owed.add(("scatter", a.room, a.chunk))
@@ -479,8 +528,19 @@ class RankRuntime:
                 why = f"a room of this rank's lost incarnation (this one serves rooms from {self.first_room})"
             else:
                 why = "not in this run"
-            out.append(Record(TraceRecord(self.role, self.rank, "dropped", now, now, room=msg.room,
-                                          detail=f"{type(msg).__name__} for room {msg.room}, {why}")))
+            out.append(
+                Record(
+                    TraceRecord(
+                        self.role,
+                        self.rank,
+                        "dropped",
+                        now,
+                        now,
+                        room=msg.room,
+                        detail=f"{type(msg).__name__} for room {msg.room}, {why}",
+                    )
+                )
+            )
 
     def _route_done(self, a: RoomDone, now: float, out: list[Action]) -> None:
         self._open_rooms.discard(a.room)
@@ -489,7 +549,9 @@ class RankRuntime:
         if self.verify and mem is not None and mem.num_pages:
             mem.verifying = True
             self._owed.add(("verify", a.room))
-            transferred = decode_room_pages(mem.request, self.geometry.page_size)  # not the output's pages
+            transferred = decode_room_pages(
+                mem.request, self.geometry.page_size
+            )  # not the output's pages
             out.append(Verify(a.room, mem.first_page, transferred, mem.request.prefix_tokens))
         if self.generate and mem is not None and mem.request.output_tokens > 0:
             mem.generating = True
@@ -547,8 +609,19 @@ class RankRuntime:
     def _on_generate_done(self, ev: GenerateDone, now: float, out: list[Action]) -> None:
         self._owed.settle(("generate", ev.room))
         mem = self._memory[ev.room]
-        out.append(Record(TraceRecord(self.role, self.rank, "generate", ev.start, now, room=ev.room,
-                                      requests=mem.request.output_tokens)))
+        out.append(
+            Record(
+                TraceRecord(
+                    self.role,
+                    self.rank,
+                    "generate",
+                    ev.start,
+                    now,
+                    room=ev.room,
+                    requests=mem.request.output_tokens,
+                )
+            )
+        )
         mem.generating = False
         self._maybe_free(ev.room, now, out)
 
@@ -574,7 +647,9 @@ class RankRuntime:
         self._admit(now, out)
         if self.role == "decode" and self._waiting and self._waiting[-1] is ev.request:
             # its pages do not fit yet: the arrival is on record, admission waits
-            out.append(Record(TraceRecord(self.role, self.rank, "arrive", now, now, room=ev.request.room)))
+            out.append(
+                Record(TraceRecord(self.role, self.rank, "arrive", now, now, room=ev.request.room))
+            )
 
     def _admit(self, now: float, out: list[Action]) -> None:
         """Open (decode) or schedule the forwards of (prefill) waiting rooms, in arrival
@@ -604,7 +679,9 @@ class RankRuntime:
                 self._maybe_free(req.room, now, out)
 
     def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
-        self._feed(OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=first), now, out)
+        self._feed(
+            OpenRoom(req.room, req.prompt_tokens, req.prefix_tokens, dst_page_base=first), now, out
+        )
         if self.plan.abort_at(req.room, "open"):
             self._feed(AbortRoom(req.room, "fault injection: aborted at open"), now, out)
 
@@ -624,12 +701,22 @@ class RankRuntime:
         mem.forwards = len(chunks)
         for c in chunks:
             self._owed.add(("forward", req.room, c.index))
-            out.append(Forward(req.room, c.index, first, prefix_pages + c.page_start, c.num_pages,
-                               c.num_pages * g.page_size))
+            out.append(
+                Forward(
+                    req.room,
+                    c.index,
+                    first,
+                    prefix_pages + c.page_start,
+                    c.num_pages,
+                    c.num_pages * g.page_size,
+                )
+            )
 
     def _on_forward_started(self, ev: ForwardStarted, now: float, out: list[Action]) -> None:
         if ("forward", ev.room, ev.chunk) not in self._owed.counts:
-            raise LocalProtocolError(f"ForwardStarted for room {ev.room} chunk {ev.chunk}, never handed out")
+            raise LocalProtocolError(
+                f"ForwardStarted for room {ev.room} chunk {ev.chunk}, never handed out"
+            )
         mem = self._memory[ev.room]
         if not mem.opened:
             mem.opened = True

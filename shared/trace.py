@@ -51,7 +51,9 @@ class TraceRecord:
     offset: int = -1  # staging ring byte offset (write / scatter / free), -1 when none
     bytes: int = 0
     requests: int = 0  # transfer requests issued by this row
-    ring_used: int = -1  # decode: staging bytes reserved (handed out, not yet freed) after the event
+    ring_used: int = (
+        -1
+    )  # decode: staging bytes reserved (handed out, not yet freed) after the event
     wm_round: int = -1  # watermark after the event (decode: its own; prefill: its view of `peer`)
     wm_tail: int = -1
     detail: str = ""  # reason of a failure, or a note

@@ -113,7 +113,11 @@ def generate_requests(scenario: Scenario) -> list[Request]:
         if row is not None and row.prefix_tokens is not None:
             prefix = row.prefix_tokens
         prefix = min(prefix, prompt // page * page)
-        output = row.output_tokens if row is not None and row.output_tokens is not None else w.output_tokens
+        output = (
+            row.output_tokens
+            if row is not None and row.output_tokens is not None
+            else w.output_tokens
+        )
         items.append((arrivals[i], prompt, prefix, output))
 
     items.sort(key=lambda it: it[0])  # stable: ties (bursts, trace) keep their order

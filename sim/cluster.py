@@ -21,8 +21,13 @@ from kvstage.sim.links import Fabric
 __all__ = ["LiveLoads", "cluster_nics"]
 
 
-def cluster_nics(fabric: Fabric, scenario: Scenario, sessions: Sessions, links: ResolvedLinks,
-                 instances: tuple[Container[int], Container[int]] | None = None) -> tuple[list, list]:
+def cluster_nics(
+    fabric: Fabric,
+    scenario: Scenario,
+    sessions: Sessions,
+    links: ResolvedLinks,
+    instances: tuple[Container[int], Container[int]] | None = None,
+) -> tuple[list, list]:
     """The NIC of every global prefill rank and every global decode rank; with
     `instances` (prefill instances, decode instances: one shard of a large cluster,
     sim/shard.py), None for the ranks of every other instance."""
@@ -39,21 +44,37 @@ def cluster_nics(fabric: Fabric, scenario: Scenario, sessions: Sessions, links: 
         else:
             key = (side, node, slot * nics // gpn)
         if key not in made:
-            made[key] = fabric.add_nic(f"{side}-node{key[1]}-{'gpu' if links.placement == 'intra' else 'nic'}{key[2]}", bw)
+            made[key] = fabric.add_nic(
+                f"{side}-node{key[1]}-{'gpu' if links.placement == 'intra' else 'nic'}{key[2]}", bw
+            )
         return made[key]
 
     if instances is None:
-        return ([nic("prefill", p) for p in range(sessions.prefill_ranks)],
-                [nic("decode", d) for d in range(sessions.decode_ranks)])
+        return (
+            [nic("prefill", p) for p in range(sessions.prefill_ranks)],
+            [nic("decode", d) for d in range(sessions.decode_ranks)],
+        )
     # a shard holds every instance its NICs are shared with: the others' are never used
     pi, di = instances
-    return ([nic("prefill", p) if p // sessions.prefill_tp in pi else None for p in range(sessions.prefill_ranks)],
-            [nic("decode", d) if d // sessions.decode_tp in di else None for d in range(sessions.decode_ranks)])
+    return (
+        [
+            nic("prefill", p) if p // sessions.prefill_tp in pi else None
+            for p in range(sessions.prefill_ranks)
+        ],
+        [
+            nic("decode", d) if d // sessions.decode_tp in di else None
+            for d in range(sessions.decode_ranks)
+        ],
+    )
 
 
 def _load(group: Sequence[RankRuntime]) -> InstanceLoad:
     """What a router sees of one instance (its simulated ranks)."""
-    ring = [rt.machine.ring.size - rt.machine.ring.used_bytes for rt in group if hasattr(rt.machine, "ring")]
+    ring = [
+        rt.machine.ring.size - rt.machine.ring.used_bytes
+        for rt in group
+        if hasattr(rt.machine, "ring")
+    ]
     return InstanceLoad(
         outstanding=group[0].outstanding,
         free_ring_bytes=min(ring) if ring else 0,
@@ -72,13 +93,26 @@ class LiveLoads:
     then the least key, lowest index first, as `Router.route` makes it from fresh loads.
     """
 
-    def __init__(self, router: Router, prefill: Sequence[RankRuntime | None], prefill_tp: int,
-                 decode: Sequence[RankRuntime | None], decode_tp: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        prefill: Sequence[RankRuntime | None],
+        prefill_tp: int,
+        decode: Sequence[RankRuntime | None],
+        decode_tp: int,
+    ) -> None:
         self._router = router
-        self._groups = {role: [[rt for rt in ranks[i:i + tp] if rt is not None]  # folded ranks are None
-                               for i in range(0, len(ranks), tp)]
-                        for role, ranks, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp))}
-        self._keys = {role: [router.key(role, _load(g)) for g in groups] for role, groups in self._groups.items()}
+        self._groups = {
+            role: [
+                [rt for rt in ranks[i : i + tp] if rt is not None]  # folded ranks are None
+                for i in range(0, len(ranks), tp)
+            ]
+            for role, ranks, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp))
+        }
+        self._keys = {
+            role: [router.key(role, _load(g)) for g in groups]
+            for role, groups in self._groups.items()
+        }
         self._dirty: set[RankRuntime] = set()
 
     def touch(self, rt: RankRuntime) -> None:

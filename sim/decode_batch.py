@@ -75,7 +75,9 @@ class DecodeBatches:
 
     def _step(self, batch: _Batch) -> None:
         for tokens, room, context, ranks, joined in batch.joining:
-            heapq.heappush(batch.finishing, (batch.steps + tokens, room, context + tokens, ranks, joined))
+            heapq.heappush(
+                batch.finishing, (batch.steps + tokens, room, context + tokens, ranks, joined)
+            )
             batch.kv_tokens += context
             batch.size += 1
         batch.joining.clear()

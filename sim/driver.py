@@ -156,19 +156,39 @@ class Simulation:
         mine = _by_instance(workload, ss)
         pi = shard[0] if shard is not None else range(ss.prefill_instances)
         di = shard[1] if shard is not None else range(ss.decode_instances)
-        self.prefill = [RankRuntime(scenario, "prefill", r, requests=mine["prefill", r // g.prefill_tp], sessions=ss)
-                        if r // g.prefill_tp in pi and (fold is None or fold.simulated("prefill", r)) else None
-                        for r in range(ss.prefill_ranks)]
-        self.decode = [RankRuntime(scenario, "decode", d, requests=mine["decode", d // g.decode_tp], sessions=ss,
-                                   generate=generate, kv_pages=self.decode_model.capacity_pages)
-                       if d // g.decode_tp in di and (fold is None or fold.simulated("decode", d)) else None
-                       for d in range(ss.decode_ranks)]
+        self.prefill = [
+            RankRuntime(
+                scenario, "prefill", r, requests=mine["prefill", r // g.prefill_tp], sessions=ss
+            )
+            if r // g.prefill_tp in pi and (fold is None or fold.simulated("prefill", r))
+            else None
+            for r in range(ss.prefill_ranks)
+        ]
+        self.decode = [
+            RankRuntime(
+                scenario,
+                "decode",
+                d,
+                requests=mine["decode", d // g.decode_tp],
+                sessions=ss,
+                generate=generate,
+                kv_pages=self.decode_model.capacity_pages,
+            )
+            if d // g.decode_tp in di and (fold is None or fold.simulated("decode", d))
+            else None
+            for d in range(ss.decode_ranks)
+        ]
         decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
-        self.batches = DecodeBatches(self, self.decode_model, decode_per_instance, ss.decode_instances)
+        self.batches = DecodeBatches(
+            self, self.decode_model, decode_per_instance, ss.decode_instances
+        )
         self.runtimes = tuple(rt for rt in (*self.prefill, *self.decode) if rt is not None)
         # what a load-aware router sees of every instance, kept current (sim/cluster.py)
-        self.loads = None if self.router.static else LiveLoads(self.router, self.prefill, g.prefill_tp,
-                                                               self.decode, g.decode_tp)
+        self.loads = (
+            None
+            if self.router.static
+            else LiveLoads(self.router, self.prefill, g.prefill_tp, self.decode, g.decode_tp)
+        )
         self._ended = 0  # rooms ended, counted at each decode instance's first rank
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
         # room yet is settled, so the run cannot end before the last arrival
@@ -195,21 +215,31 @@ class Simulation:
         s, g = self.scenario, self.geometry
         lk = s.links.resolved()
         self.control_latency = lk.control_latency_s
-        self.gpu = GpuParams(mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s, launch_s=lk.kernel_launch_s)
+        self.gpu = GpuParams(
+            mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s, launch_s=lk.kernel_launch_s
+        )
         self.link = LinkParams(lk.link.bandwidth_bytes_s, lk.link.latency_s, lk.link.per_request_s)
         self.write_link = lk.link  # the numbers bulk and slice writes take
         self.fabric = Fabric(self.env)
         bw = lk.link.bandwidth_bytes_s
         if not self.sessions.single:
-            self.prefill_nic, self.decode_nic = cluster_nics(self.fabric, s, self.sessions, lk, self.shard)
+            self.prefill_nic, self.decode_nic = cluster_nics(
+                self.fabric, s, self.sessions, lk, self.shard
+            )
         elif lk.placement == "intra":
             # same node: every GPU has its own NVLink port
-            self.prefill_nic = [self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_tp)]
-            self.decode_nic = [self.fabric.add_nic(f"decode{d}-nvlink", bw) for d in range(g.decode_tp)]
+            self.prefill_nic = [
+                self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_tp)
+            ]
+            self.decode_nic = [
+                self.fabric.add_nic(f"decode{d}-nvlink", bw) for d in range(g.decode_tp)
+            ]
         else:
             # different nodes: gpus_per_nic GPUs share one RDMA NIC on each side
             per = lk.gpus_per_nic
-            pn = [self.fabric.add_nic(f"prefill-nic{i}", bw) for i in range(-(-g.prefill_tp // per))]
+            pn = [
+                self.fabric.add_nic(f"prefill-nic{i}", bw) for i in range(-(-g.prefill_tp // per))
+            ]
             dn = [self.fabric.add_nic(f"decode-nic{i}", bw) for i in range(-(-g.decode_tp // per))]
             self.prefill_nic = [pn[p // per] for p in range(g.prefill_tp)]
             self.decode_nic = [dn[d // per] for d in range(g.decode_tp)]
@@ -225,7 +255,9 @@ class Simulation:
         self.hostm = HostModel(self.env, self.host, self.runtimes, self.prefill)
         self.loops = self.hostm.loops
         self.control_latency *= self.host.control_scale  # a message among busy ranks
-        self.write_link = scaled_link(self.write_link, self.host.write_scale)  # a write among busy ranks
+        self.write_link = scaled_link(
+            self.write_link, self.host.write_scale
+        )  # a write among busy ranks
         for rt in self.prefill:  # a late session's loop starts late
             if rt.join_at:
                 self.loops[rt].wait(rt.join_at)
@@ -277,7 +309,9 @@ class Simulation:
         """Carry out one action other than a Record (which `_feed` keeps inline)."""
         kind = type(a)
         if kind is Send:
-            dest = self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
+            dest = (
+                self.prefill[a.dest.rank] if a.dest.role == "prefill" else self.decode[a.dest.rank]
+            )
             if dest is None:
                 return  # a folded rank: not simulated
             ev = self.env.timeout(self.control_latency)
@@ -298,10 +332,16 @@ class Simulation:
                 self._write_on_cpu(rt, a, requests)
                 return
             ev = self.fabric.transfer(  # the scenario's link numbers: engine posting + NIC message rate
-                self.prefill_nic[rt.rank], self.decode_nic[a.decode_rank], a.nbytes,
-                self.write_link, requests, poster=rt.rank,
+                self.prefill_nic[rt.rank],
+                self.decode_nic[a.decode_rank],
+                a.nbytes,
+                self.write_link,
+                requests,
+                poster=rt.rank,
             )
-            ev.callbacks.append(partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)))
+            ev.callbacks.append(
+                partial(self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank))
+            )
             if self.fold is not None:
                 self.fold.ghost_writes(rt, a, requests)
         elif kind is Scatter:
@@ -322,9 +362,15 @@ class Simulation:
         writer (one lane per peer), so a write shares the cores with every other
         thread; alone it takes the link's time."""
         lk = self.write_link
-        alone = (lk.latency_s + requests * lk.per_request_s + (lk.per_batch_s if requests else 0.0)
-                 + a.nbytes / lk.bandwidth_bytes_s)
-        self.hostm.write(rt, a.decode_rank, alone, self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank))
+        alone = (
+            lk.latency_s
+            + requests * lk.per_request_s
+            + (lk.per_batch_s if requests else 0.0)
+            + a.nbytes / lk.bandwidth_bytes_s
+        )
+        self.hostm.write(
+            rt, a.decode_rank, alone, self._deliver, rt, WriteDone(a.room, a.chunk, a.decode_rank)
+        )
 
     def _gather(self, rt: RankRuntime, a: Gather, now: float) -> None:
         dur = copy_time(self.gpu, a.nbytes)
@@ -355,7 +401,9 @@ class Simulation:
         peers = [peer for peer in peers if peer is not None]
         lost = PeerLost(rt.role, rt.rank, a.reason, rt.incarnation)
         for peer in peers:
-            self._at(PEER_TIMEOUT_S, self._feed, peer, lost)  # silent that long: lost, as in hardware
+            self._at(
+                PEER_TIMEOUT_S, self._feed, peer, lost
+            )  # silent that long: lost, as in hardware
         if rt.restart_after_s is not None:  # faults: kill restart_after_s
             self._at(rt.restart_after_s, self._restart, rt)
 
@@ -386,7 +434,11 @@ class Simulation:
     # --- the end of the run ----------------------------------------------------------------
     def _maybe_end(self) -> None:
         """The run ends when every runtime is settled (the runtimes say when)."""
-        if not self._all_done.triggered and not self._arrivals_left and all(rt.settled for rt in self.runtimes):
+        if (
+            not self._all_done.triggered
+            and not self._arrivals_left
+            and all(rt.settled for rt in self.runtimes)
+        ):
             self._all_done.succeed()
 
     def _room_finished(self, rt: RankRuntime) -> None:
@@ -425,7 +477,9 @@ class Simulation:
         ev._ok, ev._value = True, None  # triggered, as a Timeout is
         ev.callbacks.append(partial(self._arrive_next, k))
         next(self.env._eid)  # SimPy's count of events scheduled stays the count of events
-        heappush(self.env._queue, (self.requests[index].arrival_s, NORMAL, k - len(self.requests), ev))
+        heappush(
+            self.env._queue, (self.requests[index].arrival_s, NORMAL, k - len(self.requests), ev)
+        )
 
     def _arrive_next(self, k: int, _ev=None) -> None:
         if k + 1 < len(self._arrival_order):
@@ -440,8 +494,8 @@ class Simulation:
         if self.loads is not None:
             ss.routes[req.room] = self.loads.route()
         pi, di = ss.route(req.room)
-        prefill = [rt for rt in self.prefill[pi * g.prefill_tp:(pi + 1) * g.prefill_tp] if rt]
-        decode = [rt for rt in self.decode[di * g.decode_tp:(di + 1) * g.decode_tp] if rt]
+        prefill = [rt for rt in self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp] if rt]
+        decode = [rt for rt in self.decode[di * g.decode_tp : (di + 1) * g.decode_tp] if rt]
         if self.loads is not None:
             for rt in (*prefill, *decode):
                 rt.assign(req)
@@ -451,7 +505,9 @@ class Simulation:
     # --- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        self._arrival_order = sorted(range(len(self.requests)), key=lambda i: self.requests[i].arrival_s)
+        self._arrival_order = sorted(
+            range(len(self.requests)), key=lambda i: self.requests[i].arrival_s
+        )
         if self.requests:
             self._schedule_arrival(0)
         for rt in self.runtimes:  # faults that act before any event (a late join, a kill)
@@ -480,22 +536,29 @@ class Simulation:
             events=sum(r.events for r in ranks),
             sim_time_s=sim_time,
             wall_s=time.perf_counter() - wall,
-            rooms_done=sum(min(rt.machine.rooms_done for rt in group) for group in self._decode_groups()),
-            rooms_failed=sum(max(rt.machine.rooms_failed for rt in group) for group in self._decode_groups()),
+            rooms_done=sum(
+                min(rt.machine.rooms_done for rt in group) for group in self._decode_groups()
+            ),
+            rooms_failed=sum(
+                max(rt.machine.rooms_failed for rt in group) for group in self._decode_groups()
+            ),
             failures=merge_failures(ranks),
             ranks=ranks,
         )
 
-
     def _decode_groups(self) -> list[list[RankRuntime]]:
         tp = self.geometry.decode_tp
-        groups = [[rt for rt in self.decode[i:i + tp] if rt] for i in range(0, len(self.decode), tp)]
+        groups = [
+            [rt for rt in self.decode[i : i + tp] if rt] for i in range(0, len(self.decode), tp)
+        ]
         return [group for group in groups if group]
 
 
 def _by_instance(requests: list[Request], ss) -> dict[tuple[str, int], list[Request]]:
     """The requests each prefill and decode instance serves, in order (static routes)."""
-    out: dict[tuple[str, int], list[Request]] = {("prefill", i): [] for i in range(ss.prefill_instances)}
+    out: dict[tuple[str, int], list[Request]] = {
+        ("prefill", i): [] for i in range(ss.prefill_instances)
+    }
     out.update({("decode", j): [] for j in range(ss.decode_instances)})
     for req in requests:
         pi, di = ss.route(req.room)

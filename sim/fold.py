@@ -53,7 +53,9 @@ class Fold:
         self.sim = sim
         self.tp = g.prefill_tp
         self.prefill = {i * g.prefill_tp for i in range(ss.prefill_instances)}
-        self.decode = {j * g.decode_tp + d for j in range(ss.decode_instances) for d in g.targets(0)}
+        self.decode = {
+            j * g.decode_tp + d for j in range(ss.decode_instances) for d in g.targets(0)
+        }
         self._link = sim.scenario.links.resolved().link
 
     def simulated(self, role: str, rank: int) -> bool:
@@ -67,7 +69,10 @@ class Fold:
         cls = type(msg)
         slots = _fields(cls)
         values = [getattr(msg, f) for f in slots]
-        at_rank, at_writer = slots.index("prefill_rank"), slots.index("writer") if "writer" in slots else -1
+        at_rank, at_writer = (
+            slots.index("prefill_rank"),
+            slots.index("writer") if "writer" in slots else -1,
+        )
         out = []
         for w, p in enumerate(writers):
             if p != msg.prefill_rank:  # (dataclasses.replace is slow on this hot path)
@@ -83,4 +88,6 @@ class Fold:
         j = ss.targets(a.room, rt.rank).index(a.decode_rank)
         for p in range(rt.rank + 1, rt.rank + self.tp):
             d = ss.targets(a.room, p)[j]
-            sim.fabric.transfer(sim.prefill_nic[p], sim.decode_nic[d], a.nbytes, self._link, requests, poster=p)
+            sim.fabric.transfer(
+                sim.prefill_nic[p], sim.decode_nic[d], a.nbytes, self._link, requests, poster=p
+            )

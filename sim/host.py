@@ -53,7 +53,7 @@ _DONE_S = 1e-12  # work left below this: the job is done (float rounding)
 
 def nice_weight(nice: float) -> float:
     """CPU weight of a thread at `nice` relative to nice 0 (CFS)."""
-    return NICE_STEP ** -nice
+    return NICE_STEP**-nice
 
 
 def steady_load(host: HostNumbers, ranks: int) -> list[tuple[float, float]]:
@@ -86,9 +86,14 @@ def scaled_link(link: LinkNumbers, factor: float) -> LinkNumbers:
     """The link with every write taking `factor` times as long (write_scale)."""
     if factor == 1.0:
         return link
-    return replace(link, bandwidth_bytes_s=link.bandwidth_bytes_s / factor, latency_s=link.latency_s * factor,
-                   per_request_s=link.per_request_s * factor, per_batch_s=link.per_batch_s * factor,
-                   message_rate=link.message_rate / factor)
+    return replace(
+        link,
+        bandwidth_bytes_s=link.bandwidth_bytes_s / factor,
+        latency_s=link.latency_s * factor,
+        per_request_s=link.per_request_s * factor,
+        per_batch_s=link.per_batch_s * factor,
+        message_rate=link.message_rate / factor,
+    )
 
 
 class _Job:
@@ -134,7 +139,9 @@ class CpuShare:
 
     __slots__ = ("env", "cores", "_steady", "_jobs", "_last", "_gen", "cpu_s")
 
-    def __init__(self, env: simpy.Environment, cores: float, steady: Iterable[tuple[float, float]] = ()) -> None:
+    def __init__(
+        self, env: simpy.Environment, cores: float, steady: Iterable[tuple[float, float]] = ()
+    ) -> None:
         self.env = env
         self.cores = cores
         self._steady = [(w, c) for w, c in steady if c > 0]
@@ -259,7 +266,9 @@ class HostModel:
     """Every rank as hardware mode's process: a loop, a copy thread and (prefill) a
     forward thread, all on one `CpuShare` of the host."""
 
-    def __init__(self, env: simpy.Environment, host: HostNumbers, runtimes: Iterable, prefill: Iterable) -> None:
+    def __init__(
+        self, env: simpy.Environment, host: HostNumbers, runtimes: Iterable, prefill: Iterable
+    ) -> None:
         runtimes = list(runtimes)
         self.env = env
         self.host = host
@@ -292,15 +301,20 @@ class HostModel:
         """A gather or scatter of `seconds` (alone, calibrated) on the rank's copy thread,
         plus the rank's own CPU per copy (copy_op_s: hand-off, glue, completion)."""
         h = self.host
-        self._stretched(self.copies[rt], rt, seconds + h.copy_op_s, h.copy_scale, h.copy_cpu_scale, fn, event)
+        self._stretched(
+            self.copies[rt], rt, seconds + h.copy_op_s, h.copy_scale, h.copy_cpu_scale, fn, event
+        )
 
     def fill(self, rt, nbytes: int, fn: Callable, event) -> None:
         """A forward's pattern fill of `nbytes` on the rank's forward thread."""
         h = self.host
-        self._stretched(self.forwards[rt], rt, fill_alone(h, nbytes), h.fill_scale, h.fill_cpu_scale, fn, event)
+        self._stretched(
+            self.forwards[rt], rt, fill_alone(h, nbytes), h.fill_scale, h.fill_cpu_scale, fn, event
+        )
 
-    def _stretched(self, worker: Worker, rt, alone: float, scale: float, cpu_scale: float,
-                   fn: Callable, event) -> None:
+    def _stretched(
+        self, worker: Worker, rt, alone: float, scale: float, cpu_scale: float, fn: Callable, event
+    ) -> None:
         """A step of `alone` seconds alone, stretched by its in-run factor (split_work),
         offloaded to `worker`."""
         work, wait = split_work(alone, scale, cpu_scale)
@@ -328,14 +342,18 @@ class HostModel:
         for k in range(threads):
             lane = self.lanes.get((rt, peer, k))
             if lane is None:
-                lane = self.lanes[(rt, peer, k)] = Worker(self.env, self.cpu, RT_LOW_WEIGHT if h.write_rt else 1.0)
+                lane = self.lanes[(rt, peer, k)] = Worker(
+                    self.env, self.cpu, RT_LOW_WEIGHT if h.write_rt else 1.0
+                )
             if wait > 0:
                 lane.wait(wait)
             lane.submit(seconds, one_done)
 
     def _noticed(self, rt, fn: Callable, event) -> None:
         if self.notice_s > 0:
-            self.env.timeout(self.notice_s).callbacks.append(partial(self._deliver_ev, rt, fn, event))
+            self.env.timeout(self.notice_s).callbacks.append(
+                partial(self._deliver_ev, rt, fn, event)
+            )
         else:
             self.deliver(rt, fn, event)
 

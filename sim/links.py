@@ -97,7 +97,9 @@ class LinkParams:
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
         if not self.message_rate > 0:
-            raise ValueError(f"message_rate must be > 0 (math.inf: no limit), got {self.message_rate}")
+            raise ValueError(
+                f"message_rate must be > 0 (math.inf: no limit), got {self.message_rate}"
+            )
         if not (isinstance(self.post_threads, int) and self.post_threads >= 0):
             raise ValueError(f"post_threads must be an int >= 0, got {self.post_threads!r}")
 

@@ -72,9 +72,13 @@ def _groups(scenario: Scenario, ss: Sessions) -> list[Group]:
     for route in set(ss.routes.values()):
         union(("prefill", route[0]), ("decode", route[1]))
     if not ss.single:  # one instance each: one group anyway
-        prefill_nics, decode_nics = cluster_nics(Fabric(simpy.Environment()), scenario, ss,
-                                                 scenario.links.resolved())
-        for side, nics, tp in (("prefill", prefill_nics, ss.prefill_tp), ("decode", decode_nics, ss.decode_tp)):
+        prefill_nics, decode_nics = cluster_nics(
+            Fabric(simpy.Environment()), scenario, ss, scenario.links.resolved()
+        )
+        for side, nics, tp in (
+            ("prefill", prefill_nics, ss.prefill_tp),
+            ("decode", decode_nics, ss.decode_tp),
+        ):
             first: dict[int, int] = {}  # NIC -> the first instance seen on it
             for rank, nic in enumerate(nics):
                 inst = rank // tp
@@ -113,7 +117,9 @@ def simulate_sharded(
     sessions, router = cluster_sessions(scenario, requests)
     groups = _groups(scenario, sessions)
     if len(groups) == 1:
-        return Simulation(scenario, check=check, progress=progress, workload=(requests, sessions, router)).run()
+        return Simulation(
+            scenario, check=check, progress=progress, workload=(requests, sessions, router)
+        ).run()
     wall = time.perf_counter()
     # each group's rooms, in order (a room's route stays inside its group)
     group_of = {i: k for k, (prefill, _) in enumerate(groups) for i in prefill}
@@ -127,20 +133,32 @@ def simulate_sharded(
         for group, mine in zip(groups, rooms, strict=True):
             if not mine:
                 continue  # instances no room was routed to: nothing happens there
+
             def report(done: int, _n: int, base: int = ended_before) -> None:
                 if progress is not None:
                     progress(base + done, len(requests))
 
-            results.append(Simulation(scenario, check=check, progress=report, shard=group,
-                                      workload=(mine, sessions, router)).run())
+            results.append(
+                Simulation(
+                    scenario,
+                    check=check,
+                    progress=report,
+                    shard=group,
+                    workload=(mine, sessions, router),
+                ).run()
+            )
             ended_before += results[-1].rooms_done + results[-1].rooms_failed
     return merge_results(scenario, requests, results, time.perf_counter() - wall)
 
 
-def merge_results(scenario: Scenario, requests: list, results: list[SimResult], wall_s: float) -> SimResult:
+def merge_results(
+    scenario: Scenario, requests: list, results: list[SimResult], wall_s: float
+) -> SimResult:
     """One result from the groups' results: records merged in time order (each group's
     are in the order it emitted them), the ranks in global order, counts summed."""
-    ranks = sorted((rank for r in results for rank in r.ranks), key=lambda x: (x.role != "prefill", x.rank))
+    ranks = sorted(
+        (rank for r in results for rank in r.ranks), key=lambda x: (x.role != "prefill", x.rank)
+    )
     return SimResult(
         scenario=scenario,
         requests=requests,

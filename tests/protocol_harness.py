@@ -44,7 +44,9 @@ class World:
         g = self.geometry
         self.rng = random.Random(self.seed)
         self.prefill = [PrefillMachine(r, g, self.config) for r in range(g.prefill_tp)]
-        self.decode = [DecodeMachine(d, g, self.pool_bytes, self.config) for d in range(g.decode_tp)]
+        self.decode = [
+            DecodeMachine(d, g, self.pool_bytes, self.config) for d in range(g.decode_tp)
+        ]
         self.bag: list[tuple[str, int, object]] = []  # (role, rank, event)
         self.now = 0.0
         self.records = []
@@ -54,13 +56,21 @@ class World:
         self.live_data: list[dict[tuple[int, int], list[tuple[int, int]]]] = [
             {} for _ in range(g.decode_tp)
         ]
-        self.region_of: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in range(g.decode_tp)]
+        self.region_of: list[dict[tuple[int, int], tuple[int, int]]] = [
+            {} for _ in range(g.decode_tp)
+        ]
         self.scattered: list[dict[tuple[int, int], int]] = [{} for _ in range(g.decode_tp)]
         self.violations: list[str] = []
 
     def open_room(self, room: int, prompt_tokens: int, prefix_tokens: int = 0) -> None:
         for d in range(self.geometry.decode_tp):
-            self.bag.append(("decode", d, OpenRoom(room, prompt_tokens, prefix_tokens, dst_page_base=room * 1000)))
+            self.bag.append(
+                (
+                    "decode",
+                    d,
+                    OpenRoom(room, prompt_tokens, prefix_tokens, dst_page_base=room * 1000),
+                )
+            )
         for p in range(self.geometry.prefill_tp):
             self.bag.append(("prefill", p, OpenRoom(room, prompt_tokens, prefix_tokens)))
 
@@ -140,8 +150,11 @@ class World:
             if not until_quiet:
                 return
             pending = [d for m in self.prefill + self.decode if (d := m.next_deadline) is not None]
-            live = any(m.live_rooms for m in self.prefill + self.decode) or any(
-                m._quarantine for m in self.decode) or any(m._draining for m in self.prefill)
+            live = (
+                any(m.live_rooms for m in self.prefill + self.decode)
+                or any(m._quarantine for m in self.decode)
+                or any(m._draining for m in self.prefill)
+            )
             if not pending or not live:
                 return
             self.tick_all(max(self.now, min(pending)) + 1e-9)

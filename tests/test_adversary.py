@@ -70,20 +70,26 @@ def _forged_for(s, room, i: int) -> dict[str, list]:
     to_decode = [
         ChunkReady(room.room, 0, chunks[0].page_start + 7, chunks[0].num_pages, 0, 0, 0),
         ChunkReady(room.room, len(chunks) + 3, 0, 1, 1, 1, 0),
-        ChunkReady(room.room, 0, chunks[0].page_start, chunks[0].num_pages, 5, 0, 0),  # not a writer
+        ChunkReady(
+            room.room, 0, chunks[0].page_start, chunks[0].num_pages, 5, 0, 0
+        ),  # not a writer
         WriterDone(room.room, len(chunks) + 5, 0, 0, 0),
         StagingReq(FOREIGN + i, 0, 4, 0, 0),
         ChunkReady(FOREIGN + i, 0, 0, 4, 1, 1, 0),
         Abort(FOREIGN + i, 0, 0, "forged"),
     ]
-    names = {f"prefill{p}": [m for m in to_prefill if m.prefill_rank == p] for p in range(g.prefill_tp)}
+    names = {
+        f"prefill{p}": [m for m in to_prefill if m.prefill_rank == p] for p in range(g.prefill_tp)
+    }
     names["decode0"] = to_decode
     return names
 
 
 def test_an_adversary_with_the_secret_harms_no_room(tmp_path):
     require_engine("nixl")
-    s = load_scenario(write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"])
+    s = load_scenario(
+        write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"]
+    )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
@@ -112,13 +118,23 @@ def test_an_adversary_with_the_secret_harms_no_room(tmp_path):
     def on_started(address, procs):
         threading.Thread(target=adversary, args=(address,), daemon=True).start()
 
-    result = launch(run_dir / "scenario.toml", 2, 1, run_dir / "logs", backend="nixl", device="cpu",
-                    timeout_s=300, on_started=on_started)
+    result = launch(
+        run_dir / "scenario.toml",
+        2,
+        1,
+        run_dir / "logs",
+        backend="nixl",
+        device="cpu",
+        timeout_s=300,
+        on_started=on_started,
+    )
     assert result.ok, result.errors
     assert sent["messages"] > 100
     reports = result.reports
     # every forgery that reached a rank was dropped and counted there, none passed as true
-    assert all(r["dropped"] > 0 for r in reports.values()), {n: r["dropped"] for n, r in reports.items()}
+    assert all(r["dropped"] > 0 for r in reports.values()), {
+        n: r["dropped"] for n, r in reports.items()
+    }
     assert all(r["unauthenticated"] == 0 for r in reports.values())
     records = assert_every_room_right(s, reports)
     reasons = {r.detail.split(" ")[0] for r in records if r.phase == "dropped"}

@@ -24,17 +24,34 @@ from kvstage.hw.bandwidth import (
 from kvstage.shared.trace import TraceRecord
 
 
-def _write(rank: int, peer: int, start: float, end: float, nbytes: int, phase: str = "write") -> TraceRecord:
-    return TraceRecord(room=0, chunk=0, role="prefill", rank=rank, phase=phase, start=start, end=end, peer=peer,
-                       bytes=nbytes)
+def _write(
+    rank: int, peer: int, start: float, end: float, nbytes: int, phase: str = "write"
+) -> TraceRecord:
+    return TraceRecord(
+        room=0,
+        chunk=0,
+        role="prefill",
+        rank=rank,
+        phase=phase,
+        start=start,
+        end=end,
+        peer=peer,
+        bytes=nbytes,
+    )
 
 
 def test_busy_time_is_the_union_of_the_write_intervals():
     assert busy_seconds([]) == 0.0
-    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == 2.5  # overlap counted once, gap not at all
+    assert (
+        busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == 2.5
+    )  # overlap counted once, gap not at all
     assert busy_seconds([(2.0, 3.0), (0.0, 1.0)]) == 2.0
-    records = [_write(0, 1, 0.0, 1.0, 2_000_000_000), _write(0, 1, 0.5, 2.0, 1_000_000_000),
-               _write(0, 1, 10.0, 11.0, 1_000_000_000, "slice_write"), _write(1, 1, 0.0, 4.0, 1_000_000_000)]
+    records = [
+        _write(0, 1, 0.0, 1.0, 2_000_000_000),
+        _write(0, 1, 0.5, 2.0, 1_000_000_000),
+        _write(0, 1, 10.0, 11.0, 1_000_000_000, "slice_write"),
+        _write(1, 1, 0.0, 4.0, 1_000_000_000),
+    ]
     got = achieved_by_pair(records)
     assert got[(0, 1)] == {"bytes": 4_000_000_000, "busy_s": 3.0, "gbs": 4 / 3}
     assert got[(1, 1)]["gbs"] == 0.25
@@ -48,10 +65,15 @@ def test_the_probe_writes_a_large_block_or_nothing():
 
 def test_the_verdict_names_the_lowest_pair():
     figures = [PairFigure(0, 0, 4.0, 5.0, 1), PairFigure(1, 0, 2.0, 5.0, 1)]
-    assert verdict(figures, 0.3) == (True, "bandwidth: PASS: every pair reached at least 30% of its ceiling; "
-                                           "lowest prefill1->decode0 2.00 of 5.00 GB/s (40%)")
+    assert verdict(figures, 0.3) == (
+        True,
+        "bandwidth: PASS: every pair reached at least 30% of its ceiling; "
+        "lowest prefill1->decode0 2.00 of 5.00 GB/s (40%)",
+    )
     passed, line = verdict(figures, 0.5)
-    assert not passed and line.startswith("bandwidth: FAIL: 1 of 2 pair(s) below 50% of their ceiling")
+    assert not passed and line.startswith(
+        "bandwidth: FAIL: 1 of 2 pair(s) below 50% of their ceiling"
+    )
     passed, line = verdict([PairFigure(0, 0, 4.0, None, 1)], 0.5)
     assert not passed and "no ceiling measured for 1 pair(s) (prefill0->decode0)" in line
     assert verdict([], 0.5)[0] is False
@@ -61,13 +83,32 @@ def test_kvstage_hw_reports_pairs_against_their_ceiling_and_exits_by_the_verdict
     require_engine("nixl")
     scenario = write_scenario(tmp_path, 2, 1, 8, requests=3)
     out = tmp_path / "run"
-    proc = subprocess.run([*kvstage_cmd(), "hw", str(scenario), "--backend", "nixl", "--out", str(out),
-                           "--target", "1.0", "--timeout", "120"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            *kvstage_cmd(),
+            "hw",
+            str(scenario),
+            "--backend",
+            "nixl",
+            "--out",
+            str(out),
+            "--target",
+            "1.0",
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     text = " ".join((proc.stdout + proc.stderr).split())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bytes_wrong"] == 0 and summary["requests_done"] == 3, text[-2000:]
     pairs = summary["bandwidth"]["pairs"]
-    assert [(p["prefill"], p["decode"]) for p in pairs] == [("prefill0", "decode0"), ("prefill1", "decode0")]
+    assert [(p["prefill"], p["decode"]) for p in pairs] == [
+        ("prefill0", "decode0"),
+        ("prefill1", "decode0"),
+    ]
     for p in pairs:  # every pair measured its ceiling in this run and wrote its rooms' bytes
         assert p["ceiling_gbs"] > 0 and p["achieved_gbs"] > 0 and p["bytes"] > 0, p
         assert f"{p['prefill']} -> {p['decode']}" in text

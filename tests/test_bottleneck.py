@@ -22,8 +22,16 @@ P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 
 
 def verdict(*sets: str, requests: int = 8):
-    s = load_scenario(P8D2, ['workload.prompt="fixed"', 'workload.arrival="fixed"', f"workload.requests={requests}",
-                             "slo.ttft_s=2", *sets])
+    s = load_scenario(
+        P8D2,
+        [
+            'workload.prompt="fixed"',
+            'workload.arrival="fixed"',
+            f"workload.requests={requests}",
+            "slo.ttft_s=2",
+            *sets,
+        ],
+    )
     res = simulate(s)
     return s, simulation_summary(s, res)
 
@@ -53,9 +61,16 @@ def test_a_light_load_names_the_largest_share_of_ttft():
 
 def test_a_tiny_kv_capacity_is_decode_kv_capacity():
     m = DecodeModel(load_scenario(P8D2))
-    gib = (m.weight_bytes + 10_000 * m.kv_bytes_per_token) / GIB  # ~10k tokens: one room of 8192 + 256
-    s, summary = verdict("workload.rate_per_s=1", "workload.prompt_tokens=8192", "workload.output_tokens=256",
-                         f"decode.gpu_memory_gib={gib}", "decode.memory_utilization=1.0")
+    gib = (
+        m.weight_bytes + 10_000 * m.kv_bytes_per_token
+    ) / GIB  # ~10k tokens: one room of 8192 + 256
+    s, summary = verdict(
+        "workload.rate_per_s=1",
+        "workload.prompt_tokens=8192",
+        "workload.output_tokens=256",
+        f"decode.gpu_memory_gib={gib}",
+        "decode.memory_utilization=1.0",
+    )
     b = summary["bottleneck"]
     assert (b["stage"], b["reason"]) == (KV, "overloaded")
     kv = b["stages"][KV]
@@ -65,7 +80,9 @@ def test_a_tiny_kv_capacity_is_decode_kv_capacity():
 
 
 def test_a_slow_link_is_the_nic():
-    s, summary = verdict("workload.rate_per_s=1", "workload.prompt_tokens=4096", "links.inter_bandwidth_gbps=4")
+    s, summary = verdict(
+        "workload.rate_per_s=1", "workload.prompt_tokens=4096", "links.inter_bandwidth_gbps=4"
+    )
     b = summary["bottleneck"]
     assert (b["stage"], b["reason"]) == (NIC, "overloaded")
     nics = min(nic_counts(s))
@@ -75,8 +92,14 @@ def test_a_slow_link_is_the_nic():
 
 
 def test_ttft_parts_are_disjoint_and_sum_to_ttft():
-    info = {"arrival": 0.0, "admitted": 3.0, "forward_start": 0.5, "forward_end": 2.0, "done": 3.5,
-            "staging_wait": 0.2}
+    info = {
+        "arrival": 0.0,
+        "admitted": 3.0,
+        "forward_start": 0.5,
+        "forward_end": 2.0,
+        "done": 3.5,
+        "staging_wait": 0.2,
+    }
     parts = ttft_parts(info)
     assert parts == pytest.approx({QUEUE: 0.5, PREFILL: 1.5, KV: 1.0, RING: 0.2, NIC: 0.3})
     assert sum(parts.values()) == pytest.approx(info["done"] - info["arrival"])
@@ -84,8 +107,13 @@ def test_ttft_parts_are_disjoint_and_sum_to_ttft():
 
 
 def test_a_tpot_target_the_weights_alone_miss_is_decode_compute():
-    _, summary = verdict("workload.rate_per_s=0.5", "workload.prompt_tokens=4096", "workload.output_tokens=8",
-                         "slo.tpot_s=0.001", requests=3)
+    _, summary = verdict(
+        "workload.rate_per_s=0.5",
+        "workload.prompt_tokens=4096",
+        "workload.output_tokens=8",
+        "slo.tpot_s=0.001",
+        requests=3,
+    )
     b = summary["bottleneck"]
     assert b["stage"] == DECODE and b["stages"][DECODE]["infeasible"]
 
@@ -94,16 +122,31 @@ def test_sweep_says_why_a_transfer_target_is_out_of_reach():
     """No pool size gives transfer p99 < 1 s: the forward alone is 1.45 s of it, and
     the verdict at the best point says what limits the run."""
     why_b = "prefill compute: 4.00 req/s x 32,768 prompt tokens = 131,072 tokens/s offered vs 22,663 tokens/s"
-    rows = [{"decode.staging_pool_mb": pool, "status": STATUS_OK, "requests_failed": 0, "requests_done": 32,
-             "transfer_latency_s.p99": 1.45 + kv, "prefill_compute_s.p99": 1.45, "kv_transfer_latency_s.p99": kv,
-             "bottleneck": PREFILL, "bottleneck_why": why_b} for pool, kv in ((2048, 0.2), (4096, 0.03))]
+    rows = [
+        {
+            "decode.staging_pool_mb": pool,
+            "status": STATUS_OK,
+            "requests_failed": 0,
+            "requests_done": 32,
+            "transfer_latency_s.p99": 1.45 + kv,
+            "prefill_compute_s.p99": 1.45,
+            "kv_transfer_latency_s.p99": kv,
+            "bottleneck": PREFILL,
+            "bottleneck_why": why_b,
+        }
+        for pool, kv in ((2048, 0.2), (4096, 0.03))
+    ]
     why = why_unmet(rows, parse_target("transfer_latency_s.p99<1"), "decode.staging_pool_mb")
     assert "prefill_compute_s.p99 alone is 1.45 s there and misses the target at every point" in why
-    assert "kv_transfer_latency_s.p99 30 ms (the part the request waits for after its forward)" in why
+    assert (
+        "kv_transfer_latency_s.p99 30 ms (the part the request waits for after its forward)" in why
+    )
     assert f"what limits it there: {why_b}" in why
     # an SLO figure on points without [slo]: say how to get it
     bare = [{"decode.staging_pool_mb": 2048, "status": STATUS_OK, "requests_failed": 0}]
-    assert "give [slo] targets" in why_unmet(bare, parse_target("slo_attainment>=0.9"), "decode.staging_pool_mb")
+    assert "give [slo] targets" in why_unmet(
+        bare, parse_target("slo_attainment>=0.9"), "decode.staging_pool_mb"
+    )
 
 
 # --- the staging ring's capacity figure -------------------------------------------------
@@ -112,6 +155,7 @@ MIB = 1 << 20
 
 def _row(role: str, rank: int, phase: str, start: float, end: float, **kw):
     from kvstage.shared.trace import TraceRecord
+
     return TraceRecord(role, rank, phase, start, end, **kw)
 
 
@@ -126,7 +170,9 @@ def test_ring_hold_is_region_bytes_times_first_write_to_free_per_decode_rank():
         _row("prefill", 0, "write", 2.0, 2.1, room=0, chunk=1, peer=1, bytes=60),
         _row("decode", 0, "free", 2.25, 2.25, room=0, chunk=1, bytes=60),  # 60 B x 0.25 s
         _row("decode", 1, "free", 2.25, 2.25, room=0, chunk=1, bytes=60),
-        _row("decode", 0, "free", 3.0, 3.0, room=1, chunk=0, bytes=100),  # never written: held nothing
+        _row(
+            "decode", 0, "free", 3.0, 3.0, room=1, chunk=0, bytes=100
+        ),  # never written: held nothing
     ]
     info = room_latencies(rows)
     assert info[0]["ring_byte_s"] == pytest.approx(((50 + 15) + (70 + 15)) / 2)
@@ -139,10 +185,13 @@ def _ring_case(byte_s: float, *sets: str):
     of 4096 MiB in regions of 1280 MiB: three fit, 3840 MiB usable."""
     from kvstage.metrics.bottleneck import bottleneck
     from kvstage.shared.workload import Request
+
     s = load_scenario(P8D2, list(sets))
     requests = [Request(i, float(i), 8192, 0) for i in range(5)]
-    rooms = {i: {"ring_byte_s": byte_s, "ring_bytes": 1280.0 * MIB, "ring_region_bytes": 1280.0 * MIB}
-             for i in range(5)}
+    rooms = {
+        i: {"ring_byte_s": byte_s, "ring_bytes": 1280.0 * MIB, "ring_region_bytes": 1280.0 * MIB}
+        for i in range(5)
+    }
     return bottleneck(s, requests, rooms, {})
 
 
@@ -150,7 +199,11 @@ def test_ring_utilization_by_hand():
     usable = 3 * 1280 * MIB
     b = _ring_case(0.5 * usable)  # 1 req/s x half the usable bytes for 1 s each
     ring = b["stages"][RING]
-    assert (ring["regions_that_fit"], ring["usable_bytes"], ring["pool_bytes"]) == (3, usable, 4096 * MIB)
+    assert (ring["regions_that_fit"], ring["usable_bytes"], ring["pool_bytes"]) == (
+        3,
+        usable,
+        4096 * MIB,
+    )
     assert ring["utilization"] == pytest.approx(0.5)
     assert ring["hold_s"] == pytest.approx(0.5 * usable / (1280 * MIB))
     # two decode instances share the requests: each ring holds half as much
@@ -161,14 +214,22 @@ def test_ring_utilization_by_hand():
     assert short["utilization"] == pytest.approx(0.5)
     over = _ring_case(1.5 * usable)
     assert (over["stage"], over["reason"]) == (RING, "overloaded")
-    assert over["explanation"].startswith("staging ring: 1.00 req/s x ") and "150% of capacity" in over["explanation"]
+    assert (
+        over["explanation"].startswith("staging ring: 1.00 req/s x ")
+        and "150% of capacity" in over["explanation"]
+    )
 
 
 def _fan_in(pool_mb: int, rate: float):
     """16 prefill instances (TP8) writing 8k-token rooms (one 1280 MiB region per decode
     rank) into one decode instance (TP2)."""
-    return verdict("cluster.prefill_instances=16", f"workload.rate_per_s={rate}", "workload.prompt_tokens=8192",
-                   f"decode.staging_pool_mb={pool_mb}", requests=48)
+    return verdict(
+        "cluster.prefill_instances=16",
+        f"workload.rate_per_s={rate}",
+        "workload.prompt_tokens=8192",
+        f"decode.staging_pool_mb={pool_mb}",
+        requests=48,
+    )
 
 
 def test_a_ring_of_one_region_is_the_staging_ring():
@@ -176,8 +237,12 @@ def test_a_ring_of_one_region_is_the_staging_ring():
     b = summary["bottleneck"]
     assert (b["stage"], b["reason"]) == (RING, "overloaded")
     ring = b["stages"][RING]
-    assert ring["regions_that_fit"] == 1 and ring["region_bytes"] == s.geometry().region_bytes(8192 // 16)
-    assert ring["utilization"] > max(v.get("utilization") or 0 for k, v in b["stages"].items() if k != RING)
+    assert ring["regions_that_fit"] == 1 and ring["region_bytes"] == s.geometry().region_bytes(
+        8192 // 16
+    )
+    assert ring["utilization"] > max(
+        v.get("utilization") or 0 for k, v in b["stages"].items() if k != RING
+    )
     assert summary["watermark_stall_s"]["total"] > 0  # chunks did wait for the ring
     # the same load with a roomy pool: the NIC limits (the ring holds three regions)
     _, roomy = _fan_in(4096, 40)

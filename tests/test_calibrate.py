@@ -77,13 +77,16 @@ def test_negative_intercept_is_clamped() -> None:
     assert fit.bandwidth_Bps == pytest.approx(5e9, rel=0.1)
 
 
-@pytest.mark.parametrize("bad", [
-    ([1, 2], [1e-3]),  # lengths differ
-    ([1], [1e-3]),  # one point
-    ([1, 2], [1e-3, -1e-3]),  # negative time
-    ([1, 2], [1e-3, float("nan")]),
-    ([1, 2], [2e-3, 1e-3]),  # time falls with size: no bandwidth
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ([1, 2], [1e-3]),  # lengths differ
+        ([1], [1e-3]),  # one point
+        ([1, 2], [1e-3, -1e-3]),  # negative time
+        ([1, 2], [1e-3, float("nan")]),
+        ([1, 2], [2e-3, 1e-3]),  # time falls with size: no bandwidth
+    ],
+)
 def test_bad_points_are_refused(bad) -> None:
     with pytest.raises(ValueError, match="fit_latency_bandwidth"):
         fit_latency_bandwidth(*bad)
@@ -106,7 +109,9 @@ def test_per_request_recovered_from_noisy_batches(seed: int, per: float) -> None
 def test_per_request_never_negative() -> None:
     counts = [1, 10, 100]
     # slope below what the bytes alone take: no overhead left
-    fit = fit_per_request(counts, [1e-5 + n * 1e-7 for n in counts], op_bytes=4096, bandwidth_Bps=1e9)
+    fit = fit_per_request(
+        counts, [1e-5 + n * 1e-7 for n in counts], op_bytes=4096, bandwidth_Bps=1e9
+    )
     assert fit.per_request_s == 0.0
     with pytest.raises(ValueError):
         fit_per_request(counts, [1e-5] * 3, op_bytes=4096, bandwidth_Bps=0.0)
@@ -143,11 +148,23 @@ def test_cli_registers_calibrate_and_refuses_bad_input() -> None:
 @pytest.mark.hw
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: str, tmp_path: Path) -> None:
+def test_quick_calibration_writes_a_profile_that_loads_and_simulates(
+    backend: str, tmp_path: Path
+) -> None:
     require_engine(backend)
     stages: set[str] = set()
-    cal = calibrate(backend, "cpu", quick=True, progress=lambda stage, done, total: stages.add(stage))
-    assert {"writes", "batches", "control", "kernels", "fill", "posting fresh", "posting pairs"} <= stages
+    cal = calibrate(
+        backend, "cpu", quick=True, progress=lambda stage, done, total: stages.add(stage)
+    )
+    assert {
+        "writes",
+        "batches",
+        "control",
+        "kernels",
+        "fill",
+        "posting fresh",
+        "posting pairs",
+    } <= stages
     assert cal.write.bandwidth_Bps > 0 and cal.write.latency_s >= 0
     assert cal.per_request.per_request_s >= 0
     assert 0 < cal.control_rtt_s < 1.0
@@ -161,7 +178,16 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert side == sidecar_path(profile) and side.is_file()
     extra = json.loads(side.read_text())
     assert extra["backend"] == backend
-    assert {"write", "per_request", "control", "gather", "scatter", "copy", "fill", "posting"} <= set(extra["fit"])
+    assert {
+        "write",
+        "per_request",
+        "control",
+        "gather",
+        "scatter",
+        "copy",
+        "fill",
+        "posting",
+    } <= set(extra["fit"])
     # the posting probe: its fit with R^2 and the serialisation verdicts, in the profile too
     posting = extra["fit"]["posting"]
     assert posting["fresh"]["r2"] <= 1.0 and posting["per_request_s"] > 0
@@ -181,8 +207,10 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(backend: st
     assert data["background_cores"] >= 0 and extra["raw"]["conditions"]["cores"] >= 1
 
     # a catalogue scenario loads with it and simulates a handful of requests
-    s = load_scenario(REPO / "scenarios" / "llama3-8b-p4-d2.toml",
-                      overrides=[f"links.profile={profile}", "workload.requests=4"])
+    s = load_scenario(
+        REPO / "scenarios" / "llama3-8b-p4-d2.toml",
+        overrides=[f"links.profile={profile}", "workload.requests=4"],
+    )
     r = s.links.resolved()
     assert r.profile_path == str(profile.resolve())
     assert r.host is not None and r.host.loop_poll_s == 0
@@ -200,10 +228,22 @@ def test_weak_fits_are_named():
     from kvstage.cli.commands.calibrate import MIN_R2, weak_fits
 
     good, bad = SimpleNamespace(r2=0.99), SimpleNamespace(r2=0.32)
-    cal = SimpleNamespace(write=bad, per_request=good, gather=good, gather_sub=good, scatter=SimpleNamespace(r2=0.5),
-                          copy=good, fill=good)
+    cal = SimpleNamespace(
+        write=bad,
+        per_request=good,
+        gather=good,
+        gather_sub=good,
+        scatter=SimpleNamespace(r2=0.5),
+        copy=good,
+        fill=good,
+    )
     lines = weak_fits(cal)
-    assert len(lines) == 2 and "write bandwidth" in lines[0] and "0.32" in lines[0] and "scatter" in lines[1]
+    assert (
+        len(lines) == 2
+        and "write bandwidth" in lines[0]
+        and "0.32" in lines[0]
+        and "scatter" in lines[1]
+    )
     assert all(str(MIN_R2) in line for line in lines)
     cal.write = cal.scatter = good
     assert weak_fits(cal) == []
@@ -216,8 +256,12 @@ def test_host_fields_from_raw_points():
 
     from kvstage.calibrate.profile import Calibration
 
-    raw = {"control": {"rtt_s": [1e-4], "cpu_per_ping_s": 60e-6}, "handle": {"mean_s": 10e-6},
-           "conditions": {"cores": 2, "other_cpu_share": 0.25}, "rank_loop": {"busy_poll_s": 0.002, "forward_nice": 5}}
+    raw = {
+        "control": {"rtt_s": [1e-4], "cpu_per_ping_s": 60e-6},
+        "handle": {"mean_s": 10e-6},
+        "conditions": {"cores": 2, "other_cpu_share": 0.25},
+        "rank_loop": {"busy_poll_s": 0.002, "forward_nice": 5},
+    }
     cal = SimpleNamespace(raw=raw, device="cpu")
     cal.message_cpu_s = Calibration.message_cpu_s.fget(cal)
     assert cal.message_cpu_s == pytest.approx(30e-6)
@@ -234,10 +278,21 @@ def test_inrun_factors_fixed_point_on_a_model():
     """fit_factors: each factor moves by target / simulated until they agree."""
     from kvstage.calibrate.inrun import FACTORS, fit_factors
 
-    truth = {"fill_scale": 4.0, "copy_scale": 2.0, "control_scale": 10.0, "write_scale": 3.0, "event_scale": 6.0}
+    truth = {
+        "fill_scale": 4.0,
+        "copy_scale": 2.0,
+        "control_scale": 10.0,
+        "write_scale": 3.0,
+        "event_scale": 6.0,
+    }
     # a step is part scaled work, part fixed (as the poll wait and one loop event are)
-    base = {"fill": (1e-3, 0.5e-3), "copy": (0.2e-3, 0.5e-3), "control": (0.1e-3, 0.1e-3), "write": (0.3e-3, 0.0),
-            "event": (0.2e-3, 0.1e-3)}
+    base = {
+        "fill": (1e-3, 0.5e-3),
+        "copy": (0.2e-3, 0.5e-3),
+        "control": (0.1e-3, 0.1e-3),
+        "write": (0.3e-3, 0.0),
+        "event": (0.2e-3, 0.1e-3),
+    }
 
     def model(f):
         return {k: a * f[FACTORS[k][0]] + b for k, (a, b) in base.items()}
@@ -260,9 +315,23 @@ def test_inrun_fit_recovers_factors_from_a_simulated_run():
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    host = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.02, "event_us": 80.0,
-            "fill_latency_us": 330.0, "fill_bandwidth_gbs": 1.7, "loop_poll_us": 1000.0, "forward_nice": 10.0}
-    truth = {"fill_scale": 4.0, "copy_scale": 5.0, "control_scale": 10.0, "write_scale": 3.0, "event_scale": 8.0}
+    host = {
+        "host_model": "cpu-loop",
+        "host_cores": 2,
+        "engine_thread_cores": 0.02,
+        "event_us": 80.0,
+        "fill_latency_us": 330.0,
+        "fill_bandwidth_gbs": 1.7,
+        "loop_poll_us": 1000.0,
+        "forward_nice": 10.0,
+    }
+    truth = {
+        "fill_scale": 4.0,
+        "copy_scale": 5.0,
+        "control_scale": 10.0,
+        "write_scale": 3.0,
+        "event_scale": 8.0,
+    }
     data = {**CAL_SCENARIO, "links": {**CAL_SCENARIO["links"], **host, **truth}}
     target = kind_means(Simulation(scenario_from_dict(data), check=False).run().records)
     fit = fit_profile(host, {"ok": True, "steps": target})
@@ -301,21 +370,37 @@ def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    host = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.02, "event_us": 80.0,
-            "fill_latency_us": 330.0, "fill_bandwidth_gbs": 1.7, "forward_nice": 10.0,
-            "mem_bandwidth_gbs": 20.0, "kernel_launch_us": 10.0}
+    host = {
+        "host_model": "cpu-loop",
+        "host_cores": 2,
+        "engine_thread_cores": 0.02,
+        "event_us": 80.0,
+        "fill_latency_us": 330.0,
+        "fill_bandwidth_gbs": 1.7,
+        "forward_nice": 10.0,
+        "mem_bandwidth_gbs": 20.0,
+        "kernel_launch_us": 10.0,
+    }
     truth = {"copy_op_us": 200.0, "fill_scale": 2.0, "copy_scale": 3.0, "event_scale": 2.0}
 
     def run(data):
-        records = Simulation(scenario_from_dict({**data, "links": {**data["links"], **host, **truth}}),
-                             check=False).run().records
+        records = (
+            Simulation(
+                scenario_from_dict({**data, "links": {**data["links"], **host, **truth}}),
+                check=False,
+            )
+            .run()
+            .records
+        )
         return {"ok": True, "steps": kind_means(records), "copy_bytes": copy_bytes_mean(records)}
 
     inrun = {**run(CAL_SCENARIO), "small": run(CAL_SMALL)}
     assert inrun["copy_bytes"] == pytest.approx(4 * inrun["small"]["copy_bytes"])
     fit = fit_profile(host, inrun)
     assert fit["copy_op_us"] == pytest.approx(200.0, rel=0.1)
-    assert fit_profile(host, {**inrun, "small": {"ok": False}})["copy_op_us"] == 0.0  # no small run: none
+    assert (
+        fit_profile(host, {**inrun, "small": {"ok": False}})["copy_op_us"] == 0.0
+    )  # no small run: none
 
 
 def test_joint_steps_pool_both_runs_but_the_copy():
@@ -331,7 +416,9 @@ def test_joint_steps_pool_both_runs_but_the_copy():
     for k in ("fill", "event", "control", "write"):
         assert joint[k] == pytest.approx(big[k] / 2)
     assert joint_steps(big, None) == big
-    assert math.isnan(joint_steps(big, {**small, "write": 0.0})["write"])  # no figure: that factor stays
+    assert math.isnan(
+        joint_steps(big, {**small, "write": 0.0})["write"]
+    )  # no figure: that factor stays
 
 
 def test_cpu_factors_from_the_ranks_job_cpu():
@@ -339,18 +426,28 @@ def test_cpu_factors_from_the_ranks_job_cpu():
     fixed part from the two runs' CPU (t = s * (op + alone) exactly here)."""
     from kvstage.calibrate.inrun import cpu_factors
 
-    fields = {"fill_latency_us": 200.0, "fill_bandwidth_gbs": 10.0, "kernel_launch_us": 10.0,
-              "mem_bandwidth_gbs": 20.0, "intra_latency_us": 100.0, "intra_per_batch_us": 0.0,
-              "intra_bandwidth_gbps": 80.0, "write_on_cpu": True}
+    fields = {
+        "fill_latency_us": 200.0,
+        "fill_bandwidth_gbs": 10.0,
+        "kernel_launch_us": 10.0,
+        "mem_bandwidth_gbs": 20.0,
+        "intra_latency_us": 100.0,
+        "intra_per_batch_us": 0.0,
+        "intra_bandwidth_gbps": 80.0,
+        "write_on_cpu": True,
+    }
     s, op = 2.0, 50e-6
 
     def run(nbytes: int) -> dict:
         copy_alone = 10e-6 + 2 * nbytes / 20e9
-        return {"job_cpu": {
-            "fill": {"n": 4, "cpu_s": 4 * 3.0 * (200e-6 + nbytes / 10e9), "bytes": 4 * nbytes},
-            "gather": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
-            "scatter": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
-            "write": {"n": 4, "cpu_s": 4 * 1.5 * (100e-6 + nbytes / 10e9), "bytes": 4 * nbytes}}}
+        return {
+            "job_cpu": {
+                "fill": {"n": 4, "cpu_s": 4 * 3.0 * (200e-6 + nbytes / 10e9), "bytes": 4 * nbytes},
+                "gather": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
+                "scatter": {"n": 2, "cpu_s": 2 * s * (op + copy_alone), "bytes": 2 * nbytes},
+                "write": {"n": 4, "cpu_s": 4 * 1.5 * (100e-6 + nbytes / 10e9), "bytes": 4 * nbytes},
+            }
+        }
 
     got = cpu_factors(fields, [run(2 << 20), run(512 << 10)])
     assert got["fill_cpu_scale"] == pytest.approx(3.0, rel=1e-3)

@@ -14,13 +14,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 def kvstage(*args: str) -> subprocess.CompletedProcess:
     # stdout and stderr are pipes here: exactly the "not a terminal" case
-    return subprocess.run([str(Path(sys.executable).parent / "kvstage"), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "80"})
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "kvstage"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "80"},
+    )
 
 
 def test_a_scenario_error_is_one_literal_line(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[model]\npreset = "llama-3-8b"\n[prefill]\ntp = 2\n[decode]\ntp = 1\nbogus = 1\n')
+    bad.write_text(
+        '[model]\npreset = "llama-3-8b"\n[prefill]\ntp = 2\n[decode]\ntp = 1\nbogus = 1\n'
+    )
     res = kvstage("validate", str(bad))
     assert res.returncode == 2
     lines = res.stderr.splitlines()
@@ -31,17 +39,25 @@ def test_a_scenario_error_is_one_literal_line(tmp_path):
 
 
 def test_several_problems_join_on_one_line():
-    assert one_line("f.toml: 2 problems:\n  a.b: bad\n  c: missing\n") == "f.toml: 2 problems: a.b: bad; c: missing"
+    assert (
+        one_line("f.toml: 2 problems:\n  a.b: bad\n  c: missing\n")
+        == "f.toml: 2 problems: a.b: bad; c: missing"
+    )
     assert one_line("plain") == "plain"
 
 
 def test_a_refused_flag_value_names_the_choices_on_one_line():
     res = kvstage("hw", "scenarios/llama3-8b-p4-d2.toml", "--backend", "ucx")
     assert res.returncode == 2
-    assert res.stderr.strip() == ("error: Invalid value for '--backend': 'ucx' is not one of 'nixl', 'mooncake'. "
-                                  "(see 'kvstage hw --help')")
+    assert res.stderr.strip() == (
+        "error: Invalid value for '--backend': 'ucx' is not one of 'nixl', 'mooncake'. "
+        "(see 'kvstage hw --help')"
+    )
     res = kvstage("nosuch")
-    assert res.returncode == 2 and res.stderr.strip() == "error: No such command 'nosuch'. (see 'kvstage --help')"
+    assert (
+        res.returncode == 2
+        and res.stderr.strip() == "error: No such command 'nosuch'. (see 'kvstage --help')"
+    )
 
 
 def test_version_and_short_help():

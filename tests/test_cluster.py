@@ -48,8 +48,14 @@ def test_sessions_number_ranks_globally_and_route_rooms():
 
 def test_one_instance_each_is_the_one_to_one_case_byte_for_byte():
     """An explicit [cluster] of one instance each changes nothing in the trace."""
-    plain, explicit = run(), run("cluster.prefill_instances=1", "cluster.decode_instances=1",
-                                 'cluster.router="least-outstanding"')
+    plain, explicit = (
+        run(),
+        run(
+            "cluster.prefill_instances=1",
+            "cluster.decode_instances=1",
+            'cluster.router="least-outstanding"',
+        ),
+    )
     assert plain.records == explicit.records
     assert plain.rooms_done == 24
 
@@ -66,7 +72,9 @@ def test_two_prefill_instances_share_one_decode_instance_ring():
     # decode ranks 0 and 1 each answered STAGING_REQs from sessions of both instances
     assert {k for k, n in sessions_per_decode.items() if n} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     # round-robin: even rooms from prefill instance 0, odd rooms from instance 1
-    writers = {(r.room, r.rank // 4) for r in res.records if r.role == "prefill" and r.phase == "write"}
+    writers = {
+        (r.room, r.rank // 4) for r in res.records if r.role == "prefill" and r.phase == "write"
+    }
     assert all(inst == room % 2 for room, inst in writers)
 
 
@@ -83,8 +91,12 @@ def test_round_robin_spreads_rooms_over_decode_instances():
 
 @pytest.mark.parametrize("router", ["least-outstanding", "staging-aware"])
 def test_load_aware_routers_finish_every_room_and_use_every_instance(router):
-    res = run("cluster.prefill_instances=2", "cluster.decode_instances=2", f'cluster.router="{router}"',
-              "workload.rate_per_s=40")
+    res = run(
+        "cluster.prefill_instances=2",
+        "cluster.decode_instances=2",
+        f'cluster.router="{router}"',
+        "workload.rate_per_s=40",
+    )
     assert res.rooms_done == 24 and not res.violations
     rooms = decode_instance_of_rooms(res.records, 2)
     assert set(Counter(next(iter(i)) for i in rooms.values())) == {0, 1}
@@ -102,14 +114,26 @@ def test_live_loads_route_as_a_fresh_look_at_every_instance(router, monkeypatch)
 
     def route(self):
         got = live(self)
-        fresh = [[self._router.key(role, cluster._load(g)) for g in groups] for role, groups in self._groups.items()]
+        fresh = [
+            [self._router.key(role, cluster._load(g)) for g in groups]
+            for role, groups in self._groups.items()
+        ]
         assert got == (cluster.least(fresh[0]), cluster.least(fresh[1]))
         checked.append(got)
         return got
 
     monkeypatch.setattr(cluster.LiveLoads, "route", route)
-    s = load_scenario(P4D2, [*QUICK, "cluster.prefill_instances=3", "cluster.decode_instances=3",
-                             f'cluster.router="{router}"', "workload.rate_per_s=40", "decode.staging_pool_mb=600"])
+    s = load_scenario(
+        P4D2,
+        [
+            *QUICK,
+            "cluster.prefill_instances=3",
+            "cluster.decode_instances=3",
+            f'cluster.router="{router}"',
+            "workload.rate_per_s=40",
+            "decode.staging_pool_mb=600",
+        ],
+    )
     res = Simulation(s).run()
     assert res.rooms_done == 24 and len(checked) == 24 and len(set(checked)) > 1
 
@@ -117,8 +141,12 @@ def test_live_loads_route_as_a_fresh_look_at_every_instance(router, monkeypatch)
 def test_a_load_aware_run_ends_when_an_instance_never_gets_a_room():
     """Two requests far apart go to prefill instance 0 both times (it is idle again):
     instance 1 never handles an event, and the run still ends."""
-    res = run("cluster.prefill_instances=2", 'cluster.router="least-outstanding"', "workload.requests=2",
-              "workload.rate_per_s=0.1")
+    res = run(
+        "cluster.prefill_instances=2",
+        'cluster.router="least-outstanding"',
+        "workload.requests=2",
+        "workload.rate_per_s=0.1",
+    )
     assert res.rooms_done == 2 and not res.violations
     assert {r.rank // 4 for r in res.records if r.role == "prefill"} == {0}
 
@@ -142,8 +170,11 @@ def test_a_dead_prefill_rank_fails_only_its_instances_rooms():
     """Prefill rank 5 (instance 1, local 1) is killed: the decode fails the rooms it
     writes (instance 1's, after the failure detector's timeout); instance 0's rooms,
     which share the same decode rings, all finish."""
-    res = run("cluster.prefill_instances=2", "faults.kill=[{role='prefill', rank=5, at_s=0.2}]",
-              "transfer.room_timeout_s=10")
+    res = run(
+        "cluster.prefill_instances=2",
+        "faults.kill=[{role='prefill', rank=5, at_s=0.2}]",
+        "transfer.room_timeout_s=10",
+    )
     assert not res.violations
     assert res.failures and all(room % 2 == 1 for room in res.failures), res.failures
     done = {r.room for r in res.records if r.role == "decode" and r.phase == "room_done"}
@@ -169,7 +200,10 @@ def test_ranks_on_one_rail_share_a_nic():
 
 
 def test_cluster_table_errors_name_the_field_and_the_choices():
-    with pytest.raises(ScenarioError, match=r"cluster.router.*'round-robin', 'least-outstanding' or 'staging-aware'"):
+    with pytest.raises(
+        ScenarioError,
+        match=r"cluster.router.*'round-robin', 'least-outstanding' or 'staging-aware'",
+    ):
         load_scenario(P4D2, ['cluster.router="random"'])
     with pytest.raises(ScenarioError, match="nics_per_node .* must be <= gpus_per_node"):
         load_scenario(P4D2, ["cluster.nics_per_node=16"])
@@ -182,9 +216,20 @@ def test_validate_states_the_cluster_and_the_decode_side():
 
     from kvstage.cli.main import app
 
-    res = CliRunner().invoke(app, ["validate", str(P4D2), "--set", "cluster.prefill_instances=3",
-                                   "--set", "decode.gpu_memory_gib=80", "--set", "workload.output_tokens=64"],
-                             env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "validate",
+            str(P4D2),
+            "--set",
+            "cluster.prefill_instances=3",
+            "--set",
+            "decode.gpu_memory_gib=80",
+            "--set",
+            "workload.output_tokens=64",
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     assert "3 prefill x TP4 + 1 decode x TP2 = 14 GPUs" in res.output
     assert "tokens (" in res.output and "GiB of weights per rank" in res.output

@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def cluster_scenario(tmp_path: Path, requests: int = 10, router: str = "round-robin") -> Path:
     f = write_scenario(tmp_path, 2, 1, 8, requests=requests)
-    f.write_text(f.read_text() + f'[cluster]\nprefill_instances = 2\ndecode_instances = 1\nrouter = "{router}"\n')
+    f.write_text(
+        f.read_text()
+        + f'[cluster]\nprefill_instances = 2\ndecode_instances = 1\nrouter = "{router}"\n'
+    )
     return f
 
 
@@ -37,7 +40,9 @@ def test_two_prefill_instances_share_one_decode_ring(tmp_path, backend):
     _, records = read_records(run_dir)
     assert not check_records(records)
     # five ranks ran: prefill0..3 (two instances of two) and decode0
-    assert {(r.role, r.rank) for r in records} == {("prefill", p) for p in range(4)} | {("decode", 0)}
+    assert {(r.role, r.rank) for r in records} == {("prefill", p) for p in range(4)} | {
+        ("decode", 0)
+    }
     # decode0 answered STAGING_REQs from the sessions of both instances, into one ring
     sessions = {r.peer for r in records if r.role == "decode" and r.phase == "req"}
     assert sessions == {0, 1, 2, 3}
@@ -54,19 +59,31 @@ def test_compare_puts_a_cluster_run_beside_its_simulation(tmp_path):
     f = cluster_scenario(tmp_path, requests=6)
     code, run_dir = run(tmp_path, "nixl", f)
     assert code == 0
-    sim = subprocess.run([*kvstage_cmd(), "sim", str(f), "--out", str(tmp_path / "sim"), "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    sim = subprocess.run(
+        [*kvstage_cmd(), "sim", str(f), "--out", str(tmp_path / "sim"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sim.returncode == 0, sim.stdout + sim.stderr
-    cmp = subprocess.run([*kvstage_cmd(), "compare", str(tmp_path / "sim"), str(run_dir)],
-                         capture_output=True, text=True, timeout=120)
+    cmp = subprocess.run(
+        [*kvstage_cmd(), "compare", str(tmp_path / "sim"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert "TTFT MAPE" in cmp.stdout and "(n=6)" in cmp.stdout  # all six rooms matched up
 
 
 def test_hardware_mode_refuses_a_load_aware_router_with_one_line(tmp_path):
     f = cluster_scenario(tmp_path, router="least-outstanding")
-    proc = subprocess.run([*kvstage_cmd(), "hw", str(f), "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*kvstage_cmd(), "hw", str(f), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in out
     assert "only the simulator sees" in out and "round-robin" in out

@@ -25,8 +25,19 @@ from kvstage.shared.protocol import (
 
 SAMPLES = [
     StagingReq(room=7, chunk=2, num_pages=512, prefill_rank=3, decode_rank=1),
-    StagingRsp(room=7, chunk=2, offset=4096, round=9, end=8192, oversized=False, prefill_rank=3, decode_rank=1),
-    StagingRsp(room=7, chunk=3, offset=0, round=0, end=0, oversized=True, prefill_rank=3, decode_rank=1),
+    StagingRsp(
+        room=7,
+        chunk=2,
+        offset=4096,
+        round=9,
+        end=8192,
+        oversized=False,
+        prefill_rank=3,
+        decode_rank=1,
+    ),
+    StagingRsp(
+        room=7, chunk=3, offset=0, round=0, end=0, oversized=True, prefill_rank=3, decode_rank=1
+    ),
     Watermark(round=5, tail=123, prefill_rank=0, decode_rank=0),
     ChunkReady(room=1, chunk=0, page_start=0, num_pages=4, prefill_rank=5, writer=1, decode_rank=1),
     WriterDone(room=1, num_chunks=4, prefill_rank=5, writer=1, decode_rank=1),
@@ -34,7 +45,9 @@ SAMPLES = [
     ReadyAck(room=1, chunk=3, prefill_rank=5, decode_rank=1),
     DoneAck(room=1, prefill_rank=5, decode_rank=1),
     Heartbeat(prefill_rank=5, decode_rank=1, from_decode=True),
-    Abort(room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"),  # last: the str one
+    Abort(
+        room=1, prefill_rank=5, decode_rank=1, reason="timed out — waiting for ✓"
+    ),  # last: the str one
 ]
 
 

@@ -41,7 +41,9 @@ def simulate(out: Path, extra: list[str] | None = None) -> Path:
     return out
 
 
-def rewrite(src: Path, dst: Path, *, scale: float = 1.0, drop_room: int | None = None, fmt: str = "parquet") -> Path:
+def rewrite(
+    src: Path, dst: Path, *, scale: float = 1.0, drop_room: int | None = None, fmt: str = "parquet"
+) -> Path:
     """A copy of run `src` whose times are all multiplied by `scale` (relative to t=0),
     optionally without one room's rows."""
     mode, records = read_records(src)
@@ -144,7 +146,11 @@ def test_staging_against_slice(runs):
 def test_chunk_latency_and_phases_are_sane(runs):
     run = load_run(runs["staging"])
     chunks = chunk_latencies(run.records)
-    scattered = {(r.room, r.chunk, r.rank) for r in run.records if r.role == "decode" and r.phase == "scatter"}
+    scattered = {
+        (r.room, r.chunk, r.rank)
+        for r in run.records
+        if r.role == "decode" and r.phase == "scatter"
+    }
     assert set(chunks) == scattered
     assert all(v > 0 for v in chunks.values())
     ph = phase_breakdown(run.records)
@@ -178,7 +184,16 @@ def test_cli_compare(runs, tmp_path):
     out = tmp_path / "cmp.json"
     figs = tmp_path / "figs"
     result = CliRunner().invoke(
-        app, ["compare", str(runs["staging"]), str(runs["slice"]), "--json", str(out), "--plots", str(figs)]
+        app,
+        [
+            "compare",
+            str(runs["staging"]),
+            str(runs["slice"]),
+            "--json",
+            str(out),
+            "--plots",
+            str(figs),
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "verdict:" in result.output
@@ -188,7 +203,9 @@ def test_cli_compare(runs, tmp_path):
     assert names == ["compare_scatter.png", "latency_cdf.png", "phases.png", "staging_vs_slice.png"]
     assert all((figs / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     # unmatched rooms reach the printed verdict (brackets are text, not console markup)
-    result = CliRunner().invoke(app, ["compare", str(runs["staging"]), str(runs["dropped"])], env={"COLUMNS": "250"})
+    result = CliRunner().invoke(
+        app, ["compare", str(runs["staging"]), str(runs["dropped"])], env={"COLUMNS": "250"}
+    )
     assert result.exit_code == 0, result.output
     assert "[rooms only in A: 1, only in B: 0]" in result.output
 
@@ -198,7 +215,10 @@ def test_cli_compare_bad_input_exits_2_without_traceback(runs, tmp_path):
     cmd = [str(kvstage)] if kvstage.exists() else [sys.executable, "-m", "kvstage.cli"]
     proc = subprocess.run(
         cmd + ["compare", str(runs["staging"]), str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 2
     assert "is not a run directory" in proc.stderr
@@ -226,8 +246,17 @@ def as_hw(src: Path, dst: Path, *, conditions: dict | None = None) -> Path:
     return dst
 
 
-LOADED = {"cores": 2, "loadavg_before": [2.5, 2.0, 1.0], "loadavg_after": [3.1, 2.2, 1.1], "wall_s": 10.0,
-          "cpu_busy_s": 19.0, "cpu_own_s": 9.0, "cpu_other_s": 10.0, "other_cpu_share": 0.5, "loaded": True}
+LOADED = {
+    "cores": 2,
+    "loadavg_before": [2.5, 2.0, 1.0],
+    "loadavg_after": [3.1, 2.2, 1.1],
+    "wall_s": 10.0,
+    "cpu_busy_s": 19.0,
+    "cpu_own_s": 9.0,
+    "cpu_other_s": 10.0,
+    "other_cpu_share": 0.5,
+    "loaded": True,
+}
 QUIET = {**LOADED, "cpu_busy_s": 9.4, "cpu_other_s": 0.4, "other_cpu_share": 0.02, "loaded": False}
 
 
@@ -246,7 +275,10 @@ def test_hw_vs_sim_lists_only_fields_that_matter(runs, tmp_path):
     (sim_other / "scenario.toml").write_text((hw / "scenario.toml").read_text())
     res = compare_runs(sim_other, runs["staging"])
     assert {d["field"] for d in res["scenario_diff"]} == {
-        "links.profile", "links.inter_bandwidth_gbps", "links.control_latency_us"}
+        "links.profile",
+        "links.inter_bandwidth_gbps",
+        "links.control_latency_us",
+    }
     assert res["scenario_diff_note"] == ""
 
 
@@ -254,7 +286,9 @@ def test_loaded_host_is_warned_of(runs, tmp_path):
     hw = as_hw(runs["staging"], tmp_path / "hw", conditions=LOADED)
     res = compare_runs(runs["staging"], hw)
     assert len(res["warnings"]) == 1
-    assert res["warnings"][0].startswith("B was taken on a loaded host: other processes took 50% of the 2 cores")
+    assert res["warnings"][0].startswith(
+        "B was taken on a loaded host: other processes took 50% of the 2 cores"
+    )
     assert res["conditions"]["b"]["other_cpu_share"] == 0.5
     out = CliRunner().invoke(app, ["compare", str(runs["staging"]), str(hw)])
     assert out.exit_code == 0, out.output

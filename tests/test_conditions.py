@@ -35,15 +35,25 @@ def test_measure_by_hand():
     assert "quiet" in describe(quiet) and "LOADED" in describe(c)
     # no /proc/stat: nothing claimed
     unknown = measure(Sample(0.0, None, 0.0, None), Sample(1.0, None, 0.5, None))
-    assert unknown["other_cpu_share"] is None and unknown["loaded"] is None and is_loaded(unknown) is None
+    assert (
+        unknown["other_cpu_share"] is None
+        and unknown["loaded"] is None
+        and is_loaded(unknown) is None
+    )
 
 
 def test_child_processes_count_as_the_runs_own():
     """A hardware run's ranks are children the launcher waits for: their CPU time is the
     run's own (os.times children), not other processes'."""
     before = conditions.sample()
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass",
+        ],
+        check=True,
+    )
     c = measure(before)
     assert c["cpu_own_s"] >= 0.45
     if c["cpu_busy_s"] is not None:
@@ -51,8 +61,13 @@ def test_child_processes_count_as_the_runs_own():
 
 
 def test_summary_json_holds_the_conditions(tmp_path):
-    s = load_scenario(ROOT / "scenarios" / "llama3-8b-p4-d2.toml", overrides=["workload.requests=4"])
-    assert run_simulation(s, out=tmp_path / "run", progress=False, console=Console(file=io.StringIO())) == 0
+    s = load_scenario(
+        ROOT / "scenarios" / "llama3-8b-p4-d2.toml", overrides=["workload.requests=4"]
+    )
+    assert (
+        run_simulation(s, out=tmp_path / "run", progress=False, console=Console(file=io.StringIO()))
+        == 0
+    )
     c = json.loads((tmp_path / "run" / "summary.json").read_text())["conditions"]
     assert c["cores"] == os.cpu_count()
     assert len(c["loadavg_before"]) == len(c["loadavg_after"]) == 3
@@ -64,8 +79,14 @@ def test_summary_json_holds_the_conditions(tmp_path):
 
 def test_only_measured_runs_are_warned_of():
     loaded = {"cores": 4, "other_cpu_share": 0.3}
-    assert loaded_warnings([("A", "hw", loaded), ("B", "hw", {"other_cpu_share": 0.1}), ("C", "sim", loaded),
-                            ("D", "hw", None)]) == [
+    assert loaded_warnings(
+        [
+            ("A", "hw", loaded),
+            ("B", "hw", {"other_cpu_share": 0.1}),
+            ("C", "sim", loaded),
+            ("D", "hw", None),
+        ]
+    ) == [
         "A was taken on a loaded host: other processes took 30% of the 4 cores (more than 25%); its timings "
         "measure the host as much as the transfer path"
     ]
@@ -74,11 +95,29 @@ def test_only_measured_runs_are_warned_of():
 def test_a_hw_run_whose_loops_had_no_real_time_class_is_warned_of():
     from kvstage.run.conditions import loops_realtime
 
-    assert loops_realtime({"prefill0": {"loop_sched": "rr:10"}, "decode0": {"loop_sched": "rr:10"}}) is True
-    assert loops_realtime({"prefill0": {"loop_sched": "rr:10"},
-                           "decode0": {"loop_sched": "normal (rr:10 refused: [Errno 1] EPERM)"}}) is False
+    assert (
+        loops_realtime({"prefill0": {"loop_sched": "rr:10"}, "decode0": {"loop_sched": "rr:10"}})
+        is True
+    )
+    assert (
+        loops_realtime(
+            {
+                "prefill0": {"loop_sched": "rr:10"},
+                "decode0": {"loop_sched": "normal (rr:10 refused: [Errno 1] EPERM)"},
+            }
+        )
+        is False
+    )
     assert loops_realtime({}) is None
     quiet = {"cores": 2, "other_cpu_share": 0.0}
-    assert loaded_warnings([("A", "hw", {**quiet, "loops_realtime": True}), ("C", "sim", {"loops_realtime": False})]) == []
+    assert (
+        loaded_warnings(
+            [
+                ("A", "hw", {**quiet, "loops_realtime": True}),
+                ("C", "sim", {"loops_realtime": False}),
+            ]
+        )
+        == []
+    )
     (w,) = loaded_warnings([("B", "hw", {**quiet, "loops_realtime": False})])
     assert w.startswith("B ran its rank loops without a real-time class") and "KVSTAGE_LOOP_RT" in w

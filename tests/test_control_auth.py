@@ -78,7 +78,12 @@ def test_control_plane_drops_what_it_cannot_authenticate():
         raw.send_multipart([b"x" * (MAX_CONTROL_BYTES + 1), os.urandom(32)])  # too big to look at
         got = _receive_until(inbox, lambda got: inbox.unauthenticated + inbox.oversize >= 4 and got)
         assert got == [Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0)]
-        assert inbox.counters() == {"malformed": 0, "unauthenticated": 3, "oversize": 1, "replayed": 0}
+        assert inbox.counters() == {
+            "malformed": 0,
+            "unauthenticated": 3,
+            "oversize": 1,
+            "replayed": 0,
+        }
         # a frame list signed with the run's secret that does not decode is malformed, as before
         raw.send_multipart(signed([b"KVS?", b"junk"], secret))
         assert _receive_until(inbox, lambda _: inbox.malformed == 1) == []
@@ -139,8 +144,11 @@ def test_once_a_restart_is_known_the_old_incarnation_is_dropped_before_the_new_o
         inbox.expect_incarnation("prefill1", new.incarnation)  # what a rejoin notice does
         old.send("inbox", wm[1])  # a late frame of the old process, newer than its last
         raw = _push(inbox.address)
-        raw.send_multipart(signed(encode(wm[2]), secret, sender=b"prefill1", incarnation=old.incarnation,
-                                  seq=1 << 40))  # a replay of one of its frames, any sequence number
+        raw.send_multipart(
+            signed(
+                encode(wm[2]), secret, sender=b"prefill1", incarnation=old.incarnation, seq=1 << 40
+            )
+        )  # a replay of one of its frames, any sequence number
         assert _receive_until(inbox, lambda _: inbox.replayed >= 2) == []
         assert inbox.replayed == 2
         new.connect("inbox", inbox.address)
@@ -169,7 +177,15 @@ def test_a_control_plane_needs_the_run_secret(monkeypatch):
 
 def test_a_rank_without_a_secret_does_not_start(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    argv = [str(tmp_path / "scenario.toml"), "--role", "decode", "--rank", "0", "--rendezvous", "127.0.0.1:9"]
+    argv = [
+        str(tmp_path / "scenario.toml"),
+        "--role",
+        "decode",
+        "--rank",
+        "0",
+        "--rendezvous",
+        "127.0.0.1:9",
+    ]
     assert rank_main(argv) == 2
     assert "decode0: error: no run secret: give --secret-file" in capsys.readouterr().err
     assert rank_main([*argv, "--secret-file", str(tmp_path / "missing")]) == 2
@@ -182,7 +198,9 @@ def test_a_rank_without_a_secret_does_not_start(monkeypatch, tmp_path, capsys):
     (tmp_path / "shared").chmod(0o644)
     assert rank_main([*argv, "--secret-file", str(tmp_path / "shared")]) == 2
     err = capsys.readouterr().err
-    assert "can be read by others (mode 0644)" in err and "chmod 600" in err and "Traceback" not in err
+    assert (
+        "can be read by others (mode 0644)" in err and "chmod 600" in err and "Traceback" not in err
+    )
 
 
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
@@ -260,27 +278,38 @@ def _until(done, timeout_s: float = 10.0) -> None:
 
 
 def _hello(role: str, rank: int, /, **change) -> dict:
-    return {"kind": "hello", **RankInfo(role, rank, "tcp://127.0.0.1:1", f"agent-{role}{rank}", b"meta").to_json(),
-            **change}
+    return {
+        "kind": "hello",
+        **RankInfo(role, rank, "tcp://127.0.0.1:1", f"agent-{role}{rank}", b"meta").to_json(),
+        **change,
+    }
 
 
 def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
     secret = new_secret()
     server = RendezvousServer(["prefill0", "decode0"], secret=secret)
-    stranger = RendezvousClient(server.address, secret=secret)  # holds the secret, registers nothing
+    stranger = RendezvousClient(
+        server.address, secret=secret
+    )  # holds the secret, registers nothing
     clients: list[RendezvousClient] = [stranger]
     try:
         with serving(server):
             missing = _hello("prefill", 0)
             del missing["control"]
             assert "no 'control'" in _refused(server, stranger, missing)
-            assert "not tcp://HOST:PORT" in _refused(server, stranger, _hello("prefill", 0, control=7 * "x"))
+            assert "not tcp://HOST:PORT" in _refused(
+                server, stranger, _hello("prefill", 0, control=7 * "x")
+            )
             assert "'rank' is str" in _refused(server, stranger, _hello("prefill", 0, rank="0"))
             assert "not base64" in _refused(server, stranger, _hello("prefill", 0, metadata="#"))
             assert "is not part of this run" in _refused(server, stranger, _hello("prefill", 7))
             assert "no such rank" in _refused(server, stranger, _hello("verify", 0))
-            assert "unknown message kind" in _refused(server, stranger, {"kind": "table", "ranks": []})
-            assert "registered no rank" in _refused(server, stranger, {"kind": "report", "role": "prefill", "rank": 0})
+            assert "unknown message kind" in _refused(
+                server, stranger, {"kind": "table", "ranks": []}
+            )
+            assert "registered no rank" in _refused(
+                server, stranger, {"kind": "report", "role": "prefill", "rank": 0}
+            )
             # garbage, and a hello without a MAC, from a plain socket
             raw = zmq.Context.instance().socket(zmq.DEALER)
             raw.setsockopt(zmq.LINGER, 0)
@@ -293,7 +322,10 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             wrong = RendezvousClient(server.address, secret=new_secret())
             clients.append(wrong)
             wrong.send(_hello("decode", 0))
-            with pytest.raises(RendezvousError, match="cannot authenticate: this rank's run secret is not the launcher's"):
+            with pytest.raises(
+                RendezvousError,
+                match="cannot authenticate: this rank's run secret is not the launcher's",
+            ):
                 wrong.recv(5, "the table")
             assert not server.hellos and not server.started
 
@@ -303,23 +335,32 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             def register(role: str, rank: int) -> None:
                 client = RendezvousClient(server.address, secret=secret)
                 clients.append(client)
-                me = RankInfo(role, rank, f"tcp://127.0.0.1:{5000 + rank}", f"agent-{role}{rank}", b"meta")
+                me = RankInfo(
+                    role, rank, f"tcp://127.0.0.1:{5000 + rank}", f"agent-{role}{rank}", b"meta"
+                )
                 tables[me.name] = client.hello(me, timeout_s=20)
 
-            threads = [threading.Thread(target=register, args=rk) for rk in (("prefill", 0), ("decode", 0))]
+            threads = [
+                threading.Thread(target=register, args=rk) for rk in (("prefill", 0), ("decode", 0))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(20)
             assert sorted(tables) == ["decode0", "prefill0"]
-            assert all(sorted(table) == ["decode0", "prefill0"] and t0 == server.t0 for table, t0 in tables.values())
+            assert all(
+                sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
+                for table, t0 in tables.values()
+            )
             # an authenticated query sees the table; a second hello for a registered rank is refused
             table, t0 = stranger.query(5)
             assert sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
             assert table["decode0"].control == "tcp://127.0.0.1:5000"
             assert "already registered" in _refused(server, stranger, _hello("decode", 0))
             # a report for a rank from a connection other than its own is refused
-            assert "registered no rank" in _refused(server, stranger, {"kind": "report", "role": "decode", "rank": 0})
+            assert "registered no rank" in _refused(
+                server, stranger, {"kind": "report", "role": "decode", "rank": 0}
+            )
             assert not server.reports
     finally:
         for c in clients:
@@ -333,7 +374,9 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
     """WATERMARK and ABORT forged with another secret (and without one) at every rank's
     control address while a run is under way: dropped and counted, every byte right."""
     require_engine("nixl")
-    s = load_scenario(write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"])
+    s = load_scenario(
+        write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"]
+    )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
@@ -352,9 +395,15 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
         sent["ranks"] = sorted(table)
         for i in range(60):
             for name in table:
-                forged = [Watermark(round=1000 + i, tail=i, prefill_rank=p, decode_rank=0) for p in (0, 1)]
-                forged += [Abort(room=i % s.workload.requests, prefill_rank=p, decode_rank=0, reason="forged")
-                           for p in (0, 1)]
+                forged = [
+                    Watermark(round=1000 + i, tail=i, prefill_rank=p, decode_rank=0) for p in (0, 1)
+                ]
+                forged += [
+                    Abort(
+                        room=i % s.workload.requests, prefill_rank=p, decode_rank=0, reason="forged"
+                    )
+                    for p in (0, 1)
+                ]
                 for msg in forged:
                     liar.send(name, msg)
                     raws[name].send_multipart(encode(msg))
@@ -367,13 +416,23 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
     def on_started(address, procs):
         threading.Thread(target=forge, args=(address,), daemon=True).start()
 
-    result = launch(run_dir / "scenario.toml", 2, 1, run_dir / "logs", backend="nixl", device="cpu",
-                    timeout_s=300, on_started=on_started)
+    result = launch(
+        run_dir / "scenario.toml",
+        2,
+        1,
+        run_dir / "logs",
+        backend="nixl",
+        device="cpu",
+        timeout_s=300,
+        on_started=on_started,
+    )
     assert result.ok, result.errors
     assert sent["ranks"] == ["decode0", "prefill0", "prefill1"] and sent["messages"] > 0
     reports = result.reports
     assert sorted(reports) == sent["ranks"]
-    assert all(r["unauthenticated"] > 0 for r in reports.values()), {n: r["unauthenticated"] for n, r in reports.items()}
+    assert all(r["unauthenticated"] > 0 for r in reports.values()), {
+        n: r["unauthenticated"] for n, r in reports.items()
+    }
     assert_every_room_right(s, reports)
     assert (run_dir / "run.secret").stat().st_mode & 0o777 == 0o600
 
@@ -381,22 +440,36 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
 def assert_every_room_right(s, reports: dict[str, dict]) -> list[TraceRecord]:
     """A P2->D1 run's reports: no room failed, every room done, every byte verified and
     right, nothing left in the ring, no invariant violated. Returns the merged trace."""
-    assert all(r["failures"] == {} and r["rooms_failed"] == 0 for r in reports.values()), \
-        {n: r["failures"] for n, r in reports.items()}
+    assert all(r["failures"] == {} and r["rooms_failed"] == 0 for r in reports.values()), {
+        n: r["failures"] for n, r in reports.items()
+    }
     assert reports["decode0"]["rooms_done"] == s.workload.requests
     assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
     assert sum(r.get("bytes_verified", 0) for r in reports.values()) == _bytes_to_verify(s)
     assert reports["decode0"]["ring_used"] == 0
-    records = sorted((TraceRecord(*row) for r in reports.values() for row in r["records"]),
-                     key=lambda r: (r.end, r.start, r.role, r.rank))
+    records = sorted(
+        (TraceRecord(*row) for r in reports.values() for row in r["records"]),
+        key=lambda r: (r.end, r.start, r.role, r.rank),
+    )
     assert not check_records(records, s.transfer.path)
     return records
 
 
 def _bytes_to_verify(s) -> int:
     g = s.geometry()
-    pages = sum(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) for r in generate_requests(s))
-    return g.decode_tp * pages * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
+    pages = sum(
+        room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) for r in generate_requests(s)
+    )
+    return (
+        g.decode_tp
+        * pages
+        * g.page_size
+        * 2
+        * g.layers
+        * g.decode_heads
+        * g.head_dim
+        * g.dtype_bytes
+    )
 
 
 # --- a rank ends with its launcher -------------------------------------------------------
@@ -429,7 +502,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_registered(address: str, secret_file: Path, launcher: subprocess.Popen, timeout_s: float) -> None:
+def _wait_registered(
+    address: str, secret_file: Path, launcher: subprocess.Popen, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not secret_file.exists():
         assert launcher.poll() is None and time.monotonic() < deadline, "the launcher did not start"
@@ -437,7 +512,9 @@ def _wait_registered(address: str, secret_file: Path, launcher: subprocess.Popen
     client = RendezvousClient(address, secret=read_secret_file(secret_file))
     try:
         while True:
-            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not register"
+            assert launcher.poll() is None and time.monotonic() < deadline, (
+                "the ranks did not register"
+            )
             try:
                 if client.query(5)[1] is not None:
                     return
@@ -457,8 +534,23 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
     port = _free_port()
     out = tmp_path / "run"
     with (tmp_path / "launcher.log").open("w") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "kvstage.cli", "hw", str(f), "--backend", "nixl",
-                                     "--out", str(out), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvstage.cli",
+                "hw",
+                str(f),
+                "--backend",
+                "nixl",
+                "--out",
+                str(out),
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     ranks: list[int] = []
     try:
         _wait_registered(f"127.0.0.1:{port}", out / "run.secret", launcher, timeout_s=180)
@@ -491,12 +583,23 @@ def test_kvstage_hw_takes_its_secret_from_a_file(tmp_path):
     write_secret_file(f, secret)
     scenario = write_scenario(tmp_path, 1, 1, 8, requests=3)
     cmd = [*kvstage_cmd(), "hw", str(scenario), "--backend", "nixl", "--timeout", "120"]
-    proc = subprocess.run([*cmd, "--out", str(tmp_path / "run"), "--secret-file", str(f)],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "run"), "--secret-file", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "run" / "run.secret").read_text().strip() == secret.hex()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["bytes_wrong"] == 0
-    bad = subprocess.run([*cmd, "--out", str(tmp_path / "bad"), "--secret-file", str(tmp_path / "none")],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--secret-file: cannot read the run secret file" in bad.stdout + bad.stderr
+    bad = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "bad"), "--secret-file", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        bad.returncode == 2
+        and "--secret-file: cannot read the run secret file" in bad.stdout + bad.stderr
+    )
     assert "Traceback" not in bad.stdout + bad.stderr and not (tmp_path / "bad").exists()

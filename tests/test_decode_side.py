@@ -25,12 +25,16 @@ def test_capacity_and_step_time_follow_memory_weights_and_bandwidth():
     s = load_scenario(P8D2, ["decode.gpu_memory_gib=141"])
     m = DecodeModel(s)
     g = s.geometry()
-    kv_token = g.layers * 2 * g.decode_heads * g.head_dim * g.dtype_bytes  # K and V, this rank's heads
+    kv_token = (
+        g.layers * 2 * g.decode_heads * g.head_dim * g.dtype_bytes
+    )  # K and V, this rank's heads
     weights = s.model.params_b * 1e9 * 2 / s.decode.tp
     assert m.kv_bytes_per_token == kv_token
     assert m.capacity_tokens == int((141 * GIB * 0.9 - weights) // kv_token)
     hbm = s.links.resolved().mem_bandwidth_bytes_s
-    assert m.step_time_s(1000) == pytest.approx(m.step_overhead_s + (weights + 1000 * kv_token) / hbm)
+    assert m.step_time_s(1000) == pytest.approx(
+        m.step_overhead_s + (weights + 1000 * kv_token) / hbm
+    )
     assert DecodeModel(load_scenario(P8D2)).capacity_tokens is None  # unset: unlimited
 
 
@@ -42,7 +46,10 @@ def test_gpu_memory_below_the_weights_is_one_clear_error():
 def test_one_request_alone_takes_one_step_per_token_with_its_kv_growing():
     """Alone in the batch, a request's generation is the sum of the step times of its
     own KV as it grows by one token per step."""
-    s = load_scenario(P8D2, [*FIXED, "workload.requests=1", "workload.output_tokens=50", "workload.prompt_tokens=4096"])
+    s = load_scenario(
+        P8D2,
+        [*FIXED, "workload.requests=1", "workload.output_tokens=50", "workload.prompt_tokens=4096"],
+    )
     res = simulate(s)
     gen = by_phase(res.records, "generate")[0]
     m = DecodeModel(s)
@@ -64,10 +71,24 @@ def test_admission_waits_for_kv_pages_held_by_generating_rooms():
     # memory for exactly one room (8192 prompt + 64 output tokens) at utilization 1
     room_bytes = (8192 + 64) * m.kv_bytes_per_token
     gib = (m.weight_bytes + room_bytes * 1.5) / GIB
-    s = load_scenario(P8D2, [*FIXED, *(f"{k}={v}" for k, v in (
-        ("workload.requests", 2), ("workload.arrival", '"fixed"'), ("workload.rate_per_s", 100),
-        ("workload.prompt_tokens", 8192), ("workload.output_tokens", 64),
-        ("decode.gpu_memory_gib", gib), ("decode.memory_utilization", 1.0)))])
+    s = load_scenario(
+        P8D2,
+        [
+            *FIXED,
+            *(
+                f"{k}={v}"
+                for k, v in (
+                    ("workload.requests", 2),
+                    ("workload.arrival", '"fixed"'),
+                    ("workload.rate_per_s", 100),
+                    ("workload.prompt_tokens", 8192),
+                    ("workload.output_tokens", 64),
+                    ("decode.gpu_memory_gib", gib),
+                    ("decode.memory_utilization", 1.0),
+                )
+            ),
+        ],
+    )
     res = simulate(s)
     assert res.rooms_done == 2 and not res.violations
     gen, opened, arrived = (by_phase(res.records, p) for p in ("generate", "room_open", "arrive"))
@@ -81,7 +102,12 @@ def test_admission_waits_for_kv_pages_held_by_generating_rooms():
 def test_batched_rooms_share_steps():
     """Two rooms generating together take longer per token than one alone (the batch's
     KV is read every step) but far less than twice: that is what batching buys."""
-    base = [*FIXED, "workload.prompt_tokens=4096", "workload.output_tokens=200", "workload.arrival=\"fixed\""]
+    base = [
+        *FIXED,
+        "workload.prompt_tokens=4096",
+        "workload.output_tokens=200",
+        'workload.arrival="fixed"',
+    ]
     alone = simulate(load_scenario(P8D2, [*base, "workload.requests=1"]))
     pair = simulate(load_scenario(P8D2, [*base, "workload.requests=2", "workload.rate_per_s=1000"]))
     t1 = request_breakdown(room_latencies(alone.records))["tpot_s"][0]

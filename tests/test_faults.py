@@ -71,7 +71,9 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
         assert victim in sim_summary["ranks_died"]
         return
     hw_failed = {int(k) for k in summary["failures"]}
-    assert hw_failed == {int(k) for k in sim_summary["failures"]} == set(s.expect.failed_rooms or [])
+    assert (
+        hw_failed == {int(k) for k in sim_summary["failures"]} == set(s.expect.failed_rooms or [])
+    )
     hw_faults, sim_faults = summary["faults_by_rank"], sim_summary["faults_by_rank"]
     if _random_faults(s):
         assert set(hw_faults) == set(sim_faults)
@@ -89,7 +91,12 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
             hw_r, sim_r = hw_faults.get(rank, {}), sim_faults.get(rank, {})
             for kind in set(hw_r) | set(sim_r):
                 if kind.startswith("abort:"):
-                    assert hw_r.get(kind, 0) <= sim_r.get(kind, 0), (rank, kind, hw_faults, sim_faults)
+                    assert hw_r.get(kind, 0) <= sim_r.get(kind, 0), (
+                        rank,
+                        kind,
+                        hw_faults,
+                        sim_faults,
+                    )
                 elif kind.split(":")[0] in ("drop", "duplicate", "delay"):
                     assert (kind in hw_r) == (kind in sim_r), (rank, kind, hw_faults, sim_faults)
                 else:
@@ -104,9 +111,14 @@ def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
 def test_abort_at_rsp_fires_on_every_prefill_rank_that_gets_the_answer():
     """The 'rsp' phase: each prefill rank aborts the room when its first STAGING_RSP of it
     arrives (the runtime decides, per rank, as for every phase)."""
-    s = load_scenario(next(p for p in FAULTS if p.stem == "abort-mid-write"),
-                      overrides=['faults.abort=[{room = 3, phase = "rsp"}]', "expect.failed_rooms=[3]",
-                                 'expect.reason_contains="aborted at rsp"'])
+    s = load_scenario(
+        next(p for p in FAULTS if p.stem == "abort-mid-write"),
+        overrides=[
+            'faults.abort=[{room = 3, phase = "rsp"}]',
+            "expect.failed_rooms=[3]",
+            'expect.reason_contains="aborted at rsp"',
+        ],
+    )
     result = Simulation(s).run()
     assert not result.violations
     assert check_expectation(s, result.failures, len(result.requests), "sim") == []

@@ -31,16 +31,31 @@ def messages():
     """Valid-on-the-wire messages with arbitrary (in-range) field values."""
     return st.one_of(
         st.builds(StagingReq, small_int, small_int, small_int, small_int, small_int),
-        st.builds(StagingRsp, small_int, small_int, small_int, small_int, small_int, st.booleans(), small_int, small_int),
+        st.builds(
+            StagingRsp,
+            small_int,
+            small_int,
+            small_int,
+            small_int,
+            small_int,
+            st.booleans(),
+            small_int,
+            small_int,
+        ),
         st.builds(Watermark, small_int, small_int, small_int, small_int),
-        st.builds(ChunkReady, small_int, small_int, small_int, small_int, small_int, small_int, small_int),
+        st.builds(
+            ChunkReady, small_int, small_int, small_int, small_int, small_int, small_int, small_int
+        ),
         st.builds(WriterDone, small_int, small_int, small_int, small_int, small_int),
         st.builds(Abort, small_int, small_int, small_int, st.text(max_size=20)),
     )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(junk=st.lists(st.tuples(st.booleans(), st.integers(0, 7), messages()), max_size=40), seed=st.integers(0, 1000))
+@given(
+    junk=st.lists(st.tuples(st.booleans(), st.integers(0, 7), messages()), max_size=40),
+    seed=st.integers(0, 1000),
+)
 def test_forged_messages_never_raise_and_honest_rooms_are_unharmed(junk, seed):
     """Forged messages about rooms that do not exist (room ids >= 100) are dropped
     or ignored; the honest rooms, run in the same world, all complete cleanly."""
@@ -53,14 +68,20 @@ def test_forged_messages_never_raise_and_honest_rooms_are_unharmed(junk, seed):
             # a well-formed WATERMARK that lies is out of scope (it comes from an
             # authenticated peer); malformed ones never decode
             continue
-        forged = type(msg)(**{**{f: getattr(msg, f) for f in msg.__slots__}, "room": 100 + msg.room})
+        forged = type(msg)(
+            **{**{f: getattr(msg, f) for f in msg.__slots__}, "room": 100 + msg.room}
+        )
         role = "decode" if to_decode else "prefill"
         w.bag.append((role, rank % (g.decode_tp if to_decode else g.prefill_tp), forged))
     w.run()
     for d in w.decode:
         assert d.rooms_done >= 3
     honest = [r for r in w.records if r.room < 100]
-    assert not [v for v in check_records(honest) if v.invariant in ("safety", "exactly_once", "monotone_watermark")]
+    assert not [
+        v
+        for v in check_records(honest)
+        if v.invariant in ("safety", "exactly_once", "monotone_watermark")
+    ]
 
 
 SECRET = new_secret()
@@ -86,7 +107,10 @@ def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
         if i % 50 == 0:
             push.send_multipart(signed(encode(good[sent_good % 2]), SECRET))
             sent_good += 1
-        frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40))) for _ in range(rng.randrange(1, 4))]
+        frames = [
+            bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+            for _ in range(rng.randrange(1, 4))
+        ]
         push.send_multipart(signed(frames, SECRET))  # authenticated junk: it must not decode
     got = []
     for _ in range(50):

@@ -21,7 +21,9 @@ from kvstage.hw.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.layout import Geometry, owned_heads, room_pages
 from kvstage.shared.workload import generate_requests
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device visible to torch"
+)
 
 LAYERS, HEAD_DIM, PAGE = 4, 64, 16
 
@@ -41,15 +43,25 @@ def test_gather_scatter_verify_on_the_gpu(P, D, H):
         layout = g.staging_layout(d, pages)
         region = torch.zeros(layout.region_bytes, dtype=torch.uint8, device="cuda")
         for b in layout.blocks:
-            gather(prefill[b.prefill_rank], first, pages, b.heads.src_head_start, b.heads.num_heads,
-                   region[b.offset : b.offset + b.nbytes])
-        pool = KVPool(LAYERS, 32, PAGE, g.decode_heads, HEAD_DIM, "bf16", device="cuda", fill_byte=0xAB)
+            gather(
+                prefill[b.prefill_rank],
+                first,
+                pages,
+                b.heads.src_head_start,
+                b.heads.num_heads,
+                region[b.offset : b.offset + b.nbytes],
+            )
+        pool = KVPool(
+            LAYERS, 32, PAGE, g.decode_heads, HEAD_DIM, "bf16", device="cuda", fill_byte=0xAB
+        )
         scatter(pool, 5, pages, region, layout)
         torch.cuda.synchronize()
         checked, wrong = verify(pool, 5, pages, 7, 0, list(owned_heads(D, d, H)))
         assert wrong == 0 and checked == 2 * LAYERS * pages * PAGE * g.decode_heads * HEAD_DIM * 2
         b = pool.bytes
-        assert bool((b[:, :, : 5 * PAGE] == 0xAB).all()) and bool((b[:, :, (5 + pages) * PAGE :] == 0xAB).all())
+        assert bool((b[:, :, : 5 * PAGE] == 0xAB).all()) and bool(
+            (b[:, :, (5 + pages) * PAGE :] == 0xAB).all()
+        )
 
 
 def mooncake_cuda_problem() -> str | None:
@@ -102,7 +114,9 @@ device = "{device}"
 @pytest.mark.hw
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", ["staging", "slice"])
-@pytest.mark.parametrize(("backend", "device"), [("nixl", "cuda"), ("nixl", "cuda:0"), ("mooncake", "cuda:0")])
+@pytest.mark.parametrize(
+    ("backend", "device"), [("nixl", "cuda"), ("nixl", "cuda:0"), ("mooncake", "cuda:0")]
+)
 def test_every_byte_lands_between_gpu_pools(tmp_path, backend, device, path):
     from kvstage.run.hwrun import run_hardware
     from kvstage.run.rundir import read_summary
@@ -118,8 +132,13 @@ def test_every_byte_lands_between_gpu_pools(tmp_path, backend, device, path):
     assert summary["requests_done"] == 4 and summary["bytes_wrong"] == 0
     g = s.geometry()
     expected = sum(
-        room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) * g.page_size * 2 * g.layers * g.decode_heads
-        * g.head_dim * g.dtype_bytes
+        room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size)
+        * g.page_size
+        * 2
+        * g.layers
+        * g.decode_heads
+        * g.head_dim
+        * g.dtype_bytes
         for r in generate_requests(s)
     )
     assert summary["bytes_verified"] == expected

@@ -25,6 +25,7 @@ from kvstage.shared.scenario import load_scenario
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]
 
+
 def write_scenario(tmp_path: Path, P: int, D: int, heads: int, **extra) -> Path:
     faults = extra.pop("faults", "")
     requests = extra.pop("requests", 3)
@@ -100,7 +101,16 @@ def test_every_byte_lands(tmp_path, backend, path, case):
 
     for req in generate_requests(s):
         pages = room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size)
-        expected += g.decode_tp * pages * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
+        expected += (
+            g.decode_tp
+            * pages
+            * g.page_size
+            * 2
+            * g.layers
+            * g.decode_heads
+            * g.head_dim
+            * g.dtype_bytes
+        )
     assert summary["bytes_verified"] == expected
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     if path == "slice":
@@ -130,8 +140,14 @@ def test_wrong_head_offset_is_caught(tmp_path):
 
 def test_abort_mid_transfer_releases_staging_and_others_finish(tmp_path):
     require_engine("mooncake")
-    f = write_scenario(tmp_path, 2, 1, 8, requests=4,
-                       faults="abort = [{room = 1, phase = \"write\"}]\n[expect]\nfailed_rooms = [1]")
+    f = write_scenario(
+        tmp_path,
+        2,
+        1,
+        8,
+        requests=4,
+        faults='abort = [{room = 1, phase = "write"}]\n[expect]\nfailed_rooms = [1]',
+    )
     code, run_dir = run(tmp_path, "mooncake", f)
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")
@@ -172,8 +188,10 @@ def test_killed_rank_its_rooms_fail_the_others_finish_nothing_left(tmp_path):
     # the survivors finished: rooms before the kill done, the rest failed naming the loss
     assert summary["requests_done"] > 0 and summary["requests_failed"] > 0
     assert summary["requests_done"] + summary["requests_failed"] == 100
-    assert all("prefill rank 1" in r or "gone" in r or "stopped answering" in r
-               for r in summary["failures"].values()), summary["failures"]
+    assert all(
+        "prefill rank 1" in r or "gone" in r or "stopped answering" in r
+        for r in summary["failures"].values()
+    ), summary["failures"]
     assert summary["bytes_wrong"] == 0
     assert elapsed < 120
     assert procs_seen and all(p.poll() is not None for p in procs_seen.values())
@@ -196,9 +214,21 @@ def test_hw_trace_reads_like_a_sim_trace(tmp_path):
     # same row type and phase vocabulary, the same rooms done
     from kvstage.shared.trace import PHASES
 
-    assert {r.phase for r in records} <= set(PHASES) and {r.phase for r in sim_records} <= set(PHASES)
-    assert {r.phase for r in records} >= {"req", "rsp", "gather", "write", "scatter", "free", "room_done"}
-    assert {r.room for r in records if r.phase == "room_done"} == {r.room for r in sim_records if r.phase == "room_done"}
+    assert {r.phase for r in records} <= set(PHASES) and {r.phase for r in sim_records} <= set(
+        PHASES
+    )
+    assert {r.phase for r in records} >= {
+        "req",
+        "rsp",
+        "gather",
+        "write",
+        "scatter",
+        "free",
+        "room_done",
+    }
+    assert {r.room for r in records if r.phase == "room_done"} == {
+        r.room for r in sim_records if r.phase == "room_done"
+    }
 
 
 def test_lost_and_duplicated_messages_on_real_engines(tmp_path):

@@ -44,7 +44,10 @@ def test_a_failing_job_still_counts_and_raises():
 
 def test_merge_sums_the_ranks_per_kind():
     a = {"fill": {"n": 2, "cpu_s": 1.0, "wall_s": 2.0, "bytes": 10}}
-    b = {"fill": {"n": 1, "cpu_s": 0.5, "wall_s": 1.0, "bytes": 5}, "scatter": {"n": 1, "cpu_s": 0.1, "wall_s": 0.2, "bytes": 3}}
+    b = {
+        "fill": {"n": 1, "cpu_s": 0.5, "wall_s": 1.0, "bytes": 5},
+        "scatter": {"n": 1, "cpu_s": 0.1, "wall_s": 0.2, "bytes": 3},
+    }
     got = merge([a, b, {}])
     assert got["fill"] == {"n": 3, "cpu_s": 1.5, "wall_s": 3.0, "bytes": 15}
     assert got["scatter"]["n"] == 1

@@ -33,13 +33,17 @@ from kvstage.hw.priority import (
 )
 from kvstage.run.rundir import read_summary
 
-linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
+linux_only = pytest.mark.skipif(
+    not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes"
+)
 
 
 def _idle_thread() -> tuple[threading.Thread, threading.Event, int]:
     """A thread that blocks until its event is set (an engine thread's stand-in)."""
     stop, ready, tid = threading.Event(), threading.Event(), []
-    t = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), ready.set(), stop.wait()))
+    t = threading.Thread(
+        target=lambda: (tid.append(threading.get_native_id()), ready.set(), stop.wait())
+    )
     t.start()
     ready.wait()
     return t, stop, tid[0]
@@ -52,7 +56,9 @@ def _lane(prio: WritePriority) -> int:
 
 @linux_only
 @pytest.mark.parametrize("lanes", [False, True])
-def test_engine_threads_and_opted_in_lanes_raised_while_the_loop_runs_then_restored(monkeypatch, lanes):
+def test_engine_threads_and_opted_in_lanes_raised_while_the_loop_runs_then_restored(
+    monkeypatch, lanes
+):
     monkeypatch.delenv(WRITE_RT_ENV, raising=False)  # the default class
     monkeypatch.setenv(WRITE_RT_LANES_ENV, "1" if lanes else "0")
     engine, stop, tid = _idle_thread()
@@ -92,7 +98,9 @@ def test_off_or_refused_write_classes_keep_normal_scheduling(monkeypatch, spec):
         if spec == "0":
             assert prio.lanes == prio.engine_sched == "normal"
         else:
-            assert prio.lanes.startswith(f"normal ({spec} refused") and prio.engine_sched.startswith("normal (")
+            assert prio.lanes.startswith(
+                f"normal ({spec} refused"
+            ) and prio.engine_sched.startswith("normal (")
     finally:
         stop.set()
         engine.join()
@@ -135,15 +143,19 @@ def test_engine_threads_that_share_a_lock_with_the_lanes_go_only_with_them(monke
 
 
 @hw_case
-@pytest.mark.parametrize("backend,setting,lanes_setting,expected", [
-    ("mooncake", None, None, "rr:5 ("),  # Mooncake's workers raised
-    ("mooncake", "0", None, "normal"),
-    ("mooncake", None, "slots", "rr:5 ("),  # its lanes busy-wait: left normal even so
-    ("nixl", None, None, "normal (left out)"),  # UCX's threads only go with the lanes
-    ("nixl", None, "slots", "rr:5 per batch"),  # with each batch that holds a host slot
-])
-def test_hw_engine_threads_report_their_class_and_verify_every_byte(tmp_path, monkeypatch, backend, setting,
-                                                                   lanes_setting, expected):
+@pytest.mark.parametrize(
+    "backend,setting,lanes_setting,expected",
+    [
+        ("mooncake", None, None, "rr:5 ("),  # Mooncake's workers raised
+        ("mooncake", "0", None, "normal"),
+        ("mooncake", None, "slots", "rr:5 ("),  # its lanes busy-wait: left normal even so
+        ("nixl", None, None, "normal (left out)"),  # UCX's threads only go with the lanes
+        ("nixl", None, "slots", "rr:5 per batch"),  # with each batch that holds a host slot
+    ],
+)
+def test_hw_engine_threads_report_their_class_and_verify_every_byte(
+    tmp_path, monkeypatch, backend, setting, lanes_setting, expected
+):
     if lanes_setting is None:
         monkeypatch.delenv(WRITE_RT_LANES_ENV, raising=False)  # the default: normal lanes
     else:
@@ -151,10 +163,16 @@ def test_hw_engine_threads_report_their_class_and_verify_every_byte(tmp_path, mo
     summary, figures = run_with_loop_stats(tmp_path, monkeypatch, WRITE_RT_ENV, setting, backend)
     lanes = {name: f["lane_sched"] for name, f in figures.items()}
     engine = {name: f["engine_sched"] for name, f in figures.items()}
-    assert summary["lane_sched"] == lanes and summary["engine_sched"] == engine  # summary.json says it too
+    assert (
+        summary["lane_sched"] == lanes and summary["engine_sched"] == engine
+    )  # summary.json says it too
     jobs = summary["job_cpu"]  # what the heavy jobs cost in CPU (hw/jobcpu.py)
-    assert {"fill", "gather", "scatter"} <= set(jobs) and all(j["n"] > 0 and j["cpu_s"] > 0 for j in jobs.values())
-    assert ("write" in jobs) == (backend == "nixl")  # NIXL's lane copies the bytes; Mooncake's engine does
+    assert {"fill", "gather", "scatter"} <= set(jobs) and all(
+        j["n"] > 0 and j["cpu_s"] > 0 for j in jobs.values()
+    )
+    assert ("write" in jobs) == (
+        backend == "nixl"
+    )  # NIXL's lane copies the bytes; Mooncake's engine does
     if any("refused" in c for c in (*engine.values(), *lanes.values())):
         pytest.skip(f"real-time scheduling refused on this host: {engine} {lanes}")
     if expected != "rr:5 per batch":
@@ -162,12 +180,17 @@ def test_hw_engine_threads_report_their_class_and_verify_every_byte(tmp_path, mo
         assert all(e.startswith(expected) for e in engine.values()), engine
         return
     # the decode rank writes nothing: no batch, nothing raised
-    assert engine.pop("decode0") == "normal (no batch raised)" and lanes.pop("decode0").endswith("(0 raised, 0 normal)")
+    assert engine.pop("decode0") == "normal (no batch raised)" and lanes.pop("decode0").endswith(
+        "(0 raised, 0 normal)"
+    )
     assert all(e.startswith(expected) for e in engine.values()), engine
-    assert all(v.startswith(f"rr:5 per batch, {write_slot_count()} host slot") for v in lanes.values()), lanes
+    assert all(
+        v.startswith(f"rr:5 per batch, {write_slot_count()} host slot") for v in lanes.values()
+    ), lanes
 
 
 # --- host-wide write slots (KVSTAGE_WRITE_RT_LANES=slots, WriteSlots) ---------------------
+
 
 def test_write_slots_are_exclusive_per_acquire_never_wait_and_free_on_release(tmp_path):
     slots = WriteSlots(tmp_path / "slots", 2)
@@ -187,9 +210,17 @@ def test_a_slot_held_by_another_process_is_refused_until_it_ends(tmp_path):
     slots = WriteSlots(tmp_path, 1)
     slots.prepare()
     holder = subprocess.Popen(  # flock the only slot, say so, hold it until stdin closes
-        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(tmp_path / "slot-0")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+            str(tmp_path / "slot-0"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert slots.acquire() is None
@@ -209,12 +240,14 @@ def test_the_host_keeps_a_core_for_normal_threads():
 def _batch_on_lane(prio: WritePriority, engine_tid: int, inside=None) -> tuple[int, int]:
     """On a fresh lane thread, the lane's and the engine thread's classes during a batch
     (`inside()` runs there too: e.g. waiting for another lane)."""
+
     def lane():
         with prio.lane_batch():
             during = _policy(0), _policy(engine_tid)
             if inside is not None:
                 inside()
         return during
+
     return _on_thread(lane)
 
 
@@ -244,7 +277,10 @@ def test_slots_raise_the_lane_and_the_engine_for_each_batch_only(monkeypatch, tm
         assert fd is not None
         prio.slots.release(fd)
         prio.restore()
-        assert prio.lanes.startswith("rr:5 per batch") and _batch_on_lane(prio, tid) == (os.SCHED_OTHER,) * 2
+        assert (
+            prio.lanes.startswith("rr:5 per batch")
+            and _batch_on_lane(prio, tid) == (os.SCHED_OTHER,) * 2
+        )
     finally:
         stop.set()
         engine.join()
@@ -268,7 +304,9 @@ def test_a_lane_that_finds_no_free_slot_copies_at_normal_scheduling(monkeypatch,
 
 
 @linux_only
-def test_the_engine_stays_raised_until_the_last_lane_of_its_process_ends_its_batch(monkeypatch, tmp_path):
+def test_the_engine_stays_raised_until_the_last_lane_of_its_process_ends_its_batch(
+    monkeypatch, tmp_path
+):
     engine, stop, tid = _idle_thread()
     try:
         prio = _slots_priority(monkeypatch, tmp_path, 2, tid)
@@ -278,6 +316,7 @@ def test_the_engine_stays_raised_until_the_last_lane_of_its_process_ends_its_bat
             first_in.set()
             first_out.wait(10)
             seen["engine after the first"] = _policy(tid)
+
         other = threading.Thread(target=lambda: _batch_on_lane(prio, tid, second_lane))
         other.start()
         first_in.wait(10)
@@ -295,11 +334,16 @@ def test_the_engine_stays_raised_until_the_last_lane_of_its_process_ends_its_bat
         engine.join()
 
 
-@pytest.mark.parametrize("lanes_ok,spec,lanes", [
-    (False, "rr:5", "normal (left out)"),  # Mooncake's lanes busy-wait
-    (True, "0", "normal"),
-])
-def test_slots_leave_busy_waiting_lanes_and_an_off_class_normal(monkeypatch, tmp_path, lanes_ok, spec, lanes):
+@pytest.mark.parametrize(
+    "lanes_ok,spec,lanes",
+    [
+        (False, "rr:5", "normal (left out)"),  # Mooncake's lanes busy-wait
+        (True, "0", "normal"),
+    ],
+)
+def test_slots_leave_busy_waiting_lanes_and_an_off_class_normal(
+    monkeypatch, tmp_path, lanes_ok, spec, lanes
+):
     monkeypatch.setenv(WRITE_RT_LANES_ENV, "slots")
     prio = WritePriority(spec, WriteSlots(tmp_path, 1))
     prio.apply(lanes_ok=lanes_ok)
@@ -319,4 +363,6 @@ def test_hw_slice_path_with_slot_raised_lanes_verifies_every_byte(tmp_path, monk
     assert code == 0 and summary["requests_failed"] == 0, summary.get("errors")
     assert summary["bytes_wrong"] == 0 and summary["bytes_verified"] == summary["payload_bytes"] > 0
     lanes = {p.stem: json.loads(p.read_text())["lane_sched"] for p in stats.glob("prefill*.json")}
-    assert len(lanes) == 2 and all(v.startswith(("rr:5 per batch, ", "normal (rr:5 refused")) for v in lanes.values())
+    assert len(lanes) == 2 and all(
+        v.startswith(("rr:5 per batch, ", "normal (rr:5 refused")) for v in lanes.values()
+    )

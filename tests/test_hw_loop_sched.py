@@ -22,7 +22,9 @@ from kvstage.hw.control import LOOP_STATS_ENV
 from kvstage.hw.priority import LOOP_RT_ENV, LoopPriority, thread_ids
 from kvstage.run.rundir import read_summary
 
-linux_only = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
+linux_only = pytest.mark.skipif(
+    not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes"
+)
 
 
 def _policy(tid: int) -> int:
@@ -76,8 +78,12 @@ def test_rr_raises_the_loop_and_zmq_io_threads_not_its_children_and_restores(mon
 
 @pytest.mark.parametrize("spec", ["0", "off", "bogus:3", "rr:x", "rr:1000"])
 def test_off_or_unusable_specs_keep_normal_scheduling(spec):
-    got = _on_thread(lambda: (LoopPriority(spec).apply(), os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK))
-    assert got[0] == "normal" if spec in ("0", "off") else got[0].startswith(f"normal ({spec} refused")
+    got = _on_thread(
+        lambda: (LoopPriority(spec).apply(), os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK)
+    )
+    assert (
+        got[0] == "normal" if spec in ("0", "off") else got[0].startswith(f"normal ({spec} refused")
+    )
     assert got[1] == os.SCHED_OTHER
 
 
@@ -86,8 +92,9 @@ def hw_case(fn):
     return pytest.mark.hw(pytest.mark.timeout(420)(linux_only(fn)))
 
 
-def run_with_loop_stats(tmp_path, monkeypatch, env: str, setting: str | None,
-                        backend: str = "nixl") -> tuple[dict, dict[str, dict]]:
+def run_with_loop_stats(
+    tmp_path, monkeypatch, env: str, setting: str | None, backend: str = "nixl"
+) -> tuple[dict, dict[str, dict]]:
     """A P2->D1 hardware run with `env` set to `setting` (None: unset, the default) in the
     ranks: its summary (every byte verified) and each rank's loop figures."""
     require_engine(backend)
@@ -101,7 +108,11 @@ def run_with_loop_stats(tmp_path, monkeypatch, env: str, setting: str | None,
     code, run_dir = run(tmp_path, backend, write_scenario(tmp_path, 2, 1, 8))
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")
-    assert summary["requests_failed"] == 0 and summary["bytes_wrong"] == 0 and summary["bytes_verified"] > 0
+    assert (
+        summary["requests_failed"] == 0
+        and summary["bytes_wrong"] == 0
+        and summary["bytes_verified"] > 0
+    )
     figures = {p.stem: json.loads(p.read_text()) for p in stats.glob("*.json")}
     assert sorted(figures) == ["decode0", "prefill0", "prefill1"]
     return summary, figures
@@ -109,7 +120,9 @@ def run_with_loop_stats(tmp_path, monkeypatch, env: str, setting: str | None,
 
 @hw_case
 @pytest.mark.parametrize("setting,expected", [(None, "rr:10"), ("0", "normal")])
-def test_hw_ranks_report_their_loop_class_and_verify_every_byte(tmp_path, monkeypatch, setting, expected):
+def test_hw_ranks_report_their_loop_class_and_verify_every_byte(
+    tmp_path, monkeypatch, setting, expected
+):
     summary, figures = run_with_loop_stats(tmp_path, monkeypatch, LOOP_RT_ENV, setting)
     classes = {name: f["loop_sched"] for name, f in figures.items()}
     assert summary["loop_sched"] == classes  # the run records the class each loop got

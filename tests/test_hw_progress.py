@@ -17,7 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_rooms_ended_is_the_least_rank_per_decode_instance():
     # decode TP2, two instances: decode0/1 are instance 0, decode2/3 instance 1
-    rooms = {"decode0": (5, 10), "decode1": (3, 10), "decode2": (7, 9), "decode3": (9, 9), "prefill0": (10, 10)}
+    rooms = {
+        "decode0": (5, 10),
+        "decode1": (3, 10),
+        "decode2": (7, 9),
+        "decode3": (9, 9),
+        "prefill0": (10, 10),
+    }
     assert rooms_ended(rooms, 2) == (3 + 7, 10 + 9)
     # an instance whose ranks have not all spoken yet does not count; none complete: nothing to say
     assert rooms_ended({"decode0": (5, 10), "decode1": (3, 10), "decode2": (7, 9)}, 2) == (3, 10)
@@ -25,7 +31,14 @@ def test_rooms_ended_is_the_least_rank_per_decode_instance():
 
 
 def _progress(**kw) -> RunProgress:
-    base = {"registered": 3, "expected": 3, "started": True, "rooms": {}, "reported": 0, "elapsed_s": 1.0}
+    base = {
+        "registered": 3,
+        "expected": 3,
+        "started": True,
+        "rooms": {},
+        "reported": 0,
+        "elapsed_s": 1.0,
+    }
     return RunProgress(**{**base, **kw})
 
 
@@ -64,11 +77,21 @@ def test_a_hardware_run_reports_its_progress(tmp_path):
     from kvstage.shared.scenario import load_scenario
 
     require_engine("nixl")
-    s = load_scenario(REPO / "scenarios/llama3-8b-p4-d2.toml",
-                      overrides=["prefill.tp=2", "decode.tp=1", "workload.requests=8", "workload.rate_per_s=2",
-                                 "workload.arrival=fixed", "hardware.backend=nixl"])
+    s = load_scenario(
+        REPO / "scenarios/llama3-8b-p4-d2.toml",
+        overrides=[
+            "prefill.tp=2",
+            "decode.tp=1",
+            "workload.requests=8",
+            "workload.rate_per_s=2",
+            "workload.arrival=fixed",
+            "hardware.backend=nixl",
+        ],
+    )
     out = io.StringIO()
-    code, _ = run_hardware(s, out=tmp_path / "run", console=Console(file=out, width=200), timeout_s=150)
+    code, _ = run_hardware(
+        s, out=tmp_path / "run", console=Console(file=out, width=200), timeout_s=150
+    )
     text = out.getvalue()
     assert code == 0, text
     assert "hw: all 3 ranks registered after" in text and "8 rooms to run" in text

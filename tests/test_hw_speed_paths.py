@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _load_benchmark():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("hw_transfer", REPO / "benchmarks" / "hw_transfer.py")
+        spec = importlib.util.spec_from_file_location(
+            "hw_transfer", REPO / "benchmarks" / "hw_transfer.py"
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -66,7 +68,9 @@ def test_nixl_progress_delay_from_the_environment(monkeypatch):
         nixl_transport.progress_delay_us()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's"
+)
 def test_forward_thread_runs_at_a_lower_priority():
     seen: dict[str, int] = {}
 
@@ -80,7 +84,9 @@ def test_forward_thread_runs_at_a_lower_priority():
     t.start()
     t.join()
     assert seen["after"] == min(19, seen["before"] + prefill_rank.FORWARD_NICE)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == seen["before"]  # only that thread
+    assert (
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == seen["before"]
+    )  # only that thread
 
 
 def test_benchmark_sizes_the_slice_room_timeout_from_the_workload():
@@ -94,6 +100,7 @@ def test_benchmark_sizes_the_slice_room_timeout_from_the_workload():
     assert timeout > 60.0  # the scenario's default, which Mooncake's slice run used to hit
     small = bench.scenario("nixl", "slice", 1, 512)
     assert bench.room_timeout_s(small) == pytest.approx(
-        bench.MIN_ROOM_TIMEOUT_S + bench.slice_requests(small) * bench.SLICE_S_PER_REQUEST)
+        bench.MIN_ROOM_TIMEOUT_S + bench.slice_requests(small) * bench.SLICE_S_PER_REQUEST
+    )
     applied = bench.scenario("nixl", "slice", 4, 2048, timeout)
     assert applied.transfer.room_timeout_s == pytest.approx(round(timeout))

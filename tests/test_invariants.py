@@ -52,7 +52,9 @@ def test_leaked_region_is_reported(monkeypatch):
 
 
 def _geometry(P=2, D=1):
-    return Geometry(P, D, 8, layers=2, head_dim=4, dtype_bytes=2, page_size=4, chunked_prefill_size=16)
+    return Geometry(
+        P, D, 8, layers=2, head_dim=4, dtype_bytes=2, page_size=4, chunked_prefill_size=16
+    )
 
 
 def test_counting_writers_by_number_is_caught(monkeypatch):
@@ -72,10 +74,14 @@ def test_counting_writers_by_number_is_caught(monkeypatch):
         self._chunk_maybe_complete(room, msg.chunk, now, out)
         self._maybe_done(room, now, out)
 
-    monkeypatch.setitem(decode_mod.DecodeMachine._HANDLERS, decode_mod.ChunkReady, on_ready_by_count)
+    monkeypatch.setitem(
+        decode_mod.DecodeMachine._HANDLERS, decode_mod.ChunkReady, on_ready_by_count
+    )
     found = []
     for seed in range(6):
-        w = World(_geometry(4, 1), pool_bytes=_geometry(4, 1).chunk_bytes() * 2, seed=seed, dup_p=0.5)
+        w = World(
+            _geometry(4, 1), pool_bytes=_geometry(4, 1).chunk_bytes() * 2, seed=seed, dup_p=0.5
+        )
         for room in range(4):
             w.open_room(room, prompt_tokens=37 + 13 * room)
         w.run(until_quiet=True)
@@ -90,7 +96,9 @@ def test_freeing_before_scatter_completes_is_caught(monkeypatch):
 
     def free_early(self, room, chunk, now, out):
         real(self, room, chunk, now, out)
-        if room.state.get(chunk) is decode_mod.DecodeChunk.SCATTERING:  # free the region as soon as the scatter is issued
+        if (
+            room.state.get(chunk) is decode_mod.DecodeChunk.SCATTERING
+        ):  # free the region as soon as the scatter is issued
             self._free(room.room, chunk, room.allocs[chunk].id, now, out)
 
     monkeypatch.setattr(decode_mod.DecodeMachine, "_chunk_maybe_complete", free_early)
@@ -107,7 +115,15 @@ def test_forgetting_to_release_an_aborted_room_is_caught(monkeypatch):
     def fail_without_release(self, room, reason, now, out, skip_writer=-1):
         del self._rooms[room.room]
         self._finish(room.room, ok=False)
-        self._record(out, "room_failed", now, now, room=room.room, ring_used=self.ring.used_bytes, detail=reason)
+        self._record(
+            out,
+            "room_failed",
+            now,
+            now,
+            room=room.room,
+            ring_used=self.ring.used_bytes,
+            detail=reason,
+        )
 
     monkeypatch.setattr(decode_mod.DecodeMachine, "_fail", fail_without_release)
     g = _geometry()
@@ -144,11 +160,15 @@ def test_without_empty_ring_restart_a_room_hangs_and_is_reported(monkeypatch):
         real_free(self, room, chunk, alloc_id, now, out)
         real_broadcast(self, now, out)
 
-    monkeypatch.setattr(decode_mod.DecodeMachine, "_broadcast_if_moved", lambda self, now, out: None)
+    monkeypatch.setattr(
+        decode_mod.DecodeMachine, "_broadcast_if_moved", lambda self, now, out: None
+    )
     # The writer stays subscribed between its rooms (a decode drops a writer with no
     # live room, and a new subscriber is sent the current watermark, which the assign
     # before it already moved: that alone would unstick the chunk).
-    monkeypatch.setattr(decode_mod.DecodeMachine, "_end_room", lambda self, room: self._rooms.pop(room.room))
+    monkeypatch.setattr(
+        decode_mod.DecodeMachine, "_end_room", lambda self, room: self._rooms.pop(room.room)
+    )
     monkeypatch.setattr(decode_mod.DecodeMachine, "_free", free_then_broadcast)
     g = _geometry()
     cfg = ProtocolConfig(room_timeout_s=5.0, retry_s=1000.0)  # no re-requests: the hang shows
@@ -207,7 +227,12 @@ def test_a_write_outliving_the_abort_grace_is_recorded_and_flagged():
     out = feed(ChunkComputed(0, 0), 0.02)
     gathers = [a for a in out if isinstance(a, Gather)]
     assert gathers
-    writes = [a for ga in gathers for a in feed(GatherDone(0, 0, ga.decode_rank), 0.03) if isinstance(a, Write)]
+    writes = [
+        a
+        for ga in gathers
+        for a in feed(GatherDone(0, 0, ga.decode_rank), 0.03)
+        if isinstance(a, Write)
+    ]
     assert writes
     feed(AbortRoom(0, "test: abort with writes in flight"), 0.04)
     feed(Tick(), 1.0)  # the grace (0.5 s) ran out: the drain gave up on the writes
@@ -224,9 +249,29 @@ def test_clock_tolerance_orders_two_clocks_only_beyond_their_uncertainty():
     but within two hosts' clock uncertainty (1 ms) it is not evidence of an early scatter."""
     from kvstage.shared.trace import TraceRecord
 
-    write = TraceRecord("prefill", 0, "write", 1.0000, 1.0010, room=0, chunk=0, writer=0, peer=0, offset=0,
-                        bytes=64, requests=1)
-    scatter = TraceRecord("decode", 0, "scatter", 1.0007, 1.0020, room=0, chunk=0, offset=0, bytes=64)
+    write = TraceRecord(
+        "prefill",
+        0,
+        "write",
+        1.0000,
+        1.0010,
+        room=0,
+        chunk=0,
+        writer=0,
+        peer=0,
+        offset=0,
+        bytes=64,
+        requests=1,
+    )
+    scatter = TraceRecord(
+        "decode", 0, "scatter", 1.0007, 1.0020, room=0, chunk=0, offset=0, bytes=64
+    )
     one_clock = check_records([write, scatter])
-    assert any(v.invariant == "exactly_once" and "before the last block" in v.message for v in one_clock)
-    assert not [v for v in check_records([write, scatter], clock_tolerance_s=0.001) if v.invariant == "exactly_once"]
+    assert any(
+        v.invariant == "exactly_once" and "before the last block" in v.message for v in one_clock
+    )
+    assert not [
+        v
+        for v in check_records([write, scatter], clock_tolerance_s=0.001)
+        if v.invariant == "exactly_once"
+    ]

@@ -235,8 +235,10 @@ def reference_value(
 
 # Rows of a multiple of 8 bytes are written as 8-byte words of repeated row hashes
 # (bf16 8, fp32 4, fp8 16), the others element by element (fp8 3, fp16 5, bf16 6).
-@pytest.mark.parametrize(("dtype", "head_dim"),
-                         [("bf16", 8), ("fp32", 4), ("fp8", 3), ("fp16", 5), ("fp8", 16), ("bf16", 6)])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"),
+    [("bf16", 8), ("fp32", 4), ("fp8", 3), ("fp16", 5), ("fp8", 16), ("bf16", 6)],
+)
 def test_pattern_matches_python_reference(dtype: str, head_dim: int) -> None:
     """Same bits as a pure-Python spec: no device- or overflow-dependent arithmetic."""
     if dtype == "fp8" and not _fp8_ok():
@@ -401,7 +403,9 @@ def test_wrong_dst_head_start_is_caught() -> None:
 
 
 @pytest.mark.parametrize("tp", [(4, 2, 8), (2, 1, 8), (8, 1, 8)])
-def test_fan_in_scatter_in_one_copy_matches_per_block(tp: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fan_in_scatter_in_one_copy_matches_per_block(
+    tp: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Writer blocks that tile the decode heads in order are scattered in one copy: the
     same bytes land as with one copy per block, and nothing outside the room."""
     c = Cluster(geometry(*tp, "bf16"), "bf16")

@@ -84,7 +84,9 @@ def test_every_decode_rank_gets_exactly_its_heads(P, D, H):
         assert spans[-1][1] == layout.region_bytes
 
 
-@pytest.mark.parametrize("P,D,H", [(3, 2, 8), (8, 6, 8), (4, 2, 6), (2, 4, 6), (0, 2, 8), (2, 2, 0)])
+@pytest.mark.parametrize(
+    "P,D,H", [(3, 2, 8), (8, 6, 8), (4, 2, 6), (2, 4, 6), (0, 2, 8), (2, 2, 0)]
+)
 def test_bad_tp_rejected_with_reason(P, D, H):
     with pytest.raises(LayoutError) as exc:
         Geometry(P, D, H, layers=1, head_dim=1, dtype_bytes=2, page_size=1)
@@ -93,7 +95,11 @@ def test_bad_tp_rejected_with_reason(P, D, H):
 
 def test_chunk_grid():
     chunks = chunk_grid(num_pages=1100, page_size=16, chunked_prefill_size=8192)
-    assert [(c.index, c.page_start, c.num_pages) for c in chunks] == [(0, 0, 512), (1, 512, 512), (2, 1024, 76)]
+    assert [(c.index, c.page_start, c.num_pages) for c in chunks] == [
+        (0, 0, 512),
+        (1, 512, 512),
+        (2, 1024, 76),
+    ]
     assert chunk_grid(0, 16) == []
     # grid of at least one page even when chunked_prefill_size < page_size
     assert [c.num_pages for c in chunk_grid(3, 64, 16)] == [1, 1, 1]

@@ -19,7 +19,17 @@ def geo(P, D, H, **kw):
     return Geometry(P, D, H, **base)
 
 
-CASES = [(2, 1, 8), (4, 2, 8), (8, 2, 8), (1, 2, 8), (2, 8, 8), (16, 4, 8), (2, 8, 4), (4, 4, 8), (8, 2, 2)]
+CASES = [
+    (2, 1, 8),
+    (4, 2, 8),
+    (8, 2, 8),
+    (1, 2, 8),
+    (2, 8, 8),
+    (16, 4, 8),
+    (2, 8, 4),
+    (4, 4, 8),
+    (8, 2, 2),
+]
 
 
 def _check_clean_end(w: World, rooms: int) -> None:
@@ -35,7 +45,9 @@ def _check_clean_end(w: World, rooms: int) -> None:
     # exactly once: every chunk of every room scattered once on every decode rank
     for d in range(len(w.decode)):
         for room in range(rooms):
-            n = len(w.geometry.chunks(-(-(37 + 13 * room - 4 * (room % 2)) // w.geometry.page_size)))
+            n = len(
+                w.geometry.chunks(-(-(37 + 13 * room - 4 * (room % 2)) // w.geometry.page_size))
+            )
             for c in range(n):
                 assert w.scattered[d].get((room, c)) == 1, (d, room, c)
 
@@ -77,7 +89,11 @@ def test_slice_path(seed):
     for d in w.decode:
         assert d.rooms_done == 4 and d.scatters_issued == 0
     slice_rows = [r for r in w.records if r.phase == "slice_write"]
-    assert slice_rows and all(r.requests == g.slice_requests(0, 0, 4) for r in slice_rows if r.bytes == g.block_bytes(16, 2))
+    assert slice_rows and all(
+        r.requests == g.slice_requests(0, 0, 4)
+        for r in slice_rows
+        if r.bytes == g.block_bytes(16, 2)
+    )
 
 
 def test_oversized_chunk_falls_back_to_slice():
@@ -130,7 +146,9 @@ def test_abort_releases_everything_and_late_messages_are_ignored():
     assert m.ring.live_count == 4
     out = m.handle(Abort(0, 1, 0, "user cancelled"), 0.2)
     assert any(isinstance(a, RoomFailed) for a in out)
-    assert any(isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.prefill_rank == 0 for a in out)
+    assert any(
+        isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.prefill_rank == 0 for a in out
+    )
     # writer 0 may still have writes in flight: its regions stay out of reuse
     assert m.ring.live_count == 4
     m.handle(Abort(0, 0, 0, "drained"), 0.25)  # writer 0 confirms
@@ -212,7 +230,9 @@ def test_stale_watermark_and_duplicate_rsp_are_harmless():
     p.handle(Watermark(0, 99, 0, 0), 0.0)  # older: ignored
     assert tuple(p.watermark_view(0)) == (1, 10)
     size = g.region_bytes(4)
-    out = p.handle(StagingRsp(0, 0, 0, 4, size, False, 0, 0), 0.1)  # round 4: needs wm round 3 tail >= size
+    out = p.handle(
+        StagingRsp(0, 0, 0, 4, size, False, 0, 0), 0.1
+    )  # round 4: needs wm round 3 tail >= size
     assert not any(isinstance(a, Gather) for a in out)
     out = p.handle(StagingRsp(0, 0, 0, 4, size, False, 0, 0), 0.1)
     assert not out or not any(isinstance(a, Gather) for a in out)
@@ -270,8 +290,10 @@ def test_lost_rsp_and_watermark_recovered_by_retry(seed):
     lose = _random.Random(seed)
     for room in range(5):
         w.open_room(room, prompt_tokens=37 + 13 * room, prefix_tokens=4 * (room % 2))
-    w.run(drop=lambda role, rank, ev: isinstance(ev, (StagingRsp, Watermark)) and lose.random() < 0.3,
-          until_quiet=True)
+    w.run(
+        drop=lambda role, rank, ev: isinstance(ev, (StagingRsp, Watermark)) and lose.random() < 0.3,
+        until_quiet=True,
+    )
     _check_clean_end(w, 5)
     retries = [r for r in w.records if r.phase == "req" and r.detail.startswith("retry")]
     assert retries, "nothing was lost?"

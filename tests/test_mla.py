@@ -32,6 +32,7 @@ SCENARIO = ROOT / "scenarios" / "mla" / "deepseek-v3-p8-d2.toml"
 WIDE = {"COLUMNS": "300"}
 LATENT = 36  # a tiny latent (the real one is 576) whose rows are not a power of two
 
+
 def mla(p: int, d: int, layers: int = 3, page_size: int = 4) -> Geometry:
     return Geometry(p, d, 1, layers, LATENT, 2, page_size, attention="mla")
 
@@ -41,8 +42,14 @@ def model(**fields) -> dict:
 
 
 def scenario(model_table: dict, p: int = 8, d: int = 2, path: str = "slice"):
-    return scenario_from_dict({"model": model_table, "prefill": {"tp": p}, "decode": {"tp": d},
-                               "transfer": {"path": path}})
+    return scenario_from_dict(
+        {
+            "model": model_table,
+            "prefill": {"tp": p},
+            "decode": {"tp": d},
+            "transfer": {"path": path},
+        }
+    )
 
 
 def error(model_table: dict, path: str = "slice") -> ScenarioError:
@@ -115,11 +122,23 @@ def test_geometry_refuses_bad_attention():
 def test_mla_presets(name, layers, params, active, source):
     p = PRESETS[name]
     assert (p.attention, p.layers, p.latent_dim, p.params_b, p.active_params_b, p.source) == (
-        "mla", layers, 512 + 64, params, active, source)
+        "mla",
+        layers,
+        512 + 64,
+        params,
+        active,
+        source,
+    )
     assert p.kv_elems_per_token == layers * 576
     s = scenario({"preset": name})
     m = s.model
-    assert (m.attention, m.latent_dim, m.kv_heads, m.head_dim, m.layers) == ("mla", 576, 1, 576, layers)
+    assert (m.attention, m.latent_dim, m.kv_heads, m.head_dim, m.layers) == (
+        "mla",
+        576,
+        1,
+        576,
+        layers,
+    )
     g = s.geometry()
     assert g.mla and g.kv_bytes_per_token() == layers * 576 * 2
 
@@ -146,8 +165,16 @@ def test_explicit_mla_model_resolves_and_round_trips(tmp_path):
         (model(latent_dim="wide"), "model.latent_dim", "valid integer"),
         (model(latent_dim=0), "model.latent_dim", "greater than or equal to 1"),
         (model(latent_dim=64, kv_heads=8), "model.kv_heads", "kv_heads must be 1 and head_dim 64"),
-        (model(latent_dim=64, head_dim=128), "model.kv_heads", "kv_heads must be 1 and head_dim 64"),
-        ({"preset": "llama-3-8b", "latent_dim": 64}, "model.latent_dim", 'only with attention = "mla"'),
+        (
+            model(latent_dim=64, head_dim=128),
+            "model.kv_heads",
+            "kv_heads must be 1 and head_dim 64",
+        ),
+        (
+            {"preset": "llama-3-8b", "latent_dim": 64},
+            "model.latent_dim",
+            'only with attention = "mla"',
+        ),
         ({"preset": "llama-3-8b", "attention": "mla"}, "model.latent_dim", "512 + 64 = 576"),
     ],
 )
@@ -173,8 +200,10 @@ def test_staging_path_refuses_mla():
 def test_validate_says_latent_is_replicated():
     res = CliRunner().invoke(app, ["validate", str(SCENARIO)], env=WIDE)
     assert res.exit_code == 0, res.output
-    assert ("latent KV replicated on every rank: no head resharding; decode rank d reads from "
-            "prefill rank d % 8 (0 <- 0, 1 <- 1); prefill ranks 2..7 compute but send nothing") in res.output
+    assert (
+        "latent KV replicated on every rank: no head resharding; decode rank d reads from "
+        "prefill rank d % 8 (0 <- 0, 1 <- 1); prefill ranks 2..7 compute but send nothing"
+    ) in res.output
     assert duplicate_share(load_scenario(SCENARIO)) == 0
     assert "0% (MLA: each decode rank reads the latent once" in res.output
 
@@ -196,7 +225,9 @@ def test_slice_ops_move_every_latent_byte(p, d):
         (writer,) = g.writers(r)
         ops = slice_ops(g, writer, r, src[writer].desc, first, dst.desc, 2, pages)
         assert len(ops) == g.slice_requests(writer, r, pages) == g.layers * pages
-        assert ops.total_bytes == g.block_bytes(pages * g.page_size, 1) == block_bytes(dst, pages, 1)
+        assert (
+            ops.total_bytes == g.block_bytes(pages * g.page_size, 1) == block_bytes(dst, pages, 1)
+        )
         apply_ops(ops, src[writer].tensor, dst.tensor)
         checked, wrong = verify(dst, 2, pages, room, prefix, [0])
         assert (checked, wrong) == (g.block_bytes(pages * g.page_size, 1), 0)
@@ -228,21 +259,33 @@ def test_slice_ops_refuse_a_k_and_v_pool_for_mla():
 
 def test_sim_fan_out_every_room_done():
     """P1 -> D2: the one prefill rank feeds both decode ranks, one request per (page, layer)."""
-    s = load_scenario(SCENARIO, ["prefill.tp=1", "workload.requests=4", "workload.prompt=fixed",
-                                 "workload.prompt_tokens=2000", "workload.prompt_min=1000"])
+    s = load_scenario(
+        SCENARIO,
+        [
+            "prefill.tp=1",
+            "workload.requests=4",
+            "workload.prompt=fixed",
+            "workload.prompt_tokens=2000",
+            "workload.prompt_min=1000",
+        ],
+    )
     result = Simulation(s).run()
     assert not result.failures and not result.violations
     assert result.rooms_done == 4 and result.rooms_failed == 0
     writes = [r for r in result.records if r.phase == "slice_write"]
     pages = room_pages(2000, 0, 16)
-    assert sum(r.requests for r in writes) == 4 * 2 * 61 * pages  # rooms x decode ranks x layers x pages
+    assert (
+        sum(r.requests for r in writes) == 4 * 2 * 61 * pages
+    )  # rooms x decode ranks x layers x pages
     assert sum(r.bytes for r in writes) == 4 * 2 * pages * 16 * 61 * 576 * 2
     assert check_records(result.records, "slice") == []
 
 
 def test_cli_sim_runs_the_catalogue_scenario(tmp_path):
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["sim", str(SCENARIO), "--out", str(run), "--no-progress"], env=WIDE)
+    res = CliRunner().invoke(
+        app, ["sim", str(SCENARIO), "--out", str(run), "--no-progress"], env=WIDE
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert res.exit_code == 0, res.output
     assert summary["requests_done"] == 16 and summary["requests_failed"] == 0
@@ -271,7 +314,9 @@ def test_hw_nixl_every_latent_byte_lands(tmp_path, p, d):
 
     code, run_dir = run(tmp_path, "nixl", hw_scenario(tmp_path, p, d))
     sm = read_summary(run_dir)
-    assert (code, sm["requests_done"], sm["requests_failed"], sm["bytes_wrong"]) == (0, 3, 0, 0), sm.get("errors")
+    assert (code, sm["requests_done"], sm["requests_failed"], sm["bytes_wrong"]) == (0, 3, 0, 0), (
+        sm.get("errors")
+    )
     s = load_scenario(run_dir / "scenario.toml")
     pages = sum(room_pages(r.prompt_tokens, r.prefix_tokens, 16) for r in generate_requests(s))
     # every decode rank verified the latent of every page, once: no V, no duplicate

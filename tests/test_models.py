@@ -36,7 +36,13 @@ def load(*sets: str):
 )
 def test_presets_carry_the_published_numbers(name, layers, kv_heads, head_dim, params, active):
     p = PRESETS[name]
-    assert (p.layers, p.kv_heads, p.head_dim, p.params_b, p.active_params_b) == (layers, kv_heads, head_dim, params, active)
+    assert (p.layers, p.kv_heads, p.head_dim, p.params_b, p.active_params_b) == (
+        layers,
+        kv_heads,
+        head_dim,
+        params,
+        active,
+    )
     assert p.source  # where the numbers come from
 
 
@@ -71,8 +77,20 @@ def test_duplicate_share_of_staged_bytes():
     assert duplicate_share(tiny) == 0.75  # 2 heads, 8 writers into one decode rank
     # decode TP > heads replicates on the decode side: each rank needs its own copy
     assert duplicate_share(load("model.preset=qwen2.5-7b", "prefill.tp=2", "decode.tp=8")) == 0
-    res = CliRunner().invoke(app, ["validate", str(SCENARIO), "--set", "model.preset=qwen3-235b-a22b",
-                                   "--set", "prefill.tp=8", "--set", "decode.staging_pool_mb=65536"], env=WIDE)
+    res = CliRunner().invoke(
+        app,
+        [
+            "validate",
+            str(SCENARIO),
+            "--set",
+            "model.preset=qwen3-235b-a22b",
+            "--set",
+            "prefill.tp=8",
+            "--set",
+            "decode.staging_pool_mb=65536",
+        ],
+        env=WIDE,
+    )
     assert res.exit_code == 0, res.output
     assert "50% (prefill TP8 > 4 KV heads: 2 prefill ranks hold each head" in res.output
 
@@ -80,7 +98,12 @@ def test_duplicate_share_of_staged_bytes():
 def test_presets_and_profiles_commands():
     res = CliRunner().invoke(app, ["presets"], env=WIDE)
     assert res.exit_code == 0, res.output
-    for name in ("llama-3-405b", "qwen3-235b-a22b", "mixtral-8x7b", "huggingface.co/Qwen/Qwen2.5-72B"):
+    for name in (
+        "llama-3-405b",
+        "qwen3-235b-a22b",
+        "mixtral-8x7b",
+        "huggingface.co/Qwen/Qwen2.5-72B",
+    ):
         assert name in res.output
     res = CliRunner().invoke(app, ["profiles"], env=WIDE)
     assert res.exit_code == 0, res.output

@@ -84,14 +84,23 @@ def namespaces():
 
 
 def _veth_tx(ns: str, dev: str) -> int:
-    out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
-                         check=True, capture_output=True, text=True, timeout=20).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    ).stdout
     return int(out)
 
 
 def _rank_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVSTAGE_", "UCX_", "MC_TCP_", "MASTER_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVSTAGE_", "UCX_", "MC_TCP_", "MASTER_", "SLURM_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     env["UCX_TLS"] = "tcp"  # no shared memory between the "nodes": UCX goes over the veth
     return env
 
@@ -114,10 +123,35 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     env = _rank_env()
     t = time.monotonic()
     launcher = subprocess.Popen(
-        ["ip", "netns", "exec", ns_a, str(BIN / "kvstage"), "hw", str(scenario), "--backend", backend, "--no-spawn",
-         "--bind", ADDR_A, "--port", str(PORT), "--out", str(run_dir), "--timeout", "90", "--trace-format", "jsonl",
-         "--target", "0.5"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            ns_a,
+            str(BIN / "kvstage"),
+            "hw",
+            str(scenario),
+            "--backend",
+            backend,
+            "--no-spawn",
+            "--bind",
+            ADDR_A,
+            "--port",
+            str(PORT),
+            "--out",
+            str(run_dir),
+            "--timeout",
+            "90",
+            "--trace-format",
+            "jsonl",
+            "--target",
+            "0.5",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ranks: list[subprocess.Popen] = []
     try:
         _wait_for(run_dir / "run.secret", launcher, 30)
@@ -126,21 +160,52 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
         logs = tmp_path / "ranklogs"
         logs.mkdir()
         for g in range(P):  # prefill: identity, rendezvous and address from torchrun's variables
-            torchrun = {"RANK": str(g), "WORLD_SIZE": str(P + D), "LOCAL_RANK": str(g),
-                        "MASTER_ADDR": ADDR_A, "MASTER_PORT": str(PORT)}
+            torchrun = {
+                "RANK": str(g),
+                "WORLD_SIZE": str(P + D),
+                "LOCAL_RANK": str(g),
+                "MASTER_ADDR": ADDR_A,
+                "MASTER_PORT": str(PORT),
+            }
             with (logs / f"prefill{g}.log").open("w") as fh:
-                ranks.append(subprocess.Popen(["ip", "netns", "exec", ns_a, str(BIN / "kvstage"), "hw-rank", *common],
-                                              env={**env, **torchrun}, stdout=fh, stderr=subprocess.STDOUT))
+                ranks.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", ns_a, str(BIN / "kvstage"), "hw-rank", *common],
+                        env={**env, **torchrun},
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         for d in range(D):  # decode: by flags, in the other namespace, clock skewed
-            cmd = ["ip", "netns", "exec", ns_b, sys.executable, str(HELPER), ",".join(f"decode{i}={SKEW_S}" for i in range(D)),
-                   sys.executable, "-m", "kvstage.hw.rank_main", *common, "--role", "decode", "--rank", str(d),
-                   "--rendezvous", f"{ADDR_A}:{PORT}", "--host", ADDR_B]
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                ns_b,
+                sys.executable,
+                str(HELPER),
+                ",".join(f"decode{i}={SKEW_S}" for i in range(D)),
+                sys.executable,
+                "-m",
+                "kvstage.hw.rank_main",
+                *common,
+                "--role",
+                "decode",
+                "--rank",
+                str(d),
+                "--rendezvous",
+                f"{ADDR_A}:{PORT}",
+                "--host",
+                ADDR_B,
+            ]
             with (logs / f"decode{d}.log").open("w") as fh:
                 ranks.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT))
         out, _ = launcher.communicate(timeout=120)
         wall = time.monotonic() - t
         tx = _veth_tx(ns_a, veth_a) - tx_before
-        rank_logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.iterdir()))
+        rank_logs = "\n".join(
+            f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.iterdir())
+        )
         # the run's own outcome is good (every byte, below); the exit code follows the verdict
         verdict_passed = "bandwidth: PASS" in " ".join(out.split())
         assert launcher.returncode == (0 if verdict_passed else 1), f"{out[-3000:]}\n{rank_logs}"
@@ -154,10 +219,23 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     summary = read_summary(run_dir)
     s = load_scenario(run_dir / "scenario.toml")
     g = s.geometry()
-    expected = sum(g.decode_tp * room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) * g.page_size * 2 * g.layers
-                   * g.decode_heads * g.head_dim * g.dtype_bytes for r in generate_requests(s))
+    expected = sum(
+        g.decode_tp
+        * room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size)
+        * g.page_size
+        * 2
+        * g.layers
+        * g.decode_heads
+        * g.head_dim
+        * g.dtype_bytes
+        for r in generate_requests(s)
+    )
     assert summary["bytes_verified"] == expected and summary["bytes_wrong"] == 0
-    assert summary["requests_done"] == 3 and summary["requests_failed"] == 0 and summary["errors"] == []
+    assert (
+        summary["requests_done"] == 3
+        and summary["requests_failed"] == 0
+        and summary["errors"] == []
+    )
     clocks = summary["clocks"]
     assert {clocks[f"prefill{p}"]["host"] for p in range(P)} == {ADDR_A}
     assert {clocks[f"decode{d}"]["host"] for d in range(D)} == {ADDR_B}
@@ -177,8 +255,9 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     # per pair, GB/s against the ceiling measured in this run across the veth, and the verdict
     pairs = summary["bandwidth"]["pairs"]
     sessions, _ = hardware_sessions(s, generate_requests(s))
-    assert [(p["prefill"], p["decode"]) for p in pairs] == [(f"prefill{a}", f"decode{b}")
-                                                           for a, b in probe_pairs(sessions)]
+    assert [(p["prefill"], p["decode"]) for p in pairs] == [
+        (f"prefill{a}", f"decode{b}") for a, b in probe_pairs(sessions)
+    ]
     for p in pairs:
         assert p["ceiling_gbs"] > 0 and 0 < p["achieved_gbs"], p
     # the chunks of this small scenario are a few KiB: latency-bound, far below the ceiling
@@ -186,7 +265,9 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     assert verdict_passed is all(p["ratio"] >= 0.5 for p in pairs), out[-2000:]
     assert ("bandwidth: PASS" if verdict_passed else "bandwidth: FAIL") in " ".join(out.split())
     assert any(f"{p['prefill']} -> {p['decode']}" in out for p in pairs)
-    print(f"\n{backend} P{P}->D{D} across namespaces: {expected} bytes verified, {tx} bytes on the veth, "
-          f"wall {wall:.1f}s, decode clock offsets "
-          f"{[round(clocks[f'decode{d}']['clock_offset_s'], 6) for d in range(D)]} "
-          f"(+-{max(c['clock_uncertainty_s'] for c in clocks.values()) * 1e6:.0f} us), {pairs} req pairs causal")
+    print(
+        f"\n{backend} P{P}->D{D} across namespaces: {expected} bytes verified, {tx} bytes on the veth, "
+        f"wall {wall:.1f}s, decode clock offsets "
+        f"{[round(clocks[f'decode{d}']['clock_offset_s'], 6) for d in range(D)]} "
+        f"(+-{max(c['clock_uncertainty_s'] for c in clocks.values()) * 1e6:.0f} us), {pairs} req pairs causal"
+    )

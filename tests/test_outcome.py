@@ -76,18 +76,28 @@ def test_ten_thousand_failed_rooms_print_a_handful_of_lines():
     assert len(lines) <= 2 * GROUPS_SHOWN + 2
     assert lines[0] == "10000 room(s) failed, by reason:"
     assert lines[1] == "  1000 rooms (0, 10, 20, 30, 40, ...): reason # kind a"
-    assert lines[-1] == f"  ... {10 - GROUPS_SHOWN} more reason(s), {(10 - GROUPS_SHOWN) * 1000} room(s) (summary.json failure_groups)"
+    assert (
+        lines[-1]
+        == f"  ... {10 - GROUPS_SHOWN} more reason(s), {(10 - GROUPS_SHOWN) * 1000} room(s) (summary.json failure_groups)"
+    )
 
 
 def test_summary_counts_every_failed_room_per_reason():
     s = load_scenario(LOST)
-    decode = {r: f"decode rank 0: room {r} timed out after 3.0s waiting for scatter of chunks [{r % 3}]" for r in range(30)}
+    decode = {
+        r: f"decode rank 0: room {r} timed out after 3.0s waiting for scatter of chunks [{r % 3}]"
+        for r in range(30)
+    }
     prefill = {r: "aborted by prefill rank 1: fault injection" for r in range(25, 40)}
-    ranks = [RankResult("prefill", 1, 0, 15, prefill, 0, 0, {}, 0, False),
-             RankResult("decode", 0, 0, 30, decode, 0, 0, {}, 0, False)]
+    ranks = [
+        RankResult("prefill", 1, 0, 15, prefill, 0, 0, {}, 0, False),
+        RankResult("decode", 0, 0, 30, decode, 0, 0, {}, 0, False),
+    ]
     summary = run_summary(s, "sim", [], ranks, requests=40, wall_s=0.0, violations=0)
     assert len(summary["failures"]) == 20  # the listing stays short ...
-    assert summary["failure_groups"] == {  # ... the groups count all 40 rooms, a room once (decode first)
+    assert summary[
+        "failure_groups"
+    ] == {  # ... the groups count all 40 rooms, a room once (decode first)
         "decode rank #: room # timed out after #s waiting for scatter of chunks [#]": 30,
         "aborted by prefill rank #: fault injection": 10,
     }
@@ -104,32 +114,62 @@ def test_sim_failed_rooms_exit_1_unless_expected(tmp_path, path):
     assert f"expected outcome: {len(want)} room(s) failed" in res.output
     assert "unexpected outcome" not in res.output
 
-    res = invoke("sim", str(without_expect(path, tmp_path)), "--out", str(tmp_path / "run"), "--no-progress")
+    res = invoke(
+        "sim", str(without_expect(path, tmp_path)), "--out", str(tmp_path / "run"), "--no-progress"
+    )
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     failures = {int(k): v for k, v in summary["failures"].items()}
     assert set(failures) == want
-    assert f"unexpected outcome: {len(want)} room(s) failed, and the scenario has no [expect]" in res.output
+    assert (
+        f"unexpected outcome: {len(want)} room(s) failed, and the scenario has no [expect]"
+        in res.output
+    )
     for line in format_failure_groups(failures):  # grouped by reason, with counts and rooms
         assert line in res.output.splitlines(), res.output
     assert sum(summary["failure_groups"].values()) == len(want)
 
 
 def test_sim_other_rooms_than_expected_exit_1(tmp_path):
-    res = invoke("sim", str(ABORT), "--set", "expect.failed_rooms=[3]", "--out", str(tmp_path / "r"), "--no-progress")
+    res = invoke(
+        "sim",
+        str(ABORT),
+        "--set",
+        "expect.failed_rooms=[3]",
+        "--out",
+        str(tmp_path / "r"),
+        "--no-progress",
+    )
     assert res.exit_code == 1, res.output
     assert "unexpected outcome: expected failed rooms [3], got [2]" in res.output
     assert "1 room (2): aborted by prefill rank" in res.output
-    res = invoke("sim", str(ABORT), "--set", "expect.reason_contains=timed out", "--out", str(tmp_path / "s"), "--no-progress")
+    res = invoke(
+        "sim",
+        str(ABORT),
+        "--set",
+        "expect.reason_contains=timed out",
+        "--out",
+        str(tmp_path / "s"),
+        "--no-progress",
+    )
     assert res.exit_code == 1, res.output
     assert "1 failed room(s) with a reason not containing 'timed out', e.g. room 2:" in res.output
 
 
 def test_sweep_points_with_failed_rooms_are_rows_not_errors(tmp_path):
     out = tmp_path / "sw"
-    res = invoke("sweep", str(without_expect(ABORT, tmp_path)), "--vary", "decode.staging_pool_mb=1,2",
-                 "--workers", "1", "--out", str(out), "--no-progress")
+    res = invoke(
+        "sweep",
+        str(without_expect(ABORT, tmp_path)),
+        "--vary",
+        "decode.staging_pool_mb=1,2",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert res.exit_code == 0, res.output
     with (out / "sweep.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -167,18 +207,39 @@ BAD_TRACES = {
     "missing-file": (None, ["workload.trace_csv", "gone.csv", "no such file"]),
     "empty-file": ("", ["trace.csv: the trace file is empty", FORMAT]),
     "only-comments": ("# nothing yet\n\n", ["trace.csv: the trace file is empty", FORMAT]),
-    "header-only": ("arrival_s,prompt_tokens\n", ["trace.csv: trace has no data rows", "arrival_s,prompt_tokens"]),
-    "header-missing-column": ("arrival_s,tokens\n0,100\n",
-                              ["trace.csv:1: bad header", "missing prompt_tokens", "unknown 'tokens'", FORMAT]),
+    "header-only": (
+        "arrival_s,prompt_tokens\n",
+        ["trace.csv: trace has no data rows", "arrival_s,prompt_tokens"],
+    ),
+    "header-missing-column": (
+        "arrival_s,tokens\n0,100\n",
+        ["trace.csv:1: bad header", "missing prompt_tokens", "unknown 'tokens'", FORMAT],
+    ),
     "no-header": ("0,100\n1,200\n", ["trace.csv:1: bad header", "must be the header", FORMAT]),
-    "arrival-not-a-number": ("arrival_s,prompt_tokens\n0,100\nsoon,100\n",
-                             ["trace.csv:3: arrival_s = 'soon'", "expected a number of seconds >= 0"]),
-    "arrival-negative": ("arrival_s,prompt_tokens\n-0.5,100\n", ["trace.csv:2: arrival_s = '-0.5'", "finite number >= 0"]),
-    "prompt-not-an-integer": ("arrival_s,prompt_tokens\n0,lots\n", ["trace.csv:2: prompt_tokens = 'lots'", "integer >= 1"]),
-    "prompt-zero": ("arrival_s,prompt_tokens\n0,0\n", ["trace.csv:2: prompt_tokens = 0", "must be >= 1"]),
-    "prefix-negative": ("arrival_s,prompt_tokens,prefix_tokens\n0,100,-16\n",
-                        ["trace.csv:2: prefix_tokens = -16", "must be >= 0"]),
-    "too-many-fields": ("arrival_s,prompt_tokens\n0,100,5\n", ["trace.csv:2: 3 fields, expected 2"]),
+    "arrival-not-a-number": (
+        "arrival_s,prompt_tokens\n0,100\nsoon,100\n",
+        ["trace.csv:3: arrival_s = 'soon'", "expected a number of seconds >= 0"],
+    ),
+    "arrival-negative": (
+        "arrival_s,prompt_tokens\n-0.5,100\n",
+        ["trace.csv:2: arrival_s = '-0.5'", "finite number >= 0"],
+    ),
+    "prompt-not-an-integer": (
+        "arrival_s,prompt_tokens\n0,lots\n",
+        ["trace.csv:2: prompt_tokens = 'lots'", "integer >= 1"],
+    ),
+    "prompt-zero": (
+        "arrival_s,prompt_tokens\n0,0\n",
+        ["trace.csv:2: prompt_tokens = 0", "must be >= 1"],
+    ),
+    "prefix-negative": (
+        "arrival_s,prompt_tokens,prefix_tokens\n0,100,-16\n",
+        ["trace.csv:2: prefix_tokens = -16", "must be >= 0"],
+    ),
+    "too-many-fields": (
+        "arrival_s,prompt_tokens\n0,100,5\n",
+        ["trace.csv:2: 3 fields, expected 2"],
+    ),
 }
 
 
@@ -214,8 +275,12 @@ def assert_one_trace_error(res, path, needles, run_dir) -> None:
 def test_bad_trace_for_prompts_only_and_in_a_sweep(tmp_path):
     path = write_case(tmp_path, "arrival_s,prompt_tokens\n0,-3\n", arrival="fixed")
     res = invoke("validate", str(path))
-    assert res.exit_code == 2 and "trace.csv:2: prompt_tokens = -3: must be >= 1" in res.output, res.output
-    res = invoke("sweep", str(path), "--vary", "decode.staging_pool_mb=4,8", "--out", str(tmp_path / "sw"))
+    assert res.exit_code == 2 and "trace.csv:2: prompt_tokens = -3: must be >= 1" in res.output, (
+        res.output
+    )
+    res = invoke(
+        "sweep", str(path), "--vary", "decode.staging_pool_mb=4,8", "--out", str(tmp_path / "sw")
+    )
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "trace.csv:2: prompt_tokens = -3" in res.output
     assert not (tmp_path / "sw").exists()
@@ -223,8 +288,14 @@ def test_bad_trace_for_prompts_only_and_in_a_sweep(tmp_path):
 
 def test_bad_trace_sim_subprocess_no_traceback(tmp_path):
     path = write_case(tmp_path, "")
-    proc = subprocess.run([*kvstage_cmd(), "sim", str(path), "--out", str(tmp_path / "run"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **WIDE})
+    proc = subprocess.run(
+        [*kvstage_cmd(), "sim", str(path), "--out", str(tmp_path / "run"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **WIDE},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out and out.count("error:") == 1
@@ -232,7 +303,9 @@ def test_bad_trace_sim_subprocess_no_traceback(tmp_path):
 
 
 def test_good_trace_validates_and_simulates(tmp_path):
-    path = write_case(tmp_path, "\ufeff# t, tokens\narrival_s,prompt_tokens\n0.05,200\n0,150\n0.1,300\n")
+    path = write_case(
+        tmp_path, "\ufeff# t, tokens\narrival_s,prompt_tokens\n0.05,200\n0,150\n0.1,300\n"
+    )
     res = invoke("validate", str(path))
     assert res.exit_code == 0, res.output
     res = invoke("sim", str(path), "--out", str(tmp_path / "run"), "--no-progress")
@@ -249,9 +322,24 @@ def test_good_trace_validates_and_simulates(tmp_path):
 def test_hw_failed_room_without_expect_exits_1_with_the_reason(tmp_path):
     require_engine("nixl")
     path = without_expect(ABORT, tmp_path)
-    proc = subprocess.run([*kvstage_cmd(), "hw", str(path), "--backend", "nixl", "--out", str(tmp_path / "run"),
-                           "--timeout", "240"],
-                          capture_output=True, text=True, timeout=290, cwd=ROOT, env={**os.environ, **WIDE})
+    proc = subprocess.run(
+        [
+            *kvstage_cmd(),
+            "hw",
+            str(path),
+            "--backend",
+            "nixl",
+            "--out",
+            str(tmp_path / "run"),
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=290,
+        cwd=ROOT,
+        env={**os.environ, **WIDE},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "Traceback" not in out

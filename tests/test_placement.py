@@ -32,13 +32,25 @@ from kvstage.shared.scenario import load_scenario
 
 def test_global_rank_mapping():
     assert [role_of(g, 4, 2) for g in range(6)] == [
-        ("prefill", 0), ("prefill", 1), ("prefill", 2), ("prefill", 3), ("decode", 0), ("decode", 1)]
+        ("prefill", 0),
+        ("prefill", 1),
+        ("prefill", 2),
+        ("prefill", 3),
+        ("decode", 0),
+        ("decode", 1),
+    ]
     with pytest.raises(PlacementError, match="outside 0..5"):
         role_of(6, 4, 2)
 
 
 def test_identity_from_torchrun():
-    env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "6",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+    }
     assert identity(None, None, 4, 2, env) == Identity("decode", 1, 5, 1, "torchrun")
     assert rendezvous_address(None, env) == "10.0.0.7:29500"
     assert rendezvous_address("h:1", env) == "h:1"  # the flag wins
@@ -72,14 +84,20 @@ def test_flags_win_and_keep_the_local_rank():
     assert identity("decode", 1, 4, 2, env) == Identity("decode", 1, None, 3, "flags")
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "0", "WORLD_SIZE": "5"}, r"\$WORLD_SIZE = 5 but the scenario has prefill TP4 \+ decode TP2 = 6"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, r"\$SLURM_NTASKS = 8 but"),
-    ({"RANK": "x", "WORLD_SIZE": "6"}, r"\$RANK = 'x' is not an integer"),
-    ({"RANK": "6", "WORLD_SIZE": "6"}, "global rank 6 outside 0..5"),
-    ({}, "neither torchrun .* nor SLURM"),
-    ({"RANK": "1"}, "neither torchrun"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"RANK": "0", "WORLD_SIZE": "5"},
+            r"\$WORLD_SIZE = 5 but the scenario has prefill TP4 \+ decode TP2 = 6",
+        ),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, r"\$SLURM_NTASKS = 8 but"),
+        ({"RANK": "x", "WORLD_SIZE": "6"}, r"\$RANK = 'x' is not an integer"),
+        ({"RANK": "6", "WORLD_SIZE": "6"}, "global rank 6 outside 0..5"),
+        ({}, "neither torchrun .* nor SLURM"),
+        ({"RANK": "1"}, "neither torchrun"),
+    ],
+)
 def test_bad_environments_one_clear_error(env, message):
     with pytest.raises(PlacementError, match=message):
         identity(None, None, 4, 2, env)
@@ -94,12 +112,17 @@ def test_half_flags_and_no_rendezvous():
 
 def test_engines_keep_to_the_rank_address():
     assert interface_of("127.0.0.1") == "lo"
-    assert engine_env("127.0.0.1", "cpu", {}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo"}
+    assert engine_env("127.0.0.1", "cpu", {}) == {
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "UCX_NET_DEVICES": "lo",
+    }
     assert engine_env("127.0.0.1", "cuda:0", {}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     # an address this host does not have: no device guessed (and never lo)
     assert engine_env("192.0.2.1", "cpu", {}) == {"MC_TCP_BIND_ADDRESS": "192.0.2.1"}
     # what the user set stays
-    assert engine_env("127.0.0.1", "cpu", {"UCX_NET_DEVICES": "eth0"}) == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    assert engine_env("127.0.0.1", "cpu", {"UCX_NET_DEVICES": "eth0"}) == {
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1"
+    }
 
 
 def test_an_rdma_host_never_gets_its_ip_interface_as_the_ucx_device():
@@ -111,18 +134,29 @@ def test_an_rdma_host_never_gets_its_ip_interface_as_the_ucx_device():
     def address_of(name: str) -> str | None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                raw = fcntl.ioctl(
+                    s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15])
+                )  # SIOCGIFADDR
             except OSError:
                 return None
         return socket.inet_ntoa(raw[20:24])
 
-    found = [(a, n) for _, n in socket.if_nameindex() if (a := address_of(n)) and not a.startswith("127.")]
+    found = [
+        (a, n)
+        for _, n in socket.if_nameindex()
+        if (a := address_of(n)) and not a.startswith("127.")
+    ]
     if not found:
         pytest.skip("no network interface here holds a routable IPv4 address")
     routable, iface = found[0]
     assert interface_of(routable) == iface
-    assert engine_env(routable, "cpu", {}, rdma=[]) == {"MC_TCP_BIND_ADDRESS": routable, "UCX_NET_DEVICES": iface}
-    assert engine_env(routable, "cuda:0", {}, rdma=["mlx5_0", "mlx5_1"]) == {"MC_TCP_BIND_ADDRESS": routable}
+    assert engine_env(routable, "cpu", {}, rdma=[]) == {
+        "MC_TCP_BIND_ADDRESS": routable,
+        "UCX_NET_DEVICES": iface,
+    }
+    assert engine_env(routable, "cuda:0", {}, rdma=["mlx5_0", "mlx5_1"]) == {
+        "MC_TCP_BIND_ADDRESS": routable
+    }
 
 
 def test_mooncake_protocol_and_devices_from_the_scenario(tmp_path):
@@ -130,9 +164,19 @@ def test_mooncake_protocol_and_devices_from_the_scenario(tmp_path):
 
     f = write_scenario(tmp_path, 2, 1, 8)
     s = load_scenario(f)
-    assert transport_options(s.hardware, "mooncake", "10.1.2.3") == {"protocol": "tcp", "device_name": "", "host": "10.1.2.3"}
-    s = load_scenario(f, overrides=["hardware.mooncake_protocol=rdma", "hardware.mooncake_device=mlx5_0,mlx5_1"])
-    assert transport_options(s.hardware, "mooncake", "h") == {"protocol": "rdma", "device_name": "mlx5_0,mlx5_1", "host": "h"}
+    assert transport_options(s.hardware, "mooncake", "10.1.2.3") == {
+        "protocol": "tcp",
+        "device_name": "",
+        "host": "10.1.2.3",
+    }
+    s = load_scenario(
+        f, overrides=["hardware.mooncake_protocol=rdma", "hardware.mooncake_device=mlx5_0,mlx5_1"]
+    )
+    assert transport_options(s.hardware, "mooncake", "h") == {
+        "protocol": "rdma",
+        "device_name": "mlx5_0,mlx5_1",
+        "host": "h",
+    }
     assert transport_options(s.hardware, "nixl", "h") == {}
     with pytest.raises(Exception, match="mooncake_protocol"):
         load_scenario(f, overrides=["hardware.mooncake_protocol=ib"])
@@ -142,11 +186,15 @@ def test_clock_offset_measured_at_the_rendezvous():
     secret = new_secret()
     server = RendezvousServer(["prefill0"], secret=secret, advertise="127.0.0.1")
     stop = threading.Event()
-    thread = threading.Thread(target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)], daemon=True)
+    thread = threading.Thread(
+        target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)], daemon=True
+    )
     thread.start()
     try:
         client = RendezvousClient(server.address, secret=secret)
-        measured = client.clock_offset(samples=8, clock=lambda: time.time() - 7.25)  # this "rank" runs 7.25 s late
+        measured = client.clock_offset(
+            samples=8, clock=lambda: time.time() - 7.25
+        )  # this "rank" runs 7.25 s late
         client.close()
     finally:
         stop.set()
@@ -173,8 +221,13 @@ def test_skewed_rank_clock_is_corrected_trace_stays_causal(tmp_path):
     require_engine("nixl")
     s = load_scenario(write_scenario(tmp_path, 2, 1, 8), overrides=["hardware.backend=nixl"])
     helper = Path(__file__).parent / "helpers" / "skewed_rank.py"
-    code, run_dir = run_hardware(s, out=tmp_path / "run", timeout_s=120, console=Console(width=120),
-                                 rank_wrapper=[sys.executable, str(helper), "decode0=-5.0"])
+    code, run_dir = run_hardware(
+        s,
+        out=tmp_path / "run",
+        timeout_s=120,
+        console=Console(width=120),
+        rank_wrapper=[sys.executable, str(helper), "decode0=-5.0"],
+    )
     summary = read_summary(run_dir)
     assert code == 0, summary.get("errors")
     clocks = summary["clocks"]
@@ -197,7 +250,9 @@ def assert_causal(records) -> int:
         if r.role == "decode" and r.phase == "req":
             key = (r.room, r.chunk, r.peer, r.rank)
             assert key in sent, f"decode req without its prefill req: {r}"
-            assert r.start >= sent[key], f"decode req at {r.start:.6f} before its prefill req at {sent[key]:.6f}: {r}"
+            assert r.start >= sent[key], (
+                f"decode req at {r.start:.6f} before its prefill req at {sent[key]:.6f}: {r}"
+            )
             checked += 1
     assert checked > 0
     return checked

@@ -69,10 +69,25 @@ GRID = {
     "cluster.decode_instances": "1,2",
     "decode.staging_pool_mb": "2,64",
 }
-WINNER = {"prefill.tp": 1, "cluster.prefill_instances": 2, "decode.tp": 2, "cluster.decode_instances": 1,
-          "decode.staging_pool_mb": 64}
-CLI_GRID = ["--prefill-tp", "1,2", "--decode-tp", "1,2", "--prefill-instances", "1,2,3", "--decode-instances",
-            "1,2", "--pool-mb", "2,64"]
+WINNER = {
+    "prefill.tp": 1,
+    "cluster.prefill_instances": 2,
+    "decode.tp": 2,
+    "cluster.decode_instances": 1,
+    "decode.staging_pool_mb": 64,
+}
+CLI_GRID = [
+    "--prefill-tp",
+    "1,2",
+    "--decode-tp",
+    "1,2",
+    "--prefill-instances",
+    "1,2,3",
+    "--decode-instances",
+    "1,2",
+    "--pool-mb",
+    "2,64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +109,10 @@ def result(scenario, cands):
 
 def test_invalid_configurations_are_skipped_with_reasons(cands):
     assert len(cands.points) + len(cands.skipped) == 2 * 2 * 3 * 2 * 2
-    assert all(p.settings["decode.tp"] == 2 and p.settings["decode.staging_pool_mb"] == 64 for p in cands.points)
+    assert all(
+        p.settings["decode.tp"] == 2 and p.settings["decode.staging_pool_mb"] == 64
+        for p in cands.points
+    )
     assert len(cands.points) == 12
     groups = skip_reasons(cands.skipped)
     assert sum(g["count"] for g in groups) == 36
@@ -140,21 +158,32 @@ def test_front_property(result):
     front = result.front
     assert front and all(r["on_front"] for r in front)
     for r in front:
-        assert not any(o["goodput_per_gpu_rps"] > r["goodput_per_gpu_rps"] and o["ttft_s.p90"] < r["ttft_s.p90"]
-                       for o in ran)
+        assert not any(
+            o["goodput_per_gpu_rps"] > r["goodput_per_gpu_rps"]
+            and o["ttft_s.p90"] < r["ttft_s.p90"]
+            for o in ran
+        )
     for r in ran:
         if r not in front:  # beaten: as good in both, better in one
-            assert any(f["goodput_per_gpu_rps"] >= r["goodput_per_gpu_rps"] and f["ttft_s.p90"] <= r["ttft_s.p90"]
-                       for f in front)
-    synthetic = [{"status": "ok", "goodput_per_gpu_rps": g, "ttft_s.p90": t, "n": n}
-                 for n, (g, t) in enumerate([(1.0, 1.0), (2.0, 2.0), (0.5, 3.0), (2.0, 1.5), (1.0, 1.0)])]
+            assert any(
+                f["goodput_per_gpu_rps"] >= r["goodput_per_gpu_rps"]
+                and f["ttft_s.p90"] <= r["ttft_s.p90"]
+                for f in front
+            )
+    synthetic = [
+        {"status": "ok", "goodput_per_gpu_rps": g, "ttft_s.p90": t, "n": n}
+        for n, (g, t) in enumerate([(1.0, 1.0), (2.0, 2.0), (0.5, 3.0), (2.0, 1.5), (1.0, 1.0)])
+    ]
     assert sorted(r["n"] for r in pareto_front(synthetic)) == [0, 3, 4]
 
 
 def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
     out = tmp_path / "plan"
-    res = CliRunner().invoke(app, ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(out),
-                                   "--no-progress"], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(out), "--no-progress"],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     assert "winner: 4 GPUs, P 2xTP1 + D 1xTP2, pool 64 MiB" in res.output
     assert "Pareto front" in res.output and "skipped before simulating" in res.output
@@ -177,8 +206,22 @@ def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
 
 
 def test_no_configuration_meets(scenario, tmp_path):
-    res = CliRunner().invoke(app, ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(tmp_path / "p"),
-                                   "--no-progress", "--max-gpus", "3"], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(scenario),
+            *CLI_GRID,
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path / "p"),
+            "--no-progress",
+            "--max-gpus",
+            "3",
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 1, res.output
     assert "no configuration meets the SLO up to 3 GPUs; the best was 3 GPUs" in res.output
     assert "limited by prefill" in res.output
@@ -196,8 +239,11 @@ def test_no_slo_is_one_clear_error(tmp_path):
 
 
 def test_bad_option_names_the_option(scenario, tmp_path):
-    res = CliRunner().invoke(app, ["plan", str(scenario), "--decode-tp", "2,0", "--no-progress", "--out", str(tmp_path)],
-                             env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        ["plan", str(scenario), "--decode-tp", "2,0", "--no-progress", "--out", str(tmp_path)],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 2 and "--decode-tp" in res.output, res.output
 
 

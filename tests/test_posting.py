@@ -26,13 +26,22 @@ def synthetic_raw(per_batch: float, fresh: float, prepped: float | None, after: 
 
     def mode(per: float) -> dict:
         post = [reps(per_batch + n * per) for n in COUNTS]
-        return {"post_s": post, "done_s": [[p + n * after for p in ps] for n, ps in zip(COUNTS, post, strict=True)]}
+        return {
+            "post_s": post,
+            "done_s": [[p + n * after for p in ps] for n, ps in zip(COUNTS, post, strict=True)],
+        }
 
     alone = [(1e-3, 2e-3)] * 5
     return {
-        "backend": "test", "cores": 16, "pair_ops": 4096,
-        "sweep": {"op_bytes": 64, "counts": COUNTS, "fresh": mode(fresh),
-                  **({"prepped": mode(prepped)} if prepped is not None else {})},
+        "backend": "test",
+        "cores": 16,
+        "pair_ops": 4096,
+        "sweep": {
+            "op_bytes": 64,
+            "counts": COUNTS,
+            "fresh": mode(fresh),
+            **({"prepped": mode(prepped)} if prepped is not None else {}),
+        },
         "two_ranks": {"alone": alone, "pairs": [[(1e-3, 2e-3), (1e-3, 2e-3 * pair)]] * 5},
         "threads": {"alone": alone, "pairs": [[(1e-3, 2e-3 * threads), (1e-3, 2e-3)]] * 5},
     }
@@ -41,7 +50,9 @@ def synthetic_raw(per_batch: float, fresh: float, prepped: float | None, after: 
 @pytest.mark.parametrize("seed", range(4))
 def test_posting_costs_recovered(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    raw = synthetic_raw(per_batch=12e-6, fresh=1.5e-6, prepped=0.4e-6, after=0.05e-6, pair=1.0, threads=2.0, rng=rng)
+    raw = synthetic_raw(
+        per_batch=12e-6, fresh=1.5e-6, prepped=0.4e-6, after=0.05e-6, pair=1.0, threads=2.0, rng=rng
+    )
     fit = fit_posting(raw)
     assert fit.per_batch_s == pytest.approx(12e-6, rel=0.1)
     assert fit.per_request_s == pytest.approx(0.4e-6, rel=0.05)
@@ -49,15 +60,24 @@ def test_posting_costs_recovered(seed: int) -> None:
     assert fit.fresh.r2 > 0.99 and fit.prepped is not None and fit.prepped.r2 > 0.99
     assert fit.message_rate == pytest.approx(1 / 0.05e-6, rel=0.05)
     assert fit.two_ranks.verdict == "overlap" and fit.two_ranks.done_ratio == pytest.approx(1.0)
-    assert fit.two_threads.verdict == "serialise" and fit.two_threads.done_ratio == pytest.approx(2.0)
+    assert fit.two_threads.verdict == "serialise" and fit.two_threads.done_ratio == pytest.approx(
+        2.0
+    )
     table = fit.table()
     assert table["two_threads"]["verdict"] == "serialise" and table["fresh"]["r2"] == fit.fresh.r2
     assert any("two ranks at once" in line for line in fit.toml_lines())
 
 
 def test_writes_done_while_posting_have_no_separate_message_rate() -> None:
-    raw = synthetic_raw(per_batch=10e-6, fresh=1e-6, prepped=None, after=1e-9, pair=1.5, threads=1.5,
-                        rng=np.random.default_rng(9))
+    raw = synthetic_raw(
+        per_batch=10e-6,
+        fresh=1e-6,
+        prepped=None,
+        after=1e-9,
+        pair=1.5,
+        threads=1.5,
+        rng=np.random.default_rng(9),
+    )
     fit = fit_posting(raw)
     assert fit.prepped is None and fit.prep_per_request_s == 0.0
     assert fit.per_request_s == pytest.approx(1e-6, rel=0.05)
@@ -81,23 +101,41 @@ def test_fit_line_and_overlap_checks() -> None:
 
 
 def _scenario(path: str = "slice", requests: int = 1, **links: object):
-    return scenario_from_dict({
-        "model": {"preset": "llama-3.1-8b"}, "prefill": {"tp": 2}, "decode": {"tp": 4},
-        "transfer": {"path": path}, "links": {"profile": "rdma-400g", **links},
-        "workload": {"requests": requests, "arrival": "burst", "burst_size": requests, "rate_per_s": 1e-3,
-                     "prompt": "fixed", "prompt_tokens": 1024},
-    })
+    return scenario_from_dict(
+        {
+            "model": {"preset": "llama-3.1-8b"},
+            "prefill": {"tp": 2},
+            "decode": {"tp": 4},
+            "transfer": {"path": path},
+            "links": {"profile": "rdma-400g", **links},
+            "workload": {
+                "requests": requests,
+                "arrival": "burst",
+                "burst_size": requests,
+                "rate_per_s": 1e-3,
+                "prompt": "fixed",
+                "prompt_tokens": 1024,
+            },
+        }
+    )
 
 
 def test_engine_fields_resolve_to_si() -> None:
-    r = _scenario(inter_per_request_us=0.5, inter_prep_per_request_us=2.0, inter_per_batch_us=10.0,
-                  inter_message_rate_mps=50.0, post_threads=3, descriptor_reuse=False).links.resolved()
+    r = _scenario(
+        inter_per_request_us=0.5,
+        inter_prep_per_request_us=2.0,
+        inter_per_batch_us=10.0,
+        inter_message_rate_mps=50.0,
+        post_threads=3,
+        descriptor_reuse=False,
+    ).links.resolved()
     assert r.link.per_request_s == pytest.approx(2.5e-6)  # preparation paid: no reuse
     assert r.link.per_batch_s == pytest.approx(10e-6)
     assert r.link.message_rate == pytest.approx(50e6)
     assert r.link.post_threads == 3
-    reused = _scenario(inter_per_request_us=0.5, inter_prep_per_request_us=2.0,
-                       descriptor_reuse=True).links.resolved()
+    reused = _scenario(
+        inter_per_request_us=0.5, inter_prep_per_request_us=2.0, descriptor_reuse=True
+    ).links.resolved()
     assert reused.link.per_request_s == pytest.approx(0.5e-6)
     unlimited = _scenario(inter_message_rate_mps=0.0, post_threads=0).links.resolved()
     assert unlimited.link.message_rate == math.inf and unlimited.link.post_threads == 0
@@ -123,7 +161,11 @@ def _slice_ttft(requests: int, **links: object) -> float:
 def test_one_rank_posting_queues_its_batches() -> None:
     # One prompt, TP2 -> TP4: each prefill rank posts 2 slice writes of 65,536 requests.
     per, batch = 1e-6, 20e-6
-    sets = {"inter_per_request_us": per * 1e6, "inter_per_batch_us": batch * 1e6, "inter_message_rate_mps": 0.0}
+    sets = {
+        "inter_per_request_us": per * 1e6,
+        "inter_per_batch_us": batch * 1e6,
+        "inter_message_rate_mps": 0.0,
+    }
     serial = _slice_ttft(1, post_threads=1, **sets)
     parallel = _slice_ttft(1, post_threads=2, **sets)
     # One thread: post, post, then the second write's 32 MiB alone (the first one's

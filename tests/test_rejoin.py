@@ -42,8 +42,14 @@ from kvstage.sim.driver import Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_RESTART = ROOT / "scenarios" / "faults" / "kill-restart-prefill.toml"
-HOST_MODEL = ["links.host_model=cpu-loop", "links.host_cores=2", "links.engine_thread_cores=0.5",
-              "links.event_us=40", "links.fill_latency_us=200", "links.fill_bandwidth_gbs=2"]
+HOST_MODEL = [
+    "links.host_model=cpu-loop",
+    "links.host_cores=2",
+    "links.engine_thread_cores=0.5",
+    "links.event_us=40",
+    "links.fill_latency_us=200",
+    "links.fill_bandwidth_gbs=2",
+]
 
 
 # --- the decode's machine ------------------------------------------------------------------
@@ -62,20 +68,29 @@ def test_decode_machine_serves_a_rejoined_writer_from_its_first_room_on():
     s = load_scenario(KILL_RESTART)
     m = DecodeMachine(0, s.geometry(), s.pool_bytes)
     opened = m.handle(OpenRoom(0, 200, 16), 0.0)
-    assert {a.msg.prefill_rank for a in opened if type(a) is Send and type(a.msg) is Bootstrap} == {0, 1}
+    assert {a.msg.prefill_rank for a in opened if type(a) is Send and type(a.msg) is Bootstrap} == {
+        0,
+        1,
+    }
     assert _failed(m.handle(PeerLost("prefill", 1, "killed", incarnation=0), 3.0)) == {
-        0: "writer prefill rank 1 is gone: killed"}
+        0: "writer prefill rank 1 is gone: killed"
+    }
     assert m.handle(PeerRejoined("prefill", 1, 1, first_room=5), 4.0) == []
     early = m.handle(OpenRoom(4, 200, 16), 4.1)
     assert _failed(early) == {4: "decode rank 0: writer prefill1 is gone"}
     assert [a.msg.prefill_rank for a in early if type(a) is Send and type(a.msg) is Abort] == [0]
     late = m.handle(OpenRoom(5, 200, 16), 4.2)
     assert not _failed(late)
-    assert {a.msg.prefill_rank for a in late if type(a) is Send and type(a.msg) is Bootstrap} == {0, 1}
+    assert {a.msg.prefill_rank for a in late if type(a) is Send and type(a.msg) is Bootstrap} == {
+        0,
+        1,
+    }
     assert m.handle(PeerLost("prefill", 1, "the old one, late", incarnation=0), 4.3) == []  # stale
     assert m.handle(PeerRejoined("prefill", 1, 1, first_room=9), 4.4) == []  # not newer: ignored
     assert _failed(m.handle(OpenRoom(6, 200, 16), 4.5)) == {}
-    assert set(_failed(m.handle(PeerLost("prefill", 1, "the new one died", incarnation=1), 5.0))) == {5, 6}
+    assert set(
+        _failed(m.handle(PeerLost("prefill", 1, "the new one died", incarnation=1), 5.0))
+    ) == {5, 6}
 
 
 def test_a_rejoin_before_the_loss_was_detected_fails_the_old_incarnations_rooms_only():
@@ -84,8 +99,10 @@ def test_a_rejoin_before_the_loss_was_detected_fails_the_old_incarnations_rooms_
     m.handle(OpenRoom(0, 200, 16), 0.0)
     m.handle(OpenRoom(1, 200, 16), 0.0)
     failed = _failed(m.handle(PeerRejoined("prefill", 1, 7, first_room=1), 1.0))
-    assert failed == {0: "writer prefill rank 1 is gone: prefill rank 1 restarted as a new incarnation: its "
-                         "earlier incarnation is gone"}
+    assert failed == {
+        0: "writer prefill rank 1 is gone: prefill rank 1 restarted as a new incarnation: its "
+        "earlier incarnation is gone"
+    }
     assert m.live_rooms == 1  # room 1 is the new incarnation's
 
 
@@ -94,16 +111,24 @@ def test_a_rejoin_before_the_loss_was_detected_fails_the_old_incarnations_rooms_
 
 @pytest.mark.parametrize("variant", ["staging", "slice", "staging-host"])
 def test_simulated_restart_fails_the_rooms_in_flight_and_serves_the_later_ones(variant):
-    sets = [f"transfer.path={variant.removesuffix('-host')}"] + (HOST_MODEL if variant.endswith("-host") else [])
+    sets = [f"transfer.path={variant.removesuffix('-host')}"] + (
+        HOST_MODEL if variant.endswith("-host") else []
+    )
     s = load_scenario(KILL_RESTART, overrides=sets)
     sim = Simulation(s)
     result = sim.run()
     assert not result.violations, "\n".join(v.format() for v in result.violations[:3])
     assert set(result.failures) == {0, 1}
-    assert all("writer prefill rank 1 is gone" in r for r in result.failures.values()), result.failures
+    assert all("writer prefill rank 1 is gone" in r for r in result.failures.values()), (
+        result.failures
+    )
     assert result.rooms_done == 2
     restarted = sim.prefill[1]
-    assert not restarted.dead and restarted.first_room == 2 and [r.room for r in restarted.requests] == [2, 3]
+    assert (
+        not restarted.dead
+        and restarted.first_room == 2
+        and [r.room for r in restarted.requests] == [2, 3]
+    )
     assert restarted.result().rooms_done == 2
     assert result.faults_injected == {"restart:prefill": 1}
     assert all(rt.machine.ring.empty for rt in sim.decode)
@@ -113,12 +138,16 @@ def test_simulated_restart_before_detection_and_the_stale_loss_after_it():
     """Restarted 1 s after the kill, before its peers' failure detectors (3 s) fire: the
     rejoin itself fails the rooms in flight, naming the restart; the modeled detection of
     the old incarnation at 3 s comes after the rejoin and changes nothing."""
-    s = load_scenario(KILL_RESTART, overrides=["faults.kill=[{role = \"prefill\", rank = 1, at_s = 0.0, "
-                                               "restart_after_s = 1.0}]"])
+    s = load_scenario(
+        KILL_RESTART,
+        overrides=['faults.kill=[{role = "prefill", rank = 1, at_s = 0.0, restart_after_s = 1.0}]'],
+    )
     result = Simulation(s).run()
     assert not result.violations
     assert set(result.failures) == {0, 1}
-    assert all("prefill rank 1 restarted as a new incarnation" in r for r in result.failures.values())
+    assert all(
+        "prefill rank 1 restarted as a new incarnation" in r for r in result.failures.values()
+    )
     assert result.rooms_done == 2
 
 
@@ -128,21 +157,36 @@ def test_every_room_ends_once_across_a_restart_mid_run(restart_after_s):
     started again before or after its loss was detected: every room ends exactly once on
     each decode rank; the failed ones all came before the rejoin and name the lost rank;
     every room from the first one the new incarnation serves finishes."""
-    s = load_scenario(KILL_RESTART, overrides=[
-        "prefill.tp=4", "decode.tp=2", "workload.arrival=fixed", "workload.rate_per_s=10", "workload.requests=60",
-        f"faults.kill=[{{role = \"prefill\", rank = 2, at_s = 1.0, restart_after_s = {restart_after_s}}}]"])
+    s = load_scenario(
+        KILL_RESTART,
+        overrides=[
+            "prefill.tp=4",
+            "decode.tp=2",
+            "workload.arrival=fixed",
+            "workload.rate_per_s=10",
+            "workload.requests=60",
+            f'faults.kill=[{{role = "prefill", rank = 2, at_s = 1.0, restart_after_s = {restart_after_s}}}]',
+        ],
+    )
     sim = Simulation(s)
     result = sim.run()
     assert not result.violations, "\n".join(v.format() for v in result.violations[:3])
     first = sim.prefill[2].first_room
     assert 10 < first < 60
     for d in (0, 1):
-        ends = [(r.room, r.phase) for r in result.records
-                if r.role == "decode" and r.rank == d and r.phase in ("room_done", "room_failed")]
+        ends = [
+            (r.room, r.phase)
+            for r in result.records
+            if r.role == "decode" and r.rank == d and r.phase in ("room_done", "room_failed")
+        ]
         assert sorted(room for room, _ in ends) == list(range(60))  # each room once
     failed = set(result.failures)
-    assert failed and max(failed) < first and min(failed) >= 9  # in flight at the kill, or arrived while it was gone
-    assert all("prefill rank 2" in reason or "prefill2" in reason for reason in result.failures.values())
+    assert (
+        failed and max(failed) < first and min(failed) >= 9
+    )  # in flight at the kill, or arrived while it was gone
+    assert all(
+        "prefill rank 2" in reason or "prefill2" in reason for reason in result.failures.values()
+    )
     assert result.rooms_done + result.rooms_failed == 60
     assert all(rt.machine.ring.empty for rt in sim.decode)
 
@@ -161,11 +205,20 @@ def _until(done, timeout_s: float = 20.0):
 
 
 def _info(role: str, rank: int, incarnation: int) -> RankInfo:
-    return RankInfo(role, rank, f"tcp://127.0.0.1:{6000 + incarnation % 1000}", f"agent-{role}{rank}-{incarnation}",
-                    b"meta", {}, incarnation)
+    return RankInfo(
+        role,
+        rank,
+        f"tcp://127.0.0.1:{6000 + incarnation % 1000}",
+        f"agent-{role}{rank}-{incarnation}",
+        b"meta",
+        {},
+        incarnation,
+    )
 
 
-def _register(server: RendezvousServer, secret: bytes, infos: list[RankInfo]) -> dict[str, RendezvousClient]:
+def _register(
+    server: RendezvousServer, secret: bytes, infos: list[RankInfo]
+) -> dict[str, RendezvousClient]:
     clients = {i.name: RendezvousClient(server.address, secret=secret) for i in infos}
     threads = [threading.Thread(target=clients[i.name].hello, args=(i, 20)) for i in infos]
     for t in threads:
@@ -188,32 +241,54 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
             new = RendezvousClient(server.address, secret=secret)
             clients.append(new)
             got: dict = {}
-            hello = threading.Thread(target=lambda: got.update(table=new.hello(_info("prefill", 0, 200), 20)))
+            hello = threading.Thread(
+                target=lambda: got.update(table=new.hello(_info("prefill", 0, 200), 20))
+            )
             hello.start()
             # ... its decode peer hears of it (a notice, never mistaken for an answer) and says
             # which room the new incarnation serves from
             (notice,) = _until(lambda: ranks["decode0"].poll_notices())
-            assert notice["kind"] == "rejoin" and RankInfo.from_json(notice["rank"]).incarnation == 200
+            assert (
+                notice["kind"] == "rejoin" and RankInfo.from_json(notice["rank"]).incarnation == 200
+            )
             ranks["decode0"].ack_rejoin("prefill0", 200, 7)
             hello.join(20)
             table, t0 = got["table"]
             assert table["prefill0"].incarnation == 200 and t0 == server.t0
-            assert new.rejoin == {"incarnation": 200, "first_room": 7, "answered": ["decode0"], "silent": []}
-            assert server.rejoins == [{"rank": "prefill0", "incarnation": 200, "first_room": 7,
-                                       "after": "prefill0 restarted before the launcher noticed it was gone"}]
+            assert new.rejoin == {
+                "incarnation": 200,
+                "first_room": 7,
+                "answered": ["decode0"],
+                "silent": [],
+            }
+            assert server.rejoins == [
+                {
+                    "rank": "prefill0",
+                    "incarnation": 200,
+                    "first_room": 7,
+                    "after": "prefill0 restarted before the launcher noticed it was gone",
+                }
+            ]
             stranger = RendezvousClient(server.address, secret=secret)
             clients.append(stranger)
             assert stranger.rejoins(5) == server.rejoins
             # everything else stays refused
             for msg, why in [
                 ({"kind": "hello", **_info("prefill", 0, 150).to_json()}, "needs a newer one"),
-                ({"kind": "hello", **_info("decode", 0, 300).to_json()}, "only a prefill rank can rejoin"),
+                (
+                    {"kind": "hello", **_info("decode", 0, 300).to_json()},
+                    "only a prefill rank can rejoin",
+                ),
             ]:
                 stranger.send(msg)
                 with pytest.raises(RendezvousError, match=why):
                     stranger.recv(5, "the refusal")
-            ranks["prefill0"].send({"kind": "report", "role": "prefill", "rank": 0})  # the old connection
-            _until(lambda: "report from a connection that registered no rank" in server.refusals[-1])
+            ranks["prefill0"].send(
+                {"kind": "report", "role": "prefill", "rank": 0}
+            )  # the old connection
+            _until(
+                lambda: "report from a connection that registered no rank" in server.refusals[-1]
+            )
             # a rank declared gone (its grace over) cannot come back
             on_server(lambda: server.mark_down("prefill0", "rank prefill0 died", grace_s=0))
             assert server.gone == {"prefill0": "rank prefill0 died"}
@@ -230,7 +305,9 @@ def test_rendezvous_declares_a_silent_rank_down_then_gone_after_its_grace():
     """A registered rank that stops saying it is alive is down after `silent_s`, gone once
     its grace is over (the run then fails naming it); one that keeps beating is neither."""
     secret = new_secret()
-    server = RendezvousServer(["prefill0", "decode0"], secret=secret, silent_s=0.5, rejoin_grace_s=0.5)
+    server = RendezvousServer(
+        ["prefill0", "decode0"], secret=secret, silent_s=0.5, rejoin_grace_s=0.5
+    )
     clients: list[RendezvousClient] = []
     stop = threading.Event()
     try:
@@ -264,14 +341,39 @@ def test_rendezvous_declares_a_silent_rank_down_then_gone_after_its_grace():
 # --- hardware --------------------------------------------------------------------------------
 
 
-def _rank_cmd(run_dir: Path, address: str, backend: str, role: str, rank: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kvstage.hw.rank_main", str(run_dir / "scenario.toml"), "--role", role,
-            "--rank", str(rank), "--rendezvous", address, "--secret-file", str(run_dir / "run.secret"),
-            "--backend", backend, "--host", "127.0.0.1", *extra]
+def _rank_cmd(
+    run_dir: Path, address: str, backend: str, role: str, rank: int, *extra: str
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvstage.hw.rank_main",
+        str(run_dir / "scenario.toml"),
+        "--role",
+        role,
+        "--rank",
+        str(rank),
+        "--rendezvous",
+        address,
+        "--secret-file",
+        str(run_dir / "run.secret"),
+        "--backend",
+        backend,
+        "--host",
+        "127.0.0.1",
+        *extra,
+    ]
 
 
-def _restart_and_replay(run_dir: Path, address: str, backend: str, kill, kill_at: float, register_after_s: float,
-                        box: dict) -> None:
+def _restart_and_replay(
+    run_dir: Path,
+    address: str,
+    backend: str,
+    kill,
+    kill_at: float,
+    register_after_s: float,
+    box: dict,
+) -> None:
     """SIGKILL prefill1 at `kill_at` (epoch s) and start it again (`hw-rank`), registering
     `register_after_s` later (negative: started before the kill, registering that long
     after it); once it rejoined, replay a frame of its old incarnation at decode0: an
@@ -291,8 +393,15 @@ def _restart_and_replay(run_dir: Path, address: str, backend: str, kill, kill_at
         box["rejoin"] = rejoins[0]
         last = box["requests"] - 1
         push = _push(table["decode0"].control)
-        push.send_multipart(signed(encode(Abort(last, 1, 0, "replayed from the old incarnation")), secret,
-                                   sender=b"prefill1", incarnation=old.incarnation, seq=1 << 40))
+        push.send_multipart(
+            signed(
+                encode(Abort(last, 1, 0, "replayed from the old incarnation")),
+                secret,
+                sender=b"prefill1",
+                incarnation=old.incarnation,
+                seq=1 << 40,
+            )
+        )
         push.close(linger=2000)
         client.close()
         box["replayed"] = True
@@ -302,8 +411,11 @@ def _restart_and_replay(run_dir: Path, address: str, backend: str, kill, kill_at
 
 def _start(run_dir: Path, address: str, backend: str, register_at: float) -> subprocess.Popen:
     with (run_dir / "prefill1-by-hand.log").open("w") as log:
-        return subprocess.Popen(_rank_cmd(run_dir, address, backend, "prefill", 1, "--register-at", f"{register_at}"),
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            _rank_cmd(run_dir, address, backend, "prefill", 1, "--register-at", f"{register_at}"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _assert_rejoined(run_dir: Path, box: dict) -> None:
@@ -312,10 +424,14 @@ def _assert_rejoined(run_dir: Path, box: dict) -> None:
     summary = read_summary(run_dir)
     s = load_scenario(run_dir / "scenario.toml")
     n = s.workload.requests
-    assert summary["errors"] == [], summary["errors"]  # it died, but rejoined: not a failure of the run
+    assert summary["errors"] == [], summary[
+        "errors"
+    ]  # it died, but rejoined: not a failure of the run
     (rejoin,) = summary["rejoins"]
     first = rejoin["first_room"]
-    assert rejoin["rank"] == "prefill1" and first == box["rejoin"]["first_room"] and 0 < first < n - 1
+    assert (
+        rejoin["rank"] == "prefill1" and first == box["rejoin"]["first_room"] and 0 < first < n - 1
+    )
     _, records = read_records(run_dir)
     ends: dict[int, str] = {}
     for r in records:
@@ -325,8 +441,9 @@ def _assert_rejoined(run_dir: Path, box: dict) -> None:
     assert sorted(ends) == list(range(n))  # every room of the workload ended, exactly once
     failed = {room for room, why in ends.items() if why}
     assert failed and max(failed) < first  # the rooms after the rejoin all finished
-    assert all("prefill rank 1" in ends[room] or "prefill1" in ends[room] for room in failed), \
-        {room: ends[room] for room in failed}
+    assert all("prefill rank 1" in ends[room] or "prefill1" in ends[room] for room in failed), {
+        room: ends[room] for room in failed
+    }
     assert summary["requests_failed"] == len(failed) and summary["requests_done"] == n - len(failed)
     # the replayed ABORT of the old incarnation was dropped: the last room finished
     assert n - 1 not in failed and summary["replayed_messages"] >= 1
@@ -334,12 +451,17 @@ def _assert_rejoined(run_dir: Path, box: dict) -> None:
     g = s.geometry()
     done = [r for r in generate_requests(s) if r.room not in failed]
     expected = sum(room_pages(r.prompt_tokens, r.prefix_tokens, g.page_size) for r in done)
-    assert summary["bytes_verified"] == expected * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
+    assert (
+        summary["bytes_verified"]
+        == expected * g.page_size * 2 * g.layers * g.decode_heads * g.head_dim * g.dtype_bytes
+    )
     assert summary["bytes_wrong"] == 0
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     assert not check_records(records, s.transfer.path, summary["clock_tolerance_s"])
     # the new incarnation served the rooms from `first` on, and only those
-    served = {r.room for r in records if r.role == "prefill" and r.rank == 1 and r.phase == "room_done"}
+    served = {
+        r.room for r in records if r.role == "prefill" and r.rank == 1 and r.phase == "room_done"
+    }
     assert served and min(served) >= first
 
 
@@ -357,9 +479,19 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
     def on_started(address, spawned):
         procs.update(spawned)
         victim = spawned["prefill1"]
-        threading.Thread(target=_restart_and_replay, daemon=True,
-                         args=(tmp_path / "run", address, "nixl", lambda: os.kill(victim.pid, signal.SIGKILL),
-                               time.time() + 1.5, -4.0, box)).start()
+        threading.Thread(
+            target=_restart_and_replay,
+            daemon=True,
+            args=(
+                tmp_path / "run",
+                address,
+                "nixl",
+                lambda: os.kill(victim.pid, signal.SIGKILL),
+                time.time() + 1.5,
+                -4.0,
+                box,
+            ),
+        ).start()
 
     try:
         code, run_dir = run(tmp_path, "nixl", f, on_started=on_started, rejoin_grace_s=60)
@@ -376,24 +508,47 @@ class _NoSpawnRun:
     """`kvstage hw --no-spawn` on a free port with `flags`, its output to `stdout`; then
     (`start_ranks`) prefill0, prefill1 and decode0 started by hand as `kvstage hw-rank`."""
 
-    def __init__(self, tmp_path: Path, scenario: Path, backend: str, flags: list[str], stdout) -> None:
+    def __init__(
+        self, tmp_path: Path, scenario: Path, backend: str, flags: list[str], stdout
+    ) -> None:
         self.tmp_path, self.backend = tmp_path, backend
         self.run_dir, port = tmp_path / "run", _free_port()
         self.address = f"127.0.0.1:{port}"
         self.ranks: dict[str, subprocess.Popen] = {}
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "kvstage.cli", "hw", str(scenario), "--backend", backend, "--no-spawn",
-             "--port", str(port), "--out", str(self.run_dir), *flags],
-            stdout=stdout, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvstage.cli",
+                "hw",
+                str(scenario),
+                "--backend",
+                backend,
+                "--no-spawn",
+                "--port",
+                str(port),
+                "--out",
+                str(self.run_dir),
+                *flags,
+            ],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def start_ranks(self) -> float:
         """Start the ranks once the launcher wrote the run's files; the run's t0."""
         run_dir = self.run_dir
-        _until(lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60)
+        _until(
+            lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60
+        )
         for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
             with (self.tmp_path / f"{role}{rank}.log").open("w") as log:
                 self.ranks[f"{role}{rank}"] = subprocess.Popen(
-                    _rank_cmd(run_dir, self.address, self.backend, role, rank), stdout=log, stderr=subprocess.STDOUT)
+                    _rank_cmd(run_dir, self.address, self.backend, role, rank),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
         client = RendezvousClient(self.address, secret=read_secret_file(run_dir / "run.secret"))
         t0 = _until(lambda: client.query(10)[1], 120)
         client.close()
@@ -410,13 +565,22 @@ def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp
     f = write_scenario(tmp_path, 2, 1, 8, requests=180)  # 9 s of arrivals
     box: dict = {"requests": 180}
     with (tmp_path / "launcher.log").open("w") as log:
-        run = _NoSpawnRun(tmp_path, f, "mooncake", ["--timeout", "240", "--rejoin-grace", "60"], log)
+        run = _NoSpawnRun(
+            tmp_path, f, "mooncake", ["--timeout", "240", "--rejoin-grace", "60"], log
+        )
     run_dir, address, launcher, ranks = run.run_dir, run.address, run.launcher, run.ranks
     try:
         t0 = run.start_ranks()
         victim = ranks["prefill1"]
-        _restart_and_replay(run_dir, address, "mooncake", lambda: os.kill(victim.pid, signal.SIGKILL),
-                            max(time.time(), t0) + 5.0, -0.5, box)
+        _restart_and_replay(
+            run_dir,
+            address,
+            "mooncake",
+            lambda: os.kill(victim.pid, signal.SIGKILL),
+            max(time.time(), t0) + 5.0,
+            -0.5,
+            box,
+        )
         launcher.wait(timeout=200)
         for name, p in ranks.items():
             assert p.wait(timeout=60) == (0 if name != "prefill1" else -signal.SIGKILL), name
@@ -447,7 +611,9 @@ def test_a_no_spawn_launcher_notices_a_dead_rank_within_seconds(tmp_path):
         killed = time.monotonic()
         out, _ = launcher.communicate(timeout=200)
         ended_after = time.monotonic() - killed
-        codes = {name: p.wait(timeout=60) for name, p in ranks.items()}  # the others exit once released
+        codes = {
+            name: p.wait(timeout=60) for name, p in ranks.items()
+        }  # the others exit once released
     finally:
         for p in [launcher, *ranks.values()]:
             if p.poll() is None:
@@ -457,7 +623,10 @@ def test_a_no_spawn_launcher_notices_a_dead_rank_within_seconds(tmp_path):
     flat = " ".join(out.split())
     assert "rank prefill1 stopped answering the rendezvous" in flat, out[-3000:]
     summary = read_summary(run_dir)
-    assert any(e.startswith("rank prefill1 stopped answering the rendezvous") for e in summary["errors"])
+    assert any(
+        e.startswith("rank prefill1 stopped answering the rendezvous") for e in summary["errors"]
+    )
     assert codes == {"prefill0": 0, "prefill1": -signal.SIGKILL, "decode0": 0}
-    assert summary["requests_done"] + summary["requests_failed"] == 60 and summary["bytes_wrong"] == 0
-
+    assert (
+        summary["requests_done"] + summary["requests_failed"] == 60 and summary["bytes_wrong"] == 0
+    )

@@ -42,19 +42,26 @@ DATA_RE = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
 
 def simulate(out: Path, extra: list[str] | None = None) -> Path:
     scenario = load_scenario(SCENARIO, overrides=SETS + list(extra or []))
-    assert run_simulation(scenario, out=out, progress=False, console=Console(file=io.StringIO())) == 0
+    assert (
+        run_simulation(scenario, out=out, progress=False, console=Console(file=io.StringIO())) == 0
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("report")
-    return {"staging": simulate(base / "staging"), "slice": simulate(base / ODD_NAME, ["transfer.path=slice"])}
+    return {
+        "staging": simulate(base / "staging"),
+        "slice": simulate(base / ODD_NAME, ["transfer.path=slice"]),
+    }
 
 
 @pytest.fixture(scope="module")
 def report(runs, tmp_path_factory) -> Path:
-    return build_report([runs["staging"], runs["slice"]], tmp_path_factory.mktemp("html") / "report.html")
+    return build_report(
+        [runs["staging"], runs["slice"]], tmp_path_factory.mktemp("html") / "report.html"
+    )
 
 
 # per run: timeline, ring; across runs: CDFs, phase bars, staging vs slice; one comparison
@@ -95,8 +102,8 @@ def test_report_is_self_contained(report):
 def test_report_prints_the_cdf_percentiles(runs, report):
     """The CDF figure's p50 / p99 are printed as numbers next to it (not only marked)."""
     text = report.read_text(encoding="utf-8")
-    section = text[text.index('<section id="all-runs">'):]
-    section = section[:section.index("</section>")]
+    section = text[text.index('<section id="all-runs">') :]
+    section = section[: section.index("</section>")]
     section = DATA_RE.sub("", section)
     for run in runs.values():
         rooms = room_metrics(read_records(run)[1]).values()
@@ -118,8 +125,10 @@ def test_ring_panels_share_one_scale(runs):
 
 def test_cli_report_png(runs, tmp_path):
     out, png = tmp_path / "r.html", tmp_path / "png"
-    res = CliRunner().invoke(app, ["report", str(runs["staging"]), str(runs["slice"]), "--out", str(out),
-                                   "--png", str(png)])
+    res = CliRunner().invoke(
+        app,
+        ["report", str(runs["staging"]), str(runs["slice"]), "--out", str(out), "--png", str(png)],
+    )
     assert res.exit_code == 0, res.output
     files = sorted(png.glob("*.png"))
     assert len(files) == EXPECTED_FIGURES == len(IMG_RE.findall(out.read_text()))
@@ -147,11 +156,25 @@ def test_report_in_headless_chromium(report, tmp_path):
     shot = ARTIFACTS / "report.png"
     shot.unlink(missing_ok=True)
     cmd = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
-        "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--window-size=1280,7000",
-        f"--screenshot={shot}", "--dump-dom", report.resolve().as_uri(),
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=5000",
+        "--window-size=1280,7000",
+        f"--screenshot={shot}",
+        "--dump-dom",
+        report.resolve().as_uri(),
     ]
     env = {**os.environ, "DBUS_SESSION_BUS_ADDRESS": "disabled:"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -176,15 +199,21 @@ def test_export_chrome(runs, tmp_path):
         doc = json.loads(out.read_text())
         events = doc["traceEvents"]
         _, records = read_records(run)
-        anchors = [e for e in events if e.get("cat") == ANCHOR]  # zero-length, where an async span's arrow binds
+        anchors = [
+            e for e in events if e.get("cat") == ANCHOR
+        ]  # zero-length, where an async span's arrow binds
         assert all(e["ph"] == "X" and e["dur"] == 0 for e in anchors)
-        body = [e for e in events if e["ph"] in ("X", "i", "b") and e.get("cat") != ANCHOR]  # one per trace row
+        body = [
+            e for e in events if e["ph"] in ("X", "i", "b") and e.get("cat") != ANCHOR
+        ]  # one per trace row
         assert len(body) == len(records)
         assert {e["ph"] for e in events} <= {"M", "X", "i", "b", "e", "C", "s", "f"}
         spans = [e for e in body if e["ph"] in ("X", "b")]
         assert len(spans) == sum(1 for r in records if r.end > r.start)
         assert all(e["dur"] >= 0 for e in spans if e["ph"] == "X")
-        assert all(isinstance(e["ts"], (int, float)) and e["ts"] >= 0 for e in events if e["ph"] != "M")
+        assert all(
+            isinstance(e["ts"], (int, float)) and e["ts"] >= 0 for e in events if e["ph"] != "M"
+        )
         # complete events of one thread never overlap (the JSON format wants them nested)
         lanes = defaultdict(list)
         for e in spans:
@@ -225,20 +254,29 @@ def test_chrome_trace_tracks_counters_and_flows(runs, tmp_path):
     decode_ranks = sorted({r.rank for r in records if r.role == "decode"})
     for (pid, rank), tracks in _tracks_per_rank(events).items():
         threads = [t for t in tracks if t[0] == "thread"]
-        assert len(threads) <= 5, (pid, rank, tracks)  # one per kind: messages, compute, gather, write, wm_wait
+        assert len(threads) <= 5, (
+            pid,
+            rank,
+            tracks,
+        )  # one per kind: messages, compute, gather, write, wm_wait
         assert len(tracks) <= 8, (pid, rank, tracks)
     counters = [e for e in events if e["ph"] == "C"]
     names = {e["name"] for e in counters}
     for d in decode_ranks:
-        assert {f"decode {d} \u00b7 ring live bytes", f"decode {d} \u00b7 ring reserved bytes",
-                f"decode {d} \u00b7 watermark (ring rounds)"} <= names
+        assert {
+            f"decode {d} \u00b7 ring live bytes",
+            f"decode {d} \u00b7 ring reserved bytes",
+            f"decode {d} \u00b7 watermark (ring rounds)",
+        } <= names
     pool = load_scenario(SCENARIO, overrides=SETS).pool_bytes
     live = [e["args"]["bytes"] for e in counters if "live" in e["name"]]
     reserved = [e["args"]["bytes"] for e in counters if "reserved" in e["name"]]
     assert max(live) <= pool < max(reserved)  # this pool overcommits; live bytes never exceed it
     _check_flows(events)
     slices = [e for e in events if e["ph"] == "X" and e["cat"] == "write"]
-    assert len([e for e in events if e["ph"] == "s"]) == len(slices)  # no write overlaps here: all have arrows
+    assert len([e for e in events if e["ph"] == "s"]) == len(
+        slices
+    )  # no write overlaps here: all have arrows
 
 
 def _check_flows(events: list[dict]) -> None:
@@ -251,7 +289,9 @@ def _check_flows(events: list[dict]) -> None:
             slices[(e["pid"], e["tid"])].append(e)
 
     def enclosing(e: dict) -> dict:
-        found = [x for x in slices[(e["pid"], e["tid"])] if x["ts"] <= e["ts"] <= x["ts"] + x["dur"]]
+        found = [
+            x for x in slices[(e["pid"], e["tid"])] if x["ts"] <= e["ts"] <= x["ts"] + x["dur"]
+        ]
         assert found, e
         return min(found, key=lambda x: x["dur"])
 
@@ -260,24 +300,69 @@ def _check_flows(events: list[dict]) -> None:
     assert starts and starts.keys() == ends.keys()
     for fid, s in starts.items():
         w, sc = enclosing(s), enclosing(ends[fid])
-        assert w["name"].startswith("write ") and sc["name"].startswith("scatter ") and ends[fid]["bp"] == "e"
+        assert (
+            w["name"].startswith("write ")
+            and sc["name"].startswith("scatter ")
+            and ends[fid]["bp"] == "e"
+        )
         assert (w["args"]["room"], w["args"]["chunk"]) == (sc["args"]["room"], sc["args"]["chunk"])
-        assert w["args"]["peer"] == int(sc["tid"]) // 100  # the scatter is at the write's decode rank
+        assert (
+            w["args"]["peer"] == int(sc["tid"]) // 100
+        )  # the scatter is at the write's decode rank
     writes = [e for e in events if e.get("cat") == "write" and e["ph"] in ("X", "b")]
-    scattered = {(e["args"]["room"], e["args"]["chunk"], e["tid"] // 100) for e in events
-                 if e.get("cat") == "scatter" and e["ph"] in ("X", "b")}
-    assert len(starts) == sum(1 for w in writes if (w["args"]["room"], w["args"]["chunk"], w["args"]["peer"]) in scattered)
+    scattered = {
+        (e["args"]["room"], e["args"]["chunk"], e["tid"] // 100)
+        for e in events
+        if e.get("cat") == "scatter" and e["ph"] in ("X", "b")
+    }
+    assert len(starts) == sum(
+        1 for w in writes if (w["args"]["room"], w["args"]["chunk"], w["args"]["peer"]) in scattered
+    )
 
 
 def test_chrome_trace_overlapping_spans_stay_on_few_tracks():
     """Four writes of one rank in flight at once, and four scatters overlapping: one
     thread and one async track per kind, and still an arrow from every write."""
-    recs = [TraceRecord("prefill", 0, "write", 0.1 * i, 1.0 + 0.1 * i, room=1, chunk=i, writer=0, peer=0, offset=0,
-                        bytes=100, requests=1) for i in range(4)]
-    recs += [TraceRecord("decode", 0, "scatter", 1.5 + 0.1 * i, 2.5 + 0.1 * i, room=1, chunk=i, bytes=100)
-             for i in range(4)]
-    recs += [TraceRecord("decode", 0, "free", 2.6 + 0.1 * i, 2.6 + 0.1 * i, room=1, chunk=i, offset=0, bytes=100,
-                         ring_used=0, wm_round=0, wm_tail=100 * (i + 1)) for i in range(4)]
+    recs = [
+        TraceRecord(
+            "prefill",
+            0,
+            "write",
+            0.1 * i,
+            1.0 + 0.1 * i,
+            room=1,
+            chunk=i,
+            writer=0,
+            peer=0,
+            offset=0,
+            bytes=100,
+            requests=1,
+        )
+        for i in range(4)
+    ]
+    recs += [
+        TraceRecord(
+            "decode", 0, "scatter", 1.5 + 0.1 * i, 2.5 + 0.1 * i, room=1, chunk=i, bytes=100
+        )
+        for i in range(4)
+    ]
+    recs += [
+        TraceRecord(
+            "decode",
+            0,
+            "free",
+            2.6 + 0.1 * i,
+            2.6 + 0.1 * i,
+            room=1,
+            chunk=i,
+            offset=0,
+            bytes=100,
+            ring_used=0,
+            wm_round=0,
+            wm_tail=100 * (i + 1),
+        )
+        for i in range(4)
+    ]
     events = chrome_events(recs, pool_bytes=400)["traceEvents"]
     tracks = _tracks_per_rank(events)
     assert len(tracks[(1, 0)]) == 2  # prefill 0: the write thread and one async track
@@ -290,16 +375,23 @@ def test_chrome_trace_overlapping_spans_stay_on_few_tracks():
 def test_cli_report_and_export(runs, tmp_path):
     runner = CliRunner()
     out = tmp_path / "r.html"
-    res = runner.invoke(app, ["report", str(runs["staging"]), "--out", str(out), "--max-rooms", "4"])
+    res = runner.invoke(
+        app, ["report", str(runs["staging"]), "--out", str(out), "--max-rooms", "4"]
+    )
     assert res.exit_code == 0, res.output
     assert len(IMG_RE.findall(out.read_text())) == 2 + 2  # one run: no slice / comparison figures
-    res = runner.invoke(app, ["export-trace", str(runs["staging"]), "--chrome", "--out", str(tmp_path / "t.json")])
+    res = runner.invoke(
+        app, ["export-trace", str(runs["staging"]), "--chrome", "--out", str(tmp_path / "t.json")]
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     res = runner.invoke(app, ["export-trace", str(runs["staging"])])
     assert res.exit_code == 2 and "--chrome" in res.output
-    for args in (["report", str(tmp_path)], ["export-trace", str(tmp_path), "--chrome"],
-                 ["compare", str(tmp_path), str(runs["staging"])]):
+    for args in (
+        ["report", str(tmp_path)],
+        ["export-trace", str(tmp_path), "--chrome"],
+        ["compare", str(tmp_path), str(runs["staging"])],
+    ):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, args
         assert "is not a run directory" in res.output

@@ -23,7 +23,9 @@ SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.
 
 
 def _rec(role, rank, phase, start, end=None, room=0, chunk=-1):
-    return TraceRecord(role, rank, phase, start, start if end is None else end, room=room, chunk=chunk)
+    return TraceRecord(
+        role, rank, phase, start, start if end is None else end, room=room, chunk=chunk
+    )
 
 
 def _hand_trace() -> list[TraceRecord]:
@@ -109,7 +111,9 @@ def test_simulated_breakdown_matches_its_trace_and_the_forward_model(small_run):
     assert summary["queueing_s"]["max"] == pytest.approx(0.0, abs=1e-9)
     # transfer_latency_s starts at the first forward, so it is compute + exposed transfer
     total = summary["transfer_latency_s"]["mean"]
-    assert total == pytest.approx(summary["prefill_compute_s"]["mean"] + summary["kv_transfer_latency_s"]["mean"])
+    assert total == pytest.approx(
+        summary["prefill_compute_s"]["mean"] + summary["kv_transfer_latency_s"]["mean"]
+    )
 
 
 def test_summary_table_shows_the_breakdown(small_run):
@@ -137,7 +141,12 @@ def _row(pool, compute, kv, failed=0):
 
 
 def test_sweep_metrics_name_the_breakdown():
-    for name in ("kv_transfer_latency_s.p99", "prefill_compute_s.p50", "queueing_s.max", "staging_wait_s.p90"):
+    for name in (
+        "kv_transfer_latency_s.p99",
+        "prefill_compute_s.p50",
+        "queueing_s.max",
+        "staging_wait_s.p90",
+    ):
         assert name in METRICS
         assert parse_target(f"{name}<1").metric == name
 
@@ -160,4 +169,7 @@ def test_why_counts_failed_requests_and_points_that_did_not_run():
     assert "1 point(s) meet it only over the requests that survived" in why
     assert "17 failed, 47 done" in why
     bad = [{"decode.staging_pool_mb": 256, "status": "invalid"}]
-    assert why_unmet(bad, parse_target("transfer_latency_s.p99<1"), "decode.staging_pool_mb") == "no point ran (invalid)"
+    assert (
+        why_unmet(bad, parse_target("transfer_latency_s.p99<1"), "decode.staging_pool_mb")
+        == "no point ran (invalid)"
+    )

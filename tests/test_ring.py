@@ -73,7 +73,9 @@ class Reference:
 
 
 ops = st.lists(
-    st.one_of(st.tuples(st.just("a"), st.integers(0, 120)), st.tuples(st.just("f"), st.integers(0, 60))),
+    st.one_of(
+        st.tuples(st.just("a"), st.integers(0, 120)), st.tuples(st.just("f"), st.integers(0, 60))
+    ),
     max_size=120,
 )
 

@@ -14,13 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
-def _write(t0: float, t1: float, room: int, chunk: int, nbytes: int, decode: int = 0, writer: int = 0) -> TraceRecord:
-    return TraceRecord("prefill", writer, "write", t0, t1, room=room, chunk=chunk, writer=writer, peer=decode,
-                       offset=0, bytes=nbytes, requests=1)
+def _write(
+    t0: float, t1: float, room: int, chunk: int, nbytes: int, decode: int = 0, writer: int = 0
+) -> TraceRecord:
+    return TraceRecord(
+        "prefill",
+        writer,
+        "write",
+        t0,
+        t1,
+        room=room,
+        chunk=chunk,
+        writer=writer,
+        peer=decode,
+        offset=0,
+        bytes=nbytes,
+        requests=1,
+    )
 
 
 def _decode(phase: str, t: float, room: int, chunk: int, used: int, nbytes: int = 0) -> TraceRecord:
-    return TraceRecord("decode", 0, phase, t, t, room=room, chunk=chunk, offset=0, bytes=nbytes, ring_used=used)
+    return TraceRecord(
+        "decode", 0, phase, t, t, room=room, chunk=chunk, offset=0, bytes=nbytes, ring_used=used
+    )
 
 
 def test_live_bytes_by_hand():
@@ -41,14 +57,18 @@ def test_live_bytes_by_hand():
     assert s.live == [(2.0, 10), (3.0, 20), (4.0, 0), (4.5, 20), (5.0, 0)]
     assert s.reserved_peak == 40 and s.live_peak == 20
     assert ring_figures(records, 30) == {
-        "ring_live_peak_bytes": 20, "ring_live_peak_fraction": 20 / 30,
-        "ring_reserved_peak_bytes": 40, "ring_reserved_peak_fraction": 40 / 30,
+        "ring_live_peak_bytes": 20,
+        "ring_live_peak_fraction": 20 / 30,
+        "ring_reserved_peak_bytes": 40,
+        "ring_reserved_peak_fraction": 40 / 30,
     }
 
 
 def test_overcommitting_run_live_never_above_the_pool():
-    s = load_scenario(ROOT / "scenarios" / "llama3-8b-p4-d2.toml",
-                      overrides=["workload.requests=16", "workload.rate_per_s=40", "decode.staging_pool_mb=512"])
+    s = load_scenario(
+        ROOT / "scenarios" / "llama3-8b-p4-d2.toml",
+        overrides=["workload.requests=16", "workload.rate_per_s=40", "decode.staging_pool_mb=512"],
+    )
     result = simulate(s)
     assert not result.violations
     series = ring_series(result.records)
@@ -64,8 +84,10 @@ def test_overcommitting_run_live_never_above_the_pool():
 
 
 def test_slice_path_has_no_live_bytes():
-    s = load_scenario(ROOT / "scenarios" / "llama3-8b-p4-d2.toml",
-                      overrides=["workload.requests=4", "transfer.path=slice"])
+    s = load_scenario(
+        ROOT / "scenarios" / "llama3-8b-p4-d2.toml",
+        overrides=["workload.requests=4", "transfer.path=slice"],
+    )
     result = simulate(s)
     figures = ring_figures(result.records, s.pool_bytes)
     assert figures["ring_live_peak_bytes"] == 0 and figures["ring_reserved_peak_bytes"] == 0

@@ -52,20 +52,32 @@ exit $rc
 
 def test_scripts_parse():
     for script in (SBATCH, TASK):
-        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["bash", "-n", str(script)], capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0, done.stderr
     text = SBATCH.read_text()
-    assert "set -euo pipefail" in text and "#SBATCH --nodes=" in text and "#SBATCH --partition=" in text
+    assert (
+        "set -euo pipefail" in text
+        and "#SBATCH --nodes=" in text
+        and "#SBATCH --partition=" in text
+    )
 
 
 def _clean_env() -> dict[str, str]:
     """This environment without anything that would place or name a rank."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("KVSTAGE", "UCX_", "MC_TCP_", "MASTER_", "SLURM_", "CUDA_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SCENARIO", "BACKEND", "DEVICE", "RUN_DIR")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVSTAGE", "UCX_", "MC_TCP_", "MASTER_", "SLURM_", "CUDA_"))
+        and k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SCENARIO", "BACKEND", "DEVICE", "RUN_DIR")
+    }
 
 
-def _job(tmp_path: Path, scenario: Path, ntasks: int, *args: str, **extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+def _job(
+    tmp_path: Path, scenario: Path, ntasks: int, *args: str, **extra: str
+) -> tuple[subprocess.CompletedProcess, Path, Path]:
     """Run the batch script as a one-node job of `ntasks` tasks; (result, run dir, task logs)."""
     fake = tmp_path / "fakebin"
     fake.mkdir()
@@ -75,22 +87,40 @@ def _job(tmp_path: Path, scenario: Path, ntasks: int, *args: str, **extra: str) 
     logs.mkdir()
     run_dir = tmp_path / "run"
     env = _clean_env()
-    env.update({
-        "PATH": f"{fake}:{env.get('PATH', '')}", "FAKE_SRUN_LOGS": str(logs),
-        # what sbatch sets for a one-node job
-        "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(ntasks), "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_JOB_NODELIST": socket.gethostname(), "SLURM_SUBMIT_DIR": str(ROOT),
-        # the script's parameters: one host, so the rendezvous is on loopback
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "SCENARIO": str(scenario),
-        "BACKEND": "nixl", "DEVICE": "cpu", "RUN_DIR": str(run_dir), "KVSTAGE": str(BIN / "kvstage"),
-        "TIMEOUT": "120", **extra,
-    })
+    env.update(
+        {
+            "PATH": f"{fake}:{env.get('PATH', '')}",
+            "FAKE_SRUN_LOGS": str(logs),
+            # what sbatch sets for a one-node job
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": str(ntasks),
+            "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_JOB_NODELIST": socket.gethostname(),
+            "SLURM_SUBMIT_DIR": str(ROOT),
+            # the script's parameters: one host, so the rendezvous is on loopback
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "SCENARIO": str(scenario),
+            "BACKEND": "nixl",
+            "DEVICE": "cpu",
+            "RUN_DIR": str(run_dir),
+            "KVSTAGE": str(BIN / "kvstage"),
+            "TIMEOUT": "120",
+            **extra,
+        }
+    )
     # sbatch runs a copy from its spool folder: so does this, to prove nothing needs $0's folder
     spooled = tmp_path / "spool" / "slurm_script"
     spooled.parent.mkdir()
     spooled.write_text(SBATCH.read_text())
-    done = subprocess.run(["bash", str(spooled), *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        ["bash", str(spooled), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     return done, run_dir, logs
 
 
@@ -105,8 +135,14 @@ def _assert_every_byte_right(run_dir: Path) -> int:
     expected = _bytes_to_verify(load_scenario(run_dir / "scenario.toml"))
     assert summary["bytes_verified"] == expected and summary["bytes_wrong"] == 0
     assert summary["requests_done"] == 3 and summary["requests_failed"] == 0
-    assert summary["backend"] == "nixl" and summary["invariant_violations"] == 0 and not summary["errors"]
-    assert not any(summary["ring_used_at_end"].values()) and summary["unauthenticated_messages"] == 0
+    assert (
+        summary["backend"] == "nixl"
+        and summary["invariant_violations"] == 0
+        and not summary["errors"]
+    )
+    assert (
+        not any(summary["ring_used_at_end"].values()) and summary["unauthenticated_messages"] == 0
+    )
     assert {c["host"] for c in summary["clocks"].values()} == {"127.0.0.1"}
     return expected
 
@@ -123,11 +159,16 @@ def test_sbatch_p2_d1_every_byte_verified(tmp_path):
     # each task took its identity from SLURM's variables, its rendezvous from MASTER_ADDR:MASTER_PORT
     for i, name in enumerate(["prefill0", "prefill1", "decode0"]):
         log = (logs / f"task{i}.log").read_text()
-        assert f"{name}: global rank {i} from slurm, device cpu, host 127.0.0.1, rendezvous 127.0.0.1:" in log, log
+        assert (
+            f"{name}: global rank {i} from slurm, device cpu, host 127.0.0.1, rendezvous 127.0.0.1:"
+            in log
+        ), log
     expected = _assert_every_byte_right(run_dir)
     assert "launcher exit 0, tasks exit 0" in done.stdout
-    print(f"\nkvstage.sbatch P2->D1 (fake srun, NIXL, loopback): {expected} bytes verified, 0 wrong, "
-          f"wall {wall:.1f}s")
+    print(
+        f"\nkvstage.sbatch P2->D1 (fake srun, NIXL, loopback): {expected} bytes verified, 0 wrong, "
+        f"wall {wall:.1f}s"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -139,7 +180,10 @@ def test_sbatch_wrong_task_count_fails_fast(tmp_path):
     done, run_dir, logs = _job(tmp_path, scenario, 4, GRACE_S="2")
     wall = time.monotonic() - t
     assert done.returncode != 0, done.stdout
-    assert "$SLURM_NTASKS = 4 but the scenario has prefill TP2 + decode TP1 = 3" in (logs / "task0.log").read_text()
+    assert (
+        "$SLURM_NTASKS = 4 but the scenario has prefill TP2 + decode TP1 = 3"
+        in (logs / "task0.log").read_text()
+    )
     assert wall < 60, f"the job took {wall:.0f}s: the launcher was left to its timeout"
     assert "tasks exit 2" in done.stdout, done.stdout
 
@@ -157,7 +201,9 @@ def test_sbatch_bad_scenario_starts_no_task(tmp_path):
     """The launcher refuses the scenario (exit 2) before writing a secret: the job ends with
     its code and no task is started."""
     done, _, logs = _job(tmp_path, tmp_path / "missing.toml", 3)
-    assert done.returncode == 2 and "no such scenario file" in " ".join(done.stderr.split()), done.stderr
+    assert done.returncode == 2 and "no such scenario file" in " ".join(done.stderr.split()), (
+        done.stderr
+    )
     assert not list(logs.iterdir())
 
 
@@ -173,26 +219,73 @@ def test_torchrun_p2_d1_every_byte_verified(tmp_path):
     store, rdzv = _free_port(), _free_port()
     env = _clean_env()
     launcher = subprocess.Popen(
-        [str(BIN / "kvstage"), "hw", str(scenario), "--backend", "nixl", "--device", "cpu", "--no-spawn",
-         "--bind", "127.0.0.1", "--advertise", "127.0.0.1", "--port", str(rdzv), "--out", str(run_dir),
-         "--timeout", "120", "--trace-format", "jsonl"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            str(BIN / "kvstage"),
+            "hw",
+            str(scenario),
+            "--backend",
+            "nixl",
+            "--device",
+            "cpu",
+            "--no-spawn",
+            "--bind",
+            "127.0.0.1",
+            "--advertise",
+            "127.0.0.1",
+            "--port",
+            str(rdzv),
+            "--out",
+            str(run_dir),
+            "--timeout",
+            "120",
+            "--trace-format",
+            "jsonl",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (run_dir / "run.secret").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, "the launcher wrote no run.secret"
+            assert launcher.poll() is None and time.monotonic() < deadline, (
+                "the launcher wrote no run.secret"
+            )
             time.sleep(0.05)
         ranks = subprocess.run(
-            [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=3", "--node-rank=0", "--master-addr=127.0.0.1",
-             f"--master-port={store}", "--no-python", str(BIN / "kvstage"), "hw-rank", str(run_dir / "scenario.toml"),
-             "--rendezvous", f"127.0.0.1:{rdzv}", "--secret-file", str(run_dir / "run.secret")],
-            env=env, capture_output=True, text=True, timeout=200)
+            [
+                str(BIN / "torchrun"),
+                "--nnodes=1",
+                "--nproc-per-node=3",
+                "--node-rank=0",
+                "--master-addr=127.0.0.1",
+                f"--master-port={store}",
+                "--no-python",
+                str(BIN / "kvstage"),
+                "hw-rank",
+                str(run_dir / "scenario.toml"),
+                "--rendezvous",
+                f"127.0.0.1:{rdzv}",
+                "--secret-file",
+                str(run_dir / "run.secret"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         out, _ = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(timeout=10)
-    assert ranks.returncode == 0 and launcher.returncode == 0, f"{out[-3000:]}\n{ranks.stderr[-3000:]}"
+    assert ranks.returncode == 0 and launcher.returncode == 0, (
+        f"{out[-3000:]}\n{ranks.stderr[-3000:]}"
+    )
     for g, name in enumerate(["prefill0", "prefill1", "decode0"]):
-        assert f"{name}: global rank {g} from torchrun, device cpu, host 127.0.0.1, rendezvous 127.0.0.1:{rdzv}" in ranks.stderr
+        assert (
+            f"{name}: global rank {g} from torchrun, device cpu, host 127.0.0.1, rendezvous 127.0.0.1:{rdzv}"
+            in ranks.stderr
+        )
     _assert_every_byte_right(run_dir)

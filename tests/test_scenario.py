@@ -195,11 +195,15 @@ def test_slice_path_allows_any_pool() -> None:
 
 
 def test_faults_table_is_validated() -> None:
-    s = scenario_from_dict(minimal(faults={"drop": {"STAGING_RSP": 0.1}, "abort": [{"room": 2, "phase": "write"}]}))
+    s = scenario_from_dict(
+        minimal(faults={"drop": {"STAGING_RSP": 0.1}, "abort": [{"room": 2, "phase": "write"}]})
+    )
     assert s.faults.drop == {"STAGING_RSP": 0.1} and s.faults.abort[0].room == 2
     with pytest.raises(ScenarioError, match=r"faults.drop.*STAGING_REQ.*WATERMARK"):
         scenario_from_dict(minimal(faults={"drop": {"rate": 0.1}}))
-    with pytest.raises(ScenarioError, match=r"faults.kinds: unknown key; allowed keys in \[faults\]"):
+    with pytest.raises(
+        ScenarioError, match=r"faults.kinds: unknown key; allowed keys in \[faults\]"
+    ):
         scenario_from_dict(minimal(faults={"kinds": ["a"]}))
     with pytest.raises(ScenarioError, match=r"faults.drop.WATERMARK"):
         scenario_from_dict(minimal(faults={"drop": {"WATERMARK": 1.5}}))
@@ -571,7 +575,11 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path) -> None:
     s = scenario_from_dict(
         minimal(
             workload={"arrival": "trace", "trace_csv": "t.csv"},
-            faults={"drop": {"WATERMARK": 1e-7}, "abort": [{"room": 3, "phase": "gather"}], "match": [{"type": "CHUNK_READY", "room": 1}]},
+            faults={
+                "drop": {"WATERMARK": 1e-7},
+                "abort": [{"room": 3, "phase": "gather"}],
+                "match": [{"type": "CHUNK_READY", "room": 1}],
+            },
         )
         | {"description": 'quote " backslash \\ newline \n tab \t bell \x07 ünï'},
         tmp_path,

@@ -21,18 +21,42 @@ P8D2 = S / "llama3-70b-p8-d2.toml"
 CASES = {
     # four prefill instances into two decode instances, generation and KV capacity
     # modeled: rooms of prefill i go to decode i mod 2, each decode node its own NICs
-    "p8-d2-4x2": (P8D2, ["workload.requests=48", "cluster.prefill_instances=4", "cluster.decode_instances=2",
-                         "workload.output_tokens=16", "decode.gpu_memory_gib=141"]),
+    "p8-d2-4x2": (
+        P8D2,
+        [
+            "workload.requests=48",
+            "cluster.prefill_instances=4",
+            "cluster.decode_instances=2",
+            "workload.output_tokens=16",
+            "decode.gpu_memory_gib=141",
+        ],
+    ),
     # the same, folded (one simulated rank per symmetric set) and sharded
-    "p8-d2-4x2-fold": (P8D2, ["workload.requests=48", "cluster.prefill_instances=4", "cluster.decode_instances=2",
-                              "cluster.fold=true"]),
+    "p8-d2-4x2-fold": (
+        P8D2,
+        [
+            "workload.requests=48",
+            "cluster.prefill_instances=4",
+            "cluster.decode_instances=2",
+            "cluster.fold=true",
+        ],
+    ),
     # fan-out P2 -> D8, four prefill instances into two decode instances
-    "p2-d8-4x2": (S / "llama3-8b-p2-d8.toml", ["workload.requests=36", "cluster.prefill_instances=4",
-                                               "cluster.decode_instances=2"]),
+    "p2-d8-4x2": (
+        S / "llama3-8b-p2-d8.toml",
+        ["workload.requests=36", "cluster.prefill_instances=4", "cluster.decode_instances=2"],
+    ),
     # the slice path, a tight ring and faults of single messages are all fine in a group
-    "slice-faults": (S / "llama3-8b-p4-d2.toml", ["workload.requests=24", 'transfer.path="slice"',
-                                                  "cluster.prefill_instances=2", "cluster.decode_instances=2",
-                                                  "faults.drop.CHUNK_READY=0.05"]),
+    "slice-faults": (
+        S / "llama3-8b-p4-d2.toml",
+        [
+            "workload.requests=24",
+            'transfer.path="slice"',
+            "cluster.prefill_instances=2",
+            "cluster.decode_instances=2",
+            "faults.drop.CHUNK_READY=0.05",
+        ],
+    ),
 }
 
 
@@ -40,12 +64,16 @@ def test_groups_follow_the_routes_and_the_shared_nics():
     sets = ["cluster.prefill_instances=4", "cluster.decode_instances=2", "workload.requests=8"]
     # prefill i -> decode i mod 2; every GPU its own NIC: two groups
     assert independent_groups(load_scenario(P8D2, sets)) == [
-        (frozenset({0, 2}), frozenset({0})), (frozenset({1, 3}), frozenset({1}))]
+        (frozenset({0, 2}), frozenset({0})),
+        (frozenset({1, 3}), frozenset({1})),
+    ]
     # one NIC per node: both TP2 decode instances sit on one node and share it: one group
     one_nic = independent_groups(load_scenario(P8D2, [*sets, "cluster.nics_per_node=1"]))
     assert one_nic == [(frozenset({0, 1, 2, 3}), frozenset({0, 1}))]
     # fewer requests than instances: an instance with no room is a group of its own
-    lone = independent_groups(load_scenario(P8D2, ["cluster.prefill_instances=3", "workload.requests=2"]))
+    lone = independent_groups(
+        load_scenario(P8D2, ["cluster.prefill_instances=3", "workload.requests=2"])
+    )
     assert lone == [(frozenset({0, 1}), frozenset({0})), (frozenset({2}), frozenset())]
 
 
@@ -68,7 +96,19 @@ def test_a_sharded_run_gives_every_room_the_same_latencies_and_rows(case):
         assert info == pytest.approx(b[room], abs=1e-9), room
 
     def key(r):
-        return (r.role, r.rank, r.phase, r.start, r.end, r.room, r.chunk, r.writer, r.peer, r.bytes, r.requests)
+        return (
+            r.role,
+            r.rank,
+            r.phase,
+            r.start,
+            r.end,
+            r.room,
+            r.chunk,
+            r.writer,
+            r.peer,
+            r.bytes,
+            r.requests,
+        )
 
     assert sorted(map(key, one.records)) == sorted(map(key, sharded.records))
     ends = [r.end for r in sharded.records]
@@ -86,19 +126,41 @@ def test_a_sharded_run_writes_the_same_summary(tmp_path):
     path, sets = CASES["p8-d2-4x2"]
     summaries = []
     for name, extra in (("one", []), ("shard", ["cluster.shard=true"])):
-        code = run_simulation(load_scenario(path, [*sets, *extra]), out=tmp_path / name, progress=False,
-                              console=Console(file=io.StringIO()))
+        code = run_simulation(
+            load_scenario(path, [*sets, *extra]),
+            out=tmp_path / name,
+            progress=False,
+            console=Console(file=io.StringIO()),
+        )
         assert code == 0
         summaries.append(json.loads(next((tmp_path / name).rglob("summary.json")).read_text()))
     a, b = summaries
-    for k in ("requests_done", "ttft_s", "tpot_s", "e2e_s", "kv_transfer_latency_s", "throughput_gbps"):
+    for k in (
+        "requests_done",
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "kv_transfer_latency_s",
+        "throughput_gbps",
+    ):
         assert a[k] == b[k], k
 
 
 def test_sharding_needs_a_static_router():
-    with pytest.raises(ScenarioError, match=r"cluster.shard = true: cannot shard the cluster: router "
-                                            r"'least-outstanding' .* \(allowed: round-robin\)"):
-        load_scenario(P8D2, ["cluster.prefill_instances=2", 'cluster.router="least-outstanding"',
-                             "cluster.shard=true"])
+    with pytest.raises(
+        ScenarioError,
+        match=r"cluster.shard = true: cannot shard the cluster: router "
+        r"'least-outstanding' .* \(allowed: round-robin\)",
+    ):
+        load_scenario(
+            P8D2,
+            [
+                "cluster.prefill_instances=2",
+                'cluster.router="least-outstanding"',
+                "cluster.shard=true",
+            ],
+        )
     with pytest.raises(ValueError, match="cannot shard the cluster"):
-        simulate_sharded(load_scenario(P8D2, ["cluster.prefill_instances=2", 'cluster.router="staging-aware"']))
+        simulate_sharded(
+            load_scenario(P8D2, ["cluster.prefill_instances=2", 'cluster.router="staging-aware"'])
+        )

@@ -38,7 +38,9 @@ def load(path: Path, *sets: str) -> Scenario:
 
 def summary_of(result: SimResult) -> dict:
     s = result.scenario
-    return summarize(result.records, mode="sim", pool_bytes=s.pool_bytes, requests=len(result.requests))
+    return summarize(
+        result.records, mode="sim", pool_bytes=s.pool_bytes, requests=len(result.requests)
+    )
 
 
 def assert_clean(result: SimResult, requests: int) -> None:
@@ -131,7 +133,9 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path: Path):
 
 
 def test_pool_of_exactly_one_chunk_completes_every_room():
-    s = load(FLAGSHIP, "workload.requests=12", "workload.rate_per_s=8", "decode.staging_pool_mb=1280")
+    s = load(
+        FLAGSHIP, "workload.requests=12", "workload.rate_per_s=8", "decode.staging_pool_mb=1280"
+    )
     g = s.geometry()
     assert s.pool_bytes == g.chunk_bytes() == 8192 * 80 * 2 * 4 * 128 * 2
     assert any(r.prompt_tokens > 8192 for r in generate_requests(s)), "want multi-chunk rooms"
@@ -162,7 +166,9 @@ POOL_LOAD = ("workload.requests=24", "workload.rate_per_s=4", "prefill.tokens_pe
 def test_larger_pool_never_worse_p99_under_compute_bound_load(seed: int):
     p99, stall = [], []
     for mb in (1280, 2560, 5120, 10240):
-        result = simulate(load(FLAGSHIP, *POOL_LOAD, f"decode.staging_pool_mb={mb}", f"workload.seed={seed}"))
+        result = simulate(
+            load(FLAGSHIP, *POOL_LOAD, f"decode.staging_pool_mb={mb}", f"workload.seed={seed}")
+        )
         assert_clean(result, 24)
         summary = summary_of(result)
         p99.append(summary["transfer_latency_s"]["p99"])
@@ -241,7 +247,8 @@ def test_cli_sim_writes_run_dir_and_check_passes(tmp_path: Path):
     run = tmp_path / "run"
     runner = CliRunner()
     result = runner.invoke(
-        app, ["sim", str(FLAGSHIP), "--set", "workload.requests=6", "--out", str(run), "--no-progress"]
+        app,
+        ["sim", str(FLAGSHIP), "--set", "workload.requests=6", "--out", str(run), "--no-progress"],
     )
     assert result.exit_code == 0, result.output
     assert {p.name for p in run.iterdir()} >= {"trace.parquet", "scenario.toml", "summary.json"}
@@ -256,9 +263,14 @@ def test_cli_sim_writes_run_dir_and_check_passes(tmp_path: Path):
     assert summary["throughput_gbps"] > 0
     for kind in ("live", "reserved"):
         assert summary[f"ring_{kind}_peak_bytes"] > 0
-        assert summary[f"ring_{kind}_peak_fraction"] == summary[f"ring_{kind}_peak_bytes"] / load(FLAGSHIP).pool_bytes
+        assert (
+            summary[f"ring_{kind}_peak_fraction"]
+            == summary[f"ring_{kind}_peak_bytes"] / load(FLAGSHIP).pool_bytes
+        )
     assert set(summary["watermark_stall_s"]) >= {"total", "p99"}
-    assert summary["transfer_requests"]["total"] == 6 * summary["transfer_requests"]["per_request"] > 0
+    assert (
+        summary["transfer_requests"]["total"] == 6 * summary["transfer_requests"]["per_request"] > 0
+    )
     for key in ("events", "sim_time_s", "wall_s"):
         assert summary[key] > 0
     # the resolved scenario in the run directory loads back to the same scenario

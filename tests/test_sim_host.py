@@ -31,13 +31,24 @@ from kvstage.sim.host import (
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"
 
-HOST = {"host_model": "cpu-loop", "host_cores": 2, "engine_thread_cores": 0.5, "event_us": 20.0,
-        "fill_latency_us": 800.0, "fill_bandwidth_gbs": 0.25}
+HOST = {
+    "host_model": "cpu-loop",
+    "host_cores": 2,
+    "engine_thread_cores": 0.5,
+    "event_us": 20.0,
+    "fill_latency_us": 800.0,
+    "fill_bandwidth_gbs": 0.25,
+}
 
 
 def _numbers(**kw) -> HostNumbers:
-    base = dict(cores=2.0, engine_thread_cores=0.5, event_s=20e-6, fill_latency_s=800e-6,
-                fill_bandwidth_bytes_s=0.25e9)
+    base = dict(
+        cores=2.0,
+        engine_thread_cores=0.5,
+        event_s=20e-6,
+        fill_latency_s=800e-6,
+        fill_bandwidth_bytes_s=0.25e9,
+    )
     base.update(kw)
     return HostNumbers(**base)
 
@@ -48,9 +59,21 @@ def _scenario(prefill_tp=2, decode_tp=1, requests=4, host=True, **links):
         "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
         "prefill": {"tp": prefill_tp, "chunked_prefill_size": 256},
         "decode": {"tp": decode_tp, "page_size": 16, "staging_pool_mb": 32},
-        "links": {"profile": "loopback-cpu", "placement": "intra", **(HOST if host else {}), **links},
-        "workload": {"requests": requests, "arrival": "fixed", "rate_per_s": 4.0, "prompt": "uniform",
-                     "prompt_min": 512, "prompt_max": 1024, "seed": 3},
+        "links": {
+            "profile": "loopback-cpu",
+            "placement": "intra",
+            **(HOST if host else {}),
+            **links,
+        },
+        "workload": {
+            "requests": requests,
+            "arrival": "fixed",
+            "rate_per_s": 4.0,
+            "prompt": "uniform",
+            "prompt_min": 512,
+            "prompt_max": 1024,
+            "seed": 3,
+        },
     }
     return scenario_from_dict(data)
 
@@ -70,7 +93,9 @@ def test_share_is_weighted_fair_and_at_most_one_core_each():
     assert w == pytest.approx(0.1074, rel=1e-3)
     assert share(1, [(1, 1), (w, 1)]) == pytest.approx([1 / (1 + w), w / (1 + w)])
     # a steady user that wants little gets it; the rest share what is left
-    assert share(2, [(1, 1), (1, 1), (1, 1), (1, 0.1)]) == pytest.approx([0.6333, 0.6333, 0.6333, 0.1], rel=1e-3)
+    assert share(2, [(1, 1), (1, 1), (1, 1), (1, 0.1)]) == pytest.approx(
+        [0.6333, 0.6333, 0.6333, 0.1], rel=1e-3
+    )
     # two cores, one heavy job capped at one core: the light one gets the other core
     assert share(2, [(1, 1), (w, 1)]) == pytest.approx([1, 1])
 
@@ -82,7 +107,9 @@ def test_rates_change_when_a_job_starts_and_ends():
     cpu = CpuShare(env, 1.0)
     seen = []
     cpu.run(1.0, 1.0, lambda: seen.append(("a", env.now)))
-    env.timeout(0.5).callbacks.append(lambda _e: cpu.run(1.0, 1.0, lambda: seen.append(("b", env.now))))
+    env.timeout(0.5).callbacks.append(
+        lambda _e: cpu.run(1.0, 1.0, lambda: seen.append(("b", env.now)))
+    )
     env.run()
     assert seen == [("a", pytest.approx(1.5)), ("b", pytest.approx(2.0))]
     assert cpu.cpu_s == 2.0 and cpu.running == 0
@@ -93,7 +120,9 @@ def test_steady_load_takes_its_share():
     h = _numbers(cores=1.0, engine_thread_cores=0.1, background_cores=0.5)
     assert steady_load(h, 2) == [(1.0, 0.1), (1.0, 0.1), (1.0, 0.5)]
     env = simpy.Environment()
-    cpu = CpuShare(env, 1.0, steady_load(_numbers(cores=1.0, engine_thread_cores=0.0, background_cores=0.5), 1))
+    cpu = CpuShare(
+        env, 1.0, steady_load(_numbers(cores=1.0, engine_thread_cores=0.0, background_cores=0.5), 1)
+    )
     seen = []
     cpu.run(1.0, 1.0, lambda: seen.append(env.now))
     env.run()
@@ -159,8 +188,15 @@ def test_driver_forward_is_fill_plus_poll_wait_plus_one_event():
     """P1 -> D1 on many cores (no sharing): a chunk's compute span is its fill on the
     forward thread, half a loop poll until the loop sees it, and one loop event; the
     next chunk starts no earlier than the first ended."""
-    s = _scenario(prefill_tp=1, decode_tp=1, requests=1, host_cores=64, engine_thread_cores=0.0,
-                  loop_poll_us=1000.0, forward_nice=10)
+    s = _scenario(
+        prefill_tp=1,
+        decode_tp=1,
+        requests=1,
+        host_cores=64,
+        engine_thread_cores=0.0,
+        loop_poll_us=1000.0,
+        forward_nice=10,
+    )
     sim = Simulation(s)
     r = sim.run()
     assert r.ok and r.rooms_done == 1
@@ -170,7 +206,9 @@ def test_driver_forward_is_fill_plus_poll_wait_plus_one_event():
     chunk_bytes = 2 * g.layers * g.prefill_heads * g.head_dim * g.dtype_bytes * 256
     computes = sorted((x for x in r.records if x.phase == "compute"), key=lambda x: x.chunk)
     c0 = computes[0]
-    assert c0.end - c0.start == pytest.approx(fill_alone(h, chunk_bytes) * h.fill_scale + 0.5e-3 + h.event_s)
+    assert c0.end - c0.start == pytest.approx(
+        fill_alone(h, chunk_bytes) * h.fill_scale + 0.5e-3 + h.event_s
+    )
     for a, b in zip(computes, computes[1:], strict=False):
         assert b.start >= a.end - 1e-12
     rt = sim.prefill[0]
@@ -211,8 +249,14 @@ def test_default_is_the_gpu_model():
 
 def test_cpu_loop_needs_every_host_field():
     with pytest.raises(ScenarioError, match="fill_bandwidth_gbs"):
-        _scenario(host=False, host_model="cpu-loop", host_cores=2, engine_thread_cores=0.5, event_us=20.0,
-                  fill_latency_us=800.0)
+        _scenario(
+            host=False,
+            host_model="cpu-loop",
+            host_cores=2,
+            engine_thread_cores=0.5,
+            event_us=20.0,
+            fill_latency_us=800.0,
+        )
     with pytest.raises(ScenarioError, match="host_model"):
         _scenario(host=False, host_model="cpu")
     with pytest.raises(ScenarioError, match="host_cores"):
@@ -228,14 +272,18 @@ def test_calibrated_profile_turns_the_host_model_on(tmp_path):
         lines.append(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v!r}")
     profile = tmp_path / "calibrated.toml"
     profile.write_text("\n".join(lines) + "\n")
-    s = load_scenario(SCENARIOS / "llama3-8b-p4-d2.toml",
-                      overrides=[f"links.profile={profile}", "links.placement=intra", "workload.requests=4"])
+    s = load_scenario(
+        SCENARIOS / "llama3-8b-p4-d2.toml",
+        overrides=[f"links.profile={profile}", "links.placement=intra", "workload.requests=4"],
+    )
     assert s.links.resolved().host is not None
     r = simulate(s.scaled())
     assert r.ok and r.rooms_done == 4
     for fault in ("stall-scatter", "late-session", "drop-rsp-watermark"):
-        fs = load_scenario(SCENARIOS / "faults" / f"{fault}.toml",
-                           overrides=[f"links.profile={profile}", "links.placement=intra"])
+        fs = load_scenario(
+            SCENARIOS / "faults" / f"{fault}.toml",
+            overrides=[f"links.profile={profile}", "links.placement=intra"],
+        )
         fr = simulate(fs)
         assert fr.ok, (fault, [v.format() for v in fr.violations[:3]])
 
@@ -263,8 +311,13 @@ def test_scaled_link_stretches_every_part_of_a_write():
 
     link = LinkNumbers(1e9, 10e-6, 1e-6, 2e-6, 1e6, 1)
     s = scaled_link(link, 2.0)
-    assert (s.bandwidth_bytes_s, s.latency_s, s.per_request_s, s.per_batch_s, s.message_rate) == pytest.approx(
-        (0.5e9, 20e-6, 2e-6, 4e-6, 0.5e6))
+    assert (
+        s.bandwidth_bytes_s,
+        s.latency_s,
+        s.per_request_s,
+        s.per_batch_s,
+        s.message_rate,
+    ) == pytest.approx((0.5e9, 20e-6, 2e-6, 4e-6, 0.5e6))
     assert s.post_threads == 1 and scaled_link(link, 1.0) is link
 
 
@@ -272,6 +325,7 @@ def test_a_real_time_loop_takes_a_core_ahead_of_the_other_threads():
     """loop_rt (hw/rank.py runs the loop in SCHED_RR): on 1 core beside a copy job, an
     event's 1 CPU second ends at 1.0 instead of 2.0 (fair halves); the copy gets the core
     back after it. Without loop_rt the two share it."""
+
     def run(loop_rt: bool) -> list:
         env = simpy.Environment()
         h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=1.0, loop_rt=loop_rt)
@@ -291,7 +345,9 @@ def test_calibration_sets_loop_rt_from_the_in_run_loops():
     from kvstage.calibrate.inrun import loop_is_realtime
 
     assert loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "fifo:5"}})
-    assert not loop_is_realtime({"loop_sched": {"prefill0": "rr:10", "decode0": "normal (rr:10 refused: EPERM)"}})
+    assert not loop_is_realtime(
+        {"loop_sched": {"prefill0": "rr:10", "decode0": "normal (rr:10 refused: EPERM)"}}
+    )
     assert not loop_is_realtime({}) and not loop_is_realtime(None)
     s = _scenario(loop_rt=True)
     assert s.links.resolved().host.loop_rt is True
@@ -302,9 +358,16 @@ def test_a_write_on_cpu_shares_the_cores_and_a_socket_write_keeps_two_threads_bu
     """write_on_cpu: a 1 s write (alone) beside a 1 s copy on 1 core ends at 2.0 (fair
     halves), not at 1.0 as a link flow would; with write_cpu_threads 2 the write's two
     threads and the copy take a third each, so the write ends at 3.0 (no RT loop here)."""
+
     def run(threads: int) -> dict:
         env = simpy.Environment()
-        h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.0, write_on_cpu=True, write_cpu_threads=threads)
+        h = _numbers(
+            cores=1.0,
+            engine_thread_cores=0.0,
+            event_s=0.0,
+            write_on_cpu=True,
+            write_cpu_threads=threads,
+        )
         host = HostModel(env, h, ["r"], [])
         seen = {}
         host.write("r", 0, 1.0, lambda: seen.setdefault("write", env.now))
@@ -330,7 +393,14 @@ def test_a_real_time_write_goes_ahead_of_the_copies_and_behind_the_loop():
     1 s copy ends at 1.0, the copy at 2.0; an event on a real-time loop (rr:10) still goes
     first."""
     env = simpy.Environment()
-    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.5, write_on_cpu=True, write_rt=True, loop_rt=True)
+    h = _numbers(
+        cores=1.0,
+        engine_thread_cores=0.0,
+        event_s=0.5,
+        write_on_cpu=True,
+        write_rt=True,
+        loop_rt=True,
+    )
     host = HostModel(env, h, ["r"], [])
     seen = {}
     host.copy("r", 1.0, lambda rt, ev: seen.setdefault(ev, env.now), "copied")
@@ -365,7 +435,10 @@ def test_copy_op_us_is_read_from_the_profile_and_slows_the_copies():
     base = simulate(_scenario())
     slower = simulate(_scenario(copy_op_us=300.0))
     assert _scenario(copy_op_us=300.0).links.resolved().host.copy_op_s == pytest.approx(300e-6)
-    spans = [sum(r.end - r.start for r in res.records if r.phase in ("gather", "scatter")) for res in (base, slower)]
+    spans = [
+        sum(r.end - r.start for r in res.records if r.phase in ("gather", "scatter"))
+        for res in (base, slower)
+    ]
     assert spans[1] > spans[0]
     with pytest.raises(ScenarioError, match="copy_op_us"):
         _scenario(copy_op_us=-1.0)
@@ -383,8 +456,15 @@ def test_a_fill_whose_cpu_was_measured_waits_the_rest_without_a_core():
     """fill_cpu_scale 1 of fill_scale 3: a 1 s fill waits 2 s without a core, then takes
     1 s of CPU; a 2 s copy submitted with it has the one core alone meanwhile."""
     env = simpy.Environment()
-    h = _numbers(cores=1.0, engine_thread_cores=0.0, event_s=0.0, fill_latency_s=1.0,
-                 fill_bandwidth_bytes_s=1e30, fill_scale=3.0, fill_cpu_scale=1.0)
+    h = _numbers(
+        cores=1.0,
+        engine_thread_cores=0.0,
+        event_s=0.0,
+        fill_latency_s=1.0,
+        fill_bandwidth_bytes_s=1e30,
+        fill_scale=3.0,
+        fill_cpu_scale=1.0,
+    )
     host = HostModel(env, h, ["r"], ["r"])
     seen = {}
     host.fill("r", 1, lambda rt, ev: seen.setdefault(ev, env.now), "filled")

@@ -266,14 +266,20 @@ def test_posting_threads_queue_a_ranks_batches() -> None:
         p = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=1e-6, per_batch_s=1e-5,
                        post_threads=threads)  # fmt: skip
         env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
-        evs = [fab.transfer(a, dst, 0, p, requests=90, poster=who) for dst, who in zip((b, c), posters, strict=True)]
+        evs = [
+            fab.transfer(a, dst, 0, p, requests=90, poster=who)
+            for dst, who in zip((b, c), posters, strict=True)
+        ]
         env.run()
         return [ev.value for ev in evs]
 
     post = 1e-5 + 90 * 1e-6  # 100 us of posting per batch
     assert finishes(1, (0, 0)) == [approx(post), approx(2 * post)]  # one thread: serialised
     assert finishes(2, (0, 0)) == [approx(post), approx(post)]  # two threads: overlap
-    assert finishes(1, (0, 1)) == [approx(post), approx(post)]  # two ranks never wait for each other
+    assert finishes(1, (0, 1)) == [
+        approx(post),
+        approx(post),
+    ]  # two ranks never wait for each other
     assert finishes(0, (0, 0)) == [approx(post), approx(post)]  # 0: unlimited (parallel)
 
 
@@ -315,8 +321,14 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
         LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6),
         LinkParams(bandwidth_Bps=20 * GB, latency_s=2e-6, per_request_s=2e-7),
         # posting threads (one per sending NIC here) and a NIC message rate
-        LinkParams(bandwidth_Bps=math.inf, latency_s=3e-6, per_request_s=1e-7, per_batch_s=2e-6,
-                   message_rate=5e6, post_threads=1),  # fmt: skip
+        LinkParams(
+            bandwidth_Bps=math.inf,
+            latency_s=3e-6,
+            per_request_s=1e-7,
+            per_batch_s=2e-6,
+            message_rate=5e6,
+            post_threads=1,
+        ),  # fmt: skip
     ]
     mean_size = 4 << 20
     rate = 0.6 * capacity / mean_size

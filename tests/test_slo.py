@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 ABORT = ROOT / "scenarios" / "faults" / "abort-mid-write.toml"
 # six 4k prompts arriving faster than one TP8 prefill serves them: TTFT grows request by request
-BASE = ['workload.prompt="fixed"', "workload.prompt_tokens=4096", "workload.requests=6", 'workload.arrival="fixed"',
-        "workload.rate_per_s=8", "workload.output_tokens=16", "decode.gpu_memory_gib=141"]
+BASE = [
+    'workload.prompt="fixed"',
+    "workload.prompt_tokens=4096",
+    "workload.requests=6",
+    'workload.arrival="fixed"',
+    "workload.rate_per_s=8",
+    "workload.output_tokens=16",
+    "decode.gpu_memory_gib=141",
+]
 
 
 def run(path: Path, sets: list[str]):
@@ -37,10 +44,14 @@ def test_attainment_and_goodput_by_hand():
     ttft = {k: i["done"] - i["arrival"] for k, i in rooms.items()}
     tpot = {k: (i["generate_end"] - i["generate_start"]) / 16 for k, i in rooms.items()}
     target = sorted(ttft.values())[2] + 1e-9  # the first three meet it
-    s, res, summary = run(P8D2, [*BASE, f"slo.ttft_s={target}", f"slo.tpot_s={max(tpot.values()) + 1e-9}"])
+    s, res, summary = run(
+        P8D2, [*BASE, f"slo.ttft_s={target}", f"slo.tpot_s={max(tpot.values()) + 1e-9}"]
+    )
     met = [k for k in rooms if ttft[k] <= target]
     assert len(met) == 3
-    span = max(i["generate_end"] for i in rooms.values()) - min(i["arrival"] for i in rooms.values())
+    span = max(i["generate_end"] for i in rooms.values()) - min(
+        i["arrival"] for i in rooms.values()
+    )
     assert summary["slo"] == {"ttft_s": target, "tpot_s": pytest.approx(max(tpot.values()) + 1e-9)}
     assert summary["slo_met"] == 3
     assert summary["slo_attainment"] == pytest.approx(3 / 6)
@@ -58,11 +69,15 @@ def test_failed_requests_count_as_missed():
     _, res, summary = run(ABORT, ["slo.ttft_s=1000"])
     assert summary["requests_failed"] == 1
     assert summary["slo_met"] == summary["requests"] - 1
-    assert summary["slo_attainment"] == pytest.approx((summary["requests"] - 1) / summary["requests"])
+    assert summary["slo_attainment"] == pytest.approx(
+        (summary["requests"] - 1) / summary["requests"]
+    )
 
 
 def test_a_target_without_its_figure_is_named_and_missed():
-    _, _, summary = run(P8D2, ["workload.requests=3", "slo.tpot_s=0.05"])  # no output tokens: no TPOT
+    _, _, summary = run(
+        P8D2, ["workload.requests=3", "slo.tpot_s=0.05"]
+    )  # no output tokens: no TPOT
     assert summary["slo_unmeasured"] == ["tpot_s"]
     assert summary["slo_attainment"] == 0.0
     console = Console(record=True, width=200)
@@ -72,7 +87,14 @@ def test_a_target_without_its_figure_is_named_and_missed():
 
 def test_without_targets_or_decode_side_no_key_is_added():
     _, _, summary = run(P8D2, ["workload.requests=3"])
-    for key in ("slo", "slo_attainment", "goodput_rps", "goodput_per_gpu_rps", "offered_load_rps", "bottleneck"):
+    for key in (
+        "slo",
+        "slo_attainment",
+        "goodput_rps",
+        "goodput_per_gpu_rps",
+        "offered_load_rps",
+        "bottleneck",
+    ):
         assert key not in summary
 
 
@@ -99,12 +121,23 @@ def test_console_table_shows_attainment_goodput_and_bottleneck():
 
 
 def test_sweep_rows_carry_slo_figures_and_the_verdict():
-    for name in ("ttft_s.p99", "tpot_s.p90", "e2e_s.p50", "kv_transfer_latency_s.p99", "slo_attainment",
-                 "goodput_rps", "goodput_per_gpu_rps", "offered_load_rps", "decode_admission_wait_s.max"):
+    for name in (
+        "ttft_s.p99",
+        "tpot_s.p90",
+        "e2e_s.p50",
+        "kv_transfer_latency_s.p99",
+        "slo_attainment",
+        "goodput_rps",
+        "goodput_per_gpu_rps",
+        "offered_load_rps",
+        "decode_admission_wait_s.max",
+    ):
         assert name in METRICS
         assert parse_target(f"{name}>0").metric == name
     row = run_point(load_scenario(P8D2, [*BASE, "slo.ttft_s=1"]))
     assert row["status"] == "ok" and 0 <= row["slo_attainment"] <= 1 and row["goodput_rps"] >= 0
     assert row["tpot_s.p50"] > 0 and row["bottleneck"] and row["bottleneck_why"]
-    plain = run_point(load_scenario(P8D2, ["workload.requests=3"]))  # no [slo]: a verdict all the same
+    plain = run_point(
+        load_scenario(P8D2, ["workload.requests=3"])
+    )  # no [slo]: a verdict all the same
     assert plain["slo_attainment"] is None and plain["bottleneck"]

@@ -32,9 +32,14 @@ def test_soak_10k_requests_one_percent_of_each_message_fault():
     # every lost message is recovered: re-requests (REQ, RSP, WATERMARK), acknowledged
     # re-sends (CHUNK_READY, WRITER_DONE and their acks), BOOTSTRAP re-sends, ABORT
     # answered again: at least 99.9% of rooms finish (the target)
-    assert result.rooms_done >= 0.999 * N, (result.rooms_done, sorted(set(result.failures.values()))[:5])
+    assert result.rooms_done >= 0.999 * N, (
+        result.rooms_done,
+        sorted(set(result.failures.values()))[:5],
+    )
     for kind in ("drop", "duplicate", "delay"):
         for name in MESSAGE_NAMES.values():
             if name == "ABORT" and result.rooms_failed < 20:
                 continue  # ABORT flows only where a room fails: too few here to be hit
-            assert result.faults_injected.get(f"{kind}:{name}", 0) > 0, f"{kind}:{name} never injected"
+            assert result.faults_injected.get(f"{kind}:{name}", 0) > 0, (
+                f"{kind}:{name} never injected"
+            )

@@ -39,7 +39,10 @@ SETS = [
 ]
 POOLS = (512, 2048)
 RATES = (4, 16)
-VARY = [f"decode.staging_pool_mb={','.join(map(str, POOLS))}", f"workload.rate_per_s={','.join(map(str, RATES))}"]
+VARY = [
+    f"decode.staging_pool_mb={','.join(map(str, POOLS))}",
+    f"workload.rate_per_s={','.join(map(str, RATES))}",
+]
 TARGET = "watermark_stall_s.total<1.0"
 
 
@@ -97,7 +100,11 @@ def test_two_by_two_sweep_rows_and_target(local_sweep):
     # Stall-prone: the small pool makes writers wait for the watermark longer.
     for rate in RATES:
         small, big = (
-            next(r for r in rows if r["decode.staging_pool_mb"] == p and r["workload.rate_per_s"] == rate)
+            next(
+                r
+                for r in rows
+                if r["decode.staging_pool_mb"] == p and r["workload.rate_per_s"] == rate
+            )
             for p in POOLS
         )
         assert small["watermark_stall_s.total"] > big["watermark_stall_s.total"]
@@ -113,25 +120,48 @@ def test_two_by_two_sweep_rows_and_target(local_sweep):
 
 
 def test_ray_gives_the_same_rows(local_sweep, ray_session):
-    ray_result = run_sweep(SCENARIO, [parse_vary(v) for v in VARY], SETS, workers=2, ray_address="local")
+    ray_result = run_sweep(
+        SCENARIO, [parse_vary(v) for v in VARY], SETS, workers=2, ray_address="local"
+    )
     assert ray_session.is_initialized()  # the module's instance was used, not shut down
     assert ray_result.columns == local_sweep.columns
     strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in ray_result.rows]
     assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in local_sweep.rows]
-    assert target_answers(ray_result, parse_target(TARGET)) == target_answers(local_sweep, parse_target(TARGET))
+    assert target_answers(ray_result, parse_target(TARGET)) == target_answers(
+        local_sweep, parse_target(TARGET)
+    )
 
 
 def test_cli_sweep_writes_table_target_and_plots(tmp_path):
     out = tmp_path / "sw"
-    args = ["sweep", str(SCENARIO), "--vary", "decode.staging_pool_mb=256,512,2048",
-            "--vary", VARY[1], "--target", TARGET, "--workers", "1", "--out", str(out), "--no-progress"]
+    args = [
+        "sweep",
+        str(SCENARIO),
+        "--vary",
+        "decode.staging_pool_mb=256,512,2048",
+        "--vary",
+        VARY[1],
+        "--target",
+        TARGET,
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     for s in SETS:
         args += ["--set", s]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "smallest decode." in res.output
-    for name in ("sweep.csv", "sweep.parquet", "sweep.json", "target.json",
-                 "heatmap-transfer_latency_s_p99.png", "lines-transfer_latency_s_p99.png"):
+    for name in (
+        "sweep.csv",
+        "sweep.parquet",
+        "sweep.json",
+        "target.json",
+        "heatmap-transfer_latency_s_p99.png",
+        "lines-transfer_latency_s_p99.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
 
     with (out / "sweep.csv").open() as fh:
@@ -153,12 +183,16 @@ def test_cli_sweep_writes_table_target_and_plots(tmp_path):
             "workload.rate_per_s": int(r["workload.rate_per_s"]),
             "status": r["status"],
             "requests_failed": int(r["requests_failed"]) if r["requests_failed"] else None,
-            "watermark_stall_s.total": float(r["watermark_stall_s.total"]) if r["watermark_stall_s.total"] else None,
+            "watermark_stall_s.total": float(r["watermark_stall_s.total"])
+            if r["watermark_stall_s.total"]
+            else None,
         }
         for r in rows
     ]
     report = json.loads((out / "target.json").read_text())
-    assert report["key"] == "decode.staging_pool_mb" and report["metric"] == "watermark_stall_s.total"
+    assert (
+        report["key"] == "decode.staging_pool_mb" and report["metric"] == "watermark_stall_s.total"
+    )
     got = {a["settings"]["workload.rate_per_s"]: a["smallest"] for a in report["answers"]}
     assert got == _expected_answers(typed, 1.0)
 
@@ -167,10 +201,14 @@ def test_cli_sweep_writes_table_target_and_plots(tmp_path):
     ("extra", "needles"),
     [
         (["--vary", "decode.pool_mb=512,1024"], ["unknown key 'pool_mb'", "staging_pool_mb"]),
-        (["--vary", "decode.staging_pool_mb=512", "--target", "transfer_latency_s.p99=0.5"],
-         ["--target", "METRIC<VALUE"]),
-        (["--vary", "decode.staging_pool_mb=512", "--target", "latency<0.5"],
-         ["unknown metric 'latency'", "transfer_latency_s.p99"]),
+        (
+            ["--vary", "decode.staging_pool_mb=512", "--target", "transfer_latency_s.p99=0.5"],
+            ["--target", "METRIC<VALUE"],
+        ),
+        (
+            ["--vary", "decode.staging_pool_mb=512", "--target", "latency<0.5"],
+            ["unknown metric 'latency'", "transfer_latency_s.p99"],
+        ),
         (["--vary", "decode.page_size=16,24"], ["--vary decode.page_size", "power of two"]),
         (["--vary", "decode.staging_pool_mb=512", "--metric", "p99"], ["unknown metric 'p99'"]),
     ],
@@ -190,13 +228,19 @@ def test_parsing_rules():
     v = parse_vary("decode.staging_pool_mb=512,1024.5")
     assert v.values == (512, 1024.5)
     assert parse_vary("transfer.path=staging,slice").values == ("staging", "slice")
-    for text, op in (("ttft_s.p99<=2", "<="), ("throughput_gbps>100", ">"), ("requests_done >= 8", ">=")):
+    for text, op in (
+        ("ttft_s.p99<=2", "<="),
+        ("throughput_gbps>100", ">"),
+        ("requests_done >= 8", ">="),
+    ):
         assert parse_target(text).op == op
     with pytest.raises(SweepError, match="given twice"):
         parse_vary("decode.staging_pool_mb=512,512")
     t = Target("ttft_s.p99", "<", 1.0)
     assert t.met_by({"status": "ok", "ttft_s.p99": 0.5, "requests_failed": 0})
-    assert not t.met_by({"status": "ok", "ttft_s.p99": 0.5, "requests_failed": 1})  # failures disqualify
+    assert not t.met_by(
+        {"status": "ok", "ttft_s.p99": 0.5, "requests_failed": 1}
+    )  # failures disqualify
     assert not t.met_by({"status": "ok", "ttft_s.p99": None, "requests_failed": 0})  # no samples
     assert not t.met_by({"status": "invalid", "ttft_s.p99": None, "requests_failed": None})
     assert Target("requests_failed", "<=", 1).met_by({"status": "ok", "requests_failed": 1})

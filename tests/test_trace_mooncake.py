@@ -20,7 +20,13 @@ from kvstage.shared.workload import generate_requests
 SCENARIO = OUTCOME_SCENARIO.format(arrival="trace", csv="trace.jsonl")
 GOOD = [
     {"timestamp": 0, "input_length": 200, "output_length": 12, "hash_ids": [0]},
-    {"timestamp": 1500, "input_length": 700, "output_length": 3, "hash_ids": [0, 1], "extra": "ignored"},
+    {
+        "timestamp": 1500,
+        "input_length": 700,
+        "output_length": 3,
+        "hash_ids": [0, 1],
+        "extra": "ignored",
+    },
     {"timestamp": 250, "input_length": 150},
 ]
 
@@ -40,12 +46,14 @@ def test_mooncake_rows_map_to_requests(tmp_path):
     s = load_scenario(write(tmp_path, jsonl(GOOD) + "\n"))
     rows = read_trace(s.workload.trace_csv)
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.line) for r in rows] == [
-        (0.0, 200, 12, 1), (1.5, 700, 3, 2), (0.25, 150, None, 3)
+        (0.0, 200, 12, 1),
+        (1.5, 700, 3, 2),
+        (0.25, 150, None, 3),
     ]
     reqs = generate_requests(s)
-    assert [(r.room, r.arrival_s, r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in reqs] == [
-        (0, 0.0, 200, 0, 12), (1, 0.25, 150, 0, 0), (2, 1.5, 700, 0, 3)
-    ]
+    assert [
+        (r.room, r.arrival_s, r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in reqs
+    ] == [(0, 0.0, 200, 0, 12), (1, 0.25, 150, 0, 0), (2, 1.5, 700, 0, 3)]
 
 
 def test_trace_speedup_divides_the_arrivals(tmp_path):
@@ -67,11 +75,26 @@ BAD = {
     "not-json": ('{"timestamp": 0, "input_length": 5}\n{oops\n', ["trace.jsonl:2: not JSON"]),
     "not-an-object": ("[1, 2]\n", ["trace.jsonl:1: expected a JSON object"]),
     "missing-input": ('{"timestamp": 0}\n', ["trace.jsonl:1: missing input_length"]),
-    "negative-timestamp": ('{"timestamp": -3, "input_length": 5}\n', ["trace.jsonl:1: timestamp = -3", "milliseconds"]),
-    "input-zero": ('{"timestamp": 0, "input_length": 0}\n', ["trace.jsonl:1: input_length = 0: must be >= 1"]),
-    "input-fraction": ('{"timestamp": 0, "input_length": 2.5}\n', ["input_length = 2.5: expected an integer >= 1"]),
-    "output-text": ('{"timestamp": 0, "input_length": 5, "output_length": "x"}\n', ['output_length = "x"']),
-    "hash-ids-bad": ('{"timestamp": 0, "input_length": 5, "hash_ids": [1, "a"]}\n', ["hash_ids", "list of integers"]),
+    "negative-timestamp": (
+        '{"timestamp": -3, "input_length": 5}\n',
+        ["trace.jsonl:1: timestamp = -3", "milliseconds"],
+    ),
+    "input-zero": (
+        '{"timestamp": 0, "input_length": 0}\n',
+        ["trace.jsonl:1: input_length = 0: must be >= 1"],
+    ),
+    "input-fraction": (
+        '{"timestamp": 0, "input_length": 2.5}\n',
+        ["input_length = 2.5: expected an integer >= 1"],
+    ),
+    "output-text": (
+        '{"timestamp": 0, "input_length": 5, "output_length": "x"}\n',
+        ['output_length = "x"'],
+    ),
+    "hash-ids-bad": (
+        '{"timestamp": 0, "input_length": 5, "hash_ids": [1, "a"]}\n',
+        ["hash_ids", "list of integers"],
+    ),
 }
 
 
@@ -87,7 +110,9 @@ def test_bad_mooncake_trace_is_one_message_and_exit_2(tmp_path, command, case):
 
 def test_good_mooncake_trace_simulates(tmp_path):
     path = write(tmp_path, jsonl(GOOD))
-    res = CliRunner().invoke(app, ["sim", str(path), "--out", str(tmp_path / "run"), "--no-progress"], env=WIDE)
+    res = CliRunner().invoke(
+        app, ["sim", str(path), "--out", str(tmp_path / "run"), "--no-progress"], env=WIDE
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["requests_done"] == 3 and summary["requests_failed"] == 0

@@ -88,16 +88,18 @@ def _receiver(backend: str, conn: Any) -> None:
         expected[d : d + n] = src[s : s + n]
     inner = buf[GUARD : GUARD + SIZE]
     wrong = (inner != expected).nonzero().flatten()
-    conn.send((
-        "result",
-        {
-            "mismatches": int(wrong.numel()),
-            "first_mismatch": int(wrong[0]) if wrong.numel() else None,
-            "guard_nonzero": int((buf[:GUARD] != 0).sum() + (buf[GUARD + SIZE :] != 0).sum()),
-            "spare_nonzero": int((inner[SPARE:] != 0).sum()),
-            "expected_nonzero": int((expected != 0).sum()),
-        },
-    ))
+    conn.send(
+        (
+            "result",
+            {
+                "mismatches": int(wrong.numel()),
+                "first_mismatch": int(wrong[0]) if wrong.numel() else None,
+                "guard_nonzero": int((buf[:GUARD] != 0).sum() + (buf[GUARD + SIZE :] != 0).sum()),
+                "spare_nonzero": int((inner[SPARE:] != 0).sum()),
+                "expected_nonzero": int((expected != 0).sum()),
+            },
+        )
+    )
     _child_recv(conn, "finish")
     transport.close()
 
@@ -151,15 +153,17 @@ def _sender(backend: str, conn: Any) -> None:
     except TransferError as e:
         errors["unknown peer"] = str(e)
 
-    conn.send((
-        "done",
-        {
-            "ops": big + small,
-            "posted_ok": posted_ok,
-            "posted_after_rejects": transport.requests_posted,
-            "errors": errors,
-        },
-    ))
+    conn.send(
+        (
+            "done",
+            {
+                "ops": big + small,
+                "posted_ok": posted_ok,
+                "posted_after_rejects": transport.requests_posted,
+                "errors": errors,
+            },
+        )
+    )
     _child_recv(conn, "finish")
     transport.close()
 
@@ -199,11 +203,15 @@ class _Worker:
 
     def expect(self, tag: str) -> tuple:
         if not self.conn.poll(STEP_TIMEOUT_S):
-            pytest.fail(f"timed out after {STEP_TIMEOUT_S} s waiting for {tag!r} from the {self.role}")
+            pytest.fail(
+                f"timed out after {STEP_TIMEOUT_S} s waiting for {tag!r} from the {self.role}"
+            )
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
-            pytest.fail(f"the {self.role} died before sending {tag!r} (exit code {self.proc.exitcode})")
+            pytest.fail(
+                f"the {self.role} died before sending {tag!r} (exit code {self.proc.exitcode})"
+            )
         if msg[0] == "error":
             pytest.fail(f"the {self.role} failed:\n{msg[1]}")
         assert msg[0] == tag, msg
@@ -301,7 +309,9 @@ def test_missing_engine_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch)
     from kvstage.hw.nixl_transport import NixlTransport
 
     monkeypatch.setattr(NixlTransport, "engine_module", "no_such_engine_module")
-    with pytest.raises(EngineUnavailableError, match=r"nixl: cannot import no_such_engine_module.*pip install"):
+    with pytest.raises(
+        EngineUnavailableError, match=r"nixl: cannot import no_such_engine_module.*pip install"
+    ):
         make_transport("nixl", "a")
     assert "no_such_engine_module" in (probe_engine("nixl") or "")
 
@@ -438,7 +448,9 @@ def test_wait_timeout_names_what_was_awaited() -> None:
     a, _, _, _, ra, rb = _pair()
     a.mode = "never"
     handle = a.write("b", [(ra.addr, rb.addr, 8)])
-    with pytest.raises(TransferError, match=r"memmove: timed out after 0.05 s waiting for chunk 7.*'b'"):
+    with pytest.raises(
+        TransferError, match=r"memmove: timed out after 0.05 s waiting for chunk 7.*'b'"
+    ):
         a.wait(handle, 0.05, "chunk 7")
     with pytest.raises(ValueError):
         a.wait(handle, 0)
@@ -452,7 +464,9 @@ def test_failure_raises_and_stays_raised() -> None:
     a.mode = "fail"
     handle = a.write("b", [(ra.addr, rb.addr, 8)])
     for _ in range(2):
-        with pytest.raises(TransferError, match=r"memmove: write of 1 op\(s\), 8 B to peer 'b' failed: link down"):
+        with pytest.raises(
+            TransferError, match=r"memmove: write of 1 op\(s\), 8 B to peer 'b' failed: link down"
+        ):
             a.poll(handle)
 
 

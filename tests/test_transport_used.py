@@ -45,7 +45,10 @@ UCX_LOG = """\
 def test_ucx_tables_give_the_write_transports_per_scope():
     writes = parse_ucx_proto_info(UCX_LOG)
     # the process's endpoint to itself is left out; active messages are not writes
-    assert writes == {"inter-node": ["rc_mlx5/mlx5_0:1", "rc_mlx5/mlx5_3:1"], "intra-node": ["cma/memory"]}
+    assert writes == {
+        "inter-node": ["rc_mlx5/mlx5_0:1", "rc_mlx5/mlx5_3:1"],
+        "intra-node": ["cma/memory"],
+    }
     assert carried_over(writes) == "rdma"
     assert carried_over({"intra-node": ["cma/memory"]}) == "same-host"
     assert carried_over({"inter-node": ["tcp/eth0"], "intra-node": ["cma/memory"]}) == "tcp"
@@ -60,9 +63,13 @@ def test_mooncake_topology_names_its_hcas():
     assert mooncake_hcas(two) == ["mlx5_0", "mlx5_1"]
     assert mooncake_hcas("not json") == [] and mooncake_hcas('["a"]') == []
     assert mooncake_used("rdma", none)["over"] == "tcp"  # the engine falls back to TCP
-    assert mooncake_used("rdma", two) == {"source": "Mooncake topology", "protocol": "rdma",
-                                          "hcas": ["mlx5_0", "mlx5_1"],
-                                          "writes": {"any": ["rdma/mlx5_0", "rdma/mlx5_1"]}, "over": "rdma"}
+    assert mooncake_used("rdma", two) == {
+        "source": "Mooncake topology",
+        "protocol": "rdma",
+        "hcas": ["mlx5_0", "mlx5_1"],
+        "writes": {"any": ["rdma/mlx5_0", "rdma/mlx5_1"]},
+        "over": "rdma",
+    }
 
 
 def test_a_run_that_asked_for_rdma_and_wrote_over_tcp_fails_naming_the_rank():
@@ -73,14 +80,20 @@ def test_a_run_that_asked_for_rdma_and_wrote_over_tcp_fails_naming_the_rank():
     assert rdma_asked(nixl, {"UCX_TLS": "^tcp"}) is None  # "all but tcp" names no RDMA transport
     assert rdma_asked(nixl, {"UCX_NET_DEVICES": "mlx5_0:1"}) == "UCX_NET_DEVICES = 'mlx5_0:1'"
     assert rdma_asked(mooncake, {}) == 'hardware.mooncake_protocol = "rdma"'
-    used = {"prefill0": {"writes": {"inter-node": ["rc_mlx5/mlx5_0:1"]}, "over": "rdma"},
-            "prefill1": {"writes": {"inter-node": ["tcp/eth0"]}, "over": "tcp"},
-            "decode0": {"writes": {"intra-node": ["cma/memory"]}, "over": "same-host"}}
+    used = {
+        "prefill0": {"writes": {"inter-node": ["rc_mlx5/mlx5_0:1"]}, "over": "rdma"},
+        "prefill1": {"writes": {"inter-node": ["tcp/eth0"]}, "over": "tcp"},
+        "decode0": {"writes": {"intra-node": ["cma/memory"]}, "over": "same-host"},
+    }
     problem = rdma_problem("UCX_TLS = 'rc'", used)
-    assert problem == ("UCX_TLS = 'rc' asked for RDMA, but prefill1 wrote over tcp/eth0: the bytes did not "
-                       "move over RDMA")
+    assert problem == (
+        "UCX_TLS = 'rc' asked for RDMA, but prefill1 wrote over tcp/eth0: the bytes did not "
+        "move over RDMA"
+    )
     assert rdma_problem(None, used) is None
-    assert rdma_problem("UCX_TLS = 'rc'", {k: v for k, v in used.items() if k != "prefill1"}) is None
+    assert (
+        rdma_problem("UCX_TLS = 'rc'", {k: v for k, v in used.items() if k != "prefill1"}) is None
+    )
 
 
 def test_asking_for_rdma_on_a_host_without_it_is_one_line():

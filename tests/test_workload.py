@@ -257,9 +257,15 @@ def test_csv_prompts_with_generated_arrivals_cycle(tmp_path: Path) -> None:
         ("arrival_s,prompt_tokens\ninf,100\n", "trace.csv:2: arrival_s = 'inf'"),
         ("arrival_s,prompt_tokens\n0,100,5\n", "trace.csv:2: 3 fields, expected 2"),
         ("arrival_s,prompt_tokens\n0,1.5\n", "trace.csv:2: prompt_tokens = '1.5'"),
-        ("arrival_s,prompt_tokens\n0,\n", "trace.csv:2: prompt_tokens = '': expected an integer >= 1"),
+        (
+            "arrival_s,prompt_tokens\n0,\n",
+            "trace.csv:2: prompt_tokens = '': expected an integer >= 1",
+        ),
         ("arrival_s,prompt_tokens,prefix_tokens\n0,100,-16\n", "prefix_tokens = -16"),
-        ("arrival_s,prompt_tokens,prefix_tokens\n0,100,x\n", "prefix_tokens = 'x': expected an integer >= 0"),
+        (
+            "arrival_s,prompt_tokens,prefix_tokens\n0,100,x\n",
+            "prefix_tokens = 'x': expected an integer >= 0",
+        ),
         ("arrival,prompt_tokens\n0,100\n", "trace.csv:1: bad header"),
         ("arrival_s,arrival_s,prompt_tokens\n", "arrival_s given twice"),
         ("prompt_tokens\n100\n", "missing arrival_s"),

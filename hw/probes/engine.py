@@ -179,7 +179,9 @@ def _spin_wait(transport: Any, handle: Any, timeout_s: float, what: str) -> None
         time.sleep(0)
 
 
-def _receiver_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str) -> None:
+def _receiver_main(
+    backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str
+) -> None:
     try:
         _child_setup(log_path)
         import torch
@@ -223,8 +225,9 @@ def _progress(conn: Any, stage: str, done: int, total: int) -> None:
     conn.send(("progress", stage, done, total))
 
 
-def _shuffled_reps(rng: np.random.Generator, points: int, reps: int, conn: Any,
-                   stage: str) -> Iterator[tuple[int, int]]:
+def _shuffled_reps(
+    rng: np.random.Generator, points: int, reps: int, conn: Any, stage: str
+) -> Iterator[tuple[int, int]]:
     """(rep, point index) for reps + 1 rounds over `points` points, each round in a fresh
     random order, with a progress message after each; rep 0 is the warm-up (connections,
     page tables, caches) whose times are not kept."""
@@ -237,9 +240,17 @@ def _shuffled_reps(rng: np.random.Generator, points: int, reps: int, conn: Any,
             _progress(conn, stage, n, total)
 
 
-def _timed_writes(transport: Any, peer: str, points: int, reps: int, rng: np.random.Generator,
-                  make_ops: Callable[[int], tuple[np.ndarray, str]], timeout_s: float, conn: Any,
-                  stage: str) -> dict[str, Any]:
+def _timed_writes(
+    transport: Any,
+    peer: str,
+    points: int,
+    reps: int,
+    rng: np.random.Generator,
+    make_ops: Callable[[int], tuple[np.ndarray, str]],
+    timeout_s: float,
+    conn: Any,
+    stage: str,
+) -> dict[str, Any]:
     """Seconds to completion and to post of each point's write (`make_ops(i)` gives its
     ops and a name for errors), `reps` times each after a warm-up."""
     seconds: list[list[float]] = [[] for _ in range(points)]
@@ -253,19 +264,31 @@ def _timed_writes(transport: Any, peer: str, points: int, reps: int, rng: np.ran
     return {"seconds": seconds, "post_seconds": post}
 
 
-def _measure_writes(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
-                    conn: Any) -> dict[str, Any]:
+def _measure_writes(
+    transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan, conn: Any
+) -> dict[str, Any]:
     sizes = list(plan.sizes)
 
     def one_op(i: int) -> tuple[np.ndarray, str]:
         return np.array([[src_addr, dst_addr, sizes[i]]], dtype=np.int64), f"write of {sizes[i]} B"
 
-    timed = _timed_writes(transport, peer, len(sizes), plan.reps, np.random.default_rng(11), one_op,
-                          plan.write_timeout_s, conn, "writes")
+    timed = _timed_writes(
+        transport,
+        peer,
+        len(sizes),
+        plan.reps,
+        np.random.default_rng(11),
+        one_op,
+        plan.write_timeout_s,
+        conn,
+        "writes",
+    )
     return {"sizes": sizes, **timed}
 
 
-def _timed_write(transport: Any, peer: str, ops: np.ndarray, timeout_s: float, what: str) -> tuple[float, float]:
+def _timed_write(
+    transport: Any, peer: str, ops: np.ndarray, timeout_s: float, what: str
+) -> tuple[float, float]:
     """(seconds to completion, seconds to post) of one batch, polled as a rank polls."""
     t0 = time.perf_counter()
     handle = transport.write(peer, ops)
@@ -274,8 +297,9 @@ def _timed_write(transport: Any, peer: str, ops: np.ndarray, timeout_s: float, w
     return time.perf_counter() - t0, t1 - t0
 
 
-def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan,
-                     conn: Any) -> dict[str, Any]:
+def _measure_batches(
+    transport: Any, peer: str, src_addr: int, dst_addr: int, plan: CalibrationPlan, conn: Any
+) -> dict[str, Any]:
     s = plan.batch_op_bytes
     stride = 2 * s  # gaps between ops, so no engine can merge neighbours into one
     counts = list(plan.batch_counts)
@@ -284,12 +308,27 @@ def _measure_batches(transport: Any, peer: str, src_addr: int, dst_addr: int, pl
     def batch(i: int) -> tuple[np.ndarray, str]:
         k = counts[i]
         idx = np.arange(k, dtype=np.int64)
-        ops = np.stack([src_addr + idx * stride, dst_addr + rng.permutation(k).astype(np.int64) * stride,
-                        np.full(k, s, dtype=np.int64)], axis=1)
+        ops = np.stack(
+            [
+                src_addr + idx * stride,
+                dst_addr + rng.permutation(k).astype(np.int64) * stride,
+                np.full(k, s, dtype=np.int64),
+            ],
+            axis=1,
+        )
         return ops, f"batch of {k} x {s} B"
 
-    timed = _timed_writes(transport, peer, len(counts), plan.batch_reps, rng, batch, plan.write_timeout_s,
-                          conn, "batches")
+    timed = _timed_writes(
+        transport,
+        peer,
+        len(counts),
+        plan.batch_reps,
+        rng,
+        batch,
+        plan.write_timeout_s,
+        conn,
+        "batches",
+    )
     return {"op_bytes": s, "counts": counts, **timed}
 
 
@@ -346,28 +385,60 @@ def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str,
     import torch
 
     from kvstage.hw.kernels import block_bytes, gather, scatter
-    from kvstage.hw.kvpool import KVPool, fill_pattern
+    from kvstage.hw.kvpool import KVPool
     from kvstage.shared.layout import Geometry
 
     kg = KERNEL_GEOMETRY
-    geo = Geometry(prefill_tp=2, decode_tp=1, total_kv_heads=kg["kv_heads"], layers=kg["layers"],
-                   head_dim=kg["head_dim"], dtype_bytes=2, page_size=kg["page_size"],
-                   chunked_prefill_size=kg["page_size"] * max(plan.kernel_pages))
+    geo = Geometry(
+        prefill_tp=2,
+        decode_tp=1,
+        total_kv_heads=kg["kv_heads"],
+        layers=kg["layers"],
+        head_dim=kg["head_dim"],
+        dtype_bytes=2,
+        page_size=kg["page_size"],
+        chunked_prefill_size=kg["page_size"] * max(plan.kernel_pages),
+    )
     max_pages = max(max(plan.kernel_pages), max(plan.fill_pages))
-    src = KVPool(kg["layers"], max_pages, kg["page_size"], geo.prefill_heads, kg["head_dim"], kg["dtype"],
-                 device=device, fill_byte=7)
-    dst = KVPool(kg["layers"], max_pages, kg["page_size"], geo.decode_heads, kg["head_dim"], kg["dtype"],
-                 device=device, fill_byte=0)
+    src = KVPool(
+        kg["layers"],
+        max_pages,
+        kg["page_size"],
+        geo.prefill_heads,
+        kg["head_dim"],
+        kg["dtype"],
+        device=device,
+        fill_byte=7,
+    )
+    dst = KVPool(
+        kg["layers"],
+        max_pages,
+        kg["page_size"],
+        geo.decode_heads,
+        kg["head_dim"],
+        kg["dtype"],
+        device=device,
+        fill_byte=0,
+    )
     heads = geo.prefill_heads
     out = torch.zeros(block_bytes(src, max_pages, heads), dtype=torch.uint8, device=device)
     region = torch.zeros(geo.region_bytes(max_pages), dtype=torch.uint8, device=device)
     pages = list(plan.kernel_pages)
     res: dict[str, Any] = {
         "geometry": dict(kg),
-        "gather": {"bytes": [block_bytes(src, p, heads) for p in pages], "seconds": [[] for _ in pages]},
-        "gather_sub": {"bytes": [block_bytes(src, p, heads // 2) for p in pages], "seconds": [[] for _ in pages]},
-        "scatter": {"bytes": [geo.region_bytes(p) for p in pages], "launches": len(geo.writers(0)),
-                    "seconds": [[] for _ in pages]},
+        "gather": {
+            "bytes": [block_bytes(src, p, heads) for p in pages],
+            "seconds": [[] for _ in pages],
+        },
+        "gather_sub": {
+            "bytes": [block_bytes(src, p, heads // 2) for p in pages],
+            "seconds": [[] for _ in pages],
+        },
+        "scatter": {
+            "bytes": [geo.region_bytes(p) for p in pages],
+            "launches": len(geo.writers(0)),
+            "seconds": [[] for _ in pages],
+        },
     }
     rng = np.random.default_rng(13)
     for rep, i in _shuffled_reps(rng, len(pages), plan.kernel_reps, conn, "kernels"):
@@ -383,30 +454,54 @@ def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str,
             res["gather"]["seconds"][i].append(t)
             res["gather_sub"]["seconds"][i].append(ts)
             res["scatter"]["seconds"][i].append(tc)
-    # The hardware-mode prefill 'forward': fill_pattern of a chunk's pages.
+    res["fill"] = _measure_fill(src, heads, plan, rng, conn, device)
+    res["matmul"] = _measure_matmul(device, plan.kernel_reps)
+    return res
+
+
+def _measure_fill(
+    src: Any, heads: int, plan: CalibrationPlan, rng: Any, conn: Any, device: str
+) -> dict[str, Any]:
+    """The hardware-mode prefill 'forward': fill_pattern of a chunk's pages."""
+    from kvstage.hw.kernels import block_bytes
+    from kvstage.hw.kvpool import fill_pattern
+
     fpages = list(plan.fill_pages)
     global_heads = list(range(heads))
     page_bytes = block_bytes(src, 1, heads)
-    fill = {"bytes": [p * page_bytes for p in fpages], "seconds": [[] for _ in fpages],
-            "bytes_per_token": page_bytes // kg["page_size"]}
+    fill = {
+        "bytes": [p * page_bytes for p in fpages],
+        "seconds": [[] for _ in fpages],
+        "bytes_per_token": page_bytes // KERNEL_GEOMETRY["page_size"],
+    }
     for rep, i in _shuffled_reps(rng, len(fpages), plan.kernel_reps, conn, "fill"):
         p = int(fpages[i])
         t = _time_call(lambda p=p, room=rep: fill_pattern(src, 0, p, room, 0, global_heads), device)
         if rep:
             fill["seconds"][i].append(t)
-    res["fill"] = fill
-    # gpu_tflops: fp32 matmul (the profile schema needs it; bf16 on cuda).
+    return fill
+
+
+def _measure_matmul(device: str, reps: int) -> dict[str, Any]:
+    """gpu_tflops: fp32 matmul (the profile schema needs it; bf16 on cuda)."""
+    import torch
+
     dim = 512 if device == "cpu" else 4096
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     a = torch.randn(dim, dim, dtype=dtype, device=device)
     b = torch.randn(dim, dim, dtype=dtype, device=device)
-    mm = [_time_call(lambda: torch.mm(a, b), device) for _ in range(plan.kernel_reps + 1)][1:]
-    res["matmul"] = {"n": dim, "dtype": str(dtype), "seconds": mm}
-    return res
+    mm = [_time_call(lambda: torch.mm(a, b), device) for _ in range(reps + 1)][1:]
+    return {"n": dim, "dtype": str(dtype), "seconds": mm}
 
 
-def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str,
-                 extras: Sequence[Extra] = ()) -> None:
+def _sender_main(
+    backend: str,
+    device: str,
+    plan: CalibrationPlan,
+    conn: Any,
+    log_path: str,
+    extras: Sequence[Extra] = (),
+) -> None:
     try:
         _child_setup(log_path)
         import torch
@@ -414,14 +509,31 @@ def _sender_main(backend: str, device: str, plan: CalibrationPlan, conn: Any, lo
         from kvstage.hw.transport import make_transport
 
         transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
-        src = torch.randint(0, 256, (plan.buffer_bytes,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(5)).to(device)
+        src = torch.randint(
+            0,
+            256,
+            (plan.buffer_bytes,),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(5),
+        ).to(device)
         local = transport.register(src)
         _, peer, metadata = _expect(conn, "metadata", plan.step_timeout_s * 3)
         transport.add_peer(peer, metadata)
         remote = transport.peer(peer).regions[0]
-        conn.send(("result", "write", _measure_writes(transport, peer, local.addr, remote.addr, plan, conn)))
-        conn.send(("result", "batch", _measure_batches(transport, peer, local.addr, remote.addr, plan, conn)))
+        conn.send(
+            (
+                "result",
+                "write",
+                _measure_writes(transport, peer, local.addr, remote.addr, plan, conn),
+            )
+        )
+        conn.send(
+            (
+                "result",
+                "batch",
+                _measure_batches(transport, peer, local.addr, remote.addr, plan, conn),
+            )
+        )
         transport.close()
         conn.send(("result", "control", _measure_control(plan, conn)))
         conn.send(("result", "kernels", _measure_kernels(device, plan, conn)))
@@ -456,21 +568,35 @@ class _Children:
     waiting_for: str = "the measuring processes to start"
 
     @classmethod
-    def spawn(cls, backend: str, device: str, plan: CalibrationPlan, extras: Sequence[Extra]) -> _Children:
+    def spawn(
+        cls, backend: str, device: str, plan: CalibrationPlan, extras: Sequence[Extra]
+    ) -> _Children:
         from kvstage.hw.control import SECRET_ENV, new_secret
 
-        os.environ.setdefault(SECRET_ENV, new_secret().hex())  # the children's control planes share it
+        os.environ.setdefault(
+            SECRET_ENV, new_secret().hex()
+        )  # the children's control planes share it
         ctx = mp.get_context("spawn")
         logdir = tempfile.mkdtemp(prefix="kvstage-calibrate-")
-        logs = {"receiver": os.path.join(logdir, "receiver.log"), "sender": os.path.join(logdir, "sender.log")}
+        logs = {
+            "receiver": os.path.join(logdir, "receiver.log"),
+            "sender": os.path.join(logdir, "sender.log"),
+        }
         r_parent, r_child = ctx.Pipe()
         s_parent, s_child = ctx.Pipe()
         procs = {
-            "receiver": ctx.Process(target=_receiver_main, args=(backend, device, plan, r_child, logs["receiver"]),
-                                    daemon=True, name="kvstage-cal-recv"),
-            "sender": ctx.Process(target=_sender_main,
-                                  args=(backend, device, plan, s_child, logs["sender"], tuple(extras)),
-                                  daemon=True, name="kvstage-cal-send"),
+            "receiver": ctx.Process(
+                target=_receiver_main,
+                args=(backend, device, plan, r_child, logs["receiver"]),
+                daemon=True,
+                name="kvstage-cal-recv",
+            ),
+            "sender": ctx.Process(
+                target=_sender_main,
+                args=(backend, device, plan, s_child, logs["sender"], tuple(extras)),
+                daemon=True,
+                name="kvstage-cal-send",
+            ),
         }
         for proc in procs.values():
             proc.start()
@@ -490,7 +616,8 @@ class _Children:
                 if now - last_news > step_timeout_s:
                     raise CalibrationError(
                         f"no progress for {step_timeout_s:.0f} s while waiting for {self.waiting_for} "
-                        f"(logs in {self.logdir})")
+                        f"(logs in {self.logdir})"
+                    )
                 continue
             last_news = now
             for c in ready:
@@ -502,7 +629,8 @@ class _Children:
             if name not in self.finished and not proc.is_alive() and not self.conns[name].poll():
                 raise CalibrationError(
                     f"the {name} process died (exit code {proc.exitcode}) while waiting for "
-                    f"{self.waiting_for}; its log {self.logs[name]}:\n{_tail(self.logs[name])}")
+                    f"{self.waiting_for}; its log {self.logs[name]}:\n{_tail(self.logs[name])}"
+                )
 
     def _receive(self, name: str) -> tuple:
         try:
@@ -510,9 +638,12 @@ class _Children:
         except EOFError:
             raise CalibrationError(
                 f"the {name} process closed its pipe while waiting for {self.waiting_for}; "
-                f"its log:\n{_tail(self.logs[name])}") from None
+                f"its log:\n{_tail(self.logs[name])}"
+            ) from None
         if msg[0] == "error":
-            raise CalibrationError(f"the {name} process failed:\n{msg[1]}\nlog tail:\n{_tail(self.logs[name])}")
+            raise CalibrationError(
+                f"the {name} process failed:\n{msg[1]}\nlog tail:\n{_tail(self.logs[name])}"
+            )
         return msg
 
     def _route(self, name: str, msg: tuple, progress: ProgressFn | None) -> None:

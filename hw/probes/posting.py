@@ -66,7 +66,14 @@ class PostingPlan:
 
     @classmethod
     def quick_plan(cls) -> PostingPlan:
-        return cls(counts=(1, 64, 512, 4096), reps=3, pair_ops=2048, pair_reps=3, timeout_s=45.0, quick=True)
+        return cls(
+            counts=(1, 64, 512, 4096),
+            reps=3,
+            pair_ops=2048,
+            pair_reps=3,
+            timeout_s=45.0,
+            quick=True,
+        )
 
     @property
     def max_ops(self) -> int:
@@ -83,7 +90,9 @@ class PostingPlan:
 class _Poster:
     """One sender's engine, driven directly: post a batch of the first n ops, wait."""
 
-    def __init__(self, backend: str, name: str, plan: PostingPlan, metadata: bytes, peer: str) -> None:
+    def __init__(
+        self, backend: str, name: str, plan: PostingPlan, metadata: bytes, peer: str
+    ) -> None:
         import torch
 
         from kvstage.hw.transport import make_transport
@@ -97,9 +106,14 @@ class _Poster:
         remote = self.peer.regions[0]
         stride, n = 2 * plan.op_bytes, plan.max_ops
         rng = np.random.default_rng(17)
-        self.ops = np.stack([local.addr + np.arange(n, dtype=np.int64) * stride,
-                             remote.addr + rng.permutation(n).astype(np.int64) * stride,
-                             np.full(n, plan.op_bytes, dtype=np.int64)], axis=1)
+        self.ops = np.stack(
+            [
+                local.addr + np.arange(n, dtype=np.int64) * stride,
+                remote.addr + rng.permutation(n).astype(np.int64) * stride,
+                np.full(n, plan.op_bytes, dtype=np.int64),
+            ],
+            axis=1,
+        )
         self._prepped: tuple[Any, Any] | None = None
         self._warm()
 
@@ -115,13 +129,18 @@ class _Poster:
             local[:, 0], local[:, 1], local[:, 2] = ops[:, 0], ops[:, 2], t.device_id
             remote = np.empty((n, 3), dtype=np.uint64)
             remote[:, 0], remote[:, 1], remote[:, 2] = ops[:, 1], ops[:, 2], self.peer.device_id
-            xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, t._mem_type),
-                                         agent.get_xfer_descs(remote, self.peer.native), self.peer.name)
+            xfer = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(local, t._mem_type),
+                agent.get_xfer_descs(remote, self.peer.native),
+                self.peer.name,
+            )
             agent.transfer(xfer)
             return xfer
         engine = self.transport._engine
-        batch = engine.batch_transfer_async_write(self.peer.native, ops[:, 0].tolist(), ops[:, 1].tolist(),
-                                                  ops[:, 2].tolist())
+        batch = engine.batch_transfer_async_write(
+            self.peer.native, ops[:, 0].tolist(), ops[:, 1].tolist(), ops[:, 2].tolist()
+        )
         if batch in (0, -1, 2**64 - 1):
             raise RuntimeError(f"mooncake refused a batch of {n} writes (returned {batch})")
         return batch
@@ -129,10 +148,14 @@ class _Poster:
     def prepare(self) -> None:
         """NIXL: descriptor lists of every op, prepared once (not timed)."""
         agent, t, n = self.transport._agent, self.transport, len(self.ops)
-        local = np.stack([self.ops[:, 0], self.ops[:, 2], np.full(n, t.device_id)], axis=1).astype(np.uint64)
+        local = np.stack([self.ops[:, 0], self.ops[:, 2], np.full(n, t.device_id)], axis=1).astype(
+            np.uint64
+        )
         remote = np.stack([self.ops[:, 1], self.ops[:, 2], np.full(n, self.peer.device_id)], axis=1)
-        self._prepped = (agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, t._mem_type),
-                         agent.prep_xfer_dlist(self.peer.name, remote.astype(np.uint64), self.peer.native))
+        self._prepped = (
+            agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, t._mem_type),
+            agent.prep_xfer_dlist(self.peer.name, remote.astype(np.uint64), self.peer.native),
+        )
         self._index = np.arange(n, dtype=np.int32)
 
     def post_prepped(self, n: int) -> Any:
@@ -200,7 +223,10 @@ def _sweep(p: _Poster, plan: PostingPlan, conn: Any) -> dict[str, Any]:
                 if rep:
                     points[i].append(t)
             conn.send(("progress", f"posting {mode}", rep + 1, plan.reps + 1))
-        out[mode] = {"post_s": [[a for a, _ in pt] for pt in points], "done_s": [[b for _, b in pt] for pt in points]}
+        out[mode] = {
+            "post_s": [[a for a, _ in pt] for pt in points],
+            "done_s": [[b for _, b in pt] for pt in points],
+        }
     return out
 
 
@@ -263,7 +289,9 @@ def _sender(backend: str, plan: PostingPlan, conn: Any, log: str, role: str) -> 
             elif step == "pair":
                 conn.send(("result", f"pair-{role}", _at(msg[2], p, plan.pair_ops)))
             elif step == "threads":
-                second = _Poster(backend, f"kvstage-post-{role}2-{os.getpid()}", plan, metadata, peer)
+                second = _Poster(
+                    backend, f"kvstage-post-{role}2-{os.getpid()}", plan, metadata, peer
+                )
                 conn.send(("result", "threads", _two_threads(p, second, plan)))
             elif step == "stop":
                 break
@@ -291,7 +319,9 @@ class _Run:
                 target, args = _receiver, (backend, plan, child, self.logs[name])
             else:
                 target, args = _sender, (backend, plan, child, self.logs[name], name)
-            self.procs[name] = ctx.Process(target=target, args=args, daemon=True, name=f"kvstage-post-{name}")
+            self.procs[name] = ctx.Process(
+                target=target, args=args, daemon=True, name=f"kvstage-post-{name}"
+            )
             self.procs[name].start()
             child.close()
             self.conns[name] = parent
@@ -300,17 +330,25 @@ class _Run:
         """The next message of `kind` from child `name` (progress relayed; bounded)."""
         conn, deadline = self.conns[name], time.monotonic() + self.plan.timeout_s
         while True:
-            if not wait_connections([conn], timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            if not wait_connections(
+                [conn], timeout=max(0.0, min(1.0, deadline - time.monotonic()))
+            ):
                 if not self.procs[name].is_alive():
-                    raise CalibrationError(f"posting probe: {name} died; log:\n{_tail(self.logs[name])}")
+                    raise CalibrationError(
+                        f"posting probe: {name} died; log:\n{_tail(self.logs[name])}"
+                    )
                 if time.monotonic() > deadline:
-                    raise CalibrationError(f"posting probe: no {kind!r} from {name} within "
-                                           f"{self.plan.timeout_s:.0f} s (logs in {self.logdir})")
+                    raise CalibrationError(
+                        f"posting probe: no {kind!r} from {name} within "
+                        f"{self.plan.timeout_s:.0f} s (logs in {self.logdir})"
+                    )
                 continue
             try:
                 msg = conn.recv()
             except EOFError:
-                raise CalibrationError(f"posting probe: {name} closed its pipe; log:\n{_tail(self.logs[name])}") from None
+                raise CalibrationError(
+                    f"posting probe: {name} closed its pipe; log:\n{_tail(self.logs[name])}"
+                ) from None
             if msg[0] == "error":
                 raise CalibrationError(f"posting probe: {name} failed:\n{msg[1]}")
             if msg[0] == "progress":
@@ -346,7 +384,11 @@ def measure_posting(backend: str, plan: PostingPlan | None = None,
             run.conns[s].send(meta)
         for s in ("A", "B"):
             run.recv(s, "ready", progress)
-        raw: dict[str, Any] = {"backend": backend, "cores": usable_cores(), "pair_ops": plan.pair_ops}
+        raw: dict[str, Any] = {
+            "backend": backend,
+            "cores": usable_cores(),
+            "pair_ops": plan.pair_ops,
+        }
         for step in ("sweep", "threads"):
             run.conns["A"].send(("run", step))
             raw[step] = run.recv("A", "result", progress)[2]

@@ -92,13 +92,18 @@ class _Builder:
         self.events: list[dict] = []
         self.threads: dict[tuple[int, int], str] = {}  # (pid, tid) -> name
         self.lane_end: dict[tuple[int, int], int] = {}  # (pid, tid) -> end (ns) of its last X event
-        self.slices: dict[tuple, tuple[int, int, int, int]] = {}  # flow ends: key -> (pid, tid, t0, t1) in ns
+        self.slices: dict[
+            tuple, tuple[int, int, int, int]
+        ] = {}  # flow ends: key -> (pid, tid, t0, t1) in ns
         self.async_ids = 0
 
     def add(self, r: TraceRecord) -> None:
         pid = PIDS.get(r.role, 3)
         rank = max(r.rank, 0)
-        t0, t1 = _ns(r.start), _ns(r.end)  # whole ns written as us: back-to-back spans stay adjacent
+        t0, t1 = (
+            _ns(r.start),
+            _ns(r.end),
+        )  # whole ns written as us: back-to-back spans stay adjacent
         span = t1 > t0
         lane, lane_name = _LANES.get(r.phase, _EVENTS_LANE) if span else _EVENTS_LANE
         tid = rank * _TIDS_PER_RANK + lane
@@ -110,7 +115,9 @@ class _Builder:
         key = self._flow_key(r)
         if self.lane_end.get((pid, tid), -1) <= t0:  # fits after the thread's last slice
             self.lane_end[(pid, tid)] = t1
-            self.events.append({"name": _name(r), "ph": "X", "dur": (t1 - t0) / 1000, **base, "args": _args(r)})
+            self.events.append(
+                {"name": _name(r), "ph": "X", "dur": (t1 - t0) / 1000, **base, "args": _args(r)}
+            )
             if key is not None:
                 self.slices[key] = (pid, tid, t0, t1)
             return
@@ -118,14 +125,25 @@ class _Builder:
         self.async_ids += 1
         name = f"{r.role} {rank} \u00b7 {lane_name} (overlapping)"
         ident = f"0x{self.async_ids:x}"
-        self.events.append({"name": name, "ph": "b", "id": ident, **base, "args": {"span": _name(r), **_args(r)}})
+        self.events.append(
+            {"name": name, "ph": "b", "id": ident, **base, "args": {"span": _name(r), **_args(r)}}
+        )
         self.events.append({"name": name, "ph": "e", "id": ident, **base, "ts": t1 / 1000})
         if key is not None:
             # an arrow binds to a thread slice: a zero-length anchor on the kind's thread where the
             # write lands (its end) or the scatter starts, nested in whatever slice runs there
             t = t1 if r.phase == "write" else t0
-            self.events.append({"name": f"{_name(r)} ({'lands' if r.phase == 'write' else 'starts'})", "ph": "X",
-                                "dur": 0, **base, "cat": ANCHOR, "ts": t / 1000, "args": _args(r)})
+            self.events.append(
+                {
+                    "name": f"{_name(r)} ({'lands' if r.phase == 'write' else 'starts'})",
+                    "ph": "X",
+                    "dur": 0,
+                    **base,
+                    "cat": ANCHOR,
+                    "ts": t / 1000,
+                    "args": _args(r),
+                }
+            )
             self.slices[key] = (pid, tid, t, t)
 
     @staticmethod
@@ -149,11 +167,32 @@ class _Builder:
             if target is None:
                 continue
             n += 1
-            common = {"name": "write -> scatter", "cat": "flow", "id": n,
-                      "args": {"room": room, "chunk": chunk, "prefill": prefill, "writer": writer, "decode": decode}}
-            self.events.append({"ph": "s", "pid": pid, "tid": tid, "ts": (t0 + t1) // 2 / 1000, **common})
+            common = {
+                "name": "write -> scatter",
+                "cat": "flow",
+                "id": n,
+                "args": {
+                    "room": room,
+                    "chunk": chunk,
+                    "prefill": prefill,
+                    "writer": writer,
+                    "decode": decode,
+                },
+            }
+            self.events.append(
+                {"ph": "s", "pid": pid, "tid": tid, "ts": (t0 + t1) // 2 / 1000, **common}
+            )
             dpid, dtid, d0, d1 = target
-            self.events.append({"ph": "f", "bp": "e", "pid": dpid, "tid": dtid, "ts": (d0 + d1) // 2 / 1000, **common})
+            self.events.append(
+                {
+                    "ph": "f",
+                    "bp": "e",
+                    "pid": dpid,
+                    "tid": dtid,
+                    "ts": (d0 + d1) // 2 / 1000,
+                    **common,
+                }
+            )
 
     def counters(self, records: Sequence[TraceRecord], pool_bytes: int) -> None:
         """Per decode rank: live bytes, reserved bytes and the watermark as counters."""
@@ -161,32 +200,86 @@ class _Builder:
         for rank, s in ring_series(records).items():
             names = [f"decode {rank} \u00b7 {c}" for c in COUNTERS]
             for t, v in s.live:
-                self.events.append({"name": names[0], "ph": "C", "pid": pid, "ts": _ns(t) / 1000, "args": {"bytes": v}})
+                self.events.append(
+                    {
+                        "name": names[0],
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": _ns(t) / 1000,
+                        "args": {"bytes": v},
+                    }
+                )
             for t, v in s.reserved:
-                self.events.append({"name": names[1], "ph": "C", "pid": pid, "ts": _ns(t) / 1000, "args": {"bytes": v}})
+                self.events.append(
+                    {
+                        "name": names[1],
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": _ns(t) / 1000,
+                        "args": {"bytes": v},
+                    }
+                )
             for t, rd, tail in s.watermark:
                 pos = rd + (tail / pool_bytes if pool_bytes else 0.0)
-                self.events.append({"name": names[2], "ph": "C", "pid": pid, "ts": _ns(t) / 1000,
-                                    "args": {"rounds": round(pos, 6)}})
+                self.events.append(
+                    {
+                        "name": names[2],
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": _ns(t) / 1000,
+                        "args": {"rounds": round(pos, 6)},
+                    }
+                )
 
     def metadata(self) -> list[dict]:
         meta: list[dict] = []
         pids = {p for p, _ in self.threads} | {e["pid"] for e in self.events}
         for role, pid in PIDS.items():
             if pid in pids:
-                meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": role}})
-                meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+                meta.append(
+                    {
+                        "name": "process_name",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": 0,
+                        "args": {"name": role},
+                    }
+                )
+                meta.append(
+                    {
+                        "name": "process_sort_index",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": 0,
+                        "args": {"sort_index": pid},
+                    }
+                )
         for (pid, tid), name in sorted(self.threads.items()):
-            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+            meta.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
+            meta.append(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
         return meta
 
 
-def chrome_events(records: Sequence[TraceRecord], *, mode: str = "", scenario: str = "", pool_bytes: int = 0) -> dict:
+def chrome_events(
+    records: Sequence[TraceRecord], *, mode: str = "", scenario: str = "", pool_bytes: int = 0
+) -> dict:
     """The trace as a Chrome JSON object: {"traceEvents": [...], ...} (see the module
     docstring for the tracks). `pool_bytes` scales the watermark counter to ring rounds."""
     b = _Builder()
-    order = sorted(range(len(records)), key=lambda i: (records[i].start, -(records[i].end - records[i].start), i))
+    order = sorted(
+        range(len(records)),
+        key=lambda i: (records[i].start, -(records[i].end - records[i].start), i),
+    )
     for i in order:
         b.add(records[i])
     b.flows()
@@ -194,7 +287,12 @@ def chrome_events(records: Sequence[TraceRecord], *, mode: str = "", scenario: s
     return {
         "traceEvents": b.metadata() + b.events,
         "displayTimeUnit": "ms",
-        "otherData": {"mode": mode, "scenario": scenario, "rows": len(records), "source": "kvstage export-trace"},
+        "otherData": {
+            "mode": mode,
+            "scenario": scenario,
+            "rows": len(records),
+            "source": "kvstage export-trace",
+        },
     }
 
 
@@ -202,7 +300,9 @@ def export_chrome(run_dir: Path | str | Run, out: Path | str | None = None) -> P
     """Write the run's trace as Chrome / Perfetto JSON; default `<run>/trace.chrome.json`."""
     run = load_run(run_dir)
     out = Path(out) if out is not None else run.path / "trace.chrome.json"
-    doc = chrome_events(run.records, mode=run.mode, scenario=run.scenario_name, pool_bytes=run.pool_bytes)
+    doc = chrome_events(
+        run.records, mode=run.mode, scenario=run.scenario_name, pool_bytes=run.pool_bytes
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as fh:
         json.dump(doc, fh, separators=(",", ":"))

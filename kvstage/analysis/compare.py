@@ -80,7 +80,9 @@ def room_status(records: Iterable[TraceRecord]) -> dict[int, str]:
     """Every room seen in the trace: "done", "failed" or "incomplete"."""
     status: dict[int, str] = {}
     for room, info in room_latencies(records).items():
-        status[room] = "failed" if info.get("failed") else "done" if "done" in info else "incomplete"
+        status[room] = (
+            "failed" if info.get("failed") else "done" if "done" in info else "incomplete"
+        )
     return status
 
 
@@ -88,7 +90,9 @@ def chunk_latencies(records: Sequence[TraceRecord]) -> dict[tuple[int, int, int]
     """(room, chunk, decode rank) -> seconds from the chunk computed at its writers to
     the chunk landed in that decode rank's KV pool (see the module docstring)."""
     computed: dict[tuple[int, int, int], float] = {}  # (prefill rank, room, chunk) -> compute end
-    first_op: dict[tuple[int, int, int], float] = {}  # (prefill rank, room, chunk) -> first op start
+    first_op: dict[
+        tuple[int, int, int], float
+    ] = {}  # (prefill rank, room, chunk) -> first op start
     writers: dict[tuple[int, int, int], set[int]] = {}  # (room, chunk, decode) -> prefill ranks
     landed: dict[tuple[int, int, int], float] = {}
     ready: dict[tuple[int, int, int], float] = {}
@@ -153,7 +157,11 @@ def phase_breakdown(records: Sequence[TraceRecord]) -> dict[str, dict[str, float
             totals["control_chunk_ready"] += max(0.0, t1 - last_write[key])
             counts["control_chunk_ready"] += 1
     return {
-        k: {"total_s": totals[k], "count": counts[k], "mean_s": (totals[k] / counts[k]) if counts[k] else 0.0}
+        k: {
+            "total_s": totals[k],
+            "count": counts[k],
+            "mean_s": (totals[k] / counts[k]) if counts[k] else 0.0,
+        }
         for k in PHASE_KEYS
     }
 
@@ -228,7 +236,9 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
 _UNUSED_BY_MODE: dict[str, tuple[str, ...]] = {"hw": ("links.",)}
 
 
-def scenario_diff(a: dict, b: dict, modes: tuple[str, str] = ("", "")) -> list[tuple[str, object, object]]:
+def scenario_diff(
+    a: dict, b: dict, modes: tuple[str, str] = ("", "")
+) -> list[tuple[str, object, object]]:
     """(field, value in A, value in B) for every resolved-scenario field that differs,
     leaving out names, notes, hardware / fault settings and the fields either run's
     mode does not use (`_UNUSED_BY_MODE`, e.g. the link model for a hardware run)."""
@@ -236,7 +246,11 @@ def scenario_diff(a: dict, b: dict, modes: tuple[str, str] = ("", "")) -> list[t
     unused = tuple(p for m in modes for p in _UNUSED_BY_MODE.get(m, ()))
     out = []
     for key in sorted(set(fa) | set(fb)):
-        if key.startswith(_IGNORED_FIELDS) or key in _IGNORED_FIELDS or (unused and key.startswith(unused)):
+        if (
+            key.startswith(_IGNORED_FIELDS)
+            or key in _IGNORED_FIELDS
+            or (unused and key.startswith(unused))
+        ):
             continue
         if fa.get(key) != fb.get(key):
             out.append((key, fa.get(key), fb.get(key)))
@@ -253,7 +267,9 @@ def unused_fields_note(a: Run, b: Run) -> str:
     if not prefixes:
         return ""
     fa, fb = _flatten(a.scenario), _flatten(b.scenario)
-    n = sum(1 for k in set(fa) | set(fb) if k.startswith(tuple(prefixes)) and fa.get(k) != fb.get(k))
+    n = sum(
+        1 for k in set(fa) | set(fb) if k.startswith(tuple(prefixes)) and fa.get(k) != fb.get(k)
+    )
     if not n:
         return ""
     hw = [tag for tag, m in (("A", a.mode), ("B", b.mode)) if m == "hw"]
@@ -358,7 +374,9 @@ def _rooms_section(both: list[int], rooms: dict[str, set[int]]) -> dict:
     }
 
 
-def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance: float = MAPE_OK) -> dict:
+def compare_runs(
+    run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance: float = MAPE_OK
+) -> dict:
     """Compare run B with run A (A is the reference). Returns a JSON-ready dict with
     per-room and per-chunk errors, a phase breakdown and a verdict line."""
     a, b = load_run(run_a), load_run(run_b)
@@ -373,7 +391,9 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
 
     transfer = error_metrics(_room_pairs(ra, rb, both, "transfer"))
     line = verdict(transfer, tolerance=tolerance)
-    diff = scenario_diff(a.scenario, b.scenario, (a.mode, b.mode)) if a.scenario and b.scenario else []
+    diff = (
+        scenario_diff(a.scenario, b.scenario, (a.mode, b.mode)) if a.scenario and b.scenario else []
+    )
     notes = _verdict_notes(a, b, rooms, diff)
     if notes:
         line += " [" + "; ".join(notes) + "]"
@@ -393,11 +413,13 @@ def compare_runs(run_a: Path | str | Run, run_b: Path | str | Run, *, tolerance:
         "scenario_diff": [{"field": k, "a": va, "b": vb} for k, va, vb in diff],
         "scenario_diff_note": unused_fields_note(a, b),
         "conditions": {"a": a.summary.get("conditions"), "b": b.summary.get("conditions")},
-        "warnings": loaded_warnings([("A", a.mode, a.summary.get("conditions")),
-                                     ("B", b.mode, b.summary.get("conditions"))]),
+        "warnings": loaded_warnings(
+            [("A", a.mode, a.summary.get("conditions")), ("B", b.mode, b.summary.get("conditions"))]
+        ),
         "per_room": _per_room(ra, rb, both),
         "per_chunk": [
-            {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]} for k in chunk_keys
+            {"room": k[0], "chunk": k[1], "decode_rank": k[2], "a_s": ca[k], "b_s": cb[k]}
+            for k in chunk_keys
         ],
         "verdict": line,
         "tolerance": tolerance,

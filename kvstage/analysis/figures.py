@@ -32,7 +32,10 @@ OKABE_ITO = {
     "purple": "#CC79A7",
     "black": "#000000",
 }
-RUN_COLORS = [OKABE_ITO[k] for k in ("blue", "orange", "green", "vermillion", "purple", "sky_blue", "black", "yellow")]
+RUN_COLORS = [
+    OKABE_ITO[k]
+    for k in ("blue", "orange", "green", "vermillion", "purple", "sky_blue", "black", "yellow")
+]
 PHASE_COLORS = {
     "compute": "#C8C8C8",  # neutral grey: context, not transfer
     "wm_wait": OKABE_ITO["yellow"],
@@ -109,27 +112,34 @@ def _pack(items: list[tuple[float, float]]) -> tuple[list[int], int]:
     return row, max(len(ends), 1)
 
 
-def gantt(run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | None = None) -> Figure:
-    """Per-rank timeline of chunk phases: one lane per prefill and decode rank; on a
-    prefill lane compute (grey, top), gather / write / slice write (middle) and the
-    watermark wait (bottom); on a decode lane chunk_ready (top) and scatter. Long runs
-    are cut to the first `max_rooms` rooms (or to `window`, seconds), said in the title."""
-    run = load_run(run)
+def _gantt_records(
+    run: Run, max_rooms: int, window: tuple[float, float] | None
+) -> tuple[list, str]:
+    """The records a gantt draws (the first `max_rooms` rooms, or those in `window`)
+    and the note saying which, for the title."""
     recs = [r for r in run.records if r.room >= 0]
     first_seen: dict[int, float] = {}
     for r in recs:
         first_seen[r.room] = min(first_seen.get(r.room, math.inf), r.start)
     order = sorted(first_seen, key=lambda k: (first_seen[k], k))
-    note = f"all {len(order)} rooms"
     if window is not None:
         t0, t1 = window
-        recs = [r for r in recs if r.end >= t0 and r.start <= t1]
-        note = f"window {t0:g}-{t1:g} s"
-    elif len(order) > max_rooms:
+        return [r for r in recs if r.end >= t0 and r.start <= t1], f"window {t0:g}-{t1:g} s"
+    if len(order) > max_rooms:
         keep = set(order[:max_rooms])
-        recs = [r for r in recs if r.room in keep]
-        note = f"first {max_rooms} of {len(order)} rooms"
+        return [r for r in recs if r.room in keep], f"first {max_rooms} of {len(order)} rooms"
+    return recs, f"all {len(order)} rooms"
 
+
+def gantt(
+    run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | None = None
+) -> Figure:
+    """Per-rank timeline of chunk phases: one lane per prefill and decode rank; on a
+    prefill lane compute (grey, top), gather / write / slice write (middle) and the
+    watermark wait (bottom); on a decode lane chunk_ready (top) and scatter. Long runs
+    are cut to the first `max_rooms` rooms (or to `window`, seconds), said in the title."""
+    run = load_run(run)
+    recs, note = _gantt_records(run, max_rooms, window)
     prefill_ranks = sorted({r.rank for r in run.records if r.role == "prefill"})
     decode_ranks = sorted({r.rank for r in run.records if r.role == "decode"})
     lanes = [("prefill", p) for p in prefill_ranks] + [("decode", d) for d in decode_ranks]
@@ -162,22 +172,34 @@ def gantt(run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | N
             present.add(phase)
             if end > start:
                 bars.setdefault((phase, y, h), []).append((start, end - start))
-                if h * lane_in >= 0.11 and phase in ("write", "slice_write", "scatter") and (end - start) / span > 0.035:
+                if (
+                    h * lane_in >= 0.11
+                    and phase in ("write", "slice_write", "scatter")
+                    and (end - start) / span > 0.035
+                ):
                     labels.append(((start + end) / 2, y + h / 2, f"r{room}"))
             else:
                 ticks.setdefault((phase, y, h), []).append(start)
     for (phase, y, h), xs in bars.items():
         color = PHASE_COLORS[phase]
         # an edge in the face colour keeps microsecond spans visible as a thin line
-        ax.broken_barh(xs, (y + h * 0.06, h * 0.88), facecolors=color,
-                       edgecolors={"wm_wait": "#333333", "compute": "white"}.get(phase, color), linewidth=0.6, alpha=0.9)
+        ax.broken_barh(
+            xs,
+            (y + h * 0.06, h * 0.88),
+            facecolors=color,
+            edgecolors={"wm_wait": "#333333", "compute": "white"}.get(phase, color),
+            linewidth=0.6,
+            alpha=0.9,
+        )
     for (phase, y, h), ts in ticks.items():
         ax.vlines(ts, y + h * 0.06, y + h * 0.94, colors=PHASE_COLORS[phase], linewidth=1.4)
     for x, y, text in labels:
         ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_xlim(xmin - 0.01 * span, xmax + 0.01 * span)
     ax.set_ylim(-0.1, len(lanes) + 0.1)
-    ax.set_yticks([lane_y[lane] + 0.5 for lane in lanes], [f"{role} {rank}" for role, rank in lanes])
+    ax.set_yticks(
+        [lane_y[lane] + 0.5 for lane in lanes], [f"{role} {rank}" for role, rank in lanes]
+    )
     for i in range(1, len(lanes)):
         ax.axhline(i, color="#DDDDDD", linewidth=0.6)
     if prefill_ranks and decode_ranks:
@@ -192,14 +214,40 @@ def gantt(run: Run | str, *, max_rooms: int = 8, window: tuple[float, float] | N
 
 def _phase_legend(ax, present: set[str]) -> None:
     """The gantt's legend: the phases that occur, in pipeline order (or a note if none)."""
-    order_phases = ["compute", "gather", "write", "slice_write", "wm_wait", "chunk_ready", "scatter"]
-    names = {"compute": "compute (prefill forward)", "wm_wait": "waiting for watermark",
-             "chunk_ready": "chunk_ready (decode)", "slice_write": "slice write", "write": "write (bulk)"}
-    handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="#333333" if p == "wm_wait" else PHASE_COLORS[p],
-                     label=names.get(p, p)) for p in order_phases if p in present]
+    order_phases = [
+        "compute",
+        "gather",
+        "write",
+        "slice_write",
+        "wm_wait",
+        "chunk_ready",
+        "scatter",
+    ]
+    names = {
+        "compute": "compute (prefill forward)",
+        "wm_wait": "waiting for watermark",
+        "chunk_ready": "chunk_ready (decode)",
+        "slice_write": "slice write",
+        "write": "write (bulk)",
+    }
+    handles = [
+        Patch(
+            facecolor=PHASE_COLORS[p],
+            edgecolor="#333333" if p == "wm_wait" else PHASE_COLORS[p],
+            label=names.get(p, p),
+        )
+        for p in order_phases
+        if p in present
+    ]
     if handles:
-        ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.06), ncol=len(handles),
-                  fontsize=8, frameon=False)
+        ax.legend(
+            handles=handles,
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.06),
+            ncol=len(handles),
+            fontsize=8,
+            frameon=False,
+        )
     else:
         _empty(ax, "no chunk phases in this run")
 
@@ -218,15 +266,25 @@ def ring_occupancy(run: Run | str, *, max_ranks: int = 8) -> Figure:
     series = ring_series(run.records)
     ranks = sorted({r.rank for r in run.records if r.role == "decode"})
     shown = ranks[:max_ranks]
-    used = {k: s for k, s in series.items() if k in shown and (s.reserved_peak or s.live_peak or s.watermark)}
+    used = {
+        k: s
+        for k, s in series.items()
+        if k in shown and (s.reserved_peak or s.live_peak or s.watermark)
+    }
     if not used:
         fig = Figure(figsize=(11, 1.4), dpi=100, layout="constrained")
         ax = fig.add_subplot()
-        _empty(ax, f"the staging ring was not used in this run ({run.transfer_path} path): nothing to plot")
+        _empty(
+            ax,
+            f"the staging ring was not used in this run ({run.transfer_path} path): nothing to plot",
+        )
         ax.set_title(f"{run.name}: staging ring per decode rank", fontsize=10)
         return fig
     ymax = max([pool] + [max(s.reserved_peak, s.live_peak) for s in used.values()]) / MIB * 1.08
-    wmax = max((rd + (tl / pool if pool else 0.0) for s in used.values() for _, rd, tl in s.watermark), default=1.0)
+    wmax = max(
+        (rd + (tl / pool if pool else 0.0) for s in used.values() for _, rd, tl in s.watermark),
+        default=1.0,
+    )
     n = max(len(shown), 1)
     fig = Figure(figsize=(11, 1.0 + 2.0 * n), dpi=100, layout="constrained")
     axes = fig.subplots(n, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
@@ -240,8 +298,14 @@ def ring_occupancy(run: Run | str, *, max_ranks: int = 8) -> Figure:
         ax.set_ylim(0, ymax)
         if s.watermark:
             ax2 = ax.twinx()
-            ax2.step([t for t, _, _ in s.watermark], [rd + (tl / pool if pool else 0.0) for _, rd, tl in s.watermark],
-                     where="post", color=OKABE_ITO["vermillion"], linewidth=1.2, label="watermark (round + tail/pool)")
+            ax2.step(
+                [t for t, _, _ in s.watermark],
+                [rd + (tl / pool if pool else 0.0) for _, rd, tl in s.watermark],
+                where="post",
+                color=OKABE_ITO["vermillion"],
+                linewidth=1.2,
+                label="watermark (round + tail/pool)",
+            )
             ax2.set_ylabel("watermark\n(ring rounds)", color=OKABE_ITO["vermillion"])
             ax2.tick_params(axis="y", colors=OKABE_ITO["vermillion"])
             ax2.set_ylim(0, wmax * 1.05)  # the same scale on every rank
@@ -254,9 +318,12 @@ def ring_occupancy(run: Run | str, *, max_ranks: int = 8) -> Figure:
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     axes[-1].set_xlabel("time since run start (s)")
     more = f"; first {len(shown)} of {len(ranks)} decode ranks" if len(ranks) > len(shown) else ""
-    fig.suptitle(f"{run.name}: staging ring per decode rank (one scale for every rank{more})\n"
-                 "live = written, not yet freed (never above the pool); reserved = regions handed out "
-                 "(the next round may be handed out over live bytes)", fontsize=10)
+    fig.suptitle(
+        f"{run.name}: staging ring per decode rank (one scale for every rank{more})\n"
+        "live = written, not yet freed (never above the pool); reserved = regions handed out "
+        "(the next round may be handed out over live bytes)",
+        fontsize=10,
+    )
     return fig
 
 
@@ -266,14 +333,41 @@ def _ring_panel(ax, s: RingSeries, pool: int) -> None:
         t = [0.0] + [x for x, _ in s.live]
         y = [0.0] + [v / MIB for _, v in s.live]
         ax.fill_between(t, y, step="post", color=OKABE_ITO["sky_blue"], alpha=0.45, linewidth=0)
-        ax.step(t, y, where="post", color=OKABE_ITO["blue"], linewidth=1.2, label="live bytes (written, not yet freed)")
+        ax.step(
+            t,
+            y,
+            where="post",
+            color=OKABE_ITO["blue"],
+            linewidth=1.2,
+            label="live bytes (written, not yet freed)",
+        )
     if s.reserved:
-        ax.step([0.0] + [x for x, _ in s.reserved], [0.0] + [v / MIB for _, v in s.reserved], where="post",
-                color=OKABE_ITO["orange"], linewidth=1.1, label="reserved bytes (regions handed out)")
+        ax.step(
+            [0.0] + [x for x, _ in s.reserved],
+            [0.0] + [v / MIB for _, v in s.reserved],
+            where="post",
+            color=OKABE_ITO["orange"],
+            linewidth=1.1,
+            label="reserved bytes (regions handed out)",
+        )
     if pool:
-        ax.axhline(pool / MIB, color=OKABE_ITO["black"], linestyle="--", linewidth=1, label=f"pool ({pool / MIB:,.0f} MiB)")
-    ax.text(0.005, 0.95, f"peak live {s.live_peak / MIB:,.0f} MiB, reserved {s.reserved_peak / MIB:,.0f} MiB",
-            transform=ax.transAxes, ha="left", va="top", fontsize=8, color="#333333")
+        ax.axhline(
+            pool / MIB,
+            color=OKABE_ITO["black"],
+            linestyle="--",
+            linewidth=1,
+            label=f"pool ({pool / MIB:,.0f} MiB)",
+        )
+    ax.text(
+        0.005,
+        0.95,
+        f"peak live {s.live_peak / MIB:,.0f} MiB, reserved {s.reserved_peak / MIB:,.0f} MiB",
+        transform=ax.transAxes,
+        ha="left",
+        va="top",
+        fontsize=8,
+        color="#333333",
+    )
     ax.grid(color="#EEEEEE")
 
 
@@ -293,11 +387,18 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
     height = 4.0 + 0.17 * len(runs)
     fig = Figure(figsize=(11, height), dpi=100)
     # fixed margins: constrained layout would measure every (log) tick label twice
-    fig.subplots_adjust(left=0.065, right=0.985, bottom=(0.75 + 0.17 * len(runs)) / height, top=1 - 0.35 / height,
-                        wspace=0.2)
+    fig.subplots_adjust(
+        left=0.065,
+        right=0.985,
+        bottom=(0.75 + 0.17 * len(runs)) / height,
+        top=1 - 0.35 / height,
+        wspace=0.2,
+    )
     axes = fig.subplots(1, 2)
-    for ax, key, title in ((axes[0], "transfer", "transfer latency (first STAGING_REQ -> room done)"),
-                           (axes[1], "ttft", "TTFT (arrival -> decode ready)")):
+    for ax, key, title in (
+        (axes[0], "transfer", "transfer latency (first STAGING_REQ -> room done)"),
+        (axes[1], "ttft", "TTFT (arrival -> decode ready)"),
+    ):
         allv: list[float] = []
         for i, run in enumerate(runs):
             vals = sorted(m[key] * 1e3 for m in room_metrics(run.records).values() if key in m)
@@ -306,10 +407,23 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
             allv += vals
             ys = [(k + 1) / len(vals) for k in range(len(vals))]
             q = percentiles(vals)
-            ax.step([vals[0]] + vals, [0.0] + ys, where="post", color=run_color(i), linewidth=1.8,
-                    label=f"{_label(run)}, n={len(vals)}: p50 {q['p50']:,.1f} ms, p99 {q['p99']:,.1f} ms")
-            ax.plot([q["p50"], q["p99"]], [0.5, 0.99], linestyle="none", marker="o", markersize=5,
-                    markerfacecolor="white", markeredgecolor=run_color(i))
+            ax.step(
+                [vals[0]] + vals,
+                [0.0] + ys,
+                where="post",
+                color=run_color(i),
+                linewidth=1.8,
+                label=f"{_label(run)}, n={len(vals)}: p50 {q['p50']:,.1f} ms, p99 {q['p99']:,.1f} ms",
+            )
+            ax.plot(
+                [q["p50"], q["p99"]],
+                [0.5, 0.99],
+                linestyle="none",
+                marker="o",
+                markersize=5,
+                markerfacecolor="white",
+                markeredgecolor=run_color(i),
+            )
         if not allv:
             _empty(ax, "no completed rooms")
             continue
@@ -336,12 +450,16 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
     phases = [k for k in PHASE_KEYS if any(d[k]["count"] for d in data)] or list(PHASE_KEYS)
     height = 1.9 + 0.3 * len(phases) * max(len(runs), 1)
     fig = Figure(figsize=(11, height), dpi=100)
-    fig.subplots_adjust(left=0.23, right=0.97, wspace=0.12, bottom=0.65 / height, top=1 - 0.8 / height)
+    fig.subplots_adjust(
+        left=0.23, right=0.97, wspace=0.12, bottom=0.65 / height, top=1 - 0.8 / height
+    )
     axes = fig.subplots(1, 2, sharey=True)
     n = max(len(runs), 1)
     h = 0.8 / n
-    for ax, key, scale, xlabel in ((axes[0], "total_s", 1.0, "total time, all ranks (s)"),
-                                   (axes[1], "mean_s", 1e3, "mean per chunk and rank (ms)")):
+    for ax, key, scale, xlabel in (
+        (axes[0], "total_s", 1.0, "total time, all ranks (s)"),
+        (axes[1], "mean_s", 1e3, "mean per chunk and rank (ms)"),
+    ):
         values = []
         for i, (run, d) in enumerate(zip(runs, data, strict=True)):
             ys = [len(phases) - 1 - j + (n - 1 - i) * h - 0.4 + h / 2 for j in range(len(phases))]
@@ -350,7 +468,9 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
             ax.barh(ys, xs, height=h * 0.92, color=run_color(i), label=_label(run))
             for y, x in zip(ys, xs, strict=True):
                 if x > 0:
-                    ax.text(x, y, f" {x:,.0f}" if x >= 1000 else f" {x:.3g}", va="center", fontsize=7)
+                    ax.text(
+                        x, y, f" {x:,.0f}" if x >= 1000 else f" {x:.3g}", va="center", fontsize=7
+                    )
         pos = [v for v in values if v > 0]
         if pos and max(pos) / min(pos) > 200:
             _log(ax, "x")
@@ -360,12 +480,24 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", color="#EEEEEE")
         ax.set_axisbelow(True)
-    axes[0].set_yticks([len(phases) - 1 - j for j in range(len(phases))], [PHASE_LABELS[p] for p in phases])
+    axes[0].set_yticks(
+        [len(phases) - 1 - j for j in range(len(phases))], [PHASE_LABELS[p] for p in phases]
+    )
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / height), ncol=min(n, 4),
-               fontsize=8, frameon=False)
-    fig.suptitle("phase breakdown per run (phases no run has are left out; control = message gaps)",
-                 fontsize=10, y=1 - 0.08 / height)
+    fig.legend(
+        handles,
+        names,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1 - 0.3 / height),
+        ncol=min(n, 4),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(
+        "phase breakdown per run (phases no run has are left out; control = message gaps)",
+        fontsize=10,
+        y=1 - 0.08 / height,
+    )
     return fig
 
 
@@ -388,8 +520,15 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
                 ms = [m[key] for m in room_metrics(run.records).values() if key in m]
                 vals.append(quantile(sorted(ms), 0.5 if q == "p50" else 0.99) * 1e3 if ms else 0.0)
             xs = [i + (j - 0.5) * 0.38 for i in x]
-            ax.bar(xs, vals, width=0.36, color=[run_color(i) for i in x], hatch=hatch,
-                   edgecolor="white" if not hatch else "#333333", label=q)
+            ax.bar(
+                xs,
+                vals,
+                width=0.36,
+                color=[run_color(i) for i in x],
+                hatch=hatch,
+                edgecolor="white" if not hatch else "#333333",
+                label=q,
+            )
             for xi, v in zip(xs, vals, strict=True):
                 ax.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(x, names, fontsize=8)
@@ -426,11 +565,21 @@ def comparison_scatter(result: dict) -> Figure:
     a, b = result["a"], result["b"]
     tol = result.get("tolerance", 0.15)
     panels = [
-        ("transfer latency per room", [(p["a_transfer_s"], p["b_transfer_s"]) for p in result["per_room"]],
-         result["transfer_latency"]),
-        ("TTFT per room", [(p["a_ttft_s"], p["b_ttft_s"]) for p in result["per_room"]], result["ttft"]),
-        ("chunk latency per (room, chunk, decode rank)", [(p["a_s"], p["b_s"]) for p in result.get("per_chunk", [])],
-         result["chunk_latency"]),
+        (
+            "transfer latency per room",
+            [(p["a_transfer_s"], p["b_transfer_s"]) for p in result["per_room"]],
+            result["transfer_latency"],
+        ),
+        (
+            "TTFT per room",
+            [(p["a_ttft_s"], p["b_ttft_s"]) for p in result["per_room"]],
+            result["ttft"],
+        ),
+        (
+            "chunk latency per (room, chunk, decode rank)",
+            [(p["a_s"], p["b_s"]) for p in result.get("per_chunk", [])],
+            result["chunk_latency"],
+        ),
     ]
     fig = Figure(figsize=(11, 4.3), dpi=100)
     fig.subplots_adjust(left=0.065, right=0.985, bottom=0.12, top=0.82, wspace=0.3)
@@ -452,10 +601,25 @@ def comparison_scatter(result: dict) -> Figure:
             pad = (hi - lo) * 0.08 or max(hi, 1e-9) * 0.1
             lo, hi = max(0.0, lo - pad), hi + pad
         line = [lo, hi]
-        ax.fill_between(line, [v * (1 - tol) for v in line], [v * (1 + tol) for v in line],
-                        color="#DDDDDD", alpha=0.6, linewidth=0, label=f"within {tol:.0%}")
+        ax.fill_between(
+            line,
+            [v * (1 - tol) for v in line],
+            [v * (1 + tol) for v in line],
+            color="#DDDDDD",
+            alpha=0.6,
+            linewidth=0,
+            label=f"within {tol:.0%}",
+        )
         ax.plot(line, line, color=OKABE_ITO["black"], linewidth=1, linestyle="--", label="y = x")
-        ax.scatter(xs, ys, s=14, color=OKABE_ITO["blue"], alpha=0.75, edgecolors="none", label=f"n={len(xs)}")
+        ax.scatter(
+            xs,
+            ys,
+            s=14,
+            color=OKABE_ITO["blue"],
+            alpha=0.75,
+            edgecolors="none",
+            label=f"n={len(xs)}",
+        )
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_xlabel(f"A: {a['name']} (ms)")
@@ -468,6 +632,9 @@ def comparison_scatter(result: dict) -> Figure:
         ax.grid(color="#EEEEEE")
         bias_ok = bias is not None and math.isfinite(bias)
         ax.legend(loc="lower right" if bias_ok and bias > 0 else "upper left", fontsize=7)
-    fig.suptitle(f"B vs A: {b['name']} ({b['mode']}, {b['transfer_path']}) against {a['name']} "
-                 f"({a['mode']}, {a['transfer_path']})", fontsize=10)
+    fig.suptitle(
+        f"B vs A: {b['name']} ({b['mode']}, {b['transfer_path']}) against {a['name']} "
+        f"({a['mode']}, {a['transfer_path']})",
+        fontsize=10,
+    )
     return fig

@@ -84,7 +84,15 @@ def _ranks_table(s: Scenario) -> Table:
     g = s.geometry()
     what = f"MLA latent of {g.head_dim}" if g.mla else f"{g.total_kv_heads} KV heads"
     ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {what}")
-    for col in ("decode rank", "owns heads", "writer", "prefill rank", "src heads", "dst heads", "block bytes/token"):
+    for col in (
+        "decode rank",
+        "owns heads",
+        "writer",
+        "prefill rank",
+        "src heads",
+        "dst heads",
+        "block bytes/token",
+    ):
         ranks.add_column(col)
     for d in range(g.decode_tp):
         own = owned_heads(g.decode_tp, d, g.total_kv_heads)
@@ -115,13 +123,22 @@ def layout_report(s: Scenario, console: Console) -> None:
     sizes.add_column("what")
     sizes.add_column("value", justify="right")
     sizes.add_row("KV bytes per token (whole model)", f"{g.kv_bytes_per_token():,} B")
-    sizes.add_row("staging bytes per token per decode rank", f"{g.region_bytes(1) // g.page_size:,} B")
-    sizes.add_row("chunk grid", f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens")
+    sizes.add_row(
+        "staging bytes per token per decode rank", f"{g.region_bytes(1) // g.page_size:,} B"
+    )
+    sizes.add_row(
+        "chunk grid",
+        f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens",
+    )
     sizes.add_row("staging bytes per full chunk per decode rank", f"{chunk:,} B ({_mib(chunk)})")
     sizes.add_row("staging pool per decode rank", f"{s.pool_bytes:,} B ({_mib(s.pool_bytes)})")
     sizes.add_row("full chunks the pool holds", f"{g.pool_chunks(s.pool_bytes) if chunk else 0}")
-    sizes.add_row(f"request of {prompt} tokens: pages / chunks", f"{cost['pages']} / {cost['chunks']}")
-    sizes.add_row("request: staging bytes, all decode ranks", f"{cost['bytes']:,} B ({_mib(cost['bytes'])})")
+    sizes.add_row(
+        f"request of {prompt} tokens: pages / chunks", f"{cost['pages']} / {cost['chunks']}"
+    )
+    sizes.add_row(
+        "request: staging bytes, all decode ranks", f"{cost['bytes']:,} B ({_mib(cost['bytes'])})"
+    )
     sizes.add_row("request: transfer requests, staging path", f"{cost['staging_requests']:,}")
     sizes.add_row("request: transfer requests, slice path", f"{cost['slice_requests']:,}")
     ratio = cost["slice_requests"] / max(1, cost["staging_requests"])
@@ -141,18 +158,30 @@ def _cluster_table(s: Scenario) -> Table:
     t.add_column("what")
     t.add_column("value", justify="right")
     gpus = c.prefill_instances * g.prefill_tp + c.decode_instances * g.decode_tp
-    t.add_row("instances", f"{c.prefill_instances} prefill x TP{g.prefill_tp} + "
-              f"{c.decode_instances} decode x TP{g.decode_tp} = {gpus} GPUs")
+    t.add_row(
+        "instances",
+        f"{c.prefill_instances} prefill x TP{g.prefill_tp} + "
+        f"{c.decode_instances} decode x TP{g.decode_tp} = {gpus} GPUs",
+    )
     if not c.single:
-        t.add_row("router / nodes", f"{c.router}; {c.gpus_per_node} GPUs per node, "
-                  f"{c.nics_per_node or 'links.gpus_per_nic'} NICs per node; fold {c.fold}")
+        t.add_row(
+            "router / nodes",
+            f"{c.router}; {c.gpus_per_node} GPUs per node, "
+            f"{c.nics_per_node or 'links.gpus_per_nic'} NICs per node; fold {c.fold}",
+        )
     cap = m.capacity_tokens
-    t.add_row("decode KV capacity per rank", "unlimited (set decode.gpu_memory_gib)" if cap is None else
-              f"{cap:,} tokens ({m.weight_bytes / 2**30:,.1f} GiB of weights per rank)")
+    t.add_row(
+        "decode KV capacity per rank",
+        "unlimited (set decode.gpu_memory_gib)"
+        if cap is None
+        else f"{cap:,} tokens ({m.weight_bytes / 2**30:,.1f} GiB of weights per rank)",
+    )
     prompt, out = s.workload.prompt_tokens, s.workload.output_tokens
     if out:
         step = m.step_time_s(prompt)
-        t.add_row(f"decode step, one request of {prompt} tokens", f"{step * 1e3:,.2f} ms (TPOT alone)")
+        t.add_row(
+            f"decode step, one request of {prompt} tokens", f"{step * 1e3:,.2f} ms (TPOT alone)"
+        )
     else:
         t.add_row("decode generation", "not modeled (workload.output_tokens = 0)")
     return t

@@ -99,7 +99,9 @@ def _num(x, unit: str = "", digits: int = 2) -> str:
     return f"{x:,.{digits}f}{unit}"
 
 
-def _table(rows: Iterable[Sequence], header: Sequence[str] | None = None, num_cols: Iterable[int] = ()) -> str:
+def _table(
+    rows: Iterable[Sequence], header: Sequence[str] | None = None, num_cols: Iterable[int] = ()
+) -> str:
     nums = set(num_cols)
     out = ["<table>"]
     if header:
@@ -127,15 +129,30 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
     stall = s.get("watermark_stall_s") or {}
     tr = s.get("transfer_requests") or {}
     rows = [
-        ("requests done / failed", f"{s.get('requests_done', '-')} / {s.get('requests_failed', '-')} of {s.get('requests', '-')}"),
-        ("transfer latency p50 / p90 / p99", f"{ms(lat.get('p50'))} / {ms(lat.get('p90'))} / {ms(lat.get('p99'))}"),
+        (
+            "requests done / failed",
+            f"{s.get('requests_done', '-')} / {s.get('requests_failed', '-')} of {s.get('requests', '-')}",
+        ),
+        (
+            "transfer latency p50 / p90 / p99",
+            f"{ms(lat.get('p50'))} / {ms(lat.get('p90'))} / {ms(lat.get('p99'))}",
+        ),
         ("transfer latency mean / max", f"{ms(lat.get('mean'))} / {ms(lat.get('max'))}"),
-        ("TTFT p50 / p90 / p99", f"{ms(ttft.get('p50'))} / {ms(ttft.get('p90'))} / {ms(ttft.get('p99'))}"),
+        (
+            "TTFT p50 / p90 / p99",
+            f"{ms(ttft.get('p50'))} / {ms(ttft.get('p90'))} / {ms(ttft.get('p99'))}",
+        ),
         ("payload", f"{(s.get('payload_bytes') or 0) / (1 << 30):,.2f} GiB"),
         ("throughput", f"{_num(s.get('throughput_gbps'))} Gb/s"),
         *_ring_rows(run, s),
-        ("watermark stall total / p99 / chunks", f"{_num(stall.get('total'), ' s', 4)} / {ms(stall.get('p99'))} / {stall.get('chunks', '-')}"),
-        ("transfer requests total / per request", f"{_num(tr.get('total'))} / {_num(tr.get('per_request'), '', 1)}"),
+        (
+            "watermark stall total / p99 / chunks",
+            f"{_num(stall.get('total'), ' s', 4)} / {ms(stall.get('p99'))} / {stall.get('chunks', '-')}",
+        ),
+        (
+            "transfer requests total / per request",
+            f"{_num(tr.get('total'))} / {_num(tr.get('per_request'), '', 1)}",
+        ),
     ]
     for key, label in (
         ("events", "events"),
@@ -150,12 +167,23 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
     ):
         if key in s and s[key] is not None:
             v = s[key]
-            rows.append((label, _num(v, "", 3) if isinstance(v, float) else _num(v) if isinstance(v, int) else str(v)))
+            rows.append(
+                (
+                    label,
+                    _num(v, "", 3)
+                    if isinstance(v, float)
+                    else _num(v)
+                    if isinstance(v, int)
+                    else str(v),
+                )
+            )
     if s.get("conditions"):
         rows.append(("host during the run", describe(s["conditions"])))
     failures = s.get("failures") or {}
     if failures:
-        rows.append(("failures", "; ".join(f"room {k}: {v}" for k, v in list(failures.items())[:10])))
+        rows.append(
+            ("failures", "; ".join(f"room {k}: {v}" for k, v in list(failures.items())[:10]))
+        )
     return rows
 
 
@@ -165,9 +193,11 @@ def _ring_rows(run: Run, s: dict) -> list[tuple[str, str]]:
     if "ring_live_peak_bytes" not in s:
         s = ring_figures(run.records, run.pool_bytes)
     return [
-        (f"ring {kind} peak ({what})",
-         f"{(s.get(f'ring_{kind}_peak_bytes') or 0) / MIB:,.1f} MiB "
-         f"({(s.get(f'ring_{kind}_peak_fraction') or 0):.0%} of the pool)")
+        (
+            f"ring {kind} peak ({what})",
+            f"{(s.get(f'ring_{kind}_peak_bytes') or 0) / MIB:,.1f} MiB "
+            f"({(s.get(f'ring_{kind}_peak_fraction') or 0):.0%} of the pool)",
+        )
         for kind, what in (("live", "written, not yet freed"), ("reserved", "regions handed out"))
     ]
 
@@ -181,11 +211,26 @@ def _scenario_rows(run: Run) -> list[tuple[str, str]]:
     m, p, d = sc.get("model", {}), sc.get("prefill", {}), sc.get("decode", {})
     links, w, t = sc.get("links", {}), sc.get("workload", {}), sc.get("transfer", {})
     rows = [
-        ("model", f"{m.get('preset', 'custom')}: {m.get('layers', '?')} layers, {m.get('kv_heads', '?')} KV heads x {m.get('head_dim', '?')}, {m.get('dtype', '?')}"),
-        ("prefill TP -> decode TP", f"{p.get('tp', '?')} -> {d.get('tp', '?')} (chunked prefill {p.get('chunked_prefill_size', '?')} tokens, page {d.get('page_size', '?')})"),
-        ("transfer path", f"{run.transfer_path} (staging pool {d.get('staging_pool_mb', '?')} MiB per decode rank)"),
-        ("links", f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {links.get('inter_bandwidth_gbps', '?')} Gb/s inter-node"),
-        ("workload", f"{w.get('requests', '?')} requests, {w.get('arrival', '?')} arrivals at {w.get('rate_per_s', '?')}/s, {w.get('prompt', '?')} prompts (~{w.get('prompt_tokens', '?')} tokens), seed {w.get('seed', '?')}"),
+        (
+            "model",
+            f"{m.get('preset', 'custom')}: {m.get('layers', '?')} layers, {m.get('kv_heads', '?')} KV heads x {m.get('head_dim', '?')}, {m.get('dtype', '?')}",
+        ),
+        (
+            "prefill TP -> decode TP",
+            f"{p.get('tp', '?')} -> {d.get('tp', '?')} (chunked prefill {p.get('chunked_prefill_size', '?')} tokens, page {d.get('page_size', '?')})",
+        ),
+        (
+            "transfer path",
+            f"{run.transfer_path} (staging pool {d.get('staging_pool_mb', '?')} MiB per decode rank)",
+        ),
+        (
+            "links",
+            f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {links.get('inter_bandwidth_gbps', '?')} Gb/s inter-node",
+        ),
+        (
+            "workload",
+            f"{w.get('requests', '?')} requests, {w.get('arrival', '?')} arrivals at {w.get('rate_per_s', '?')}/s, {w.get('prompt', '?')} prompts (~{w.get('prompt_tokens', '?')} tokens), seed {w.get('seed', '?')}",
+        ),
     ]
     if t.get("room_timeout_s") is not None:
         rows.append(("room timeout", f"{t['room_timeout_s']} s"))
@@ -209,25 +254,36 @@ def _run_section(i: int, run: Run, max_rooms: int, figure: _Figures) -> str:
         f" &middot; {_e(run.transfer_path)} path{hw} &middot; {len(run.records):,} trace rows"
         f" &middot; <code>{_e(run.path)}</code></p>"
     )
-    out += [_warning(w) for w in loaded_warnings([(f"Run {i}", run.mode, run.summary.get("conditions"))])]
+    out += [
+        _warning(w)
+        for w in loaded_warnings([(f"Run {i}", run.mode, run.summary.get("conditions"))])
+    ]
     out.append('<div class="cols"><div><h3>Summary</h3>')
     out.append(_table(_summary_rows(run), header=("metric", "value"), num_cols=(1,)))
     out.append("</div><div><h3>Scenario</h3>")
     out.append(_table(_scenario_rows(run), header=("field", "value")))
     out.append("</div></div>")
-    out.append(figure(
-        figures.gantt(run, max_rooms=max_rooms), f"run{i}-timeline", f"Gantt timeline of {run.name}",
-        "Chunk phases per rank. Prefill lanes: compute (grey, top), gather / write (middle), waiting for the "
-        "watermark (bottom, yellow). Decode lanes: chunk_ready (orange) and scatter (green). rN marks the room "
-        "of a wide enough bar; microsecond spans show as thin lines.",
-    ))
-    out.append(figure(
-        figures.ring_occupancy(run), f"run{i}-ring", f"Staging ring of {run.name}",
-        "Per decode rank, on one scale for every rank: live bytes (blue, filled: written by a writer and not yet "
-        "freed; never above the pool), reservations (orange: regions handed out and not yet freed; a region of "
-        "the next round may be handed out over live bytes, so this may exceed the pool), the pool (dashed), and "
-        "the watermark (vermillion, right axis) in ring rounds: round + tail / pool.",
-    ))
+    out.append(
+        figure(
+            figures.gantt(run, max_rooms=max_rooms),
+            f"run{i}-timeline",
+            f"Gantt timeline of {run.name}",
+            "Chunk phases per rank. Prefill lanes: compute (grey, top), gather / write (middle), waiting for the "
+            "watermark (bottom, yellow). Decode lanes: chunk_ready (orange) and scatter (green). rN marks the room "
+            "of a wide enough bar; microsecond spans show as thin lines.",
+        )
+    )
+    out.append(
+        figure(
+            figures.ring_occupancy(run),
+            f"run{i}-ring",
+            f"Staging ring of {run.name}",
+            "Per decode rank, on one scale for every rank: live bytes (blue, filled: written by a writer and not yet "
+            "freed; never above the pool), reservations (orange: regions handed out and not yet freed; a region of "
+            "the next round may be handed out over live bytes, so this may exceed the pool), the pool (dashed), and "
+            "the watermark (vermillion, right axis) in ring rounds: round + tail / pool.",
+        )
+    )
     out.append("</section>")
     return "".join(out)
 
@@ -236,11 +292,45 @@ def _err_rows(name: str, m: dict) -> list[tuple]:
     rows = []
     for q in ("p50", "p99", "mean"):
         e = m.get(q) or {}
-        rows.append((f"{name} {q}", ms(e.get("a")), ms(e.get("b")), ms(e.get("diff_s")), pct(e.get("rel"))))
+        rows.append(
+            (f"{name} {q}", ms(e.get("a")), ms(e.get("b")), ms(e.get("diff_s")), pct(e.get("rel")))
+        )
     unit = "chunks" if name.startswith("chunk") else "rooms"
-    rows.append((f"{name} MAPE / bias over {m.get('count', 0)} {unit}", "", "", "",
-                 f"{pct(m.get('mape')).lstrip('+')} / {pct(m.get('bias'))}"))
+    rows.append(
+        (
+            f"{name} MAPE / bias over {m.get('count', 0)} {unit}",
+            "",
+            "",
+            "",
+            f"{pct(m.get('mape')).lstrip('+')} / {pct(m.get('bias'))}",
+        )
+    )
     return rows
+
+
+def _room_matching(result: dict) -> list[str]:
+    """The compare section's room-matching table and the rooms found in one run only."""
+    out: list[str] = []
+    r = result["rooms"]
+    room_rows = [
+        ("rooms matched (completed in both)", r["matched"]),
+        ("rooms only in A", r["only_in_a"]),
+        ("rooms only in B", r["only_in_b"]),
+        ("completed only in A", r["completed_only_in_a"]),
+        ("completed only in B", r["completed_only_in_b"]),
+        (
+            "chunks only in A / only in B",
+            f"{result['chunk_latency'].get('only_in_a', 0)} / {result['chunk_latency'].get('only_in_b', 0)}",
+        ),
+    ]
+    out.append(_table(room_rows, header=("room matching", "count"), num_cols=(1,)))
+    for key, label in (("only_in_a_rooms", "only in A"), ("only_in_b_rooms", "only in B")):
+        if r.get(key):
+            out.append(
+                f'<p class="note">rooms {label}: {_e(", ".join(map(str, r[key][:40])))}'
+                f"{' ...' if len(r[key]) > 40 else ''}</p>"
+            )
+    return out
 
 
 def _compare_section(k: int, result: dict, figure: _Figures) -> str:
@@ -249,7 +339,7 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
     out.append(f"<h3>A = {_e(a['name'])} &nbsp;vs&nbsp; B = {_e(b['name'])}</h3>")
     out.append(
         f'<p class="meta">A: {_e(a["scenario"])} / {_e(a["mode"])} / {_e(a["transfer_path"])} &middot; '
-        f'B: {_e(b["scenario"])} / {_e(b["mode"])} / {_e(b["transfer_path"])}</p>'
+        f"B: {_e(b['scenario'])} / {_e(b['mode'])} / {_e(b['transfer_path'])}</p>"
     )
     mape = result["transfer_latency"].get("mape")
     ok = mape is not None and math.isfinite(mape) and mape <= result.get("tolerance", 0.15)
@@ -259,50 +349,56 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
         out.append(f'<p class="meta">{_e(result["scenario_diff_note"])}</p>')
     diff = result.get("scenario_diff") or []
     if diff:
-        out.append('<p class="note">The resolved scenarios differ (names, hardware and fault settings '
-                   "left out); the comparison may not be like for like:</p>")
-        out.append(_table([(d["field"], d["a"], d["b"]) for d in diff[:20]], header=("field", "A", "B")))
+        out.append(
+            '<p class="note">The resolved scenarios differ (names, hardware and fault settings '
+            "left out); the comparison may not be like for like:</p>"
+        )
+        out.append(
+            _table([(d["field"], d["a"], d["b"]) for d in diff[:20]], header=("field", "A", "B"))
+        )
         if len(diff) > 20:
             out.append(f'<p class="note">... and {len(diff) - 20} more</p>')
     rows = []
     rows += _err_rows("transfer latency", result["transfer_latency"])
     rows += _err_rows("TTFT", result["ttft"])
     rows += _err_rows("chunk latency", result["chunk_latency"])
-    out.append(_table(rows, header=("metric", "A", "B", "B - A", "(B - A) / A"), num_cols=(1, 2, 3, 4)))
+    out.append(
+        _table(rows, header=("metric", "A", "B", "B - A", "(B - A) / A"), num_cols=(1, 2, 3, 4))
+    )
     out.append('<div class="cols"><div>')
-    r = result["rooms"]
-    room_rows = [
-        ("rooms matched (completed in both)", r["matched"]),
-        ("rooms only in A", r["only_in_a"]),
-        ("rooms only in B", r["only_in_b"]),
-        ("completed only in A", r["completed_only_in_a"]),
-        ("completed only in B", r["completed_only_in_b"]),
-        ("chunks only in A / only in B", f"{result['chunk_latency'].get('only_in_a', 0)} / {result['chunk_latency'].get('only_in_b', 0)}"),
-    ]
-    out.append(_table(room_rows, header=("room matching", "count"), num_cols=(1,)))
-    for key, label in (("only_in_a_rooms", "only in A"), ("only_in_b_rooms", "only in B")):
-        if r.get(key):
-            out.append(f'<p class="note">rooms {label}: {_e(", ".join(map(str, r[key][:40])))}'
-                       f'{" ..." if len(r[key]) > 40 else ""}</p>')
+    out += _room_matching(result)
     out.append("</div><div>")
     ph_rows = []
     for p in PHASE_KEYS:
         ph = result["phases"][p]
         if not ph["a"]["count"] and not ph["b"]["count"]:
             continue
-        ph_rows.append((
-            ph["label"],
-            _num(ph["a"]["total_s"], " s", 4), _num(ph["b"]["total_s"], " s", 4),
-            ms(ph["a"]["mean_s"]), ms(ph["b"]["mean_s"]),
-        ))
-    out.append(_table(ph_rows, header=("phase", "A total", "B total", "A mean / chunk", "B mean / chunk"),
-                      num_cols=(1, 2, 3, 4)))
+        ph_rows.append(
+            (
+                ph["label"],
+                _num(ph["a"]["total_s"], " s", 4),
+                _num(ph["b"]["total_s"], " s", 4),
+                ms(ph["a"]["mean_s"]),
+                ms(ph["b"]["mean_s"]),
+            )
+        )
+    out.append(
+        _table(
+            ph_rows,
+            header=("phase", "A total", "B total", "A mean / chunk", "B mean / chunk"),
+            num_cols=(1, 2, 3, 4),
+        )
+    )
     out.append("</div></div>")
-    out.append(figure(
-        figures.comparison_scatter(result), f"compare{k}-scatter", f"{b['name']} against {a['name']}",
-        "Each point is one room (or one chunk at one decode rank) present in both runs; the dashed line is "
-        "y = x, the grey band the tolerance around it. Points above the line: B slower.",
-    ))
+    out.append(
+        figure(
+            figures.comparison_scatter(result),
+            f"compare{k}-scatter",
+            f"{b['name']} against {a['name']}",
+            "Each point is one room (or one chunk at one decode rank) present in both runs; the dashed line is "
+            "y = x, the grey band the tolerance around it. Points above the line: B slower.",
+        )
+    )
     out.append("</section>")
     return "".join(out)
 
@@ -314,26 +410,54 @@ def _cdf_values(runs: list[Run]) -> str:
         rm = room_metrics(run.records).values()
         tr = percentiles([m["transfer"] for m in rm if "transfer" in m])
         tt = percentiles([m["ttft"] for m in rm if "ttft" in m])
-        rows.append((run.name, ms(tr["p50"]), ms(tr["p99"]), ms(tt["p50"]), ms(tt["p99"]), tr["count"]))
-    return _table(rows, header=("run", "transfer latency p50", "transfer latency p99", "TTFT p50", "TTFT p99",
-                                "rooms"), num_cols=(1, 2, 3, 4, 5))
+        rows.append(
+            (run.name, ms(tr["p50"]), ms(tr["p99"]), ms(tt["p50"]), ms(tt["p99"]), tr["count"])
+        )
+    return _table(
+        rows,
+        header=(
+            "run",
+            "transfer latency p50",
+            "transfer latency p99",
+            "TTFT p50",
+            "TTFT p99",
+            "rooms",
+        ),
+        num_cols=(1, 2, 3, 4, 5),
+    )
 
 
 def _across_runs(runs: list[Run], figure: _Figures) -> str:
     body = ['<section id="all-runs"><h2>Latency and phases across runs</h2>']
-    body.append(figure(figures.latency_cdfs(runs), "latency-cdf", "latency CDFs",
-                       "Empirical CDFs over completed rooms, one curve per run; dotted lines at 0.5 and 0.99, "
-                       "circles where each run crosses them (its p50 and p99, in the legend and the table below)."))
+    body.append(
+        figure(
+            figures.latency_cdfs(runs),
+            "latency-cdf",
+            "latency CDFs",
+            "Empirical CDFs over completed rooms, one curve per run; dotted lines at 0.5 and 0.99, "
+            "circles where each run crosses them (its p50 and p99, in the legend and the table below).",
+        )
+    )
     body.append(_cdf_values(runs))
-    body.append(figure(
-        figures.phase_bars(runs), "phases", "phase breakdown",
-        "Time per phase summed over every chunk at every rank, and its mean per chunk and rank. Control: the "
-        "STAGING_REQ -> STAGING_RSP gap per prefill rank and chunk, and the wait from a chunk's last write to "
-        "its chunk_ready at the decode.",
-    ))
+    body.append(
+        figure(
+            figures.phase_bars(runs),
+            "phases",
+            "phase breakdown",
+            "Time per phase summed over every chunk at every rank, and its mean per chunk and rank. Control: the "
+            "STAGING_REQ -> STAGING_RSP gap per prefill rank and chunk, and the wait from a chunk's last write to "
+            "its chunk_ready at the decode.",
+        )
+    )
     if len({r.transfer_path for r in runs}) > 1:
-        body.append(figure(figures.staging_vs_slice(runs), "staging-vs-slice", "staging vs slice",
-                           "Transfer latency, TTFT and transfer requests per request by transfer path."))
+        body.append(
+            figure(
+                figures.staging_vs_slice(runs),
+                "staging-vs-slice",
+                "staging vs slice",
+                "Transfer latency, TTFT and transfer requests per request by transfer path.",
+            )
+        )
     body.append("</section>")
     return "".join(body)
 
@@ -343,42 +467,92 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
     from kvstage.explore.figures import front_figure, load_plan, shape
 
     plan = load_plan(plan_dir)
-    rows = [(shape(r), r["gpus"], f"{r['slo_attainment']:.0%}", f"{r['goodput_per_gpu_rps']:.3g}",
-             ms(r["ttft_s.p90"]), ms(r["tpot_s.p90"]), r["bottleneck"] or "-",
-             "winner" if r["winner"] else ("meets" if r["meets"] else "misses")) for r in plan["front"]]
+    rows = [
+        (
+            shape(r),
+            r["gpus"],
+            f"{r['slo_attainment']:.0%}",
+            f"{r['goodput_per_gpu_rps']:.3g}",
+            ms(r["ttft_s.p90"]),
+            ms(r["tpot_s.p90"]),
+            r["bottleneck"] or "-",
+            "winner" if r["winner"] else ("meets" if r["meets"] else "misses"),
+        )
+        for r in plan["front"]
+    ]
     counts = ", ".join(f"{n} {k}" for k, n in plan["counts"].items())
-    return "".join([
-        f'<section id="plan-{i}"><h2>Plan {i}: {_e(plan.get("scenario_name", plan_dir.name))}</h2>',
-        f'<p class="meta">{_e(plan_dir)} &middot; SLO {_e(plan["slo"])} for at least {plan["attainment"]:.0%} of '
-        f"requests &middot; configurations: {_e(counts)}</p>",
-        f"<p><b>{_e(plan['verdict'])}</b></p>",
-        _table(rows, header=("configuration", "GPUs", "attainment", "goodput/GPU (req/s)", "TTFT p90", "TPOT p90",
-                             "bottleneck", ""), num_cols=(1, 2, 3, 4, 5)),
-        figure(front_figure(plan), f"plan-front-{i}", "plan front",
-               "Goodput per GPU against TTFT p90 of every simulated configuration; the line is the Pareto front, "
-               "the star the winner (fewest GPUs that meets the SLO)."),
-        "</section>",
-    ])
+    return "".join(
+        [
+            f'<section id="plan-{i}"><h2>Plan {i}: {_e(plan.get("scenario_name", plan_dir.name))}</h2>',
+            f'<p class="meta">{_e(plan_dir)} &middot; SLO {_e(plan["slo"])} for at least {plan["attainment"]:.0%} of '
+            f"requests &middot; configurations: {_e(counts)}</p>",
+            f"<p><b>{_e(plan['verdict'])}</b></p>",
+            _table(
+                rows,
+                header=(
+                    "configuration",
+                    "GPUs",
+                    "attainment",
+                    "goodput/GPU (req/s)",
+                    "TTFT p90",
+                    "TPOT p90",
+                    "bottleneck",
+                    "",
+                ),
+                num_cols=(1, 2, 3, 4, 5),
+            ),
+            figure(
+                front_figure(plan),
+                f"plan-front-{i}",
+                "plan front",
+                "Goodput per GPU against TTFT p90 of every simulated configuration; the line is the Pareto front, "
+                "the star the winner (fewest GPUs that meets the SLO).",
+            ),
+            "</section>",
+        ]
+    )
 
 
 def _header(runs: list[Run], title: str, plans: Sequence[Path] = ()) -> str:
     body = [f"<header><h1>{_e(title)}</h1>"]
-    body.append(f'<p class="meta">{len(runs)} run(s) &middot; generated {_e(time.strftime("%Y-%m-%d %H:%M:%S"))} by '
-                "<code>kvstage report</code> from each run's trace, summary.json and scenario.toml</p>")
-    body += [_warning(w) for w in loaded_warnings([(f"Run {i} ({r.name})", r.mode, r.summary.get("conditions"))
-                                                   for i, r in enumerate(runs, 1)])]
-    nav = [f'<li><a href="#run-{i}">Run {i}: {_e(r.name)}</a> ({_e(r.describe())})</li>' for i, r in enumerate(runs, 1)]
+    body.append(
+        f'<p class="meta">{len(runs)} run(s) &middot; generated {_e(time.strftime("%Y-%m-%d %H:%M:%S"))} by '
+        "<code>kvstage report</code> from each run's trace, summary.json and scenario.toml</p>"
+    )
+    body += [
+        _warning(w)
+        for w in loaded_warnings(
+            [
+                (f"Run {i} ({r.name})", r.mode, r.summary.get("conditions"))
+                for i, r in enumerate(runs, 1)
+            ]
+        )
+    ]
+    nav = [
+        f'<li><a href="#run-{i}">Run {i}: {_e(r.name)}</a> ({_e(r.describe())})</li>'
+        for i, r in enumerate(runs, 1)
+    ]
     if runs:
         nav.append('<li><a href="#all-runs">Latency and phases across runs</a></li>')
-    nav += [f'<li><a href="#plan-{i}">Plan {i}: {_e(Path(p).name)}</a></li>' for i, p in enumerate(plans, 1)]
+    nav += [
+        f'<li><a href="#plan-{i}">Plan {i}: {_e(Path(p).name)}</a></li>'
+        for i, p in enumerate(plans, 1)
+    ]
     if len(runs) > 1:
         nav.append('<li><a href="#comparison">Comparison (first run vs each other run)</a></li>')
     body.append("<nav><ul>" + "".join(nav) + "</ul></nav></header>")
     return "".join(body)
 
 
-def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None,
-                 png_dir: Path | None = None, plans: Sequence[Path] = ()) -> tuple[Path, list[Path]]:
+def write_report(
+    run_dirs: Sequence[Path | Run],
+    out: Path,
+    *,
+    max_rooms: int = 8,
+    title: str | None = None,
+    png_dir: Path | None = None,
+    plans: Sequence[Path] = (),
+) -> tuple[Path, list[Path]]:
     """Write one self-contained HTML report of `run_dirs` to `out` and, with `png_dir`,
     each of its figures as a PNG file there; returns (out, the PNG files).
     With several runs the first is the reference A, compared with each other run.
@@ -388,7 +562,9 @@ def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 
     runs = [load_run(p) for p in run_dirs]
     _unique_labels(runs)
     out = Path(out)
-    title = title or ("kvstage report: " + ", ".join([r.name for r in runs] + [Path(p).name for p in plans]))
+    title = title or (
+        "kvstage report: " + ", ".join([r.name for r in runs] + [Path(p).name for p in plans])
+    )
     figure = _Figures(png_dir)
     body = [_header(runs, title, plans)]
     body += [_run_section(i, run, max_rooms, figure) for i, run in enumerate(runs, 1)]
@@ -397,16 +573,18 @@ def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 
     body += [_plan_section(i, Path(p), figure) for i, p in enumerate(plans, 1)]
     if len(runs) > 1:
         body.append('<section id="comparison"><h2>Comparison</h2>')
-        body.append(f'<p class="meta">A is {_e(runs[0].name)}, the reference; B is each other run. Errors are '
-                    "B relative to A over rooms (and chunks) present and completed in both.</p>")
+        body.append(
+            f'<p class="meta">A is {_e(runs[0].name)}, the reference; B is each other run. Errors are '
+            "B relative to A over rooms (and chunks) present and completed in both.</p>"
+        )
         for k, other in enumerate(runs[1:], 1):
             body.append(_compare_section(k, compare_runs(runs[0], other), figure))
         body.append("</section>")
 
     page = (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
         "style-src 'unsafe-inline'\">"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body><main>\n"
         + "\n".join(body)
@@ -417,6 +595,8 @@ def write_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 
     return out, figure.written
 
 
-def build_report(run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None) -> Path:
+def build_report(
+    run_dirs: Sequence[Path | Run], out: Path, *, max_rooms: int = 8, title: str | None = None
+) -> Path:
     """Write one self-contained HTML report of `run_dirs` to `out`; returns `out`."""
     return write_report(run_dirs, out, max_rooms=max_rooms, title=title)[0]

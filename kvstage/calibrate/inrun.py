@@ -71,8 +71,15 @@ CAL_SCENARIO: dict[str, Any] = {
     "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 32},
     "transfer": {"path": "staging", "room_timeout_s": 60},
     "links": {"profile": "loopback-cpu", "placement": "intra"},
-    "workload": {"requests": 8, "arrival": "fixed", "rate_per_s": 6.0, "prompt": "uniform",
-                 "prompt_min": 512, "prompt_max": 2048, "seed": 5},
+    "workload": {
+        "requests": 8,
+        "arrival": "fixed",
+        "rate_per_s": 6.0,
+        "prompt": "uniform",
+        "prompt_min": 512,
+        "prompt_max": 2048,
+        "seed": 5,
+    },
     "hardware": {"device": "cpu", "verify": "sample"},
 }
 # The same run with a quarter of the KV bytes per copy (copy_op_from_runs)
@@ -95,7 +102,11 @@ def kind_means(records: list) -> dict[str, float]:
 
 def copy_bytes_mean(records: list) -> float:
     """Mean bytes of the copies `kind_means` times (prefill gathers, decode scatters)."""
-    xs = [r.bytes for r in records if (r.phase, r.role) in (("gather", "prefill"), ("scatter", "decode"))]
+    xs = [
+        r.bytes
+        for r in records
+        if (r.phase, r.role) in (("gather", "prefill"), ("scatter", "decode"))
+    ]
     return statistics.fmean(xs) if xs else math.nan
 
 
@@ -120,12 +131,19 @@ def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
 
 
 def _worst(target: dict[str, float], got: dict[str, float]) -> float:
-    errs = [abs(got[k] - t) / t for k, t in target.items() if t == t and t > 0 and got.get(k, math.nan) == got.get(k)]
+    errs = [
+        abs(got[k] - t) / t
+        for k, t in target.items()
+        if t == t and t > 0 and got.get(k, math.nan) == got.get(k)
+    ]
     return max(errs, default=math.inf)
 
 
-def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
-                rounds: int = ROUNDS) -> tuple[dict[str, float], list[dict]]:
+def fit_factors(
+    target: dict[str, float],
+    simulate: Callable[[dict[str, float]], dict[str, float]],
+    rounds: int = ROUNDS,
+) -> tuple[dict[str, float], list[dict]]:
     """Factors (FACTORS' fields) such that simulate(factors) ~ target, per kind of step,
     by factor *= (target / simulated) ** DAMPING (the factors act on each other's steps:
     a slower loop also delays writes, so a full step can overshoot); returns the round
@@ -139,7 +157,9 @@ def fit_factors(target: dict[str, float], simulate: Callable[[dict[str, float]],
         for kind, (name, _) in FACTORS.items():
             t, g = target.get(kind, math.nan), got.get(kind, math.nan)
             if t == t and g == g and t > 0 and g > 0:
-                factors[name] = min(hi, max(FLOOR.get(name, lo), factors[name] * (t / g) ** DAMPING))
+                factors[name] = min(
+                    hi, max(FLOOR.get(name, lo), factors[name] * (t / g) ** DAMPING)
+                )
     best = min(history, key=lambda h: h["worst"])
     return best["factors"], history
 
@@ -162,8 +182,11 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    links = {k: v for k, v in fields.items()
-             if k not in {name for name, _ in FACTORS.values()} | {"copy_op_us", *CPU_FIELDS}}
+    links = {
+        k: v
+        for k, v in fields.items()
+        if k not in {name for name, _ in FACTORS.values()} | {"copy_op_us", *CPU_FIELDS}
+    }
     # the factors are what the shared cores do not explain: fit them with the load other
     # processes put on the host during that run
     cond = inrun.get("conditions") or {}
@@ -196,8 +219,13 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
         slowdown = got / (op_s + _copy_alone(fields, small))  # span per CPU second of a copy
         op_s = min(COPY_OP_MAX_S, max(0.0, op_s + (want - got) / slowdown))
     factors, history = fit_factors(target, partial(simulate_both, op_s=op_s))
-    return {"factors": factors, "target": target, "history": history, "copy_op_us": op_s * 1e6,
-            "cpu": {k: v for k, v in cpu.items() if k != "copy_op_us"}}
+    return {
+        "factors": factors,
+        "target": target,
+        "history": history,
+        "copy_op_us": op_s * 1e6,
+        "cpu": {k: v for k, v in cpu.items() if k != "copy_op_us"},
+    }
 
 
 def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
@@ -213,18 +241,26 @@ def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
     NIXL's from 31.9% to 26.5% on one set of hw runs, but NIXL's from 16.6% to 35.2% on
     the next (benchmarks/fidelity.py, 2026-12-01): a wait that is fixed per step does
     not grow with a busier host as waiting for a core does."""
-    def per_run(kinds: tuple[str, ...], alone: Callable[[float], float]) -> list[tuple[float, float]]:
+
+    def per_run(
+        kinds: tuple[str, ...], alone: Callable[[float], float]
+    ) -> list[tuple[float, float]]:
         out = []
         for run in runs:
             jobs = [(run.get("job_cpu") or {}).get(k) for k in kinds]
             n = sum(j["n"] for j in jobs if j)
             if not all(jobs) or not n:
                 return []
-            out.append((sum(j["cpu_s"] for j in jobs) / n, alone(sum(j["bytes"] for j in jobs) / n)))
+            out.append(
+                (sum(j["cpu_s"] for j in jobs) / n, alone(sum(j["bytes"] for j in jobs) / n))
+            )
         return out
 
     out: dict[str, float] = {}
-    fill = per_run(("fill",), lambda b: fields["fill_latency_us"] / 1e6 + b / (fields["fill_bandwidth_gbs"] * 1e9))
+    fill = per_run(
+        ("fill",),
+        lambda b: fields["fill_latency_us"] / 1e6 + b / (fields["fill_bandwidth_gbs"] * 1e9),
+    )
     if fill:
         out["fill_cpu_scale"] = sum(c for c, _ in fill) / sum(a for _, a in fill)
     copy = per_run(("gather", "scatter"), lambda b: _copy_alone(fields, {"copy_bytes": b}))
@@ -234,7 +270,9 @@ def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
         c, a = copy[0]
         out["copy_cpu_scale"] = c / (a + out.get("copy_op_us", 0.0) / 1e6)
     lat = (fields.get("intra_latency_us", 0.0) + fields.get("intra_per_batch_us", 0.0)) / 1e6
-    write = per_run(("write",), lambda b: lat + b / (fields.get("intra_bandwidth_gbps", math.inf) * 1e9 / 8))
+    write = per_run(
+        ("write",), lambda b: lat + b / (fields.get("intra_bandwidth_gbps", math.inf) * 1e9 / 8)
+    )
     if write and fields.get("write_on_cpu"):
         out["write_cpu_scale"] = sum(c for c, _ in write) / sum(a for _, a in write)
     return {k: round(v, 4) for k, v in out.items()}
@@ -246,7 +284,10 @@ def joint_steps(big: dict[str, float], small: dict[str, float] | None) -> dict[s
     copy: CAL_SCENARIO's alone (CAL_SMALL's copy fits copy_op instead)."""
     if small is None:
         return dict(big)
-    out = {k: math.sqrt(v * small[k]) if v > 0 and small.get(k, 0) > 0 else math.nan for k, v in big.items()}
+    out = {
+        k: math.sqrt(v * small[k]) if v > 0 and small.get(k, 0) > 0 else math.nan
+        for k, v in big.items()
+    }
     out["copy"] = big["copy"]
     return out
 
@@ -263,5 +304,7 @@ def _copy_op(fields: dict[str, Any], inrun: dict) -> float:
     small = inrun.get("small") or {}
     if not small.get("ok") or not fields.get("mem_bandwidth_gbs"):
         return 0.0
-    return copy_op_from_runs((inrun["steps"].get("copy", math.nan), _copy_alone(fields, inrun)),
-                             (small["steps"].get("copy", math.nan), _copy_alone(fields, small)))
+    return copy_op_from_runs(
+        (inrun["steps"].get("copy", math.nan), _copy_alone(fields, inrun)),
+        (small["steps"].get("copy", math.nan), _copy_alone(fields, small)),
+    )

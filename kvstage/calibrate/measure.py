@@ -36,7 +36,9 @@ def measure(
     before = conditions.sample()
     raw = probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
     quick = plan is not None and plan.quick
-    raw["posting"] = measure_posting(backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress)
+    raw["posting"] = measure_posting(
+        backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress
+    )
     raw["conditions"] = conditions.measure(before)  # how busy other processes kept the host
     raw["rank_loop"] = rank_loop_constants(device)
     raw["inrun"] = measure_inrun(backend, device, progress)  # kvstage/calibrate/inrun.py
@@ -54,7 +56,10 @@ def rank_loop_constants(device: str) -> dict[str, float]:
     write lanes of both engines (hw/transport.py), so the poll period is 0."""
     from kvstage.hw.prefill_rank import FORWARD_NICE
 
-    return {"busy_poll_s": 0.0, "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE}
+    return {
+        "busy_poll_s": 0.0,
+        "forward_nice": 0 if str(device).startswith("cuda") else FORWARD_NICE,
+    }
 
 
 def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, Any]:
@@ -64,15 +69,24 @@ def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, 
     from kvstage.shared.scenario import scenario_from_dict
     from kvstage.sim.driver import Simulation
 
-    scenario = scenario_from_dict({
-        "name": "calibrate-handle-cost",
-        "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
-        "prefill": {"tp": 2, "chunked_prefill_size": 256},
-        "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 16},
-        "links": {"profile": "loopback-cpu", "placement": "intra"},
-        "workload": {"requests": 16, "arrival": "fixed", "rate_per_s": 50.0, "prompt": "uniform",
-                     "prompt_min": 512, "prompt_max": 2048, "seed": 1},
-    })
+    scenario = scenario_from_dict(
+        {
+            "name": "calibrate-handle-cost",
+            "model": {"layers": 4, "kv_heads": 8, "head_dim": 64, "params_b": 0.5},
+            "prefill": {"tp": 2, "chunked_prefill_size": 256},
+            "decode": {"tp": 1, "page_size": 16, "staging_pool_mb": 16},
+            "links": {"profile": "loopback-cpu", "placement": "intra"},
+            "workload": {
+                "requests": 16,
+                "arrival": "fixed",
+                "rate_per_s": 50.0,
+                "prompt": "uniform",
+                "prompt_min": 512,
+                "prompt_max": 2048,
+                "seed": 1,
+            },
+        }
+    )
     sim = Simulation(scenario, check=False)
     times: list[float] = []
     clock = time.perf_counter
@@ -83,6 +97,7 @@ def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, 
             out = handle(event, now)
             times.append(clock() - t0)
             return out
+
         return wrapper
 
     for m in [*sim.prefill, *sim.decode]:
@@ -91,9 +106,12 @@ def measure_handle_cost(progress: Callable[[str, int, int], None]) -> dict[str, 
     sim.run()
     progress("events", 1, 1)
     xs = sorted(times)
-    return {"events": len(xs), "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
-            "median_s": float(statistics.median(xs)) if xs else 0.0,
-            "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0}
+    return {
+        "events": len(xs),
+        "mean_s": float(statistics.fmean(xs)) if xs else 0.0,
+        "median_s": float(statistics.median(xs)) if xs else 0.0,
+        "p90_s": float(xs[int(0.9 * (len(xs) - 1))]) if xs else 0.0,
+    }
 
 
 def _inrun_run(data: dict, backend: str, device: str) -> dict:
@@ -107,14 +125,22 @@ def _inrun_run(data: dict, backend: str, device: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvstage-inrun-") as tmp:  # the ranks' logs
         result = launch_run(scenario, Path(tmp), timeout_s=120.0)
     summary, records = result.summary, result.records
-    return {"ok": judge(result).code == 0, "errors": summary.get("errors", [])[:3], "steps": kind_means(records),
-            "copy_bytes": copy_bytes_mean(records), "job_cpu": summary.get("job_cpu") or {},
-            "conditions": summary.get("conditions"),
-            "requests_done": summary.get("requests_done"),
-            "loop_sched": summary.get("loop_sched") or {}, "engine_sched": summary.get("engine_sched") or {}}
+    return {
+        "ok": judge(result).code == 0,
+        "errors": summary.get("errors", [])[:3],
+        "steps": kind_means(records),
+        "copy_bytes": copy_bytes_mean(records),
+        "job_cpu": summary.get("job_cpu") or {},
+        "conditions": summary.get("conditions"),
+        "requests_done": summary.get("requests_done"),
+        "loop_sched": summary.get("loop_sched") or {},
+        "engine_sched": summary.get("engine_sched") or {},
+    }
 
 
-def measure_inrun(backend: str, device: str, progress: Callable[[str, int, int], None] | None = None) -> dict:
+def measure_inrun(
+    backend: str, device: str, progress: Callable[[str, int, int], None] | None = None
+) -> dict:
     """Run CAL_SCENARIO, then CAL_SMALL, on the real engine: the first's mean step times
     and the host's conditions, with the second's under "small"."""
     if progress:

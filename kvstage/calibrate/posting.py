@@ -47,7 +47,9 @@ class Overlap(NamedTuple):
         return "overlap" if r < OVERLAP_BELOW else "serialise" if r >= SERIAL_AT else "partial"
 
 
-def overlap(alone: Sequence[Sequence[float]], pairs: Sequence[Sequence[Sequence[float]]]) -> Overlap:
+def overlap(
+    alone: Sequence[Sequence[float]], pairs: Sequence[Sequence[Sequence[float]]]
+) -> Overlap:
     """`alone`: (posted, done) per repetition of one batch; `pairs`: per repetition the
     two batches' (posted, done), both timed from the common start."""
     if not alone or not pairs:
@@ -56,8 +58,14 @@ def overlap(alone: Sequence[Sequence[float]], pairs: Sequence[Sequence[Sequence[
     a_done = statistics.median(d for _, d in alone)
     p_post = statistics.median(max(x[0] for x in rep) for rep in pairs)
     p_done = statistics.median(max(x[1] for x in rep) for rep in pairs)
-    return Overlap(p_post / a_post if a_post > 0 else float("nan"), p_done / a_done if a_done > 0 else float("nan"),
-                   a_post, a_done, p_post, p_done)
+    return Overlap(
+        p_post / a_post if a_post > 0 else float("nan"),
+        p_done / a_done if a_done > 0 else float("nan"),
+        a_post,
+        a_done,
+        p_post,
+        p_done,
+    )
 
 
 @dataclass
@@ -99,15 +107,29 @@ class PostingFit:
 
     def table(self) -> dict[str, Any]:
         """The sidecar's [fit.posting]."""
+
         def line(f: LineFit | None) -> dict[str, Any] | None:
-            return None if f is None else {"intercept_s": f.intercept_s, "slope_s": f.slope_s, "r2": f.r2,
-                                           "residuals_rel": f.residuals}
+            return (
+                None
+                if f is None
+                else {
+                    "intercept_s": f.intercept_s,
+                    "slope_s": f.slope_s,
+                    "r2": f.r2,
+                    "residuals_rel": f.residuals,
+                }
+            )
 
         return {
             "model": "posted(n) = per_batch + n * per_request; done(n) - posted(n) = a + n / message_rate",
-            "op_bytes": self.op_bytes, "fresh": line(self.fresh), "prepped": line(self.prepped),
-            "message": line(self.message), "per_batch_s": self.per_batch_s, "per_request_s": self.per_request_s,
-            "prep_per_request_s": self.prep_per_request_s, "message_rate_per_s": self.message_rate,
+            "op_bytes": self.op_bytes,
+            "fresh": line(self.fresh),
+            "prepped": line(self.prepped),
+            "message": line(self.message),
+            "per_batch_s": self.per_batch_s,
+            "per_request_s": self.per_request_s,
+            "prep_per_request_s": self.prep_per_request_s,
+            "message_rate_per_s": self.message_rate,
             "two_ranks": {**self.two_ranks._asdict(), "verdict": self.two_ranks.verdict},
             "two_threads": {**self.two_threads._asdict(), "verdict": self.two_threads.verdict},
             "cores": self.cores,
@@ -116,21 +138,31 @@ class PostingFit:
     def toml_lines(self) -> list[str]:
         """Comment lines for the profile: what was measured, with R^2 and the verdicts."""
         f, p, r, t = self.fresh, self.prepped, self.two_ranks, self.two_threads
-        out = [f"# Posting ({self.backend}, engine called directly, batches of n x {self.op_bytes} B writes):",
-               f"#   fresh descriptors: posted(n) = {f.intercept_s * 1e6:.1f} us + n * {f.slope_s * 1e6:.3f} us, "
-               f"R^2 {f.r2:.4f}"]
+        out = [
+            f"# Posting ({self.backend}, engine called directly, batches of n x {self.op_bytes} B writes):",
+            f"#   fresh descriptors: posted(n) = {f.intercept_s * 1e6:.1f} us + n * {f.slope_s * 1e6:.3f} us, "
+            f"R^2 {f.r2:.4f}",
+        ]
         if p is not None:
-            out.append(f"#   prepped lists (make_prepped_xfer): {p.intercept_s * 1e6:.1f} us + n * "
-                       f"{p.slope_s * 1e6:.3f} us, R^2 {p.r2:.4f}")
+            out.append(
+                f"#   prepped lists (make_prepped_xfer): {p.intercept_s * 1e6:.1f} us + n * "
+                f"{p.slope_s * 1e6:.3f} us, R^2 {p.r2:.4f}"
+            )
         m = self.message
         if self.message_rate:
             assert m is not None
-            out.append(f"#   after posting: {m.intercept_s * 1e6:.1f} us + n / {self.message_rate / 1e6:.3f} M/s, "
-                       f"R^2 {m.r2:.4f}")
+            out.append(
+                f"#   after posting: {m.intercept_s * 1e6:.1f} us + n / {self.message_rate / 1e6:.3f} M/s, "
+                f"R^2 {m.r2:.4f}"
+            )
         else:
-            out.append("#   the writes complete inside the posting call: no separate message rate (0)")
-        out.append(f"#   two ranks at once: {r.done_ratio:.2f}x one alone ({r.verdict}); two threads of one "
-                   f"process: {t.done_ratio:.2f}x ({t.verdict}); {self.cores} cores")
+            out.append(
+                "#   the writes complete inside the posting call: no separate message rate (0)"
+            )
+        out.append(
+            f"#   two ranks at once: {r.done_ratio:.2f}x one alone ({r.verdict}); two threads of one "
+            f"process: {t.done_ratio:.2f}x ({t.verdict}); {self.cores} cores"
+        )
         return out
 
 
@@ -141,16 +173,23 @@ def fit_posting(raw: dict[str, Any]) -> PostingFit:
     fresh = fit_line(counts, median_of(sw["fresh"]["post_s"]))
     prepped = fit_line(counts, median_of(sw["prepped"]["post_s"])) if sw.get("prepped") else None
     mode = sw["prepped"] if sw.get("prepped") else sw["fresh"]
-    after = [float(statistics.median(d - p for p, d in zip(ps, ds, strict=True)))
-             for ps, ds in zip(mode["post_s"], mode["done_s"], strict=True)]
+    after = [
+        float(statistics.median(d - p for p, d in zip(ps, ds, strict=True)))
+        for ps, ds in zip(mode["post_s"], mode["done_s"], strict=True)
+    ]
     message = None
     if min(after) > 0:
         message = fit_line(counts, after, relative=False)
     big = counts.index(max(counts))
     posted_big = float(statistics.median(mode["post_s"][big]))
     return PostingFit(
-        backend=raw.get("backend", "?"), op_bytes=int(sw["op_bytes"]), fresh=fresh, prepped=prepped,
-        message=message, two_ranks=overlap(raw["two_ranks"]["alone"], raw["two_ranks"]["pairs"]),
-        two_threads=overlap(raw["threads"]["alone"], raw["threads"]["pairs"]), cores=int(raw.get("cores", 0)),
+        backend=raw.get("backend", "?"),
+        op_bytes=int(sw["op_bytes"]),
+        fresh=fresh,
+        prepped=prepped,
+        message=message,
+        two_ranks=overlap(raw["two_ranks"]["alone"], raw["two_ranks"]["pairs"]),
+        two_threads=overlap(raw["threads"]["alone"], raw["threads"]["pairs"]),
+        cores=int(raw.get("cores", 0)),
         after_fraction=max(0.0, after[big]) / posted_big if posted_big > 0 else 1.0,
     )

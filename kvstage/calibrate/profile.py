@@ -96,7 +96,6 @@ __all__ = [
 ENGINE_WRITE_THREADS = {"nixl": 1, "mooncake": 2}
 
 
-
 def _r(x: float, digits: int = 4) -> float:
     """x to `digits` significant digits, as a float (for the TOML)."""
     if x == 0 or not math.isfinite(x):
@@ -193,7 +192,9 @@ class Calibration:
         out: dict[str, Any] = {}
         for c in ("inter", "intra"):
             out[f"{c}_per_request_us"] = _r(per * 1e6)
-            out[f"{c}_prep_per_request_us"] = _r(p.prep_per_request_s * 1e6) if p is not None else 0.0
+            out[f"{c}_prep_per_request_us"] = (
+                _r(p.prep_per_request_s * 1e6) if p is not None else 0.0
+            )
             out[f"{c}_per_batch_us"] = _r(p.per_batch_s * 1e6) if p is not None else 0.0
             out[f"{c}_message_rate_mps"] = _r(p.message_rate / 1e6) if p is not None else 0.0
         return {**out, "post_threads": 1, "descriptor_reuse": False}
@@ -209,8 +210,10 @@ class Calibration:
         gbps = _r(self.write.bandwidth_Bps * 8 / 1e9)
         lat_us = _r(self.link_latency_s * 1e6)
         return {
-            "source": (f"kvstage calibrate: {self.backend} on {self.device}, host {self.host}, "
-                       f"{self.when}{', quick sweep' if self.quick else ''}"),
+            "source": (
+                f"kvstage calibrate: {self.backend} on {self.device}, host {self.host}, "
+                f"{self.when}{', quick sweep' if self.quick else ''}"
+            ),
             "inter_bandwidth_gbps": gbps,
             "inter_latency_us": lat_us,
             "intra_bandwidth_gbps": gbps,
@@ -236,41 +239,75 @@ class Calibration:
             "write_cpu_threads": ENGINE_WRITE_THREADS.get(self.backend, 1),
             "write_rt": loop_is_realtime(self.raw.get("inrun"), "engine_sched"),
             "copy_op_us": _r(self.inrun.get("copy_op_us", 0.0)),
-            **{name: _r(self.inrun.get("factors", {}).get(name, 1.0)) for name, _ in FACTORS.values()},
+            **{
+                name: _r(self.inrun.get("factors", {}).get(name, 1.0))
+                for name, _ in FACTORS.values()
+            },
         }
 
     def fit_table(self) -> dict[str, Any]:
         """The [fit] part of the sidecar: every fit with its R^2 and residuals."""
+
         def lin(f: LinearFit) -> dict[str, Any]:
-            return {"latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps, "r2": f.r2,
-                    "residuals_rel": f.residuals}
+            return {
+                "latency_s": f.latency_s,
+                "bandwidth_Bps": f.bandwidth_Bps,
+                "r2": f.r2,
+                "residuals_rel": f.residuals,
+            }
 
         def cp(f: CopyFit) -> dict[str, Any]:
-            return {"launch_s": f.launch_s, "bandwidth_Bps": f.bandwidth_Bps, "r2": f.r2,
-                    "residuals_rel": f.residuals}
+            return {
+                "launch_s": f.launch_s,
+                "bandwidth_Bps": f.bandwidth_Bps,
+                "r2": f.r2,
+                "residuals_rel": f.residuals,
+            }
 
         return {
             "write": {**lin(self.write), "model": "t = latency + bytes / bandwidth (one op)"},
-            "per_request": {"per_request_s": self.per_request.per_request_s,
-                            "intercept_s": self.per_request.intercept_s, "slope_s": self.per_request.slope_s,
-                            "r2": self.per_request.r2, "residuals_rel": self.per_request.residuals,
-                            "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth"},
+            "per_request": {
+                "per_request_s": self.per_request.per_request_s,
+                "intercept_s": self.per_request.intercept_s,
+                "slope_s": self.per_request.slope_s,
+                "r2": self.per_request.r2,
+                "residuals_rel": self.per_request.residuals,
+                "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth",
+            },
             "per_request_points": self._per_request_points(),
             "link_latency_s": self.link_latency_s,
             "posting": self.posting.table() if self.posting is not None else None,
-            "control": {"rtt_median_s": self.control_rtt_s, "rtt_p90_s": self.control_rtt_p90_s,
-                        "one_way_s": self.control_rtt_s / 2, "pings": len(self.raw["control"]["rtt_s"])},
+            "control": {
+                "rtt_median_s": self.control_rtt_s,
+                "rtt_p90_s": self.control_rtt_p90_s,
+                "one_way_s": self.control_rtt_s / 2,
+                "pings": len(self.raw["control"]["rtt_s"]),
+            },
             "gather": {**cp(self.gather), "model": "t = launch + bytes / bandwidth (4 of 4 heads)"},
-            "gather_sub": {**cp(self.gather_sub), "model": "t = launch + bytes / bandwidth (2 of 4 heads)"},
-            "scatter": {**cp(self.scatter), "model": "t = W * launch + bytes / bandwidth (W = 2 blocks)"},
-            "copy": {**cp(self.copy), "model": "gather + scatter together; mem_bandwidth = 2 * bandwidth"},
-            "fill": {**lin(self.fill), "bytes_per_token": self.fill_bytes_per_token,
-                     "model": "hw prefill forward (fill_pattern): t = latency + KV bytes / bandwidth"},
+            "gather_sub": {
+                **cp(self.gather_sub),
+                "model": "t = launch + bytes / bandwidth (2 of 4 heads)",
+            },
+            "scatter": {
+                **cp(self.scatter),
+                "model": "t = W * launch + bytes / bandwidth (W = 2 blocks)",
+            },
+            "copy": {
+                **cp(self.copy),
+                "model": "gather + scatter together; mem_bandwidth = 2 * bandwidth",
+            },
+            "fill": {
+                **lin(self.fill),
+                "bytes_per_token": self.fill_bytes_per_token,
+                "model": "hw prefill forward (fill_pattern): t = latency + KV bytes / bandwidth",
+            },
             "gpu_flops": self.gpu_flops,
             "engine_idle_cores": self.engine_idle_cores,
-            "event_handle": dict(self.raw.get("handle", {}),
-                                 model="CPU cost of one state-machine event (machine.handle) in a "
-                                       "rank loop; its mean is the profile's event_us"),
+            "event_handle": dict(
+                self.raw.get("handle", {}),
+                model="CPU cost of one state-machine event (machine.handle) in a "
+                "rank loop; its mean is the profile's event_us",
+            ),
         }
 
     def _per_request_points(self) -> list[dict[str, float]]:
@@ -294,9 +331,12 @@ class Calibration:
             "python": platform.python_version(),
             "profile": self.profile_fields(),
             "fit": self.fit_table(),
-            "forward": {"fill_latency_s": self.fill.latency_s, "fill_bandwidth_Bps": self.fill.bandwidth_Bps,
-                        "note": "prefill.tokens_per_s = chunk / (fill_latency + chunk * kv_bytes_per_token "
-                                "/ fill_bandwidth) makes the sim's forward match hw mode's pattern fill"},
+            "forward": {
+                "fill_latency_s": self.fill.latency_s,
+                "fill_bandwidth_Bps": self.fill.bandwidth_Bps,
+                "note": "prefill.tokens_per_s = chunk / (fill_latency + chunk * kv_bytes_per_token "
+                "/ fill_bandwidth) makes the sim's forward match hw mode's pattern fill",
+            },
             "raw": self.raw,
         }
 
@@ -386,9 +426,15 @@ class Calibration:
             "# copy_op_us: a copy's fixed CPU in a rank, from the in-run run and its copy of a quarter",
             f"# the bytes (kvstage/calibrate/inrun.py fit_profile): {copy_note}",
             f"copy_op_us = {p['copy_op_us']!r}",
-            *(["# The steps' CPU in those runs (summary.json job_cpu) over their time alone, not set",
-               "# (kvstage/calibrate/inrun.py cpu_factors says why): "
-               + ", ".join(f"{k} = {v:.3g}" for k, v in cpu.items() if k in CPU_FIELDS)] if cpu else []),
+            *(
+                [
+                    "# The steps' CPU in those runs (summary.json job_cpu) over their time alone, not set",
+                    "# (kvstage/calibrate/inrun.py cpu_factors says why): "
+                    + ", ".join(f"{k} = {v:.3g}" for k, v in cpu.items() if k in CPU_FIELDS),
+                ]
+                if cpu
+                else []
+            ),
             "# In-run factors (kvstage/calibrate/inrun.py), fitted so the simulation of a short hw",
             f"# run (P1 -> D1, and its quarter-heads twin) gives their mean step times: {steps_note}",
             *(f"{name} = {p[name]!r}" for name, _ in FACTORS.values()),
@@ -396,12 +442,22 @@ class Calibration:
 
     def _engine_toml(self, p: dict[str, Any]) -> list[str]:
         """The posting fields with what was measured (kvstage/calibrate/posting.py)."""
-        notes = self.posting.toml_lines() if self.posting is not None else [
-            "# Posting: not measured (raw points without the posting probe); per request from the batches."]
-        notes += ["# Hardware-mode ranks build descriptors per write and post from their one loop",
-                  "# thread: descriptor_reuse = false, post_threads = 1."]
-        keys = [f"{c}_{k}" for c in ("inter", "intra")
-                for k in ("per_request_us", "prep_per_request_us", "per_batch_us", "message_rate_mps")]
+        notes = (
+            self.posting.toml_lines()
+            if self.posting is not None
+            else [
+                "# Posting: not measured (raw points without the posting probe); per request from the batches."
+            ]
+        )
+        notes += [
+            "# Hardware-mode ranks build descriptors per write and post from their one loop",
+            "# thread: descriptor_reuse = false, post_threads = 1.",
+        ]
+        keys = [
+            f"{c}_{k}"
+            for c in ("inter", "intra")
+            for k in ("per_request_us", "prep_per_request_us", "per_batch_us", "message_rate_mps")
+        ]
         lines = [f"{k} = {p[k]!r}" for k in keys]
         return [*notes, *lines, f"post_threads = {p['post_threads']!r}", "descriptor_reuse = false"]
 
@@ -414,14 +470,23 @@ def inrun_notes(inrun: dict | None, fit: dict) -> tuple[str, str]:
         why = "; ".join(inrun.get("errors") or []) or "not measured"
         steps = f"none ({why[:60]}), all 1."
     else:
-        steps = "hw " + ", ".join(f"{k} {fit['target'][k] * 1e3:.2f} ms" for k in FACTORS) + (
-            " (the geometric mean of the two; copy: the first's)." if inrun.get("small") else ".")
+        steps = (
+            "hw "
+            + ", ".join(f"{k} {fit['target'][k] * 1e3:.2f} ms" for k in FACTORS)
+            + (
+                " (the geometric mean of the two; copy: the first's)."
+                if inrun.get("small")
+                else "."
+            )
+        )
     small = inrun.get("small") or {}
     if not small.get("ok"):
         return steps, "not measured, 0."
     copy = (fit.get("target") or {}).get("copy", math.nan)
-    return steps, (f"mean copy {copy * 1e3:.2f} ms at {inrun.get('copy_bytes', 0) / 1024:.0f} KiB, "
-                   f"{small['steps'].get('copy', math.nan) * 1e3:.2f} ms at {small.get('copy_bytes', 0) / 1024:.0f} KiB.")
+    return steps, (
+        f"mean copy {copy * 1e3:.2f} ms at {inrun.get('copy_bytes', 0) / 1024:.0f} KiB, "
+        f"{small['steps'].get('copy', math.nan) * 1e3:.2f} ms at {small.get('copy_bytes', 0) / 1024:.0f} KiB."
+    )
 
 
 def _fmt_bytes(n: int) -> str:
@@ -437,14 +502,20 @@ def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Cali
     wr = raw["write"]
     write = fit_latency_bandwidth(wr["sizes"], median_of(wr["seconds"]))
     b = raw["batch"]
-    per = fit_per_request(b["counts"], median_of(b["seconds"]), op_bytes=b["op_bytes"],
-                          bandwidth_Bps=write.bandwidth_Bps)
+    per = fit_per_request(
+        b["counts"],
+        median_of(b["seconds"]),
+        op_bytes=b["op_bytes"],
+        bandwidth_Bps=write.bandwidth_Bps,
+    )
     rtts = raw["control"]["rtt_s"]
     k = raw["kernels"]
     gather = fit_copy(k["gather"]["bytes"], median_of(k["gather"]["seconds"]))
     gather_sub = fit_copy(k["gather_sub"]["bytes"], median_of(k["gather_sub"]["seconds"]))
     w = k["scatter"]["launches"]
-    scatter = fit_copy(k["scatter"]["bytes"], median_of(k["scatter"]["seconds"]), [w] * len(k["scatter"]["bytes"]))
+    scatter = fit_copy(
+        k["scatter"]["bytes"], median_of(k["scatter"]["seconds"]), [w] * len(k["scatter"]["bytes"])
+    )
     copy = fit_copy(
         [*k["gather"]["bytes"], *k["scatter"]["bytes"]],
         [*median_of(k["gather"]["seconds"]), *median_of(k["scatter"]["seconds"])],
@@ -502,11 +573,15 @@ def check_profile_loads(path: str | Path) -> None:
     """Load a tiny scenario naming the profile by path: raises ScenarioError if refused."""
     from kvstage.shared.scenario import scenario_from_dict
 
-    scenario_from_dict({
-        "model": {"layers": 2, "kv_heads": 2, "head_dim": 16, "params_b": 0.1},
-        "prefill": {"tp": 1}, "decode": {"tp": 1, "staging_pool_mb": 64},
-        "links": {"profile": str(Path(path).resolve())},
-    }, source=f"calibrated profile {path}")
+    scenario_from_dict(
+        {
+            "model": {"layers": 2, "kv_heads": 2, "head_dim": 16, "params_b": 0.1},
+            "prefill": {"tp": 1},
+            "decode": {"tp": 1, "staging_pool_mb": 64},
+            "links": {"profile": str(Path(path).resolve())},
+        },
+        source=f"calibrated profile {path}",
+    )
 
 
 def write_profile(cal: Calibration, path: str | Path) -> tuple[Path, Path]:

@@ -38,8 +38,12 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_version, help="Print the version and exit."
+        ),
+    ] = False,
 ) -> None:
     """Staged KV-cache transfer between prefill and decode with different TP sizes:
     validate scenarios, simulate them (SimPy), run them on real NIXL / Mooncake

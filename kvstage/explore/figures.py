@@ -24,8 +24,10 @@ from kvstage.explore.sweep_target import Target, is_numeric, value_order
 # --- parameter sweeps (`kvstage sweep`) -------------------------------------------------------
 
 # Line colours of the sweep figures: the Okabe-Ito palette, in this order.
-SWEEP_COLORS = tuple(OKABE_ITO[k] for k in ("blue", "orange", "green", "purple", "sky_blue", "vermillion",
-                                             "yellow", "black"))
+SWEEP_COLORS = tuple(
+    OKABE_ITO[k]
+    for k in ("blue", "orange", "green", "purple", "sky_blue", "vermillion", "yellow", "black")
+)
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _LINESTYLES = ("-", "--", "-.", ":")
 
@@ -65,6 +67,7 @@ def key_label(key: str) -> str:
             return f"{key} ({unit})"
     return key
 
+
 def _fmt_value(v: Any) -> str:
     if isinstance(v, float) and v.is_integer():
         return f"{v:g}"
@@ -85,7 +88,9 @@ def plot_sweep(
     if len(result.varies) == 2:
         figures.append(("heatmap", _sweep_heatmap(result, metric, scale, label, ylabel, target)))
     if math.prod(len(v.values) for v in result.varies[1:]) <= 12:
-        figures.append(("lines", _sweep_lines(result, metric, (scale, unit, label, ylabel), target)))
+        figures.append(
+            ("lines", _sweep_lines(result, metric, (scale, unit, label, ylabel), target))
+        )
     written: list[Path] = []
     for kind, fig in figures:
         path = out_dir / f"{kind}-{slug}.png"
@@ -94,19 +99,24 @@ def plot_sweep(
     return written
 
 
-def _sweep_heatmap(result: SweepResult, metric: str, scale: float, label: str, ylabel: str,
-                   target: Target | None) -> Figure:
+def _sweep_heatmap(
+    result: SweepResult, metric: str, scale: float, label: str, ylabel: str, target: Target | None
+) -> Figure:
     """The metric over the two varied keys, one annotated cell per point; cells whose
     point meets `target` are outlined."""
     first, second = result.varies
-    fig = Figure(figsize=(max(6.0, 2.2 + 1.2 * len(second.values)), max(4.0, 1.6 + 0.6 * len(first.values))))
+    fig = Figure(
+        figsize=(max(6.0, 2.2 + 1.2 * len(second.values)), max(4.0, 1.6 + 0.6 * len(first.values)))
+    )
     ax = fig.add_subplot()
     grid = [
-        [result.row_at((a, b)) for b in range(len(second.values))]
-        for a in range(len(first.values))
+        [result.row_at((a, b)) for b in range(len(second.values))] for a in range(len(first.values))
     ]
     data = [
-        [math.nan if r[metric] is None or r["status"] != STATUS_OK else r[metric] * scale for r in line]
+        [
+            math.nan if r[metric] is None or r["status"] != STATUS_OK else r[metric] * scale
+            for r in line
+        ]
         for line in grid
     ]
     finite = [x for line in data for x in line if math.isfinite(x)]
@@ -120,7 +130,11 @@ def _sweep_heatmap(result: SweepResult, metric: str, scale: float, label: str, y
             text, colour = _cell_text(r, data[i][j], cmap, vmin, vmax)
             if target is not None and target.met_by(r):
                 text += " ✓"
-                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=2.5))
+                ax.add_patch(
+                    Rectangle(
+                        (j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=2.5
+                    )
+                )
             ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=9)
     ax.set_xticks(range(len(second.values)), [_fmt_value(v) for v in second.values])
     ax.set_yticks(range(len(first.values)), [_fmt_value(v) for v in first.values])
@@ -135,7 +149,9 @@ def _sweep_heatmap(result: SweepResult, metric: str, scale: float, label: str, y
     return fig
 
 
-def _cell_text(row: dict[str, Any], x: float, cmap: Any, vmin: float, vmax: float) -> tuple[str, str]:
+def _cell_text(
+    row: dict[str, Any], x: float, cmap: Any, vmin: float, vmax: float
+) -> tuple[str, str]:
     """A heatmap cell's text and its colour (black or white, whichever reads on the cell)."""
     if row["status"] != STATUS_OK:
         return row["status"], "#333333"
@@ -146,8 +162,9 @@ def _cell_text(row: dict[str, Any], x: float, cmap: Any, vmin: float, vmax: floa
     return fmt_number(x), "black" if lum > 0.5 else "white"
 
 
-def _sweep_lines(result: SweepResult, metric: str, display: tuple[float, str, str, str],
-                 target: Target | None) -> Figure:
+def _sweep_lines(
+    result: SweepResult, metric: str, display: tuple[float, str, str, str], target: Target | None
+) -> Figure:
     """The metric against the first varied key (smallest first), one line per setting of
     the other keys; categories get markers only. Points that did not run are left out."""
     scale, unit, label, ylabel = display
@@ -165,17 +182,27 @@ def _sweep_lines(result: SweepResult, metric: str, display: tuple[float, str, st
             if r["status"] == STATUS_OK and r[metric] is not None:
                 xs.append(pos)
                 ys.append(r[metric] * scale)
-        name = ", ".join(f"{v.key}={_fmt_value(v.values[j])}" for v, j in zip(others, combo, strict=True))
+        name = ", ".join(
+            f"{v.key}={_fmt_value(v.values[j])}" for v, j in zip(others, combo, strict=True)
+        )
         ax.plot(
-            xs, ys,
+            xs,
+            ys,
             color=SWEEP_COLORS[n % len(SWEEP_COLORS)],
             marker=_MARKERS[n % len(_MARKERS)],
-            linestyle=_LINESTYLES[(n // len(SWEEP_COLORS)) % len(_LINESTYLES)] if numeric else "none",
+            linestyle=_LINESTYLES[(n // len(SWEEP_COLORS)) % len(_LINESTYLES)]
+            if numeric
+            else "none",
             label=name or None,
         )
     if target is not None and target.metric == metric:
-        ax.axhline(target.value * scale, color="black", linestyle=":", linewidth=1.2,
-                   label=f"target {target.op} {fmt_number(target.value * scale)} {unit}".rstrip())
+        ax.axhline(
+            target.value * scale,
+            color="black",
+            linestyle=":",
+            linewidth=1.2,
+            label=f"target {target.op} {fmt_number(target.value * scale)} {unit}".rstrip(),
+        )
     if numeric:
         pos = [p for p in positions if p > 0]
         if len(pos) == len(positions) and max(pos) / min(pos) >= 8:
@@ -203,8 +230,10 @@ def _sweep_lines(result: SweepResult, metric: str, display: tuple[float, str, st
 
 def shape(row: dict[str, Any]) -> str:
     """`P 2xTP4 + D 1xTP4, pool 4096 MiB`: a configuration in a few words."""
-    return (f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']} + "
-            f"D {row['cluster.decode_instances']}xTP{row['decode.tp']}, pool {row['decode.staging_pool_mb']:g} MiB")
+    return (
+        f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']} + "
+        f"D {row['cluster.decode_instances']}xTP{row['decode.tp']}, pool {row['decode.staging_pool_mb']:g} MiB"
+    )
 
 
 def front_figure(plan: dict[str, Any]) -> Any:
@@ -212,22 +241,56 @@ def front_figure(plan: dict[str, Any]) -> Any:
     the front as a line, points that meet the SLO in colour, the winner starred."""
     fig = Figure(figsize=(7.5, 4.6), layout="constrained")
     ax = fig.add_subplot()
-    pts = [r for r in plan["points"] if r["status"] == STATUS_OK and r["ttft_s.p90"] is not None
-           and r["goodput_per_gpu_rps"] is not None]
-    for meets, color, label in ((False, "#b0b0b0", "misses the SLO"), (True, "#2c7fb8", "meets the SLO")):
+    pts = [
+        r
+        for r in plan["points"]
+        if r["status"] == STATUS_OK
+        and r["ttft_s.p90"] is not None
+        and r["goodput_per_gpu_rps"] is not None
+    ]
+    for meets, color, label in (
+        (False, "#b0b0b0", "misses the SLO"),
+        (True, "#2c7fb8", "meets the SLO"),
+    ):
         sel = [r for r in pts if bool(r["meets"]) == meets]
-        ax.scatter([r["ttft_s.p90"] for r in sel], [r["goodput_per_gpu_rps"] for r in sel], s=22, color=color,
-                   label=label, zorder=2)
+        ax.scatter(
+            [r["ttft_s.p90"] for r in sel],
+            [r["goodput_per_gpu_rps"] for r in sel],
+            s=22,
+            color=color,
+            label=label,
+            zorder=2,
+        )
     front = sorted((r for r in pts if r["on_front"]), key=lambda r: r["ttft_s.p90"])
-    ax.plot([r["ttft_s.p90"] for r in front], [r["goodput_per_gpu_rps"] for r in front], color="#d95f02",
-            drawstyle="steps-post", lw=1.4, label="Pareto front", zorder=1)
+    ax.plot(
+        [r["ttft_s.p90"] for r in front],
+        [r["goodput_per_gpu_rps"] for r in front],
+        color="#d95f02",
+        drawstyle="steps-post",
+        lw=1.4,
+        label="Pareto front",
+        zorder=1,
+    )
     for r in front:
-        ax.annotate(f"{r['gpus']} GPUs", (r["ttft_s.p90"], r["goodput_per_gpu_rps"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+        ax.annotate(
+            f"{r['gpus']} GPUs",
+            (r["ttft_s.p90"], r["goodput_per_gpu_rps"]),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     w = plan.get("winner")
     if w and w.get("ttft_s.p90") is not None:
-        ax.scatter([w["ttft_s.p90"]], [w["goodput_per_gpu_rps"]], marker="*", s=220, color="#1b9e77",
-                   edgecolor="black", zorder=3, label=f"winner: {w['gpus']} GPUs ({shape(w)})")
+        ax.scatter(
+            [w["ttft_s.p90"]],
+            [w["goodput_per_gpu_rps"]],
+            marker="*",
+            s=220,
+            color="#1b9e77",
+            edgecolor="black",
+            zorder=3,
+            label=f"winner: {w['gpus']} GPUs ({shape(w)})",
+        )
     target = (plan.get("slo") or {}).get("ttft_s")
     if target:
         ax.axvline(target, color="black", ls="--", lw=0.8, label=f"TTFT target {target:g} s")
@@ -236,7 +299,9 @@ def front_figure(plan: dict[str, Any]) -> Any:
         ax.set_xscale("log")
     ax.set_xlabel("TTFT p90 (s)")
     ax.set_ylabel("goodput per GPU (req/s)")
-    ax.set_title(f"plan {plan.get('scenario_name', '')}: {len(pts)} configurations simulated", fontsize=10)
+    ax.set_title(
+        f"plan {plan.get('scenario_name', '')}: {len(pts)} configurations simulated", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     return fig

@@ -88,11 +88,28 @@ DEFAULT_GRID: dict[str, str | None] = {
 }
 DEFAULT_ATTAINMENT = 0.9
 # Per simulated point: the figures kept (sweep metric names), then the verdict.
-FIGURES = ("slo_attainment", "goodput_rps", "goodput_per_gpu_rps", "ttft_s.p90", "tpot_s.p90",
-           "offered_load_rps", "requests_failed")
+FIGURES = (
+    "slo_attainment",
+    "goodput_rps",
+    "goodput_per_gpu_rps",
+    "ttft_s.p90",
+    "tpot_s.p90",
+    "offered_load_rps",
+    "requests_failed",
+)
 STATUS_SKIPPED, STATUS_NOT_RUN = "skipped", "not run"
-COLUMNS = (*KEYS, "gpus", "status", "meets", "on_front", "winner", *FIGURES, "bottleneck", "bottleneck_why",
-           "reason")
+COLUMNS = (
+    *KEYS,
+    "gpus",
+    "status",
+    "meets",
+    "on_front",
+    "winner",
+    *FIGURES,
+    "bottleneck",
+    "bottleneck_why",
+    "reason",
+)
 
 
 class PlanError(ExploreError):
@@ -101,8 +118,10 @@ class PlanError(ExploreError):
 
 def gpus_of(settings: dict[str, Any]) -> int:
     """GPUs of a configuration: instances x TP on both sides."""
-    return (settings["cluster.prefill_instances"] * settings["prefill.tp"]
-            + settings["cluster.decode_instances"] * settings["decode.tp"])
+    return (
+        settings["cluster.prefill_instances"] * settings["prefill.tp"]
+        + settings["cluster.decode_instances"] * settings["decode.tp"]
+    )
 
 
 # --------------------------------------------------------------------------- candidates
@@ -127,13 +146,19 @@ def _targets(data: dict[str, Any], path: Path) -> dict[str, float]:
     slo = data.get("slo") if isinstance(data.get("slo"), dict) else {}
     targets = {k: slo[k] for k in SLO_METRICS if slo.get(k) is not None}
     if not targets:
-        raise PlanError(f"{path} has no [slo] targets to plan for: add an [slo] table with ttft_s, tpot_s and/or "
-                        "e2e_s in seconds (e.g. [slo] ttft_s = 2, tpot_s = 0.05) or --set slo.ttft_s=2")
+        raise PlanError(
+            f"{path} has no [slo] targets to plan for: add an [slo] table with ttft_s, tpot_s and/or "
+            "e2e_s in seconds (e.g. [slo] ttft_s = 2, tpot_s = 0.05) or --set slo.ttft_s=2"
+        )
     return targets
 
 
-def plan_candidates(path: str | Path, grid: dict[str, str | None], sets: Sequence[str] = (),
-                    max_gpus: int | None = None) -> Candidates:
+def plan_candidates(
+    path: str | Path,
+    grid: dict[str, str | None],
+    sets: Sequence[str] = (),
+    max_gpus: int | None = None,
+) -> Candidates:
     """Every configuration of `grid` (key -> "v1,v2,..."; None for the pool: the
     scenario's own), validated by the scenario; PlanError for bad input."""
     path = Path(path)
@@ -143,10 +168,14 @@ def plan_candidates(path: str | Path, grid: dict[str, str | None], sets: Sequenc
         raise PlanError(str(exc)) from None
     targets = _targets(data, path)
     if max_gpus is not None and max_gpus < 2:
-        raise PlanError(f"--max-gpus {max_gpus}: a plan needs at least 2 GPUs (one prefill, one decode)")
+        raise PlanError(
+            f"--max-gpus {max_gpus}: a plan needs at least 2 GPUs (one prefill, one decode)"
+        )
     specs = dict(grid)
     if specs.get("decode.staging_pool_mb") is None:
-        pool = (data.get("decode") or {}).get("staging_pool_mb", DecodeConfig.model_fields["staging_pool_mb"].default)
+        pool = (data.get("decode") or {}).get(
+            "staging_pool_mb", DecodeConfig.model_fields["staging_pool_mb"].default
+        )
         specs["decode.staging_pool_mb"] = str(pool)
     try:
         varies = [parse_vary(f"{key}={specs[key]}") for key in KEYS]
@@ -159,12 +188,16 @@ def plan_candidates(path: str | Path, grid: dict[str, str | None], sets: Sequenc
         if p.scenario is None:
             skipped.append(_row(p.settings, STATUS_SKIPPED, reason=p.reason))
         elif max_gpus is not None and gpus > max_gpus:
-            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=f"{gpus} GPUs: over --max-gpus {max_gpus}"))
+            skipped.append(
+                _row(p.settings, STATUS_SKIPPED, reason=f"{gpus} GPUs: over --max-gpus {max_gpus}")
+            )
         else:
             keep.append(p)
     if not keep:
-        raise PlanError(f"no configuration to simulate: every one of the {len(points)} was skipped "
-                        f"(e.g. {shape(skipped[0])}: {skipped[0]['reason']})")
+        raise PlanError(
+            f"no configuration to simulate: every one of the {len(points)} was skipped "
+            f"(e.g. {shape(skipped[0])}: {skipped[0]['reason']})"
+        )
     return Candidates(varies, keep, skipped, targets)
 
 
@@ -235,9 +268,16 @@ def _next_batch(levels: list[list[Point]], start: int, workers: int, found: bool
     return end
 
 
-def run_plan(path: str | Path, cands: Candidates, *, attainment: float = DEFAULT_ATTAINMENT,
-             workers: int | None = None, ray_address: str | None = None, exhaustive: bool = False,
-             on_point: Callable[[dict[str, Any]], None] | None = None) -> PlanResult:
+def run_plan(
+    path: str | Path,
+    cands: Candidates,
+    *,
+    attainment: float = DEFAULT_ATTAINMENT,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    exhaustive: bool = False,
+    on_point: Callable[[dict[str, Any]], None] | None = None,
+) -> PlanResult:
     """Search `cands` (see the module docstring); `on_point(row)` as each point finishes."""
     if not 0 < attainment <= 1:
         raise PlanError(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
@@ -257,11 +297,17 @@ def run_plan(path: str | Path, cands: Candidates, *, attainment: float = DEFAULT
     # one executor for the whole search: its workers stay between the (many, small) batches
     with Executor(workers, ray_address) as runner:
         while i < len(levels):
-            end = len(levels) if exhaustive else _next_batch(levels, i, runner.nworkers, found is not None)
+            end = (
+                len(levels)
+                if exhaustive
+                else _next_batch(levels, i, runner.nworkers, found is not None)
+            )
             batch = [p for level in levels[i:end] for p in level]
             runner.run(run_point, [(p.index, (p.scenario,)) for p in batch], on_row)
             rows = [got[p.index] for p in batch]
-            done += [_point_row(p.settings, row, attainment) for p, row in zip(batch, rows, strict=True)]
+            done += [
+                _point_row(p.settings, row, attainment) for p, row in zip(batch, rows, strict=True)
+            ]
             i = end
             meeting = [r["gpus"] for r in done if r["meets"]]
             found = min(meeting) if meeting else None
@@ -269,17 +315,31 @@ def run_plan(path: str | Path, cands: Candidates, *, attainment: float = DEFAULT
                 stopped_at = max(r["gpus"] for r in done)
                 break
     wall = time.perf_counter() - t0
-    not_run = [_row(p.settings, STATUS_NOT_RUN, reason=f"above {stopped_at} GPUs, where the search stopped")
-               for level in levels[i:] for p in level]
-    result = PlanResult(done + not_run + cands.skipped, cands.targets, attainment, runner.backend, wall,
-                        stopped_at if not_run else None)
+    not_run = [
+        _row(
+            p.settings, STATUS_NOT_RUN, reason=f"above {stopped_at} GPUs, where the search stopped"
+        )
+        for level in levels[i:]
+        for p in level
+    ]
+    result = PlanResult(
+        done + not_run + cands.skipped,
+        cands.targets,
+        attainment,
+        runner.backend,
+        wall,
+        stopped_at if not_run else None,
+    )
     _judge(result)
     return result
 
 
 def _point_row(settings: dict[str, Any], got: dict[str, Any], attainment: float) -> dict[str, Any]:
-    row = _row(settings, got["status"], **{k: got.get(k) for k in (*FIGURES, "bottleneck", "bottleneck_why",
-                                                                      "reason")})
+    row = _row(
+        settings,
+        got["status"],
+        **{k: got.get(k) for k in (*FIGURES, "bottleneck", "bottleneck_why", "reason")},
+    )
     row["meets"] = _meets(row, attainment)
     return row
 
@@ -287,11 +347,21 @@ def _point_row(settings: dict[str, Any], got: dict[str, Any], attainment: float)
 def pareto_front(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows no other row beats: at least as much goodput per GPU and no more TTFT
     p90, better in one. Only simulated rows with both figures; sorted by TTFT p90."""
-    pts = [r for r in rows if r["status"] == STATUS_OK and r["goodput_per_gpu_rps"] is not None
-           and r["ttft_s.p90"] is not None]
+    pts = [
+        r
+        for r in rows
+        if r["status"] == STATUS_OK
+        and r["goodput_per_gpu_rps"] is not None
+        and r["ttft_s.p90"] is not None
+    ]
 
     def beats(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        ga, gb, ta, tb = a["goodput_per_gpu_rps"], b["goodput_per_gpu_rps"], a["ttft_s.p90"], b["ttft_s.p90"]
+        ga, gb, ta, tb = (
+            a["goodput_per_gpu_rps"],
+            b["goodput_per_gpu_rps"],
+            a["ttft_s.p90"],
+            b["ttft_s.p90"],
+        )
         return ga >= gb and ta <= tb and (ga > gb or ta < tb)
 
     front = [r for r in pts if not any(beats(o, r) for o in pts)]
@@ -311,23 +381,30 @@ def _judge(result: PlanResult) -> None:
         return
     ok = [r for r in result.rows if r["status"] == STATUS_OK]
     if ok:
-        result.best = max(ok, key=lambda r: (r["slo_attainment"] or 0.0, -r["gpus"], r["goodput_per_gpu_rps"] or 0.0))
+        result.best = max(
+            ok,
+            key=lambda r: (r["slo_attainment"] or 0.0, -r["gpus"], r["goodput_per_gpu_rps"] or 0.0),
+        )
 
 
 def verdict(result: PlanResult) -> str:
     """One line: the winner with its bottleneck, or why none meets the SLO."""
     w = result.winner
     if w is not None:
-        return (f"winner: {w['gpus']} GPUs, {shape(w)}: attainment {w['slo_attainment']:.0%}, "
-                f"goodput {w['goodput_rps']:.3g} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
-                f"TTFT p90 {_secs(w['ttft_s.p90'])}, TPOT p90 {_secs(w['tpot_s.p90'])}; "
-                f"bottleneck: {w['bottleneck']} ({w['bottleneck_why']})")
+        return (
+            f"winner: {w['gpus']} GPUs, {shape(w)}: attainment {w['slo_attainment']:.0%}, "
+            f"goodput {w['goodput_rps']:.3g} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
+            f"TTFT p90 {_secs(w['ttft_s.p90'])}, TPOT p90 {_secs(w['tpot_s.p90'])}; "
+            f"bottleneck: {w['bottleneck']} ({w['bottleneck_why']})"
+        )
     b = result.best
     line = f"no configuration meets the SLO up to {result.max_gpus_run} GPUs"
     if b is None:
         return line + "; no configuration simulated successfully"
-    return (f"{line}; the best was {b['gpus']} GPUs, {shape(b)} (attainment {b['slo_attainment'] or 0:.0%}), "
-            f"limited by {b['bottleneck']}: {b['bottleneck_why']}")
+    return (
+        f"{line}; the best was {b['gpus']} GPUs, {shape(b)} (attainment {b['slo_attainment'] or 0:.0%}), "
+        f"limited by {b['bottleneck']}: {b['bottleneck_why']}"
+    )
 
 
 def _secs(x: float | None) -> str:
@@ -363,7 +440,9 @@ def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[
         "backend": result.backend,
         "wall_s": result.wall_s,
         "stopped_at_gpus": result.stopped_at,
-        "counts": {s: result.count(s) for s in (STATUS_OK, STATUS_ERROR, STATUS_SKIPPED, STATUS_NOT_RUN)},
+        "counts": {
+            s: result.count(s) for s in (STATUS_OK, STATUS_ERROR, STATUS_SKIPPED, STATUS_NOT_RUN)
+        },
         "verdict": verdict(result),
         "winner": result.winner,
         "best": result.best,

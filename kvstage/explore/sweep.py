@@ -81,8 +81,15 @@ __all__ = [
 # starts at the first prefill forward; kv_transfer_latency_s at the last one's end.
 # Decode-side and SLO ([slo] targets) figures are empty where a point lacks them.
 _LATENCIES = (
-    "transfer_latency_s", "ttft_s", "kv_transfer_latency_s", "prefill_compute_s", "queueing_s", "staging_wait_s",
-    "decode_admission_wait_s", "tpot_s", "e2e_s",
+    "transfer_latency_s",
+    "ttft_s",
+    "kv_transfer_latency_s",
+    "prefill_compute_s",
+    "queueing_s",
+    "staging_wait_s",
+    "decode_admission_wait_s",
+    "tpot_s",
+    "e2e_s",
 )
 METRICS: tuple[str, ...] = (
     "requests_done",
@@ -243,7 +250,9 @@ def plan_points(path: str | Path, varies: Sequence[Vary], sets: Sequence[str] = 
     keys = [v.key for v in varies]
     dup = sorted({k for k in keys if keys.count(k) > 1})
     if dup:
-        raise SweepError(f"--vary {dup[0]} is given more than once; list all its values in one --vary")
+        raise SweepError(
+            f"--vary {dup[0]} is given more than once; list all its values in one --vary"
+        )
     for v in varies:
         if v.key == "model.preset":
             bad = [raw for raw, val in zip(v.raws, v.values, strict=True) if val not in PRESETS]
@@ -315,8 +324,16 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
         result = simulate_scenario(scenario)
         summary = simulation_summary(scenario, result)
         if "bottleneck" not in summary:  # a point without [slo] or decode side: judge it anyway
-            summary.update(capacity_figures(scenario, room_latencies(result.records), summary,
-                                            requests=len(result.requests), workload=result.requests, always=True))
+            summary.update(
+                capacity_figures(
+                    scenario,
+                    room_latencies(result.records),
+                    summary,
+                    requests=len(result.requests),
+                    workload=result.requests,
+                    always=True,
+                )
+            )
         if keep_dir is not None:
             from kvstage.run.rundir import write_run
 
@@ -487,7 +504,10 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         "payload_bytes": "payload",
         "sim_time_s": "simulated time",
         "wall_s": "wall time",
-        "tpot_s": "TPOT", "e2e_s": "end to end", "slo_attainment": "SLO attainment", "goodput_rps": "goodput (req/s)",
+        "tpot_s": "TPOT",
+        "e2e_s": "end to end",
+        "slo_attainment": "SLO attainment",
+        "goodput_rps": "goodput (req/s)",
     }.get(base, base.replace("_", " "))
     label = f"{nice} {stat}".strip()
     nums = [v for v in values if v is not None]
@@ -521,4 +541,3 @@ def format_metric(metric: str, value: Any, scale_unit: tuple[float, str] | None 
         scale, unit = scale_unit
     text = fmt_number(float(value) * scale)
     return f"{text} {unit}".rstrip()
-

@@ -130,7 +130,10 @@ def target_answers(result: SweepResult, target: Target) -> list[dict[str, Any]]:
 # What a latency is made of, per request (kvstage/metrics/rooms.py): each part is <= the
 # whole for every request, so a part's percentile is a lower bound of the whole's.
 _PARTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "transfer_latency_s": (("prefill_compute_s", "the prefill forward"), ("kv_transfer_latency_s", "")),
+    "transfer_latency_s": (
+        ("prefill_compute_s", "the prefill forward"),
+        ("kv_transfer_latency_s", ""),
+    ),
     "ttft_s": (
         ("queueing_s", "the queueing before the prefill"),
         ("prefill_compute_s", "the prefill forward"),
@@ -173,7 +176,9 @@ def why_unmet(rows: Sequence[dict[str, Any]], target: Target, key: str) -> str:
         )
     valued = [r for r in ran if isinstance(r.get(target.metric), int | float)]
     if not valued:
-        hint = " (give [slo] targets, e.g. --set slo.ttft_s=2)" if target.metric in _SLO_ONLY else ""
+        hint = (
+            " (give [slo] targets, e.g. --set slo.ttft_s=2)" if target.metric in _SLO_ONLY else ""
+        )
         return "; ".join(notes or [f"no point has a value of {target.metric}{hint}"])
     sign = 1 if target.op in ("<", "<=") else -1
     best = min(valued, key=lambda r: sign * float(r[target.metric]))

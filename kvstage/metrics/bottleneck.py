@@ -63,7 +63,12 @@ if TYPE_CHECKING:
 __all__ = ["STAGES", "bottleneck", "nic_counts", "offered_load", "ttft_parts"]
 
 PREFILL, QUEUE, NIC, RING, KV, DECODE = STAGES = (
-    "prefill compute", "prefill queueing", "NIC", "staging ring", "decode KV capacity", "decode compute",
+    "prefill compute",
+    "prefill queueing",
+    "NIC",
+    "staging ring",
+    "decode KV capacity",
+    "decode compute",
 )
 GIB = 1 << 30
 
@@ -114,7 +119,9 @@ def nic_counts(scenario: Scenario) -> tuple[int, int]:
             return ranks
         return len({(r // gpn, (r % gpn) * nics // gpn) for r in range(ranks)})
 
-    return count(c.prefill_instances * scenario.prefill.tp), count(c.decode_instances * scenario.decode.tp)
+    return count(c.prefill_instances * scenario.prefill.tp), count(
+        c.decode_instances * scenario.decode.tp
+    )
 
 
 def _util(offered: float, capacity: float) -> float | None:
@@ -132,9 +139,11 @@ def _prefill(s: Scenario, load: dict, rate: float | None) -> dict[str, Any]:
     if rate is not None:
         offered = rate * load["computed_tokens"]
         out |= {"offered_tokens_per_s": offered, "utilization": _util(offered, capacity)}
-        out["why"] = (f"{rate:.2f} req/s x {load['computed_tokens']:,.0f} prompt tokens = {offered:,.0f} tokens/s "
-                      f"offered vs {capacity:,.0f} tokens/s of prefill compute ({s.cluster.prefill_instances} "
-                      f"instance(s) of TP{s.prefill.tp})")
+        out["why"] = (
+            f"{rate:.2f} req/s x {load['computed_tokens']:,.0f} prompt tokens = {offered:,.0f} tokens/s "
+            f"offered vs {capacity:,.0f} tokens/s of prefill compute ({s.cluster.prefill_instances} "
+            f"instance(s) of TP{s.prefill.tp})"
+        )
     return out
 
 
@@ -144,19 +153,26 @@ def _nic(s: Scenario, summary: dict, rate: float | None) -> dict[str, Any]:
     per_request = summary.get("payload_bytes", 0) / done if done else 0.0
     wrs = (summary.get("transfer_requests") or {}).get("per_request", 0.0)
     nics = min(nic_counts(s))
-    out: dict[str, Any] = {"bytes_per_request": per_request, "nics": nics,
-                           "capacity_bytes_per_s": nics * link.bandwidth_bytes_s}
+    out: dict[str, Any] = {
+        "bytes_per_request": per_request,
+        "nics": nics,
+        "capacity_bytes_per_s": nics * link.bandwidth_bytes_s,
+    }
     if rate is not None and per_request:
         util = _util(rate * per_request, nics * link.bandwidth_bytes_s)
         if math.isfinite(link.message_rate) and wrs:
             util = max(util or 0.0, rate * wrs / (nics * link.message_rate))
         out |= {"offered_bytes_per_s": rate * per_request, "utilization": util}
-        out["why"] = (f"{rate:.2f} req/s x {per_request / GIB:,.2f} GiB of KV = {rate * per_request / 1e9:,.1f} GB/s "
-                      f"offered vs {nics} NIC(s) x {link.bandwidth_bytes_s / 1e9:,.1f} GB/s on the tighter side")
+        out["why"] = (
+            f"{rate:.2f} req/s x {per_request / GIB:,.2f} GiB of KV = {rate * per_request / 1e9:,.1f} GB/s "
+            f"offered vs {nics} NIC(s) x {link.bandwidth_bytes_s / 1e9:,.1f} GB/s on the tighter side"
+        )
     return out
 
 
-def _decode_kv(s: Scenario, requests: Sequence[Request], rooms: dict, rate: float | None) -> dict[str, Any]:
+def _decode_kv(
+    s: Scenario, requests: Sequence[Request], rooms: dict, rate: float | None
+) -> dict[str, Any]:
     model = DecodeModel(s)
     if model.capacity_tokens is None:
         return {"capacity_tokens": None}
@@ -167,13 +183,17 @@ def _decode_kv(s: Scenario, requests: Sequence[Request], rooms: dict, rate: floa
         req = by_room.get(room)
         if req is not None and "admitted" in info and ("generate_end" in info or "done" in info):
             tokens = max(0, req.prompt_tokens - req.prefix_tokens) + req.output_tokens
-            held.append(tokens * (info.get("generate_end", info.get("done", 0.0)) - info["admitted"]))
+            held.append(
+                tokens * (info.get("generate_end", info.get("done", 0.0)) - info["admitted"])
+            )
     out: dict[str, Any] = {"capacity_tokens": capacity}
     if rate is not None and held:
         resident = rate * sum(held) / len(held)
         out |= {"resident_tokens": resident, "utilization": _util(resident, capacity)}
-        out["why"] = (f"the load keeps {resident:,.0f} tokens of KV resident ({rate:.2f} req/s x tokens x time "
-                      f"held) vs {capacity:,.0f} tokens of decode KV capacity ({s.cluster.decode_instances} instance(s))")
+        out["why"] = (
+            f"the load keeps {resident:,.0f} tokens of KV resident ({rate:.2f} req/s x tokens x time "
+            f"held) vs {capacity:,.0f} tokens of decode KV capacity ({s.cluster.decode_instances} instance(s))"
+        )
     return out
 
 
@@ -181,31 +201,52 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
     if not load["output_tokens"]:
         return {}
     model = DecodeModel(s)
-    context = load["computed_tokens"] + load["output_tokens"] / 2  # mean KV of a request in the batch
+    context = (
+        load["computed_tokens"] + load["output_tokens"] / 2
+    )  # mean KV of a request in the batch
     gens = [i["generate_end"] - i["generate_start"] for i in rooms.values() if "generate_end" in i]
     out: dict[str, Any] = {"step_time_empty_s": model.step_time_s(0)}
     if rate is not None and gens:
-        batch = rate * sum(gens) / len(gens) / s.cluster.decode_instances  # Little's law, per instance
+        batch = (
+            rate * sum(gens) / len(gens) / s.cluster.decode_instances
+        )  # Little's law, per instance
         out |= {"batch": batch, "step_time_s": model.step_time_s(round(batch * context))}
     target = s.slo.tpot_s
     if target is not None and rate is not None:
-        fit = ((target - model.step_overhead_s) * model.hbm_Bps - model.weight_bytes) / (context * model.kv_bytes_per_token)
-        capacity = max(0.0, fit) / target * s.cluster.decode_instances  # output tokens/s at the target
+        fit = ((target - model.step_overhead_s) * model.hbm_Bps - model.weight_bytes) / (
+            context * model.kv_bytes_per_token
+        )
+        capacity = (
+            max(0.0, fit) / target * s.cluster.decode_instances
+        )  # output tokens/s at the target
         offered = rate * load["output_tokens"]
-        out |= {"offered_tokens_per_s": offered, "capacity_tokens_per_s": capacity,
-                "utilization": _util(offered, capacity)}
+        out |= {
+            "offered_tokens_per_s": offered,
+            "capacity_tokens_per_s": capacity,
+            "utilization": _util(offered, capacity),
+        }
         if capacity <= 0:  # the weights alone take longer per step than the target
             out["infeasible"] = True
-        out["why"] = (f"{offered:,.0f} output tokens/s offered vs {capacity:,.0f} tokens/s the decode instances "
-                      f"generate within TPOT {target * 1e3:g} ms (a step with no batch is "
-                      f"{model.step_time_s(0) * 1e3:.2f} ms)")
+        out["why"] = (
+            f"{offered:,.0f} output tokens/s offered vs {capacity:,.0f} tokens/s the decode instances "
+            f"generate within TPOT {target * 1e3:g} ms (a step with no batch is "
+            f"{model.step_time_s(0) * 1e3:.2f} ms)"
+        )
     return out
 
 
-def _ring(s: Scenario, requests: Sequence[Request], rooms: dict, summary: dict, rate: float | None) -> dict[str, Any]:
-    waits = [i.get("staging_wait", 0.0) for i in rooms.values() if "done" in i and not i.get("failed")]
+def _ring(
+    s: Scenario, requests: Sequence[Request], rooms: dict, summary: dict, rate: float | None
+) -> dict[str, Any]:
+    waits = [
+        i.get("staging_wait", 0.0) for i in rooms.values() if "done" in i and not i.get("failed")
+    ]
     out: dict[str, Any] = {
-        "staging_wait_s": {k: v for k, v in percentiles(waits).items() if k in ("p50", "p99", "max")} if waits else {},
+        "staging_wait_s": {
+            k: v for k, v in percentiles(waits).items() if k in ("p50", "p99", "max")
+        }
+        if waits
+        else {},
         "watermark_stall_total_s": (summary.get("watermark_stall_s") or {}).get("total", 0.0),
         "ring_live_peak_fraction": summary.get("ring_live_peak_fraction", 0.0),
     }
@@ -217,51 +258,82 @@ def _ring(s: Scenario, requests: Sequence[Request], rooms: dict, summary: dict, 
     fit = pool // region if region else 0
     usable = fit * region
     per_request = sum(held) / len(requests)  # requests whose chunks took no region count 0
-    out |= {"pool_bytes": pool, "region_bytes": region, "regions_that_fit": fit, "usable_bytes": usable,
-            "byte_s_per_request": per_request,
-            "hold_s": sum(held) / sum(i["ring_bytes"] for i in rooms.values() if "ring_byte_s" in i)}  # byte-weighted
+    out |= {
+        "pool_bytes": pool,
+        "region_bytes": region,
+        "regions_that_fit": fit,
+        "usable_bytes": usable,
+        "byte_s_per_request": per_request,
+        "hold_s": sum(held) / sum(i["ring_bytes"] for i in rooms.values() if "ring_byte_s" in i),
+    }  # byte-weighted
     if rate is not None and usable:
         resident = rate * per_request / s.cluster.decode_instances
         out |= {"resident_bytes": resident, "utilization": _util(resident, usable)}
-        out["why"] = (f"{rate:.2f} req/s x {per_request / GIB:,.3f} GiB-s of staging per request "
-                      f"/ {s.cluster.decode_instances} decode instance(s) = {resident / GIB:,.2f} GiB held in each "
-                      f"decode rank's ring vs {usable / GIB:,.2f} GiB it holds at once ({fit} region(s) of "
-                      f"{region / GIB:,.2f} GiB in a {pool / GIB:,.2f} GiB pool)")
+        out["why"] = (
+            f"{rate:.2f} req/s x {per_request / GIB:,.3f} GiB-s of staging per request "
+            f"/ {s.cluster.decode_instances} decode instance(s) = {resident / GIB:,.2f} GiB held in each "
+            f"decode rank's ring vs {usable / GIB:,.2f} GiB it holds at once ({fit} region(s) of "
+            f"{region / GIB:,.2f} GiB in a {pool / GIB:,.2f} GiB pool)"
+        )
     return out
 
 
 def _shares(rooms: dict) -> dict[str, float]:
     parts = [p for p in map(ttft_parts, rooms.values()) if p is not None]
     total = sum(sum(p.values()) for p in parts)
-    return {k: (sum(p[k] for p in parts) / total if total > 0 else 0.0) for k in (QUEUE, PREFILL, KV, RING, NIC)}
+    return {
+        k: (sum(p[k] for p in parts) / total if total > 0 else 0.0)
+        for k in (QUEUE, PREFILL, KV, RING, NIC)
+    }
 
 
-def _verdict(stages: dict[str, dict], shares: dict[str, float], summary: dict, s: Scenario) -> tuple[str, str, str]:
-    utils = {k: math.inf if v.get("infeasible") else v["utilization"] for k, v in stages.items()
-             if v.get("utilization") is not None or v.get("infeasible")}
+def _verdict(
+    stages: dict[str, dict], shares: dict[str, float], summary: dict, s: Scenario
+) -> tuple[str, str, str]:
+    utils = {
+        k: math.inf if v.get("infeasible") else v["utilization"]
+        for k, v in stages.items()
+        if v.get("utilization") is not None or v.get("infeasible")
+    }
     over = {k: u for k, u in utils.items() if u >= 1}
     top = max(utils, key=utils.get) if utils else None
     if over:
         stage = max(over, key=over.get)
         u = over[stage]
-        return stage, "overloaded", f"{stage}: {stages[stage].get('why', '')}: {_pct(u)} of capacity"
+        return (
+            stage,
+            "overloaded",
+            f"{stage}: {stages[stage].get('why', '')}: {_pct(u)} of capacity",
+        )
     tpot = (summary.get("tpot_s") or {}).get("p90")
     if s.slo.tpot_s is not None and tpot is not None and tpot > s.slo.tpot_s:
-        return DECODE, "TPOT target missed", (f"decode compute: TPOT p90 {tpot * 1e3:.2f} ms > target "
-                                              f"{s.slo.tpot_s * 1e3:g} ms")
+        return (
+            DECODE,
+            "TPOT target missed",
+            (f"decode compute: TPOT p90 {tpot * 1e3:.2f} ms > target {s.slo.tpot_s * 1e3:g} ms"),
+        )
     stage = max(shares, key=shares.get)
     ttft = summary.get("ttft_s") or {}
     tail = f"; highest utilization: {top} {_pct(utils[top])}" if top else ""
-    return stage, "largest share of TTFT", (
-        f"{stage} holds {shares[stage]:.0%} of TTFT (mean TTFT {ttft.get('mean', math.nan):.3f} s){tail}")
+    return (
+        stage,
+        "largest share of TTFT",
+        (
+            f"{stage} holds {shares[stage]:.0%} of TTFT (mean TTFT {ttft.get('mean', math.nan):.3f} s){tail}"
+        ),
+    )
 
 
 def _pct(u: float) -> str:
     return "infinite" if math.isinf(u) else f"{u:.0%}"
 
 
-def bottleneck(scenario: Scenario, requests: Sequence[Request], rooms: dict[int, dict[str, float]],
-               summary: dict) -> dict[str, Any]:
+def bottleneck(
+    scenario: Scenario,
+    requests: Sequence[Request],
+    rooms: dict[int, dict[str, float]],
+    summary: dict,
+) -> dict[str, Any]:
     """The verdict (`stage`, `reason`, a one-line `explanation`), the offered load, each
     stage's numbers and the TTFT shares. `summary`: the trace metrics (`summarize`)."""
     load = offered_load(requests)

@@ -17,7 +17,14 @@ from kvstage.shared.trace import TraceRecord
 def percentiles(values: Sequence[float]) -> dict[str, float]:
     """p50/p90/p99/mean/max by linear interpolation (numpy's default method)."""
     if not values:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, "max": math.nan, "count": 0}
+        return {
+            "p50": math.nan,
+            "p90": math.nan,
+            "p99": math.nan,
+            "mean": math.nan,
+            "max": math.nan,
+            "count": 0,
+        }
     xs = sorted(values)
     return {
         "p50": quantile(xs, 0.50),
@@ -67,8 +74,12 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     decode_ranks: dict[int, set[int]] = {}  # room -> decode ranks with a row of it
     done_count: dict[int, int] = {}
     waits: dict[int, list[tuple[float, float]]] = {}
-    written: dict[tuple[int, int, int], float] = {}  # (decode rank, room, chunk) -> first write start
-    freed: list[tuple[int, int, int, float, int]] = []  # (decode rank, room, chunk, free time, region bytes)
+    written: dict[
+        tuple[int, int, int], float
+    ] = {}  # (decode rank, room, chunk) -> first write start
+    freed: list[
+        tuple[int, int, int, float, int]
+    ] = []  # (decode rank, room, chunk, free time, region bytes)
     for r in records:
         if r.room < 0:
             continue
@@ -109,8 +120,11 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     return rooms
 
 
-def _ring_holds(rooms: dict[int, dict[str, float]], written: dict[tuple[int, int, int], float],
-                freed: list[tuple[int, int, int, float, int]]) -> None:
+def _ring_holds(
+    rooms: dict[int, dict[str, float]],
+    written: dict[tuple[int, int, int], float],
+    freed: list[tuple[int, int, int, float, int]],
+) -> None:
     """Each room's `ring_byte_s` and `ring_region_bytes` (see `room_latencies`)."""
     held: dict[int, dict[int, list[float]]] = {}  # room -> decode rank -> [byte-seconds, bytes]
     largest: dict[int, int] = {}
@@ -145,7 +159,11 @@ def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[floa
     out: dict[str, list[float]] = {
         k: [] for k in ("transfer_latency_s", "ttft_s", *BREAKDOWN, "staging_wait_s")
     }
-    spans = {"transfer_latency_s": ("transfer_start", "done"), "ttft_s": ("arrival", "done"), **BREAKDOWN}
+    spans = {
+        "transfer_latency_s": ("transfer_start", "done"),
+        "ttft_s": ("arrival", "done"),
+        **BREAKDOWN,
+    }
     for info in rooms.values():
         if info.get("failed") or "done" not in info:
             continue
@@ -179,18 +197,27 @@ def request_figures(info: dict[str, float]) -> dict[str, float] | None:
     if info.get("failed") or "done" not in info or "arrival" not in info:
         return None
     side = _decode_side(info)
-    return {"ttft_s": info["done"] - info["arrival"], **{k: side[k] for k in ("tpot_s", "e2e_s") if k in side}}
+    return {
+        "ttft_s": info["done"] - info["arrival"],
+        **{k: side[k] for k in ("tpot_s", "e2e_s") if k in side},
+    }
 
 
 def serving_span(rooms: dict[int, dict[str, float]]) -> float:
     """First arrival to the last finished request's end (its last token when generation
     is modeled, else decode ready): the time the run served its requests."""
     starts = [i["arrival"] for i in rooms.values() if "arrival" in i]
-    ends = [i.get("generate_end", i["done"]) for i in rooms.values() if "done" in i and not i.get("failed")]
+    ends = [
+        i.get("generate_end", i["done"])
+        for i in rooms.values()
+        if "done" in i and not i.get("failed")
+    ]
     return max(ends) - min(starts) if starts and ends else 0.0
 
 
-def slo_figures(rooms: dict[int, dict[str, float]], targets: dict[str, float], *, requests: int, gpus: int) -> dict:
+def slo_figures(
+    rooms: dict[int, dict[str, float]], targets: dict[str, float], *, requests: int, gpus: int
+) -> dict:
     """summary.json's SLO keys for `targets` (metric -> bound in seconds; empty: none).
 
     A request meets the SLO when it finished and every target holds for it; a failed or
@@ -251,14 +278,22 @@ def ring_series(records: Iterable[TraceRecord]) -> dict[int, RingSeries]:
     """Per decode rank that has ring rows (writes, frees, reservations, watermark):
     its live bytes, reservations and watermark over time (see `RingSeries`)."""
     out: dict[int, RingSeries] = {}
-    steps: list[tuple[float, int, int, tuple[int, int, int], int]] = []  # (t, order, decode, key, bytes)
+    steps: list[
+        tuple[float, int, int, tuple[int, int, int], int]
+    ] = []  # (t, order, decode, key, bytes)
     for r in records:
         if r.role == "prefill" and r.phase == "write" and r.peer >= 0 and r.bytes > 0:
             steps.append((r.end, 1, r.peer, (r.peer, r.room, r.chunk), r.bytes))
         elif r.role == "decode":
             if r.phase == "free":
-                steps.append((r.end, 0, r.rank, (r.rank, r.room, r.chunk), 0))  # a free before a write at the same time
-            series = out.setdefault(r.rank, RingSeries()) if r.ring_used >= 0 or r.wm_round >= 0 else None
+                steps.append(
+                    (r.end, 0, r.rank, (r.rank, r.room, r.chunk), 0)
+                )  # a free before a write at the same time
+            series = (
+                out.setdefault(r.rank, RingSeries())
+                if r.ring_used >= 0 or r.wm_round >= 0
+                else None
+            )
             if series is not None and r.ring_used >= 0:
                 series.reserved.append((r.end, r.ring_used))
             if series is not None and r.wm_round >= 0 and r.wm_tail >= 0:
@@ -297,7 +332,11 @@ def ring_figures(records: Iterable[TraceRecord], pool_bytes: int) -> dict:
 
 
 def summarize(
-    records: Sequence[TraceRecord], *, mode: str, pool_bytes: int, requests: int,
+    records: Sequence[TraceRecord],
+    *,
+    mode: str,
+    pool_bytes: int,
+    requests: int,
     rooms: dict[int, dict[str, float]] | None = None,
 ) -> dict:
     """The trace metrics of summary.json; `rooms`: `room_latencies(records)` if already made."""
@@ -331,7 +370,14 @@ def summarize(
         "payload_bytes": payload,
         "throughput_gbps": (payload * 8 / 1e9 / busy) if busy else 0.0,
         **ring_figures(records, pool_bytes),
-        "watermark_stall_s": {"total": float(sum(stalls)), "p99": percentiles(stalls)["p99"] if stalls else 0.0, "chunks": len(stalls)},
-        "transfer_requests": {"total": req_total, "per_request": (req_total / done) if done else 0.0},
+        "watermark_stall_s": {
+            "total": float(sum(stalls)),
+            "p99": percentiles(stalls)["p99"] if stalls else 0.0,
+            "chunks": len(stalls),
+        },
+        "transfer_requests": {
+            "total": req_total,
+            "per_request": (req_total / done) if done else 0.0,
+        },
         "phase_busy_s": dict(sorted(phase_time.items())),
     }

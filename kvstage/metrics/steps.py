@@ -17,16 +17,26 @@ from kvstage.metrics.rooms import room_latencies
 from kvstage.shared.trace import TraceRecord
 
 PHASES: tuple[str, ...] = (
-    "forward", "ctrl STAGING_REQ", "ctrl STAGING_RSP", "ctrl CHUNK_READY", "gather", "write",
-    "scatter", "watermark wait", "room_done lag",
+    "forward",
+    "ctrl STAGING_REQ",
+    "ctrl STAGING_RSP",
+    "ctrl CHUNK_READY",
+    "gather",
+    "write",
+    "scatter",
+    "watermark wait",
+    "room_done lag",
 )
 
 Samples = dict[tuple, float]
 
 
 def _spans(records: list[TraceRecord], phase: str, role: str) -> Samples:
-    return {(r.rank, r.room, r.chunk, r.peer): r.end - r.start
-            for r in records if r.phase == phase and r.role == role}
+    return {
+        (r.rank, r.room, r.chunk, r.peer): r.end - r.start
+        for r in records
+        if r.phase == phase and r.role == role
+    }
 
 
 def _last_end(records: list[TraceRecord], role: str, phase: str, key) -> dict[tuple, float]:
@@ -40,9 +50,21 @@ def _last_end(records: list[TraceRecord], role: str, phase: str, key) -> dict[tu
 
 def phase_samples(records: list[TraceRecord]) -> dict[str, Samples]:
     """phase -> (its instance key) -> seconds (see the module docstring)."""
-    req_p = {(r.room, r.chunk, r.rank, r.peer): r.start for r in records if r.role == "prefill" and r.phase == "req"}
-    req_d = {(r.room, r.chunk, r.peer, r.rank): r.start for r in records if r.role == "decode" and r.phase == "req"}
-    rsp_p = {(r.room, r.chunk, r.rank, r.peer): r.start for r in records if r.role == "prefill" and r.phase == "rsp"}
+    req_p = {
+        (r.room, r.chunk, r.rank, r.peer): r.start
+        for r in records
+        if r.role == "prefill" and r.phase == "req"
+    }
+    req_d = {
+        (r.room, r.chunk, r.peer, r.rank): r.start
+        for r in records
+        if r.role == "decode" and r.phase == "req"
+    }
+    rsp_p = {
+        (r.room, r.chunk, r.rank, r.peer): r.start
+        for r in records
+        if r.role == "prefill" and r.phase == "rsp"
+    }
     # CHUNK_READY: the last writer's write end -> the decode seeing all writers
     last_write = _last_end(records, "prefill", "write", lambda r: (r.room, r.chunk, r.peer))
     last_scatter = _last_end(records, "decode", "scatter", lambda r: (r.room, r.rank))
@@ -55,16 +77,26 @@ def phase_samples(records: list[TraceRecord]) -> dict[str, Samples]:
         "forward": _spans(records, "compute", "prefill"),
         "ctrl STAGING_REQ": {k: req_d[k] - t for k, t in req_p.items() if k in req_d},
         "ctrl STAGING_RSP": {k: t - req_d[k] for k, t in rsp_p.items() if k in req_d},
-        "ctrl CHUNK_READY": {(r.room, r.chunk, r.rank): r.end - last_write[(r.room, r.chunk, r.rank)]
-                             for r in records if r.role == "decode" and r.phase == "chunk_ready"
-                             and (r.room, r.chunk, r.rank) in last_write},
+        "ctrl CHUNK_READY": {
+            (r.room, r.chunk, r.rank): r.end - last_write[(r.room, r.chunk, r.rank)]
+            for r in records
+            if r.role == "decode"
+            and r.phase == "chunk_ready"
+            and (r.room, r.chunk, r.rank) in last_write
+        },
         "gather": _spans(records, "gather", "prefill"),
         "write": _spans(records, "write", "prefill"),
         "scatter": _spans(records, "scatter", "decode"),
-        "watermark wait": {(room,): info.get("staging_wait", 0.0) for room, info in rooms.items()
-                           if "done" in info and not info.get("failed")},
-        "room_done lag": {(r.room, r.rank): r.end - last_scatter[(r.room, r.rank)] for r in records
-                          if r.role == "decode" and r.phase == "room_done" and (r.room, r.rank) in last_scatter},
+        "watermark wait": {
+            (room,): info.get("staging_wait", 0.0)
+            for room, info in rooms.items()
+            if "done" in info and not info.get("failed")
+        },
+        "room_done lag": {
+            (r.room, r.rank): r.end - last_scatter[(r.room, r.rank)]
+            for r in records
+            if r.role == "decode" and r.phase == "room_done" and (r.room, r.rank) in last_scatter
+        },
     }
 
 

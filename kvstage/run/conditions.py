@@ -100,13 +100,19 @@ def measure(before: Sample, after: Sample | None = None, *, spawned: bool = True
         "loaded_if_share_above": LOADED_SHARE,
     }
     if not spawned:
-        out["note"] = "ranks started elsewhere (--no-spawn): on this host their CPU time counts as other processes"
+        out["note"] = (
+            "ranks started elsewhere (--no-spawn): on this host their CPU time counts as other processes"
+        )
     if before.busy_s is not None and after.busy_s is not None:
         busy = max(after.busy_s - before.busy_s, 0.0)
         other = max(busy - own, 0.0)
         share = other / (wall * cores) if wall > 0 else 0.0
-        out.update(cpu_busy_s=round(busy, 4), cpu_other_s=round(other, 4), other_cpu_share=round(share, 4),
-                   loaded=share > LOADED_SHARE)
+        out.update(
+            cpu_busy_s=round(busy, 4),
+            cpu_other_s=round(other, 4),
+            other_cpu_share=round(share, 4),
+            loaded=share > LOADED_SHARE,
+        )
     return out
 
 
@@ -146,8 +152,11 @@ def describe(conditions: dict | None, *, short: bool = False) -> str:
     share = conditions.get("other_cpu_share")
     if share is not None:
         state = "LOADED" if is_loaded(conditions) else "quiet"
-        parts.append(f"others {share:.0%}: {state}" if short else
-                     f"other processes took {share:.0%} of the cores: {state}")
+        parts.append(
+            f"others {share:.0%}: {state}"
+            if short
+            else f"other processes took {share:.0%} of the cores: {state}"
+        )
     return ", ".join(parts)
 
 

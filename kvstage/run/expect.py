@@ -82,7 +82,9 @@ def format_failure_groups(failures: dict[int, str]) -> list[str]:
         shown = ", ".join(str(r) for r in g.rooms[:ROOMS_SHOWN])
         more = ", ..." if len(g.rooms) > ROOMS_SHOWN else ""
         noun = "room" if len(g.rooms) == 1 else "rooms"
-        lines.append(f"  {len(g.rooms)} {noun} ({shown}{more}): {_clip(g.example if g.same else g.pattern)}")
+        lines.append(
+            f"  {len(g.rooms)} {noun} ({shown}{more}): {_clip(g.example if g.same else g.pattern)}"
+        )
         if not g.same:
             lines.append(f"      e.g. room {g.rooms[0]}: {_clip(g.example)}")
     rest = groups[GROUPS_SHOWN:]
@@ -94,15 +96,18 @@ def format_failure_groups(failures: dict[int, str]) -> list[str]:
     return lines
 
 
-def check_expectation(scenario: Scenario, failures: dict[int, str], requests: int, mode: str,
-                      run_failed: bool = False) -> list[str]:
+def check_expectation(
+    scenario: Scenario, failures: dict[int, str], requests: int, mode: str, run_failed: bool = False
+) -> list[str]:
     """Problems with the outcome, [] when it is what the scenario expects: without
     `[expect] failed_rooms`, that no room failed."""
     exp = scenario.expect
     problems: list[str] = []
     if mode == "hw" and exp.hw_run_fails:
         if not run_failed:
-            problems.append("expected the hardware run to fail (e.g. a killed rank), but it finished")
+            problems.append(
+                "expected the hardware run to fail (e.g. a killed rank), but it finished"
+            )
         return problems
     if exp.failed_rooms is None:
         if failures:
@@ -116,7 +121,9 @@ def check_expectation(scenario: Scenario, failures: dict[int, str], requests: in
     if got != want:
         problems.append(f"expected failed rooms {_rooms(want)}, got {_rooms(got)}")
     if exp.reason_contains:
-        wrong = {room: reason for room, reason in failures.items() if exp.reason_contains not in reason}
+        wrong = {
+            room: reason for room, reason in failures.items() if exp.reason_contains not in reason
+        }
         if wrong:
             problems.append(
                 f"{len(wrong)} failed room(s) with a reason not containing {exp.reason_contains!r}, "
@@ -139,12 +146,17 @@ def print_outcome(console: Console, problems: list[str], failures: dict[int, str
     """Print the problems (then the failed rooms by reason); 1 if there is any, else 0.
     Failures the scenario expects are one green line."""
     for p in problems:  # one line each, whatever the terminal's width (logs grep well)
-        console.print(f"[bold red]unexpected outcome:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold red]unexpected outcome:[/] {escape(p)}", highlight=False, soft_wrap=True
+        )
     if problems:
         for line in format_failure_groups(failures):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         return 1
     if failures:
-        console.print(f"[green]expected outcome:[/] {len(failures)} room(s) failed as the scenario's "
-                      "\\[expect] says", highlight=False)
+        console.print(
+            f"[green]expected outcome:[/] {len(failures)} room(s) failed as the scenario's "
+            "\\[expect] says",
+            highlight=False,
+        )
     return 0

@@ -26,11 +26,13 @@ def rooms_ended(rooms: dict[str, tuple[int, int]], decode_tp: int) -> tuple[int,
     by_instance: dict[int, list[tuple[int, int]]] = {}
     for name, counts in rooms.items():
         if name.startswith("decode"):
-            by_instance.setdefault(int(name[len("decode"):]) // decode_tp, []).append(counts)
+            by_instance.setdefault(int(name[len("decode") :]) // decode_tp, []).append(counts)
     full = [counts for counts in by_instance.values() if len(counts) == decode_tp]
     if not full:
         return None
-    return sum(min(c[0] for c in counts) for counts in full), sum(max(c[1] for c in counts) for counts in full)
+    return sum(min(c[0] for c in counts) for counts in full), sum(
+        max(c[1] for c in counts) for counts in full
+    )
 
 
 class HwProgress:
@@ -41,8 +43,14 @@ class HwProgress:
         self.decode_tp = decode_tp
         self.total = total_rooms
         self.live = console.is_terminal
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         self.task = self.bar.add_task("ranks registering", total=total_rooms)
         self._said_started = False
         self._quarter = 0
@@ -62,15 +70,22 @@ class HwProgress:
         if not p.started:
             what = f"ranks registered {p.registered}/{p.expected}"
         else:
-            what = f"rooms ended (all {p.expected} ranks up" + (f", {p.reported} reported)" if p.reported else ")")
+            what = f"rooms ended (all {p.expected} ranks up" + (
+                f", {p.reported} reported)" if p.reported else ")"
+            )
         if self.live:
             self.bar.update(self.task, description=what, completed=done)
             return
         if p.started and not self._said_started:
             self._said_started = True
-            self.console.print(f"hw: all {p.expected} ranks registered after {p.elapsed_s:.1f}s; "
-                               f"{self.total} rooms to run", highlight=False)
+            self.console.print(
+                f"hw: all {p.expected} ranks registered after {p.elapsed_s:.1f}s; "
+                f"{self.total} rooms to run",
+                highlight=False,
+            )
         quarter = 4 * done // self.total if self.total else 0
         if quarter > self._quarter:
             self._quarter = quarter
-            self.console.print(f"hw: rooms ended {done}/{self.total} after {p.elapsed_s:.1f}s", highlight=False)
+            self.console.print(
+                f"hw: rooms ended {done}/{self.total} after {p.elapsed_s:.1f}s", highlight=False
+            )

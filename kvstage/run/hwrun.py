@@ -31,7 +31,10 @@ def _run_conditions(before: conditions.Sample, spawned: bool, reports: dict[str,
     """How busy the host was (spawned ranks' CPU time is the run's own), and whether
     every rank loop got its real-time class (a host that refuses it delays control
     messages)."""
-    return {**conditions.measure(before, spawned=spawned), "loops_realtime": conditions.loops_realtime(reports)}
+    return {
+        **conditions.measure(before, spawned=spawned),
+        "loops_realtime": conditions.loops_realtime(reports),
+    }
 
 
 def _restarts(scenario: Scenario) -> dict[str, list[float]]:
@@ -70,16 +73,39 @@ def launch_run(
     requests = generate_requests(scenario)
     rooms = len(requests)
     probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
-    result = launch(scenario_path, c.prefill_instances * g.prefill_tp, c.decode_instances * g.decode_tp,
-                    Path(run_dir) / "logs", backend=hw.backend, device=hw.device, timeout_s=timeout_s, spawn=spawn,
-                    port=port, on_started=on_started, rank_wrapper=rank_wrapper, rejoin_grace_s=rejoin_grace_s,
-                    restarts=_restarts(scenario), on_progress=on_progress, probe_slots=probe_slots, **placement)
+    result = launch(
+        scenario_path,
+        c.prefill_instances * g.prefill_tp,
+        c.decode_instances * g.decode_tp,
+        Path(run_dir) / "logs",
+        backend=hw.backend,
+        device=hw.device,
+        timeout_s=timeout_s,
+        spawn=spawn,
+        port=port,
+        on_started=on_started,
+        rank_wrapper=rank_wrapper,
+        rejoin_grace_s=rejoin_grace_s,
+        restarts=_restarts(scenario),
+        on_progress=on_progress,
+        probe_slots=probe_slots,
+        **placement,
+    )
     records = merge_records(result.reports)
     errors = list(result.errors)
-    violations = check_records(records, scenario.transfer.path, clock_tolerance(result.reports)) if result.ok else []
+    violations = (
+        check_records(records, scenario.transfer.path, clock_tolerance(result.reports))
+        if result.ok
+        else []
+    )
     ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
     summary = run_summary(
-        scenario, "hw", records, ranks, requests=rooms, wall_s=result.wall_s,
+        scenario,
+        "hw",
+        records,
+        ranks,
+        requests=rooms,
+        wall_s=result.wall_s,
         violations=len(violations),
         extra={
             **hardware_figures(scenario, result.reports),
@@ -89,8 +115,19 @@ def launch_run(
             "conditions": _run_conditions(before, spawn, result.reports),
         },
     )
-    return RunResult(scenario, "hw", records, ranks, violations, errors, merge_failures(ranks), result.wall_s,
-                     rooms, summary, rejoined=result.rejoined)
+    return RunResult(
+        scenario,
+        "hw",
+        records,
+        ranks,
+        violations,
+        errors,
+        merge_failures(ranks),
+        result.wall_s,
+        rooms,
+        summary,
+        rejoined=result.rejoined,
+    )
 
 
 def run_hardware(
@@ -134,18 +171,31 @@ def print_bandwidth(console: Console, bw: dict) -> None:
     pairs = bw.get("pairs") or []
     if not pairs:
         return
-    console.print("pair                     achieved GB/s   ceiling GB/s   achieved/ceiling", highlight=False)
+    console.print(
+        "pair                     achieved GB/s   ceiling GB/s   achieved/ceiling", highlight=False
+    )
     for p in pairs:
         ceiling = f"{p['ceiling_gbs']:.2f}" if p["ceiling_gbs"] else "-"
         ratio = f"{p['ratio']:.0%}" if p["ratio"] is not None else "-"
-        console.print(f"{p['prefill'] + ' -> ' + p['decode']:<24} {p['achieved_gbs']:>13.2f}   {ceiling:>12}"
-                      f"   {ratio:>16}", highlight=False)
+        console.print(
+            f"{p['prefill'] + ' -> ' + p['decode']:<24} {p['achieved_gbs']:>13.2f}   {ceiling:>12}"
+            f"   {ratio:>16}",
+            highlight=False,
+        )
 
 
 def _print_verdict(console: Console, result: RunResult, target: float) -> bool:
     """The PASS/FAIL line of `--target` (hw/bandwidth.py); True when it passed."""
-    pairs = [PairFigure(int(p["prefill"][7:]), int(p["decode"][6:]), p["achieved_gbs"], p["ceiling_gbs"], p["bytes"])
-             for p in result.summary["bandwidth"]["pairs"]]
+    pairs = [
+        PairFigure(
+            int(p["prefill"][7:]),
+            int(p["decode"][6:]),
+            p["achieved_gbs"],
+            p["ceiling_gbs"],
+            p["bytes"],
+        )
+        for p in result.summary["bandwidth"]["pairs"]
+    ]
     passed, line = verdict(pairs, target)
     console.print(f"[{'green' if passed else 'bold red'}]{escape(line)}[/]", highlight=False)
     return passed

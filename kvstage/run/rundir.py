@@ -15,7 +15,9 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 
 
-def make_run_dir(scenario: Scenario, mode: str, out: Path | None = None, root: Path = Path("runs")) -> Path:
+def make_run_dir(
+    scenario: Scenario, mode: str, out: Path | None = None, root: Path = Path("runs")
+) -> Path:
     """`out` if given, else runs/<scenario>-<mode>-<timestamp>[-n]/ (never reused)."""
     if out is not None:
         path = Path(out)
@@ -85,7 +87,9 @@ class Run:
     @property
     def pool_bytes(self) -> int:
         mb = self.scenario.get("decode", {}).get("staging_pool_mb")
-        return mib_to_bytes(mb) if mb is not None else 0  # the scenario's own bytes (Scenario.pool_bytes)
+        return (
+            mib_to_bytes(mb) if mb is not None else 0
+        )  # the scenario's own bytes (Scenario.pool_bytes)
 
     @property
     def backend(self) -> str | None:
@@ -137,4 +141,10 @@ def load_run(path: Path | str | Run) -> Run:
             scenario = tomllib.loads((run_dir / "scenario.toml").read_text())
         except (OSError, ValueError) as exc:
             raise RunError(f"{run_dir / 'scenario.toml'}: cannot read it ({exc})") from None
-    return Run(path=run_dir, mode=mode or summary.get("mode", ""), records=records, summary=summary, scenario=scenario)
+    return Run(
+        path=run_dir,
+        mode=mode or summary.get("mode", ""),
+        records=records,
+        summary=summary,
+        scenario=scenario,
+    )

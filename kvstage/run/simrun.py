@@ -26,8 +26,16 @@ def simulate(scenario: Scenario, progress: Callable[[int, int], None] | None = N
     summary = simulation_summary(scenario, result)
     summary["conditions"] = conditions.measure(before)
     return RunResult(
-        scenario, "sim", result.records, result.ranks, result.violations, errors=[], failures=result.failures,
-        wall_s=result.wall_s, requests=len(result.requests), summary=summary,
+        scenario,
+        "sim",
+        result.records,
+        result.ranks,
+        result.violations,
+        errors=[],
+        failures=result.failures,
+        wall_s=result.wall_s,
+        requests=len(result.requests),
+        summary=summary,
     )
 
 

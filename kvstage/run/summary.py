@@ -38,7 +38,9 @@ def run_summary(
 ) -> dict[str, Any]:
     """The run's summary. `ranks` are the ranks that reported (a killed one does not)."""
     rooms = room_latencies(records)
-    summary = summarize(records, mode=mode, pool_bytes=scenario.pool_bytes, requests=requests, rooms=rooms)
+    summary = summarize(
+        records, mode=mode, pool_bytes=scenario.pool_bytes, requests=requests, rooms=rooms
+    )
     failures = merge_failures(list(ranks))
     summary.update(
         {
@@ -51,7 +53,9 @@ def run_summary(
             # every failed room, counted per reason with its numbers as `#` (kvstage/run/expect.py)
             "failure_groups": {g.pattern: len(g.rooms) for g in group_failures(failures)},
             "faults_injected": sum_counts(r.faults_injected for r in ranks),
-            "faults_by_rank": {r.name: dict(sorted(r.faults_injected.items())) for r in ranks if r.faults_injected},
+            "faults_by_rank": {
+                r.name: dict(sorted(r.faults_injected.items())) for r in ranks if r.faults_injected
+            },
             "dropped_messages": sum(r.dropped for r in ranks),
             "ring_used_at_end": {str(r.rank): r.ring_used for r in ranks if r.role == "decode"},
             "ranks_died": sorted(r.name for r in ranks if r.died),
@@ -64,13 +68,27 @@ def run_summary(
 
 def simulation_summary(scenario: Scenario, result: SimResult) -> dict[str, Any]:
     """summary.json of a simulation, plus the simulated time."""
-    return run_summary(scenario, "sim", result.records, result.ranks, requests=len(result.requests),
-                       wall_s=result.wall_s, violations=len(result.violations),
-                       extra={"sim_time_s": result.sim_time_s})
+    return run_summary(
+        scenario,
+        "sim",
+        result.records,
+        result.ranks,
+        requests=len(result.requests),
+        wall_s=result.wall_s,
+        violations=len(result.violations),
+        extra={"sim_time_s": result.sim_time_s},
+    )
 
 
-def capacity_figures(scenario: Scenario, rooms: dict, summary: dict[str, Any], *, requests: int,
-                     workload: Sequence[Request] | None = None, always: bool = False) -> dict[str, Any]:
+def capacity_figures(
+    scenario: Scenario,
+    rooms: dict,
+    summary: dict[str, Any],
+    *,
+    requests: int,
+    workload: Sequence[Request] | None = None,
+    always: bool = False,
+) -> dict[str, Any]:
     """The SLO keys (kvstage/metrics/rooms.py `slo_figures`) when the scenario has [slo]
     targets; `offered_load_rps` and `bottleneck` (kvstage/metrics/bottleneck.py) when it has
     targets or models the decode side (output tokens, KV capacity), or `always`.
@@ -81,7 +99,9 @@ def capacity_figures(scenario: Scenario, rooms: dict, summary: dict[str, Any], *
     out = slo_figures(rooms, targets, requests=requests, gpus=gpus)
     decode_side = "tpot_s" in summary or scenario.decode.gpu_memory_gib is not None
     if targets or decode_side or always:
-        verdict = bottleneck(scenario, generate_requests(scenario) if workload is None else workload, rooms, summary)
+        verdict = bottleneck(
+            scenario, generate_requests(scenario) if workload is None else workload, rooms, summary
+        )
         if verdict["offered"]["requests_per_s"] is not None:
             out["offered_load_rps"] = verdict["offered"]["requests_per_s"]
         out["bottleneck"] = verdict

@@ -34,8 +34,10 @@ def _capacity_rows(t: Table, summary: dict) -> None:
         missing = summary.get("slo_unmeasured")
         note = f" (no figure of {', '.join(missing)}: counted as missed)" if missing else ""
         t.add_row(f"SLO attainment ({targets})", f"{summary['slo_attainment']:.1%}{note}")
-        t.add_row("goodput (met SLO / serving span)",
-                  f"{summary['goodput_rps']:,.3f} req/s ({summary['goodput_per_gpu_rps']:,.4f} per GPU)")
+        t.add_row(
+            "goodput (met SLO / serving span)",
+            f"{summary['goodput_rps']:,.3f} req/s ({summary['goodput_per_gpu_rps']:,.4f} per GPU)",
+        )
     if "offered_load_rps" in summary:
         t.add_row("offered load", f"{summary['offered_load_rps']:,.3f} req/s")
     if "bottleneck" in summary:
@@ -47,7 +49,10 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t = Table(title=title, show_header=False)
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("requests done / failed", f"{summary['requests_done']} / {summary['requests_failed']} of {summary['requests']}")
+    t.add_row(
+        "requests done / failed",
+        f"{summary['requests_done']} / {summary['requests_failed']} of {summary['requests']}",
+    )
     lat = summary["transfer_latency_s"]
     t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
     t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
@@ -55,7 +60,9 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
     for key, label in _BREAKDOWN_ROWS:
         if key in summary:  # summaries written before the breakdown existed lack it
-            t.add_row(f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}")
+            t.add_row(
+                f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}"
+            )
     _capacity_rows(t, summary)
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
@@ -63,11 +70,24 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     st = summary["watermark_stall_s"]
     t.add_row("watermark stall total / p99", f"{st['total']:,.4f} s / {ms(st['p99'])}")
     tr = summary["transfer_requests"]
-    t.add_row("transfer requests total / per request", f"{tr['total']:,} / {tr['per_request']:,.0f}")
-    for key in ("events", "sim_time_s", "wall_s", "backend", "device", "bytes_verified", "bytes_wrong"):
+    t.add_row(
+        "transfer requests total / per request", f"{tr['total']:,} / {tr['per_request']:,.0f}"
+    )
+    for key in (
+        "events",
+        "sim_time_s",
+        "wall_s",
+        "backend",
+        "device",
+        "bytes_verified",
+        "bytes_wrong",
+    ):
         if key in summary:
             v = summary[key]
-            t.add_row(key, f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+            t.add_row(
+                key,
+                f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v),
+            )
     if "conditions" in summary:
         t.add_row("host during the run", describe(summary["conditions"], short=True))
     console.print(t)

@@ -53,8 +53,10 @@ class ClusterConfig(_Table):
     @model_validator(mode="after")
     def _nics_fit(self) -> ClusterConfig:
         if self.nics_per_node is not None and self.nics_per_node > self.gpus_per_node:
-            raise ValueError(f"nics_per_node ({self.nics_per_node}) must be <= gpus_per_node "
-                             f"({self.gpus_per_node}): a NIC serves one or more GPUs")
+            raise ValueError(
+                f"nics_per_node ({self.nics_per_node}) must be <= gpus_per_node "
+                f"({self.gpus_per_node}): a NIC serves one or more GPUs"
+            )
         return self
 
     @property

@@ -30,7 +30,9 @@ class ScenarioError(ValueError):
     with it).
     """
 
-    def __init__(self, message: str, field: str | None = None, own_values: Sequence[str] = ()) -> None:
+    def __init__(
+        self, message: str, field: str | None = None, own_values: Sequence[str] = ()
+    ) -> None:
         super().__init__(message)
         self.field = field
         self.own_values = tuple(own_values)

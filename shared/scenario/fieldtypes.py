@@ -15,6 +15,7 @@ def mib_to_bytes(mib: float) -> int:
     that turns a pool size into bytes uses (the app's through kvstage/fmt.py)."""
     return int(mib * MIB)
 
+
 # --------------------------------------------------------------------------- field types
 
 # Upper bounds keep absurd values (from typos or fuzzing) from turning into huge

@@ -21,7 +21,13 @@ from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
 from kvstage.shared.scenario.trace_csv import read_trace
 
-__all__ = ["apply_overrides", "load_scenario", "parse_override_value", "read_scenario_file", "scenario_from_dict"]
+__all__ = [
+    "apply_overrides",
+    "load_scenario",
+    "parse_override_value",
+    "read_scenario_file",
+    "scenario_from_dict",
+]
 
 
 def scenario_from_dict(

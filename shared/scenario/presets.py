@@ -45,39 +45,81 @@ class ModelPreset:
 _MIXTRAL = "sparse MoE: 8 experts, 2 per token"
 _MLA = "MLA: one 576-wide latent (512 + 64 rope) per token per layer, on every TP rank"
 PRESETS: dict[str, ModelPreset] = {
-    "llama-2-7b": ModelPreset(32, 32, 128, 6.7, "multi-head attention: 32 KV heads", source="meta-llama/Llama-2-7b-hf"),
+    "llama-2-7b": ModelPreset(
+        32, 32, 128, 6.7, "multi-head attention: 32 KV heads", source="meta-llama/Llama-2-7b-hf"
+    ),
     "llama-3-8b": ModelPreset(32, 8, 128, 8.0, source="meta-llama/Meta-Llama-3-8B"),
     "llama-3.1-8b": ModelPreset(32, 8, 128, 8.0, source="meta-llama/Llama-3.1-8B"),
     "llama-3-70b": ModelPreset(80, 8, 128, 70.6, source="meta-llama/Meta-Llama-3-70B"),
     "llama-3.1-70b": ModelPreset(80, 8, 128, 70.6, source="meta-llama/Llama-3.1-70B"),
-    "llama-3-405b": ModelPreset(126, 8, 128, 405.0, "released as Llama-3.1-405B", source="meta-llama/Llama-3.1-405B"),
+    "llama-3-405b": ModelPreset(
+        126, 8, 128, 405.0, "released as Llama-3.1-405B", source="meta-llama/Llama-3.1-405B"
+    ),
     "llama-3.1-405b": ModelPreset(126, 8, 128, 405.0, source="meta-llama/Llama-3.1-405B"),
     "llama-3.2-1b": ModelPreset(16, 8, 64, 1.24, source="meta-llama/Llama-3.2-1B"),
     "llama-3.2-3b": ModelPreset(28, 8, 128, 3.2, source="meta-llama/Llama-3.2-3B"),
     "mistral-7b": ModelPreset(32, 8, 128, 7.3, source="mistralai/Mistral-7B-v0.1"),
-    "mixtral-8x7b": ModelPreset(32, 8, 128, 46.7, _MIXTRAL, active_params_b=12.9, source="mistralai/Mixtral-8x7B-v0.1"),
-    "mixtral-8x22b": ModelPreset(56, 8, 128, 141.0, _MIXTRAL, active_params_b=39.0, source="mistralai/Mixtral-8x22B-v0.1"),
-    "qwen2.5-0.5b": ModelPreset(24, 2, 64, 0.49, "2 KV heads: replication from TP 4", source="Qwen/Qwen2.5-0.5B"),
-    "qwen2.5-7b": ModelPreset(28, 4, 128, 7.6, "4 KV heads: replication from TP 8", source="Qwen/Qwen2.5-7B"),
+    "mixtral-8x7b": ModelPreset(
+        32, 8, 128, 46.7, _MIXTRAL, active_params_b=12.9, source="mistralai/Mixtral-8x7B-v0.1"
+    ),
+    "mixtral-8x22b": ModelPreset(
+        56, 8, 128, 141.0, _MIXTRAL, active_params_b=39.0, source="mistralai/Mixtral-8x22B-v0.1"
+    ),
+    "qwen2.5-0.5b": ModelPreset(
+        24, 2, 64, 0.49, "2 KV heads: replication from TP 4", source="Qwen/Qwen2.5-0.5B"
+    ),
+    "qwen2.5-7b": ModelPreset(
+        28, 4, 128, 7.6, "4 KV heads: replication from TP 8", source="Qwen/Qwen2.5-7B"
+    ),
     "qwen2.5-14b": ModelPreset(48, 8, 128, 14.7, source="Qwen/Qwen2.5-14B"),
     "qwen2.5-32b": ModelPreset(64, 8, 128, 32.5, source="Qwen/Qwen2.5-32B"),
     "qwen2.5-72b": ModelPreset(80, 8, 128, 72.7, source="Qwen/Qwen2.5-72B"),
     "qwen3-30b-a3b": ModelPreset(
-        48, 4, 128, 30.5, "MoE: 128 experts, 8 per token; 4 KV heads", active_params_b=3.3, source="Qwen/Qwen3-30B-A3B"
+        48,
+        4,
+        128,
+        30.5,
+        "MoE: 128 experts, 8 per token; 4 KV heads",
+        active_params_b=3.3,
+        source="Qwen/Qwen3-30B-A3B",
     ),
     "qwen3-235b-a22b": ModelPreset(
-        94, 4, 128, 235.0, "MoE: 128 experts, 8 per token; 4 KV heads", active_params_b=22.0, source="Qwen/Qwen3-235B-A22B"
+        94,
+        4,
+        128,
+        235.0,
+        "MoE: 128 experts, 8 per token; 4 KV heads",
+        active_params_b=22.0,
+        source="Qwen/Qwen3-235B-A22B",
     ),
     "deepseek-v2": ModelPreset(
-        60, 1, 576, 236.0, f"{_MLA}; MoE: 160 experts, 6 per token", active_params_b=21.0,
-        source="deepseek-ai/DeepSeek-V2", attention="mla",
+        60,
+        1,
+        576,
+        236.0,
+        f"{_MLA}; MoE: 160 experts, 6 per token",
+        active_params_b=21.0,
+        source="deepseek-ai/DeepSeek-V2",
+        attention="mla",
     ),
     "deepseek-v3": ModelPreset(
-        61, 1, 576, 671.0, f"{_MLA}; MoE: 256 experts, 8 per token", active_params_b=37.0,
-        source="deepseek-ai/DeepSeek-V3", attention="mla",
+        61,
+        1,
+        576,
+        671.0,
+        f"{_MLA}; MoE: 256 experts, 8 per token",
+        active_params_b=37.0,
+        source="deepseek-ai/DeepSeek-V3",
+        attention="mla",
     ),
     "kimi-k2": ModelPreset(
-        61, 1, 576, 1000.0, f"{_MLA}; MoE: 384 experts, 8 per token", active_params_b=32.0,
-        source="moonshotai/Kimi-K2-Instruct", attention="mla",
+        61,
+        1,
+        576,
+        1000.0,
+        f"{_MLA}; MoE: 384 experts, 8 per token",
+        active_params_b=32.0,
+        source="moonshotai/Kimi-K2-Instruct",
+        attention="mla",
     ),
 }

@@ -100,9 +100,22 @@ HOST_REQUIRED: tuple[str, ...] = (
     "fill_bandwidth_gbs",
 )
 HOST_OPTIONAL: tuple[str, ...] = (
-    "background_cores", "loop_poll_us", "forward_nice", "fill_scale", "copy_scale", "control_scale",
-    "write_scale", "event_scale", "loop_rt", "write_on_cpu", "write_cpu_threads", "write_rt",
-    "copy_op_us", "fill_cpu_scale", "copy_cpu_scale", "write_cpu_scale",
+    "background_cores",
+    "loop_poll_us",
+    "forward_nice",
+    "fill_scale",
+    "copy_scale",
+    "control_scale",
+    "write_scale",
+    "event_scale",
+    "loop_rt",
+    "write_on_cpu",
+    "write_cpu_threads",
+    "write_rt",
+    "copy_op_us",
+    "fill_cpu_scale",
+    "copy_cpu_scale",
+    "write_cpu_scale",
 )
 HOST_FIELDS: tuple[str, ...] = (*HOST_REQUIRED, *HOST_OPTIONAL)
 HostModel = Literal["gpu", "cpu-loop"]
@@ -413,7 +426,11 @@ def _link_numbers(merged: dict[str, Any], placement: str) -> LinkNumbers | None:
     bw, lat, per = (merged.get(k) for k in _placement_fields(placement))
     if bw is None or lat is None or per is None:
         return None
-    prep = 0.0 if merged.get("descriptor_reuse") else merged.get(f"{placement}_prep_per_request_us") or 0.0
+    prep = (
+        0.0
+        if merged.get("descriptor_reuse")
+        else merged.get(f"{placement}_prep_per_request_us") or 0.0
+    )
     mps = merged.get(f"{placement}_message_rate_mps")
     return LinkNumbers(
         bw * 1e9 / 8,

@@ -381,7 +381,16 @@ _MLA_NO_STAGING = (
     'Use transfer.path = "slice"'
 )
 
-_OPTIONAL_TABLES = ("transfer", "links", "workload", "hardware", "faults", "expect", "cluster", "slo")
+_OPTIONAL_TABLES = (
+    "transfer",
+    "links",
+    "workload",
+    "hardware",
+    "faults",
+    "expect",
+    "cluster",
+    "slo",
+)
 
 
 class Scenario(_Table):
@@ -435,9 +444,13 @@ class Scenario(_Table):
             try:  # KV capacity left after the weights must hold at least one chunk
                 DecodeModel(self)
             except ValueError as exc:
-                raise _FieldProblem({"decode.gpu_memory_gib": self.decode.gpu_memory_gib}, str(exc)) from None
+                raise _FieldProblem(
+                    {"decode.gpu_memory_gib": self.decode.gpu_memory_gib}, str(exc)
+                ) from None
         if self.transfer.path == "staging" and self.model.attention == "mla":
-            raise _FieldProblem({"transfer.path": "staging", "model.attention": "mla"}, _MLA_NO_STAGING)
+            raise _FieldProblem(
+                {"transfer.path": "staging", "model.attention": "mla"}, _MLA_NO_STAGING
+            )
         if self.transfer.path == "staging":
             # The slice path writes straight into the KV pool, so any pool (even 0)
             # is fine there; staging needs room for at least one full chunk.

@@ -131,7 +131,15 @@ def _rows(reader: Any, p: Path) -> list[TraceRow]:
         for column in ("prefix_tokens", "output_tokens"):
             text = row.get(column, "").strip()
             optional[column] = _parse_int(text, column, where, 0) if text else None
-        rows.append(TraceRow(arrival, prompt, optional["prefix_tokens"], reader.line_num, optional["output_tokens"]))
+        rows.append(
+            TraceRow(
+                arrival,
+                prompt,
+                optional["prefix_tokens"],
+                reader.line_num,
+                optional["output_tokens"],
+            )
+        )
     if header is None:
         raise ScenarioError(
             f"{p}: the trace file is empty; expected a header line {_FORMAT} and then one "

@@ -44,7 +44,9 @@ def _int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int | None:
         return None
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise ScenarioError(f"{where}: {key} = {json.dumps(value)}: expected an integer >= {minimum}")
+        raise ScenarioError(
+            f"{where}: {key} = {json.dumps(value)}: expected an integer >= {minimum}"
+        )
     if value < minimum:
         raise ScenarioError(f"{where}: {key} = {json.dumps(value)}: must be >= {minimum}")
     return int(value)
@@ -52,16 +54,22 @@ def _int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int | None:
 
 def _row(obj: Any, where: str, line: int) -> TraceRow:
     if not isinstance(obj, dict):
-        raise ScenarioError(f"{where}: expected a JSON object, got {json.dumps(obj)[:60]}; {MOONCAKE_FORMAT}")
+        raise ScenarioError(
+            f"{where}: expected a JSON object, got {json.dumps(obj)[:60]}; {MOONCAKE_FORMAT}"
+        )
     missing = [k for k in ("timestamp", "input_length") if k not in obj]
     if missing:
         raise ScenarioError(f"{where}: missing {', '.join(missing)}; {MOONCAKE_FORMAT}")
     ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise ScenarioError(f"{where}: timestamp = {json.dumps(ts)}: expected milliseconds, a finite number >= 0")
+        raise ScenarioError(
+            f"{where}: timestamp = {json.dumps(ts)}: expected milliseconds, a finite number >= 0"
+        )
     ids = obj.get("hash_ids", [])
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ScenarioError(f"{where}: hash_ids = {json.dumps(ids)[:60]}: expected a list of integers")
+        raise ScenarioError(
+            f"{where}: hash_ids = {json.dumps(ids)[:60]}: expected a list of integers"
+        )
     prompt = _int(obj, "input_length", where, 1)
     assert prompt is not None
     return TraceRow(ts / 1000.0, prompt, None, line, _int(obj, "output_length", where, 0))
@@ -85,8 +93,12 @@ def read_mooncake(p: Path) -> list[TraceRow]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ScenarioError(f"{where}: not JSON ({exc.msg}, column {exc.colno}); {MOONCAKE_FORMAT}") from None
+            raise ScenarioError(
+                f"{where}: not JSON ({exc.msg}, column {exc.colno}); {MOONCAKE_FORMAT}"
+            ) from None
         rows.append(_row(obj, where, n))
     if not rows:
-        raise ScenarioError(f"{p}: the trace file is empty; expected Mooncake JSON Lines, {MOONCAKE_FORMAT}")
+        raise ScenarioError(
+            f"{p}: the trace file is empty; expected Mooncake JSON Lines, {MOONCAKE_FORMAT}"
+        )
     return rows

@@ -19,7 +19,9 @@ def shifted_layout(self, num_pages: int):
     blocks = []
     for b in layout.blocks:
         room = self.g.decode_heads - b.heads.num_heads + 1
-        heads = dataclasses.replace(b.heads, dst_head_start=(b.heads.dst_head_start + 1) % max(1, room))
+        heads = dataclasses.replace(
+            b.heads, dst_head_start=(b.heads.dst_head_start + 1) % max(1, room)
+        )
         blocks.append(dataclasses.replace(b, heads=heads))
     return dataclasses.replace(layout, blocks=tuple(blocks))
 

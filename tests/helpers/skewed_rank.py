@@ -17,5 +17,7 @@ if __name__ == "__main__":
     argv = sys.argv[2:]
     assert argv[1:3] == ["-m", "kvstage.hw.rank_main"], argv
     args = argv[3:]
-    name = args[args.index("--role") + 1] + args[args.index("--rank") + 1] if "--role" in args else ""
+    name = (
+        args[args.index("--role") + 1] + args[args.index("--rank") + 1] if "--role" in args else ""
+    )
     sys.exit(rank_main.main(args, clock_skew_s=float(skews.get(name, 0.0))))

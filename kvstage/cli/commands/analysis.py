@@ -22,7 +22,12 @@ from kvstage.fmt import ms, pct
 
 console = Console()
 
-RunArg = Annotated[Path, typer.Argument(help="Run directory (or its trace file), as written by `kvstage sim` / `kvstage hw`.")]
+RunArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Run directory (or its trace file), as written by `kvstage sim` / `kvstage hw`."
+    ),
+]
 
 
 def _load(path: Path):
@@ -47,14 +52,24 @@ def _print_compare(result: dict) -> None:
     t = Table(title="B relative to A")
     for col in ("metric", "A", "B", "B - A", "(B - A) / A"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    for key, name in (("transfer_latency", "transfer latency"), ("ttft", "TTFT"), ("chunk_latency", "chunk latency")):
+    for key, name in (
+        ("transfer_latency", "transfer latency"),
+        ("ttft", "TTFT"),
+        ("chunk_latency", "chunk latency"),
+    ):
         m = result[key]
         for q in ("p50", "p99", "mean"):
             e = m[q]
             t.add_row(f"{name} {q}", ms(e["a"]), ms(e["b"]), ms(e["diff_s"]), pct(e["rel"]))
         mape = m["mape"]
-        t.add_row(f"{name} MAPE / bias (n={m['count']})", "", "", "",
-                  f"{'-' if not math.isfinite(mape) else f'{mape:.1%}'} / {pct(m['bias'])}", end_section=True)
+        t.add_row(
+            f"{name} MAPE / bias (n={m['count']})",
+            "",
+            "",
+            "",
+            f"{'-' if not math.isfinite(mape) else f'{mape:.1%}'} / {pct(m['bias'])}",
+            end_section=True,
+        )
     console.print(t)
     ph = Table(title="phase breakdown (total over all chunks and ranks; mean per chunk and rank)")
     for col in ("phase", "A total", "B total", "A mean", "B mean"):
@@ -63,7 +78,13 @@ def _print_compare(result: dict) -> None:
         p = result["phases"][k]
         if not p["a"]["count"] and not p["b"]["count"]:
             continue
-        ph.add_row(p["label"], f"{p['a']['total_s']:,.4f} s", f"{p['b']['total_s']:,.4f} s", ms(p["a"]["mean_s"]), ms(p["b"]["mean_s"]))
+        ph.add_row(
+            p["label"],
+            f"{p['a']['total_s']:,.4f} s",
+            f"{p['b']['total_s']:,.4f} s",
+            ms(p["a"]["mean_s"]),
+            ms(p["b"]["mean_s"]),
+        )
     console.print(ph)
     r = result["rooms"]
     console.print(
@@ -74,7 +95,10 @@ def _print_compare(result: dict) -> None:
     _print_conditions(result)
     mape = result["transfer_latency"]["mape"]
     ok = mape is not None and math.isfinite(mape) and mape <= result["tolerance"]
-    console.print(f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}", highlight=False)
+    console.print(
+        f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}",
+        highlight=False,
+    )
 
 
 def _print_conditions(result: dict) -> None:
@@ -96,9 +120,17 @@ def _print_conditions(result: dict) -> None:
         console.print(result["scenario_diff_note"], highlight=False, markup=False, soft_wrap=True)
     cond = result.get("conditions") or {}
     for tag in ("a", "b"):
-        sim = " (a simulation: simulated times do not depend on it)" if result[tag]["mode"] == "sim" else ""
-        console.print(f"host of {tag.upper()}: {describe(cond.get(tag))}{sim}", highlight=False, markup=False,
-                      soft_wrap=True)
+        sim = (
+            " (a simulation: simulated times do not depend on it)"
+            if result[tag]["mode"] == "sim"
+            else ""
+        )
+        console.print(
+            f"host of {tag.upper()}: {describe(cond.get(tag))}{sim}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     for w in result.get("warnings") or []:
         warn(w)
 
@@ -106,9 +138,17 @@ def _print_conditions(result: dict) -> None:
 def compare(
     run_a: Annotated[Path, typer.Argument(help="Run A, the reference (e.g. the hardware run).")],
     run_b: Annotated[Path, typer.Argument(help="Run B, measured against A (e.g. the simulation).")],
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the full comparison as JSON to this file.")] = None,
-    plots: Annotated[Path | None, typer.Option("--plots", help="Also write the comparison figures (PNG) into this folder.")] = None,
-    tolerance: Annotated[float, typer.Option(help="MAPE under which the verdict says B matches A.")] = 0.15,
+    json_out: Annotated[
+        Path | None,
+        typer.Option("--json", help="Also write the full comparison as JSON to this file."),
+    ] = None,
+    plots: Annotated[
+        Path | None,
+        typer.Option("--plots", help="Also write the comparison figures (PNG) into this folder."),
+    ] = None,
+    tolerance: Annotated[
+        float, typer.Option(help="MAPE under which the verdict says B matches A.")
+    ] = 0.15,
 ) -> None:
     """Compare run B with run A, room by room and chunk by chunk.
 
@@ -148,10 +188,23 @@ def compare(
 
 
 def report(
-    runs: Annotated[list[Path], typer.Argument(help="One or more run directories; the first is the reference for comparisons. A `kvstage plan` directory adds its Pareto front.")],
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="One or more run directories; the first is the reference for comparisons. A `kvstage plan` directory adds its Pareto front."
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
-    max_rooms: Annotated[int, typer.Option(help="Rooms shown in each run's timeline (the first N).")] = 8,
-    png: Annotated[Path | None, typer.Option("--png", help="Also write every figure of the report as a PNG file into this folder (for a terminal that cannot open HTML).")] = None,
+    max_rooms: Annotated[
+        int, typer.Option(help="Rooms shown in each run's timeline (the first N).")
+    ] = 8,
+    png: Annotated[
+        Path | None,
+        typer.Option(
+            "--png",
+            help="Also write every figure of the report as a PNG file into this folder (for a terminal that cannot open HTML).",
+        ),
+    ] = None,
 ) -> None:
     """Write ONE self-contained HTML report of the runs: per run its scenario and
     summary numbers, a per-rank timeline of chunk phases and the staging ring (live
@@ -171,17 +224,30 @@ def report(
     for w in loaded_warnings([(r.path.name, r.mode, r.summary.get("conditions")) for r in loaded]):
         warn(w)
     path, pngs = write_report(loaded, out, max_rooms=max_rooms, png_dir=png, plans=plans)
-    console.print(f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)", highlight=False, markup=False,
-                  soft_wrap=True)
+    console.print(
+        f"report: {path} ({path.stat().st_size / 1024:,.0f} KiB)",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
     if png is not None:
-        console.print(f"figures (PNG) in {png}: {', '.join(p.name for p in pngs)}", highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(
+            f"figures (PNG) in {png}: {', '.join(p.name for p in pngs)}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def export_trace(
     run: RunArg,
-    chrome: Annotated[bool, typer.Option("--chrome", help="Chrome / Perfetto JSON (the only format so far).")] = False,
-    out: Annotated[Path | None, typer.Option(help="Output file (default: trace.chrome.json in the run directory).")] = None,
+    chrome: Annotated[
+        bool, typer.Option("--chrome", help="Chrome / Perfetto JSON (the only format so far).")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Output file (default: trace.chrome.json in the run directory)."),
+    ] = None,
 ) -> None:
     """Export a run's trace for a trace viewer. With --chrome: Chrome / Perfetto JSON,
     one event per trace row (spans as complete events, instants as instant events, in
@@ -193,7 +259,9 @@ def export_trace(
         _fail("choose an export format: --chrome (Chrome / Perfetto JSON)")
     loaded = _load(run)
     path = export_chrome(loaded, out)
-    console.print(f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False, markup=False)
+    console.print(
+        f"Chrome trace: {path} ({len(loaded.records):,} events)", highlight=False, markup=False
+    )
 
 
 def register(app: typer.Typer) -> None:

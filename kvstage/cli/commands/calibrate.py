@@ -19,7 +19,9 @@ MIN_R2 = 0.9
 
 
 def _default_out(backend: str, device: str) -> Path:
-    return Path("runs") / "calibration" / f"{backend}-{device}-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+    return (
+        Path("runs") / "calibration" / f"{backend}-{device}-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+    )
 
 
 def print_calibration(cal, console: Console) -> None:
@@ -33,25 +35,48 @@ def print_calibration(cal, console: Console) -> None:
         return f"max |res| {max(abs(r) for r in res):.1%}"
 
     w, pr = cal.write, cal.per_request
-    t.add_row("write bandwidth", f"{w.bandwidth_Bps / 1e9:.2f} GB/s", f"R² {w.r2:.4f}, {worst(w.residuals)}")
+    t.add_row(
+        "write bandwidth",
+        f"{w.bandwidth_Bps / 1e9:.2f} GB/s",
+        f"R² {w.r2:.4f}, {worst(w.residuals)}",
+    )
     t.add_row("write latency (one op)", f"{w.latency_s * 1e6:.1f} us", "")
-    t.add_row("per-request overhead", f"{pr.per_request_s * 1e6:.2f} us",
-              f"R² {pr.r2:.4f}, {worst(pr.residuals)}")
-    t.add_row("control latency (RTT/2)", f"{cal.control_rtt_s / 2 * 1e6:.1f} us",
-              f"RTT p90 {cal.control_rtt_p90_s * 1e6:.0f} us")
-    for name, f in (("gather", cal.gather), ("gather (head subset)", cal.gather_sub), ("scatter", cal.scatter),
-                    ("copy (profile)", cal.copy)):
-        t.add_row(f"{name} copy rate / launch", f"{f.bandwidth_Bps / 1e9:.2f} GB/s / {f.launch_s * 1e6:.1f} us",
-                  f"R² {f.r2:.4f}, {worst(f.residuals)}")
+    t.add_row(
+        "per-request overhead",
+        f"{pr.per_request_s * 1e6:.2f} us",
+        f"R² {pr.r2:.4f}, {worst(pr.residuals)}",
+    )
+    t.add_row(
+        "control latency (RTT/2)",
+        f"{cal.control_rtt_s / 2 * 1e6:.1f} us",
+        f"RTT p90 {cal.control_rtt_p90_s * 1e6:.0f} us",
+    )
+    for name, f in (
+        ("gather", cal.gather),
+        ("gather (head subset)", cal.gather_sub),
+        ("scatter", cal.scatter),
+        ("copy (profile)", cal.copy),
+    ):
+        t.add_row(
+            f"{name} copy rate / launch",
+            f"{f.bandwidth_Bps / 1e9:.2f} GB/s / {f.launch_s * 1e6:.1f} us",
+            f"R² {f.r2:.4f}, {worst(f.residuals)}",
+        )
     f = cal.fill
-    t.add_row("hw prefill fill rate / latency", f"{f.bandwidth_Bps / 1e9:.3f} GB/s / {f.latency_s * 1e6:.0f} us",
-              f"R² {f.r2:.4f}, {worst(f.residuals)}")
+    t.add_row(
+        "hw prefill fill rate / latency",
+        f"{f.bandwidth_Bps / 1e9:.3f} GB/s / {f.latency_s * 1e6:.0f} us",
+        f"R² {f.r2:.4f}, {worst(f.residuals)}",
+    )
     t.add_row("matmul", f"{cal.gpu_flops / 1e9:.1f} GFLOP/s", "")
     t.add_row("idle engine process CPU", f"{cal.engine_idle_cores:.2f} cores", "progress threads")
     h = cal.raw.get("handle")
     if h:
-        t.add_row("state-machine event (CPU)", f"{h['mean_s'] * 1e6:.1f} us mean",
-                  f"median {h['median_s'] * 1e6:.1f} us, {h['events']} events")
+        t.add_row(
+            "state-machine event (CPU)",
+            f"{h['mean_s'] * 1e6:.1f} us mean",
+            f"median {h['median_s'] * 1e6:.1f} us, {h['events']} events",
+        )
     console.print(t)
     for line in weak_fits(cal):
         console.print(f"[bold yellow]warning:[/] {line}", highlight=False)
@@ -60,20 +85,43 @@ def print_calibration(cal, console: Console) -> None:
 def weak_fits(cal) -> list[str]:
     """One line per fit with R² below MIN_R2: its numbers may not describe this machine
     (a loaded host, too few points); measure again on a quiet host before trusting them."""
-    fits = {"write bandwidth / latency": cal.write.r2, "per-request overhead": cal.per_request.r2,
-            "gather": cal.gather.r2, "gather (head subset)": cal.gather_sub.r2, "scatter": cal.scatter.r2,
-            "copy (profile)": cal.copy.r2, "hw prefill fill": cal.fill.r2}
-    return [f"the {name} fit has R² {r2:.2f} (< {MIN_R2}): its numbers may not describe this machine; "
-            "check `uptime` and measure again on a quiet host" for name, r2 in fits.items() if r2 < MIN_R2]
+    fits = {
+        "write bandwidth / latency": cal.write.r2,
+        "per-request overhead": cal.per_request.r2,
+        "gather": cal.gather.r2,
+        "gather (head subset)": cal.gather_sub.r2,
+        "scatter": cal.scatter.r2,
+        "copy (profile)": cal.copy.r2,
+        "hw prefill fill": cal.fill.r2,
+    }
+    return [
+        f"the {name} fit has R² {r2:.2f} (< {MIN_R2}): its numbers may not describe this machine; "
+        "check `uptime` and measure again on a quiet host"
+        for name, r2 in fits.items()
+        if r2 < MIN_R2
+    ]
 
 
 def calibrate(
-    backend: Annotated[Literal["nixl", "mooncake"], typer.Option(help="Transfer engine to measure.")] = "nixl",
-    device: Annotated[str, typer.Option(metavar="[cpu|cuda|cuda:N]", help="Memory the engine moves and kernels run on.")] = "cpu",
-    out: Annotated[Path | None, typer.Option(
-        help="Profile TOML to write (default runs/calibration/BACKEND-DEVICE-TIME.toml); "
-             "fit quality and raw points go to STEM.fit.json beside it.")] = None,
-    quick: Annotated[bool, typer.Option(help="A short sweep (a few seconds of measuring).")] = False,
+    backend: Annotated[
+        Literal["nixl", "mooncake"], typer.Option(help="Transfer engine to measure.")
+    ] = "nixl",
+    device: Annotated[
+        str,
+        typer.Option(
+            metavar="[cpu|cuda|cuda:N]", help="Memory the engine moves and kernels run on."
+        ),
+    ] = "cpu",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Profile TOML to write (default runs/calibration/BACKEND-DEVICE-TIME.toml); "
+            "fit quality and raw points go to STEM.fit.json beside it."
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="A short sweep (a few seconds of measuring).")
+    ] = False,
 ) -> None:
     """Measure this machine between two real processes over the real engine (write
     latency and bandwidth, per-request overhead, ZMQ control round trip, gather /
@@ -86,8 +134,14 @@ def calibrate(
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
     path = out or _default_out(backend, device)
-    bar = Progress(TextColumn("[bold]{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=console, transient=False)
+    bar = Progress(
+        TextColumn("[bold]{task.description:<8}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
     tasks: dict[str, int] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
@@ -95,8 +149,10 @@ def calibrate(
             tasks[stage] = bar.add_task(stage, total=total)
         bar.update(tasks[stage], completed=done, total=total)
 
-    console.print(f"calibrating {backend} on {device}{' (quick)' if quick else ''}: "
-                  "starting two measuring processes")
+    console.print(
+        f"calibrating {backend} on {device}{' (quick)' if quick else ''}: "
+        "starting two measuring processes"
+    )
     try:
         with bar:
             cal = run_calibration(backend, device, quick=quick, progress=progress)

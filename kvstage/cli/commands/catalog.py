@@ -23,14 +23,33 @@ def presets_table() -> Table:
     """One row per model preset: KV geometry, KV bytes per token (bf16), parameters."""
     from kvstage.shared.scenario.presets import PRESETS
 
-    t = Table(title="model presets (\\[model] preset = NAME; explicit fields override them)", title_justify="left")
-    for col in ("preset", "layers", "KV heads", "head_dim", "KV KiB/token (bf16)", "params (B)", "active (B)", "note", "config source"):
+    t = Table(
+        title="model presets (\\[model] preset = NAME; explicit fields override them)",
+        title_justify="left",
+    )
+    for col in (
+        "preset",
+        "layers",
+        "KV heads",
+        "head_dim",
+        "KV KiB/token (bf16)",
+        "params (B)",
+        "active (B)",
+        "note",
+        "config source",
+    ):
         t.add_column(col, justify="left" if col in ("preset", "note", "config source") else "right")
     for name, p in PRESETS.items():
         kv = p.kv_elems_per_token * 2  # bf16: K and V heads, or the MLA latent once
         t.add_row(
-            name, str(p.layers), str(p.kv_heads), str(p.head_dim), f"{kv / 1024:,.0f}",
-            _num(p.params_b), _num(p.active_params_b) if p.active_params_b else "= params", p.note,
+            name,
+            str(p.layers),
+            str(p.kv_heads),
+            str(p.head_dim),
+            f"{kv / 1024:,.0f}",
+            _num(p.params_b),
+            _num(p.active_params_b) if p.active_params_b else "= params",
+            p.note,
             p.source and f"huggingface.co/{p.source}",
         )
     return t
@@ -42,7 +61,9 @@ def _resolve(links_config, name: str, base_dir: str | None):
     try:
         return links_config.model_validate({"profile": name}, context=context).resolved()
     except ValueError:
-        return links_config.model_validate({"profile": name, "placement": "intra"}, context=context).resolved()
+        return links_config.model_validate(
+            {"profile": name, "placement": "intra"}, context=context
+        ).resolved()
 
 
 def profiles_table(base_dir: str | None = None) -> Table:
@@ -52,8 +73,19 @@ def profiles_table(base_dir: str | None = None) -> Table:
     from kvstage.shared.scenario.schema import LinksConfig
 
     dirs = ", ".join(str(d) for d in profile_dirs(base_dir) if d.is_dir())
-    t = Table(title=f"hardware profiles (\\[links] profile = NAME; from {dirs})", title_justify="left")
-    for col in ("profile", "NIC Gb/s", "NIC latency", "per request", "NIC Mmsg/s", "NVLink GB/s", "GPU TFLOP/s", "source"):
+    t = Table(
+        title=f"hardware profiles (\\[links] profile = NAME; from {dirs})", title_justify="left"
+    )
+    for col in (
+        "profile",
+        "NIC Gb/s",
+        "NIC latency",
+        "per request",
+        "NIC Mmsg/s",
+        "NVLink GB/s",
+        "GPU TFLOP/s",
+        "source",
+    ):
         t.add_column(col, justify="left" if col in ("profile", "source") else "right")
     for name in available_profiles(base_dir):
         try:
@@ -82,7 +114,12 @@ def presets() -> None:
 
 
 def profiles(
-    scenario_dir: Annotated[str | None, typer.Option(help="Also list the profiles a scenario in this folder can name (its profiles/ and ../profiles/).")] = None,
+    scenario_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="Also list the profiles a scenario in this folder can name (its profiles/ and ../profiles/)."
+        ),
+    ] = None,
 ) -> None:
     """List the hardware profiles `[links] profile` can name: NIC bandwidth, latency and
     posting cost per work request, message rate, NVLink bandwidth, GPU FLOP/s, source."""

@@ -19,7 +19,10 @@ from kvstage.cli.errors import fail as _fail
 
 console = Console()
 
-ListOpt = Annotated[str | None, typer.Option(metavar="V1,V2,...", help="Values to search, comma separated (defaults below).")]
+ListOpt = Annotated[
+    str | None,
+    typer.Option(metavar="V1,V2,...", help="Values to search, comma separated (defaults below)."),
+]
 
 
 def _num(x: Any, fmt: str = "{:.3g}") -> str:
@@ -43,35 +46,77 @@ def _skipped_table(groups: list[dict[str, Any]]) -> Table:
 
 
 def _front_table(result: Any) -> Table:
-    t = Table(title="Pareto front: goodput per GPU vs TTFT p90 (no other point has more of the one and less of "
-                    "the other)", title_justify="left")
-    for col, right in (("prefill", False), ("decode", False), ("pool MiB", True), ("GPUs", True),
-                       ("attain.", True), ("goodput/GPU", True), ("TTFT p90", True), ("TPOT p90", True),
-                       ("bottleneck", False), ("", False)):
+    t = Table(
+        title="Pareto front: goodput per GPU vs TTFT p90 (no other point has more of the one and less of "
+        "the other)",
+        title_justify="left",
+    )
+    for col, right in (
+        ("prefill", False),
+        ("decode", False),
+        ("pool MiB", True),
+        ("GPUs", True),
+        ("attain.", True),
+        ("goodput/GPU", True),
+        ("TTFT p90", True),
+        ("TPOT p90", True),
+        ("bottleneck", False),
+        ("", False),
+    ):
         t.add_column(col, justify="right" if right else "left")
     for r in result.front:
-        mark = "[bold green]winner[/]" if r["winner"] else ("meets" if r["meets"] else "[yellow]misses[/]")
-        t.add_row(f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}",
-                  f"{r['cluster.decode_instances']} x TP{r['decode.tp']}", f"{r['decode.staging_pool_mb']:g}",
-                  str(r["gpus"]), _num(r["slo_attainment"], "{:.0%}"), _num(r["goodput_per_gpu_rps"]),
-                  _secs(r["ttft_s.p90"]), _secs(r["tpot_s.p90"]), r["bottleneck"] or "-", mark,
-                  style="bold" if r["winner"] else None)
+        mark = (
+            "[bold green]winner[/]"
+            if r["winner"]
+            else ("meets" if r["meets"] else "[yellow]misses[/]")
+        )
+        t.add_row(
+            f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}",
+            f"{r['cluster.decode_instances']} x TP{r['decode.tp']}",
+            f"{r['decode.staging_pool_mb']:g}",
+            str(r["gpus"]),
+            _num(r["slo_attainment"], "{:.0%}"),
+            _num(r["goodput_per_gpu_rps"]),
+            _secs(r["ttft_s.p90"]),
+            _secs(r["tpot_s.p90"]),
+            r["bottleneck"] or "-",
+            mark,
+            style="bold" if r["winner"] else None,
+        )
     return t
 
 
 def _progress_bar(progress: bool) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("[bold]planning[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.description}"), console=console, disable=not progress, transient=True)
+    return Progress(
+        TextColumn("[bold]planning[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        disable=not progress,
+        transient=True,
+    )
 
 
-def _grid(prefill_tp: str | None, decode_tp: str | None, prefill_instances: str | None,
-          decode_instances: str | None, pool_mb: str | None) -> dict[str, str | None]:
+def _grid(
+    prefill_tp: str | None,
+    decode_tp: str | None,
+    prefill_instances: str | None,
+    decode_instances: str | None,
+    pool_mb: str | None,
+) -> dict[str, str | None]:
     from kvstage.explore.plan import DEFAULT_GRID
 
-    given = dict(zip(DEFAULT_GRID, (prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
-                     strict=True))
+    given = dict(
+        zip(
+            DEFAULT_GRID,
+            (prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
+            strict=True,
+        )
+    )
     return {k: v if v is not None else DEFAULT_GRID[k] for k, v in given.items()}
 
 
@@ -84,14 +129,26 @@ def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> N
         f"plan [bold]{escape(str(scenario))}[/]: {len(cands.points) + len(cands.skipped)} configurations, "
         f"{len(cands.skipped)} skipped, {len(cands.points)} to search over {len(gpus)} GPU counts "
         f"({gpus[0]}..{gpus[-1]}); SLO {slo} for >= {attainment:.0%} of requests; on {where}",
-        highlight=False, soft_wrap=True)
+        highlight=False,
+        soft_wrap=True,
+    )
     s = cands.points[0].scenario
     if s.decode.gpu_memory_gib is None:
-        console.print("note: decode.gpu_memory_gib is not set: decode KV capacity is unlimited (admission never "
-                      "waits), so the plan cannot tell a decode side too small to hold the load", highlight=False)
-    if {"tpot_s", "e2e_s"} & set(cands.targets) and not s.workload.output_tokens and not s.workload.trace_csv:
-        console.print("note: workload.output_tokens is 0: no request has a TPOT or end-to-end figure, so those "
-                      "targets are missed everywhere", highlight=False)
+        console.print(
+            "note: decode.gpu_memory_gib is not set: decode KV capacity is unlimited (admission never "
+            "waits), so the plan cannot tell a decode side too small to hold the load",
+            highlight=False,
+        )
+    if (
+        {"tpot_s", "e2e_s"} & set(cands.targets)
+        and not s.workload.output_tokens
+        and not s.workload.trace_csv
+    ):
+        console.print(
+            "note: workload.output_tokens is 0: no request has a TPOT or end-to-end figure, so those "
+            "targets are missed everywhere",
+            highlight=False,
+        )
     if cands.skipped:
         console.print(_skipped_table(skip_reasons(cands.skipped)))
 
@@ -108,33 +165,84 @@ def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
     console.print(_front_table(result))
     line = verdict(result)
     color = "green" if result.winner else "yellow"
-    console.print(f"[bold {color}]{escape(line.split(':', 1)[0])}:[/]{escape(line.split(':', 1)[1])}",
-                  highlight=False, soft_wrap=True)
-    search = (f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
-              f"{result.count('not run')} larger configuration(s) not run" if result.stopped_at is not None
-              else "every candidate simulated")
-    console.print(f"{len(result.simulated)} configurations simulated in {result.wall_s:.1f} s on "
-                  f"{result.backend} ({search}); files in {out_dir}: {', '.join(p.name for p in files.values())}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold {color}]{escape(line.split(':', 1)[0])}:[/]{escape(line.split(':', 1)[1])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    search = (
+        f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
+        f"{result.count('not run')} larger configuration(s) not run"
+        if result.stopped_at is not None
+        else "every candidate simulated"
+    )
+    console.print(
+        f"{len(result.simulated)} configurations simulated in {result.wall_s:.1f} s on "
+        f"{result.backend} ({search}); files in {out_dir}: {', '.join(p.name for p in files.values())}",
+        highlight=False,
+        soft_wrap=True,
+    )
     errors = result.count("error")
     if errors:
-        console.print(f"[bold red]{errors} configuration(s) failed to simulate[/] (status error in plan.csv)")
+        console.print(
+            f"[bold red]{errors} configuration(s) failed to simulate[/] (status error in plan.csv)"
+        )
 
 
 def plan(
-    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file with an [slo] table (see scenarios/README.md).")],
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a scenario field, e.g. --set workload.rate_per_s=4 (repeatable).")] = None,
+    scenario: Annotated[
+        Path,
+        typer.Argument(help="Scenario TOML file with an [slo] table (see scenarios/README.md)."),
+    ],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a scenario field, e.g. --set workload.rate_per_s=4 (repeatable).",
+        ),
+    ] = None,
     prefill_tp: ListOpt = None,
     decode_tp: ListOpt = None,
     prefill_instances: ListOpt = None,
     decode_instances: ListOpt = None,
-    pool_mb: Annotated[str | None, typer.Option(metavar="V1,V2,...", help="Staging pool per decode rank, MiB (default: the scenario's).")] = None,
-    max_gpus: Annotated[int | None, typer.Option(help="Skip configurations with more GPUs than this.")] = None,
-    attainment: Annotated[float, typer.Option(help="A configuration meets the SLO when at least this share of requests meets every [slo] target (0.9: TTFT target = its p90).")] = 0.9,
-    exhaustive: Annotated[bool, typer.Option(help="Simulate every candidate instead of stopping one GPU count above the first that meets the SLO.")] = False,
-    workers: Annotated[int | None, typer.Option(help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs).")] = None,
-    ray: Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help='Run on Ray: "local" starts a private instance here; else a cluster address.')] = None,
-    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/SCENARIO-plan-TIME/).")] = None,
+    pool_mb: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...", help="Staging pool per decode rank, MiB (default: the scenario's)."
+        ),
+    ] = None,
+    max_gpus: Annotated[
+        int | None, typer.Option(help="Skip configurations with more GPUs than this.")
+    ] = None,
+    attainment: Annotated[
+        float,
+        typer.Option(
+            help="A configuration meets the SLO when at least this share of requests meets every [slo] target (0.9: TTFT target = its p90)."
+        ),
+    ] = 0.9,
+    exhaustive: Annotated[
+        bool,
+        typer.Option(
+            help="Simulate every candidate instead of stopping one GPU count above the first that meets the SLO."
+        ),
+    ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."
+        ),
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help='Run on Ray: "local" starts a private instance here; else a cluster address.',
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory (default runs/SCENARIO-plan-TIME/).")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Search prefill TP, decode TP, instance counts and staging pool for the fewest GPUs
@@ -161,8 +269,12 @@ def plan(
     try:
         if ray is not None:
             require_ray()
-        cands = plan_candidates(scenario, _grid(prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
-                                sets, max_gpus)
+        cands = plan_candidates(
+            scenario,
+            _grid(prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
+            sets,
+            max_gpus,
+        )
     except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
@@ -175,14 +287,27 @@ def plan(
 
     try:
         with bar:
-            result = run_plan(scenario, cands, attainment=attainment, workers=workers, ray_address=ray,
-                              exhaustive=exhaustive, on_point=on_point)
+            result = run_plan(
+                scenario,
+                cands,
+                attainment=attainment,
+                workers=workers,
+                ray_address=ray,
+                exhaustive=exhaustive,
+                on_point=on_point,
+            )
     except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
     from kvstage.run.rundir import make_run_dir
 
-    meta = {"scenario": str(scenario), "scenario_name": scenario.stem, "set": sets,
-            "grid": {v.key: list(v.values) for v in cands.varies}, "max_gpus": max_gpus, "exhaustive": exhaustive}
+    meta = {
+        "scenario": str(scenario),
+        "scenario_name": scenario.stem,
+        "set": sets,
+        "grid": {v.key: list(v.values) for v in cands.varies},
+        "max_gpus": max_gpus,
+        "exhaustive": exhaustive,
+    }
     try:
         out_dir = make_run_dir(cands.points[0].scenario, "plan", out)
         files = write_plan(result, out_dir, meta)

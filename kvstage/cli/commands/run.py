@@ -66,10 +66,16 @@ def validate(scenario: ScenarioArg, set_: SetOpt = None) -> None:
 def sim(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-sim-TIME/).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (default runs/SCENARIO-sim-TIME/).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Workload seed (overrides workload.seed).")
+    ] = None,
     trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = "parquet",
-    scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")] = False,
+    scaled: Annotated[
+        bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Simulate the scenario's whole workload in simulated time (SimPy), through the
@@ -90,23 +96,81 @@ def sim(
 def hw(
     scenario: ScenarioArg,
     set_: SetOpt = None,
-    backend: Annotated[Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")] = None,
-    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, help="Memory the KV lives in (default: the scenario's).")] = None,
-    verify: Annotated[Verify | None, typer.Option(help="Which bytes the decode checks (default: the scenario's).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/SCENARIO-hw-TIME/).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Workload seed (overrides workload.seed).")] = None,
-    scaled: Annotated[bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")] = True,
-    timeout: Annotated[float, typer.Option(help="Fail the run if it is not finished after this many seconds.")] = 600.0,
-    spawn: Annotated[bool, typer.Option(help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank).")] = True,
-    port: Annotated[int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")] = 0,
+    backend: Annotated[
+        Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            metavar=DEVICE_METAVAR, help="Memory the KV lives in (default: the scenario's)."
+        ),
+    ] = None,
+    verify: Annotated[
+        Verify | None, typer.Option(help="Which bytes the decode checks (default: the scenario's).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (default runs/SCENARIO-hw-TIME/).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Workload seed (overrides workload.seed).")
+    ] = None,
+    scaled: Annotated[
+        bool, typer.Option(help="Apply [hardware.scale_down] so it fits host memory.")
+    ] = True,
+    timeout: Annotated[
+        float, typer.Option(help="Fail the run if it is not finished after this many seconds.")
+    ] = 600.0,
+    spawn: Annotated[
+        bool,
+        typer.Option(
+            help="Start the ranks here; --no-spawn waits for ranks started elsewhere (hw-rank)."
+        ),
+    ] = True,
+    port: Annotated[
+        int, typer.Option(help="Rendezvous port (0: any free one; set it with --no-spawn).")
+    ] = 0,
     trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = "parquet",
-    host: Annotated[str | None, typer.Option(help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1).")] = None,
-    bind: Annotated[str | None, typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one).")] = None,
-    advertise: Annotated[str | None, typer.Option(help="Address ranks connect to for the rendezvous (default --bind).")] = None,
-    secret_file: Annotated[Path | None, typer.Option(help="Use this run secret (a file only its owner can read) instead of drawing one; ranks started elsewhere get the same file, e.g. copied to each node's local disk.")] = None,
-    rejoin_grace: Annotated[float, typer.Option(min=0, help="Seconds a prefill rank that died (or went silent) may take to rejoin, started again with hw-rank, before it fails the run (0: a dead rank fails it).")] = 0.0,
-    ceiling: Annotated[bool, typer.Option(help="Before the first room, measure each prefill->decode pair's raw write ceiling (one large write in a slot of its own) and print each pair's achieved GB/s against it.")] = True,
-    target: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="Pass only if every pair achieved at least this fraction of its ceiling (a PASS/FAIL line; FAIL exits 1).")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address the rendezvous and the spawned ranks bind (default $KVSTAGE_HOST, else 127.0.0.1)."
+        ),
+    ] = None,
+    bind: Annotated[
+        str | None,
+        typer.Option(help="Address the rendezvous binds (default --host; 0.0.0.0: every one)."),
+    ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option(help="Address ranks connect to for the rendezvous (default --bind)."),
+    ] = None,
+    secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Use this run secret (a file only its owner can read) instead of drawing one; ranks started elsewhere get the same file, e.g. copied to each node's local disk."
+        ),
+    ] = None,
+    rejoin_grace: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds a prefill rank that died (or went silent) may take to rejoin, started again with hw-rank, before it fails the run (0: a dead rank fails it).",
+        ),
+    ] = 0.0,
+    ceiling: Annotated[
+        bool,
+        typer.Option(
+            help="Before the first room, measure each prefill->decode pair's raw write ceiling (one large write in a slot of its own) and print each pair's achieved GB/s against it."
+        ),
+    ] = True,
+    target: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Pass only if every pair achieved at least this fraction of its ceiling (a PASS/FAIL line; FAIL exits 1).",
+        ),
+    ] = None,
 ) -> None:
     """Run the scenario on real transfers: P prefill and D decode rank processes on this
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
@@ -134,8 +198,13 @@ def hw(
 
     # before anything is written or started: the port, and for ranks spawned here (with
     # --no-spawn they run elsewhere and check for themselves) the GPU, RDMA and memory
-    problem = launch_problem(s, spawn=spawn, bind=launch_addresses(host, bind, advertise)[0], port=port,
-                             device_problem=device_problem)
+    problem = launch_problem(
+        s,
+        spawn=spawn,
+        bind=launch_addresses(host, bind, advertise)[0],
+        port=port,
+        device_problem=device_problem,
+    )
     if problem:
         _fail(problem)
     extra = {}
@@ -148,30 +217,82 @@ def hw(
             _fail(f"--secret-file: {exc}")
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
-    code, _ = run_hardware(s, out=out, trace_format=trace_format, timeout_s=timeout, spawn=spawn,
-                           port=port, console=console, host=host, bind=bind, advertise=advertise,
-                           rejoin_grace_s=rejoin_grace, ceiling=ceiling, target=target, **extra)
+    code, _ = run_hardware(
+        s,
+        out=out,
+        trace_format=trace_format,
+        timeout_s=timeout,
+        spawn=spawn,
+        port=port,
+        console=console,
+        host=host,
+        bind=bind,
+        advertise=advertise,
+        rejoin_grace_s=rejoin_grace,
+        ceiling=ceiling,
+        target=target,
+        **extra,
+    )
     raise typer.Exit(code)
 
 
 def hw_rank(
     scenario: ScenarioArg,
-    role: Annotated[Role | None, typer.Option(help="This rank's role (default: from SLURM or torchrun, global rank r < P is prefill r, else decode r-P).")] = None,
-    rank: Annotated[int | None, typer.Option(help="This rank's index in its role (with --role).")] = None,
-    rendezvous: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT).")] = None,
+    role: Annotated[
+        Role | None,
+        typer.Option(
+            help="This rank's role (default: from SLURM or torchrun, global rank r < P is prefill r, else decode r-P)."
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None, typer.Option(help="This rank's index in its role (with --role).")
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(help="HOST:PORT of the rendezvous (default MASTER_ADDR:MASTER_PORT)."),
+    ] = None,
     set_: SetOpt = None,
-    backend: Annotated[Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")] = None,
-    device: Annotated[str | None, typer.Option(metavar=DEVICE_METAVAR, help="Memory the KV lives in; cuda: this rank's GPU (default: the scenario's).")] = None,
-    host: Annotated[str | None, typer.Option(help="Routable address this rank binds and advertises (default $KVSTAGE_HOST, else the one towards MASTER_ADDR, else 127.0.0.1).")] = None,
-    secret_file: Annotated[Path | None, typer.Option(help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET).")] = None,
-    rendezvous_timeout: Annotated[float, typer.Option(min=0.001, help="Give up (exit 2) when the rendezvous has not answered within this many seconds; the rank says it waits after 5 s.")] = 60.0,
+    backend: Annotated[
+        Backend | None, typer.Option(help="Transfer engine (default: the scenario's).")
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            metavar=DEVICE_METAVAR,
+            help="Memory the KV lives in; cuda: this rank's GPU (default: the scenario's).",
+        ),
+    ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="Routable address this rank binds and advertises (default $KVSTAGE_HOST, else the one towards MASTER_ADDR, else 127.0.0.1)."
+        ),
+    ] = None,
+    secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET)."
+        ),
+    ] = None,
+    rendezvous_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Give up (exit 2) when the rendezvous has not answered within this many seconds; the rank says it waits after 5 s.",
+        ),
+    ] = 60.0,
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
     from kvstage.hw.rank_main import main as rank_main
 
     argv = [str(scenario)]
-    for flag, value in (("--role", role), ("--rank", rank), ("--rendezvous", rendezvous), ("--host", host)):
+    for flag, value in (
+        ("--role", role),
+        ("--rank", rank),
+        ("--rendezvous", rendezvous),
+        ("--host", host),
+    ):
         argv += [flag, str(value)] if value is not None else []
     for item in set_ or []:
         argv += ["--set", item]
@@ -189,7 +310,10 @@ def check(
     run: Annotated[Path, typer.Argument(help="Run directory or trace file.")],
     path: Annotated[
         TransferPath | None,
-        typer.Option("--path", help="Transfer path of a bare trace file (a run directory's scenario.toml says it)."),
+        typer.Option(
+            "--path",
+            help="Transfer path of a bare trace file (a run directory's scenario.toml says it).",
+        ),
     ] = None,
 ) -> None:
     """Check a run's trace against the protocol invariants (safety, exactly once, no
@@ -205,11 +329,17 @@ def check(
     if path is None:
         resolved = run / "scenario.toml" if run.is_dir() else None
         if resolved is None or not resolved.exists():
-            _fail(f"{run} is a trace without its run directory: say its transfer path with --path staging|slice")
+            _fail(
+                f"{run} is a trace without its run directory: say its transfer path with --path staging|slice"
+            )
         path = TransferPath(load_scenario(resolved).transfer.path)
     tolerance = 0.0
-    if run.is_dir() and (run / "summary.json").exists():  # hardware across hosts: the clocks' uncertainty
-        tolerance = float(json.loads((run / "summary.json").read_text()).get("clock_tolerance_s") or 0.0)
+    if (
+        run.is_dir() and (run / "summary.json").exists()
+    ):  # hardware across hosts: the clocks' uncertainty
+        tolerance = float(
+            json.loads((run / "summary.json").read_text()).get("clock_tolerance_s") or 0.0
+        )
     found = check_records(records, path.value, tolerance)
     if not found:
         console.print(f"[green]ok[/]: {len(records)} records ({mode}), no invariant violated")
@@ -220,8 +350,12 @@ def check(
     raise typer.Exit(1)
 
 
-
 def register(app: typer.Typer) -> None:
-    for name, command in (("validate", validate), ("sim", sim), ("hw", hw), ("hw-rank", hw_rank),
-                          ("check", check)):
+    for name, command in (
+        ("validate", validate),
+        ("sim", sim),
+        ("hw", hw),
+        ("hw-rank", hw_rank),
+        ("check", check),
+    ):
         app.command(name)(command)

@@ -45,7 +45,9 @@ _SHORT = {
 }
 
 
-def _results_table(result: Any, metric: str, target_metric: str | None = None) -> tuple[Table, list[str]]:
+def _results_table(
+    result: Any, metric: str, target_metric: str | None = None
+) -> tuple[Table, list[str]]:
     """The rows as a table, and the distinct reasons (footnotes [1], [2], ...)."""
     from kvstage.explore.sweep import STATUS_OK, format_metric, metric_display
 
@@ -86,7 +88,9 @@ def _target_table(result: Any, report: dict) -> Table:
     scale, unit, _ = metric_display(report["metric"], [r[report["metric"]] for r in result.rows])
 
     first = result.varies[0].key
-    t = Table(title=f"target {report['target']}: smallest {first} that meets it", title_justify="left")
+    t = Table(
+        title=f"target {report['target']}: smallest {first} that meets it", title_justify="left"
+    )
     for v in result.varies[1:]:
         t.add_column(_key_header(v.key), justify="right", overflow="fold")
     t.add_column(f"smallest {_key_header(first)}", justify="right", overflow="fold")
@@ -94,7 +98,10 @@ def _target_table(result: Any, report: dict) -> Table:
     for a in report["answers"]:
         cells = [str(val) for val in a["settings"].values()]
         if a["meets"]:
-            cells += [str(a["smallest"]), format_metric(report["metric"], a["metric_value"], (scale, ""))]
+            cells += [
+                str(a["smallest"]),
+                format_metric(report["metric"], a["metric_value"], (scale, "")),
+            ]
         else:
             cells += ["[yellow]none meets it[/]", "-"]
         t.add_row(*cells)
@@ -153,11 +160,16 @@ def sweep(
     ] = None,
     set_: Annotated[
         list[str] | None,
-        typer.Option("--set", help="Override a field at every point, e.g. --set workload.requests=64 (repeatable)."),
+        typer.Option(
+            "--set",
+            help="Override a field at every point, e.g. --set workload.requests=64 (repeatable).",
+        ),
     ] = None,
     workers: Annotated[
         int | None,
-        typer.Option(help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."),
+        typer.Option(
+            help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."
+        ),
     ] = None,
     ray: Annotated[
         str | None,
@@ -174,9 +186,21 @@ def sweep(
             help="Report, per setting of the other keys, the smallest value of the first --vary key that meets it (<, <=, >, >=), e.g. 'transfer_latency_s.p99<0.5'.",
         ),
     ] = None,
-    metric: Annotated[str, typer.Option(help="Metric of the plots and the first table column: a metric column of sweep.csv, e.g. ttft_s.p99, watermark_stall_s.total, throughput_gbps.")] = "transfer_latency_s.p99",
-    out: Annotated[Path | None, typer.Option(help="Output directory (default runs/SCENARIO-sweep-TIME/).")] = None,
-    keep_traces: Annotated[bool, typer.Option(help="Also write each point's run directory (trace, scenario, summary) to OUT/points/.")] = False,
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="Metric of the plots and the first table column: a metric column of sweep.csv, e.g. ttft_s.p99, watermark_stall_s.total, throughput_gbps."
+        ),
+    ] = "transfer_latency_s.p99",
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory (default runs/SCENARIO-sweep-TIME/).")
+    ] = None,
+    keep_traces: Annotated[
+        bool,
+        typer.Option(
+            help="Also write each point's run directory (trace, scenario, summary) to OUT/points/."
+        ),
+    ] = False,
     plots: Annotated[bool, typer.Option(help="Write the PNG plots.")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -238,7 +262,9 @@ def _plan(
     return tgt, varies, points
 
 
-def _print_plan(scenario: Path, points: list[Any], varies: list[Any], workers: int | None, ray: str | None) -> None:
+def _print_plan(
+    scenario: Path, points: list[Any], varies: list[Any], workers: int | None, ray: str | None
+) -> None:
     invalid = sum(1 for p in points if p.scenario is None)
     shape = " x ".join(str(len(v.values)) for v in varies)
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
@@ -334,7 +360,11 @@ def _print_results(
         for a in report["answers"]:
             if not a["meets"] and a.get("why"):
                 where = ", ".join(f"{k}={v}" for k, v in a["settings"].items())
-                console.print(f"none meets it{' at ' + where if where else ''}: {a['why']}", markup=False, highlight=False)
+                console.print(
+                    f"none meets it{' at ' + where if where else ''}: {a['why']}",
+                    markup=False,
+                    highlight=False,
+                )
     console.print(
         f"{len(result.rows)} points in {result.wall_s:.1f} s on {result.backend}; "
         f"files in {out_dir}: {', '.join(p.name for p in files.values())}",
@@ -348,10 +378,14 @@ def _exit_code(result: Any) -> int:
 
     code = 0
     if result.count(STATUS_ERROR):
-        console.print(f"[bold red]{result.count(STATUS_ERROR)} point(s) failed to simulate[/] (status error)")
+        console.print(
+            f"[bold red]{result.count(STATUS_ERROR)} point(s) failed to simulate[/] (status error)"
+        )
         code = 1
     if result.violated:
-        console.print(f"[bold red]{len(result.violated)} point(s) broke an invariant[/] (invariant_violations > 0)")
+        console.print(
+            f"[bold red]{len(result.violated)} point(s) broke an invariant[/] (invariant_violations > 0)"
+        )
         code = 1
     return code
 
