@@ -76,3 +76,25 @@ def test_help_lists_the_choices_of_enum_flags():
         assert choices in hw, choices
     assert "prefill|decode" in " ".join(kvstage("hw-rank", "--help").stdout.split())
     assert "parquet|jsonl" in " ".join(kvstage("sim", "--help").stdout.split())
+
+
+def test_everyday_output_fits_80_columns_off_a_terminal(tmp_path):
+    """Tables, help and notes wrap to 80 columns in a log or a pipe: nothing a reader
+    of a CI log must scroll sideways for."""
+    scenario = "scenarios/llama3-8b-p4-d2.toml"
+    outputs = {
+        "help": kvstage("--help"),
+        "validate": kvstage("validate", scenario),
+        "presets": kvstage("presets"),
+    }
+    for path in ("staging", "slice"):
+        outputs[f"sim {path}"] = kvstage(
+            "sim", scenario, "--out", str(tmp_path / path), "--set", f"transfer.path={path}"
+        )
+    outputs["compare"] = kvstage("compare", str(tmp_path / "staging"), str(tmp_path / "slice"))
+    for name, res in outputs.items():
+        assert res.returncode == 0, (name, res.stderr)
+        wide = [line for line in (res.stdout + res.stderr).splitlines() if len(line) > 80]
+        assert not wide, (name, wide)
+    # a simulation's table does not judge the host: simulated times do not depend on it
+    assert "host of" not in outputs["compare"].stdout

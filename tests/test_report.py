@@ -396,3 +396,28 @@ def test_cli_report_and_export(runs, tmp_path):
         assert res.exit_code == 2, args
         assert "is not a run directory" in res.output
         assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_staging_vs_slice_puts_exposed_transfer_beside_ttft(runs):
+    """The main job's chart: TTFT, then the exposed KV transfer inside it, each panel
+    saying which span it measures, with bars matching the runs' own per-request figures."""
+    from kvstage.analysis.figures import staging_vs_slice
+    from kvstage.fmt import quantile
+    from kvstage.metrics.rooms import request_breakdown, room_latencies
+    from kvstage.run.rundir import load_run
+
+    loaded = [load_run(runs["staging"]), load_run(runs["slice"])]
+    fig = staging_vs_slice(loaded)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0].startswith("TTFT") and "arrival -> decode ready" in titles[0]
+    assert titles[1].startswith("exposed KV transfer") and "last forward end" in titles[1]
+    # bar heights: p50 and p99 per run, in ms, from the same breakdown summary.json uses
+    heights = [round(p.get_height(), 6) for p in fig.axes[1].patches]
+    want = []
+    for q in (0.5, 0.99):
+        for run in loaded:
+            spans = sorted(request_breakdown(room_latencies(run.records))["kv_transfer_latency_s"])
+            want.append(round(quantile(spans, q) * 1e3, 6))
+    assert heights == want
+    ttft = [p.get_height() for p in fig.axes[0].patches]
+    assert all(t > e for t, e in zip(ttft, heights, strict=True))  # a part of TTFT, not beside it

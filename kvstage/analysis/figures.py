@@ -18,7 +18,13 @@ from matplotlib.ticker import NullFormatter
 
 from kvstage.analysis.compare import PHASE_KEYS, PHASE_LABELS, phase_breakdown, room_metrics
 from kvstage.fmt import MIB, quantile
-from kvstage.metrics.rooms import RingSeries, percentiles, ring_series
+from kvstage.metrics.rooms import (
+    RingSeries,
+    percentiles,
+    request_breakdown,
+    ring_series,
+    room_latencies,
+)
 from kvstage.run.rundir import Run, load_run
 
 # Okabe & Ito (2008), "Color Universal Design".
@@ -504,38 +510,52 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
 # --- staging vs slice -----------------------------------------------------------------------------
 
 
+# What each latency panel measures: (request_breakdown key, title, the span it measures).
+_PATH_PANELS = (
+    ("ttft_s", "TTFT", "arrival -> decode ready: what the user waits"),
+    (
+        "kv_transfer_latency_s",
+        "exposed KV transfer",
+        "last forward end -> decode ready: the part of TTFT\nthe transfer adds",
+    ),
+)
+
+
+def _quantile_bars(ax, runs: list[Run], key: str) -> None:
+    """p50 (solid) and p99 (hatched) bars of one per-request span, a pair per run."""
+    x = list(range(len(runs)))
+    spans = [request_breakdown(room_latencies(run.records)).get(key, []) for run in runs]
+    for j, (q, hatch) in enumerate(((0.5, ""), (0.99, "//"))):
+        vals = [quantile(sorted(v), q) * 1e3 if v else 0.0 for v in spans]
+        xs = [i + (j - 0.5) * 0.38 for i in x]
+        ax.bar(
+            xs,
+            vals,
+            width=0.36,
+            color=[run_color(i) for i in x],
+            hatch=hatch,
+            edgecolor="white" if not hatch else "#333333",
+        )
+        for xi, v in zip(xs, vals, strict=True):
+            ax.text(
+                xi, v, f"{v:,.0f}" if v >= 10 else f"{v:.2g}", ha="center", va="bottom", fontsize=7
+            )
+
+
 def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
-    """Side by side: transfer latency and TTFT (p50 / p99, ms) and transfer requests
-    per request (log scale) of each run, labelled with its transfer path."""
+    """Side by side, per run: TTFT, the exposed KV transfer inside it (p50 solid / p99
+    hatched, ms), and transfer requests per request (log scale), each panel saying
+    what it measures; runs labelled with their transfer path."""
     runs = _runs(runs)
-    fig = Figure(figsize=(11, 4.2), dpi=100)
-    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.14, top=0.85, wspace=0.32)
+    fig = Figure(figsize=(11, 4.4), dpi=100)
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.14, top=0.80, wspace=0.32)
     axes = fig.subplots(1, 3)
     names = [f"{run.name}\n{run.transfer_path}" for run in runs]
     x = list(range(len(runs)))
-    for ax, key, title in ((axes[0], "transfer", "transfer latency"), (axes[1], "ttft", "TTFT")):
-        for j, (q, hatch) in enumerate((("p50", ""), ("p99", "//"))):
-            vals = []
-            for run in runs:
-                ms = [m[key] for m in room_metrics(run.records).values() if key in m]
-                vals.append(quantile(sorted(ms), 0.5 if q == "p50" else 0.99) * 1e3 if ms else 0.0)
-            xs = [i + (j - 0.5) * 0.38 for i in x]
-            ax.bar(
-                xs,
-                vals,
-                width=0.36,
-                color=[run_color(i) for i in x],
-                hatch=hatch,
-                edgecolor="white" if not hatch else "#333333",
-                label=q,
-            )
-            for xi, v in zip(xs, vals, strict=True):
-                ax.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(x, names, fontsize=8)
+    for ax, (key, title, what) in zip(axes, _PATH_PANELS, strict=False):
+        _quantile_bars(ax, runs, key)
         ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(f"{title}: p50 (solid) and p99 (hatched)", fontsize=10)
-        ax.grid(axis="y", color="#EEEEEE")
-        ax.set_axisbelow(True)
+        ax.set_title(f"{title}, p50 (solid) / p99 (hatched)\n{what}", fontsize=9)
     per_req = []
     for run in runs:
         done = len(room_metrics(run.records)) or 1
@@ -547,11 +567,14 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
         ax.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
     if any(v > 0 for v in per_req):
         _log(ax, "y")
-    ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("transfer requests per request (log)")
-    ax.set_title("transfer requests issued per request", fontsize=10)
-    ax.grid(axis="y", color="#EEEEEE")
-    ax.set_axisbelow(True)
+    ax.set_title(
+        "transfer requests per request\nengine requests posted / requests done", fontsize=9
+    )
+    for ax in axes:
+        ax.set_xticks(x, names, fontsize=8)
+        ax.grid(axis="y", color="#EEEEEE")
+        ax.set_axisbelow(True)
     fig.suptitle("staging vs slice", fontsize=11)
     return fig
 

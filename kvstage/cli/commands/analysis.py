@@ -103,7 +103,8 @@ def _print_compare(result: dict) -> None:
 
 def _print_conditions(result: dict) -> None:
     """The scenario fields that differ (those that matter to the modes compared), the
-    hosts' conditions, and a warning per run taken on a loaded host."""
+    conditions of the hosts of hardware runs, and a warning per run taken on a loaded
+    host."""
     from kvstage.run.conditions import describe
 
     diff = result.get("scenario_diff") or []
@@ -117,19 +118,13 @@ def _print_conditions(result: dict) -> None:
         if len(diff) > 12:
             console.print(f"... and {len(diff) - 12} more", highlight=False, markup=False)
     if result.get("scenario_diff_note"):
-        console.print(result["scenario_diff_note"], highlight=False, markup=False, soft_wrap=True)
+        console.print(result["scenario_diff_note"], highlight=False, markup=False)
     cond = result.get("conditions") or {}
     for tag in ("a", "b"):
-        sim = (
-            " (a simulation: simulated times do not depend on it)"
-            if result[tag]["mode"] == "sim"
-            else ""
-        )
+        if result[tag]["mode"] == "sim":
+            continue  # simulated times do not depend on the host: its load stays in summary.json
         console.print(
-            f"host of {tag.upper()}: {describe(cond.get(tag))}{sim}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            f"host of {tag.upper()}: {describe(cond.get(tag))}", highlight=False, markup=False
         )
     for w in result.get("warnings") or []:
         warn(w)
