@@ -113,3 +113,18 @@ def test_allowlist_entries_exist_and_are_documented():
                 f"{MIN_ALLOWLIST_DOCSTRING_LINES}"
             )
     assert not problems, "stale or undocumented ALLOWED_LONG entries:\n  " + "\n  ".join(problems)
+
+
+def test_tree_is_ruff_formatted():
+    """`ruff format` is the style (docs/contributing.md): every tracked .py file is formatted."""
+    import subprocess
+    import sys
+
+    ruff = Path(sys.executable).parent / "ruff"
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    res = subprocess.run(
+        [str(ruff), "format", "--check", *files], cwd=ROOT, capture_output=True, text=True
+    )
+    assert res.returncode == 0, "run `.venv/bin/ruff format .`:\n" + res.stdout + res.stderr
