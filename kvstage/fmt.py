@@ -1,4 +1,4 @@
-"""Numbers and JSON, one way for the whole application.
+"""Numbers, JSON and colours, one way for the whole application.
 
 - `ms`, `pct`: a time in seconds as milliseconds and a relative difference as a signed
   percentage, for tables; "-" for a figure that is missing (None, NaN or infinite);
@@ -6,7 +6,8 @@
   (a metric that had no samples), every key as a string;
 - `MIB`, `mib_to_bytes`: the scenario's own (kvstage/shared/scenario/fieldtypes.py), so a
   pool size read back from a run directory is the bytes the run had;
-- `quantile`: linear interpolation between the two nearest ranks (numpy's default).
+- `quantile`: linear interpolation between the two nearest ranks (numpy's default);
+- `OKABE_ITO`: the colour-blind safe palette every figure draws with.
 """
 
 from __future__ import annotations
@@ -57,3 +58,16 @@ def quantile(xs: Sequence[float], p: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# Okabe & Ito (2008), "Color Universal Design".
+OKABE_ITO = {
+    "orange": "#E69F00",
+    "sky_blue": "#56B4E9",
+    "green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "purple": "#CC79A7",
+    "black": "#000000",
+}

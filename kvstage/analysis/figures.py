@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter
 
 from kvstage.analysis.compare import PHASE_KEYS, PHASE_LABELS, phase_breakdown, room_metrics
-from kvstage.fmt import MIB, quantile
+from kvstage.fmt import MIB, OKABE_ITO, quantile
 from kvstage.metrics.rooms import (
     RingSeries,
     percentiles,
@@ -27,17 +27,6 @@ from kvstage.metrics.rooms import (
 )
 from kvstage.run.rundir import Run, load_run
 
-# Okabe & Ito (2008), "Color Universal Design".
-OKABE_ITO = {
-    "orange": "#E69F00",
-    "sky_blue": "#56B4E9",
-    "green": "#009E73",
-    "yellow": "#F0E442",
-    "blue": "#0072B2",
-    "vermillion": "#D55E00",
-    "purple": "#CC79A7",
-    "black": "#000000",
-}
 RUN_COLORS = [
     OKABE_ITO[k]
     for k in ("blue", "orange", "green", "vermillion", "purple", "sky_blue", "black", "yellow")

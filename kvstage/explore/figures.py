@@ -17,9 +17,9 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from kvstage.analysis.figures import OKABE_ITO
 from kvstage.explore.sweep import STATUS_INVALID, STATUS_OK, SweepResult, fmt_number, metric_display
 from kvstage.explore.sweep_target import Target, is_numeric, value_order
+from kvstage.fmt import OKABE_ITO
 
 # --- parameter sweeps (`kvstage sweep`) -------------------------------------------------------
 
