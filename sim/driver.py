@@ -67,7 +67,7 @@ from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.host import HostModel, scaled_link
-from kvstage.sim.links import Fabric, LinkParams
+from kvstage.sim.links import Fabric
 
 _INF = float("inf")
 _TICK = Tick()
@@ -218,7 +218,6 @@ class Simulation:
         self.gpu = GpuParams(
             mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s, launch_s=lk.kernel_launch_s
         )
-        self.link = LinkParams(lk.link.bandwidth_bytes_s, lk.link.latency_s, lk.link.per_request_s)
         self.write_link = lk.link  # the numbers bulk and slice writes take
         self.fabric = Fabric(self.env)
         bw = lk.link.bandwidth_bytes_s

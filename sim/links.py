@@ -14,7 +14,7 @@ phases, in this order:
    ``post_threads = 0`` (or no poster) every batch posts at once, in parallel.
 2. NIC: a *flow* that occupies the sending NIC's send side and the receiving NIC's
    receive side (full duplex: the two sides are independent resources), capped by
-   the path's ``bandwidth_Bps``. A NIC side processes work requests one after
+   the path's ``bandwidth_bytes_s``. A NIC side processes work requests one after
    another; a request of s bytes occupies it for max(s / bandwidth, 1 / message
    rate). So the flow needs ``work = max(B, R * W)`` bytes of NIC time, with
    ``W = src NIC bandwidth / message_rate`` the NIC time of one minimal request
@@ -55,10 +55,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Generator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import simpy
+
+from kvstage.shared.scenario import LinkNumbers
 
 # A flow with this few bytes left (absolute, or relative to its size) completes:
 # rate*dt arithmetic leaves float dust that must not become an event of its own.
@@ -68,70 +69,6 @@ _BYTE_EPS_REL = 1e-9
 # is not always == finish in floating point.
 _TIME_EPS_REL = 1e-12
 _INF = math.inf
-
-
-@dataclass(frozen=True)
-class LinkParams:
-    """One path class (inter-node RDMA, intra-node NVLink, ...) and its engine.
-
-    bandwidth_Bps: per-flow path cap in bytes/s (``math.inf`` for no cap).
-    latency_s: base one-way latency in seconds, added once per transfer.
-    per_request_s: posting CPU of one work request in seconds.
-    per_batch_s: posting CPU of one batch call (one transfer) in seconds.
-    message_rate: work requests per second a NIC side processes (``math.inf``: no limit).
-    post_threads: posting threads per rank (0: unlimited, every batch posts at once).
-    """
-
-    bandwidth_Bps: float
-    latency_s: float
-    per_request_s: float
-    per_batch_s: float = 0.0
-    message_rate: float = _INF
-    post_threads: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_Bps > 0:
-            raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps}")
-        for name in ("latency_s", "per_request_s", "per_batch_s"):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        if not self.message_rate > 0:
-            raise ValueError(
-                f"message_rate must be > 0 (math.inf: no limit), got {self.message_rate}"
-            )
-        if not (isinstance(self.post_threads, int) and self.post_threads >= 0):
-            raise ValueError(f"post_threads must be an int >= 0, got {self.post_threads!r}")
-
-
-class _Numbers(Protocol):
-    """A link class in SI units as the scenario resolves it (shared LinkNumbers)."""
-
-    bandwidth_bytes_s: float
-    latency_s: float
-    per_request_s: float
-    per_batch_s: float
-    message_rate: float
-    post_threads: int
-
-
-_PARAMS: dict[int, tuple[_Numbers, LinkParams]] = {}
-
-
-def link_params(link: LinkParams | _Numbers) -> LinkParams:
-    """``link`` as LinkParams: a resolved scenario's LinkNumbers are converted once
-    (cached by identity, so the simulator's hot path pays a dict lookup)."""
-    if type(link) is LinkParams:
-        return link
-    hit = _PARAMS.get(id(link))
-    if hit is not None and hit[0] is link:
-        return hit[1]
-    params = LinkParams(link.bandwidth_bytes_s, link.latency_s, link.per_request_s,
-                        link.per_batch_s, link.message_rate, link.post_threads)  # fmt: skip
-    if len(_PARAMS) > 1024:
-        _PARAMS.clear()
-    _PARAMS[id(link)] = (link, params)
-    return params
 
 
 class _Poster:
@@ -173,20 +110,20 @@ class _Port:
 
 
 class Nic:
-    """A network port of ``bandwidth_Bps`` bytes/s per direction (full duplex)."""
+    """A network port of ``bandwidth_bytes_s`` bytes/s per direction (full duplex)."""
 
-    __slots__ = ("name", "bandwidth_Bps", "send", "recv", "bytes_sent", "bytes_received")
+    __slots__ = ("name", "bandwidth_bytes_s", "send", "recv", "bytes_sent", "bytes_received")
 
-    def __init__(self, name: str, bandwidth_Bps: float, order: int) -> None:
+    def __init__(self, name: str, bandwidth_bytes_s: float, order: int) -> None:
         self.name = name
-        self.bandwidth_Bps = bandwidth_Bps
-        self.send = _Port(f"{name}.tx", bandwidth_Bps, 2 * order)
-        self.recv = _Port(f"{name}.rx", bandwidth_Bps, 2 * order + 1)
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self.send = _Port(f"{name}.tx", bandwidth_bytes_s, 2 * order)
+        self.recv = _Port(f"{name}.rx", bandwidth_bytes_s, 2 * order + 1)
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def __repr__(self) -> str:
-        return f"Nic({self.name!r}, {self.bandwidth_Bps:g} B/s)"
+        return f"Nic({self.name!r}, {self.bandwidth_bytes_s:g} B/s)"
 
 
 # One flow inside a class: (target on the class clock, flow id, NIC-time bytes it needs,
@@ -256,30 +193,28 @@ class Fabric:
 
     # -- public API ---------------------------------------------------------
 
-    def add_nic(self, name: str, bandwidth_Bps: float) -> Nic:
-        """Register a NIC of ``bandwidth_Bps`` bytes/s in each direction."""
+    def add_nic(self, name: str, bandwidth_bytes_s: float) -> Nic:
+        """Register a NIC of ``bandwidth_bytes_s`` bytes/s in each direction."""
         if name in self.nics:
             raise ValueError(f"duplicate NIC name {name!r}")
-        if not (bandwidth_Bps > 0 and math.isfinite(bandwidth_Bps)):
-            raise ValueError(f"NIC bandwidth must be finite and > 0, got {bandwidth_Bps}")
-        nic = Nic(name, float(bandwidth_Bps), len(self.nics))
+        if not (bandwidth_bytes_s > 0 and math.isfinite(bandwidth_bytes_s)):
+            raise ValueError(f"NIC bandwidth must be finite and > 0, got {bandwidth_bytes_s}")
+        nic = Nic(name, float(bandwidth_bytes_s), len(self.nics))
         self.nics[name] = nic
         return nic
 
-    def transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkParams | _Numbers,
+    def transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkNumbers,
                  requests: int = 1, poster: Any = None) -> simpy.Process:  # fmt: skip
         """Move ``nbytes`` from ``src`` to ``dst`` as ``requests`` work requests of one batch
         call; the event's value is the finish time (s).
 
         ``poster``: a hashable naming the posting rank; with ``params.post_threads > 0`` the
-        batch queues for that rank's posting threads. ``params`` may be a resolved
-        scenario's LinkNumbers (see ``link_params``).
+        batch queues for that rank's posting threads.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if requests < 0:
             raise ValueError(f"requests must be >= 0, got {requests}")
-        params = link_params(params)
         return self.env.process(self._transfer(src, dst, nbytes, params, requests, poster))
 
     def message(self, latency_s: float) -> simpy.Timeout:
@@ -333,7 +268,7 @@ class Fabric:
 
     # -- transfer process ---------------------------------------------------
 
-    def _transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkParams,
+    def _transfer(self, src: Nic, dst: Nic, nbytes: int, params: LinkNumbers,
                   requests: int, poster: Any) -> Generator[simpy.Event, Any, float]:  # fmt: skip
         env = self.env
         posting = requests * params.per_request_s + (params.per_batch_s if requests else 0.0)
@@ -349,9 +284,9 @@ class Fabric:
         work = float(nbytes)
         if requests and params.message_rate != _INF:
             # Each request occupies a NIC side for at least 1 / message_rate.
-            work = max(work, requests * src.bandwidth_Bps / params.message_rate)
+            work = max(work, requests * src.bandwidth_bytes_s / params.message_rate)
         if work > 0:
-            yield self._start_flow(src, dst, nbytes, work, params.bandwidth_Bps)
+            yield self._start_flow(src, dst, nbytes, work, params.bandwidth_bytes_s)
         if params.latency_s > 0:
             yield env.timeout(params.latency_s)
         self.transfers_done += 1

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import simpy
 
+from kvstage.shared.scenario import LinkNumbers
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
-from kvstage.sim.links import Fabric, LinkParams, Nic
+from kvstage.sim.links import Fabric, Nic
 
 GB = 1e9
 # Round numbers so the hand computations below stay readable.
-RDMA = LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6)
-BARE = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=0.0)
+RDMA = LinkNumbers(bandwidth_bytes_s=math.inf, latency_s=5e-6, per_request_s=1e-6)
+BARE = LinkNumbers(bandwidth_bytes_s=math.inf, latency_s=0.0, per_request_s=0.0)
 
 
 def approx(x: float) -> Any:
@@ -26,7 +27,7 @@ def approx(x: float) -> Any:
 
 
 def start_at(env: simpy.Environment, t: float, fab: Fabric, src: Nic, dst: Nic, nbytes: int,
-             params: LinkParams, requests: int = 1) -> simpy.Process:  # fmt: skip
+             params: LinkNumbers, requests: int = 1) -> simpy.Process:  # fmt: skip
     """A transfer issued at simulated time ``t``; its value is the finish time."""
 
     def proc() -> Generator[simpy.Event, Any, float]:
@@ -156,7 +157,7 @@ def test_far_from_time_zero() -> None:
 
 def test_path_cap_below_nic_bandwidth() -> None:
     env, fab, (a, b, c) = fabric(100.0, 100.0, 100.0)
-    capped = LinkParams(bandwidth_Bps=25.0, latency_s=0.0, per_request_s=0.0)
+    capped = LinkNumbers(bandwidth_bytes_s=25.0, latency_s=0.0, per_request_s=0.0)
     e1 = fab.transfer(a, b, 250, capped)
     e2 = fab.transfer(a, c, 750, BARE)  # uncapped neighbour takes what the cap leaves
     env.run(until=1.0)
@@ -201,7 +202,7 @@ def test_bad_inputs_rejected() -> None:
     with pytest.raises(ValueError):
         fab.add_nic("z", 0.0)
     with pytest.raises(ValueError):
-        LinkParams(bandwidth_Bps=0.0, latency_s=0.0, per_request_s=0.0)
+        LinkNumbers(bandwidth_bytes_s=0.0, latency_s=0.0, per_request_s=0.0)
     with pytest.raises(ValueError):
         fab.transfer(a, b, -1, BARE)
 
@@ -209,9 +210,11 @@ def test_bad_inputs_rejected() -> None:
 # -- posting threads and the NIC message rate ------------------------------------
 # Round numbers: a 10 GB/s NIC that processes 1e6 work requests/s, so one request
 # occupies a NIC side for at least 1 us, i.e. W = 10 GB/s / 1e6/s = 10,000 bytes.
-MSG = LinkParams(bandwidth_Bps=math.inf, latency_s=2e-6, per_request_s=1e-7, per_batch_s=5e-6,
+MSG = LinkNumbers(bandwidth_bytes_s=math.inf, latency_s=2e-6, per_request_s=1e-7, per_batch_s=5e-6,
                  message_rate=1e6)  # fmt: skip
-MSG_ONLY = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=0.0, message_rate=1e6)
+MSG_ONLY = LinkNumbers(
+    bandwidth_bytes_s=math.inf, latency_s=0.0, per_request_s=0.0, message_rate=1e6
+)
 
 
 def test_one_small_batch_alone_costs_batch_plus_requests_over_message_rate() -> None:
@@ -263,7 +266,7 @@ def test_message_bound_and_byte_bound_flows_share_nic_time() -> None:
 
 def test_posting_threads_queue_a_ranks_batches() -> None:
     def finishes(threads: int, posters: tuple[Any, Any]) -> list[float]:
-        p = LinkParams(bandwidth_Bps=math.inf, latency_s=0.0, per_request_s=1e-6, per_batch_s=1e-5,
+        p = LinkNumbers(bandwidth_bytes_s=math.inf, latency_s=0.0, per_request_s=1e-6, per_batch_s=1e-5,
                        post_threads=threads)  # fmt: skip
         env, fab, (a, b, c) = fabric(10 * GB, 10 * GB, 10 * GB)
         evs = [
@@ -283,18 +286,18 @@ def test_posting_threads_queue_a_ranks_batches() -> None:
     assert finishes(0, (0, 0)) == [approx(post), approx(post)]  # 0: unlimited (parallel)
 
 
-def test_link_params_from_scenario_numbers() -> None:
-    from kvstage.shared.scenario.profiles import LinkNumbers
-    from kvstage.sim.links import link_params
-
-    n = LinkNumbers(1e9, 1e-6, 2e-7, 3e-6, 5e7, 2)
-    p = link_params(n)
-    assert p == LinkParams(1e9, 1e-6, 2e-7, 3e-6, 5e7, 2) and link_params(n) is p
-    assert link_params(p) is p
-    with pytest.raises(ValueError):
-        LinkParams(bandwidth_Bps=1.0, latency_s=0.0, per_request_s=0.0, message_rate=0.0)
-    with pytest.raises(ValueError):
-        LinkParams(bandwidth_Bps=1.0, latency_s=0.0, per_request_s=0.0, post_threads=-1)
+def test_link_numbers_refuse_impossible_values() -> None:
+    """The fabric takes the scenario's own LinkNumbers; built by hand, they still
+    refuse what no link can be."""
+    for bad in (
+        dict(bandwidth_bytes_s=0.0, latency_s=0.0, per_request_s=0.0),
+        dict(bandwidth_bytes_s=1.0, latency_s=-1.0, per_request_s=0.0),
+        dict(bandwidth_bytes_s=1.0, latency_s=0.0, per_request_s=math.inf),
+        dict(bandwidth_bytes_s=1.0, latency_s=0.0, per_request_s=0.0, message_rate=0.0),
+        dict(bandwidth_bytes_s=1.0, latency_s=0.0, per_request_s=0.0, post_threads=-1),
+    ):
+        with pytest.raises(ValueError):
+            LinkNumbers(**bad)
 
 
 def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
@@ -316,13 +319,13 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
         senders = receivers = [
             fab.add_nic(f"n{i}", rng.choice([25 * GB, 50 * GB])) for i in range(32)
         ]
-        capacity = sum(nic.bandwidth_Bps for nic in senders)
+        capacity = sum(nic.bandwidth_bytes_s for nic in senders)
     paths = [
-        LinkParams(bandwidth_Bps=math.inf, latency_s=5e-6, per_request_s=1e-6),
-        LinkParams(bandwidth_Bps=20 * GB, latency_s=2e-6, per_request_s=2e-7),
+        LinkNumbers(bandwidth_bytes_s=math.inf, latency_s=5e-6, per_request_s=1e-6),
+        LinkNumbers(bandwidth_bytes_s=20 * GB, latency_s=2e-6, per_request_s=2e-7),
         # posting threads (one per sending NIC here) and a NIC message rate
-        LinkParams(
-            bandwidth_Bps=math.inf,
+        LinkNumbers(
+            bandwidth_bytes_s=math.inf,
             latency_s=3e-6,
             per_request_s=1e-7,
             per_batch_s=2e-6,
@@ -335,7 +338,7 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
     done: list[tuple[int, float]] = []
     specs: list[tuple[int, float, float]] = []  # (bytes, issue time, lower bound duration)
 
-    def one(i: int, src: Nic, dst: Nic, nbytes: int, p: LinkParams, reqs: int
+    def one(i: int, src: Nic, dst: Nic, nbytes: int, p: LinkNumbers, reqs: int
             ) -> Generator[simpy.Event, Any, None]:  # fmt: skip
         t = yield fab.transfer(src, dst, nbytes, p, reqs, poster=src.name)
         done.append((i, t))
@@ -348,7 +351,7 @@ def run_random(seed: int, n: int, fan_in: bool = False, check_every: int = 0
             nbytes = 0 if rng.random() < 0.01 else int(rng.expovariate(1 / mean_size))
             p = rng.choice(paths)
             reqs = rng.randint(1, 8)
-            bw = min(src.bandwidth_Bps, dst.bandwidth_Bps, p.bandwidth_Bps)
+            bw = min(src.bandwidth_bytes_s, dst.bandwidth_bytes_s, p.bandwidth_bytes_s)
             post = p.per_batch_s + reqs * p.per_request_s
             specs.append((nbytes, env.now, p.latency_s + post + nbytes / bw))
             env.process(one(i, src, dst, nbytes, p, reqs))

@@ -176,7 +176,11 @@ def _placement_fields(placement: str) -> tuple[str, str, str]:
 
 @dataclass(frozen=True, slots=True)
 class LinkNumbers:
-    """One link class and its transfer engine in SI units (see ENGINE_FIELDS)."""
+    """One link class and its transfer engine in SI units (see ENGINE_FIELDS): what the
+    scenario resolves and what the simulator's fabric (sim/links.py) moves bytes by.
+
+    bandwidth_bytes_s: per-flow path cap (``math.inf``: no cap); latency_s: one-way,
+    once per transfer; message_rate: work requests/s one NIC side processes."""
 
     bandwidth_bytes_s: float
     latency_s: float
@@ -184,6 +188,22 @@ class LinkNumbers:
     per_batch_s: float = 0.0  # posting CPU of each batch call
     message_rate: float = math.inf  # work requests/s of one NIC side; inf: no limit
     post_threads: int = 0  # posting threads per rank; 0: unlimited
+
+    def __post_init__(self) -> None:
+        # The scenario checks these with a message naming the field; this guards the
+        # simulator's own callers (tests, benchmarks) that build one directly.
+        if not self.bandwidth_bytes_s > 0:
+            raise ValueError(f"bandwidth_bytes_s must be > 0, got {self.bandwidth_bytes_s}")
+        for name in ("latency_s", "per_request_s", "per_batch_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        if not self.message_rate > 0:
+            raise ValueError(
+                f"message_rate must be > 0 (math.inf: no limit), got {self.message_rate}"
+            )
+        if not (isinstance(self.post_threads, int) and self.post_threads >= 0):
+            raise ValueError(f"post_threads must be an int >= 0, got {self.post_threads!r}")
 
 
 @dataclass(frozen=True, slots=True)
