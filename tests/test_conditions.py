@@ -60,6 +60,29 @@ def test_child_processes_count_as_the_runs_own():
         assert c["cpu_busy_s"] >= 0.4  # the child's time shows host-wide as well
 
 
+def test_no_spawn_ranks_on_this_host_are_not_others():
+    """With --no-spawn the ranks are not the launcher's children: the CPU those on this
+    host report for themselves is the run's own, so a quiet host is not called LOADED."""
+    cores = os.cpu_count()
+    before = Sample(wall=0.0, busy_s=0.0, own_s=0.0, loadavg=None)
+    # the ranks kept 0.9 of the cores busy for 10 s; nothing else ran
+    after = Sample(wall=10.0, busy_s=9.0 * cores, own_s=0.0, loadavg=None)
+    reports = {
+        "prefill0": {"hostname": "here", "cpu_s": 4.5 * cores},
+        "decode0": {"hostname": "here", "cpu_s": 4.5 * cores},
+        "decode1": {"hostname": "elsewhere", "cpu_s": 100.0},  # another node's kernel
+    }
+    mine = conditions.rank_cpu_here(reports, hostname="here")
+    assert mine == 9.0 * cores
+    c = measure(before, after, spawned=False, ranks_cpu_s=mine)
+    assert c["cpu_other_s"] == 0.0 and c["loaded"] is False and c["cpu_ranks_here_s"] == mine
+    # the same run without the ranks' own figures: every rank looks like another process
+    blind = measure(before, after, spawned=False)
+    assert blind["loaded"] is True
+    # a spawned run's ranks are already counted through os.times(): not added twice
+    assert measure(before, after, spawned=True, ranks_cpu_s=mine)["loaded"] is True
+
+
 def test_summary_json_holds_the_conditions(tmp_path):
     s = load_scenario(
         ROOT / "scenarios" / "llama3-8b-p4-d2.toml", overrides=["workload.requests=4"]

@@ -252,6 +252,8 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
         assert u["over"] == "tcp", u
         if backend == "nixl":
             assert any(t.startswith("tcp/") for ts in u["writes"].values() for t in ts), u
+    # the ranks are not the launcher's children, yet their CPU is the run's own, not "others"
+    assert summary["conditions"]["cpu_ranks_here_s"] > 0, summary["conditions"]
     # per pair, GB/s against the ceiling measured in this run across the veth, and the verdict
     pairs = summary["bandwidth"]["pairs"]
     sessions, _ = hardware_sessions(s, generate_requests(s))

@@ -14,7 +14,9 @@ every run records, in summary.json under `conditions`:
   `os.times()` user + system of this process plus that of its children it has
   waited for. A hardware run's rank processes are children of the launcher, which
   waits for every one of them before the run ends, so their CPU time counts as the
-  run's own; a simulation is this process alone;
+  run's own; with `--no-spawn` they are not, and the CPU the ranks on this host
+  report for themselves is added instead (`cpu_ranks_here_s`); a simulation is this
+  process alone;
 - `cpu_other_s` = max(0, busy - own): what other processes took;
 - `other_cpu_share`: cpu_other_s / (wall_s x cores), the share of the host's whole
   CPU capacity that other processes took during the run (0.5 = half the cores);
@@ -29,6 +31,7 @@ figures are simulated time, which a busy host does not change, so it gets no war
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,14 +82,22 @@ def sample() -> Sample:
     return Sample(time.monotonic(), _host_busy_s(), _own_s(), _loadavg())
 
 
-def measure(before: Sample, after: Sample | None = None, *, spawned: bool = True) -> dict:
+def measure(
+    before: Sample,
+    after: Sample | None = None,
+    *,
+    spawned: bool = True,
+    ranks_cpu_s: float = 0.0,
+) -> dict:
     """summary.json's `conditions` for the interval from `before` to `after` (default: now).
-    `spawned=False`: a hardware run whose ranks were started elsewhere (`--no-spawn`),
-    so their CPU time, if on this host, counts as other processes' (said in `note`)."""
+    `spawned=False`: a hardware run whose ranks were started elsewhere (`--no-spawn`), so
+    they are not this process's children; `ranks_cpu_s`, the CPU time those of them on
+    this host report for themselves (`rank_cpu_here`), then counts as the run's own, not
+    as other processes' (said in `note`)."""
     after = after or sample()
     cores = os.cpu_count() or 1
     wall = max(after.wall - before.wall, 0.0)
-    own = max(after.own_s - before.own_s, 0.0)
+    own = max(after.own_s - before.own_s, 0.0) + (0.0 if spawned else ranks_cpu_s)
     out: dict = {
         "cores": cores,
         "loadavg_before": list(before.loadavg) if before.loadavg else None,
@@ -100,8 +111,10 @@ def measure(before: Sample, after: Sample | None = None, *, spawned: bool = True
         "loaded_if_share_above": LOADED_SHARE,
     }
     if not spawned:
+        out["cpu_ranks_here_s"] = round(ranks_cpu_s, 4)
         out["note"] = (
-            "ranks started elsewhere (--no-spawn): on this host their CPU time counts as other processes"
+            "ranks started elsewhere (--no-spawn): the CPU time the ranks on this host report for "
+            "themselves counts as the run's own"
         )
     if before.busy_s is not None and after.busy_s is not None:
         busy = max(after.busy_s - before.busy_s, 0.0)
@@ -114,6 +127,13 @@ def measure(before: Sample, after: Sample | None = None, *, spawned: bool = True
             loaded=share > LOADED_SHARE,
         )
     return out
+
+
+def rank_cpu_here(reports: dict[str, dict], hostname: str | None = None) -> float:
+    """CPU seconds the ranks on this host (same hostname: same kernel, network
+    namespaces included) report for themselves (hw/rank.py `cpu_s`)."""
+    here = socket.gethostname() if hostname is None else hostname
+    return sum(float(r.get("cpu_s") or 0.0) for r in reports.values() if r.get("hostname") == here)
 
 
 def is_loaded(conditions: dict | None) -> bool | None:

@@ -15,6 +15,7 @@ from kvstage.hw.bandwidth import PairFigure, bandwidth_summary, probe_pairs, ver
 from kvstage.hw.environment import write_environment
 from kvstage.hw.launch import RunProgress, launch
 from kvstage.hw.merge import clock_tolerance, hardware_figures, merge_records
+from kvstage.hw.transport_used import rdma_asked, rdma_problem
 from kvstage.run import conditions
 from kvstage.run.hw_progress import HwProgress
 from kvstage.run.result import RunResult, finish_run
@@ -32,7 +33,9 @@ def _run_conditions(before: conditions.Sample, spawned: bool, reports: dict[str,
     every rank loop got its real-time class (a host that refuses it delays control
     messages)."""
     return {
-        **conditions.measure(before, spawned=spawned),
+        **conditions.measure(
+            before, spawned=spawned, ranks_cpu_s=conditions.rank_cpu_here(reports)
+        ),
         "loops_realtime": conditions.loops_realtime(reports),
     }
 
@@ -99,6 +102,11 @@ def launch_run(
         else []
     )
     ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
+    figures = hardware_figures(scenario, result.reports)
+    # asked for RDMA, moved over TCP: the run fails closed, naming the ranks (hw/transport_used.py)
+    wrong_transport = rdma_problem(rdma_asked(hw), figures["transport_used"])
+    if wrong_transport and result.ok:
+        errors.append(wrong_transport)
     summary = run_summary(
         scenario,
         "hw",
@@ -108,7 +116,7 @@ def launch_run(
         wall_s=result.wall_s,
         violations=len(violations),
         extra={
-            **hardware_figures(scenario, result.reports),
+            **figures,
             "bandwidth": bandwidth_summary(records, result.reports),
             "errors": errors,
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
