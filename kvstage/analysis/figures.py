@@ -510,10 +510,11 @@ _PATH_PANELS = (
 )
 
 
-def _quantile_bars(ax, runs: list[Run], key: str) -> None:
-    """p50 (solid) and p99 (hatched) bars of one per-request span, a pair per run."""
-    x = list(range(len(runs)))
-    spans = [request_breakdown(room_latencies(run.records)).get(key, []) for run in runs]
+def _quantile_bars(ax, breakdowns: list[dict[str, list[float]]], key: str) -> None:
+    """p50 (solid) and p99 (hatched) bars of one per-request span, a pair per run
+    (`breakdowns`: each run's `request_breakdown`)."""
+    x = list(range(len(breakdowns)))
+    spans = [b.get(key, []) for b in breakdowns]
     for j, (q, hatch) in enumerate(((0.5, ""), (0.99, "//"))):
         vals = [quantile(sorted(v), q) * 1e3 if v else 0.0 for v in spans]
         xs = [i + (j - 0.5) * 0.38 for i in x]
@@ -541,8 +542,9 @@ def staging_vs_slice(runs: Sequence[Run | str]) -> Figure:
     axes = fig.subplots(1, 3)
     names = [f"{run.name}\n{run.transfer_path}" for run in runs]
     x = list(range(len(runs)))
+    breakdowns = [request_breakdown(room_latencies(run.records)) for run in runs]
     for ax, (key, title, what) in zip(axes, _PATH_PANELS, strict=False):
-        _quantile_bars(ax, runs, key)
+        _quantile_bars(ax, breakdowns, key)
         ax.set_ylabel(f"{title} (ms)")
         ax.set_title(f"{title}, p50 (solid) / p99 (hatched)\n{what}", fontsize=9)
     per_req = []
