@@ -1,15 +1,15 @@
 """The decode side's numbers: KV capacity and the time of one generation step.
 
-KV capacity (per decode rank, in tokens): the share `decode.memory_utilization` of
-`decode.gpu_memory_gib`, less this rank's part of the weights (all parameters, every
-expert of a MoE model, divided over the decode TP), over the KV bytes one token takes
-on this rank. Admission waits until a room's pages (transferred prompt plus its output
-tokens) fit.
+KV capacity (per decode rank, in tokens): what shared/scenario/physics.py leaves for
+KV on one decode GPU (its memory x `decode.memory_utilization`, less this rank's part
+of the weights and the activations), over the KV bytes one token takes on this rank.
+Admission waits until a room's pages (transferred prompt plus its output tokens) fit.
 
 A generation step of the continuous batch reads this rank's weights once and the KV of
 every request in the batch once (decode is memory bound), so its time is
-`(weights + batch KV bytes) / HBM bandwidth` plus one kernel launch per layer, the
-bandwidth and launch cost from the links profile's GPU numbers. Every request in the
+`(weights + batch KV bytes) / (HBM bandwidth x decode_hbm)` plus the per-step
+overhead, the bandwidth from the decode GPU's datasheet (shared/scenario/gpus.py) and
+the efficiencies from the scenario (`Scenario.efficiency`). Every request in the
 batch gets one token per step.
 """
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvstage.shared.scenario.physics import GIB, side_memory
+
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
-__all__ = ["DecodeModel"]
-
-GIB = 1 << 30
+__all__ = ["GIB", "DecodeModel"]
 
 
 class DecodeModel:
@@ -30,26 +30,19 @@ class DecodeModel:
 
     def __init__(self, scenario: Scenario) -> None:
         s, g = scenario, scenario.geometry()
-        self.kv_bytes_per_token = g.block_bytes(1, g.decode_heads)  # on one decode rank
-        self.weight_bytes = s.model.params_b * 1e9 * s.model.dtype_bytes / s.decode.tp
-        links = s.links.resolved()
-        self.hbm_Bps = links.mem_bandwidth_bytes_s
-        self.step_overhead_s = links.kernel_launch_s * g.layers
+        mem = side_memory(s, "decode")
+        self.memory = mem
+        self.kv_bytes_per_token = mem.kv_bytes_per_token  # on one decode rank
+        self.weight_bytes = mem.weight_bytes
+        eff = s.efficiency()
+        self.hbm_Bps = s.gpu("decode").hbm_Bps * eff.decode_hbm
+        self.step_overhead_s = eff.step_overhead_s
         self.page_size = g.page_size
-        self.capacity_tokens: int | None = None
-        if s.decode.gpu_memory_gib is not None:
-            usable = s.decode.gpu_memory_gib * GIB * s.decode.memory_utilization - self.weight_bytes
-            if usable < self.kv_bytes_per_token * g.grid_pages * g.page_size:
-                raise ValueError(
-                    f"at decode.memory_utilization {s.decode.memory_utilization} it holds {usable / GIB:.1f} GiB after this rank's "
-                    f"{self.weight_bytes / GIB:.1f} GiB of weights, less than one chunk of KV: "
-                    f"raise gpu_memory_gib or decode.tp"
-                )
-            self.capacity_tokens = int(usable // self.kv_bytes_per_token)
+        self.capacity_tokens: int = mem.kv_tokens
 
     @property
-    def capacity_pages(self) -> int | None:
-        return None if self.capacity_tokens is None else self.capacity_tokens // self.page_size
+    def capacity_pages(self) -> int:
+        return self.capacity_tokens // self.page_size
 
     def step_time_s(self, batch_kv_tokens: int) -> float:
         """One step of a batch holding `batch_kv_tokens` tokens of KV in all."""

@@ -215,8 +215,15 @@ class Simulation:
         s, g = self.scenario, self.geometry
         lk = s.links.resolved()
         self.control_latency = lk.control_latency_s
-        self.gpu = GpuParams(
-            mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s, launch_s=lk.kernel_launch_s
+        # copy kernels: gathers on the prefill GPU, scatters on the decode GPU; a
+        # calibrated host's copy numbers (the profile's) stand in for both
+        eff = s.efficiency()
+        self.gather_gpu, self.scatter_gpu = (
+            GpuParams(
+                mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s or s.gpu(side).hbm_Bps * eff.copy_hbm,
+                launch_s=eff.kernel_launch_s if lk.kernel_launch_s is None else lk.kernel_launch_s,
+            )
+            for side in ("prefill", "decode")
         )
         self.write_link = lk.link  # the numbers bulk and slice writes take
         self.fabric = Fabric(self.env)
@@ -372,7 +379,7 @@ class Simulation:
         )
 
     def _gather(self, rt: RankRuntime, a: Gather, now: float) -> None:
-        dur = copy_time(self.gpu, a.nbytes)
+        dur = copy_time(self.gather_gpu, a.nbytes)
         done = GatherDone(a.room, a.chunk, a.decode_rank)
         if self.host is not None:  # on the rank's copy thread; its loop reports it
             self.hostm.copy(rt, dur, self._feed, done)
@@ -381,7 +388,7 @@ class Simulation:
         self._at(end - now, self._feed, rt, done)
 
     def _scatter(self, rt: RankRuntime, a: Scatter, now: float) -> None:
-        dur = copy_time(self.gpu, a.nbytes, launches=self._scatter_launches[rt.rank])
+        dur = copy_time(self.scatter_gpu, a.nbytes, launches=self._scatter_launches[rt.rank])
         done = ScatterDone(a.room, a.chunk)
         if self.host is not None:  # on the rank's copy thread; its loop reports it
             self.hostm.copy(rt, dur, self._feed, done)

@@ -228,6 +228,9 @@ def _fan_in(pool_mb: int, rate: float):
         f"workload.rate_per_s={rate}",
         "workload.prompt_tokens=8192",
         f"decode.staging_pool_mb={pool_mb}",
+        # KV room for 16 prefills' worth of prompts: 80 GiB H100s at decode TP2 hold
+        # 40k tokens a rank, and KV capacity would be the busiest stage
+        "decode.gpu_memory_gib=141",
         requests=48,
     )
 

@@ -232,5 +232,6 @@ def test_validate_states_the_cluster_and_the_decode_side():
     )
     assert res.exit_code == 0, res.output
     assert "3 prefill x TP4 + 1 decode x TP2 = 14 GPUs" in res.output
-    assert "tokens (" in res.output and "GiB of weights per rank" in res.output
+    assert "decode KV capacity per rank" in res.output and "tokens (bf16)" in res.output
+    assert "decode GPU memory" in res.output and "weights 7.5 (bf16)" in res.output
     assert "TPOT alone" in res.output

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvstage.metrics.rooms import request_breakdown, room_latencies, summarize
-from kvstage.shared.decode_model import GIB, DecodeModel
+from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.scenario.physics import GIB
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,17 +30,26 @@ def test_capacity_and_step_time_follow_memory_weights_and_bandwidth():
         g.layers * 2 * g.decode_heads * g.head_dim * g.dtype_bytes
     )  # K and V, this rank's heads
     weights = s.model.params_b * 1e9 * 2 / s.decode.tp
+    # activations: a batch of max_running_requests tokens x hidden x 8 tensors x 2 B
+    act = s.decode.max_running_requests * s.model.hidden * 8 * 2
     assert m.kv_bytes_per_token == kv_token
-    assert m.capacity_tokens == int((141 * GIB * 0.9 - weights) // kv_token)
-    hbm = s.links.resolved().mem_bandwidth_bytes_s
+    assert m.capacity_tokens == int((141 * GIB * 0.9 - weights - act) // kv_token)
+    hbm = 3350e9 * 0.8  # H100 HBM x the decode share of it
     assert m.step_time_s(1000) == pytest.approx(
         m.step_overhead_s + (weights + 1000 * kv_token) / hbm
     )
-    assert DecodeModel(load_scenario(P8D2)).capacity_tokens is None  # unset: unlimited
+    # unset: the decode GPU's own memory (h100-sxm, 80 GiB)
+    assert DecodeModel(load_scenario(P8D2)).capacity_tokens == int(
+        (80 * GIB * 0.9 - weights - act) // kv_token
+    )
 
 
 def test_gpu_memory_below_the_weights_is_one_clear_error():
-    with pytest.raises(ScenarioError, match=r"decode.gpu_memory_gib = 40.0: .* GiB of weights"):
+    with pytest.raises(
+        ScenarioError,
+        match=r"decode.gpu_memory_gib = 40.0: 65.8 GiB of weights per GPU > 36 GiB usable "
+        "on h100-sxm at TP2",
+    ):
         load_scenario(P8D2, ["decode.gpu_memory_gib=40"])
 
 

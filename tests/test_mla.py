@@ -28,7 +28,7 @@ from kvstage.shared.scenario.presets import PRESETS
 from kvstage.sim.driver import Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "scenarios" / "mla" / "deepseek-v3-p8-d2.toml"
+SCENARIO = ROOT / "scenarios" / "mla" / "deepseek-v3-p16-d8.toml"
 WIDE = {"COLUMNS": "300"}
 LATENT = 36  # a tiny latent (the real one is 576) whose rows are not a power of two
 
@@ -130,7 +130,8 @@ def test_mla_presets(name, layers, params, active, source):
         source,
     )
     assert p.kv_elems_per_token == layers * 576
-    s = scenario({"preset": name})
+    # fp8 weights over 16 GPUs a side: the size these models are served at
+    s = scenario({"preset": name, "weight_dtype": "fp8"}, p=16, d=16)
     m = s.model
     assert (m.attention, m.latent_dim, m.kv_heads, m.head_dim, m.layers) == (
         "mla",
@@ -202,7 +203,8 @@ def test_validate_says_latent_is_replicated():
     assert res.exit_code == 0, res.output
     assert (
         "latent KV replicated on every rank: no head resharding; decode rank d reads from "
-        "prefill rank d % 8 (0 <- 0, 1 <- 1); prefill ranks 2..7 compute but send nothing"
+        "prefill rank d % 16 (0 <- 0, 1 <- 1, 2 <- 2, 3 <- 3, 4 <- 4, 5 <- 5, 6 <- 6, 7 <- 7); "
+        "prefill ranks 8..15 compute but send nothing"
     ) in res.output
     assert duplicate_share(load_scenario(SCENARIO)) == 0
     assert "0% (MLA: each decode rank reads the latent once" in res.output
@@ -258,11 +260,16 @@ def test_slice_ops_refuse_a_k_and_v_pool_for_mla():
 
 
 def test_sim_fan_out_every_room_done():
-    """P1 -> D2: the one prefill rank feeds both decode ranks, one request per (page, layer)."""
+    """P1 -> D2: the one prefill rank feeds both decode ranks, one request per (page, layer).
+
+    DeepSeek-V3's latent and layers, the weights of DeepSeek-V2-Lite (15.7B, the same
+    576-wide latent): the full model does not fit one or two GPUs."""
     s = load_scenario(
         SCENARIO,
         [
             "prefill.tp=1",
+            "decode.tp=2",
+            "model.params_b=15.7",
             "workload.requests=4",
             "workload.prompt=fixed",
             "workload.prompt_tokens=2000",

@@ -51,7 +51,8 @@ def test_moe_forward_uses_active_parameters():
     moe = load("model.preset=mixtral-8x7b")
     assert moe.model.params_b == 46.7 and moe.model.active_params_b == 12.9
     flops = 2 * 12.9e9 * 8192 / moe.prefill.tp
-    assert moe.forward_time_s(8192) == pytest.approx(flops / (moe.prefill.tflops * 1e12))
+    rate = moe.gpu("prefill").peak_flops("bf16") * moe.efficiency().mfu(8192)
+    assert moe.forward_time_s(8192) == pytest.approx(flops / rate)
     assert moe.forward_time_s(8192) / dense.forward_time_s(8192) == pytest.approx(12.9 / 46.7)
     # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
     assert load().model.flops_params_b == 8.0
@@ -71,7 +72,13 @@ def test_active_parameters_are_checked_scaled_and_kept():
 
 def test_duplicate_share_of_staged_bytes():
     assert duplicate_share(load()) == 0  # TP4 -> TP2, 8 heads: every head written once
-    qwen = load("model.preset=qwen3-235b-a22b", "prefill.tp=8", "decode.staging_pool_mb=65536")
+    qwen = load(
+        "model.preset=qwen3-235b-a22b",
+        "prefill.tp=8",
+        "model.weight_dtype=fp8",  # 235 GB of weights: 109 GiB per decode GPU at TP2
+        "decode.gpu=h200",
+        "decode.staging_pool_mb=65536",
+    )
     assert duplicate_share(qwen) == 0.5  # 4 heads on 8 prefill ranks: each written twice
     tiny = load("model.preset=qwen2.5-0.5b", "prefill.tp=8", "decode.tp=1")
     assert duplicate_share(tiny) == 0.75  # 2 heads, 8 writers into one decode rank
@@ -88,6 +95,10 @@ def test_duplicate_share_of_staged_bytes():
             "prefill.tp=8",
             "--set",
             "decode.staging_pool_mb=65536",
+            "--set",
+            "model.weight_dtype=fp8",
+            "--set",
+            "decode.gpu=h200",
         ],
         env=WIDE,
     )

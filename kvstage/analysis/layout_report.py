@@ -149,9 +149,14 @@ def layout_report(s: Scenario, console: Console) -> None:
     console.print(_cluster_table(s))
 
 
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f}"
+
+
 def _cluster_table(s: Scenario) -> Table:
     """The cluster and the decode side: instances, GPUs, KV capacity, step time."""
     from kvstage.shared.decode_model import DecodeModel
+    from kvstage.shared.scenario.physics import side_memory
 
     c, g, m = s.cluster, s.geometry(), DecodeModel(s)
     t = Table(title="cluster and decode side", show_header=False)
@@ -169,13 +174,16 @@ def _cluster_table(s: Scenario) -> Table:
             f"{c.router}; {c.gpus_per_node} GPUs per node, "
             f"{c.nics_per_node or 'links.gpus_per_nic'} NICs per node; fold {c.fold}",
         )
-    cap = m.capacity_tokens
-    t.add_row(
-        "decode KV capacity per rank",
-        "unlimited (set decode.gpu_memory_gib)"
-        if cap is None
-        else f"{cap:,} tokens ({m.weight_bytes / 2**30:,.1f} GiB of weights per rank)",
-    )
+    for side in ("prefill", "decode"):
+        mem = side_memory(s, side)
+        t.add_row(
+            f"{side} GPU memory",
+            f"{mem.gpu.name}: {_gib(mem.memory_bytes)} x {mem.utilization:g} = "
+            f"{_gib(mem.usable_bytes)} GiB: weights {_gib(mem.weight_bytes)} "
+            f"({s.model.weight_dtype}), activations {_gib(mem.activation_bytes)}, "
+            f"KV {_gib(mem.kv_bytes)} GiB",
+        )
+    t.add_row("decode KV capacity per rank", f"{m.capacity_tokens:,} tokens ({s.model.kv_dtype})")
     prompt, out = s.workload.prompt_tokens, s.workload.output_tokens
     if out:
         step = m.step_time_s(prompt)

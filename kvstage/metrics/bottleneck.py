@@ -174,8 +174,6 @@ def _decode_kv(
     s: Scenario, requests: Sequence[Request], rooms: dict, rate: float | None
 ) -> dict[str, Any]:
     model = DecodeModel(s)
-    if model.capacity_tokens is None:
-        return {"capacity_tokens": None}
     capacity = model.capacity_tokens * s.cluster.decode_instances
     by_room = {r.room: r for r in requests}
     held = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["PRESETS", "ModelPreset"]
 
@@ -24,6 +24,13 @@ class ModelPreset:
     active_params_b: float | None = None  # a MoE model's parameters per token
     source: str = ""  # the Hugging Face repository whose config.json gives the numbers
     attention: str = "mha"  # "mha" (MHA/GQA/MQA: K and V heads) or "mla" (one latent)
+    # config.json: hidden_size, num_attention_heads; for a MoE model the routed experts
+    # (n_routed_experts / num_local_experts / num_experts) and how many a token picks
+    # (num_experts_per_tok); 0: dense
+    hidden_size: int = 0
+    attention_heads: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def latent_dim(self) -> int | None:
@@ -123,3 +130,35 @@ PRESETS: dict[str, ModelPreset] = {
         attention="mla",
     ),
 }
+
+
+# hidden_size, num_attention_heads, routed experts, experts per token, from the same
+# config.json files (`source`).
+_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "llama-2-7b": (4096, 32, 0, 0),
+    "llama-3-8b": (4096, 32, 0, 0),
+    "llama-3.1-8b": (4096, 32, 0, 0),
+    "llama-3-70b": (8192, 64, 0, 0),
+    "llama-3.1-70b": (8192, 64, 0, 0),
+    "llama-3-405b": (16384, 128, 0, 0),
+    "llama-3.1-405b": (16384, 128, 0, 0),
+    "llama-3.2-1b": (2048, 32, 0, 0),
+    "llama-3.2-3b": (3072, 24, 0, 0),
+    "mistral-7b": (4096, 32, 0, 0),
+    "mixtral-8x7b": (4096, 32, 8, 2),
+    "mixtral-8x22b": (6144, 48, 8, 2),
+    "qwen2.5-0.5b": (896, 14, 0, 0),
+    "qwen2.5-7b": (3584, 28, 0, 0),
+    "qwen2.5-14b": (5120, 40, 0, 0),
+    "qwen2.5-32b": (5120, 40, 0, 0),
+    "qwen2.5-72b": (8192, 64, 0, 0),
+    "qwen3-30b-a3b": (2048, 32, 128, 8),
+    "qwen3-235b-a22b": (4096, 64, 128, 8),
+    "deepseek-v2": (5120, 128, 160, 6),
+    "deepseek-v3": (7168, 128, 256, 8),
+    "kimi-k2": (7168, 64, 384, 8),
+}
+for _name, (_h, _a, _e, _k) in _SHAPES.items():
+    PRESETS[_name] = replace(
+        PRESETS[_name], hidden_size=_h, attention_heads=_a, experts=_e, experts_per_token=_k
+    )

@@ -1,8 +1,9 @@
 """Hardware profiles: the profile files `[links] profile = "..."` names, where they
 are looked up, and the link numbers a scenario resolves to.
 
-A profile gives link, memory and compute numbers in the units people quote them in
-(PROFILE_FIELDS); [links] may override any of them. `_resolve_links` merges the two
+A profile gives the network's numbers in the units people quote them in
+(PROFILE_FIELDS); [links] may override any of them. The GPUs are not here: they are
+`prefill.gpu` / `decode.gpu` (gpus.py), except the copy numbers of a calibrated host. `_resolve_links` merges the two
 and checks that the numbers the placement needs exist; `ResolvedLinks` holds the
 result in SI units (bytes/s, seconds, FLOP/s), which is what both modes read.
 """
@@ -161,12 +162,13 @@ PROFILE_FIELDS: tuple[str, ...] = (
     "gpu_tflops",
     *HOST_FIELDS,
 )
+# Needed in every profile. mem_bandwidth_gbs, kernel_launch_us and gpu_tflops are GPU
+# numbers: the GPU catalogue (gpus.py) has them; a profile gives them only where a
+# calibrated host stands in for the GPU (loopback-cpu, kvstage calibrate's files), and
+# then its copy kernels (gather, scatter) take them instead of the catalogue GPU's.
 _COMMON_FIELDS = (
     "control_latency_us",
     "gpus_per_nic",
-    "mem_bandwidth_gbs",
-    "kernel_launch_us",
-    "gpu_tflops",
 )
 
 
@@ -251,9 +253,10 @@ class ResolvedLinks:
     intra: LinkNumbers | None
     control_latency_s: float
     gpus_per_nic: int
-    mem_bandwidth_bytes_s: float
-    kernel_launch_s: float
-    gpu_flops: float
+    # a calibrated host's copy numbers and matmul rate; None: the catalogue GPU's
+    mem_bandwidth_bytes_s: float | None = None
+    kernel_launch_s: float | None = None
+    gpu_flops: float | None = None
     host: HostNumbers | None = None  # None: the default GPU model (host_model absent or "gpu")
 
 
@@ -395,12 +398,16 @@ def _resolve_links(
         intra=intra,
         control_latency_s=merged["control_latency_us"] / 1e6,
         gpus_per_nic=merged["gpus_per_nic"],
-        mem_bandwidth_bytes_s=merged["mem_bandwidth_gbs"] * 1e9,
-        kernel_launch_s=merged["kernel_launch_us"] / 1e6,
-        gpu_flops=merged["gpu_tflops"] * 1e12,
+        mem_bandwidth_bytes_s=_scaled(merged.get("mem_bandwidth_gbs"), 1e9),
+        kernel_launch_s=_scaled(merged.get("kernel_launch_us"), 1e-6),
+        gpu_flops=_scaled(merged.get("gpu_tflops"), 1e12),
         host=host,
     )
     return merged, resolved
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
 
 
 def _merge_numbers(

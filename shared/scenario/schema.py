@@ -20,7 +20,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.cluster_table import ClusterConfig
@@ -36,6 +35,15 @@ from kvstage.shared.scenario.fieldtypes import (
     _Table,
     mib_to_bytes,
 )
+from kvstage.shared.scenario.gpus import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_GPU,
+    GPUS,
+    Efficiency,
+    Gpu,
+    gpu_names,
+)
+from kvstage.shared.scenario.physics import memory_problem
 from kvstage.shared.scenario.presets import PRESETS
 from kvstage.shared.scenario.profiles import (
     ResolvedLinks,
@@ -60,6 +68,9 @@ __all__ = [
 ]
 
 
+Dtype = Literal["bf16", "fp16", "fp32", "fp8"]
+
+
 class ModelConfig(_Table):
     """[model]: a preset, or explicit geometry; explicit fields override the preset.
 
@@ -79,11 +90,22 @@ class ModelConfig(_Table):
     # billions of parameters a token passes through (a MoE model's active experts), for
     # 2 * active params * tokens FLOPs; absent: params_b (a dense model)
     active_params_b: PosFloat | None = None
-    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    # the weights' dtype (memory, bytes a decode step reads, the matmul rate) and the KV
+    # cache's (what is transferred); `dtype = X` is the old spelling of both = X
+    weight_dtype: Dtype = "bf16"
+    kv_dtype: Dtype = "bf16"
+    # the transformer's width and query heads (attention FLOPs, all-reduce bytes,
+    # activations); absent: attention_heads = kv_heads, hidden_size = heads x head_dim
+    hidden_size: PosInt | None = None
+    attention_heads: PosInt | None = None
+    # MoE: routed experts and how many each token picks (0: dense)
+    experts: NonNegInt = 0
+    experts_per_token: NonNegInt = 0
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
+        data = _old_dtype(data)
         if not isinstance(data, dict) or data.get("preset") is None:
             return _mla_geometry(data)
         name = data["preset"]
@@ -99,7 +121,20 @@ class ModelConfig(_Table):
             base |= {"kv_heads": p.kv_heads, "head_dim": p.head_dim}
         if p.active_params_b is not None and "params_b" not in data:
             base["active_params_b"] = p.active_params_b  # not with an explicit params_b
+        if p.hidden_size:
+            base |= {"hidden_size": p.hidden_size, "attention_heads": p.attention_heads}
+        if p.experts:
+            base |= {"experts": p.experts, "experts_per_token": p.experts_per_token}
         return _mla_geometry({**base, **data})
+
+    @model_validator(mode="after")
+    def _experts_consistent(self) -> ModelConfig:
+        if self.experts_per_token > self.experts:
+            raise _FieldProblem(
+                {"experts_per_token": self.experts_per_token, "experts": self.experts},
+                "a token cannot pick more experts than there are (0 and 0: a dense model)",
+            )
+        return self
 
     @model_validator(mode="after")
     def _active_within_total(self) -> ModelConfig:
@@ -138,13 +173,54 @@ class ModelConfig(_Table):
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        """Bytes of one KV element (what the layout and the transfer move)."""
+        return DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def dtype(self) -> str:
+        """The KV cache's dtype (the name hardware mode's KV pools take)."""
+        return self.kv_dtype
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all the weights (every expert) at weight_dtype."""
+        return self.params_b * 1e9 * DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def heads(self) -> int:
+        """Query heads (attention FLOPs)."""
+        return self.attention_heads or self.kv_heads
+
+    @property
+    def hidden(self) -> int:
+        """The residual stream's width (all-reduce bytes, activations)."""
+        return self.hidden_size or self.heads * self.head_dim
 
 
 _LATENT_REQUIRED = (
     'required when attention = "mla": the latent width per token per layer, '
     "kv_lora_rank + qk_rope_head_dim (e.g. 512 + 64 = 576 for DeepSeek-V3)"
 )
+
+
+def _old_dtype(data: Any) -> Any:
+    """`dtype = X`, the old single key, reads as weight_dtype = kv_dtype = X.
+
+    Kept as an alias (not refused) because every run directory written before the
+    split stores `dtype` in its scenario.toml, and `kvstage check`/`compare` reload
+    them; with either new key it is ambiguous and refused.
+    """
+    if not isinstance(data, dict) or "dtype" not in data:
+        return data
+    if "weight_dtype" in data or "kv_dtype" in data:
+        raise _FieldProblem(
+            {"dtype": data["dtype"]},
+            "model.dtype is the old name for both weight_dtype and kv_dtype; "
+            "with either of them given, drop dtype",
+        )
+    data = dict(data)
+    old = data.pop("dtype")
+    return {**data, "weight_dtype": old, "kv_dtype": old}
 
 
 def _mla_geometry(data: Any) -> Any:
@@ -165,13 +241,32 @@ def _mla_geometry(data: Any) -> Any:
     return {"kv_heads": 1, "head_dim": width, **data}
 
 
+def _known_gpu(v: str) -> str:
+    if v not in GPUS:
+        raise ValueError(f"unknown GPU {v!r}; allowed: {gpu_names()} (kvstage presets lists them)")
+    return v
+
+
+Utilization = Annotated[float, Field(gt=0, le=1)]
+
+
 class PrefillConfig(_Table):
-    """[prefill]: TP size and how long a forward takes."""
+    """[prefill]: TP size, the GPU, and how long a forward takes.
+
+    The forward's time is its FLOPs at the GPU's peak x MFU (Scenario.forward_time_s);
+    `mfu` replaces the default table (gpus.Efficiency), `tflops` sets the sustained
+    FLOP/s per GPU outright and `tokens_per_s` the whole forward.
+    """
 
     tp: TPSize
+    gpu: str = DEFAULT_GPU
     chunked_prefill_size: PosInt = 8192
+    memory_utilization: Utilization = 0.9  # the share of GPU memory for weights and KV
     tokens_per_s: PosFloat | None = None  # if set: forward time = tokens / tokens_per_s
-    tflops: PosFloat = 400.0  # sustained per GPU, for 2 * params * tokens / tp FLOPs
+    tflops: PosFloat | None = None  # sustained per GPU; absent: peak x MFU
+    mfu: Utilization | None = None  # absent: the default table by forward size
+
+    _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -185,10 +280,18 @@ class DecodeConfig(_Table):
     page_size: PosInt = 16
     staging_pool_mb: PoolMiB = 4096.0  # MiB per decode rank
     prefix_tokens: NonNegInt = 0  # decode-side cached prefix of every request
-    # KV capacity (shared/decode_model.py): GPU memory of one decode GPU, the share of it
-    # the engine takes, weights first; unset: unlimited (admission never waits)
+    gpu: str = DEFAULT_GPU
+    # KV capacity (shared/scenario/physics.py): the GPU's memory (gpu_memory_gib
+    # overrides it), the share of it the engine takes, less weights and activations
     gpu_memory_gib: PosFloat | None = None
-    memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    memory_utilization: Utilization = 0.9
+    # requests in one decode batch at most ([P] vLLM's default max_num_seqs = 256,
+    # vllm/config SchedulerConfig); more wait for a slot
+    max_running_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    hbm_efficiency: Utilization | None = None  # absent: gpus.Efficiency.decode_hbm
+    step_overhead_ms: NonNegFloat | None = None  # absent: gpus.Efficiency.step_overhead_s
+
+    _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
 
     @field_validator("page_size")
     @classmethod
@@ -440,13 +543,6 @@ class Scenario(_Table):
             problem = shard_problem(self)
             if problem:
                 raise _FieldProblem({"cluster.shard": True}, f"cannot shard the cluster: {problem}")
-        if self.decode.gpu_memory_gib is not None:
-            try:  # KV capacity left after the weights must hold at least one chunk
-                DecodeModel(self)
-            except ValueError as exc:
-                raise _FieldProblem(
-                    {"decode.gpu_memory_gib": self.decode.gpu_memory_gib}, str(exc)
-                ) from None
         if self.transfer.path == "staging" and self.model.attention == "mla":
             raise _FieldProblem(
                 {"transfer.path": "staging", "model.attention": "mla"}, _MLA_NO_STAGING
@@ -463,6 +559,7 @@ class Scenario(_Table):
                 sgeo = _scaled_geometry(geo, sd)
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
+        _check_memory(self)
         return self
 
     # --- derived numbers ---------------------------------------------------------
@@ -490,18 +587,37 @@ class Scenario(_Table):
         """Directory relative paths were resolved against (the scenario file's)."""
         return self._base_dir
 
+    def gpu(self, side: str) -> Gpu:
+        """The catalogue GPU of `side` ("prefill" or "decode")."""
+        return GPUS[self.prefill.gpu if side == "prefill" else self.decode.gpu]
+
+    def efficiency(self) -> Efficiency:
+        """The achieved-efficiency defaults with this scenario's overrides on top."""
+        e = DEFAULT_EFFICIENCY
+        changes: dict[str, Any] = {}
+        if self.prefill.mfu is not None:
+            changes["prefill_mfu"] = ((1, self.prefill.mfu),)
+        if self.decode.hbm_efficiency is not None:
+            changes["decode_hbm"] = self.decode.hbm_efficiency
+        if self.decode.step_overhead_ms is not None:
+            changes["step_overhead_s"] = self.decode.step_overhead_ms / 1e3
+        return replace(e, **changes) if changes else e
+
     def forward_time_s(self, tokens: int) -> float:
         """Modeled prefill forward time of `tokens` tokens on one prefill rank.
 
         One home for the formula so the simulator and `hardware.forward_delay` agree:
         tokens / tokens_per_s when given, else 2 * params * tokens / tp FLOPs at
-        `prefill.tflops` sustained, params the active ones of a MoE model
-        (attention's quadratic term is ignored).
+        `prefill.tflops` sustained, or at the GPU's peak for the weights' dtype x
+        the MFU of a forward of that size; params the active ones of a MoE model.
         """
         if self.prefill.tokens_per_s is not None:
             return tokens / self.prefill.tokens_per_s
         flops = 2.0 * self.model.flops_params_b * 1e9 * tokens / self.prefill.tp
-        return flops / (self.prefill.tflops * 1e12)
+        if self.prefill.tflops is not None:
+            return flops / (self.prefill.tflops * 1e12)
+        rate = self.gpu("prefill").peak_flops(self.model.weight_dtype)
+        return flops / (rate * self.efficiency().mfu(tokens))
 
     # --- transforms --------------------------------------------------------------
     def scaled(self) -> Scenario:
@@ -577,6 +693,19 @@ def _check_tp_mapping(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
         else:
             fields = {"decode.tp": decode_tp, "model.kv_heads": kv_heads}
         raise _FieldProblem(fields, str(exc)) from None
+
+
+def _check_memory(s: Scenario) -> None:
+    """Weights, activations and one chunk of KV fit one GPU on each side."""
+    fit = memory_problem(s)
+    if fit is None:
+        return
+    side, problem = fit
+    cfg = s.prefill if side == "prefill" else s.decode
+    fields: dict[str, Any] = {f"{side}.tp": cfg.tp, f"{side}.gpu": cfg.gpu}
+    if side == "decode" and s.decode.gpu_memory_gib is not None:
+        fields = {"decode.gpu_memory_gib": s.decode.gpu_memory_gib}
+    raise _FieldProblem(fields, problem)
 
 
 def _scaled_geometry(geo: Geometry, sd: ScaleDown) -> Geometry:

@@ -55,6 +55,62 @@ def presets_table() -> Table:
     return t
 
 
+def gpus_table() -> Table:
+    """One row per catalogue GPU (`prefill.gpu` / `decode.gpu`): datasheet numbers."""
+    from kvstage.shared.scenario.gpus import DEFAULT_GPU, GPUS
+
+    t = Table(
+        title=f"GPUs (\\[prefill] / \\[decode] gpu = NAME; default {DEFAULT_GPU}; dense FLOP/s)",
+        title_justify="left",
+    )
+    for col in (
+        "gpu",
+        "memory GiB",
+        "HBM GB/s",
+        "bf16 TFLOP/s",
+        "fp8 TFLOP/s",
+        "scale-up GB/s",
+        "source",
+    ):
+        t.add_column(col, justify="left" if col in ("gpu", "source") else "right")
+    for g in GPUS.values():
+        t.add_row(
+            g.name,
+            _num(g.memory_gib),
+            _num(g.hbm_gbs),
+            _num(g.bf16_tflops),
+            _num(g.fp8_tflops) if g.fp8_tflops else "- (bf16 rate)",
+            f"{_num(g.scaleup_gbs)} ({g.scaleup})",
+            g.source,
+        )
+    return t
+
+
+def efficiency_table() -> Table:
+    """The achieved-efficiency defaults (gpus.Efficiency) and the fields that override them."""
+    from kvstage.shared.scenario.gpus import DEFAULT_EFFICIENCY as e
+
+    t = Table(
+        title="achieved efficiency (defaults; sources in shared/scenario/gpus.py)",
+        title_justify="left",
+    )
+    for col in ("what", "default", "override"):
+        t.add_column(col)
+    mfu = ", ".join(f"{m:.0%} at {n:,}" for n, m in e.prefill_mfu)
+    t.add_row("prefill MFU by forward tokens", mfu, "prefill.mfu, prefill.tflops")
+    t.add_row("decode share of HBM bandwidth", f"{e.decode_hbm:.0%}", "decode.hbm_efficiency")
+    t.add_row(
+        "decode per-step overhead", f"{e.step_overhead_s * 1e3:g} ms", "decode.step_overhead_ms"
+    )
+    t.add_row("TP all-reduce share of the scale-up link", f"{e.allreduce:.0%}", "-")
+    t.add_row(
+        "copy kernels (gather, scatter) share of HBM",
+        f"{e.copy_hbm:.0%}",
+        "links.mem_bandwidth_gbs",
+    )
+    return t
+
+
 def _resolve(links_config, name: str, base_dir: str | None):
     """The profile's numbers; an intra-node-only profile (nvlink) by its intra link."""
     context = {"base_dir": base_dir}
@@ -108,9 +164,12 @@ def profiles_table(base_dir: str | None = None) -> Table:
 
 
 def presets() -> None:
-    """List the model presets: layers, KV heads, head_dim, KV bytes per token, total and
-    (MoE) active parameters, and the published config each comes from."""
+    """List the model presets (layers, KV heads, head_dim, KV bytes per token, total and
+    MoE active parameters, the published config), the GPUs `prefill.gpu` / `decode.gpu`
+    can name with their datasheet numbers, and the achieved-efficiency defaults."""
     console.print(presets_table())
+    console.print(gpus_table())
+    console.print(efficiency_table())
 
 
 def profiles(

@@ -133,12 +133,6 @@ def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> N
         soft_wrap=True,
     )
     s = cands.points[0].scenario
-    if s.decode.gpu_memory_gib is None:
-        console.print(
-            "note: decode.gpu_memory_gib is not set: decode KV capacity is unlimited (admission never "
-            "waits), so the plan cannot tell a decode side too small to hold the load",
-            highlight=False,
-        )
     if (
         {"tpot_s", "e2e_s"} & set(cands.targets)
         and not s.workload.output_tokens

@@ -1,0 +1,161 @@
+"""The GPU catalogue `prefill.gpu` / `decode.gpu` name, and the achieved efficiencies.
+
+Two kinds of numbers, kept apart on purpose:
+
+- `GPUS`: what a GPU *is*, from its datasheet: memory, HBM bandwidth, dense bf16 and
+  fp8 FLOP/s (no sparsity), and the scale-up link (NVLink, Infinity Fabric, or PCIe
+  where a card has none) per direction. Every entry names its source. No simulated
+  GPU ever goes faster than these (tests/test_physics.py holds each bound).
+- `Efficiency`: how much of it serving achieves: prefill MFU by the forward's size,
+  the share of HBM bandwidth a decode step reaches, a per-step CPU overhead, the
+  share of the scale-up link an all-reduce reaches, and the share of HBM a copy
+  kernel (gather, scatter) reaches. These are defaults with their sources; a scenario
+  overrides them (`prefill.mfu`, `decode.hbm_efficiency`, `decode.step_overhead_ms`).
+
+Memory is in GiB because HBM comes in binary stacks: an "80 GB" H100 shows 81,559
+MiB in nvidia-smi (79.6 GiB), so the datasheet figure is GiB to within 1%.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "DEFAULT_GPU",
+    "GPUS",
+    "Efficiency",
+    "Gpu",
+    "gpu_names",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU's datasheet numbers, in the units datasheets quote them in."""
+
+    name: str
+    memory_gib: float
+    hbm_gbs: float  # GB/s of HBM (GDDR for the A10)
+    bf16_tflops: float  # dense
+    fp8_tflops: float | None  # dense; None: no fp8 tensor cores (fp8 runs at the bf16 rate)
+    scaleup_gbs: float  # per direction per GPU: NVLink / Infinity Fabric, or PCIe
+    scaleup: str  # what that link is
+    source: str
+
+    @property
+    def hbm_Bps(self) -> float:
+        return self.hbm_gbs * 1e9
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense FLOP/s of a matmul whose weights are `dtype` (fp8: the fp8 rate where
+        there is one; fp32 at the bf16 rate would overstate it, so half of it)."""
+        if dtype == "fp8" and self.fp8_tflops is not None:
+            return self.fp8_tflops * 1e12
+        if dtype == "fp32":
+            return self.bf16_tflops * 1e12 / 2
+        return self.bf16_tflops * 1e12
+
+    @property
+    def scaleup_Bps(self) -> float:
+        return self.scaleup_gbs * 1e9
+
+
+_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM column)"
+GPUS: dict[str, Gpu] = {
+    # [D] NVIDIA A10 datasheet: 24 GB GDDR6, 600 GB/s, BF16 125 TFLOPS dense (250 with
+    # sparsity), no FP8; PCIe Gen4 x16 64 GB/s = 32 GB/s per direction, no NVLink
+    # (https://www.nvidia.com/en-us/data-center/products/a10-gpu/).
+    "a10": Gpu("a10", 24, 600, 125, None, 32, "PCIe Gen4 x16", "NVIDIA A10 datasheet"),
+    # [D] NVIDIA A100 80GB SXM datasheet: 2,039 GB/s, BF16 312 TFLOPS dense, no FP8,
+    # NVLink 3 600 GB/s total = 300 per direction
+    # (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf).
+    "a100-80g": Gpu("a100-80g", 80, 2039, 312, None, 300, "NVLink 3", "NVIDIA A100 datasheet"),
+    # [D] H100 SXM: 80 GB HBM3, 3.35 TB/s, BF16 989 / FP8 1,979 TFLOPS dense (the
+    # datasheet's 1,979 / 3,958 are with sparsity), NVLink 4 900 GB/s total (_H100).
+    "h100-sxm": Gpu("h100-sxm", 80, 3350, 989, 1979, 450, "NVLink 4", _H100),
+    # [D] H200 SXM: 141 GB HBM3e, 4.8 TB/s, the H100's compute and NVLink
+    # (https://www.nvidia.com/en-us/data-center/h200/).
+    "h200": Gpu("h200", 141, 4800, 989, 1979, 450, "NVLink 4", "NVIDIA H200 datasheet"),
+    # [D] HGX B200: 180 GB HBM3e and 8 TB/s per GPU, BF16 2.25 / FP8 4.5 PFLOPS dense
+    # per GPU (18 / 36 for 8 GPUs, half the sparse figures), NVLink 5 1.8 TB/s total
+    # (https://www.nvidia.com/en-us/data-center/hgx/).
+    "b200": Gpu("b200", 180, 8000, 2250, 4500, 900, "NVLink 5", "NVIDIA HGX B200 datasheet"),
+    # [D] NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 / FP8 733 TFLOPS dense
+    # (733 / 1,466 with sparsity), PCIe Gen4 x16, no NVLink
+    # (https://www.nvidia.com/en-us/data-center/l40s/).
+    "l40s": Gpu("l40s", 48, 864, 362, 733, 32, "PCIe Gen4 x16", "NVIDIA L40S datasheet"),
+    # [P] H20 (export part, no public NVIDIA datasheet): 96 GB HBM3, 4.0 TB/s, BF16 148 /
+    # FP8 296 TFLOPS dense, NVLink 900 GB/s total, as reported from NVIDIA's partner
+    # spec sheet (https://www.tomshardware.com/news/nvidia-readies-h20-ai-gpu-for-china).
+    "h20": Gpu("h20", 96, 4000, 148, 296, 450, "NVLink 4", "H20 partner spec sheet (reported)"),
+    # [D] AMD Instinct MI300X: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 / FP8 2,614.9 TFLOPS
+    # dense, 7 Infinity Fabric links of 128 GB/s (bidirectional) = 448 GB/s per direction
+    # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html).
+    "mi300x": Gpu(
+        "mi300x", 192, 5300, 1307.4, 2614.9, 448, "Infinity Fabric", "AMD MI300X datasheet"
+    ),
+}
+DEFAULT_GPU = "h100-sxm"
+
+
+def gpu_names() -> str:
+    return ", ".join(GPUS)
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """What serving achieves of a GPU's datasheet, with the source of each default.
+
+    prefill_mfu: the share of peak matmul FLOP/s a prefill forward reaches, by the
+    forward's token count (a chunk), interpolated in log2(tokens) between the points
+    and flat beyond them. [P] calibrated on LMSYS's DeepSeek-V3 prefill on H100
+    (https://lmsys.org/blog/2025-05-05-large-scale-ep/: 57,674 tokens/s per 8-GPU node
+    at 1K prompts with EP32, i.e. 7,209 tokens/s per GPU x 2 x 37e9 active parameters =
+    533 TFLOP/s of linear layers alone, 27% of the fp8 peak including its all-to-all),
+    and on the 40% of H100 bf16 peak kvstage assumed before (prefill.tflops = 400) for
+    long dense chunks; [A] short forwards fill the GEMMs less: half of it at 128
+    tokens.
+    decode_hbm: the share of HBM bandwidth a decode step's reads reach. [P] decode
+    attention kernels reach 80-90% of peak bandwidth
+    (https://flashinfer.ai/2024/02/02/introduce-flashinfer.html); [A] the GEMVs of the
+    weights about as much: 0.8.
+    step_overhead_s: CPU time per decode step the GPU does not hide (scheduling,
+    sampling, launches under CUDA graphs). [A] 1 ms: SGLang's overlap scheduler hides
+    most of it (https://lmsys.org/blog/2024-12-04-sglang-v0-4/, "zero-overhead batch
+    scheduler"); what remains is the order of a millisecond. It replaces the 5 us x
+    layers of kernel launches kvstage charged before.
+    allreduce: the share of the scale-up link per direction a TP all-reduce reaches.
+    [A] 0.8: NCCL's ring all-reduce moves 2 (n-1)/n of the data per GPU and reaches most
+    of NVLink's bandwidth for MB-sized messages (https://github.com/NVIDIA/nccl-tests,
+    doc/PERFORMANCE.md defines the bus bandwidth this is a share of).
+    copy_hbm: the share of HBM bandwidth a gather or scatter copy kernel reaches. [A]
+    80-90% (the figure kvstage's profiles carried): 0.85.
+    kernel_launch_s: the fixed cost of one copy kernel. [A] 5 us, CUDA launch plus a
+    small kernel's ramp (the figure kvstage's profiles carried).
+    """
+
+    prefill_mfu: tuple[tuple[int, float], ...] = ((128, 0.2), (1024, 0.35), (4096, 0.4))
+    decode_hbm: float = 0.8
+    step_overhead_s: float = 1e-3
+    allreduce: float = 0.8
+    copy_hbm: float = 0.85
+    kernel_launch_s: float = 5e-6
+
+    def mfu(self, tokens: int) -> float:
+        """Prefill MFU of a forward of `tokens` tokens (log2-interpolated)."""
+        pts = self.prefill_mfu
+        xs = [t for t, _ in pts]
+        if tokens <= xs[0]:
+            return pts[0][1]
+        if tokens >= xs[-1]:
+            return pts[-1][1]
+        i = bisect.bisect_right(xs, tokens)
+        (t0, m0), (t1, m1) = pts[i - 1], pts[i]
+        f = (math.log2(tokens) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+        return m0 + f * (m1 - m0)
+
+
+DEFAULT_EFFICIENCY = Efficiency()

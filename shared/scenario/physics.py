@@ -1,0 +1,120 @@
+"""Memory per GPU on both sides: weights, activations, KV; what does not fit, in words.
+
+One GPU of a side (prefill or decode) holds, out of its `memory_utilization` share of
+memory (the engine's static share, like SGLang's mem_fraction_static; the rest is the
+allocator's slack, CUDA graphs, NCCL buffers):
+
+- weights: every parameter (all experts of a MoE model) at `model.weight_dtype`,
+  divided over the TP group (expert parallelism inside the group divides them the
+  same way);
+- activations and workspace: the largest forward's tokens (a prefill chunk, a decode
+  batch of `decode.max_running_requests`) x hidden size x ACTIVATION_TENSORS tensors
+  at 2 bytes, held whole on every rank of the group (an upper bound: some are
+  sharded over TP);
+- KV: what is left. It must hold at least one full chunk of the rank's KV, on the
+  prefill (the chunk being computed) and the decode (the chunk landing); the decode's
+  KV capacity in tokens is this remainder over the KV bytes of a token.
+
+`memory_problem` says in one line why a side does not fit ("131.5 GiB of weights per
+GPU > 72 GiB usable on h100-sxm at TP1"); it never prints a negative capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstage.shared.scenario.gpus import Gpu
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario.schema import Scenario
+
+__all__ = ["ACTIVATION_TENSORS", "GIB", "SideMemory", "memory_problem", "side_memory"]
+
+GIB = 1 << 30
+# [A] live activation tensors of hidden width during one layer's forward (residual,
+# normed input, QKV, attention output, the MLP's gate, up and down partials, plus
+# the allocator's rounding): 8 x tokens x hidden x 2 B. For an 8192-token chunk of
+# Llama-3-70B that is 1 GiB, about what vLLM's profile run reserves for it.
+ACTIVATION_TENSORS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SideMemory:
+    """One GPU of one side: its budget and what takes it, in bytes."""
+
+    side: str  # "prefill" | "decode"
+    gpu: Gpu
+    tp: int
+    memory_bytes: float  # the GPU's memory (or decode.gpu_memory_gib)
+    utilization: float
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes_per_token: int  # on this rank
+    min_kv_tokens: int  # one full chunk
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.utilization
+
+    @property
+    def kv_bytes(self) -> float:
+        """Bytes left for KV; may be negative (then `problem` says why, in words)."""
+        return self.usable_bytes - self.weight_bytes - self.activation_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_bytes // self.kv_bytes_per_token))
+
+    def problem(self) -> str | None:
+        """One plain line when this side does not fit, else None."""
+        where = f"on {self.gpu.name} at TP{self.tp}"
+        usable = f"{_gib(self.usable_bytes)} GiB usable {where}"
+        if self.weight_bytes > self.usable_bytes:
+            return f"{_gib(self.weight_bytes)} GiB of weights per GPU > {usable}"
+        need = self.min_kv_tokens * self.kv_bytes_per_token
+        if self.kv_bytes < need:
+            left = max(0.0, self.kv_bytes)
+            return (
+                f"{_gib(self.weight_bytes)} GiB of weights + {_gib(self.activation_bytes)} GiB "
+                f"of activations leave {_gib(left)} GiB of the {usable} for KV, less than one "
+                f"{self.min_kv_tokens}-token chunk ({_gib(need)} GiB)"
+            )
+        return None
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}".removesuffix(".0") if nbytes >= GIB else f"{nbytes / GIB:.2f}"
+
+
+def side_memory(s: Scenario, side: str) -> SideMemory:
+    """The memory budget of one GPU of `side` ("prefill" or "decode") of scenario `s`."""
+    g, m = s.geometry(), s.model
+    cfg = s.prefill if side == "prefill" else s.decode
+    gpu = s.gpu(side)
+    heads = g.prefill_heads if side == "prefill" else g.decode_heads
+    memory = gpu.memory_gib * GIB
+    if side == "decode" and s.decode.gpu_memory_gib is not None:
+        memory = s.decode.gpu_memory_gib * GIB
+    tokens = s.prefill.chunked_prefill_size if side == "prefill" else s.decode.max_running_requests
+    chunk = g.grid_pages * g.page_size
+    return SideMemory(
+        side=side,
+        gpu=gpu,
+        tp=cfg.tp,
+        memory_bytes=memory,
+        utilization=cfg.memory_utilization,
+        weight_bytes=m.weight_bytes / cfg.tp,
+        activation_bytes=tokens * m.hidden * 2 * ACTIVATION_TENSORS,
+        kv_bytes_per_token=g.block_bytes(1, heads),
+        min_kv_tokens=chunk,
+    )
+
+
+def memory_problem(s: Scenario) -> tuple[str, str] | None:
+    """(the field to blame, one line) for the first side that does not fit, else None."""
+    for side in ("prefill", "decode"):
+        problem = side_memory(s, side).problem()
+        if problem:
+            return side, problem
+    return None
