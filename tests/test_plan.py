@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,10 @@ from kvstage.cli.main import app
 from kvstage.explore.plan import (
     DEFAULT_GRID,
     PlanError,
+    PlanResult,
+    beats,
     gpus_of,
+    judge,
     pareto_front,
     plan_candidates,
     run_plan,
@@ -157,24 +161,61 @@ def test_front_property(result):
     ran = [r for r in result.simulated if r["ttft_s.p90"] is not None]
     front = result.front
     assert front and all(r["on_front"] for r in front)
-    for r in front:
-        assert not any(
-            o["goodput_per_gpu_rps"] > r["goodput_per_gpu_rps"]
-            and o["ttft_s.p90"] < r["ttft_s.p90"]
-            for o in ran
-        )
-    for r in ran:
-        if r not in front:  # beaten: as good in both, better in one
-            assert any(
-                f["goodput_per_gpu_rps"] >= r["goodput_per_gpu_rps"]
-                and f["ttft_s.p90"] <= r["ttft_s.p90"]
-                for f in front
+    for r in ran:  # on the front exactly when nothing beats it
+        assert (r in front) == (not any(beats(o, r) for o in ran if o is not r))
+    assert result.winner in front
+
+
+def _synthetic(n, g, t, meets=True, gpus=4, half=0.0):
+    return {
+        "n": n, "status": "ok", "meets": meets, "gpus": gpus, "slo_attainment": 0.95 if meets else 0.5,
+        "goodput_rps": g * gpus, "goodput_rps_lo": (g - half) * gpus, "goodput_rps_hi": (g + half) * gpus,
+        "goodput_per_gpu_rps": g, "ttft_s.p90": t, "ttft_s.p90_lo": t - half, "ttft_s.p90_hi": t + half,
+        "on_front": False, "winner": False,
+    }  # fmt: skip
+
+
+def test_front_ignores_differences_inside_the_intervals():
+    # 7 ms faster but inside the interval, and clearly less goodput: beaten
+    a, b = _synthetic(0, 1.0, 0.500, half=0.02), _synthetic(1, 0.8, 0.493, half=0.02)
+    assert beats(a, b) and not beats(b, a)
+    assert [r["n"] for r in pareto_front([a, b])] == [0]
+    # without intervals the 7 ms would keep it on the front
+    a0, b0 = _synthetic(0, 1.0, 0.500), _synthetic(1, 0.8, 0.493)
+    assert sorted(r["n"] for r in pareto_front([a0, b0])) == [0, 1]
+    # both inside each other's intervals: a tie, both stay
+    c, d = _synthetic(2, 1.0, 0.5, half=0.05), _synthetic(3, 1.02, 0.51, half=0.05)
+    assert sorted(r["n"] for r in pareto_front([c, d])) == [2, 3]
+    # a point that misses the SLO never beats one that meets
+    e = _synthetic(4, 2.0, 0.1, meets=False, gpus=2)
+    assert not beats(e, a) and beats(a, e) is False  # more GPUs: a does not beat e either
+    assert sorted(r["n"] for r in pareto_front([a, e])) == [0, 4]
+
+
+def test_winner_is_always_on_the_front():
+    """Whatever the points, the winner (fewest GPUs that meet, then goodput per GPU)
+    is on the front: many random plans, including noisy and tied ones."""
+    rng = random.Random(11)
+    for trial in range(300):
+        rows = [
+            _synthetic(
+                i,
+                rng.choice([0.5, 1.0, 1.0 + rng.random()]),
+                rng.choice([0.3, 0.5, rng.random()]),
+                meets=rng.random() < 0.6,
+                gpus=rng.randint(2, 8),
+                half=rng.choice([0.0, 0.01, 0.2]),
             )
-    synthetic = [
-        {"status": "ok", "goodput_per_gpu_rps": g, "ttft_s.p90": t, "n": n}
-        for n, (g, t) in enumerate([(1.0, 1.0), (2.0, 2.0), (0.5, 3.0), (2.0, 1.5), (1.0, 1.0)])
-    ]
-    assert sorted(r["n"] for r in pareto_front(synthetic)) == [0, 3, 4]
+            for i in range(rng.randint(1, 12))
+        ]
+        res = PlanResult(rows, {"ttft_s": 1.0}, 0.9, "test", 0.0, None)
+        judge(res)
+        meeting = [r for r in rows if r["meets"]]
+        if not meeting:
+            assert res.winner is None
+            continue
+        assert res.winner is not None and res.winner in res.front, trial
+        assert res.winner["gpus"] == min(r["gpus"] for r in meeting)
 
 
 def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
@@ -203,6 +244,28 @@ def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
     res = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r2.html")])
     assert res.exit_code == 0, res.output
     assert "Pareto front" in (tmp_path / "r2.html").read_text()
+
+
+def test_quantile_columns_follow_the_attainment(scenario, tmp_path):
+    out = tmp_path / "p99"
+    res = CliRunner().invoke(
+        app,
+        ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(out), "--no-progress",
+         "--attainment", "0.99", "--max-gpus", "4"],
+        env={"COLUMNS": "250"},
+    )  # fmt: skip
+    assert "TTFT p99" in res.output and "TTFT p90" not in res.output, res.output
+    with (out / "plan.csv").open() as fh:
+        header = next(csv.reader(fh))
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert {f"{key}.p50", f"{key}.p90", f"{key}.p99", f"{key}.p99_lo", f"{key}.p99_hi"} <= set(
+            header
+        )
+    assert "ttft_s.p90_lo" not in header
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["quantile"] == "p99" and "ttft_s.p99_hi" in doc["points"][0]
+    # 24 requests cannot show a p99: the plan says so
+    assert any("too few for the quantile" in w for w in doc["warnings"])
 
 
 def test_no_configuration_meets(scenario, tmp_path):

@@ -469,14 +469,15 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
     from kvstage.explore.figures import front_figure, load_plan, shape
 
     plan = load_plan(plan_dir)
+    q = plan.get("quantile", "p90")
     rows = [
         (
             shape(r),
             r["gpus"],
             f"{r['slo_attainment']:.0%}",
             f"{r['goodput_per_gpu_rps']:.3g}",
-            ms(r["ttft_s.p90"]),
-            ms(r["tpot_s.p90"]),
+            ms(r[f"ttft_s.{q}"]),
+            ms(r[f"tpot_s.{q}"]),
             r["bottleneck"] or "-",
             "winner" if r["winner"] else ("meets" if r["meets"] else "misses"),
         )
@@ -489,6 +490,7 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
             f'<p class="meta">{_e(plan_dir)} &middot; SLO {_e(plan["slo"])} for at least {plan["attainment"]:.0%} of '
             f"requests &middot; configurations: {_e(counts)}</p>",
             f"<p><b>{_e(plan['verdict'])}</b></p>",
+            *(f"<p>warning: {_e(w)}</p>" for w in plan.get("warnings", [])),
             _table(
                 rows,
                 header=(
@@ -496,8 +498,8 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
                     "GPUs",
                     "attainment",
                     "goodput/GPU (req/s)",
-                    "TTFT p90",
-                    "TPOT p90",
+                    f"TTFT {q}",
+                    f"TPOT {q}",
                     "bottleneck",
                     "",
                 ),
@@ -507,8 +509,9 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
                 front_figure(plan),
                 f"plan-front-{i}",
                 "plan front",
-                "Goodput per GPU against TTFT p90 of every simulated configuration; the line is the Pareto front, "
-                "the star the winner (fewest GPUs that meets the SLO).",
+                "Throughput per GPU against tokens/s per user and against TTFT of every simulated "
+                "configuration (steady window); ringed: the Pareto front, star: the winner (fewest GPUs "
+                "that meets the SLO), dashed: the SLO targets.",
             ),
             "</section>",
         ]

@@ -17,12 +17,21 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RAY_REQUIREMENT", "STATUS_ERROR", "Executor", "ExploreError", "ray_init", "require_ray"]
+__all__ = [
+    "RAY_REQUIREMENT",
+    "STATUS_ERROR",
+    "Executor",
+    "ExploreError",
+    "error_row",
+    "ray_init",
+    "require_ray",
+]
 
 # What to install for `--ray` (the CLI's message and the docs say the same).
 RAY_REQUIREMENT = "ray==2.60.0"
@@ -185,3 +194,10 @@ class Executor:
 
 def _failed(reason: str) -> Row:
     return {"status": STATUS_ERROR, "reason": reason}
+
+
+def error_row(exc: BaseException) -> Row:
+    """A job's row when its function raised (a simulator bug): the exception and where."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return _failed(f"{type(exc).__name__}: {exc}{where}")

@@ -236,74 +236,77 @@ def shape(row: dict[str, Any]) -> str:
     )
 
 
+def _throughput_key(points: list[dict[str, Any]]) -> tuple[str, str]:
+    """The y axis: output tokens/s per GPU, or input tokens/s where nothing is generated."""
+    if any(r.get("output_tokens_per_gpu_s") for r in points):
+        return "output_tokens_per_gpu_s", "output tokens/s per GPU"
+    return "input_tokens_per_gpu_s", "input (prompt) tokens/s per GPU"
+
+
 def front_figure(plan: dict[str, Any]) -> Any:
-    """Goodput per GPU against TTFT p90 of every simulated point (plan.json's `points`):
-    the front as a line, points that meet the SLO in colour, the winner starred."""
-    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
-    ax = fig.add_subplot()
-    pts = [
-        r
-        for r in plan["points"]
-        if r["status"] == STATUS_OK
-        and r["ttft_s.p90"] is not None
-        and r["goodput_per_gpu_rps"] is not None
-    ]
-    for meets, color, label in (
-        (False, "#b0b0b0", "misses the SLO"),
-        (True, "#2c7fb8", "meets the SLO"),
-    ):
-        sel = [r for r in pts if bool(r["meets"]) == meets]
-        ax.scatter(
-            [r["ttft_s.p90"] for r in sel],
-            [r["goodput_per_gpu_rps"] for r in sel],
-            s=22,
-            color=color,
-            label=label,
-            zorder=2,
-        )
-    front = sorted((r for r in pts if r["on_front"]), key=lambda r: r["ttft_s.p90"])
-    ax.plot(
-        [r["ttft_s.p90"] for r in front],
-        [r["goodput_per_gpu_rps"] for r in front],
-        color="#d95f02",
-        drawstyle="steps-post",
-        lw=1.4,
-        label="Pareto front",
-        zorder=1,
+    """Two panels of every simulated point (plan.json's `points`, steady window):
+    throughput per GPU against tokens/s per user (1 / TPOT p50) and against TTFT at the
+    target quantile. Points that meet the SLO in colour, the front ringed, the winner
+    starred, the SLO targets as lines."""
+    q = plan.get("quantile", "p90")
+    ttft = f"ttft_s.{q}"
+    pts = [r for r in plan["points"] if r["status"] == STATUS_OK and r.get(ttft) is not None]
+    ykey, ylabel = _throughput_key(pts)
+    pts = [r for r in pts if r.get(ykey) is not None]
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    slo = plan.get("slo") or {}
+    panels = (
+        ("tokens_per_user_s", "tokens/s per user (1 / TPOT p50)", slo.get("tpot_s"), True),
+        (ttft, f"TTFT {q} (s)", slo.get("ttft_s"), False),
     )
-    for r in front:
-        ax.annotate(
-            f"{r['gpus']} GPUs",
-            (r["ttft_s.p90"], r["goodput_per_gpu_rps"]),
-            fontsize=7,
-            xytext=(4, 4),
-            textcoords="offset points",
-        )
     w = plan.get("winner")
-    if w and w.get("ttft_s.p90") is not None:
+    for ax, (xkey, xlabel, target, inverse) in zip(axes, panels, strict=True):
+        sel_all = [r for r in pts if r.get(xkey) is not None]
+        for meets, color, label in (
+            (False, "#b0b0b0", "misses the SLO"),
+            (True, "#2c7fb8", "meets the SLO"),
+        ):
+            sel = [r for r in sel_all if bool(r["meets"]) == meets]
+            ax.scatter(
+                [r[xkey] for r in sel], [r[ykey] for r in sel], s=22, color=color, label=label
+            )
+        front = [r for r in sel_all if r["on_front"]]
         ax.scatter(
-            [w["ttft_s.p90"]],
-            [w["goodput_per_gpu_rps"]],
-            marker="*",
-            s=220,
-            color="#1b9e77",
-            edgecolor="black",
-            zorder=3,
-            label=f"winner: {w['gpus']} GPUs ({shape(w)})",
+            [r[xkey] for r in front],
+            [r[ykey] for r in front],
+            s=70,
+            facecolors="none",
+            edgecolors="#d95f02",
+            linewidths=1.3,
+            label="on the front",
         )
-    target = (plan.get("slo") or {}).get("ttft_s")
-    if target:
-        ax.axvline(target, color="black", ls="--", lw=0.8, label=f"TTFT target {target:g} s")
-    ttfts = [r["ttft_s.p90"] for r in pts]
-    if ttfts and min(ttfts) > 0 and max(ttfts) / min(ttfts) > 20:
-        ax.set_xscale("log")
-    ax.set_xlabel("TTFT p90 (s)")
-    ax.set_ylabel("goodput per GPU (req/s)")
-    ax.set_title(
-        f"plan {plan.get('scenario_name', '')}: {len(pts)} configurations simulated", fontsize=10
+        for r in front:
+            ax.annotate(
+                f"{r['gpus']}", (r[xkey], r[ykey]), fontsize=7, xytext=(4, 4),
+                textcoords="offset points",
+            )  # fmt: skip
+        if w and w.get(xkey) is not None and w.get(ykey) is not None:
+            ax.scatter(
+                [w[xkey]], [w[ykey]], marker="*", s=240, color="#1b9e77", edgecolor="black",
+                zorder=3, label=f"winner: {w['gpus']} GPUs ({shape(w)})",
+            )  # fmt: skip
+        if target:
+            x = 1.0 / target if inverse else target
+            what = f"TPOT target {target * 1e3:g} ms" if inverse else f"TTFT target {target:g} s"
+            ax.axvline(x, color="black", ls="--", lw=0.8, label=what)
+        xs = [r[xkey] for r in sel_all if r[xkey] > 0]
+        if xs and max(xs) / min(xs) > 20:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[0].set_ylabel(ylabel)
+    fig.suptitle(
+        f"plan {plan.get('scenario_name', '')}: {len(pts)} configurations simulated "
+        "(steady window; labels: GPUs)",
+        fontsize=10,
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
     return fig
 
 

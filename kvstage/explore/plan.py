@@ -40,6 +40,7 @@ from typing import Any
 
 from kvstage.explore.executor import Executor, ExploreError
 from kvstage.explore.figures import front_figure, shape
+from kvstage.explore.plan_point import run_plan_point
 from kvstage.explore.sweep import (
     STATUS_ERROR,
     STATUS_OK,
@@ -49,9 +50,9 @@ from kvstage.explore.sweep import (
     base_data,
     parse_vary,
     plan_points,
-    run_point,
     write_json,
 )
+from kvstage.metrics.steady import QUANTILES, SLO_FIGURES, quantile_name
 from kvstage.shared.scenario import DecodeConfig
 from kvstage.shared.scenario.slo_table import SLO_METRICS
 
@@ -61,12 +62,17 @@ __all__ = [
     "KEYS",
     "PlanError",
     "PlanResult",
+    "beats",
+    "columns",
+    "figure_columns",
     "gpus_of",
+    "judge",
     "pareto_front",
     "plan_candidates",
     "run_plan",
     "skip_reasons",
     "verdict",
+    "warnings",
     "write_plan",
 ]
 
@@ -87,29 +93,64 @@ DEFAULT_GRID: dict[str, str | None] = {
     "decode.staging_pool_mb": None,
 }
 DEFAULT_ATTAINMENT = 0.9
-# Per simulated point: the figures kept (sweep metric names), then the verdict.
-FIGURES = (
-    "slo_attainment",
-    "goodput_rps",
-    "goodput_per_gpu_rps",
-    "ttft_s.p90",
-    "tpot_s.p90",
-    "offered_load_rps",
-    "requests_failed",
-)
 STATUS_SKIPPED, STATUS_NOT_RUN = "skipped", "not run"
-COLUMNS = (
-    *KEYS,
-    "gpus",
-    "status",
-    "meets",
-    "on_front",
-    "winner",
-    *FIGURES,
-    "bottleneck",
-    "bottleneck_why",
-    "reason",
-)
+# A winner whose busiest stage runs above this share of its capacity is warned about:
+# queueing delay grows as 1 / (1 - utilization), so 85% leaves little room for a burst.
+BUSY_WARNING = 0.85
+# Requests beyond the target quantile the steady window should hold for the quantile to
+# mean something (10 beyond a p99: 1,000 requests).
+MIN_TAIL = 10
+
+
+def figure_columns(attainment: float) -> tuple[str, ...]:
+    """Per simulated point, the figures kept: the steady window, attainment and goodput
+    with their intervals, p50 / p90 / p99 of TTFT, TPOT and end to end and the target
+    quantile (`quantile_name(attainment)`) with its interval, tokens per GPU, the
+    busiest stage."""
+    q = quantile_name(attainment)
+    lat = []
+    for key in SLO_FIGURES:
+        names = [f"{key}.{quantile_name(x)}" for x in QUANTILES]
+        if f"{key}.{q}" not in names:
+            names.append(f"{key}.{q}")
+        lat += [*names, f"{key}.{q}_lo", f"{key}.{q}_hi"]
+    return (
+        "requests",
+        "window_requests",
+        "warmup_requests",
+        "drain_requests",
+        "slo_attainment",
+        "slo_attainment_lo",
+        "slo_attainment_hi",
+        "goodput_rps",
+        "goodput_rps_lo",
+        "goodput_rps_hi",
+        "goodput_per_gpu_rps",
+        "offered_load_rps",
+        *lat,
+        "input_tokens_per_gpu_s",
+        "output_tokens_per_gpu_s",
+        "tokens_per_user_s",
+        "requests_failed",
+        "busiest_stage",
+        "busiest_utilization",
+    )
+
+
+def columns(attainment: float) -> tuple[str, ...]:
+    """plan.csv's columns."""
+    return (
+        *KEYS,
+        "gpus",
+        "status",
+        "meets",
+        "on_front",
+        "winner",
+        *figure_columns(attainment),
+        "bottleneck",
+        "bottleneck_why",
+        "reason",
+    )
 
 
 class PlanError(ExploreError):
@@ -202,7 +243,7 @@ def plan_candidates(
 
 
 def _row(settings: dict[str, Any], status: str, **extra: Any) -> dict[str, Any]:
-    row: dict[str, Any] = dict.fromkeys(COLUMNS)
+    row: dict[str, Any] = {}
     row.update(settings)
     row.update(gpus=gpus_of(settings), status=status, meets=False, on_front=False, winner=False)
     row.update(extra)
@@ -234,6 +275,11 @@ class PlanResult:
     winner: dict[str, Any] | None = None
     best: dict[str, Any] | None = None  # with no winner: the highest attainment
     front: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def qname(self) -> str:
+        """The quantile the attainment names (0.99: p99)."""
+        return quantile_name(self.attainment)
 
     @property
     def simulated(self) -> list[dict[str, Any]]:
@@ -303,7 +349,7 @@ def run_plan(
                 else _next_batch(levels, i, runner.nworkers, found is not None)
             )
             batch = [p for level in levels[i:end] for p in level]
-            runner.run(run_point, [(p.index, (p.scenario,)) for p in batch], on_row)
+            runner.run(run_plan_point, [(p.index, (p.scenario, attainment)) for p in batch], on_row)
             rows = [got[p.index] for p in batch]
             done += [
                 _point_row(p.settings, row, attainment) for p, row in zip(batch, rows, strict=True)
@@ -330,7 +376,7 @@ def run_plan(
         wall,
         stopped_at if not_run else None,
     )
-    _judge(result)
+    judge(result)
     return result
 
 
@@ -338,43 +384,60 @@ def _point_row(settings: dict[str, Any], got: dict[str, Any], attainment: float)
     row = _row(
         settings,
         got["status"],
-        **{k: got.get(k) for k in (*FIGURES, "bottleneck", "bottleneck_why", "reason")},
+        **{
+            k: got.get(k)
+            for k in (*figure_columns(attainment), "bottleneck", "bottleneck_why", "reason")
+        },
     )
     row["meets"] = _meets(row, attainment)
     return row
 
 
-def pareto_front(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows no other row beats: at least as much goodput per GPU and no more TTFT
-    p90, better in one. Only simulated rows with both figures; sorted by TTFT p90."""
+def _span(row: dict[str, Any], key: str, scale: float = 1.0) -> tuple[float, float]:
+    """A figure's 95% interval (`key_lo`, `key_hi`; the value itself where missing)."""
+    v = row[key]
+    lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    return (v if lo is None else lo) / scale, (v if hi is None else hi) / scale
+
+
+def beats(a: dict[str, Any], b: dict[str, Any], qname: str = "p90") -> bool:
+    """`a` beats `b` (a decision the intervals support): `a` meets the SLO if `b` does,
+    uses no more GPUs, is not clearly worse in goodput per GPU or TTFT `qname`, and is
+    clearly better (fewer GPUs, or an interval entirely beyond the other's) in one.
+    Differences inside the intervals are ties."""
+    if b["meets"] and not a["meets"]:
+        return False
+    if a["gpus"] > b["gpus"]:
+        return False
+    ttft = f"ttft_s.{qname}"
+    ga, gb = _span(a, "goodput_rps", a["gpus"]), _span(b, "goodput_rps", b["gpus"])
+    ta, tb = _span(a, ttft), _span(b, ttft)
+    if ga[1] < gb[0] or ta[0] > tb[1]:  # clearly worse in one
+        return False
+    return a["gpus"] < b["gpus"] or ga[0] > gb[1] or ta[1] < tb[0]
+
+
+def pareto_front(rows: Sequence[dict[str, Any]], qname: str = "p90") -> list[dict[str, Any]]:
+    """The simulated rows no other row beats (`beats`: GPUs, goodput per GPU and TTFT
+    `qname`, meeting the SLO first, within the intervals); sorted by GPUs, then TTFT."""
+    ttft = f"ttft_s.{qname}"
     pts = [
         r
         for r in rows
-        if r["status"] == STATUS_OK
-        and r["goodput_per_gpu_rps"] is not None
-        and r["ttft_s.p90"] is not None
+        if r["status"] == STATUS_OK and r["goodput_rps"] is not None and r.get(ttft) is not None
     ]
-
-    def beats(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        ga, gb, ta, tb = (
-            a["goodput_per_gpu_rps"],
-            b["goodput_per_gpu_rps"],
-            a["ttft_s.p90"],
-            b["ttft_s.p90"],
-        )
-        return ga >= gb and ta <= tb and (ga > gb or ta < tb)
-
-    front = [r for r in pts if not any(beats(o, r) for o in pts)]
-    return sorted(front, key=lambda r: (r["ttft_s.p90"], -r["goodput_per_gpu_rps"]))
+    front = [r for r in pts if not any(beats(o, r, qname) for o in pts if o is not r)]
+    return sorted(front, key=lambda r: (r["gpus"], r[ttft], -r["goodput_per_gpu_rps"]))
 
 
-def _judge(result: PlanResult) -> None:
-    """Mark the front and pick the winner (fewest GPUs that meets; ties: most goodput
-    per GPU) or, without one, the best point (highest attainment, then fewest GPUs)."""
-    result.front = pareto_front(result.rows)
+def judge(result: PlanResult) -> None:
+    """Mark the front and pick the winner -- the front's point that meets the SLO with
+    the fewest GPUs (ties: most goodput per GPU), so it is on the front by construction
+    -- or, without one, the best point (highest attainment, then fewest GPUs)."""
+    result.front = pareto_front(result.rows, result.qname)
     for r in result.front:
         r["on_front"] = True
-    meeting = [r for r in result.rows if r["meets"]]
+    meeting = [r for r in result.front if r["meets"]]
     if meeting:
         result.winner = min(meeting, key=lambda r: (r["gpus"], -(r["goodput_per_gpu_rps"] or 0.0)))
         result.winner["winner"] = True
@@ -387,14 +450,24 @@ def _judge(result: PlanResult) -> None:
         )
 
 
+def _interval_text(row: dict[str, Any], key: str, fmt: Callable[[float | None], str]) -> str:
+    lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if lo is None and hi is None:
+        return fmt(row[key])
+    return f"{fmt(row[key])} [{fmt(lo)}, {fmt(hi)}]"
+
+
 def verdict(result: PlanResult) -> str:
-    """One line: the winner with its bottleneck, or why none meets the SLO."""
-    w = result.winner
+    """One line: the winner (steady-state figures with their 95% intervals) and its
+    bottleneck, or why none meets the SLO."""
+    w, q = result.winner, result.qname
     if w is not None:
         return (
-            f"winner: {w['gpus']} GPUs, {shape(w)}: attainment {w['slo_attainment']:.0%}, "
-            f"goodput {w['goodput_rps']:.3g} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
-            f"TTFT p90 {_secs(w['ttft_s.p90'])}, TPOT p90 {_secs(w['tpot_s.p90'])}; "
+            f"winner: {w['gpus']} GPUs, {shape(w)}: attainment "
+            f"{_interval_text(w, 'slo_attainment', _pct)}, goodput "
+            f"{_interval_text(w, 'goodput_rps', _num)} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
+            f"TTFT {q} {_interval_text(w, f'ttft_s.{q}', _secs)}, "
+            f"TPOT {q} {_interval_text(w, f'tpot_s.{q}', _secs)}; "
             f"bottleneck: {w['bottleneck']} ({w['bottleneck_why']})"
         )
     b = result.best
@@ -405,6 +478,38 @@ def verdict(result: PlanResult) -> str:
         f"{line}; the best was {b['gpus']} GPUs, {shape(b)} (attainment {b['slo_attainment'] or 0:.0%}), "
         f"limited by {b['bottleneck']}: {b['bottleneck_why']}"
     )
+
+
+def warnings(result: PlanResult) -> list[str]:
+    """What the planner should know before acting on the winner: its busiest stage above
+    `BUSY_WARNING`, a steady window too short for the target quantile."""
+    w = result.winner
+    out = []
+    if w is None:
+        return out
+    u = w.get("busiest_utilization")
+    if u is not None and u > BUSY_WARNING:
+        out.append(
+            f"the winner's {w['busiest_stage']} runs at {u:.0%} of its capacity (above "
+            f"{BUSY_WARNING:.0%}): queues grow fast with any burst; the next GPU count up is safer"
+        )
+    n = w.get("window_requests") or 0
+    tail = n * (1 - result.attainment)
+    if result.attainment < 1 and tail < MIN_TAIL:
+        out.append(
+            f"the steady window holds {n} requests, {tail:.1f} beyond the {result.qname}: too few "
+            f"for the quantile (at least {MIN_TAIL} wanted, {math.ceil(MIN_TAIL / (1 - result.attainment) - 1e-9)}"
+            " requests); raise workload.requests"
+        )
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
 
 
 def _secs(x: float | None) -> str:
@@ -422,21 +527,30 @@ def _csv_cell(v: Any) -> Any:
     return ("true" if v else "false") if isinstance(v, bool) else v
 
 
+def _public(row: dict[str, Any] | None, cols: Sequence[str]) -> dict[str, Any] | None:
+    return None if row is None else {c: row.get(c) for c in cols}
+
+
 def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[str, Path]:
     """plan.csv (every candidate), plan.json (meta, verdict, front, winner, every row)
     and plan_front.png; returns them by name."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(result.rows, key=lambda r: (r["gpus"], [str(r[k]) for k in KEYS]))
+    cols = columns(result.attainment)
+    rows = [
+        {c: r.get(c) for c in cols}
+        for r in sorted(result.rows, key=lambda r: (r["gpus"], [str(r[k]) for k in KEYS]))
+    ]
     csv_path = out_dir / "plan.csv"
     with csv_path.open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(COLUMNS)
+        w.writerow(cols)
         for row in rows:
-            w.writerow([_csv_cell(row[c]) for c in COLUMNS])
+            w.writerow([_csv_cell(row[c]) for c in cols])
     doc = {
         **meta,
         "slo": result.targets,
         "attainment": result.attainment,
+        "quantile": result.qname,
         "backend": result.backend,
         "wall_s": result.wall_s,
         "stopped_at_gpus": result.stopped_at,
@@ -444,9 +558,10 @@ def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[
             s: result.count(s) for s in (STATUS_OK, STATUS_ERROR, STATUS_SKIPPED, STATUS_NOT_RUN)
         },
         "verdict": verdict(result),
-        "winner": result.winner,
-        "best": result.best,
-        "front": result.front,
+        "warnings": warnings(result),
+        "winner": _public(result.winner, cols),
+        "best": _public(result.best, cols),
+        "front": [_public(r, cols) for r in result.front],
         "skipped": skip_reasons([r for r in rows if r["status"] == STATUS_SKIPPED]),
         "points": rows,
     }

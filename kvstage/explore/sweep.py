@@ -41,13 +41,12 @@ import math
 import os
 import re
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstage.explore.executor import STATUS_ERROR, Executor, ExploreError
+from kvstage.explore.executor import STATUS_ERROR, Executor, ExploreError, error_row
 from kvstage.fmt import MIB, json_text
 from kvstage.shared.scenario import (
     PRESETS,
@@ -347,9 +346,7 @@ def run_point(scenario: Scenario, keep_dir: str | None = None) -> dict[str, Any]
             row["reason"] = "; ".join(v.format() for v in result.violations[:3])
         return row
     except Exception as exc:  # a simulator bug: report it as the point's row
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
-        return {"status": STATUS_ERROR, "reason": f"{type(exc).__name__}: {exc}{where}"}
+        return error_row(exc)
 
 
 # --------------------------------------------------------------------------- the sweep

@@ -46,9 +46,10 @@ def _skipped_table(groups: list[dict[str, Any]]) -> Table:
 
 
 def _front_table(result: Any) -> Table:
+    q = result.qname
     t = Table(
-        title="Pareto front: goodput per GPU vs TTFT p90 (no other point has more of the one and less of "
-        "the other)",
+        title=f"Pareto front: GPUs, goodput per GPU and TTFT {q} over the steady window (no other "
+        "point is as good in all three and better in one beyond the 95% intervals)",
         title_justify="left",
     )
     for col, right in (
@@ -58,9 +59,10 @@ def _front_table(result: Any) -> Table:
         ("GPUs", True),
         ("attain.", True),
         ("goodput/GPU", True),
-        ("TTFT p90", True),
-        ("TPOT p90", True),
-        ("bottleneck", False),
+        (f"TTFT {q}", True),
+        ("95% interval", True),
+        (f"TPOT {q}", True),
+        ("busiest stage", False),
         ("", False),
     ):
         t.add_column(col, justify="right" if right else "left")
@@ -70,6 +72,7 @@ def _front_table(result: Any) -> Table:
             if r["winner"]
             else ("meets" if r["meets"] else "[yellow]misses[/]")
         )
+        util = r.get("busiest_utilization")
         t.add_row(
             f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}",
             f"{r['cluster.decode_instances']} x TP{r['decode.tp']}",
@@ -77,9 +80,10 @@ def _front_table(result: Any) -> Table:
             str(r["gpus"]),
             _num(r["slo_attainment"], "{:.0%}"),
             _num(r["goodput_per_gpu_rps"]),
-            _secs(r["ttft_s.p90"]),
-            _secs(r["tpot_s.p90"]),
-            r["bottleneck"] or "-",
+            _secs(r[f"ttft_s.{q}"]),
+            f"{_secs(r.get(f'ttft_s.{q}_lo'))} .. {_secs(r.get(f'ttft_s.{q}_hi'))}",
+            _secs(r[f"tpot_s.{q}"]),
+            f"{r['busiest_stage']} {util:.0%}" if util is not None else "-",
             mark,
             style="bold" if r["winner"] else None,
         )
@@ -154,7 +158,7 @@ def _gpus(settings: dict[str, Any]) -> int:
 
 
 def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
-    from kvstage.explore.plan import verdict
+    from kvstage.explore.plan import verdict, warnings
 
     console.print(_front_table(result))
     line = verdict(result)
@@ -164,6 +168,8 @@ def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    for text in warnings(result):
+        console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
     search = (
         f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
         f"{result.count('not run')} larger configuration(s) not run"
