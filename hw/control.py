@@ -8,13 +8,18 @@ state machine and never raises out of `receive`.
 The rendezvous that introduces ranks, tracks their liveness and lets a restarted
 prefill rank rejoin is hw/rendezvous.py.
 
-Every frame list, control or rendezvous, is authenticated with the run's secret
-(32 random bytes the launcher draws per run): an HMAC-SHA256 over the frame count
-and every frame with its length goes as one extra, last frame; the key is bound to
-its channel and direction, so a frame signed for one cannot pass as another. A
-frame list that is too big is dropped before anything looks into it; one whose MAC
-is missing or wrong is dropped before it is decoded. Both are counted
-(`ControlPlane.oversize`, `.unauthenticated`, in the rank's report) and logged.
+Every frame list, control or rendezvous, is authenticated: an HMAC-SHA256 over the
+frame count and every frame with its length goes as one extra, last frame. A control
+frame's key belongs to one (sender, receiver) pair (hw/keys.py: X25519 between the
+two ranks' key pairs, HKDF with the run secret, 32 random bytes the launcher draws
+per run, over both identities, incarnations included), so its MAC proves which rank
+sent it and to whom; a rendezvous message's key is bound to its rank, incarnation and
+direction. A frame list that is too big is dropped before anything looks into it (ZMQ
+`MAXMSGSIZE` first, before its bytes are buffered); one from no known peer, or whose
+MAC is missing or wrong, is dropped before it is decoded; an authenticated message
+that speaks for another rank than its sender, or is addressed to another rank, is
+dropped after. Each is counted (`ControlPlane.oversize`, `.unauthenticated`,
+`.misattributed`, in the rank's report) and logged.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from kvstage.hw.keys import MAX_NAME_BYTES, Identity, KeyPair
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
 from kvstage.shared.runtime import rank_name  # noqa: F401 - re-exported (launcher, ranks)
 
@@ -49,10 +56,6 @@ ZMQ_MAX_CONTROL_FRAME = 1 << 20
 # A report carries the rank's whole trace; a hello its transfer metadata.
 MAX_RENDEZVOUS_BYTES = 512 << 20
 
-_CONTROL = b"kvstage control v2"  # v2: frames carry sender, incarnation and sequence
-# senders whose last (incarnation, sequence) a control plane remembers (replay state);
-# only authenticated frames create entries, so this bounds a secret holder's flood
-MAX_SENDERS = 4096
 # KVSTAGE_LOOP_STATS=DIR (hw/rank.py): a control plane also stamps every frame it sends and
 # receives and every wake of its poll, for benchmarks/hw_loop.py's delivery breakdown.
 LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
@@ -184,26 +187,7 @@ class Throttled:
             self.log.warning(f"{fmt} ({kind} #{n})", *args)
 
 
-_by_hand = iter(range(1, 1 << 62))
-
-
-def signed(
-    frames: Sequence[bytes],
-    secret: bytes,
-    *,
-    sender: bytes = b"by-hand",
-    incarnation: int | None = None,
-    seq: int | None = None,
-) -> list[bytes]:
-    """`frames` as `ControlPlane.send` sends them, header and MAC included (for tools and
-    tests that build frames by hand). By default each call is a fresh frame: the next
-    sequence number of an incarnation that starts now."""
-    inc = time.time_ns() if incarnation is None else incarnation
-    header = _header(inc, next(_by_hand) if seq is None else seq)
-    return FrameMac(run_secret(secret), _CONTROL).sign([sender, header, *frames])
-
-
-def _header(incarnation: int, seq: int) -> bytes:
+def frame_header(incarnation: int, seq: int) -> bytes:
     return incarnation.to_bytes(8, "big") + seq.to_bytes(8, "big")
 
 
@@ -248,20 +232,46 @@ class Waker:
         os.close(fd)
 
 
+@dataclass
+class _Sender:
+    """A peer this control plane accepts frames from: its identity, the key of its frames
+    to this plane, and its newest sequence number (replay state)."""
+
+    identity: Identity
+    mac: FrameMac
+    last_seq: int = 0
+
+
+def claimed_sender(receiver_role: str, msg: Message) -> tuple[str, str]:
+    """(the rank `msg` speaks for, the rank it is addressed to) when a `receiver_role`
+    rank receives it: a message to a prefill rank speaks for its decode rank, and the
+    other way round (every message names both)."""
+    prefill, decode_ = rank_name("prefill", msg.prefill_rank), rank_name("decode", msg.decode_rank)
+    return (decode_, prefill) if receiver_role == "prefill" else (prefill, decode_)
+
+
 class ControlPlane:
     """This rank's inbox (PULL, bound on an ephemeral port) and outboxes (PUSH).
 
     `secret`: the run secret (default: $KVSTAGE_RUN_SECRET; RunSecretError without one).
+    `name`: this plane's name as its peers know it (a rank's: prefill0, decode1).
+    `role`: a rank's role; then a message that speaks for another rank than the one
+    that sent it, or is addressed to another rank than this one, is dropped
+    (`misattributed`): a rank speaks only for itself.
+
+    Peers: `connect(peer, address, identity)` with the peer's `Identity` (its name,
+    incarnation and public key, from the rendezvous' table). Frames to it are signed
+    with the key of this pair (hw/keys.py), and only frames from a connected peer,
+    signed with the key of that peer to this plane, are accepted.
 
     Replay protection: every frame carries its sender's name, the sender's incarnation
     (the wall clock in ns when its control plane started) and a sequence number, under
-    the MAC. A receiver keeps the last (incarnation, sequence) of each sender and drops,
-    as replayed, a frame that is not newer: a captured frame sent again, or a late frame
-    of a sender's earlier incarnation after the restarted process has spoken (PUSH/PULL
-    over TCP keeps one sender's frames in order, so honest frames are always newer).
-    Once a rank learns that a peer restarted (the rendezvous says so), it raises that
-    peer's floor to the new incarnation (`expect_incarnation`): every late frame of the
-    old one is dropped from then on, before the new one has said anything."""
+    the MAC. A receiver keeps the last sequence of each peer and drops, as replayed, a
+    frame that is not newer, or one of an earlier incarnation than the peer's it knows
+    (a captured frame sent again, a late frame of a restarted rank's old process; PUSH/
+    PULL over TCP keeps one sender's frames in order, so honest frames are always
+    newer). A rank that learns that a peer restarted connects to its new identity: the
+    old process's frames fail from then on, before the new one has said anything."""
 
     def __init__(
         self,
@@ -270,18 +280,27 @@ class ControlPlane:
         *,
         secret: bytes | None = None,
         name: str | None = None,
+        role: str | None = None,
     ) -> None:
-        self._mac = FrameMac(run_secret(secret), _CONTROL)
+        self._secret = run_secret(secret)
+        self._keys = KeyPair()
         self._incarnation = time.time_ns()
         self._seq = 0
-        self._last: dict[bytes, tuple[int, int]] = {}  # sender -> its newest (incarnation, seq)
+        self._senders: dict[bytes, _Sender] = {}  # peer name -> what its frames are checked with
+        self._macs: dict[str, FrameMac] = {}  # peer -> the key of this plane's frames to it
+        self.role = role
         self.ctx = ctx or zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)
         port = self.inbox.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._name = (name or self.address).encode()
+        self.name = name or self.address
+        self._name = self.name.encode()
+        if len(self._name) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"control plane name {self.name[:80]!r}: at most {MAX_NAME_BYTES} bytes"
+            )
         self.replayed = 0
         self._out: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
@@ -290,6 +309,7 @@ class ControlPlane:
         self.poller.register(self.waker.fd, zmq.POLLIN)
         self.malformed = 0
         self.unauthenticated = 0
+        self.misattributed = 0
         self.oversize = 0
         self.sent = 0
         self.received = 0
@@ -304,46 +324,65 @@ class ControlPlane:
         """This control plane's incarnation: the wall clock in ns when it started."""
         return self._incarnation
 
+    @property
+    def identity(self) -> Identity:
+        """This plane as its peers must know it (`connect`)."""
+        return Identity(self.name, self._incarnation, self._keys.public)
+
     def renew_incarnation(self, at_least: int) -> None:
         """Take an incarnation of at least `at_least` (a restarted rank whose clock is
-        behind its predecessor's); only before the first frame went out."""
-        if self._seq:
-            raise RuntimeError("the incarnation is fixed once a frame went out")
+        behind its predecessor's); only before any peer is connected."""
+        if self._seq or self._macs:
+            raise RuntimeError("the incarnation is fixed once a peer is connected")
         self._incarnation = max(self._incarnation, at_least)
 
-    def connect(self, peer: str, address: str) -> None:
-        """Send to `peer` at `address` from now on (a peer that restarted: the frames
-        still queued for its old address are dropped)."""
+    def _pair_mac(self, sender: Identity, receiver: Identity) -> FrameMac:
+        return FrameMac(self._keys.pair_key(self._secret, sender, receiver), b"")
+
+    def connect(self, peer: str, address: str, identity: Identity) -> None:
+        """Talk to `peer` (`identity`) at `address` from now on, and accept its frames. A
+        peer that restarted: the frames still queued for its old address are dropped, and
+        its old incarnation's frames are refused from now on."""
         old = self._out.pop(peer, None)
         if old is not None:
             old.close(linger=0)
+        me = self.identity
+        sender = identity.name.encode()
+        known = self._senders.get(sender)
+        if known is None or known.identity != identity:
+            self._senders[sender] = _Sender(identity, self._pair_mac(identity, me))
+        self._macs[peer] = self._pair_mac(me, identity)
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)  # nothing comes back on a PUSH
         sock.connect(address)
         self._out[peer] = sock
 
-    def expect_incarnation(self, peer: str, incarnation: int) -> None:
-        """`peer` restarted as `incarnation`: from now on a frame of any earlier
-        incarnation of it is dropped as replayed (a late or replayed frame of the old
-        process), even before the new one has sent anything."""
-        sender = peer.encode()
-        floor = (incarnation, 0)
-        last = self._last.get(sender)
-        if last is None or last < floor:
-            if last is None and len(self._last) >= MAX_SENDERS:
-                self._last.pop(next(iter(self._last)))
-            self._last[sender] = floor
+    def seal(
+        self,
+        peer: str,
+        frames: Sequence[bytes],
+        *,
+        incarnation: int | None = None,
+        seq: int | None = None,
+    ) -> list[bytes]:
+        """`frames` as this plane sends them to `peer`: name, header, MAC (the next sequence
+        number unless `seq` is given; tools and tests that build frames by hand)."""
+        mac = self._macs.get(peer)
+        if mac is None:
+            raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        inc = self._incarnation if incarnation is None else incarnation
+        return mac.sign([self._name, frame_header(inc, seq), *frames])
 
     def send(self, peer: str, msg: Message) -> None:
         sock = self._out.get(peer)
         if sock is None:
             raise KeyError(f"no control connection to {peer} (known: {sorted(self._out)})")
-        self._seq += 1
         called = time.time() if self.stamps is not None else 0.0
-        sock.send_multipart(
-            self._mac.sign([self._name, _header(self._incarnation, self._seq), *encode(msg)]),
-            copy=False,
-        )
+        sock.send_multipart(self.seal(peer, encode(msg)), copy=False)
         if self.stamps is not None:
             self.stamps.append(("s", peer, self._seq, type(msg).__name__, called, time.time()))
         self.sent += 1
@@ -387,59 +426,90 @@ class ControlPlane:
                     MAX_CONTROL_BYTES,
                 )
                 continue
-            body = self._mac.verify(frames)
-            if body is None:
-                self.unauthenticated += 1
-                self._warn.warn(
-                    "unauthenticated", "dropped a control message whose MAC is missing or wrong"
-                )
+            found = self._authentic(frames)
+            if found is None:
                 continue
-            if not self._fresh(body):
-                continue
+            sender, body = found
             try:
-                out.append(decode(body[2:]))
-                self.received += 1
-                if self.stamps is not None:
-                    self.stamps.append(
-                        (
-                            "r",
-                            bytes(body[0]).decode(errors="replace"),
-                            int.from_bytes(body[1][8:], "big"),
-                            type(out[-1]).__name__,
-                            time.time(),
-                        )
-                    )
+                msg = decode(body[2:])
             except ProtocolError as exc:
                 self.malformed += 1
                 log.warning("dropped a malformed control message: %s", exc)
+                continue
+            if self.role is not None and claimed_sender(self.role, msg) != (sender, self.name):
+                self.misattributed += 1
+                self._warn.warn(
+                    "misattributed",
+                    "dropped a %s signed by %s that speaks for %s to %s (a rank speaks only "
+                    "for itself, to its peer)",
+                    type(msg).__name__,
+                    sender,
+                    *claimed_sender(self.role, msg),
+                )
+                continue
+            out.append(msg)
+            self.received += 1
+            if self.stamps is not None:
+                self.stamps.append(
+                    (
+                        "r",
+                        sender,
+                        int.from_bytes(body[1][8:], "big"),
+                        type(msg).__name__,
+                        time.time(),
+                    )
+                )
 
-    def _fresh(self, body: list) -> bool:
-        """An authenticated frame newer than its sender's last one (False: dropped)."""
-        if len(body) < 3 or len(body[1]) != 16:
-            self.malformed += 1
-            self._warn.warn("malformed", "dropped a control message without its sender header")
-            return False
-        sender = bytes(body[0])
-        stamp = (int.from_bytes(body[1][:8], "big"), int.from_bytes(body[1][8:], "big"))
-        last = self._last.get(sender)
-        if last is not None and stamp <= last:
+    def _authentic(self, frames: list) -> tuple[str, list] | None:
+        """(sender, frames without the MAC) of a frame list from a connected peer, signed
+        with its key to this plane and newer than its last; None: dropped and counted."""
+        if len(frames) < 4 or len(frames[1]) != 16:
+            self.unauthenticated += 1
+            self._warn.warn(
+                "unauthenticated", "dropped a control message without its sender header"
+            )
+            return None
+        name = bytes(frames[0])
+        peer = self._senders.get(name)
+        incarnation = int.from_bytes(frames[1][:8], "big")
+        seq = int.from_bytes(frames[1][8:], "big")
+        if peer is not None and incarnation < peer.identity.incarnation:
             self.replayed += 1
             self._warn.warn(
                 "replayed",
-                "dropped a control message not newer than its sender's last "
-                "(replayed, or from an earlier incarnation of a restarted rank)",
+                "dropped a control message of an earlier incarnation of %s (a late frame of "
+                "its old process, or one replayed)",
+                peer.identity.name,
             )
-            return False
-        if last is None and len(self._last) >= MAX_SENDERS:
-            self._last.pop(next(iter(self._last)))
-        self._last[sender] = stamp
-        return True
+            return None
+        body = (
+            peer.mac.verify(frames)
+            if peer is not None and incarnation == peer.identity.incarnation
+            else None
+        )
+        if body is None:
+            self.unauthenticated += 1
+            self._warn.warn(
+                "unauthenticated",
+                "dropped a control message that no peer of this rank signed for it "
+                "(MAC missing or wrong, or an unknown sender)",
+            )
+            return None
+        if seq <= peer.last_seq:
+            self.replayed += 1
+            self._warn.warn(
+                "replayed", "dropped a control message not newer than its sender's last"
+            )
+            return None
+        peer.last_seq = seq
+        return peer.identity.name, body
 
     def counters(self) -> dict[str, int]:
         """Messages dropped, by why (the rank's report carries them)."""
         return {
             "malformed": self.malformed,
             "unauthenticated": self.unauthenticated,
+            "misattributed": self.misattributed,
             "oversize": self.oversize,
             "replayed": self.replayed,
         }

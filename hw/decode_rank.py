@@ -41,7 +41,7 @@ class DecodeRank(RankProcess):
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for p in self.sessions.all_writers(self.rank):  # the sessions of every prefill instance
             info = table[rank_name("prefill", p)]
-            self.control.connect(info.name, info.control)
+            self.control.connect(info.name, info.control, info.identity)
 
     # --- scatter ---------------------------------------------------------------------------
     def scatter_layout(self, num_pages: int) -> StagingLayout:

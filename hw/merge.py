@@ -80,6 +80,8 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
             "unauthenticated"
         ),  # no valid MAC (control plane security)
         "oversize_messages": total("oversize"),
+        # authenticated, but speaking for another rank than its signer (or to another rank)
+        "misattributed_messages": total("misattributed"),
         "replayed_messages": total(
             "replayed"
         ),  # authenticated but not newer than their sender's last

@@ -148,7 +148,7 @@ class PrefillRank(RankProcess):
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for d in self.sessions.all_targets(self.rank):
             info = table[rank_name("decode", d)]
-            self.control.connect(info.name, info.control)
+            self.control.connect(info.name, info.control, info.identity)
             self.transport.add_peer(info.agent, info.metadata)
 
     def _probe(self, probe: dict[str, float]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ Restart and rejoin: a prefill rank process started again while its run goes on
 registers with the rendezvous under its new control plane's incarnation (newer than
 its predecessor's); the rendezvous tells its decode peers, each of which points its
 control connection at the new address, raises the control plane's replay floor to the
-new incarnation (the old process's late frames are dropped from then on), watches the
+new incarnation and its key (the old process's late frames fail from then on), watches the
 rank again and feeds its runtime PeerRejoined with the first room it has not seen
 arrive. The new process gets the smallest of those and serves its rooms from there on
 (its runtime is built with `first_room`); the rooms before it were its predecessor's
@@ -231,7 +231,7 @@ class RankProcess:
         self.job_cpu = JobCpu()  # what the heavy jobs cost in CPU (summary.json job_cpu)
         self.transport.job_cpu = self.job_cpu
         self.transport.lane_guard = self.write_priority.lane_batch  # KVSTAGE_WRITE_RT_LANES=slots
-        self.control = ControlPlane(host, name=self.name)
+        self.control = ControlPlane(host, name=self.name, role=self.role)
         if self.transport.signals_completion:
             self.transport.on_complete = self.control.waker.set
         self.loop_clock = LoopClock()
@@ -302,6 +302,7 @@ class RankProcess:
             self.transport.metadata(),
             self._rank_extra(),
             self.control.incarnation,
+            self.control.identity.public.hex(),
         )
         table, t0 = client.hello(me, rendezvous_timeout_s)
         self.t0 = t0
@@ -428,8 +429,7 @@ class RankProcess:
         if old is not None and info.incarnation <= old.incarnation:
             return None  # not newer than the one known
         self.peers[info.name] = info
-        self.control.connect(info.name, info.control)
-        self.control.expect_incarnation(info.name, info.incarnation)
+        self.control.connect(info.name, info.control, info.identity)  # the old one's frames fail
         first = self.runtime.next_room
         log.warning(
             "%s: %s rejoined as incarnation %d (was %s): it serves rooms from %d here",

@@ -5,7 +5,12 @@ by srun/mpirun): every rank sends a JSON hello with its control address and its
 transfer metadata; when all ranks are there each gets the whole table and a common
 start time. At the end every rank sends its report and waits for the go to exit,
 so no process disappears while a peer might still write to it. Every message is
-authenticated with the run's secret (hw/control.py, channel-bound keys).
+authenticated with the run's secret (hw/control.py): a rank's messages carry its
+name, incarnation and a sequence number and are signed with that rank's own key
+(hw/keys.py `rank_key`), so a hello, report or beat can only be signed for the rank it
+speaks for, and a message sent again (replayed) is refused. A rank's hello also
+carries its control plane's public key (`RankInfo.key`), from which its peers derive
+the keys of their frames to and from it (hw/keys.py).
 
 During the run each rank says it is alive every RANK_BEAT_S: the launcher's failure
 detector for ranks it did not start (`kvstage hw --no-spawn`). A prefill rank that
@@ -20,7 +25,9 @@ import base64
 import binascii
 import json
 import math
+import os
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,10 +44,12 @@ from kvstage.hw.control import (
     TO_RANK,
     FrameMac,
     Throttled,
+    frame_header,
     frames_size,
     log,
     run_secret,
 )
+from kvstage.hw.keys import MAX_NAME_BYTES, PUBLIC_KEY_BYTES, Identity, rank_key
 from kvstage.shared.runtime import rank_name
 
 
@@ -57,6 +66,7 @@ WAIT_NOTE_S = 5.0
 WAIT_NOTE_EVERY_S = 15.0
 
 _CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
+_PUBLIC_KEY = re.compile(f"[0-9a-f]{{{2 * PUBLIC_KEY_BYTES}}}")
 
 
 @dataclass
@@ -68,10 +78,16 @@ class RankInfo:
     metadata: bytes  # transfer metadata (registered regions)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. KV pool / ring descriptors
     incarnation: int = 0  # its control plane's incarnation (ControlPlane.incarnation)
+    key: str = ""  # its control plane's X25519 public key, hex (ControlPlane.identity)
 
     @property
     def name(self) -> str:
         return rank_name(self.role, self.rank)
+
+    @property
+    def identity(self) -> Identity:
+        """What a peer connects its control plane to (hw/keys.py)."""
+        return Identity(self.name, self.incarnation, bytes.fromhex(self.key))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +98,7 @@ class RankInfo:
             "metadata": _b64(self.metadata),
             "extra": self.extra,
             "incarnation": self.incarnation,
+            "key": self.key,
         }
 
     @classmethod
@@ -94,6 +111,7 @@ class RankInfo:
             _unb64(d["metadata"]),
             d.get("extra", {}),
             int(d.get("incarnation", 0)),
+            str(d.get("key", "")),
         )
 
     @classmethod
@@ -119,6 +137,11 @@ class RankInfo:
         inc = d.get("incarnation", 0)
         if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 1 << 63:
             raise ValueError(f"'incarnation' {str(inc)[:40]!r} is not an int in [0, 2**63)")
+        key = d.get("key")
+        if not isinstance(key, str) or not _PUBLIC_KEY.fullmatch(key):
+            raise ValueError(
+                f"'key' {str(key)[:80]!r} is not a public key ({2 * PUBLIC_KEY_BYTES} hex digits)"
+            )
         try:
             return cls.from_json(d)
         except binascii.Error as exc:
@@ -127,6 +150,17 @@ class RankInfo:
 
 class RendezvousError(RuntimeError):
     pass
+
+
+class RendezvousRetry(RendezvousError):
+    """Refused for now: asked again later, it may be granted (a live rank's name)."""
+
+
+# how often a hello refused for now is sent again (RendezvousClient.hello)
+RETRY_S = 0.5
+# rank names whose last (incarnation, sequence) the rendezvous keeps (replay state): only
+# authenticated messages make entries, so this bounds what a flood of names can take
+MAX_SPEAKERS = 4096
 
 
 # What the rendezvous tells a registered rank unasked (RendezvousClient.notices).
@@ -174,7 +208,11 @@ class RendezvousClient:
     Besides the answers to its own requests, the rendezvous may tell a registered
     rank something at any time (a notice: a peer rejoined, `NOTICES`); those are kept
     in `notices` until the rank takes them (`poll_notices`), never mistaken for an
-    answer. A registered rank says it is alive every RANK_BEAT_S (`alive`)."""
+    answer. A registered rank says it is alive every RANK_BEAT_S (`alive`).
+
+    Every message goes signed for one name and incarnation (`name`, `incarnation`; by
+    default a tool's own, drawn here): `hello` takes the registering rank's, so the
+    rendezvous can check that a rank speaks only for itself."""
 
     def __init__(
         self,
@@ -183,10 +221,16 @@ class RendezvousClient:
         *,
         secret: bytes | None = None,
         watch: Callable[[], None] | None = None,
+        name: str | None = None,
+        incarnation: int | None = None,
     ) -> None:
-        secret = run_secret(secret)
-        self._up = FrameMac(secret, TO_LAUNCHER)
+        secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
+        self.speak_as(
+            name or f"tool-{os.getpid()}-{secrets.token_hex(4)}",
+            time.time_ns() if incarnation is None else incarnation,
+        )
+        self._seq = 0
         self.watch = watch
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -202,12 +246,19 @@ class RendezvousClient:
         # told, while an answer is long in coming, that this rank still waits (a rank's log)
         self.on_wait: Callable[[str], None] | None = None
 
+    def speak_as(self, name: str, incarnation: int) -> None:
+        """Sign every message from now on for rank `name`'s `incarnation`."""
+        self.name, self.incarnation = name, incarnation
+        self._up = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, incarnation), b"")
+
     def send(self, msg: dict[str, Any], block: bool = True) -> None:
         """One authenticated JSON message to the rendezvous. `block=False`: dropped if
         it cannot go at once (a rendezvous that is gone must not stall a rank's loop)."""
+        self._seq += 1
+        frames = [self.name.encode(), frame_header(self.incarnation, self._seq)]
         try:
             self.sock.send_multipart(
-                self._up.sign([json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK
+                self._up.sign([*frames, json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK
             )
         except zmq.Again:
             pass
@@ -266,9 +317,8 @@ class RendezvousClient:
             self._pump(min(500, math.ceil(left * 1000)))
         msg = self._replies.popleft()
         if msg.get("kind") == "refused":
-            raise RendezvousError(
-                f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}"
-            )
+            kind = RendezvousRetry if msg.get("retry") else RendezvousError
+            raise kind(f"the rendezvous at {self.address} refused this rank: {msg.get('reason')}")
         return msg
 
     def poll_notices(self) -> list[dict[str, Any]]:
@@ -327,9 +377,20 @@ class RendezvousClient:
         """Register; returns every rank's info by name, and the run's start time (epoch s).
         A rank that registers again under a newer incarnation while the run goes on
         rejoins it: `rejoin` then holds what the rendezvous decided (first_room: the
-        first room this incarnation serves, None: none)."""
-        self.send({"kind": "hello", **me.to_json()})
-        reply = self.recv(timeout_s, "all ranks to register")
+        first room this incarnation serves, None: none). A rank registered and still
+        live under this name is not replaced: the hello is sent again every RETRY_S
+        until the rendezvous saw that one go down (or `timeout_s` passed)."""
+        self.speak_as(me.name, me.incarnation)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.send({"kind": "hello", **me.to_json()})
+            try:
+                reply = self.recv(max(1.0, deadline - time.monotonic()), "all ranks to register")
+                break
+            except RendezvousRetry:
+                if time.monotonic() + RETRY_S > deadline:
+                    raise
+                time.sleep(RETRY_S)
         if reply.get("kind") == "abort":
             raise RendezvousError(f"rendezvous aborted the run: {reply.get('reason')}")
         table = {RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]}
@@ -422,9 +483,10 @@ class RendezvousServer:
     `grace_s[name]`, else `rejoin_grace_s` for a prefill rank and 0 for a decode rank.
 
     Rejoin: a prefill rank of this run that registers again while the run goes on,
-    under a newer incarnation (RankInfo.incarnation) and not yet gone or finished,
-    replaces the one registered (down or not: a restart of a rank nobody saw die
-    replaces it too). Its old connection is unregistered (a report or a beat from it is
+    under a newer incarnation (RankInfo.incarnation), down and not yet gone or
+    finished, replaces the one registered. A live one is never replaced: the new
+    incarnation is refused for now ("retry"; RendezvousClient.hello asks again) until
+    the launcher saw the old one die or go silent. Its old connection is unregistered (a report or a beat from it is
     refused), every live decode rank gets the new RankInfo (notice "rejoin") and
     answers with the first room it has not seen arrive; the new incarnation gets the
     table with `rejoin: {incarnation, first_room}`, first_room the smallest answer (None
@@ -446,9 +508,12 @@ class RendezvousServer:
         grace_s: dict[str, float] | None = None,
         probe_slots: int = 0,
     ) -> None:
-        secret = run_secret(secret)
-        self._up = FrameMac(secret, TO_LAUNCHER)
+        secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
+        # (name, incarnation) -> the key its messages are signed with; name -> the newest
+        # (incarnation, sequence) it sent (replay state)
+        self._keys: dict[tuple[str, int], FrameMac] = {}
+        self._last: dict[str, tuple[int, int]] = {}
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -495,16 +560,46 @@ class RendezvousServer:
         except zmq.ZMQError:
             pass  # the peer is gone: nothing to tell
 
-    def _refuse(self, ident: bytes, reason: str, answer: bool = True) -> None:
+    def _refuse(self, ident: bytes, reason: str, answer: bool = True, retry: bool = False) -> None:
         """Refuse a message: logged and kept; answered "refused" unless `answer` is False
         (a message a rank sends without waiting for an answer: it would take a
-        "refused" for the answer to its next request)."""
+        "refused" for the answer to its next request). `retry`: refused for now only."""
         self.refusals = [*self.refusals[-99:], reason]
         self._warn.warn(
             "refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason
         )
         if answer:
-            self._send(ident, {"kind": "refused", "reason": reason})
+            self._send(ident, {"kind": "refused", "reason": reason, "retry": retry})
+
+    def _signed(self, frames: list[bytes]) -> tuple[str, int, bytes] | str:
+        """(the name and incarnation a message is signed for, its JSON) when its MAC is
+        right for them and it is newer than the last message signed for that name; else
+        why it is refused."""
+        if len(frames) != 4 or len(frames[1]) != 16 or not 0 < len(frames[0]) <= MAX_NAME_BYTES:
+            return "unauthenticated message (no MAC, or not this run's secret)"
+        name = bytes(frames[0]).decode(errors="replace")
+        inc, seq = int.from_bytes(frames[1][:8], "big"), int.from_bytes(frames[1][8:], "big")
+        mac = self._keys.get((name, inc))
+        if mac is None:
+            mac = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, inc), b"")
+        body = mac.verify(frames)
+        if body is None:
+            return "unauthenticated message (no MAC, or not this run's secret)"
+        if (name, inc) not in self._keys:
+            if len(self._keys) >= MAX_SPEAKERS:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[(name, inc)] = mac
+        last = self._last.get(name)
+        if last is not None and (inc, seq) <= last:
+            return (
+                f"replayed message: signed for {name[:40]} incarnation {inc} number {seq}, not "
+                f"newer than its last ({last[0]} number {last[1]}): sent again, or from an "
+                f"earlier incarnation"
+            )
+        if last is None and len(self._last) >= MAX_SPEAKERS:
+            self._last.pop(next(iter(self._last)))
+        self._last[name] = (inc, seq)
+        return name, inc, body[2]
 
     def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
         """Handle what arrived; once all hellos are in, answer them with the table. Then
@@ -542,16 +637,26 @@ class RendezvousServer:
             return self._refuse(
                 ident, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
             )
-        body = self._up.verify(frames)
-        if body is None or len(body) != 1:
-            return self._refuse(ident, "unauthenticated message (no MAC, or not this run's secret)")
+        signed = self._signed(frames)
+        if isinstance(signed, str):
+            return self._refuse(ident, signed)
+        signer, incarnation, raw = signed
         try:
-            msg = json.loads(body[0])
+            msg = json.loads(raw)
         except ValueError as exc:
             return self._refuse(ident, f"malformed message: {exc}")
         kind = msg.get("kind") if isinstance(msg, dict) else None
         name = self.registered.get(ident)
-        if name is not None:
+        if name is not None and kind != "hello":
+            hello = self.hellos[name][1]
+            if (signer, incarnation) != (name, hello.incarnation):
+                return self._refuse(
+                    ident,
+                    f"{str(kind)[:40]} signed for {signer[:40]} incarnation {incarnation} from "
+                    f"the connection of {name} incarnation {hello.incarnation}: a rank speaks "
+                    f"only for itself",
+                    answer=kind not in ("alive", "rejoin_ack"),
+                )
             self.last_heard[name] = time.monotonic()  # any message is a sign of life
         if kind == "alive":
             if name is None:  # e.g. a replaced incarnation's old connection
@@ -573,7 +678,7 @@ class RendezvousServer:
                 self.rooms[name] = (rooms[0], rooms[1])
             return None
         if kind == "hello":
-            return self._hello(ident, msg)
+            return self._hello(ident, msg, signer, incarnation)
         if kind == "report":
             return self._report(ident, msg)
         if kind == "rejoin_ack":
@@ -591,7 +696,7 @@ class RendezvousServer:
             f"alive, rejoin_ack)",
         )
 
-    def _hello(self, ident: bytes, msg: dict[str, Any]) -> None:
+    def _hello(self, ident: bytes, msg: dict[str, Any], signer: str, incarnation: int) -> None:
         try:
             info = RankInfo.from_hello(msg)
         except ValueError as exc:
@@ -601,6 +706,12 @@ class RendezvousServer:
             return self._refuse(
                 ident,
                 f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})",
+            )
+        if (signer, incarnation) != (name, info.incarnation):
+            return self._refuse(
+                ident,
+                f"a hello for {name} incarnation {info.incarnation} signed for {signer[:40]} "
+                f"incarnation {incarnation}: a rank registers only itself",
             )
         if ident in self.registered:
             return self._refuse(
@@ -634,17 +745,16 @@ class RendezvousServer:
                 f"{name} is already registered as incarnation {old.incarnation}; a rejoin "
                 f"needs a newer one, not {info.incarnation} (a replayed hello, or a clock behind)",
             )
-        down = self.down.pop(name, None)
-        after = (
-            down.why
-            if down is not None
-            else f"{name} restarted before the launcher noticed it was gone"
-        )
-        previous = self._rejoining.pop(
-            name, None
-        )  # a restart of a rank still rejoining: this one replaces it
-        if previous is not None:
-            after = previous.after
+        if name not in self.down:
+            # never a second registration of a live rank (a secret holder taking it over):
+            # a restart of a rank nobody saw die yet waits until it goes silent
+            return self._refuse(
+                ident,
+                f"{name} is registered and live (incarnation {old.incarnation}): a new "
+                f"incarnation may register once it is down",
+                retry=True,
+            )
+        after = self.down.pop(name).why
         self.registered.pop(old_ident, None)
         self.hellos[name] = (ident, info)
         self.registered[ident] = name

@@ -1,21 +1,25 @@
-"""An adversary that holds the run's secret: what plausibility checks stop, on real
-transfers with every byte verified.
+"""An insider that holds the run's secret, on real transfers with every byte verified.
 
-Authentication keeps out anyone without the secret (tests/test_control_auth.py). A
-peer that has it (a buggy or compromised rank) can still send messages that could
-not be true; each must be dropped and counted, and no honest room may suffer: every
-room done, 0 bytes wrong, no invariant violated. Forged while a NIXL run is under way:
+Authentication keeps out anyone without the secret (tests/test_control_auth.py). The
+attacks of issue 25's table came from a process that holds it and speaks under the
+real ranks' names; each then corrupted rooms or broke a safety invariant. Per-pair
+keys (hw/keys.py) make a frame's MAC prove its sender and receiver, so every one of
+them is now dropped before it is decoded, and counted. Sent while a run is under way,
+under the real names, for every room of the run:
 
-- WATERMARK with a round far beyond any region handed out, and one past the pool;
-- STAGING_RSP with a region outside the staging pool, or of the wrong size;
-- CHUNK_READY off the room's chunk grid, beyond its chunks, or from a rank that is
-  not a writer of that decode rank;
-- WRITER_DONE claiming the wrong chunk count;
-- ABORT, STAGING_REQ and CHUNK_READY for rooms that are not in the run.
+- a believable WATERMARK (the next rounds, tails inside the pool) under the decode's name;
+- STAGING_RSP of the right size at another room's offset, racing the real one;
+- CHUNK_READY with real writer ids on the room's own chunk grid;
+- ABORT of a live room under its writer's name;
+- HEARTBEATs under a real peer's name (once, these made 784 honest frames look like
+  replays: replay state now follows the proven sender);
+- and the implausible ones (rounds far off, regions outside the pool, chunks off the
+  grid, foreign rooms).
 
-(A well-timed CHUNK_READY with the right grid from a real writer's identity, or an
-ABORT of a real room from its real decode rank, cannot be told from the truth by any
-check: only the secret keeps those out.)
+Asserted: every room done, 0 bytes wrong, no invariant violated, no honest frame
+dropped as a replay, the forgeries counted as unauthenticated at every rank. Both
+engines. What a rank that holds its own pair keys can still try (a compromised
+writer) is the core's to refuse: tests/test_capabilities.py, and its simulated twin.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from kvstage.hw.control import ControlPlane, read_secret_file
 from kvstage.hw.launch import launch
 from kvstage.hw.rendezvous import RendezvousClient
 from kvstage.shared.layout import room_pages
-from kvstage.shared.protocol import Abort, ChunkReady, StagingReq, StagingRsp, Watermark, WriterDone
+from kvstage.shared.protocol import (
+    Abort,
+    ChunkReady,
+    Heartbeat,
+    StagingReq,
+    StagingRsp,
+    Watermark,
+    WriterDone,
+)
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
 
@@ -42,100 +54,105 @@ pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]
 FOREIGN = 10**6  # room ids far outside the workload
 
 
-def _forgeries(s, i: int) -> dict[str, list]:
-    """Messages that cannot be true, by destination rank: for every room of the run, so
-    that for each some arrive before the true ones (the first STAGING_RSP stands)."""
-    out: dict[str, list] = {}
+def _forgeries(s, i: int) -> dict[tuple[str, str], list]:
+    """The attacks, by (the rank they speak for, the rank they go to)."""
+    out: dict[tuple[str, str], list] = {}
     for room in generate_requests(s):
-        for name, msgs in _forged_for(s, room, i).items():
-            out.setdefault(name, []).extend(msgs)
+        for key, msgs in _forged_for(s, room, i).items():
+            out.setdefault(key, []).extend(msgs)
     return out
 
 
-def _forged_for(s, room, i: int) -> dict[str, list]:
+def _forged_for(s, room, i: int) -> dict[tuple[str, str], list]:
     g = s.geometry()
     pool = s.pool_bytes
     pages = room_pages(room.prompt_tokens, room.prefix_tokens, g.page_size)
     chunks = g.chunks(pages)
     size = g.region_bytes(chunks[0].num_pages)
-    to_prefill = []
+    other = (room.room * 7 + 3) % max(1, pool // size) * size  # another room's offset
+    out: dict[tuple[str, str], list] = {}
     for p in range(g.prefill_tp):
-        to_prefill += [
+        out[("decode0", f"prefill{p}")] = [
+            # believable: the next rounds, a tail inside the pool
+            Watermark(round=1 + i % 3, tail=size * (1 + i % 4), prefill_rank=p, decode_rank=0),
             Watermark(round=10**9 + i, tail=64, prefill_rank=p, decode_rank=0),
             Watermark(round=1, tail=pool + 4096, prefill_rank=p, decode_rank=0),
+            StagingRsp(room.room, 0, other, i % 2, other + size, False, p, 0),
             StagingRsp(room.room, 0, 4 * pool, 9, 4 * pool + size, False, p, 0),
-            StagingRsp(room.room, 0, 0, 9, size + 4096, False, p, 0),
-            Abort(FOREIGN + i, p, 0, "forged: not a room of this run"),
+            Abort(room.room, p, 0, "forged: under the decode's name"),
+            Heartbeat(p, 0, True),
         ]
-    to_decode = [
-        ChunkReady(room.room, 0, chunks[0].page_start + 7, chunks[0].num_pages, 0, 0, 0),
-        ChunkReady(room.room, len(chunks) + 3, 0, 1, 1, 1, 0),
-        ChunkReady(
-            room.room, 0, chunks[0].page_start, chunks[0].num_pages, 5, 0, 0
-        ),  # not a writer
-        WriterDone(room.room, len(chunks) + 5, 0, 0, 0),
-        StagingReq(FOREIGN + i, 0, 4, 0, 0),
-        ChunkReady(FOREIGN + i, 0, 0, 4, 1, 1, 0),
-        Abort(FOREIGN + i, 0, 0, "forged"),
-    ]
-    names = {
-        f"prefill{p}": [m for m in to_prefill if m.prefill_rank == p] for p in range(g.prefill_tp)
-    }
-    names["decode0"] = to_decode
-    return names
+        out[(f"prefill{p}", "decode0")] = [
+            *(ChunkReady(room.room, c.index, c.page_start, c.num_pages, p, p, 0) for c in chunks),
+            WriterDone(room.room, len(chunks), p, p, 0),
+            Abort(room.room, p, 0, "forged: under a live writer's name"),
+            Heartbeat(p, 0, False),
+            ChunkReady(room.room, 0, chunks[0].page_start + 7, chunks[0].num_pages, p, p, 0),
+            StagingReq(FOREIGN + i, 0, 4, p, 0),
+            Abort(FOREIGN + i, p, 0, "forged"),
+        ]
+    return out
 
 
-def test_an_adversary_with_the_secret_harms_no_room(tmp_path):
-    require_engine("nixl")
+def _attack(s, run_dir, address: str, sent: dict) -> None:
+    secret = read_secret_file(run_dir / "run.secret")
+    client = RendezvousClient(address, secret=secret)
+    table, _ = client.query(10)
+    client.close()
+    # one control plane per name it speaks under: the real ranks' names, its own keys
+    planes = {name: ControlPlane(secret=secret, name=name) for name in table}
+    try:
+        for speaker, cp in planes.items():
+            for name, info in table.items():
+                if name != speaker:
+                    cp.connect(name, info.control, info.identity)
+        for i in range(40):
+            for (speaker, to), msgs in _forgeries(s, i).items():
+                for msg in msgs:
+                    planes[speaker].send(to, msg)
+                    sent["messages"] += 1
+            time.sleep(0.03)
+    except zmq.ZMQError:
+        pass  # the run ended first
+    finally:
+        for cp in planes.values():
+            cp.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
+    require_engine(backend)
     s = load_scenario(
-        write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=["hardware.backend=nixl"]
+        write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=[f"hardware.backend={backend}"]
     )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
     sent = {"messages": 0}
 
-    def adversary(address: str) -> None:
-        secret = read_secret_file(run_dir / "run.secret")
-        client = RendezvousClient(address, secret=secret)
-        table, _ = client.query(10)
-        client.close()
-        forger = ControlPlane(secret=secret)
-        for name, info in table.items():
-            forger.connect(name, info.control)
-        try:
-            for i in range(60):
-                for name, msgs in _forgeries(s, i).items():
-                    for msg in msgs:
-                        forger.send(name, msg)
-                        sent["messages"] += 1
-                time.sleep(0.03)
-        except zmq.ZMQError:
-            pass  # the run ended first
-        finally:
-            forger.close()
-
     def on_started(address, procs):
-        threading.Thread(target=adversary, args=(address,), daemon=True).start()
+        threading.Thread(target=_attack, args=(s, run_dir, address, sent), daemon=True).start()
 
     result = launch(
         run_dir / "scenario.toml",
         2,
         1,
         run_dir / "logs",
-        backend="nixl",
+        backend=backend,
         device="cpu",
         timeout_s=300,
         on_started=on_started,
     )
     assert result.ok, result.errors
-    assert sent["messages"] > 100
+    assert sent["messages"] > 1000
     reports = result.reports
-    # every forgery that reached a rank was dropped and counted there, none passed as true
-    assert all(r["dropped"] > 0 for r in reports.values()), {
+    # every forgery that reached a rank failed its MAC there: none reached the core, and
+    # no honest frame was taken for a replay
+    assert all(r["unauthenticated"] > 0 for r in reports.values()), {
+        n: r["unauthenticated"] for n, r in reports.items()
+    }
+    assert all(r["replayed"] == 0 and r["misattributed"] == 0 for r in reports.values())
+    assert all(r["dropped"] == 0 for r in reports.values()), {
         n: r["dropped"] for n, r in reports.items()
     }
-    assert all(r["unauthenticated"] == 0 for r in reports.values())
-    records = assert_every_room_right(s, reports)
-    reasons = {r.detail.split(" ")[0] for r in records if r.phase == "dropped"}
-    assert {"WATERMARK", "STAGING_RSP", "CHUNK_READY"} <= reasons, reasons
+    assert_every_room_right(s, reports)

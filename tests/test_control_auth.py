@@ -7,6 +7,7 @@ transfers and verify every byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -28,19 +29,22 @@ from test_outcome import kvstage_cmd
 from kvstage.hw.control import (
     MAX_CONTROL_BYTES,
     SECRET_ENV,
+    TO_LAUNCHER,
     ControlPlane,
+    FrameMac,
     RunSecretError,
+    frame_header,
     new_secret,
     read_secret_file,
-    signed,
     write_secret_file,
 )
+from kvstage.hw.keys import rank_key
 from kvstage.hw.launch import launch
 from kvstage.hw.rank_main import main as rank_main
 from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import room_pages
-from kvstage.shared.protocol import Abort, Watermark, encode
+from kvstage.shared.protocol import Abort, ChunkReady, Watermark, encode
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import generate_requests
@@ -61,15 +65,21 @@ def _receive_until(cp: ControlPlane, done, timeout_s: float = 10.0) -> list:
     return got
 
 
+def _pair(a: ControlPlane, b: ControlPlane, a_calls_b: str = "inbox") -> None:
+    """`a` sends to `b` as `a_calls_b` and accepts b's frames (what a table does)."""
+    a.connect(a_calls_b, b.address, b.identity)
+    b.connect(a.name, a.address, a.identity)
+
+
 def test_control_plane_drops_what_it_cannot_authenticate():
     secret = new_secret()
-    inbox = ControlPlane(secret=secret)
-    honest = ControlPlane(secret=secret)
-    other_run = ControlPlane(secret=new_secret())
+    inbox = ControlPlane(secret=secret, name="inbox")
+    honest = ControlPlane(secret=secret, name="honest")
+    other_run = ControlPlane(secret=new_secret(), name="other")
     raw = _push(inbox.address)
     try:
-        honest.connect("inbox", inbox.address)
-        other_run.connect("inbox", inbox.address)
+        _pair(honest, inbox)
+        _pair(other_run, inbox)  # its key pair is known, its run secret is not this run's
         forged = Abort(room=0, prefill_rank=0, decode_rank=0, reason="forged")
         raw.send_multipart(encode(forged))  # no MAC
         raw.send_multipart([*encode(forged), os.urandom(32)])  # a wrong MAC
@@ -81,11 +91,12 @@ def test_control_plane_drops_what_it_cannot_authenticate():
         assert inbox.counters() == {
             "malformed": 0,
             "unauthenticated": 3,
+            "misattributed": 0,
             "oversize": 1,
             "replayed": 0,
         }
-        # a frame list signed with the run's secret that does not decode is malformed, as before
-        raw.send_multipart(signed([b"KVS?", b"junk"], secret))
+        # a frame list signed for this pair that does not decode is malformed, as before
+        raw.send_multipart(honest.seal("inbox", [b"KVS?", b"junk"]))
         assert _receive_until(inbox, lambda _: inbox.malformed == 1) == []
         assert inbox.received == 1
     finally:
@@ -94,30 +105,74 @@ def test_control_plane_drops_what_it_cannot_authenticate():
             cp.close()
 
 
+def test_a_frame_proves_its_sender_and_its_receiver():
+    """Per-pair keys: a third party that holds the run secret, and even knows both
+    public keys, can neither speak for a rank nor reuse a frame captured on its way to
+    another rank; a rank that speaks for a rank other than itself is dropped."""
+    secret = new_secret()
+    decode0 = ControlPlane(secret=secret, name="decode0", role="decode")
+    decode1 = ControlPlane(secret=secret, name="decode1", role="decode")
+    prefill0 = ControlPlane(secret=secret, name="prefill0", role="prefill")
+    prefill1 = ControlPlane(secret=secret, name="prefill1", role="prefill")
+    # a secret holder that says it is prefill0 (its own key pair: not prefill0's)
+    impostor = ControlPlane(secret=secret, name="prefill0", role="prefill")
+    planes = (decode0, decode1, prefill0, prefill1, impostor)
+    raw0, raw1 = _push(decode0.address), _push(decode1.address)
+    try:
+        for d in (decode0, decode1):
+            for p in (prefill0, prefill1):
+                p.connect(d.name, d.address, d.identity)
+                d.connect(p.name, p.address, p.identity)
+        impostor.connect("decode0", decode0.address, decode0.identity)
+        ready = ChunkReady(
+            room=3, chunk=0, page_start=0, num_pages=4, prefill_rank=0, writer=0, decode_rank=0
+        )
+        impostor.send("decode0", ready)
+        # a frame prefill0 signed for decode1, sent to decode0 instead
+        for_decode1 = dataclasses.replace(ready, decode_rank=1)
+        to_decode1 = prefill0.seal("decode1", encode(for_decode1))
+        raw0.send_multipart(to_decode1)
+        assert _receive_until(decode0, lambda _: decode0.unauthenticated >= 2) == []
+        assert decode0.unauthenticated == 2
+        raw1.send_multipart(to_decode1)  # where it was meant to go it counts (once)
+        raw1.send_multipart(to_decode1)
+        assert _receive_until(decode1, lambda _: decode1.replayed >= 1) == [for_decode1]
+        # prefill1 holds a pair key with decode0, yet cannot speak for prefill0 with it,
+        # nor for decode0 to decode1's peers
+        prefill1.send("decode0", ready)
+        prefill1.send("decode0", dataclasses.replace(ready, decode_rank=1, prefill_rank=1))
+        assert _receive_until(decode0, lambda _: decode0.misattributed >= 2) == []
+        prefill0.send("decode0", ready)
+        assert _receive_until(decode0, lambda got: got) == [ready]
+        assert decode0.counters()["misattributed"] == 2
+    finally:
+        raw0.close(linger=0)
+        raw1.close(linger=0)
+        for cp in planes:
+            cp.close()
+
+
 def test_a_captured_frame_sent_again_is_dropped_as_replayed():
     """Frames carry their sender, incarnation and sequence under the MAC: a captured
-    frame sent again, or an older one, is dropped and counted; so is a late frame of a
-    sender's earlier incarnation once its restarted process has spoken. Honest frames in
-    order all arrive."""
+    frame sent again, or an older one, is dropped and counted. Honest frames in order
+    all arrive."""
     secret = new_secret()
-    inbox = ControlPlane(secret=secret)
+    inbox = ControlPlane(secret=secret, name="decode0")
     honest = ControlPlane(secret=secret, name="prefill0")
     raw = _push(inbox.address)
     try:
-        honest.connect("inbox", inbox.address)
+        _pair(honest, inbox)
         wm = [Watermark(round=1, tail=t, prefill_rank=0, decode_rank=0) for t in range(4)]
         for m in wm[:3]:
             honest.send("inbox", m)
         assert _receive_until(inbox, lambda got: len(got) == 3) == wm[:3]
-        # an eavesdropper's copies of frames 2 and 5 of an earlier incarnation of prefill1
-        first = signed(encode(wm[0]), secret, sender=b"prefill1", incarnation=100, seq=2)
-        later = signed(encode(wm[1]), secret, sender=b"prefill1", incarnation=100, seq=5)
-        restarted = signed(encode(wm[2]), secret, sender=b"prefill1", incarnation=200, seq=1)
-        for frames in (first, first, later, first, restarted, later):
+        # an eavesdropper's copies of frames 1 and 3, sent again
+        first = honest.seal("inbox", encode(wm[0]), seq=1)
+        third = honest.seal("inbox", encode(wm[2]), seq=3)
+        for frames in (first, third, first):
             raw.send_multipart(frames)
-        got = _receive_until(inbox, lambda _: inbox.replayed >= 3)
-        assert got == [wm[0], wm[1], wm[2]]  # first, later, the restarted incarnation's frame
-        assert inbox.replayed == 3  # first again, first once more, the old incarnation's later
+        assert _receive_until(inbox, lambda _: inbox.replayed >= 3) == []
+        assert inbox.replayed == 3
         honest.send("inbox", wm[3])  # the honest sender is unaffected
         assert _receive_until(inbox, lambda got: got) == [wm[3]]
     finally:
@@ -127,40 +182,31 @@ def test_a_captured_frame_sent_again_is_dropped_as_replayed():
 
 
 def test_once_a_restart_is_known_the_old_incarnation_is_dropped_before_the_new_one_speaks():
-    """A rank that learns a peer restarted (the rendezvous tells it the new incarnation)
-    drops every later frame of the old incarnation at once, as replayed: not only once
-    the new process has sent something. The new incarnation's frames all arrive, and a
-    reconnect to the new address drops what was still queued for the old one."""
+    """A rank that learns a peer restarted (the rendezvous tells it the new identity)
+    drops every later frame of the old incarnation at once: not only once the new
+    process has sent something. The new incarnation's frames all arrive."""
     secret = new_secret()
-    inbox = ControlPlane(secret=secret)
+    inbox = ControlPlane(secret=secret, name="decode0")
     old = ControlPlane(secret=secret, name="prefill1")
     try:
-        old.connect("inbox", inbox.address)
+        _pair(old, inbox)
         wm = [Watermark(round=1, tail=t, prefill_rank=1, decode_rank=0) for t in range(4)]
         old.send("inbox", wm[0])
         assert _receive_until(inbox, lambda got: got) == [wm[0]]
         new = ControlPlane(secret=secret, name="prefill1")
         assert new.incarnation > old.incarnation
-        inbox.expect_incarnation("prefill1", new.incarnation)  # what a rejoin notice does
+        inbox.connect("prefill1", new.address, new.identity)  # what a rejoin notice does
         old.send("inbox", wm[1])  # a late frame of the old process, newer than its last
         raw = _push(inbox.address)
-        raw.send_multipart(
-            signed(
-                encode(wm[2]), secret, sender=b"prefill1", incarnation=old.incarnation, seq=1 << 40
-            )
-        )  # a replay of one of its frames, any sequence number
+        raw.send_multipart(old.seal("inbox", encode(wm[2]), seq=1 << 40))  # any sequence number
         assert _receive_until(inbox, lambda _: inbox.replayed >= 2) == []
         assert inbox.replayed == 2
-        new.connect("inbox", inbox.address)
+        new.connect("inbox", inbox.address, inbox.identity)
         new.send("inbox", wm[3])
         assert _receive_until(inbox, lambda got: got) == [wm[3]]
-        # the floor never goes back: an older incarnation named later changes nothing
-        inbox.expect_incarnation("prefill1", old.incarnation)
-        new.send("inbox", wm[0])
-        assert _receive_until(inbox, lambda got: got) == [wm[0]]
         raw.close(linger=0)
         new.close()
-        with pytest.raises(RuntimeError, match="fixed once a frame went out"):
+        with pytest.raises(RuntimeError, match="fixed once a peer is connected"):
             old.renew_incarnation(old.incarnation + 1)
     finally:
         for cp in (inbox, old):
@@ -277,10 +323,15 @@ def _until(done, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+KEY = "ab" * 32  # a public key (its private half plays no part here)
+
+
 def _hello(role: str, rank: int, /, **change) -> dict:
     return {
         "kind": "hello",
-        **RankInfo(role, rank, "tcp://127.0.0.1:1", f"agent-{role}{rank}", b"meta").to_json(),
+        **RankInfo(
+            role, rank, "tcp://127.0.0.1:1", f"agent-{role}{rank}", b"meta", key=KEY
+        ).to_json(),
         **change,
     }
 
@@ -336,7 +387,12 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
                 client = RendezvousClient(server.address, secret=secret)
                 clients.append(client)
                 me = RankInfo(
-                    role, rank, f"tcp://127.0.0.1:{5000 + rank}", f"agent-{role}{rank}", b"meta"
+                    role,
+                    rank,
+                    f"tcp://127.0.0.1:{5000 + rank}",
+                    f"agent-{role}{rank}",
+                    b"meta",
+                    key=KEY,
                 )
                 tables[me.name] = client.hello(me, timeout_s=20)
 
@@ -356,7 +412,28 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             table, t0 = stranger.query(5)
             assert sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
             assert table["decode0"].control == "tcp://127.0.0.1:5000"
-            assert "already registered" in _refused(server, stranger, _hello("decode", 0))
+            assert "a rank registers only itself" in _refused(server, stranger, _hello("decode", 0))
+            impostor = RendezvousClient(
+                server.address, secret=secret, name="decode0", incarnation=5
+            )
+            clients.append(impostor)
+            assert "already registered" in _refused(
+                server, impostor, _hello("decode", 0, incarnation=5)
+            )
+            # a message captured and sent again is refused: a replayed query tells nothing
+            raw = zmq.Context.instance().socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(f"tcp://{server.address}")
+            mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7), b"")
+            query = mac.sign(
+                [b"prefill0", frame_header(7, 1), json.dumps({"kind": "query"}).encode()]
+            )
+            raw.send_multipart(query)
+            assert raw.poll(5000)
+            raw.recv_multipart()  # the table, once
+            raw.send_multipart(query)
+            _until(lambda: "replayed message: signed for prefill0" in server.refusals[-1])
+            raw.close()
             # a report for a rank from a connection other than its own is refused
             assert "registered no rank" in _refused(
                 server, stranger, {"kind": "report", "role": "decode", "rank": 0}
@@ -391,7 +468,7 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
         liar = ControlPlane(secret=new_secret())
         raws = {name: _push(info.control) for name, info in table.items()}
         for name, info in table.items():
-            liar.connect(name, info.control)
+            liar.connect(name, info.control, info.identity)
         sent["ranks"] = sorted(table)
         for i in range(60):
             for name in table:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_harness import World
 
-from kvstage.hw.control import ControlPlane, new_secret, signed
+from kvstage.hw.control import ControlPlane, new_secret
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
 from kvstage.shared.protocol import (
@@ -90,14 +90,18 @@ SECRET = new_secret()
 @pytest.fixture()
 def plane():
     ctx = zmq.Context()
-    cp = ControlPlane(ctx=ctx, secret=SECRET)
-    yield cp, ctx
+    cp = ControlPlane(ctx=ctx, secret=SECRET, name="fuzzed")
+    peer = ControlPlane(ctx=ctx, secret=SECRET, name="peer")  # signs the frames sent by hand
+    peer.connect("fuzzed", cp.address, cp.identity)
+    cp.connect("peer", peer.address, peer.identity)
+    yield cp, peer, ctx
     cp.close()
+    peer.close()
     ctx.term()
 
 
 def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
-    cp, ctx = plane
+    cp, peer, ctx = plane
     push = ctx.socket(zmq.PUSH)
     push.connect(cp.address)
     rng = random.Random(0)
@@ -105,13 +109,13 @@ def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
     sent_good = 0
     for i in range(200):
         if i % 50 == 0:
-            push.send_multipart(signed(encode(good[sent_good % 2]), SECRET))
+            push.send_multipart(peer.seal("fuzzed", encode(good[sent_good % 2])))
             sent_good += 1
         frames = [
             bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
             for _ in range(rng.randrange(1, 4))
         ]
-        push.send_multipart(signed(frames, SECRET))  # authenticated junk: it must not decode
+        push.send_multipart(peer.seal("fuzzed", frames))  # authenticated junk: it must not decode
     got = []
     for _ in range(50):
         got += cp.receive(0.05)

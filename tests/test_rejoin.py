@@ -27,7 +27,7 @@ from conftest import require_engine
 from test_control_auth import _free_port, _push, serving
 from test_hw import run, write_scenario
 
-from kvstage.hw.control import new_secret, read_secret_file, signed
+from kvstage.hw.control import ControlPlane, new_secret, read_secret_file
 from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
 from kvstage.run.rundir import read_summary
 from kvstage.run.tracefile import read_records
@@ -213,6 +213,7 @@ def _info(role: str, rank: int, incarnation: int) -> RankInfo:
         b"meta",
         {},
         incarnation,
+        "cd" * 32,
     )
 
 
@@ -237,7 +238,8 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
         with serving(server) as on_server:
             ranks = _register(server, secret, [_info("prefill", 0, 100), _info("decode", 0, 100)])
             clients += ranks.values()
-            # the restarted prefill0 registers again under a newer incarnation ...
+            # the restarted prefill0 registers again under a newer incarnation: refused
+            # while the one registered is live (its hello asks again) ...
             new = RendezvousClient(server.address, secret=secret)
             clients.append(new)
             got: dict = {}
@@ -245,6 +247,10 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
                 target=lambda: got.update(table=new.hello(_info("prefill", 0, 200), 20))
             )
             hello.start()
+            _until(lambda: any("registered and live" in r for r in server.refusals))
+            assert not ranks["decode0"].poll_notices()
+            # ... until the launcher saw it die
+            on_server(lambda: server.mark_down("prefill0", "rank prefill0 died (signal 9)"))
             # ... its decode peer hears of it (a notice, never mistaken for an answer) and says
             # which room the new incarnation serves from
             (notice,) = _until(lambda: ranks["decode0"].poll_notices())
@@ -266,32 +272,30 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
                     "rank": "prefill0",
                     "incarnation": 200,
                     "first_room": 7,
-                    "after": "prefill0 restarted before the launcher noticed it was gone",
+                    "after": "rank prefill0 died (signal 9)",
                 }
             ]
             stranger = RendezvousClient(server.address, secret=secret)
             clients.append(stranger)
             assert stranger.rejoins(5) == server.rejoins
             # everything else stays refused
-            for msg, why in [
-                ({"kind": "hello", **_info("prefill", 0, 150).to_json()}, "needs a newer one"),
-                (
-                    {"kind": "hello", **_info("decode", 0, 300).to_json()},
-                    "only a prefill rank can rejoin",
-                ),
+            for info, why in [
+                (_info("prefill", 0, 150), "replayed message: signed for prefill0 incarnation 150"),
+                (_info("decode", 0, 300), "only a prefill rank can rejoin"),
+                (_info("prefill", 0, 250), "registered and live"),
             ]:
-                stranger.send(msg)
+                stranger.speak_as(info.name, info.incarnation)
+                stranger.send({"kind": "hello", **info.to_json()})
                 with pytest.raises(RendezvousError, match=why):
                     stranger.recv(5, "the refusal")
             ranks["prefill0"].send(
                 {"kind": "report", "role": "prefill", "rank": 0}
             )  # the old connection
-            _until(
-                lambda: "report from a connection that registered no rank" in server.refusals[-1]
-            )
+            _until(lambda: "signed for prefill0 incarnation 100 number" in server.refusals[-1])
             # a rank declared gone (its grace over) cannot come back
             on_server(lambda: server.mark_down("prefill0", "rank prefill0 died", grace_s=0))
             assert server.gone == {"prefill0": "rank prefill0 died"}
+            stranger.speak_as("prefill0", 400)
             stranger.send({"kind": "hello", **_info("prefill", 0, 400).to_json()})
             with pytest.raises(RendezvousError, match="declared gone, too late to rejoin"):
                 stranger.recv(5, "the refusal")
@@ -393,16 +397,20 @@ def _restart_and_replay(
         box["rejoin"] = rejoins[0]
         last = box["requests"] - 1
         push = _push(table["decode0"].control)
+        # a frame under the old incarnation's name and number (signed with a key of the
+        # tool's own: the old process's key pair is gone with it)
+        old_self = ControlPlane(secret=secret, name="prefill1")
+        old_self.connect("decode0", table["decode0"].control, table["decode0"].identity)
         push.send_multipart(
-            signed(
+            old_self.seal(
+                "decode0",
                 encode(Abort(last, 1, 0, "replayed from the old incarnation")),
-                secret,
-                sender=b"prefill1",
                 incarnation=old.incarnation,
                 seq=1 << 40,
             )
         )
         push.close(linger=2000)
+        old_self.close()
         client.close()
         box["replayed"] = True
     except BaseException as exc:  # seen by the test's assertions
@@ -559,11 +567,13 @@ class _NoSpawnRun:
 @pytest.mark.timeout(300)
 def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp_path):
     """`kvstage hw --no-spawn` (Mooncake, P2->D1): every rank started by hand (`hw-rank`);
-    prefill1 SIGKILLed and its replacement, started beforehand, registers 0.5 s after
-    the kill: before its peers (3 s) or the launcher (5 s) noticed it was gone."""
+    prefill1 SIGKILLed and its replacement, started beforehand, tries to register 0.5 s
+    after the kill: before its peers (3 s) or the launcher (5 s) noticed it was gone. It
+    is refused while the old one counts as live (nobody takes over a live rank), asks
+    again, and rejoins once the launcher declared the old one down."""
     require_engine("mooncake")
-    f = write_scenario(tmp_path, 2, 1, 8, requests=180)  # 9 s of arrivals
-    box: dict = {"requests": 180}
+    f = write_scenario(tmp_path, 2, 1, 8, requests=240)  # 12 s of arrivals
+    box: dict = {"requests": 240}
     with (tmp_path / "launcher.log").open("w") as log:
         run = _NoSpawnRun(
             tmp_path, f, "mooncake", ["--timeout", "240", "--rejoin-grace", "60"], log
@@ -577,7 +587,7 @@ def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp
             address,
             "mooncake",
             lambda: os.kill(victim.pid, signal.SIGKILL),
-            max(time.time(), t0) + 5.0,
+            max(time.time(), t0) + 3.0,
             -0.5,
             box,
         )

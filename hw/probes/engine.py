@@ -195,9 +195,9 @@ def _receiver_main(
         transport.register(dst)
         conn.send(("metadata", transport.agent_name, transport.metadata()))
         cp = ControlPlane()
-        conn.send(("control", cp.address))
-        _, peer_addr = _expect(conn, "control", plan.step_timeout_s * 3)
-        cp.connect("ping", peer_addr)
+        conn.send(("control", cp.address, cp.identity))
+        _, peer_addr, peer = _expect(conn, "control", plan.step_timeout_s * 3)
+        cp.connect("ping", peer_addr, peer)
         # Echo every message back until the pinger's Abort (bounded).
         deadline = time.monotonic() + plan.step_timeout_s
         stop = False
@@ -337,9 +337,9 @@ def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
     from kvstage.shared.protocol import Abort, Watermark
 
     cp = ControlPlane()
-    conn.send(("control", cp.address))
-    _, echo_addr = _expect(conn, "control", plan.step_timeout_s)
-    cp.connect("echo", echo_addr)
+    conn.send(("control", cp.address, cp.identity))
+    _, echo_addr, echo = _expect(conn, "control", plan.step_timeout_s)
+    cp.connect("echo", echo_addr, echo)
     timeout = min(10.0, plan.step_timeout_s)
     rtts: list[float] = []
     warm = max(10, plan.control_pings // 10)

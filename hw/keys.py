@@ -1,0 +1,89 @@
+"""Who may speak for whom: each rank's key pair, and the keys its frames are signed with.
+
+The run secret alone proves only that a frame comes from *some* holder of it. So
+every control plane also draws an X25519 key pair when it starts; its public half
+travels in the rank's hello (hw/rendezvous.py `RankInfo.key`), next to its name and
+incarnation. The key of frames from A to B is
+
+    HKDF-SHA256(ikm = X25519(A, B), salt = run secret,
+                info = "kvstage control v3" | A's identity | B's identity)
+
+with an identity being (name, incarnation, public key). Only A and B can compute the
+shared X25519 secret, so a frame's MAC proves which rank sent it and to which rank:
+another rank, or anyone else who holds the run secret, can neither make nor reuse it
+(a frame sent to one rank is worthless at another), and a restarted rank (a new
+incarnation and key pair) cannot be spoken for with its predecessor's frames. The
+salt keeps a process without the run secret from talking at all.
+
+The rendezvous cannot use pair keys (a rank knows its address, not a key): a rank's
+messages to it are signed with `rank_key`, HKDF of the run secret over the rank's name
+and incarnation, and carry a sequence number (hw/rendezvous.py refuses replays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+PUBLIC_KEY_BYTES = 32  # an X25519 public key (RFC 7748)
+MAX_NAME_BYTES = 64  # a rank's name on the wire ("prefill12", "decode3"; tools' own names)
+_PAIR = b"kvstage control v3"
+_RANK = b"kvstage rendezvous v2"
+
+
+def _hkdf(secret: bytes, info: bytes, ikm: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=secret, info=info).derive(ikm)
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(2, "big") + data
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A control plane as its peers know it: name, incarnation, X25519 public key."""
+
+    name: str
+    incarnation: int
+    public: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.public) != PUBLIC_KEY_BYTES:
+            raise ValueError(
+                f"public key of {len(self.public)} bytes (an X25519 key has {PUBLIC_KEY_BYTES})"
+            )
+        if not 0 < len(self.name.encode()) <= MAX_NAME_BYTES:
+            raise ValueError(f"name {self.name[:80]!r}: 1 to {MAX_NAME_BYTES} bytes allowed")
+
+    def label(self) -> bytes:
+        return (
+            _field(self.name.encode()) + self.incarnation.to_bytes(8, "big") + _field(self.public)
+        )
+
+
+class KeyPair:
+    """One control plane's X25519 key pair (drawn fresh: never stored, never sent)."""
+
+    def __init__(self) -> None:
+        self._private = X25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes_raw()
+
+    def pair_key(self, secret: bytes, sender: Identity, receiver: Identity) -> bytes:
+        """The key of frames from `sender` to `receiver`, one of which holds this pair."""
+        if sender.public == self.public:
+            peer = receiver
+        elif receiver.public == self.public:
+            peer = sender
+        else:
+            raise ValueError("neither end of the pair holds this key pair")
+        shared = self._private.exchange(X25519PublicKey.from_public_bytes(peer.public))
+        return _hkdf(secret, _PAIR + sender.label() + receiver.label(), shared)
+
+
+def rank_key(secret: bytes, direction: bytes, name: str, incarnation: int) -> bytes:
+    """The key of rendezvous messages of rank `name`'s `incarnation` in `direction`."""
+    info = _RANK + _field(direction) + _field(name.encode()) + incarnation.to_bytes(8, "big")
+    return _hkdf(secret, info, b"")
