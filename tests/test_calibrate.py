@@ -456,3 +456,28 @@ def test_cpu_factors_from_the_ranks_job_cpu():
     assert got["write_cpu_scale"] == pytest.approx(1.5, rel=1e-3)
     assert "write_cpu_scale" not in cpu_factors({**fields, "write_on_cpu": False}, [run(2 << 20)])
     assert cpu_factors(fields, [{}]) == {}  # runs without job_cpu: nothing measured
+
+
+def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path) -> None:
+    """No CUDA device: the command says so in one line before any process starts (exit 2,
+    no traceback, no profile written)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "p.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstage.cli", "calibrate", "--device", "cuda", "--quick"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda:"), done.stderr
+    assert "no CUDA device" in lines[0] and "allowed here: cpu" in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout and not out.exists()

@@ -133,6 +133,15 @@ def calibrate(
     console = Console()
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
+    from kvstage.hw.merge import device_problem
+
+    problem = device_problem(device)  # no GPU: one line, exit 2, before any process starts
+    if problem:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        allowed = f"cpu, cuda:0..cuda:{n - 1}" if n else "cpu"
+        fail(f"--device {device}: {problem.split(' but ', 1)[-1]}; allowed here: {allowed}")
     path = out or _default_out(backend, device)
     bar = Progress(
         TextColumn("[bold]{task.description:<8}"),
