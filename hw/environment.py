@@ -3,7 +3,8 @@
 Written by `kvstage hw` into the run directory before the ranks start: the versions of
 kvstage, Python, torch (and its CUDA), NIXL, UCX and Mooncake; the host's GPUs, NICs
 (IP interfaces with their state and speed, RDMA devices with their ports) and NUMA
-nodes; the GPU topology where `nvidia-smi topo -m` answers; and the environment
+nodes; the GPU topology where `nvidia-smi topo -m` answers, and the PCIe paths of GPUs
+and NICs with which GPU shares a switch with which NIC (hw/affinity.py); and the environment
 variables that steer the engines, placement and kvstage. The run secret is never in it:
 variables whose name says SECRET, TOKEN, KEY or PASSWORD are listed by name only.
 
@@ -169,6 +170,15 @@ def environment_variables(env: Mapping[str, str] | None = None) -> dict[str, str
     return out
 
 
+def _affinity() -> dict[str, Any] | str:
+    from kvstage.hw.affinity import host_topology
+
+    try:
+        return host_topology()
+    except OSError as exc:  # sysfs unreadable: say so, never guess
+        return f"unreadable: {exc}"
+
+
 def collect(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     numa = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
     return {
@@ -181,6 +191,7 @@ def collect(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "gpus": gpus(),
         "net": net_interfaces(),
         "rdma": rdma_inventory(),
+        "affinity": _affinity(),  # GPUs and NICs with PCIe paths, which share a switch
         "env": environment_variables(env),
     }
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.hw.affinity import LOCAL_SLOT_ENV
 from kvstage.hw.control import (
     SECRET_ENV,
     new_secret,
@@ -148,6 +149,7 @@ def launch(
     restarts: dict[str, list[float]] | None = None,
     on_progress: Callable[[RunProgress], None] | None = None,
     probe_slots: int = 0,
+    on_affinity: Callable[[dict[str, Any]], None] | None = None,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -159,6 +161,7 @@ def launch(
     `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
     `probe_slots`: slots of the bandwidth probe before the first room (hw/bandwidth.py).
+    `on_affinity(rank -> its NIC, GPU, NUMA node)`: once every rank registered (hw/affinity.py).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -202,7 +205,15 @@ def launch(
                     ),
                 )
         errors += _until_all_reported(
-            server, procs, logs, on_started, start, timeout_s, restarts, ranks.respawn, on_progress
+            server,
+            procs,
+            logs,
+            _with_affinity(server, on_started, on_affinity),
+            start,
+            timeout_s,
+            restarts,
+            ranks.respawn,
+            on_progress,
         )
         return _released(server, procs, start, errors)
     except LaunchError as exc:
@@ -216,6 +227,19 @@ def launch(
             server.close()
         finally:
             stop.restore()
+
+
+def _with_affinity(server: RendezvousServer, on_started, on_affinity):
+    """`on_started`, preceded by `on_affinity` with what each rank's hello says of its NIC."""
+    if on_affinity is None:
+        return on_started
+
+    def started(address: str, procs: dict[str, subprocess.Popen]) -> None:
+        on_affinity({name: info.extra.get("affinity") for name, (_, info) in server.hellos.items()})
+        if on_started is not None:
+            on_started(address, procs)
+
+    return started
 
 
 def _rank_command(
@@ -259,16 +283,18 @@ class _Ranks:
         self.logs: dict[str, Path] = {}
         self.commands: dict[str, list[str]] = {}
         self.restarted: dict[str, int] = {}
+        self.slots: dict[str, int] = {}
 
     def spawn(self, name: str, cmd: list[str], log: str | None = None) -> None:
         self.commands.setdefault(name, cmd)
+        slot = self.slots.setdefault(name, len(self.slots))  # its local rank, for its NIC
         self.logs[name] = self.log_dir / (log or f"{name}.log")
         with self.logs[name].open("w") as fh:
             self.procs[name] = subprocess.Popen(
                 cmd,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, LOCAL_SLOT_ENV: str(slot)},
                 start_new_session=True,
                 preexec_fn=_die_with_launcher(),
             )
@@ -377,7 +403,8 @@ def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:
     quiet_engines(env)
     # UCX (under NIXL) listens on every network device's address unless told
     # otherwise: keep it, and Mooncake's TCP data path, on the ranks' address
-    env.update(engine_env(host, device, env))
+    # (UCX_NET_DEVICES each rank sets itself, for its own NIC: hw/affinity.py)
+    env.update({k: v for k, v in engine_env(host, device, env).items() if k != "UCX_NET_DEVICES"})
     env[SECRET_ENV] = secret.hex()
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env

@@ -3,8 +3,9 @@
 Placement. Every rank binds its control socket on one routable address and advertises
 that same address; the transfer engines are told the same: Mooncake's local server name
 and MC_TCP_BIND_ADDRESS, and UCX (under NIXL) UCX_NET_DEVICES = the interface that holds
-the address (`lo` on loopback) on a host without RDMA devices. A variable the user set
-is never overridden.
+the address (`lo` on loopback) on a host without RDMA devices, or the rank's rail NIC
+(hw/affinity.py: `mlx5_N:1` for RDMA; Mooncake gets its device name). A variable the
+user set is never overridden.
 
 Identity. `kvstage hw-rank` without --role/--rank takes them from the launcher of the
 job: SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE,
@@ -24,6 +25,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstage.hw.affinity import RANK_NIC_ENV, Affinity
 from kvstage.hw.transport_used import rdma_devices
 
 LOOPBACK = "127.0.0.1"
@@ -123,18 +125,25 @@ def engine_env(
     device: str | None = None,
     env: Mapping[str, str] | None = None,
     rdma: list[str] | None = None,
+    affinity: Affinity | None = None,
 ) -> dict[str, str]:
     """Variables that keep the transfer engines on `host` (only those not already set).
 
-    UCX_NET_DEVICES names the IP interface of `host` only on a host without RDMA
-    devices (`rdma`: default this host's, from sysfs): UCX names RDMA devices `mlx5_N:1`,
-    so an IP interface there would rule RDMA out without a word; with RDMA devices UCX
-    chooses among them, and a user's UCX_NET_DEVICES stands."""
+    With this rank's `affinity` (hw/affinity.py): UCX_NET_DEVICES is its NIC
+    (`mlx5_N:PORT` for an RDMA NIC) and Mooncake's device name is that NIC
+    (RANK_NIC_ENV, read by transport_options). Without one, UCX_NET_DEVICES names the IP
+    interface of `host` only on a host without RDMA devices (`rdma`: default this
+    host's, from sysfs): UCX names RDMA devices `mlx5_N:1`, so an IP interface there
+    would rule RDMA out without a word. A user's UCX_NET_DEVICES stands."""
     env = os.environ if env is None else env
     out = {"MC_TCP_BIND_ADDRESS": host}
     if is_loopback(host):
         if not str(device or "").startswith("cuda"):
             out["UCX_NET_DEVICES"] = "lo"  # ranks on loopback need no other network device
+    elif affinity is not None and affinity.ucx_device:
+        out["UCX_NET_DEVICES"] = affinity.ucx_device
+        if affinity.kind == "rdma":
+            out[RANK_NIC_ENV] = affinity.nic
     elif not (rdma_devices() if rdma is None else rdma):
         iface = interface_of(host)
         if iface:
@@ -147,7 +156,9 @@ def transport_options(hardware: Any, backend: str, host: str) -> dict[str, Any]:
     if backend == "mooncake":
         return {
             "protocol": hardware.mooncake_protocol,
-            "device_name": hardware.mooncake_device,
+            # the scenario's device stands; else this rank's rail NIC (hw/affinity.py)
+            "device_name": hardware.mooncake_device
+            or (os.environ.get(RANK_NIC_ENV, "") if hardware.mooncake_protocol == "rdma" else ""),
             "host": host,
         }
     return {}

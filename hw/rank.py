@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvstage.hw import affinity
 from kvstage.hw.control import LOOP_STATS_ENV, ControlPlane, rank_name
 from kvstage.hw.jobcpu import JobCpu
 from kvstage.hw.kvpool import KVPool
@@ -300,7 +301,7 @@ class RankProcess:
             self.control.address,
             self.transport.agent_name,
             self.transport.metadata(),
-            self._rank_extra(),
+            {**self._rank_extra(), "affinity": affinity.current()},  # its NIC (hw/affinity.py)
             self.control.incarnation,
             self.control.identity.public.hex(),
         )
@@ -562,6 +563,7 @@ class RankProcess:
                 "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
                 "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
                 "transport_used": self.transport.used(),  # what the engine chose (hw/transport_used.py)
+                "affinity": affinity.current(),  # its GPU, NUMA node and NIC (hw/affinity.py)
                 "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/bandwidth.py)
                 # bytes each NIC of this rank's host (its network namespace) moved while it ran
                 "nic": counter_delta(self.nic_before, read_counters())

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         parser.error(
             f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}"
         )
+    from kvstage.hw.affinity import choose_for_rank
     from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
     from kvstage.hw.launch import watch_launcher
     from kvstage.hw.placement import (
@@ -132,7 +133,10 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     host = args.host or default_host()
     os.environ[SECRET_ENV] = secret.hex()  # this rank's control plane and rendezvous client read it
     quiet_engines(os.environ)
-    os.environ.update(engine_env(host, device))  # the engines keep to this rank's address
+    aff = choose_for_rank(f"{args.role}{args.rank}", host, device, me.local_rank)
+    if aff is None:  # a bad --nic-map / $KVSTAGE_NIC_MAP: said in one line
+        return 2
+    os.environ.update(engine_env(host, device, affinity=aff))
     ucx_log = None
     if (args.backend or scenario.hardware.backend) == "nixl":  # before NIXL loads UCX
         ucx_log = (

@@ -254,6 +254,19 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
             assert any(t.startswith("tcp/") for ts in u["writes"].values() for t in ts), u
     # the ranks are not the launcher's children, yet their CPU is the run's own, not "others"
     assert summary["conditions"]["cpu_ranks_here_s"] > 0, summary["conditions"]
+    # each rank's NIC: the veth end that holds its address (no GPU, no RDMA here), printed
+    # as a table at the start of the run and kept in summary.json
+    veth_b = veth_a.replace("kva", "kvb", 1)
+    aff = summary["affinity"]
+    for name, a in aff.items():
+        nic = veth_a if name.startswith("prefill") else veth_b
+        assert (a["nic"], a["kind"], a["gpu"], a["ucx_device"]) == (nic, "ip", "no GPU", nic), a
+        assert a["shares_switch"] is None and a["how"] == "holds the rank's address", a
+    table = out[out.index("rank       host") :]
+    for name, a in aff.items():
+        row = next(ln for ln in table.splitlines() if ln.startswith(name + " "))
+        assert a["host"] in row and "no GPU" in row and a["nic"] in row and "unknown" in row, row
+    assert out.index("rank       host") < out.index("pair "), out[-3000:]
     # per pair, GB/s against the ceiling measured in this run across the veth, and the verdict
     pairs = summary["bandwidth"]["pairs"]
     sessions, _ = hardware_sessions(s, generate_requests(s))

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from kvstage.hw.affinity import table_lines
 from kvstage.hw.bandwidth import PairFigure, bandwidth_summary, probe_pairs, verdict
 from kvstage.hw.environment import write_environment
 from kvstage.hw.launch import RunProgress, launch
@@ -62,12 +63,14 @@ def launch_run(
     rank_wrapper: list[str] | None = None,
     rejoin_grace_s: float = 0.0,
     ceiling: bool = False,
+    on_affinity: Callable[[dict], None] | None = None,
     **placement: str | None,
 ) -> RunResult:
     """Run `scenario` on real transfers, the ranks' logs and scenario.toml in `run_dir`
     (which must exist); prints nothing. `placement`: host, bind, advertise
     (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
-    `ceiling`: measure each pair's raw write ceiling before the first room (hw/bandwidth.py)."""
+    `ceiling`: measure each pair's raw write ceiling before the first room (hw/bandwidth.py);
+    `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered."""
     hw, g, c = scenario.hardware, scenario.geometry(), scenario.cluster
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
@@ -92,6 +95,7 @@ def launch_run(
         restarts=_restarts(scenario),
         on_progress=on_progress,
         probe_slots=probe_slots,
+        on_affinity=on_affinity,
         **placement,
     )
     records = merge_records(result.reports)
@@ -117,6 +121,7 @@ def launch_run(
         violations=len(violations),
         extra={
             **figures,
+            "affinity": {n: r.get("affinity") for n, r in sorted(result.reports.items())},
             "bandwidth": bandwidth_summary(records, result.reports),
             "errors": errors,
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
@@ -165,12 +170,25 @@ def run_hardware(
     with HwProgress(console, g.decode_tp, len(generate_requests(scenario))) as progress:
         if target is not None:
             launch_options["ceiling"] = True
-        result = launch_run(scenario, run_dir, on_progress=progress, **launch_options)
+        result = launch_run(
+            scenario,
+            run_dir,
+            on_progress=progress,
+            on_affinity=lambda rows: print_affinity(console, rows),
+            **launch_options,
+        )
     code = finish_run(result, run_dir, trace_format=trace_format, console=console)
     print_bandwidth(console, result.summary["bandwidth"])
     if target is not None and not _print_verdict(console, result, target):
         code = 1
     return code, run_dir
+
+
+def print_affinity(console: Console, rows: dict) -> None:
+    """Each rank's host, GPU, NUMA node and NIC, and whether GPU and NIC share a PCIe
+    switch (hw/affinity.py), as the ranks said at the rendezvous."""
+    for line in table_lines(rows):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def print_bandwidth(console: Console, bw: dict) -> None:

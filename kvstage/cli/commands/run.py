@@ -163,6 +163,12 @@ def hw(
             help="Before the first room, measure each prefill->decode pair's raw write ceiling (one large write in a slot of its own) and print each pair's achieved GB/s against it."
         ),
     ] = True,
+    nic_map: Annotated[
+        str | None,
+        typer.Option(
+            help="Each local rank's NIC, e.g. 0=mlx5_0,1=mlx5_1 (default: $KVSTAGE_NIC_MAP, else the NIC on its GPU's PCIe switch, else the interface holding its address; docs/hardware-mode.md)."
+        ),
+    ] = None,
     target: Annotated[
         float | None,
         typer.Option(
@@ -217,6 +223,7 @@ def hw(
             _fail(f"--secret-file: {exc}")
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
+    _nic_map(nic_map)
     code, _ = run_hardware(
         s,
         out=out,
@@ -234,6 +241,19 @@ def hw(
         **extra,
     )
     raise typer.Exit(code)
+
+
+def _nic_map(text: str | None) -> None:
+    """--nic-map, checked, for the ranks (they read $KVSTAGE_NIC_MAP: hw/affinity.py)."""
+    if text is None:
+        return
+    from kvstage.hw.affinity import NIC_MAP_ENV, parse_nic_map
+
+    try:
+        parse_nic_map(text)
+    except ValueError as exc:
+        _fail(str(exc))
+    os.environ[NIC_MAP_ENV] = text
 
 
 def hw_rank(
@@ -274,6 +294,12 @@ def hw_rank(
             help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET)."
         ),
     ] = None,
+    nic_map: Annotated[
+        str | None,
+        typer.Option(
+            help="Each local rank's NIC, e.g. 0=mlx5_0,1=mlx5_1 (default: $KVSTAGE_NIC_MAP, else the NIC on its GPU's PCIe switch, else the interface holding its address; docs/hardware-mode.md)."
+        ),
+    ] = None,
     rendezvous_timeout: Annotated[
         float,
         typer.Option(
@@ -286,6 +312,7 @@ def hw_rank(
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
     from kvstage.hw.rank_main import main as rank_main
 
+    _nic_map(nic_map)
     argv = [str(scenario)]
     for flag, value in (
         ("--role", role),
