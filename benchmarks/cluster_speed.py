@@ -154,7 +154,7 @@ def run(
             f"cluster.shard={'true' if shard else 'false'}",
             'workload.arrival="trace"',
             'workload.prompt="csv"',
-            f'workload.trace_csv="{trace}"',
+            f'workload.trace="{trace}"',
             f"workload.requests={n}",
             f"workload.max_prompt_tokens={MAX_PROMPT}",
             "decode.gpu_memory_gib=141",

@@ -69,6 +69,7 @@ from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, ProtocolConfig
 from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
 from kvstage.shared.prefill import PrefillMachine
+from kvstage.shared.prefix_cache import PrefixCache, cache_blocks, cached_in_chunk
 from kvstage.shared.protocol import MESSAGE_TYPES, StagingRsp
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
@@ -114,6 +115,8 @@ class RankResult:
     faults_injected: dict[str, int]
     ring_used: int  # decode: staging bytes still held at the end (0 = no leak)
     died: bool
+    prompt_tokens: int = 0  # prefill: prompt tokens of the rooms it scheduled
+    cached_tokens: int = 0  # prefill: of those, served from its prefix cache
 
     @property
     def name(self) -> str:
@@ -304,6 +307,8 @@ class RankRuntime:
         # first): when they are admitted, the machine never touches their memory
         self._released_unadmitted: set[int] = set()
         self._last_arrived = -1  # the newest room that arrived here (room ids follow arrival order)
+        # prefill: the instance's prefix cache (shared/prefix_cache.py), fresh each incarnation
+        self.prefix_cache = PrefixCache(cache_blocks(scenario)) if role == "prefill" else None
 
     def restart(self, incarnation: int, first_room: int, now: float) -> None:
         """Become this rank's next incarnation, started again at `now` after it died:
@@ -428,6 +433,8 @@ class RankRuntime:
             faults_injected=dict(self.plan.injected),
             ring_used=m.ring.used_bytes if self.role == "decode" else 0,
             died=self.dead,
+            prompt_tokens=self.prefix_cache.stats.prompt_tokens if self.prefix_cache else 0,
+            cached_tokens=self.prefix_cache.stats.cached_tokens if self.prefix_cache else 0,
         )
 
     # --- the one entry point -----------------------------------------------------------
@@ -693,6 +700,8 @@ class RankRuntime:
         except LayoutError:
             chunks = []  # the machine fails the room at open, with the reason
         mem = self._memory[req.room]
+        assert self.prefix_cache is not None
+        cached = self.prefix_cache.admit(req.hash_ids, req.prompt_tokens)
         if not chunks:  # nothing to compute: the room only opens
             mem.forwards, mem.open_only = 1, True
             self._owed.add(("forward", req.room, 0))
@@ -709,6 +718,11 @@ class RankRuntime:
                     prefix_pages + c.page_start,
                     c.num_pages,
                     c.num_pages * g.page_size,
+                    cached_in_chunk(
+                        cached,
+                        (prefix_pages + c.page_start) * g.page_size,
+                        c.num_pages * g.page_size,
+                    ),
                 )
             )
 

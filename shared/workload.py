@@ -3,10 +3,11 @@
 Both modes call `generate_requests(scenario)` and so replay the very same requests
 (docs/design.md, "Layout"): same rooms, arrival times, prompt lengths and prefixes. It
 uses its own `random.Random` instances (never the global generator) and only the
-stdlib. The only input besides the scenario is `workload.trace_csv` when the
-scenario names one: a CSV with the header arrival_s,prompt_tokens[,prefix_tokens]
-[,output_tokens] and one row per request, or a Mooncake trace (JSON Lines, a name
-ending in .jsonl: timestamp in ms, input_length, output_length) (the formats and
+stdlib. The only input besides the scenario is `workload.trace` when the scenario
+names one: a CSV (a name ending in .csv) with the header
+arrival_s,prompt_tokens[,prefix_tokens][,output_tokens] and one row per request, or a
+Mooncake trace (JSON Lines, a name ending in .jsonl: timestamp in ms, input_length,
+output_length, hash_ids) (the formats and
 their reader, `read_trace`, are shared/scenario/trace_csv.py and trace_mooncake.py;
 loading a scenario already reads it once, so a bad trace is refused when the
 scenario loads, not in the middle of a run).
@@ -17,7 +18,8 @@ Processes (`workload.arrival`), all starting with a request at t = 0:
 - burst:   groups of burst_size requests arriving together, one group every
            burst_size / rate_per_s seconds (the same mean rate as `fixed`).
 - trace:   arrival_s of the trace rows, divided by workload.trace_speedup (2: the
-           trace replayed twice as fast); at most `requests` rows (the first ones).
+           trace replayed twice as fast); every row, or the first `requests` rows
+           when workload.requests is given (`trace_rows` says how many of how many).
 
 Prompt lengths (`workload.prompt`): fixed prompt_tokens; uniform integers in
 [prompt_min, prompt_max]; lognormal with median prompt_tokens and sigma
@@ -28,6 +30,10 @@ come from the trace). Every prompt is then clamped to [1, workload.max_prompt_to
 Prefix: decode.prefix_tokens, or a row's prefix_tokens when the CSV gives one, capped
 at the prompt rounded down to a page multiple. A CSV prefix that is not page aligned
 is kept as is: the protocol must fail that room with a reason, which is worth testing.
+
+Block hash ids (Mooncake's `hash_ids`, ids of the prompt's 512-token blocks) go to the
+request when its prompt is the row's (prompt = "csv"), cut to the blocks of the
+prompt after the cap; the prefill's prefix cache (shared/prefix_cache.py) keys on them.
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ import math
 import random
 from dataclasses import dataclass
 
+from kvstage.shared.prefix_cache import BLOCK_TOKENS
 from kvstage.shared.scenario import Scenario, WorkloadConfig
 from kvstage.shared.scenario.trace_csv import TraceRow, read_trace
 
-__all__ = ["Request", "TraceRow", "generate_requests", "read_trace"]
+__all__ = ["Request", "TraceRow", "generate_requests", "read_trace", "trace_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,7 @@ class Request:
     prompt_tokens: int
     prefix_tokens: int
     output_tokens: int = 0  # tokens to generate, from a trace that says (0: not known)
+    hash_ids: tuple[int, ...] = ()  # the prompt's 512-token blocks, from a Mooncake trace
 
 
 def _arrivals(w: WorkloadConfig, n: int, rng: random.Random) -> list[float]:
@@ -88,21 +96,18 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     arrival_rng = random.Random(master.getrandbits(64))
     prompt_rng = random.Random(master.getrandbits(64))
 
-    rows = (
-        read_trace(w.trace_csv)
-        if w.trace_csv and (w.arrival == "trace" or w.prompt == "csv")
-        else []
-    )
+    rows = read_trace(w.trace) if w.uses_trace else []
     if w.arrival == "trace":
-        rows = rows[: w.requests]
+        rows = rows if w.requests is None else rows[: w.requests]
         n = len(rows)
         arrivals = [r.arrival_s / w.trace_speedup for r in rows]
     else:
+        assert w.requests is not None  # the schema fills it for generated arrivals
         n = w.requests
         arrivals = _arrivals(w, n, arrival_rng)
 
     cap = w.max_prompt_tokens
-    items: list[tuple[float, int, int, int]] = []
+    items: list[tuple[float, int, int, int, tuple[int, ...]]] = []
     for i in range(n):
         row = rows[i % len(rows)] if rows else None
         prompt = (
@@ -118,7 +123,18 @@ def generate_requests(scenario: Scenario) -> list[Request]:
             if row is not None and row.output_tokens is not None
             else w.output_tokens
         )
-        items.append((arrivals[i], prompt, prefix, output))
+        ids = row.hash_ids[: -(-prompt // BLOCK_TOKENS)] if w.prompt == "csv" and row else ()
+        items.append((arrivals[i], prompt, prefix, output, ids))
 
     items.sort(key=lambda it: it[0])  # stable: ties (bursts, trace) keep their order
     return [Request(room, *item) for room, item in enumerate(items)]
+
+
+def trace_rows(scenario: Scenario) -> tuple[int, int] | None:
+    """(rows replayed, rows in the trace) of a workload whose arrivals are a trace's,
+    else None: "N of M trace rows" (workload.requests = N < M replays the first N)."""
+    w = scenario.workload
+    if w.arrival != "trace" or not w.trace:
+        return None
+    total = len(read_trace(w.trace))
+    return (total if w.requests is None else min(w.requests, total)), total

@@ -64,10 +64,10 @@ class GroupForward:
         job = _GroupChunk(start)
         if f.chunk == 0:  # the room opens when its first chunk's forward starts
             sim._at(start - now, self._started, key)
-        if f.num_pages:
-            end = self.stream.reserve(now, sim.scenario.forward_time_s(f.tokens))
+        if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
+            end = self.stream.reserve(now, sim.scenario.forward_time_s(f.tokens - f.cached_tokens))
         else:
-            end = start  # a room with nothing to compute
+            end = start  # a room (or a chunk of a cached prefix) with nothing to compute
         sim._at(end - now, self._done, key)
         return job
 

@@ -199,12 +199,12 @@ requests = 4
 arrival = "{arrival}"
 rate_per_s = 20
 prompt = "csv"
-trace_csv = "{csv}"
+trace = "{csv}"
 """
 
 FORMAT = "arrival_s,prompt_tokens[,prefix_tokens]"
 BAD_TRACES = {
-    "missing-file": (None, ["workload.trace_csv", "gone.csv", "no such file"]),
+    "missing-file": (None, ["workload.trace", "gone.csv", "no such file"]),
     "empty-file": ("", ["trace.csv: the trace file is empty", FORMAT]),
     "only-comments": ("# nothing yet\n\n", ["trace.csv: the trace file is empty", FORMAT]),
     "header-only": (
@@ -266,7 +266,7 @@ def assert_one_trace_error(res, path, needles, run_dir) -> None:
     traceback, no run directory."""
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
-    assert f"{path}: workload.trace_csv" in res.output
+    assert f"{path}: workload.trace" in res.output
     for needle in needles:
         assert needle in res.output, res.output
     assert not run_dir.exists()

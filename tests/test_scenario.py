@@ -344,9 +344,9 @@ def test_workload_checks(tmp_path: Path) -> None:
     msg = error_of(tmp_path, MINIMAL + '[workload]\nprompt = "lognormal"\nprompt_tokens = 100000\n')
     assert "workload.prompt_tokens = 100000" in msg and "median" in msg
     msg = error_of(tmp_path, MINIMAL + '[workload]\narrival = "trace"\n')
-    assert "workload.trace_csv" in msg and "required" in msg
-    msg = error_of(tmp_path, MINIMAL + '[workload]\narrival = "trace"\ntrace_csv = "no.csv"\n')
-    assert "workload.trace_csv" in msg and "no.csv" in msg and "no such file" in msg
+    assert "workload.trace" in msg and "required" in msg
+    msg = error_of(tmp_path, MINIMAL + '[workload]\narrival = "trace"\ntrace = "no.csv"\n')
+    assert "workload.trace" in msg and "no.csv" in msg and "no such file" in msg
     msg = error_of(tmp_path, MINIMAL + "[workload]\nrequests = 0\n")
     assert "workload.requests = 0" in msg
     msg = error_of(tmp_path, MINIMAL, ("workload.rate_per_s=inf",))
@@ -482,7 +482,7 @@ ALL_KEYS = [
     "workload.arrival",
     "workload.rate_per_s",
     "workload.burst_size",
-    "workload.trace_csv",
+    "workload.trace",
     "workload.prompt",
     "workload.prompt_tokens",
     "workload.prompt_min",
@@ -581,7 +581,7 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path) -> None:
     trace.write_text("arrival_s,prompt_tokens\n0,100\n")
     s = scenario_from_dict(
         minimal(
-            workload={"arrival": "trace", "trace_csv": "t.csv"},
+            workload={"arrival": "trace", "trace": "t.csv"},
             faults={
                 "drop": {"WATERMARK": 1e-7},
                 "abort": [{"room": 3, "phase": "gather"}],
@@ -591,7 +591,7 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path) -> None:
         | {"description": 'quote " backslash \\ newline \n tab \t bell \x07 ünï'},
         tmp_path,
     )
-    assert s.workload.trace_csv == str(trace.resolve())
+    assert s.workload.trace == str(trace.resolve())
     elsewhere = tmp_path / "run"
     elsewhere.mkdir()
     again = load_scenario(write(elsewhere, s.to_toml(), "scenario.toml"))

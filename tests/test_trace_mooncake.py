@@ -1,4 +1,4 @@
-"""Mooncake traces (JSON Lines) as `workload.trace_csv`, `workload.trace_speedup`, and
+"""Mooncake traces (JSON Lines) as `workload.trace`, `workload.trace_speedup`, and
 one clear error for a bad or empty file from `validate` and `sim` alike."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def jsonl(rows: list[dict]) -> str:
 
 def test_mooncake_rows_map_to_requests(tmp_path):
     s = load_scenario(write(tmp_path, jsonl(GOOD) + "\n"))
-    rows = read_trace(s.workload.trace_csv)
+    rows = read_trace(s.workload.trace)
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.line) for r in rows] == [
         (0.0, 200, 12, 1),
         (1.5, 700, 3, 2),
@@ -54,6 +54,9 @@ def test_mooncake_rows_map_to_requests(tmp_path):
     assert [
         (r.room, r.arrival_s, r.prompt_tokens, r.prefix_tokens, r.output_tokens) for r in reqs
     ] == [(0, 0.0, 200, 0, 12), (1, 0.25, 150, 0, 0), (2, 1.5, 700, 0, 3)]
+    # hash_ids: the rows' block ids, kept in row order
+    assert [r.hash_ids for r in rows] == [(0,), (0, 1), ()]
+    assert [r.hash_ids for r in reqs] == [(0,), (), (0, 1)]
 
 
 def test_trace_speedup_divides_the_arrivals(tmp_path):
@@ -95,6 +98,14 @@ BAD = {
         '{"timestamp": 0, "input_length": 5, "hash_ids": [1, "a"]}\n',
         ["hash_ids", "list of integers"],
     ),
+    "hash-ids-not-a-list": (
+        '{"timestamp": 0, "input_length": 5, "hash_ids": 7}\n',
+        ["trace.jsonl:1: hash_ids = 7: expected a list of integers"],
+    ),
+    "hash-ids-floats": (
+        '{"timestamp": 0, "input_length": 5, "hash_ids": [1.5]}\n',
+        ["trace.jsonl:1: hash_ids = [1.5]: expected a list of integers"],
+    ),
 }
 
 
@@ -116,3 +127,30 @@ def test_good_mooncake_trace_simulates(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["requests_done"] == 3 and summary["requests_failed"] == 0
+    # the scenario asks for 4 requests of a 3-row trace: all 3 replayed, and said
+    assert (summary["trace_rows_replayed"], summary["trace_rows"]) == (3, 3)
+    assert "3 of 3 trace rows" in res.output
+    # row 2 (700 tokens, blocks 0, 1) finds block 0 of row 1 cached: 512 tokens
+    assert summary["prefix_hit_fraction"] == pytest.approx(512 / (200 + 150 + 700))
+    assert "prefix cache hits" in res.output
+
+
+def test_n_of_m_trace_rows_in_the_summary(tmp_path):
+    path = write(tmp_path, jsonl(GOOD))
+    res = CliRunner().invoke(
+        app,
+        [
+            "sim",
+            str(path),
+            "--set",
+            "workload.requests=2",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+        env=WIDE,
+    )
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["trace_rows_replayed"], summary["trace_rows"]) == (2, 3)
+    assert summary["requests"] == 2 and "2 of 3 trace rows" in res.output

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
-from kvstage.shared.workload import Request, generate_requests, read_trace
+from kvstage.shared.workload import Request, generate_requests, read_trace, trace_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,7 +204,7 @@ def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
         requests=100,
         arrival="trace",
         prompt="csv",
-        trace_csv="trace.csv",
+        trace="trace.csv",
     )
     reqs = generate_requests(s)
     check_basic(reqs, 4)
@@ -216,7 +216,7 @@ def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
     ]
     # At most `requests` rows, the first ones of the file.
     reqs = generate_requests(
-        scenario(tmp_path, requests=2, arrival="trace", prompt="csv", trace_csv="trace.csv")
+        scenario(tmp_path, requests=2, arrival="trace", prompt="csv", trace="trace.csv")
     )
     assert [r.arrival_s for r in reqs] == [0.0, 0.5]
 
@@ -224,9 +224,7 @@ def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
 def test_trace_arrivals_with_sampled_prompts(tmp_path: Path) -> None:
     write_trace(tmp_path)
     reqs = generate_requests(
-        scenario(
-            tmp_path, arrival="trace", trace_csv="trace.csv", prompt="fixed", prompt_tokens=777
-        )
+        scenario(tmp_path, arrival="trace", trace="trace.csv", prompt="fixed", prompt_tokens=777)
     )
     assert [r.prompt_tokens for r in reqs] == [777] * 4
 
@@ -240,7 +238,7 @@ def test_csv_prompts_with_generated_arrivals_cycle(tmp_path: Path) -> None:
             arrival="fixed",
             rate_per_s=1.0,
             prompt="csv",
-            trace_csv="trace.csv",
+            trace="trace.csv",
         )
     )
     assert [r.prompt_tokens for r in reqs] == [1000, 2000, 300, 4000, 1000, 2000]
@@ -281,13 +279,13 @@ def test_bad_trace(tmp_path: Path, text: str, expected: str) -> None:
     path = write_trace(tmp_path, text)
     # Loading the scenario reads the trace: a bad one never gets to a run.
     with pytest.raises(ScenarioError) as info:
-        scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+        scenario(tmp_path, arrival="trace", trace="trace.csv")
     assert expected in str(info.value)
-    assert str(info.value).startswith("workload.trace_csv: ")
-    assert info.value.field == "workload.trace_csv"
+    assert str(info.value).startswith("workload.trace: ")
+    assert info.value.field == "workload.trace"
     # ... also when only the prompts come from it
-    with pytest.raises(ScenarioError, match="workload.trace_csv"):
-        scenario(tmp_path, arrival="fixed", prompt="csv", trace_csv="trace.csv")
+    with pytest.raises(ScenarioError, match="workload.trace"):
+        scenario(tmp_path, arrival="fixed", prompt="csv", trace="trace.csv")
     # The reader alone says the same.
     with pytest.raises(ScenarioError) as direct:
         read_trace(path)
@@ -299,25 +297,25 @@ def test_bad_trace_named_in_a_scenario_file(tmp_path: Path) -> None:
     path = tmp_path / "s.toml"
     path.write_text(
         '[model]\npreset = "llama-3-8b"\n[prefill]\ntp = 4\n[decode]\ntp = 2\n'
-        '[workload]\narrival = "trace"\ntrace_csv = "trace.csv"\n'
+        '[workload]\narrival = "trace"\ntrace = "trace.csv"\n'
     )
     with pytest.raises(ScenarioError) as info:
         load_scenario(path)
     message = str(info.value)
-    assert message.startswith(f"{path}: workload.trace_csv: {tmp_path / 'trace.csv'}:3: ")
+    assert message.startswith(f"{path}: workload.trace: {tmp_path / 'trace.csv'}:3: ")
     assert "prompt_tokens = 'many': expected an integer >= 1" in message
 
 
 def test_unused_trace_is_not_read(tmp_path: Path) -> None:
     write_trace(tmp_path, "not a trace at all\n")
-    s = scenario(tmp_path, arrival="fixed", prompt="fixed", trace_csv="trace.csv")
+    s = scenario(tmp_path, arrival="fixed", prompt="fixed", trace="trace.csv")
     assert len(generate_requests(s)) == s.workload.requests
 
 
 def test_trace_with_byte_order_mark_and_unsorted_rows(tmp_path: Path) -> None:
     write_trace(tmp_path, "\ufeffprompt_tokens,arrival_s\n300,2.0\n100,0.5\n200,0.5\n")
     reqs = generate_requests(
-        scenario(tmp_path, requests=10, arrival="trace", prompt="csv", trace_csv="trace.csv")
+        scenario(tmp_path, requests=10, arrival="trace", prompt="csv", trace="trace.csv")
     )
     # rows need not be sorted; ties keep file order
     assert [(r.arrival_s, r.prompt_tokens) for r in reqs] == [(0.5, 100), (0.5, 200), (2.0, 300)]
@@ -327,11 +325,11 @@ def test_missing_trace(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="no such trace file"):
         read_trace(tmp_path / "gone.csv")
     # The loader already refuses a scenario naming a missing trace.
-    with pytest.raises(ScenarioError, match="workload.trace_csv"):
-        scenario(tmp_path, arrival="trace", trace_csv="gone.csv")
+    with pytest.raises(ScenarioError, match="workload.trace"):
+        scenario(tmp_path, arrival="trace", trace="gone.csv")
     # And the generator says so if it disappears after loading.
     path = write_trace(tmp_path)
-    s = scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+    s = scenario(tmp_path, arrival="trace", trace="trace.csv")
     path.unlink()
     with pytest.raises(ScenarioError, match="trace.csv"):
         generate_requests(s)
@@ -402,3 +400,55 @@ def test_generated_lists_are_well_formed(
             assert r.prompt_tokens <= cap
         if prompt != "fixed" and cap is None:
             assert lo <= r.prompt_tokens <= hi
+
+
+# --------------------------------------------------------------------------- whole traces
+
+
+def long_trace(tmp_path: Path, rows: int = 40) -> Path:
+    return write_trace(
+        tmp_path,
+        "arrival_s,prompt_tokens\n" + "".join(f"{i / 10},{100 + i}\n" for i in range(rows)),
+    )
+
+
+def test_every_trace_row_replayed_without_requests(tmp_path: Path) -> None:
+    long_trace(tmp_path)
+    s = scenario(tmp_path, arrival="trace", prompt="csv", trace="trace.csv")
+    assert s.workload.requests is None
+    reqs = generate_requests(s)
+    check_basic(reqs, 40)  # not the 16 a generated workload defaults to
+    assert [r.prompt_tokens for r in reqs] == [100 + i for i in range(40)]
+    assert trace_rows(s) == (40, 40)
+    # generated arrivals still default to 16, written out (a resolved scenario says so)
+    g = scenario(tmp_path, arrival="poisson")
+    assert g.workload.requests == 16 and len(generate_requests(g)) == 16
+    assert trace_rows(g) is None
+
+
+def test_requests_replays_the_first_rows_n_of_m(tmp_path: Path) -> None:
+    long_trace(tmp_path)
+    s = scenario(tmp_path, requests=7, arrival="trace", prompt="csv", trace="trace.csv")
+    assert [r.prompt_tokens for r in generate_requests(s)] == [100 + i for i in range(7)]
+    assert trace_rows(s) == (7, 40)
+    big = scenario(tmp_path, requests=100, arrival="trace", prompt="csv", trace="trace.csv")
+    assert trace_rows(big) == (40, 40)
+
+
+def test_the_old_name_trace_csv_is_refused_in_one_line(tmp_path: Path) -> None:
+    write_trace(tmp_path)
+    with pytest.raises(ScenarioError) as info:
+        scenario(tmp_path, arrival="trace", trace_csv="trace.csv")
+    message = str(info.value)
+    assert "\n" not in message and "workload.trace_csv" in message
+    assert "renamed workload.trace" in message
+
+
+@pytest.mark.parametrize("name", ["trace.parquet", "trace.json", "trace"])
+def test_a_trace_of_another_type_is_refused(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).write_text("arrival_s,prompt_tokens\n0,100\n")
+    with pytest.raises(ScenarioError) as info:
+        scenario(tmp_path, arrival="trace", trace=name)
+    message = str(info.value)
+    assert message.startswith("workload.trace: ") and "\n" not in message
+    assert "a trace file of type" in message and ".csv" in message and ".jsonl" in message

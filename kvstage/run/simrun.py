@@ -14,6 +14,7 @@ from kvstage.run.result import RunResult, finish_run
 from kvstage.run.rundir import make_run_dir
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.workload import trace_rows
 from kvstage.sim.shard import simulate_scenario
 
 
@@ -51,7 +52,8 @@ def run_simulation(
     (`finish_run`): 0 if no invariant broke and the failed rooms are the ones the
     scenario's [expect] allows (none without one), else 1."""
     console = console or Console()
-    total = scenario.workload.requests
+    rows = trace_rows(scenario)  # a trace without workload.requests replays every row
+    total = rows[0] if rows else scenario.workload.requests or 0
     bar = Progress(
         TextColumn("[bold]simulating[/] {task.description}"),
         BarColumn(),

@@ -17,7 +17,7 @@ from kvstage.run.expect import group_failures
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
-from kvstage.shared.workload import Request, generate_requests
+from kvstage.shared.workload import Request, generate_requests, trace_rows
 
 if TYPE_CHECKING:
     from kvstage.sim.driver import SimResult
@@ -59,11 +59,21 @@ def run_summary(
             "dropped_messages": sum(r.dropped for r in ranks),
             "ring_used_at_end": {str(r.rank): r.ring_used for r in ranks if r.role == "decode"},
             "ranks_died": sorted(r.name for r in ranks if r.died),
+            # prompt tokens the prefill's prefix cache served / prompt tokens (shared/prefix_cache.py)
+            "prefix_hit_fraction": _prefix_hit_fraction(ranks),
         }
     )
+    rows = trace_rows(scenario)
+    if rows is not None:  # "N of M trace rows"
+        summary["trace_rows_replayed"], summary["trace_rows"] = rows
     summary.update(capacity_figures(scenario, rooms, summary, requests=requests))
     summary.update(extra or {})
     return summary
+
+
+def _prefix_hit_fraction(ranks: Sequence[RankResult]) -> float:
+    prompt = sum(r.prompt_tokens for r in ranks if r.role == "prefill")
+    return sum(r.cached_tokens for r in ranks if r.role == "prefill") / prompt if prompt else 0.0
 
 
 def simulation_summary(scenario: Scenario, result: SimResult) -> dict[str, Any]:

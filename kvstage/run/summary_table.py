@@ -64,6 +64,14 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
                 f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}"
             )
     _capacity_rows(t, summary)
+    if "trace_rows" in summary:
+        t.add_row(
+            "trace", f"{summary['trace_rows_replayed']:,} of {summary['trace_rows']:,} trace rows"
+        )
+    if summary.get("prefix_hit_fraction") or "trace_rows" in summary:
+        t.add_row(
+            "prefix cache hits (prompt tokens cached)", f"{summary['prefix_hit_fraction']:.1%}"
+        )
     t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
     t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))

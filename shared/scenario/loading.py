@@ -4,7 +4,7 @@
 Every failure -- a missing file, a TOML syntax error, an override naming no field,
 any schema problem, a bad trace CSV -- is raised as one ScenarioError (errors.py).
 File reads are this module's job; the schema itself reads only the profile file it
-names. A scenario whose workload uses `workload.trace_csv` has that file read here
+names. A scenario whose workload uses `workload.trace` has that file read here
 (trace_csv.py), so a bad trace fails the load, not the run.
 """
 
@@ -53,13 +53,13 @@ def scenario_from_dict(
 def _check_trace(scenario: Scenario, source: str | None) -> None:
     """Read the workload's trace CSV once, so that a bad one is a load error."""
     w = scenario.workload
-    if not w.trace_csv or not (w.arrival == "trace" or w.prompt == "csv"):
+    if not w.uses_trace:
         return
     try:
-        read_trace(w.trace_csv)
+        read_trace(w.trace)
     except ScenarioError as exc:
         prefix = f"{source}: " if source else ""
-        raise ScenarioError(f"{prefix}workload.trace_csv: {exc}", "workload.trace_csv") from None
+        raise ScenarioError(f"{prefix}workload.trace: {exc}", "workload.trace") from None
 
 
 def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:

@@ -359,19 +359,26 @@ class LinksConfig(_ProfileNumbers):
         return r
 
 
+# requests of a workload whose arrivals are generated (not a trace), when not given
+GENERATED_REQUESTS = 16
+
+
 class WorkloadConfig(_Table):
     """[workload]: how many requests, when they arrive and how long their prompts are.
 
     See `shared.workload.generate_requests` for the exact processes.
     """
 
-    requests: PosInt = 16
+    # None (arrival = "trace" only): every row of the trace; other arrivals default to
+    # GENERATED_REQUESTS (filled in before validation, so a resolved scenario says it)
+    requests: PosInt | None = None
     arrival: Literal["poisson", "fixed", "burst", "trace"] = "poisson"
     rate_per_s: PosFloat = 2.0
     burst_size: PosInt = 8
-    # a CSV with columns arrival_s,prompt_tokens[,prefix_tokens][,output_tokens], or a
-    # Mooncake trace (JSON Lines, a name ending in .jsonl); see shared/scenario/trace_csv.py
-    trace_csv: str | None = None
+    # a CSV (a name ending in .csv) with columns
+    # arrival_s,prompt_tokens[,prefix_tokens][,output_tokens], or a Mooncake trace (JSON
+    # Lines, a name ending in .jsonl); see shared/scenario/trace_csv.py
+    trace: str | None = None
     trace_speedup: PosFloat = 1.0  # trace arrival times are divided by it (2: twice as fast)
     prompt: Literal["fixed", "uniform", "lognormal", "csv"] = "fixed"
     prompt_tokens: PosInt = 8192  # fixed length; lognormal median
@@ -388,16 +395,33 @@ class WorkloadConfig(_Table):
     @model_validator(mode="before")
     @classmethod
     def _anchor_trace(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "trace_csv" in data:
+            # Refused, not aliased: the name lied (it also reads .jsonl), and a trace
+            # without `requests` now replays every row, not 16: an old file should be
+            # looked at once, not silently run differently.
+            raise _FieldProblem(
+                {"trace_csv": data["trace_csv"]},
+                "renamed workload.trace (a .csv or a Mooncake .jsonl); note that without "
+                "workload.requests every trace row is replayed",
+            )
+        if data.get("requests") is None and data.get("arrival", "poisson") != "trace":
+            data = {**data, "requests": GENERATED_REQUESTS}
         # A relative trace path means relative to the scenario file, so the resolved
         # scenario (and its run-directory copy) holds an absolute path.
-        if isinstance(data, dict) and isinstance(data.get("trace_csv"), str):
+        if isinstance(data.get("trace"), str) and data["trace"]:
             base_dir = (info.context or {}).get("base_dir")
-            p = Path(data["trace_csv"]).expanduser()
+            p = Path(data["trace"]).expanduser()
             if not p.is_absolute() and base_dir is not None:
                 p = Path(base_dir) / p
-            if data["trace_csv"]:
-                data = {**data, "trace_csv": str(p.resolve())}
+            data = {**data, "trace": str(p.resolve())}
         return data
+
+    @property
+    def uses_trace(self) -> bool:
+        """Whether requests come from the trace file (its arrivals or its prompts)."""
+        return bool(self.trace) and (self.arrival == "trace" or self.prompt == "csv")
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkloadConfig:
@@ -414,16 +438,16 @@ class WorkloadConfig(_Table):
                 f"the lognormal median must lie in [prompt_min, prompt_max] = "
                 f"[{self.prompt_min}, {self.prompt_max}]",
             )
-        needs_csv = self.arrival == "trace" or self.prompt == "csv"
-        if needs_csv and not self.trace_csv:
+        needs_trace = self.arrival == "trace" or self.prompt == "csv"
+        if needs_trace and not self.trace:
             raise _FieldProblem(
-                {"trace_csv": self.trace_csv},
+                {"trace": self.trace},
                 'required when arrival = "trace" or prompt = "csv" '
-                "(a CSV with columns arrival_s,prompt_tokens[,prefix_tokens], or a Mooncake "
-                "trace: JSON Lines, a name ending in .jsonl)",
+                "(a CSV ending in .csv with columns arrival_s,prompt_tokens[,prefix_tokens]"
+                "[,output_tokens], or a Mooncake trace: JSON Lines, a name ending in .jsonl)",
             )
-        if needs_csv and self.trace_csv and not Path(self.trace_csv).is_file():
-            raise _FieldProblem({"trace_csv": self.trace_csv}, "no such file")
+        if needs_trace and self.trace and not Path(self.trace).is_file():
+            raise _FieldProblem({"trace": self.trace}, "no such file")
         return self
 
 
@@ -638,7 +662,8 @@ class Scenario(_Table):
                 if key in data["model"]:
                     data["model"][key] = data["model"][key] * sd.layers / self.model.layers
         if sd.requests is not None:
-            data["workload"]["requests"] = min(self.workload.requests, sd.requests)
+            given = self.workload.requests  # None: every trace row
+            data["workload"]["requests"] = sd.requests if given is None else min(given, sd.requests)
         if sd.max_prompt_tokens is not None:
             cap = sd.max_prompt_tokens
             w = data["workload"]

@@ -1,8 +1,9 @@
-"""The trace file of `workload.trace_csv`: its CSV format and the reader of both formats.
+"""The trace file of `workload.trace`: its CSV format and the reader of both formats.
 
 A file whose name ends in `.jsonl` is a Mooncake trace (JSON Lines, its reader and
-format in trace_mooncake.py); any other is a CSV in this format (the workload
-generator, shared/workload.py, says how rows are used):
+format in trace_mooncake.py); one ending in `.csv` is a CSV in this format (the
+workload generator, shared/workload.py, says how rows are used); any other name is
+refused, naming the two allowed:
 
 - the first line that is not blank and not a `#` comment is the header: the columns
   arrival_s and prompt_tokens, optionally prefix_tokens and output_tokens, in any
@@ -31,7 +32,7 @@ from typing import Any
 
 from kvstage.shared.scenario.errors import ScenarioError
 
-__all__ = ["TRACE_COLUMNS", "TraceRow", "read_trace"]
+__all__ = ["TRACE_COLUMNS", "TRACE_SUFFIXES", "TraceRow", "read_trace"]
 
 TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens", "output_tokens")
 _REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens")
@@ -47,6 +48,8 @@ class TraceRow:
     prefix_tokens: int | None
     line: int
     output_tokens: int | None = None  # tokens generated, when the trace says
+    # ids of the prompt's 512-token blocks (Mooncake traces; shared/prefix_cache.py)
+    hash_ids: tuple[int, ...] = ()
 
 
 def _parse_int(text: str, column: str, where: str, minimum: int) -> int:
@@ -153,22 +156,31 @@ def _rows(reader: Any, p: Path) -> list[TraceRow]:
     return rows
 
 
-def read_trace(path: str | Path) -> list[TraceRow]:
-    """Rows of a trace file: Mooncake JSON Lines when its name ends in `.jsonl`, else a
-    CSV (the format is this module's docstring).
+TRACE_SUFFIXES = (".csv", ".jsonl")
 
-    Any problem -- a missing or unreadable file, an empty one, a bad header, a bad
-    row -- raises one ScenarioError naming the file and line.
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """Rows of a trace file: Mooncake JSON Lines when its name ends in `.jsonl`, a CSV
+    when it ends in `.csv` (the format is this module's docstring).
+
+    Any problem -- a name of another type, a missing or unreadable file, an empty one,
+    a bad header, a bad row -- raises one ScenarioError naming the file and line.
     """
     p = Path(path)
-    if p.suffix.lower() == ".jsonl":
+    suffix = p.suffix.lower()
+    if suffix not in TRACE_SUFFIXES:
+        raise ScenarioError(
+            f"{p}: a trace file of type {suffix or '(none)'!r}; allowed: a CSV ({_FORMAT}) "
+            "ending in .csv, or a Mooncake trace (JSON Lines) ending in .jsonl"
+        )
+    if suffix == ".jsonl":
         from kvstage.shared.scenario.trace_mooncake import read_mooncake  # it imports TraceRow
 
         return read_mooncake(p)
     try:
         fh = p.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such trace file (workload.trace_csv)") from None
+        raise ScenarioError(f"{p}: no such trace file (workload.trace)") from None
     except OSError as exc:
         raise ScenarioError(f"{p}: cannot read trace: {exc}") from None
     with fh:

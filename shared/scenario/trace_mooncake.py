@@ -1,4 +1,4 @@
-"""The Mooncake trace format (JSON Lines) of `workload.trace_csv`: its reader.
+"""The Mooncake trace format (JSON Lines) of `workload.trace`: its reader.
 
 Mooncake's published traces (and SGLang's and others' benchmark tools that replay
 them) hold one JSON object per line:
@@ -10,10 +10,13 @@ them) hold one JSON object per line:
 - `input_length`: the prompt in tokens (an integer >= 1) -> prompt_tokens;
 - `output_length` (optional): the tokens generated (an integer >= 0) -> the request's
   output_tokens (the decode side generates them: TPOT, KV held until the last token);
-- `hash_ids` (optional): ids of the prompt's 512-token blocks, for prefix-cache reuse
-  on the prefill side. Checked (a list of integers) but not mapped: this project's
-  prefix (`decode.prefix_tokens`) is a prefix the *decode* already holds, which
-  shortens the transfer; a prefill-side cache hit does not.
+- `hash_ids` (optional): ids of the prompt's 512-token blocks, block i holding tokens
+  [512 i, 512 (i + 1)) (the last one may be partial), each id naming the block's
+  content after the same prefix, so two prompts share a prefix exactly as far as
+  their leading ids agree -> the request's hash_ids, which the prefill instance's
+  prefix cache looks up (shared/prefix_cache.py: cached tokens skip the forward).
+  That is not `decode.prefix_tokens`, a prefix the *decode* already holds, which
+  shortens the transfer; a prefill-side hit does not (docs/prefix-reuse.md).
 Other keys are ignored. Blank lines are skipped; lines need not be sorted.
 
 A file is read in this format when its name ends in `.jsonl` (`read_trace` in
@@ -68,11 +71,13 @@ def _row(obj: Any, where: str, line: int) -> TraceRow:
     ids = obj.get("hash_ids", [])
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise ScenarioError(
-            f"{where}: hash_ids = {json.dumps(ids)[:60]}: expected a list of integers"
+            f"{where}: hash_ids = {json.dumps(ids)[:60]}: expected a list of integers "
+            "(one id per 512-token block of the prompt)"
         )
     prompt = _int(obj, "input_length", where, 1)
     assert prompt is not None
-    return TraceRow(ts / 1000.0, prompt, None, line, _int(obj, "output_length", where, 0))
+    output = _int(obj, "output_length", where, 0)
+    return TraceRow(ts / 1000.0, prompt, None, line, output, tuple(ids))
 
 
 def read_mooncake(p: Path) -> list[TraceRow]:
@@ -80,7 +85,7 @@ def read_mooncake(p: Path) -> list[TraceRow]:
     try:
         text = p.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such trace file (workload.trace_csv)") from None
+        raise ScenarioError(f"{p}: no such trace file (workload.trace)") from None
     except UnicodeDecodeError as exc:
         raise ScenarioError(f"{p}: not UTF-8 text: {exc}") from None
     except OSError as exc:

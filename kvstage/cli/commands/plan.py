@@ -140,7 +140,7 @@ def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> N
     if (
         {"tpot_s", "e2e_s"} & set(cands.targets)
         and not s.workload.output_tokens
-        and not s.workload.trace_csv
+        and not s.workload.trace
     ):
         console.print(
             "note: workload.output_tokens is 0: no request has a TPOT or end-to-end figure, so those "
