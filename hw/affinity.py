@@ -277,6 +277,9 @@ class Affinity:
     shares_switch: bool | None
     ucx_device: str | None  # what UCX_NET_DEVICES is (None: not set by kvstage)
     local_rank: int | None = None
+    # the NIC's link rate, GB/s: an RDMA port's rate, a PCI NIC's speed; None where sysfs
+    # does not say, or the device is virtual (a veth's "speed" is nominal, not a limit)
+    link_gbs: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,6 +388,7 @@ def rank_affinity(
         shares_switch=shares_switch(gpu.pci if gpu else None, nic.pci if nic else None),
         ucx_device=ucx,
         local_rank=local_rank,
+        link_gbs=nic.speed_gbs if nic is not None and nic.pci is not None else None,
     )
 
 

@@ -11,6 +11,12 @@
   not counted against it), in GB/s (10^9 bytes per second) everywhere.
 - **Verdict** (`kvstage hw --target F`): PASS when every pair achieved at least F of
   its own ceiling, naming the lowest pair either way.
+- **Limit** (`limits`): per host, the bytes its busiest NIC moved (counters) over the
+  time the writes touching that host were busy, against the NIC's link rate (the
+  ranks' affinity records, hw/affinity.py): at NIC_BOUND of the link or more the NIC
+  was the limit; below, the engine was (its writes reached the given share of the
+  engine's own ceiling). A virtual device (veth, loopback) has no link rate: the
+  engine, and the host's CPUs that copy for it, are the limit there.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ PROBE_WRITES = 3
 PROBE_SLOT_S = 0.25  # one pair's slot: the warm-up and the writes, at >= 1 GB/s for 64 MiB x 3
 WRITE_PHASES = ("write", "slice_write")
 GB = 1e9
+NIC_BOUND = 0.8  # [A] a NIC carrying >= 80% of its link rate while busy is the limit
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -168,4 +175,81 @@ def bandwidth_summary(
         host = r.get("host", "?")
         if host not in nic and r.get("nic") is not None:
             nic[host] = {"read_by": name, "devices": r.get("nic") or {}}
-    return {"unit": "GB/s (1e9 bytes/s)", "pairs": pairs, "ranks": ranks, "nic": nic}
+    return {
+        "unit": "GB/s (1e9 bytes/s)",
+        "pairs": pairs,
+        "ranks": ranks,
+        "nic": nic,
+        "limits": limits(records, reports, nic, pairs),
+    }
+
+
+def _host_busy_s(records: list[Any], reports: Mapping[str, Mapping[str, Any]], host: str) -> float:
+    """How long writes from or to a rank on `host` were busy (the union of their rows)."""
+    here = {n for n, r in reports.items() if r.get("host") == host}
+    return busy_seconds(
+        (r.start, r.end)
+        for r in records
+        if r.role == "prefill"
+        and r.phase in WRITE_PHASES
+        and r.end > r.start
+        and (f"prefill{r.rank}" in here or f"decode{r.peer}" in here)
+    )
+
+
+def limits(
+    records: list[Any],
+    reports: Mapping[str, Mapping[str, Any]],
+    nic: Mapping[str, Any],
+    pairs: list[dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Per host: its busiest NIC's GB/s while the writes were busy, the link rate, and
+    which was the limit, "nic" or "engine" (see the module docstring)."""
+    ratios = [p["ratio"] for p in pairs if p.get("ratio") is not None]
+    out = {}
+    for host, n in sorted(nic.items()):
+        devices = n.get("devices") or {}
+        if not devices:
+            continue
+        dev = max(devices, key=lambda d: max(devices[d]["tx_bytes"], devices[d]["rx_bytes"]))
+        moved = max(devices[dev]["tx_bytes"], devices[dev]["rx_bytes"])
+        busy = _host_busy_s(records, reports, host)
+        links = [
+            (r.get("affinity") or {}).get("link_gbs")
+            for r in reports.values()
+            if r.get("host") == host and (r.get("affinity") or {}).get("nic") == dev.split("/")[0]
+        ]
+        link = next((x for x in links if x), None)
+        gbs = moved / busy / GB if busy > 0 else 0.0
+        out[host] = {
+            "device": dev,
+            "bytes": moved,
+            "busy_s": round(busy, 6),
+            "nic_gbs": round(gbs, 4),
+            "link_gbs": link,
+            "limit": "nic" if link and gbs >= NIC_BOUND * link else "engine",
+            "lowest_of_ceiling": round(min(ratios), 4) if ratios else None,
+        }
+    return out
+
+
+def limit_lines(lims: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per host: what carried the bytes and whether the NIC or the engine was the limit."""
+    out = []
+    for host, x in lims.items():
+        link = (
+            f"{x['nic_gbs'] / x['link_gbs']:.0%} of its {x['link_gbs']:.2f} GB/s link"
+            if x["link_gbs"]
+            else "no link rate (a virtual device, or sysfs does not say)"
+        )
+        ceiling = (
+            f"; the writes reached {x['lowest_of_ceiling']:.0%} of the engine's ceiling (lowest pair)"
+            if x["lowest_of_ceiling"] is not None
+            else ""
+        )
+        who = "the NIC" if x["limit"] == "nic" else "the engine, not the NIC"
+        out.append(
+            f"limit on {host}: {who}: {x['device']} carried {x['nic_gbs']:.2f} GB/s while the writes "
+            f"were busy, {link}{ceiling}"
+        )
+    return out

@@ -17,7 +17,9 @@ from kvstage.hw.bandwidth import (
     PROBE_MIN_BYTES,
     PairFigure,
     achieved_by_pair,
+    bandwidth_summary,
     busy_seconds,
+    limit_lines,
     probe_bytes,
     verdict,
 )
@@ -121,3 +123,46 @@ def test_kvstage_hw_reports_pairs_against_their_ceiling_and_exits_by_the_verdict
     env_text = (out / "environment.json").read_text()
     assert json.loads(env_text)["versions"]["nixl"]
     assert (out / "run.secret").read_text().strip() not in env_text  # never the secret
+
+
+def _reports(link_gbs, tx_bytes):
+    """Two hosts: prefill0 on A writes to decode0 on B; A's NIC counters say `tx_bytes`."""
+    aff = {"nic": "mlx5_0", "link_gbs": link_gbs}
+    return {
+        "prefill0": {
+            "host": "A",
+            "affinity": aff,
+            "ceiling": {"decode0": {"gbs": 40.0}},
+            "nic": {"mlx5_0/1": {"tx_bytes": tx_bytes, "rx_bytes": 10}},
+        },
+        "decode0": {"host": "B", "affinity": aff, "nic": {}},
+    }
+
+
+def test_the_nic_or_the_engine_is_named_as_the_limit() -> None:
+    # 4 GB in two busy seconds (a 1 s gap between the writes does not count): 2 GB/s achieved
+    records = [_write(0, 0, 0.0, 1.0, 2 * 10**9), _write(0, 0, 2.0, 3.0, 2 * 10**9)]
+    # a 2.5 GB/s link carrying 4 GB in 2 busy seconds: 80% of the link, the NIC is the limit
+    bw = bandwidth_summary(records, _reports(2.5, 4 * 10**9))
+    lim = bw["limits"]["A"]
+    assert (lim["device"], lim["busy_s"], lim["nic_gbs"], lim["limit"]) == (
+        "mlx5_0/1",
+        2.0,
+        2.0,
+        "nic",
+    )
+    assert lim["lowest_of_ceiling"] == 0.05  # 2 of the 40 GB/s ceiling
+    line = limit_lines(bw["limits"])[0]
+    assert (
+        line.startswith("limit on A: the NIC: mlx5_0/1 carried 2.00 GB/s")
+        and "80% of its 2.50 GB/s link" in line
+    )
+    # the same bytes on a 50 GB/s link: 4% of it, so the engine was the limit
+    bw = bandwidth_summary(records, _reports(50.0, 4 * 10**9))
+    assert bw["limits"]["A"]["limit"] == "engine"
+    assert "the engine, not the NIC" in limit_lines(bw["limits"])[0]
+    # a veth: no link rate, said so; the engine (and the CPUs copying for it) is the limit
+    bw = bandwidth_summary(records, _reports(None, 4 * 10**9))
+    assert bw["limits"]["A"]["limit"] == "engine" and bw["limits"]["A"]["link_gbs"] is None
+    assert "no link rate" in limit_lines(bw["limits"])[0]
+    assert bw["unit"].startswith("GB/s")

@@ -12,7 +12,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvstage.hw.affinity import table_lines
-from kvstage.hw.bandwidth import PairFigure, bandwidth_summary, probe_pairs, verdict
+from kvstage.hw.bandwidth import (
+    PairFigure,
+    bandwidth_summary,
+    limit_lines,
+    probe_pairs,
+    verdict,
+)
 from kvstage.hw.environment import write_environment
 from kvstage.hw.launch import RunProgress, launch
 from kvstage.hw.merge import clock_tolerance, hardware_figures, merge_records
@@ -179,6 +185,8 @@ def run_hardware(
         )
     code = finish_run(result, run_dir, trace_format=trace_format, console=console)
     print_bandwidth(console, result.summary["bandwidth"])
+    for line in limit_lines(result.summary["bandwidth"].get("limits") or {}):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     if target is not None and not _print_verdict(console, result, target):
         code = 1
     return code, run_dir
