@@ -138,6 +138,8 @@ class InstanceLoad:
     outstanding: int  # rooms routed to it that have not ended there
     free_ring_bytes: int = 0  # decode: the least free staging ring over its ranks
     free_kv_pages: int = 0  # decode: the least free KV pages over its ranks
+    # prefill, cache-aware: leading blocks of the arriving request in its prefix cache
+    cached_blocks: int = 0
 
 
 class Router:
@@ -176,6 +178,8 @@ class Router:
         """How a load-aware policy ranks an instance: the least key wins."""
         if role == "decode" and self.policy == "staging-aware":
             return -min(load.free_ring_bytes, 1 << 62), -load.free_kv_pages, load.outstanding
+        if role == "prefill" and self.policy == "cache-aware":
+            return -load.cached_blocks, load.outstanding
         return (load.outstanding,)
 
 

@@ -11,11 +11,13 @@ that rail, of whichever instance, shares that NIC through the fair fabric.
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from dataclasses import replace
 
 from kvstage.shared.cluster import InstanceLoad, Router, Sessions, least
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.scenario.profiles import ResolvedLinks
+from kvstage.shared.workload import Request
 from kvstage.sim.links import Fabric
 
 __all__ = ["LiveLoads", "cluster_nics"]
@@ -109,9 +111,9 @@ class LiveLoads:
             ]
             for role, ranks, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp))
         }
+        self._loads = {role: [_load(g) for g in groups] for role, groups in self._groups.items()}
         self._keys = {
-            role: [router.key(role, _load(g)) for g in groups]
-            for role, groups in self._groups.items()
+            role: [router.key(role, x) for x in loads] for role, loads in self._loads.items()
         }
         self._dirty: set[RankRuntime] = set()
 
@@ -119,10 +121,25 @@ class LiveLoads:
         """`rt` handled an event or got a room: its instance's load may have moved."""
         self._dirty.add(rt)
 
-    def route(self) -> tuple[int, int]:
+    def route(self, request: Request | None = None) -> tuple[int, int]:
         """(prefill instance, decode instance) for the request arriving now."""
         for rt in self._dirty:
             i = rt.instance
-            self._keys[rt.role][i] = self._router.key(rt.role, _load(self._groups[rt.role][i]))
+            load = self._loads[rt.role][i] = _load(self._groups[rt.role][i])
+            self._keys[rt.role][i] = self._router.key(rt.role, load)
         self._dirty.clear()
-        return least(self._keys["prefill"]), least(self._keys["decode"])
+        prefill = self._keys["prefill"]
+        if self._router.policy == "cache-aware" and request is not None and request.hash_ids:
+            # what each instance's cache holds of this request: read at every arrival
+            prefill = [
+                self._router.key("prefill", replace(load, cached_blocks=_cached(g, request)))
+                for g, load in zip(self._groups["prefill"], self._loads["prefill"], strict=True)
+            ]
+        return least(prefill), least(self._keys["decode"])
+
+
+def _cached(group: Sequence[RankRuntime], request: Request) -> int:
+    """Leading blocks of the request in the prefix cache of an instance (its ranks keep
+    the same cache: the first one's)."""
+    cache = group[0].prefix_cache
+    return cache.match(request.hash_ids) if cache is not None else 0

@@ -498,7 +498,7 @@ class Simulation:
         now, from what it sees of every instance, and the ranks learn the room."""
         ss, g = self.sessions, self.geometry
         if self.loads is not None:
-            ss.routes[req.room] = self.loads.route()
+            ss.routes[req.room] = self.loads.route(req)
         pi, di = ss.route(req.room)
         prefill = [rt for rt in self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp] if rt]
         decode = [rt for rt in self.decode[di * g.decode_tp : (di + 1) * g.decode_tp] if rt]

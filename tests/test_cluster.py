@@ -102,7 +102,7 @@ def test_load_aware_routers_finish_every_room_and_use_every_instance(router):
     assert set(Counter(next(iter(i)) for i in rooms.values())) == {0, 1}
 
 
-@pytest.mark.parametrize("router", ["least-outstanding", "staging-aware"])
+@pytest.mark.parametrize("router", ["least-outstanding", "staging-aware", "cache-aware"])
 def test_live_loads_route_as_a_fresh_look_at_every_instance(router, monkeypatch):
     """The simulator keeps each instance's load current as its ranks handle events
     (sim/cluster.py LiveLoads); at every arrival it must choose what reading every
@@ -112,8 +112,8 @@ def test_live_loads_route_as_a_fresh_look_at_every_instance(router, monkeypatch)
 
     live, checked = cluster.LiveLoads.route, []
 
-    def route(self):
-        got = live(self)
+    def route(self, request=None):
+        got = live(self, request)
         fresh = [
             [self._router.key(role, cluster._load(g)) for g in groups]
             for role, groups in self._groups.items()
@@ -202,7 +202,7 @@ def test_ranks_on_one_rail_share_a_nic():
 def test_cluster_table_errors_name_the_field_and_the_choices():
     with pytest.raises(
         ScenarioError,
-        match=r"cluster.router.*'round-robin', 'least-outstanding' or 'staging-aware'",
+        match=r"cluster.router.*'round-robin', 'least-outstanding', 'staging-aware' or 'cache-aware'",
     ):
         load_scenario(P4D2, ['cluster.router="random"'])
     with pytest.raises(ScenarioError, match="nics_per_node .* must be <= gpus_per_node"):

@@ -176,6 +176,38 @@ def test_a_cache_per_prefill_instance(tmp_path: Path) -> None:
     assert summary["prefix_hit_fraction"] == pytest.approx(512 / prompts)
 
 
+# two conversations, both first turns at once, both second turns at once (B's first)
+TWO = [
+    {"timestamp": 0, "input_length": 2048, "hash_ids": [1, 2, 3, 4]},
+    {"timestamp": 0, "input_length": 2048, "hash_ids": [11, 12, 13, 14]},
+    {"timestamp": 1000, "input_length": 2500, "hash_ids": [11, 12, 13, 14, 15]},
+    {"timestamp": 1000, "input_length": 2500, "hash_ids": [1, 2, 3, 4, 16]},
+]
+
+
+def first_instance(s, records) -> dict[int, int]:
+    """Per room: the prefill instance that opened it."""
+    out: dict[int, int] = {}
+    for r in records:
+        if r.role == "prefill" and r.phase == "room_open":
+            out.setdefault(r.room, r.rank // s.prefill.tp)
+    return out
+
+
+def test_cache_aware_router_sends_a_request_where_its_prefix_is(tmp_path: Path) -> None:
+    path = write(tmp_path, TWO)
+    sets = ["cluster.prefill_instances=2"]
+    # least-outstanding: the first turns spread over 0 and 1; B's second turn finds
+    # both idle (-> 0), A's then finds 0 busier (-> 1): both miss
+    s, lo, lo_summary = run(path, *sets, 'cluster.router="least-outstanding"')
+    assert first_instance(s, lo.records) == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert lo_summary["prefix_hit_fraction"] == 0.0
+    # cache-aware: each second turn goes where its first turn is cached
+    s, ca, ca_summary = run(path, *sets, 'cluster.router="cache-aware"')
+    assert first_instance(s, ca.records) == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert ca_summary["prefix_hit_fraction"] == pytest.approx(2 * 2048 / (2 * 2048 + 2 * 2500))
+
+
 def test_capacity_from_the_prefill_gpu_memory(tmp_path: Path) -> None:
     s = load_scenario(write(tmp_path, TURNS))
     mem = side_memory(s, "prefill")

@@ -15,7 +15,7 @@ from kvstage.shared.scenario.fieldtypes import _Table
 
 __all__ = ["ROUTERS", "ClusterConfig"]
 
-ROUTERS = ("round-robin", "least-outstanding", "staging-aware")
+ROUTERS = ("round-robin", "least-outstanding", "staging-aware", "cache-aware")
 Instances = Annotated[int, Field(ge=1, le=4096)]
 
 
@@ -25,7 +25,10 @@ class ClusterConfig(_Table):
     router: round-robin (request i -> prefill instance i mod N, decode instance i mod
     M); least-outstanding (the instances with the fewest rooms not yet ended);
     staging-aware (prefill: least outstanding; decode: the instance whose ranks have
-    the most free staging ring and KV pages, then the fewest outstanding rooms).
+    the most free staging ring and KV pages, then the fewest outstanding rooms);
+    cache-aware (prefill: the instance whose prefix cache holds the longest prefix of
+    the request's hash_ids, then the fewest outstanding rooms; decode: least
+    outstanding; docs/prefix-reuse.md).
     Nodes: instances are packed onto nodes of `gpus_per_node` GPUs in order, prefill
     instances first, decode instances on nodes of their own; a node's `nics_per_node`
     NICs are rail-aligned (GPU i uses NIC i * nics_per_node // gpus_per_node) and
@@ -42,7 +45,9 @@ class ClusterConfig(_Table):
 
     prefill_instances: Instances = 1
     decode_instances: Instances = 1
-    router: Literal["round-robin", "least-outstanding", "staging-aware"] = "round-robin"
+    router: Literal["round-robin", "least-outstanding", "staging-aware", "cache-aware"] = (
+        "round-robin"
+    )
     gpus_per_node: Annotated[int, Field(ge=1, le=1024)] = 8
     nics_per_node: Annotated[int, Field(ge=1, le=1024)] | None = None
     # simulate one rank per set of symmetric ranks (sim/fold.py): for speed at scale
