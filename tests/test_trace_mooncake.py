@@ -154,3 +154,24 @@ def test_n_of_m_trace_rows_in_the_summary(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["trace_rows_replayed"], summary["trace_rows"]) == (2, 3)
     assert summary["requests"] == 2 and "2 of 3 trace rows" in res.output
+
+
+@pytest.mark.parametrize(
+    ("line", "needles"),
+    [
+        ('trace = "trace.parquet"', ["workload.trace", "a trace file of type '.parquet'"]),
+        ('trace_csv = "trace.jsonl"', ["workload.trace_csv", "renamed workload.trace"]),
+    ],
+    ids=["wrong-type", "old-name"],
+)
+def test_wrong_trace_type_and_old_name_are_one_line_exit_2(tmp_path, line, needles):
+    (tmp_path / "trace.parquet").write_text(jsonl(GOOD))
+    (tmp_path / "trace.jsonl").write_text(jsonl(GOOD))
+    path = tmp_path / "scenario.toml"
+    path.write_text(SCENARIO.replace('trace = "trace.jsonl"', line))
+    res = CliRunner().invoke(app, ["validate", str(path)], env=WIDE)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and res.output.count("error:") == 1, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    for needle in needles:
+        assert needle in res.output, res.output
