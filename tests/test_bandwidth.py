@@ -6,6 +6,7 @@ exit code. The two-namespace run (test_netns.py) shows the same across a veth.""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 from conftest import require_engine
@@ -23,6 +24,7 @@ from kvstage.hw.bandwidth import (
     probe_bytes,
     verdict,
 )
+from kvstage.hw.baseline import TOOLS, parse_ib_write_bw, parse_teb
 from kvstage.shared.trace import TraceRecord
 
 
@@ -98,12 +100,14 @@ def test_kvstage_hw_reports_pairs_against_their_ceiling_and_exits_by_the_verdict
             "1.0",
             "--timeout",
             "120",
+            "--baseline",
         ],
         capture_output=True,
         text=True,
         timeout=240,
     )
     text = " ".join((proc.stdout + proc.stderr).split())
+    _check_baselines(proc.stdout, out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bytes_wrong"] == 0 and summary["requests_done"] == 3, text[-2000:]
     pairs = summary["bandwidth"]["pairs"]
@@ -166,3 +170,32 @@ def test_the_nic_or_the_engine_is_named_as_the_limit() -> None:
     assert bw["limits"]["A"]["limit"] == "engine" and bw["limits"]["A"]["link_gbs"] is None
     assert "no link rate" in limit_lines(bw["limits"])[0]
     assert bw["unit"].startswith("GB/s")
+
+
+def _check_baselines(stdout: str, run_dir) -> None:
+    """`--baseline`: one line per tool; an absent one says so, a present one that can run
+    on this host (Mooncake's transfer_engine_bench, installed with its wheel) gives GB/s
+    beside the run's lowest pair; every entry is in baseline.json. The limit line and
+    the affinity table come before."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("baseline ")]
+    assert [ln.split()[1].rstrip(":") for ln in lines] == list(TOOLS), stdout[-2000:]
+    entries = {e["tool"]: e for e in json.loads((run_dir / "baseline.json").read_text())}
+    for tool, line in zip(TOOLS, lines, strict=True):
+        if shutil.which(tool) is None:
+            assert line == f"baseline {tool}: not on PATH: no baseline from it"
+            assert entries[tool]["gbs"] is None
+    if shutil.which("transfer_engine_bench") is not None:
+        teb = entries["transfer_engine_bench"]
+        assert teb["gbs"] and teb["gbs"] > 0, teb
+        assert "GB/s" in lines[2] and "kvstage: lowest pair" in lines[2], lines[2]
+    assert "limit on 127.0.0.1: the engine, not the NIC" in stdout, stdout[-2000:]
+    assert stdout.index("rank       host") < stdout.index("pair ") < stdout.index("baseline ")
+
+
+def test_baseline_outputs_parse() -> None:
+    # perftest's result row with --report_gbits: #bytes #iterations peak average MsgRate
+    row = " 8388608    5000           391.20             390.80               0.005823\n"
+    assert parse_ib_write_bw(" #bytes #iterations BW peak[Gb/sec]\n" + row) == 390.80 / 8
+    assert parse_ib_write_bw("Couldn't connect\n") is None
+    line = "I1202 transfer_engine_bench.cpp:569] Test completed: duration 2.02, batch count 87, throughput 0.72 GB/s"
+    assert parse_teb(line) == 0.72 and parse_teb("") is None

@@ -156,13 +156,15 @@ def run_hardware(
     trace_format: str = "parquet",
     console: Console | None = None,
     target: float | None = None,
+    baseline: bool = False,
     **launch_options,
 ) -> tuple[int, Path]:
     """`kvstage hw`: `launch_run` under a progress display, then `finish_run`; (exit code,
     run directory). 0 when every rank finished, every byte verified right, no invariant
     broke and the failed rooms are the ones the scenario's [expect] allows (none without
     one); 1 otherwise. `target`: the share of its ceiling every pair must reach (a
-    PASS/FAIL line; FAIL exits 1; implies the probe). `launch_options`: launch_run's."""
+    PASS/FAIL line; FAIL exits 1; implies the probe); `baseline`: the vendors' benchmarks
+    beside the run's figures (hw/baseline.py). `launch_options`: launch_run's."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
@@ -187,9 +189,24 @@ def run_hardware(
     print_bandwidth(console, result.summary["bandwidth"])
     for line in limit_lines(result.summary["bandwidth"].get("limits") or {}):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if baseline:
+        print_baselines(console, result.summary, run_dir)
     if target is not None and not _print_verdict(console, result, target):
         code = 1
     return code, run_dir
+
+
+def print_baselines(console: Console, summary: dict, run_dir: Path) -> None:
+    """nixlbench, ib_write_bw, transfer_engine_bench on the run's NICs, where found
+    (hw/baseline.py), one line each beside the pairs' figures; kept in baseline.json."""
+    import json
+
+    from kvstage.hw.baseline import baseline_lines, baselines
+
+    entries = baselines(summary.get("affinity") or {})
+    (run_dir / "baseline.json").write_text(json.dumps(entries, indent=1) + "\n")
+    for line in baseline_lines(entries, summary["bandwidth"].get("pairs") or []):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def print_affinity(console: Console, rows: dict) -> None:

@@ -169,6 +169,12 @@ def hw(
             help="Each local rank's NIC, e.g. 0=mlx5_0,1=mlx5_1 (default: $KVSTAGE_NIC_MAP, else the NIC on its GPU's PCIe switch, else the interface holding its address; docs/hardware-mode.md)."
         ),
     ] = None,
+    baseline: Annotated[
+        bool,
+        typer.Option(
+            help="After the run, run nixlbench, ib_write_bw and Mooncake's transfer_engine_bench where they are on PATH, on the run's NICs, and print them beside the pairs' GB/s (one line each; absent: said so)."
+        ),
+    ] = False,
     target: Annotated[
         float | None,
         typer.Option(
@@ -238,6 +244,7 @@ def hw(
         rejoin_grace_s=rejoin_grace,
         ceiling=ceiling,
         target=target,
+        baseline=baseline,
         **extra,
     )
     raise typer.Exit(code)
