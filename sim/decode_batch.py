@@ -4,8 +4,10 @@ A room joins its decode instance's batch once every rank of the instance has its
 (each rank's runtime hands out a `Generate` after its RoomDone); it gets one token per
 step and leaves after its last one, when every rank hears `GenerateDone` and frees
 the room's pages. A step's time comes from `shared.decode_model.DecodeModel`: the
-weights plus the KV of everyone in the batch, read once. Rooms join at step
-boundaries, as in an engine's scheduler.
+weights plus the KV of everyone in the batch, read once, or its FLOPs, whichever is
+longer. Rooms join at step boundaries, as in an engine's scheduler, and at most
+`decode.max_running_requests` run at once: the others wait, in arrival order, for a
+room to finish (SGLang's --max-running-requests, vLLM's max_num_seqs).
 
 Cost per step is O(1) plus O(log n) per room that finishes: the batch keeps its KV
 total incrementally and its rooms in a heap by the step they finish at, so a long
@@ -50,6 +52,7 @@ class DecodeBatches:
         self._batches = [_Batch() for _ in range(instances)]
         self._ready: dict[int, list[RankRuntime]] = {}  # room -> ranks whose KV is in
         self._abandoned: set[int] = set()  # rooms that failed at a rank of their instance
+        self.peak_batch = 0  # the most rooms any instance ran in one step
 
     def submit(self, rt: RankRuntime, g: Generate, now: float) -> None:
         if g.room in self._abandoned:  # failed at another rank: nothing to generate
@@ -74,18 +77,21 @@ class DecodeBatches:
             self.sim._deliver(other, GenerateDone(room, self.sim.env.now))
 
     def _step(self, batch: _Batch) -> None:
-        for tokens, room, context, ranks, joined in batch.joining:
+        room_for = max(0, self.model.max_batch - batch.size)
+        for tokens, room, context, ranks, joined in batch.joining[:room_for]:
             heapq.heappush(
                 batch.finishing, (batch.steps + tokens, room, context + tokens, ranks, joined)
             )
             batch.kv_tokens += context
             batch.size += 1
-        batch.joining.clear()
+        del batch.joining[:room_for]  # the rest wait for a slot
         if not batch.size:
             batch.stepping = False
             return
         batch.stepping = True
-        self.sim._at(self.model.step_time_s(batch.kv_tokens), self._stepped, batch)
+        self.peak_batch = max(self.peak_batch, batch.size)
+        step = self.model.step_time_s(batch.kv_tokens, batch.size)
+        self.sim._at(step, self._stepped, batch)
 
     def _stepped(self, batch: _Batch, _ev=None) -> None:
         batch.steps += 1

@@ -5,7 +5,8 @@ arrival order, chunk by chunk); these only decide how long it takes:
 
 - `GroupForward` (the GPU model): the prefill TP group computes together, one chunk
   at a time, on one stream; each chunk's duration comes from the model's FLOPs
-  (`Scenario.forward_time_s`). Every rank of the group asks for the same chunk; the
+  (`Scenario.forward_time_s`, shared/compute.py), its attention over the context
+  before it (chunked prefill). Every rank of the group asks for the same chunk; the
   first request plans it, the others join it.
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
   its own chunks' KV pattern on its own loop, one chunk per loop turn.
@@ -65,7 +66,11 @@ class GroupForward:
         if f.chunk == 0:  # the room opens when its first chunk's forward starts
             sim._at(start - now, self._started, key)
         if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
-            end = self.stream.reserve(now, sim.scenario.forward_time_s(f.tokens - f.cached_tokens))
+            # what is computed attends to the prompt's KV before it: the earlier chunks
+            # and the cached part of this one (shared/compute.py, chunked prefill)
+            context = f.page_start * sim.geometry.page_size + f.cached_tokens
+            forward = sim.scenario.forward_time_s(f.tokens - f.cached_tokens, context)
+            end = self.stream.reserve(now, forward)
         else:
             end = start  # a room (or a chunk of a cached prefix) with nothing to compute
         sim._at(end - now, self._done, key)

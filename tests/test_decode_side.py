@@ -35,8 +35,12 @@ def test_capacity_and_step_time_follow_memory_weights_and_bandwidth():
     assert m.kv_bytes_per_token == kv_token
     assert m.capacity_tokens == int((141 * GIB * 0.9 - weights - act) // kv_token)
     hbm = 3350e9 * 0.8  # H100 HBM x the decode share of it
+    # the figure moved (issue 22): a step now also pays its TP all-reduces, 2 per layer
+    # of one token x hidden 8192 x 2 B, ring 2 (n-1)/n = 1 at TP2, over NVLink 4's
+    # 450 GB/s x 0.8, plus 10 us each
+    allreduce = 2 * 80 * (8192 * 2 * 1 / (450e9 * 0.8) + 10e-6)
     assert m.step_time_s(1000) == pytest.approx(
-        m.step_overhead_s + (weights + 1000 * kv_token) / hbm
+        m.step_overhead_s + (weights + 1000 * kv_token) / hbm + allreduce
     )
     # unset: the decode GPU's own memory (h100-sxm, 80 GiB)
     assert DecodeModel(load_scenario(P8D2)).capacity_tokens == int(
@@ -139,3 +143,30 @@ def test_without_output_tokens_nothing_of_the_decode_side_is_traced():
     assert not [r for r in res.records if r.phase in ("generate", "arrive")]
     summary = summarize(res.records, mode="sim", pool_bytes=1, requests=4)
     assert "tpot_s" not in summary and "decode_admission_wait_s" not in summary
+
+
+def test_max_running_requests_caps_the_batch():
+    """Six rooms at once, at most two running: they generate two at a time, in three
+    rounds, each step at least the time of a batch of two; uncapped, they overlap."""
+    base = [
+        *FIXED,
+        "workload.prompt_tokens=1024",
+        "workload.output_tokens=20",
+        'workload.arrival="fixed"',
+        "workload.rate_per_s=100000",
+        "workload.requests=6",
+    ]
+    capped_s = load_scenario(P8D2, [*base, "decode.max_running_requests=2"])
+    capped, free = simulate(capped_s), simulate(load_scenario(P8D2, base))
+    assert capped.rooms_done == free.rooms_done == 6
+
+    def span(res):
+        gens = by_phase(res.records, "generate").values()
+        return max(g.end for g in gens) - min(g.start for g in gens)
+
+    m = DecodeModel(capped_s)
+    # a round of two rooms takes at least 20 steps of a batch of two (KV >= 2 prompts)
+    one_round = 20 * m.step_time_s(2 * 1024, 2)
+    assert span(capped) >= 3 * one_round * 0.99
+    # uncapped, the rooms join as their prefills end and overlap: at least one round less
+    assert span(free) < span(capped) - one_round

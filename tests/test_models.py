@@ -50,10 +50,20 @@ def test_moe_forward_uses_active_parameters():
     dense = load("model.preset=mixtral-8x7b", "model.active_params_b=46.7")
     moe = load("model.preset=mixtral-8x7b")
     assert moe.model.params_b == 46.7 and moe.model.active_params_b == 12.9
-    flops = 2 * 12.9e9 * 8192 / moe.prefill.tp
-    rate = moe.gpu("prefill").peak_flops("bf16") * moe.efficiency().mfu(8192)
-    assert moe.forward_time_s(8192) == pytest.approx(flops / rate)
-    assert moe.forward_time_s(8192) / dense.forward_time_s(8192) == pytest.approx(12.9 / 46.7)
+    # The figure moved (issue 22): the forward adds attention FLOPs and the TP
+    # all-reduces, and a MoE layer's matmuls have the rows each expert receives.
+    # By hand: P = D + 8 e = 46.7e9, A = D + 2 e = 12.9e9 -> e = 5.633e9, D = 1.633e9.
+    e = (46.7e9 - 12.9e9) / 6
+    d = 12.9e9 - 2 * e
+    peak, tp, c = 989e12, 4, 8192
+    # dense rows 8192: MFU 0.40; expert rows 8192 x 2 / 8 = 2048, log2 between the
+    # 128 (0.19) and 4096 (0.40) points: 0.19 + 0.8 x 0.21 = 0.358
+    linear = 2 * d * c / tp / (peak * 0.40) + 2 * 2 * e * c / tp / (peak * 0.358)
+    attention = 4 * 32 * 32 * 128 * c * (c + 1) / 2 / tp / (peak * 0.5)
+    allreduce = 2 * 32 * (c * 4096 * 2 * 2 * 3 / 4 / (450e9 * 0.8) + 10e-6)
+    assert moe.forward_time_s(8192) == pytest.approx(linear + attention + allreduce, rel=1e-3)
+    # every expert's FLOPs as active: the linear part grows, the rest is the same
+    assert dense.forward_time_s(8192) > 2.5 * moe.forward_time_s(8192)
     # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
     assert load().model.flops_params_b == 8.0
     assert load("model.preset=mixtral-8x7b", "model.params_b=40").model.flops_params_b == 40

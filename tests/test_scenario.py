@@ -171,9 +171,14 @@ def test_defaults_and_derived_numbers(tmp_path: Path) -> None:
     assert g.dtype_bytes == 2 and g.chunked_prefill_size == 8192
     # 2 * 8e9 * 8192 / 4 FLOPs at H100's 989 TFLOP/s bf16 x the 40% MFU of a long chunk
     assert s.gpu("prefill").name == "h100-sxm" and s.efficiency().mfu(8192) == 0.4
-    assert s.forward_time_s(8192) == pytest.approx(2 * 8e9 * 8192 / 4 / (989e12 * 0.4))
+    # (issue 22: the forward adds attention and TP all-reduces, tests/test_physics.py)
+    from kvstage.shared.compute import prefill_forward
+
+    f = prefill_forward(s, 8192)
+    assert f.linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / (989e12 * 0.4))
+    assert s.forward_time_s(8192) == pytest.approx(f.total_s) and f.total_s > f.linear_s
     s1 = scenario_from_dict(minimal(prefill={"tflops": 400.0}))
-    assert s1.forward_time_s(8192) == pytest.approx(2 * 8e9 * 8192 / 4 / 400e12)
+    assert prefill_forward(s1, 8192).linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / 400e12)
     s2 = scenario_from_dict(minimal(prefill={"tokens_per_s": 1000.0}))
     assert s2.forward_time_s(500) == pytest.approx(0.5)
     r = s.links.resolved()

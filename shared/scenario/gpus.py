@@ -109,15 +109,29 @@ def gpu_names() -> str:
 class Efficiency:
     """What serving achieves of a GPU's datasheet, with the source of each default.
 
-    prefill_mfu: the share of peak matmul FLOP/s a prefill forward reaches, by the
-    forward's token count (a chunk), interpolated in log2(tokens) between the points
-    and flat beyond them. [P] calibrated on LMSYS's DeepSeek-V3 prefill on H100
-    (https://lmsys.org/blog/2025-05-05-large-scale-ep/: 57,674 tokens/s per 8-GPU node
-    at 1K prompts with EP32, i.e. 7,209 tokens/s per GPU x 2 x 37e9 active parameters =
-    533 TFLOP/s of linear layers alone, 27% of the fp8 peak including its all-to-all),
-    and on the 40% of H100 bf16 peak kvstage assumed before (prefill.tflops = 400) for
-    long dense chunks; [A] short forwards fill the GEMMs less: half of it at 128
-    tokens.
+    prefill_mfu: the share of peak matmul FLOP/s a matmul of M tokens reaches (M: the
+    forward's tokens for the dense layers, the tokens each expert receives for a MoE
+    layer), interpolated in log2(M) between the points and flat beyond them. The shape
+    of the curve is [P] DeepGEMM's published GEMM rates on H800 (the H100's dense FP8
+    peak, 1,979 TFLOP/s) over the six DeepSeek-V3 shapes it lists
+    (https://github.com/deepseek-ai/DeepGEMM, README "Normal GEMMs for dense models",
+    2025-02): mean 272 TFLOP/s at M = 64, 489 at M = 128, 1,054 at M = 4,096, i.e.
+    0.26 and 0.46 of the M = 4,096 rate. The level is [P] the end-to-end MFU Meta
+    reports for Llama 3 on 16K H100s in BF16, 38-43% (The Llama 3 Herd of Models,
+    https://arxiv.org/abs/2407.21783, Table 4): 0.40 at 4,096 tokens and beyond (a
+    large forward loses to norms, activations and launches what a training step
+    does), so 0.40 x 0.26 = 0.10 at 64 and 0.40 x 0.46 = 0.19 at 128. [A] The same
+    table for FP8 weights, against the FP8 peak. Not fitted to any serving row that
+    benchmarks/published_serving.py checks.
+    attention_mfu: the share of peak BF16 FLOP/s the attention kernels reach (QK^T and
+    AV, on the activations' BF16). [P] FlashAttention-3 forward on H100 SXM, head dim
+    128: about 500-740 TFLOP/s from 1K to 16K tokens (https://arxiv.org/abs/2407.08608,
+    Fig. 5), and FlashMLA's decode 580 TFLOP/s on H800
+    (https://github.com/deepseek-ai/FlashMLA): 0.5 of the 989.
+    decode_mfu: the share of peak FLOP/s a decode step's matmuls reach when the step
+    is compute bound: the plateau of `prefill_mfu`, 0.40 ([P] as there). Not the
+    small-M points: DeepGEMM's M = 64 and 128 rows run at 1.5-2.7 TB/s, memory bound,
+    and the decode step's bytes-read term already charges that.
     decode_hbm: the share of HBM bandwidth a decode step's reads reach. [P] decode
     attention kernels reach 80-90% of peak bandwidth
     (https://flashinfer.ai/2024/02/02/introduce-flashinfer.html); [A] the GEMVs of the
@@ -127,25 +141,32 @@ class Efficiency:
     most of it (https://lmsys.org/blog/2024-12-04-sglang-v0-4/, "zero-overhead batch
     scheduler"); what remains is the order of a millisecond. It replaces the 5 us x
     layers of kernel launches kvstage charged before.
-    allreduce: the share of the scale-up link per direction a TP all-reduce reaches.
-    [A] 0.8: NCCL's ring all-reduce moves 2 (n-1)/n of the data per GPU and reaches most
-    of NVLink's bandwidth for MB-sized messages (https://github.com/NVIDIA/nccl-tests,
+    allreduce: the share of the scale-up link per direction a TP all-reduce (and an
+    expert-parallel all-to-all inside a node) reaches. [A] 0.8: NCCL's ring
+    all-reduce moves 2 (n-1)/n of the data per GPU and reaches most of NVLink's
+    bandwidth for MB-sized messages (https://github.com/NVIDIA/nccl-tests,
     doc/PERFORMANCE.md defines the bus bandwidth this is a share of).
+    allreduce_latency_s: the fixed cost of one all-reduce. [P] about 6 us for 2 GPUs
+    and more for 8 on an HGX H100 with NCCL 2.20 and CUDA graphs
+    (https://github.com/NVIDIA/nccl/issues/1259): 10 us.
     copy_hbm: the share of HBM bandwidth a gather or scatter copy kernel reaches. [A]
     80-90% (the figure kvstage's profiles carried): 0.85.
     kernel_launch_s: the fixed cost of one copy kernel. [A] 5 us, CUDA launch plus a
     small kernel's ramp (the figure kvstage's profiles carried).
     """
 
-    prefill_mfu: tuple[tuple[int, float], ...] = ((128, 0.2), (1024, 0.35), (4096, 0.4))
+    prefill_mfu: tuple[tuple[int, float], ...] = ((64, 0.10), (128, 0.19), (4096, 0.40))
+    attention_mfu: float = 0.5
+    decode_mfu: float = 0.40
     decode_hbm: float = 0.8
     step_overhead_s: float = 1e-3
     allreduce: float = 0.8
+    allreduce_latency_s: float = 10e-6
     copy_hbm: float = 0.85
     kernel_launch_s: float = 5e-6
 
     def mfu(self, tokens: int) -> float:
-        """Prefill MFU of a forward of `tokens` tokens (log2-interpolated)."""
+        """MFU of a matmul of `tokens` rows (log2-interpolated; prefill and decode alike)."""
         pts = self.prefill_mfu
         xs = [t for t, _ in pts]
         if tokens <= xs[0]:

@@ -4,9 +4,9 @@ One GPU of a side (prefill or decode) holds, out of its `memory_utilization` sha
 memory (the engine's static share, like SGLang's mem_fraction_static; the rest is the
 allocator's slack, CUDA graphs, NCCL buffers):
 
-- weights: every parameter (all experts of a MoE model) at `model.weight_dtype`,
-  divided over the TP group (expert parallelism inside the group divides them the
-  same way);
+- weights: every parameter (all experts of a MoE model) at `model.weight_dtype`:
+  the dense part divided over the TP group, the experts over max(tp, ep) GPUs
+  (`prefill.ep` / `decode.ep`; shared/compute.py `weights_per_gpu_bytes`);
 - activations and workspace: the largest forward's tokens (a prefill chunk, a decode
   batch of `decode.max_running_requests`) x hidden size x ACTIVATION_TENSORS tensors
   at 2 bytes, held whole on every rank of the group (an upper bound: some are
@@ -96,6 +96,8 @@ def side_memory(s: Scenario, side: str) -> SideMemory:
     memory = gpu.memory_gib * GIB
     if side == "decode" and s.decode.gpu_memory_gib is not None:
         memory = s.decode.gpu_memory_gib * GIB
+    from kvstage.shared.compute import weights_per_gpu_bytes  # (it imports this package)
+
     tokens = s.prefill.chunked_prefill_size if side == "prefill" else s.decode.max_running_requests
     chunk = g.grid_pages * g.page_size
     return SideMemory(
@@ -104,7 +106,7 @@ def side_memory(s: Scenario, side: str) -> SideMemory:
         tp=cfg.tp,
         memory_bytes=memory,
         utilization=cfg.memory_utilization,
-        weight_bytes=m.weight_bytes / cfg.tp,
+        weight_bytes=weights_per_gpu_bytes(s, side),
         activation_bytes=tokens * m.hidden * 2 * ACTIVATION_TENSORS,
         kv_bytes_per_token=g.block_bytes(1, heads),
         min_kv_tokens=chunk,

@@ -31,6 +31,13 @@ class ModelPreset:
     attention_heads: int = 0
     experts: int = 0
     experts_per_token: int = 0
+    # MLA only (config.json): qk_nope_head_dim and qk_rope_head_dim (their sum is the
+    # query/key width of the prefill's MHA form), v_head_dim, and kv_lora_rank (the
+    # latent the decode's absorbed form attends over); 0 for MHA models
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
 
     @property
     def latent_dim(self) -> int | None:
@@ -119,6 +126,12 @@ PRESETS: dict[str, ModelPreset] = {
         source="deepseek-ai/DeepSeek-V3",
         attention="mla",
     ),
+    # DistServe's model (arXiv 2401.09670): facebook/opt-13b config.json,
+    # num_hidden_layers 40, num_attention_heads 40, hidden_size 5120 (head_dim 128,
+    # MHA: 40 KV heads); 12.85B parameters (the model card's "13B")
+    "opt-13b": ModelPreset(
+        40, 40, 128, 12.85, "multi-head attention: 40 KV heads", source="facebook/opt-13b"
+    ),
     "kimi-k2": ModelPreset(
         61,
         1,
@@ -157,8 +170,16 @@ _SHAPES: dict[str, tuple[int, int, int, int]] = {
     "deepseek-v2": (5120, 128, 160, 6),
     "deepseek-v3": (7168, 128, 256, 8),
     "kimi-k2": (7168, 64, 384, 8),
+    "opt-13b": (5120, 40, 0, 0),
 }
 for _name, (_h, _a, _e, _k) in _SHAPES.items():
     PRESETS[_name] = replace(
         PRESETS[_name], hidden_size=_h, attention_heads=_a, experts=_e, experts_per_token=_k
+    )
+
+# MLA dimensions from the same config.json files: qk_nope_head_dim 128 +
+# qk_rope_head_dim 64, v_head_dim 128, kv_lora_rank 512 in all three.
+for _name in ("deepseek-v2", "deepseek-v3", "kimi-k2"):
+    PRESETS[_name] = replace(
+        PRESETS[_name], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512
     )

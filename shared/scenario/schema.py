@@ -23,6 +23,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.cluster_table import ClusterConfig
+from kvstage.shared.scenario.engines import ENGINE_PRESETS, EnginePreset
 from kvstage.shared.scenario.errors import _FieldProblem
 from kvstage.shared.scenario.fieldtypes import (
     MIB,
@@ -248,6 +249,20 @@ def _known_gpu(v: str) -> str:
 
 
 Utilization = Annotated[float, Field(gt=0, le=1)]
+# Expert parallelism (shared/compute.py): the GPUs one expert group spans. 1: every
+# expert split over the TP group (as TP alone); tp: each GPU of the group holds
+# experts / tp whole experts; a multiple of tp above it: the group spans ep / tp
+# instances, each running its own attention (DP attention), experts / ep per GPU.
+ExpertParallel = Annotated[int, Field(ge=1, le=4096)]
+
+
+def _check_ep_tp(cfg: Any) -> Any:
+    if cfg.ep != 1 and cfg.ep % cfg.tp:
+        raise _FieldProblem(
+            {"ep": cfg.ep, "tp": cfg.tp},
+            f"ep must be 1 or a multiple of tp (e.g. {cfg.tp} or {cfg.tp * 2})",
+        )
+    return cfg
 
 
 class PrefillConfig(_Table):
@@ -265,8 +280,10 @@ class PrefillConfig(_Table):
     tokens_per_s: PosFloat | None = None  # if set: forward time = tokens / tokens_per_s
     tflops: PosFloat | None = None  # sustained per GPU; absent: peak x MFU
     mfu: Utilization | None = None  # absent: the default table by forward size
+    ep: ExpertParallel = 1  # expert-parallel size (shared/compute.py); 1: experts split by TP
 
     _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
+    _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -290,8 +307,10 @@ class DecodeConfig(_Table):
     max_running_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     hbm_efficiency: Utilization | None = None  # absent: gpus.Efficiency.decode_hbm
     step_overhead_ms: NonNegFloat | None = None  # absent: gpus.Efficiency.step_overhead_s
+    ep: ExpertParallel = 1  # expert-parallel size (shared/compute.py); 1: experts split by TP
 
     _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
+    _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
     @field_validator("page_size")
     @classmethod
@@ -492,6 +511,32 @@ class HardwareConfig(_Table):
         raise ValueError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {v!r}")
 
 
+class EngineConfig(_Table):
+    """[engine]: the serving engine whose prefill host the simulator models
+    (shared/scenario/engines.py, sim/engine_host.py); absent: the transfer engine's own
+    posting threads (sim/links.py), as without it."""
+
+    preset: str | None = None
+    overlap: bool | None = None  # absent: the preset's
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in ENGINE_PRESETS:
+            raise ValueError(
+                f"unknown engine preset {v!r}; allowed: {list(ENGINE_PRESETS)} "
+                "(kvstage presets lists them)"
+            )
+        return v
+
+    def resolved(self) -> EnginePreset | None:
+        """The preset with this table's overrides, or None without one."""
+        if self.preset is None:
+            return None
+        p = ENGINE_PRESETS[self.preset]
+        return p if self.overlap is None else replace(p, overlap=self.overlap)
+
+
 class ExpectConfig(_Table):
     """[expect]: the outcome a (fault) scenario must end with; `kvstage sim`/`hw`
     check it and exit 1 when it does not hold."""
@@ -536,6 +581,7 @@ class Scenario(_Table):
     expect: ExpectConfig = Field(default_factory=ExpectConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _base_dir: Path | None = PrivateAttr(default=None)
 
@@ -583,6 +629,7 @@ class Scenario(_Table):
                 sgeo = _scaled_geometry(geo, sd)
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
+        _check_expert_parallel(self)  # shared/compute.py
         _check_memory(self)
         return self
 
@@ -627,21 +674,19 @@ class Scenario(_Table):
             changes["step_overhead_s"] = self.decode.step_overhead_ms / 1e3
         return replace(e, **changes) if changes else e
 
-    def forward_time_s(self, tokens: int) -> float:
-        """Modeled prefill forward time of `tokens` tokens on one prefill rank.
+    def forward_time_s(self, tokens: int, context: int = 0) -> float:
+        """Modeled prefill forward time of a chunk of `tokens` tokens after `context`
+        tokens already in the prompt's KV (chunked prefill), on one prefill rank.
 
-        One home for the formula so the simulator and `hardware.forward_delay` agree:
-        tokens / tokens_per_s when given, else 2 * params * tokens / tp FLOPs at
-        `prefill.tflops` sustained, or at the GPU's peak for the weights' dtype x
-        the MFU of a forward of that size; params the active ones of a MoE model.
+        One home for the formula (shared/compute.py) so the simulator and
+        `hardware.forward_delay` agree: tokens / tokens_per_s when given; else linear
+        FLOPs (active parameters) plus attention FLOPs, quadratic in the context, at
+        `prefill.tflops` sustained or at the GPU's peak x MFU, plus the TP all-reduces
+        and the expert-parallel all-to-all.
         """
-        if self.prefill.tokens_per_s is not None:
-            return tokens / self.prefill.tokens_per_s
-        flops = 2.0 * self.model.flops_params_b * 1e9 * tokens / self.prefill.tp
-        if self.prefill.tflops is not None:
-            return flops / (self.prefill.tflops * 1e12)
-        rate = self.gpu("prefill").peak_flops(self.model.weight_dtype)
-        return flops / (rate * self.efficiency().mfu(tokens))
+        from kvstage.shared.compute import prefill_forward_s  # (it imports this package)
+
+        return prefill_forward_s(self, tokens, context)
 
     # --- transforms --------------------------------------------------------------
     def scaled(self) -> Scenario:
@@ -718,6 +763,16 @@ def _check_tp_mapping(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
         else:
             fields = {"decode.tp": decode_tp, "model.kv_heads": kv_heads}
         raise _FieldProblem(fields, str(exc)) from None
+
+
+def _check_expert_parallel(s: Scenario) -> None:
+    for side, cfg in (("prefill", s.prefill), ("decode", s.decode)):
+        if cfg.ep > 1 and cfg.ep > max(1, s.model.experts):
+            raise _FieldProblem(
+                {f"{side}.ep": cfg.ep, "model.experts": s.model.experts},
+                "expert parallelism needs a MoE model with at least ep experts "
+                "(a dense model takes ep = 1)",
+            )
 
 
 def _check_memory(s: Scenario) -> None:

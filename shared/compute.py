@@ -1,0 +1,336 @@
+"""The compute model: how long a prefill forward and a decode step take on one GPU.
+
+One home for the formulas, pure functions of a `Scenario` (the simulator, hardware
+mode's `forward_delay`, the bottleneck verdict, `plan` and the benchmarks all ask
+here). The GPU's datasheet numbers come from shared/scenario/gpus.py (`Gpu`), the
+achieved shares of them from `Scenario.efficiency()` (gpus.Efficiency, with the
+scenario's overrides).
+
+Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV:
+
+- linear FLOPs 2 x active params x c, split over the TP group; the dense layers'
+  matmuls have c rows, a MoE layer's have the tokens each expert receives (the group's
+  tokens x k / E), each at the GPU's peak for the weight dtype x MFU(rows);
+- attention FLOPs, quadratic in the context: per query token, per head, per key,
+  2 x (d_qk + d_v): 4 x layers x heads x head_dim x c x (p + c/2) / tp for MHA/GQA;
+  MLA prefill runs in its MHA form (d_qk = qk_nope + qk_rope = 192, d_v = 128 in
+  DeepSeek-V3) [C] SGLang's DeepseekV2 attention, forward_normal; at the BF16 peak x
+  `attention_mfu`;
+- two TP all-reduces per layer of c x hidden x 2 B (bf16 activations), ring
+  2 (n-1)/n of it over the scale-up link x `allreduce`, plus `allreduce_latency_s`
+  each; with DP attention (ep > tp) only the attention's one, the MoE's replaced by:
+- the expert-parallel all-to-all (ep > tp): per token per MoE layer the k expert
+  copies of the hidden state go out (dispatch, FP8, 1 B per element) and come back
+  (combine, BF16, 2 B) [P] DeepSeek-V3 technical report, section 3.3
+  (https://arxiv.org/abs/2412.19437). Copies to another GPU of the node cross the
+  scale-up link; a token crosses the NIC once per other node it has experts on
+  (DeepEP's normal kernels forward over NVLink inside the node [C]
+  https://github.com/deepseek-ai/DeepEP README), the NIC numbers from the links
+  profile. Experts sit uniformly over the group; the all-to-all does not overlap
+  compute (SGLang's two-batch overlap, which hides part of it, is left out).
+
+Decode step of a batch of B requests holding K tokens of KV in all:
+max(bytes read / (HBM x decode_hbm), FLOPs / (peak x decode_mfu)) + step overhead + the
+TP all-reduces + the all-to-all. Bytes read: the weights the step touches (dense: all
+of this GPU's; MoE: the dense part plus the expected distinct experts the group's
+tokens pick, E (1 - (1 - k/E)^tokens) per layer, of this GPU's share) plus the KV of
+the batch. FLOPs: as in prefill with one token per request; MLA decodes in its
+absorbed form (d_qk = kv_lora_rank + qk_rope = 576, d_v = kv_lora_rank = 512)
+[C] https://github.com/deepseek-ai/FlashMLA.
+
+Expert sizes come from params_b, active_params_b, experts and experts_per_token:
+P = D + E e, A = D + k e, so e = (P - A) / (E - k) and D = A - k e. Every layer is
+counted as a MoE layer ([A] DeepSeek-V3's first 3 of 61 are dense: the all-to-all is
+~5% high there).
+
+Left out: expert load imbalance (EPLB), pipeline parallelism, speculative decoding,
+compute-communication overlap, KV-cache quantization scales.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstage.shared.layout import DTYPE_BYTES
+from kvstage.shared.scenario.presets import PRESETS
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario import Scenario
+
+__all__ = [
+    "DecodeStep",
+    "Forward",
+    "allreduce_s",
+    "alltoall_s",
+    "decode_step",
+    "decode_step_s",
+    "distinct_experts",
+    "expert_split",
+    "prefill_forward",
+    "prefill_forward_s",
+    "weights_per_gpu_bytes",
+]
+
+ACT_BYTES = 2  # [A] activations in BF16 (all-reduce payload, combine)
+DISPATCH_BYTES = 1  # [P] FP8 dispatch (DeepSeek-V3 report, section 3.3)
+COMBINE_BYTES = 2  # [P] BF16 combine (same)
+# [A] DeepSeek's MLA widths (qk_nope, qk_rope, v, kv_lora_rank) when a scenario gives
+# attention = "mla" with no preset
+_MLA_DEFAULT = (128, 64, 128, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One prefill forward on one GPU, its parts in seconds (they add up to `total_s`)."""
+
+    linear_flops: float
+    attention_flops: float
+    linear_s: float
+    attention_s: float
+    allreduce_s: float
+    alltoall_s: float
+    mfu: float  # of the dense matmuls
+
+    @property
+    def total_s(self) -> float:
+        return self.linear_s + self.attention_s + self.allreduce_s + self.alltoall_s
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One decode step on one GPU: the memory and compute times it is the max of, and
+    the parts it adds to that."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    memory_s: float
+    compute_s: float
+    overhead_s: float
+    allreduce_s: float
+    alltoall_s: float
+    mfu: float
+
+    @property
+    def total_s(self) -> float:
+        return (
+            max(self.memory_s, self.compute_s)
+            + self.overhead_s
+            + self.allreduce_s
+            + self.alltoall_s
+        )
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+def expert_split(s: Scenario) -> tuple[float, float]:
+    """(dense parameters D, one expert's parameters e), in parameters.
+
+    P = D + E e and A = D + k e; a dense model (no experts, or no active_params_b) is
+    all D."""
+    m = s.model
+    total = m.params_b * 1e9
+    active = m.flops_params_b * 1e9
+    E, k = m.experts, m.experts_per_token
+    if not E or not k or E == k or active >= total:
+        return total, 0.0
+    e = (total - active) / (E - k)
+    return max(0.0, active - k * e), e
+
+
+def distinct_experts(experts: int, per_token: int, tokens: float) -> float:
+    """Expected distinct experts `tokens` tokens pick per layer (k of E each, uniformly):
+    E (1 - (1 - k/E)^tokens)."""
+    if not experts or tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - per_token / experts) ** tokens)
+
+
+def _cfg(s: Scenario, side: str):
+    return s.prefill if side == "prefill" else s.decode
+
+
+def _dp_attention(s: Scenario, side: str) -> bool:
+    cfg = _cfg(s, side)
+    return cfg.ep > cfg.tp and s.model.experts > 0
+
+
+def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
+    """Bytes of weights one GPU of `side` holds: the dense part over TP, the experts
+    over max(tp, ep) GPUs (ep > tp: the expert group spans several instances)."""
+    cfg = _cfg(s, side)
+    dense, e = expert_split(s)
+    per = DTYPE_BYTES[s.model.weight_dtype]
+    experts = s.model.experts * e
+    return (dense / cfg.tp + experts / max(cfg.tp, cfg.ep)) * per
+
+
+def _attn_dims(s: Scenario, decode: bool) -> tuple[int, int]:
+    """(d_qk, d_v) per head of one attention pair."""
+    m = s.model
+    if m.attention != "mla":
+        return m.head_dim, m.head_dim
+    p = PRESETS.get(m.preset or "")
+    dims = (p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim, p.kv_lora_rank)
+    nope, rope, v, lora = dims if p and p.v_head_dim else _MLA_DEFAULT
+    if decode:  # absorbed: attend over the latent (+ rope), values are the latent
+        return lora + rope, lora
+    return nope + rope, v
+
+
+def attention_flops(s: Scenario, tokens: float, context_sum: float, decode: bool) -> float:
+    """Attention FLOPs (QK^T and AV) of `tokens` query tokens whose key counts sum to
+    `context_sum`, over all heads and layers (not divided by TP)."""
+    dqk, dv = _attn_dims(s, decode)
+    return 2.0 * (dqk + dv) * s.model.heads * s.model.layers * context_sum
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def allreduce_s(s: Scenario, side: str, tokens: float) -> float:
+    """The TP all-reduces of one forward of `tokens` tokens: 2 per layer (1 with DP
+    attention, whose MoE half is an all-to-all), ring 2 (n-1)/n of tokens x hidden x 2 B
+    over the scale-up link, plus the fixed latency of each."""
+    tp = _cfg(s, side).tp
+    if tp == 1:
+        return 0.0
+    eff = s.efficiency()
+    per_layer = 1 if _dp_attention(s, side) else 2
+    n = per_layer * s.model.layers
+    nbytes = tokens * s.model.hidden * ACT_BYTES * 2 * (tp - 1) / tp
+    return n * (nbytes / (s.gpu(side).scaleup_Bps * eff.allreduce) + eff.allreduce_latency_s)
+
+
+def _nic_Bps(s: Scenario) -> float:
+    """One GPU's share of the NIC between nodes (the links profile's inter link)."""
+    r = s.links.resolved()
+    link = r.inter or r.link
+    return link.bandwidth_bytes_s / max(1, r.gpus_per_nic)
+
+
+def alltoall_s(s: Scenario, side: str, tokens: float) -> float:
+    """Expert-parallel dispatch + combine of `tokens` tokens on one GPU (ep > tp), every
+    layer: k copies of the hidden state, FP8 out and BF16 back; NVLink inside the node,
+    the NIC once per other node the token has experts on."""
+    if not _dp_attention(s, side):
+        return 0.0
+    m, ep = s.model, _cfg(s, side).ep
+    k = m.experts_per_token
+    gpn = min(ep, s.cluster.gpus_per_node)
+    nodes = math.ceil(ep / gpn)
+    per_copy = m.hidden * (DISPATCH_BYTES + COMBINE_BYTES)
+    nvlink_copies = k * (gpn - 1) / ep
+    other_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** k) if nodes > 1 else 0.0
+    scale = s.gpu(side).scaleup_Bps * s.efficiency().allreduce
+    per_token = nvlink_copies * per_copy / scale + other_nodes * per_copy / _nic_Bps(s)
+    return tokens * m.layers * per_token
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def _linear_s(
+    s: Scenario, side: str, tokens: float, flat: float | None = None
+) -> tuple[float, float, float]:
+    """(linear FLOPs on this GPU, their time, the dense matmuls' MFU) of a forward of
+    `tokens` tokens of this instance; `flat`: one MFU for every matmul (decode)."""
+    cfg, m = _cfg(s, side), s.model
+    eff = s.efficiency()
+    dense, e = expert_split(s)
+    group_tokens = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
+    expert_rows = group_tokens * m.experts_per_token / m.experts if m.experts else tokens
+    d_flops = 2.0 * dense * tokens / cfg.tp
+    x_flops = 2.0 * m.experts_per_token * e * tokens / cfg.tp
+    tflops = getattr(cfg, "tflops", None)
+    if tflops is not None:  # prefill.tflops: sustained FLOP/s outright
+        return d_flops + x_flops, (d_flops + x_flops) / (tflops * 1e12), math.nan
+    peak = s.gpu(side).peak_flops(m.weight_dtype)
+    mfu = flat or eff.mfu(round(tokens))
+    t = d_flops / (peak * mfu)
+    if x_flops:
+        t += x_flops / (peak * (flat or eff.mfu(max(1, round(expert_rows)))))
+    return d_flops + x_flops, t, mfu
+
+
+def _attention_s(s: Scenario, side: str, flops: float) -> float:
+    cfg = _cfg(s, side)
+    tflops = getattr(cfg, "tflops", None)
+    if tflops is not None:
+        return flops / (tflops * 1e12)
+    return flops / (s.gpu(side).peak_flops("bf16") * s.efficiency().attention_mfu)
+
+
+def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int = 1) -> Forward:
+    """One prefill forward on one prefill GPU: `prompts` chunks of `tokens` tokens each,
+    each after `context` tokens already in its prompt's KV."""
+    tp = s.prefill.tp
+    total = tokens * prompts
+    lin_flops, lin_s, mfu = _linear_s(s, "prefill", total)
+    # each query token i of a chunk attends to context + i + 1 keys: c (p + (c + 1) / 2)
+    keys = prompts * tokens * (context + (tokens + 1) / 2)
+    att_flops = attention_flops(s, total, keys, decode=False) / tp
+    return Forward(
+        linear_flops=lin_flops,
+        attention_flops=att_flops,
+        linear_s=lin_s,
+        attention_s=_attention_s(s, "prefill", att_flops),
+        allreduce_s=allreduce_s(s, "prefill", total),
+        alltoall_s=alltoall_s(s, "prefill", total),
+        mfu=mfu,
+    )
+
+
+def prefill_forward_s(s: Scenario, tokens: int, context: int = 0) -> float:
+    """Seconds of one chunk's forward (`prefill.tokens_per_s` overrides it all)."""
+    if s.prefill.tokens_per_s is not None:
+        return tokens / s.prefill.tokens_per_s
+    if tokens <= 0:
+        return 0.0
+    return prefill_forward(s, tokens, context).total_s
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
+    """One decode step on one decode GPU: `batch` requests (one new token each) holding
+    `kv_tokens` tokens of KV in all (this instance's)."""
+    from kvstage.shared.scenario.physics import side_memory
+
+    m, cfg, eff = s.model, s.decode, s.efficiency()
+    gpu = s.gpu("decode")
+    per = DTYPE_BYTES[m.weight_dtype]
+    dense, e = expert_split(s)
+    weights = dense / cfg.tp * per
+    if m.experts and e:
+        here = m.experts / max(cfg.tp, cfg.ep)  # experts (or expert slices) on this GPU
+        group = batch * max(1, cfg.ep // cfg.tp) if _dp_attention(s, "decode") else batch
+        touched = distinct_experts(m.experts, m.experts_per_token, group) / m.experts
+        weights += here * touched * e * per
+    kv = kv_tokens * side_memory(s, "decode").kv_bytes_per_token
+    memory_s = (weights + kv) / (gpu.hbm_Bps * eff.decode_hbm)
+    compute_s, flops, mfu = 0.0, 0.0, eff.decode_mfu
+    if batch > 0:
+        flops, compute_s, mfu = _linear_s(s, "decode", batch, eff.decode_mfu)
+        att = attention_flops(s, batch, kv_tokens, decode=True) / cfg.tp
+        flops += att
+        compute_s += _attention_s(s, "decode", att)
+    return DecodeStep(
+        weight_bytes=weights,
+        kv_bytes=kv,
+        flops=flops,
+        memory_s=memory_s,
+        compute_s=compute_s,
+        overhead_s=eff.step_overhead_s,
+        allreduce_s=allreduce_s(s, "decode", batch) if batch > 0 else 0.0,
+        alltoall_s=alltoall_s(s, "decode", batch),
+        mfu=mfu,
+    )
+
+
+def decode_step_s(s: Scenario, batch: int, kv_tokens: float) -> float:
+    return decode_step(s, batch, kv_tokens).total_s
