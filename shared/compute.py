@@ -66,7 +66,9 @@ __all__ = [
     "alltoall_s",
     "decode_step",
     "decode_step_s",
+    "describe_efficiency",
     "distinct_experts",
+    "efficiency_figures",
     "expert_split",
     "prefill_forward",
     "prefill_forward_s",
@@ -334,3 +336,53 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
 
 def decode_step_s(s: Scenario, batch: int, kv_tokens: float) -> float:
     return decode_step(s, batch, kv_tokens).total_s
+
+
+def efficiency_figures(s: Scenario) -> dict[str, object]:
+    """The GPUs and the efficiencies a run's model used (summary.json `serving_model`)."""
+    eff, chunk = s.efficiency(), s.prefill.chunked_prefill_size
+    p, d = s.prefill, s.decode
+    out: dict[str, object] = {
+        "prefill_gpu": p.gpu,
+        "decode_gpu": d.gpu,
+        "prefill_tp": p.tp,
+        "prefill_ep": p.ep,
+        "decode_tp": d.tp,
+        "decode_ep": d.ep,
+        "chunk_tokens": chunk,
+        "prefill_mfu_at_chunk": eff.mfu(chunk),
+        "attention_mfu": eff.attention_mfu,
+        "decode_hbm_efficiency": eff.decode_hbm,
+        "decode_mfu": eff.decode_mfu,
+        "step_overhead_ms": eff.step_overhead_s * 1e3,
+        "allreduce_efficiency": eff.allreduce,
+    }
+    if p.tokens_per_s is not None:
+        out["prefill_tokens_per_s"] = p.tokens_per_s  # overrides the FLOP model
+    elif p.tflops is not None:
+        out["prefill_tflops"] = p.tflops
+    return out
+
+
+def describe_efficiency(fig: dict) -> tuple[str, str]:
+    """(prefill, decode) one line each for the run's table."""
+    p = f"{fig['prefill_gpu']} TP{fig['prefill_tp']}" + (
+        f" EP{fig['prefill_ep']}" if fig.get("prefill_ep", 1) > 1 else ""
+    )
+    if "prefill_tokens_per_s" in fig:
+        p += f": {fig['prefill_tokens_per_s']:,.0f} tokens/s (prefill.tokens_per_s)"
+    elif "prefill_tflops" in fig:
+        p += f": {fig['prefill_tflops']:,.0f} TFLOP/s sustained (prefill.tflops)"
+    else:
+        p += (
+            f": MFU {fig['prefill_mfu_at_chunk']:.0%} at {fig['chunk_tokens']:,}-token chunks, "
+            f"attention {fig['attention_mfu']:.0%}"
+        )
+    d = f"{fig['decode_gpu']} TP{fig['decode_tp']}" + (
+        f" EP{fig['decode_ep']}" if fig.get("decode_ep", 1) > 1 else ""
+    )
+    d += (
+        f": {fig['decode_hbm_efficiency']:.0%} of HBM, MFU {fig['decode_mfu']:.0%}, "
+        f"{fig['step_overhead_ms']:g} ms a step"
+    )
+    return p, d

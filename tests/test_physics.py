@@ -198,3 +198,14 @@ def test_expert_parallelism_divides_the_experts_and_pays_the_all_to_all():
         load_scenario(BASE, ["prefill.ep=3"])
     with pytest.raises(ScenarioError, match="expert parallelism needs a MoE model"):
         load_scenario(BASE, ["prefill.ep=4"])
+
+
+def test_the_summary_names_the_gpus_and_efficiencies_it_used():
+    from kvstage.run.summary import simulation_summary
+    from kvstage.sim.driver import simulate
+
+    s = load_scenario(BASE, ["workload.requests=2", "decode.gpu=h200", "decode.hbm_efficiency=0.7"])
+    fig = simulation_summary(s, simulate(s))["serving_model"]
+    assert (fig["prefill_gpu"], fig["decode_gpu"]) == ("h100-sxm", "h200")
+    assert fig["prefill_mfu_at_chunk"] == 0.40  # 8,192-token chunks: the plateau
+    assert fig["decode_hbm_efficiency"] == 0.7 and fig["step_overhead_ms"] == 1.0

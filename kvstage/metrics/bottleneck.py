@@ -16,7 +16,8 @@ Each stage has a utilization (offered / capacity) where a capacity exists:
 * decode KV capacity: the KV the load keeps resident, rate x mean(tokens x time
   resident: admitted -> last token), over `DecodeModel.capacity_tokens` x instances;
 * decode compute: output tokens/s offered over what the decode instances generate at
-  the TPOT target (the largest batch whose step, `DecodeModel.step_time_s`, fits it).
+  the TPOT target (the largest batch, at most `decode.max_running_requests`, whose
+  step, `DecodeModel.step_time_s` (shared/compute.py), fits it).
 
 * staging ring: the bytes the load keeps in each decode rank's ring over what the
   ring can hold at once. A chunk's region (its writer blocks back to back, the same
@@ -208,29 +209,43 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
         batch = (
             rate * sum(gens) / len(gens) / s.cluster.decode_instances
         )  # Little's law, per instance
-        out |= {"batch": batch, "step_time_s": model.step_time_s(round(batch * context))}
+        running = max(1, min(model.max_batch, round(batch)))
+        out |= {
+            "batch": batch,
+            "step_time_s": model.step_time_s(round(running * context), running),
+        }
     target = s.slo.tpot_s
     if target is not None and rate is not None:
-        fit = ((target - model.step_overhead_s) * model.hbm_Bps - model.weight_bytes) / (
-            context * model.kv_bytes_per_token
-        )
-        capacity = (
-            max(0.0, fit) / target * s.cluster.decode_instances
-        )  # output tokens/s at the target
+        fit = _batch_within(model, context, target)
+        capacity = fit / target * s.cluster.decode_instances  # output tokens/s at the target
         offered = rate * load["output_tokens"]
         out |= {
             "offered_tokens_per_s": offered,
             "capacity_tokens_per_s": capacity,
             "utilization": _util(offered, capacity),
         }
-        if capacity <= 0:  # the weights alone take longer per step than the target
+        if capacity <= 0:  # one request's step alone takes longer than the target
             out["infeasible"] = True
         out["why"] = (
             f"{offered:,.0f} output tokens/s offered vs {capacity:,.0f} tokens/s the decode instances "
-            f"generate within TPOT {target * 1e3:g} ms (a step with no batch is "
+            f"generate within TPOT {target * 1e3:g} ms (a step of one request with no KV is "
             f"{model.step_time_s(0) * 1e3:.2f} ms)"
         )
     return out
+
+
+def _batch_within(model: DecodeModel, context: float, target: float) -> int:
+    """The largest batch (at most decode.max_running_requests) whose step, each request
+    holding `context` tokens of KV, fits `target` seconds; 0 when not even one does.
+    The step time grows with the batch (more KV, more FLOPs), so bisect."""
+    lo, hi = 0, model.max_batch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.step_time_s(mid * context, mid) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _ring(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvstage.metrics.bottleneck import bottleneck
 from kvstage.metrics.rooms import room_latencies, slo_figures, summarize
 from kvstage.run.expect import group_failures
+from kvstage.shared.compute import efficiency_figures
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
@@ -61,6 +62,8 @@ def run_summary(
             "ranks_died": sorted(r.name for r in ranks if r.died),
             # prompt tokens the prefill's prefix cache served / prompt tokens (shared/prefix_cache.py)
             "prefix_hit_fraction": _prefix_hit_fraction(ranks),
+            # the GPUs and efficiencies the compute model used (shared/compute.py)
+            "serving_model": efficiency_figures(scenario),
         }
     )
     rows = trace_rows(scenario)

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from kvstage.fmt import MIB, ms
 from kvstage.run.conditions import describe
+from kvstage.shared.compute import describe_efficiency
 
 # TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
 # starts at the first forward, so it holds prefill compute + exposed KV transfer.
@@ -64,6 +65,10 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
                 f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}"
             )
     _capacity_rows(t, summary)
+    if "serving_model" in summary:  # summaries written before issue 22 lack it
+        prefill, decode = describe_efficiency(summary["serving_model"])
+        t.add_row("prefill model (GPU, efficiency)", prefill)
+        t.add_row("decode model (GPU, efficiency)", decode)
     if "trace_rows" in summary:
         t.add_row(
             "trace", f"{summary['trace_rows_replayed']:,} of {summary['trace_rows']:,} trace rows"
