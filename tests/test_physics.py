@@ -209,3 +209,32 @@ def test_the_summary_names_the_gpus_and_efficiencies_it_used():
     assert (fig["prefill_gpu"], fig["decode_gpu"]) == ("h100-sxm", "h200")
     assert fig["prefill_mfu_at_chunk"] == 0.40  # 8,192-token chunks: the plateau
     assert fig["decode_hbm_efficiency"] == 0.7 and fig["step_overhead_ms"] == 1.0
+
+
+P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
+
+
+def test_fit_serving_recovers_the_efficiencies_that_made_the_figures():
+    """A throughput and a step time the model gives at MFU 0.33 and 60% of HBM fit back
+    to those shares; the CLI prints the lines to paste."""
+    from typer.testing import CliRunner
+
+    from kvstage.calibrate.serving import fit_serving
+    from kvstage.cli.main import app
+
+    made = load_scenario(P8D2, ["prefill.mfu=0.33", "decode.hbm_efficiency=0.6"])
+    prompt = 12000  # two chunks, the second after 8,192 tokens of context
+    seconds = made.forward_time_s(8192) + made.forward_time_s(prompt - 8192, 8192)
+    step = decode_step(made, 16, 16 * 3000).total_s
+    fit = fit_serving(P8D2, prefill=(prompt / seconds, prompt), decode=(step, 16, 3000))
+    assert fit.prefill_mfu == pytest.approx(0.33, abs=1e-6)
+    assert fit.decode_hbm_efficiency == pytest.approx(0.6, abs=1e-6)
+    args = ["calibrate", "--fit-serving", str(P8D2), "--decode-step-ms", f"{step * 1e3}"]
+    res = CliRunner().invoke(app, [*args, "--decode-batch", "16", "--decode-context", "3000"])
+    assert res.exit_code == 0 and "[decode]\nhbm_efficiency = 0.600" in res.output
+    # bad input: one line naming the option, exit 2
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "--decode-batch, --decode-context missing" in res.output
+    res = CliRunner().invoke(app, [*args[:3], "--decode-step-ms", "1", "--decode-batch", "1",
+                                   "--decode-context", "0"])  # fmt: skip
+    assert res.exit_code == 2 and "faster than the model's step at 100% of HBM" in res.output

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstage.cli.commands import calibrate_serving as serving
 from kvstage.cli.errors import fail
 
 STAGES = ("writes", "batches", "control", "kernels", "fill")
@@ -122,11 +123,42 @@ def calibrate(
     quick: Annotated[
         bool, typer.Option(help="A short sweep (a few seconds of measuring).")
     ] = False,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address the sending process binds (with --peer-host; default 127.0.0.1)."
+        ),
+    ] = None,
+    peer_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of the receiving process on the other host: writes, batches and control pings then cross hosts, and the profile's inter-node numbers come from them."
+        ),
+    ] = None,
+    peer_netns: Annotated[
+        str | None,
+        typer.Option(
+            help="Network namespace (ip netns) the receiving process enters: two namespaces joined by a veth as two hosts on one machine (for NIXL set UCX_TLS=tcp)."
+        ),
+    ] = None,
+    fit_serving: serving.FitServing = None,  # the serving fit (calibrate_serving.py)
+    prefill_tokens_per_s: serving.PrefillTokensPerS = None,
+    prompt_tokens: serving.PromptTokens = None,
+    decode_step_ms: serving.DecodeStepMs = None,
+    decode_batch: serving.DecodeBatch = None,
+    decode_context: serving.DecodeContext = None,
 ) -> None:
     """Measure this machine between two real processes over the real engine (write
     latency and bandwidth, per-request overhead, ZMQ control round trip, gather /
     scatter kernels, hw prefill fill rate), fit them, and write a hardware profile
-    that a scenario can name with `links.profile = "PATH"`."""
+    that a scenario can name with `links.profile = "PATH"`. With --fit-serving, fit
+    the serving efficiencies to one prefill and/or one decode measurement instead."""
+    if fit_serving is not None:
+        pre, dec = (
+            (prefill_tokens_per_s, prompt_tokens),
+            (decode_step_ms, decode_batch, decode_context),
+        )
+        return serving.fit_serving_command(fit_serving, pre, dec)
     from kvstage.calibrate.profile import CalibrationError, write_profile
     from kvstage.calibrate.profile import calibrate as run_calibration
 
