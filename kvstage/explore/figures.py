@@ -229,11 +229,19 @@ def _sweep_lines(
 
 
 def shape(row: dict[str, Any]) -> str:
-    """`P 2xTP4 + D 1xTP4, pool 4096 MiB`: a configuration in a few words."""
-    return (
+    """`P 2xTP4 + D 1xTP4, pool 4096 MiB, chunk 8192`: a configuration in a few words
+    (the router and the path when they are not round-robin and staging)."""
+    text = (
         f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']} + "
         f"D {row['cluster.decode_instances']}xTP{row['decode.tp']}, pool {row['decode.staging_pool_mb']:g} MiB"
     )
+    if row.get("prefill.chunked_prefill_size") is not None:
+        text += f", chunk {row['prefill.chunked_prefill_size']}"
+    if row.get("cluster.router") not in (None, "round-robin"):
+        text += f", router {row['cluster.router']}"
+    if row.get("transfer.path") not in (None, "staging"):
+        text += f", {row['transfer.path']} path"
+    return text
 
 
 def _throughput_key(points: list[dict[str, Any]]) -> tuple[str, str]:

@@ -38,9 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.explore.costs import COST_COLUMNS, add_costs
 from kvstage.explore.executor import Executor, ExploreError
 from kvstage.explore.figures import front_figure, shape
+from kvstage.explore.halving import first_length, schedule, successive_halving
 from kvstage.explore.plan_point import run_plan_point
+from kvstage.explore.screen import capacity, overload, workload_load
 from kvstage.explore.sweep import (
     STATUS_ERROR,
     STATUS_OK,
@@ -54,6 +57,8 @@ from kvstage.explore.sweep import (
 )
 from kvstage.metrics.steady import QUANTILES, SLO_FIGURES, quantile_name
 from kvstage.shared.scenario import DecodeConfig
+from kvstage.shared.scenario.cluster_table import ClusterConfig
+from kvstage.shared.scenario.schema import PrefillConfig, TransferConfig
 from kvstage.shared.scenario.slo_table import SLO_METRICS
 
 __all__ = [
@@ -83,17 +88,29 @@ KEYS = {
     "cluster.prefill_instances": "--prefill-instances",
     "cluster.decode_instances": "--decode-instances",
     "decode.staging_pool_mb": "--pool-mb",
+    "prefill.chunked_prefill_size": "--chunk",
+    "cluster.router": "--router",
+    "transfer.path": "--path",
 }
-# The staging pool defaults to the scenario's own (None here).
+# The axes that default to the scenario's own value (None here), and where that
+# value's default lives when the scenario does not set it.
+OWN_DEFAULT = {
+    "decode.staging_pool_mb": (DecodeConfig, "staging_pool_mb"),
+    "prefill.chunked_prefill_size": (PrefillConfig, "chunked_prefill_size"),
+    "cluster.router": (ClusterConfig, "router"),
+    "transfer.path": (TransferConfig, "path"),
+}
 DEFAULT_GRID: dict[str, str | None] = {
     "prefill.tp": "1,2,4,8",
     "decode.tp": "1,2,4,8",
-    "cluster.prefill_instances": "1,2,4",
-    "cluster.decode_instances": "1,2,4",
-    "decode.staging_pool_mb": None,
+    "cluster.prefill_instances": "1,2,3,4,6",
+    "cluster.decode_instances": "1,2,3,4,6",
+    **dict.fromkeys(OWN_DEFAULT),
 }
+SEARCHES = ("halving", "levels", "exhaustive")
 DEFAULT_ATTAINMENT = 0.9
-STATUS_SKIPPED, STATUS_NOT_RUN = "skipped", "not run"
+STATUS_SKIPPED, STATUS_NOT_RUN, STATUS_PRUNED = "skipped", "not run", "pruned"
+STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_PRUNED, STATUS_SKIPPED, STATUS_NOT_RUN)
 # A winner whose busiest stage runs above this share of its capacity is warned about:
 # queueing delay grows as 1 / (1 - utilization), so 85% leaves little room for a burst.
 BUSY_WARNING = 0.85
@@ -142,13 +159,18 @@ def columns(attainment: float) -> tuple[str, ...]:
     return (
         *KEYS,
         "gpus",
+        "prefill_gpu",
+        "decode_gpu",
         "status",
         "meets",
         "on_front",
         "winner",
+        "rung",
         *figure_columns(attainment),
+        *COST_COLUMNS,
         "bottleneck",
         "bottleneck_why",
+        "skipped_by",
         "reason",
     )
 
@@ -172,8 +194,12 @@ def gpus_of(settings: dict[str, Any]) -> int:
 class Candidates:
     varies: list[Vary]
     points: list[Point]  # valid, within --max-gpus: to search
-    skipped: list[dict[str, Any]]  # rows: invalid or over --max-gpus, with the reason
+    skipped: list[dict[str, Any]]  # rows: invalid, over --max-gpus or overloaded, with the reason
     targets: dict[str, float]
+    # per point index: the screen's busiest stage (utilization, servers) and the
+    # requests of the whole workload (kvstage/explore/screen.py)
+    busiest: dict[int, tuple[float | None, int]] = field(default_factory=dict)
+    full: dict[int, int] = field(default_factory=dict)
 
 
 def _option_error(message: str) -> str:
@@ -199,9 +225,12 @@ def plan_candidates(
     grid: dict[str, str | None],
     sets: Sequence[str] = (),
     max_gpus: int | None = None,
+    screen: bool = True,
 ) -> Candidates:
-    """Every configuration of `grid` (key -> "v1,v2,..."; None for the pool: the
-    scenario's own), validated by the scenario; PlanError for bad input."""
+    """Every configuration of `grid` (key -> "v1,v2,..."; None for the pool, chunk,
+    router and path: the scenario's own), validated by the scenario, and with `screen`
+    those the bottleneck model's capacities show overloaded skipped
+    (kvstage/explore/screen.py); PlanError for bad input."""
     path = Path(path)
     try:
         data = base_data(path, sets)
@@ -212,34 +241,49 @@ def plan_candidates(
         raise PlanError(
             f"--max-gpus {max_gpus}: a plan needs at least 2 GPUs (one prefill, one decode)"
         )
-    specs = dict(grid)
-    if specs.get("decode.staging_pool_mb") is None:
-        pool = (data.get("decode") or {}).get(
-            "staging_pool_mb", DecodeConfig.model_fields["staging_pool_mb"].default
-        )
-        specs["decode.staging_pool_mb"] = str(pool)
+    specs = {**dict.fromkeys(KEYS), **grid}
+    for key, (table, name) in OWN_DEFAULT.items():
+        if specs.get(key) is None:
+            section = data.get(key.split(".")[0]) or {}
+            specs[key] = str(section.get(name, table.model_fields[name].default))
     try:
         varies = [parse_vary(f"{key}={specs[key]}") for key in KEYS]
         points = plan_points(path, varies, list(sets))
     except SweepError as exc:
         raise PlanError(_option_error(str(exc))) from None
     keep, skipped = [], []
+    busiest: dict[int, tuple[float | None, int]] = {}
+    full: dict[int, int] = {}
     for p in points:
         gpus = gpus_of(p.settings)
         if p.scenario is None:
-            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=p.reason))
-        elif max_gpus is not None and gpus > max_gpus:
+            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=p.reason, skipped_by="scenario"))
+            continue
+        if max_gpus is not None and gpus > max_gpus:
             skipped.append(
-                _row(p.settings, STATUS_SKIPPED, reason=f"{gpus} GPUs: over --max-gpus {max_gpus}")
+                _row(
+                    p.settings,
+                    STATUS_SKIPPED,
+                    reason=f"{gpus} GPUs: over --max-gpus {max_gpus}",
+                    skipped_by="max-gpus",
+                )
             )
-        else:
-            keep.append(p)
+            continue
+        stages = capacity(p.scenario)
+        why = overload(stages) if screen else None
+        if why is not None:
+            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=why, skipped_by="capacity"))
+            continue
+        top = max(stages.values(), key=lambda v: v["utilization"], default=None)
+        busiest[p.index] = (None, 1) if top is None else (top["utilization"], top["servers"])
+        full[p.index] = workload_load(p.scenario)["requests"]
+        keep.append(p)
     if not keep:
         raise PlanError(
             f"no configuration to simulate: every one of the {len(points)} was skipped "
             f"(e.g. {shape(skipped[0])}: {skipped[0]['reason']})"
         )
-    return Candidates(varies, keep, skipped, targets)
+    return Candidates(varies, keep, skipped, targets, busiest, full)
 
 
 def _row(settings: dict[str, Any], status: str, **extra: Any) -> dict[str, Any]:
@@ -272,6 +316,8 @@ class PlanResult:
     backend: str
     wall_s: float
     stopped_at: int | None  # the GPU count the search stopped after (None: it ran them all)
+    search: str = "levels"
+    rungs: list[tuple[int, int]] = field(default_factory=list)  # (simulations, requests in all)
     winner: dict[str, Any] | None = None
     best: dict[str, Any] | None = None  # with no winner: the highest attainment
     front: list[dict[str, Any]] = field(default_factory=list)
@@ -314,6 +360,100 @@ def _next_batch(levels: list[list[Point]], start: int, workers: int, found: bool
     return end
 
 
+def _shortened(scenario: Any, requests: int) -> Any:
+    """The scenario on its first `requests` requests (a trace's first rows)."""
+    w = scenario.workload.model_copy(update={"requests": requests})
+    return scenario.model_copy(update={"workload": w})
+
+
+class _Search:
+    """One executor's runs for a plan: `simulate({index: requests})` -> rows."""
+
+    def __init__(
+        self,
+        runner: Executor,
+        cands: Candidates,
+        attainment: float,
+        on_point: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.runner, self.cands, self.attainment, self.on_point = (
+            runner,
+            cands,
+            attainment,
+            on_point,
+        )
+        self.points = {p.index: p for p in cands.points}
+        self.rungs: list[tuple[int, int]] = []  # (simulations, requests simulated in all)
+
+    def simulate(self, lengths: dict[int, int]) -> dict[int, dict[str, Any]]:
+        got: dict[int, dict[str, Any]] = {}
+
+        def on_row(index: int, row: dict[str, Any]) -> None:
+            got[index] = _point_row(self.points[index].settings, row, self.attainment)
+            if self.on_point is not None:
+                self.on_point(got[index])
+
+        jobs = []
+        for i, n in lengths.items():
+            s = self.points[i].scenario
+            if n < self.cands.full.get(i, n):
+                s = _shortened(s, n)
+            jobs.append((i, (s, self.attainment)))
+        self.rungs.append((len(jobs), sum(lengths.values())))
+        self.runner.run(run_plan_point, jobs, on_row)
+        return got
+
+    def full_lengths(self, points: Sequence[Point]) -> dict[int, int]:
+        return {p.index: self.cands.full.get(p.index, 0) for p in points}
+
+
+def first_lengths(cands: Candidates, attainment: float) -> dict[int, int]:
+    """Each configuration's first window under successive halving, from its screened
+    utilization (`kvstage.explore.halving.first_length`)."""
+    out = {}
+    for p in cands.points:
+        util, servers = cands.busiest.get(p.index, (None, 1))
+        full = cands.full.get(p.index, 0)
+        out[p.index] = first_length(attainment, util, servers, full) if full else full
+    return out
+
+
+def planned_work(cands: Candidates, attainment: float, search: str) -> tuple[int, int]:
+    """(simulations, requests simulated) the search is expected to take, for progress."""
+    if search == "halving":
+        firsts = first_lengths(cands, attainment)
+        rungs = schedule(
+            [firsts[p.index] for p in cands.points],
+            [cands.full.get(p.index, 0) for p in cands.points],
+        )
+        return sum(n for n, _ in rungs), sum(r for _, r in rungs)
+    return len(cands.points), sum(cands.full.get(p.index, 0) for p in cands.points)
+
+
+def _levels_search(
+    search: _Search, levels: list[list[Point]], exhaustive: bool
+) -> tuple[list[dict[str, Any]], int, int | None]:
+    """Whole GPU counts, smallest first (module docstring); (rows, levels run, stop)."""
+    done: list[dict[str, Any]] = []
+    found, stopped_at, i = None, None, 0
+    while i < len(levels):
+        end = (
+            len(levels)
+            if exhaustive
+            else _next_batch(levels, i, search.runner.nworkers, found is not None)
+        )
+        batch = [p for level in levels[i:end] for p in level]
+        got = search.simulate(search.full_lengths(batch))
+        done += [got[p.index] for p in batch]
+        i = end
+        meeting = [r["gpus"] for r in done if r["meets"]]
+        found = min(meeting) if meeting else None
+        if found is not None and any(r["gpus"] > found for r in done):
+            stopped_at = max(r["gpus"] for r in done)
+            break
+    return done, i, stopped_at
+
+
 def run_plan(
     path: str | Path,
     cands: Candidates,
@@ -322,44 +462,38 @@ def run_plan(
     workers: int | None = None,
     ray_address: str | None = None,
     exhaustive: bool = False,
+    search: str = "levels",
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    gpu_costs: dict[str, float] | None = None,
 ) -> PlanResult:
-    """Search `cands` (see the module docstring); `on_point(row)` as each point finishes."""
+    """Search `cands` (see the module docstring): `search` "levels" (GPU counts
+    smallest first, stopping one count above the first that meets the SLO),
+    "halving" (kvstage/explore/halving.py) or "exhaustive" (every candidate on the
+    whole workload; `exhaustive=True` says the same). `on_point(row)` as each
+    simulation finishes; `gpu_costs` (GPU name -> cost per GPU-hour) adds the costs."""
     if not 0 < attainment <= 1:
         raise PlanError(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
+    search = "exhaustive" if exhaustive else search
+    if search not in SEARCHES:
+        raise PlanError(f"--search {search!r}: one of {', '.join(SEARCHES)}")
     levels = _levels(cands.points)
-    settings = {p.index: p.settings for p in cands.points}
-
-    got: dict[int, dict[str, Any]] = {}  # point index -> its run_point row
-
-    def on_row(index: int, row: dict[str, Any]) -> None:
-        got[index] = row
-        if on_point is not None:
-            on_point(_point_row(settings[index], row, attainment))
-
-    done: list[dict[str, Any]] = []
-    found, stopped_at, i = None, None, 0
+    stopped_at, pruned, i = None, [], len(levels)
     t0 = time.perf_counter()
     # one executor for the whole search: its workers stay between the (many, small) batches
     with Executor(workers, ray_address) as runner:
-        while i < len(levels):
-            end = (
-                len(levels)
-                if exhaustive
-                else _next_batch(levels, i, runner.nworkers, found is not None)
+        run = _Search(runner, cands, attainment, on_point)
+        if search == "halving":
+            final, cut = successive_halving(
+                first_lengths(cands, attainment),
+                cands.full,
+                run.simulate,
+                attainment,
+                quantile_name(attainment),
             )
-            batch = [p for level in levels[i:end] for p in level]
-            runner.run(run_plan_point, [(p.index, (p.scenario, attainment)) for p in batch], on_row)
-            rows = [got[p.index] for p in batch]
-            done += [
-                _point_row(p.settings, row, attainment) for p, row in zip(batch, rows, strict=True)
-            ]
-            i = end
-            meeting = [r["gpus"] for r in done if r["meets"]]
-            found = min(meeting) if meeting else None
-            if found is not None and any(r["gpus"] > found for r in done):
-                stopped_at = max(r["gpus"] for r in done)
-                break
+            done = [final[p.index] for p in cands.points if p.index in final]
+            pruned = [_pruned(cut[p.index]) for p in cands.points if p.index in cut]
+        else:
+            done, i, stopped_at = _levels_search(run, levels, search == "exhaustive")
     wall = time.perf_counter() - t0
     not_run = [
         _row(
@@ -369,15 +503,24 @@ def run_plan(
         for p in level
     ]
     result = PlanResult(
-        done + not_run + cands.skipped,
+        done + pruned + not_run + cands.skipped,
         cands.targets,
         attainment,
         runner.backend,
         wall,
         stopped_at if not_run else None,
+        search=search,
+        rungs=run.rungs,
     )
+    add_costs(result.rows, gpu_costs)
     judge(result)
     return result
+
+
+def _pruned(row: dict[str, Any]) -> dict[str, Any]:
+    row = dict(row)
+    row.update(status=STATUS_PRUNED, meets=False)
+    return row
 
 
 def _point_row(settings: dict[str, Any], got: dict[str, Any], attainment: float) -> dict[str, Any]:
@@ -386,7 +529,14 @@ def _point_row(settings: dict[str, Any], got: dict[str, Any], attainment: float)
         got["status"],
         **{
             k: got.get(k)
-            for k in (*figure_columns(attainment), "bottleneck", "bottleneck_why", "reason")
+            for k in (
+                *figure_columns(attainment),
+                "prefill_gpu",
+                "decode_gpu",
+                "bottleneck",
+                "bottleneck_why",
+                "reason",
+            )
         },
     )
     row["meets"] = _meets(row, attainment)
@@ -430,6 +580,19 @@ def pareto_front(rows: Sequence[dict[str, Any]], qname: str = "p90") -> list[dic
     return sorted(front, key=lambda r: (r["gpus"], r[ttft], -r["goodput_per_gpu_rps"]))
 
 
+def winner_key(row: dict[str, Any], qname: str) -> tuple:
+    """The winner's order among the front's points that meet the SLO: fewest GPUs,
+    most goodput per GPU, lowest TTFT at the target quantile, then the configuration
+    itself, so that two searches that simulate the same points pick the same one."""
+    ttft = row.get(f"ttft_s.{qname}")
+    return (
+        row["gpus"],
+        -(row["goodput_per_gpu_rps"] or 0.0),
+        math.inf if ttft is None else ttft,
+        [str(row.get(k)) for k in KEYS],
+    )
+
+
 def judge(result: PlanResult) -> None:
     """Mark the front and pick the winner -- the front's point that meets the SLO with
     the fewest GPUs (ties: most goodput per GPU), so it is on the front by construction
@@ -439,7 +602,7 @@ def judge(result: PlanResult) -> None:
         r["on_front"] = True
     meeting = [r for r in result.front if r["meets"]]
     if meeting:
-        result.winner = min(meeting, key=lambda r: (r["gpus"], -(r["goodput_per_gpu_rps"] or 0.0)))
+        result.winner = min(meeting, key=lambda r: winner_key(r, result.qname))
         result.winner["winner"] = True
         return
     ok = [r for r in result.rows if r["status"] == STATUS_OK]
@@ -531,6 +694,17 @@ def _public(row: dict[str, Any] | None, cols: Sequence[str]) -> dict[str, Any] |
     return None if row is None else {c: row.get(c) for c in cols}
 
 
+def _skipped_by(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Skipped configurations counted by what skipped them (scenario, max-gpus, capacity)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r["status"] == STATUS_SKIPPED:
+            out[r.get("skipped_by") or "scenario"] = (
+                out.get(r.get("skipped_by") or "scenario", 0) + 1
+            )
+    return out
+
+
 def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[str, Path]:
     """plan.csv (every candidate), plan.json (meta, verdict, front, winner, every row)
     and plan_front.png; returns them by name."""
@@ -554,9 +728,10 @@ def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[
         "backend": result.backend,
         "wall_s": result.wall_s,
         "stopped_at_gpus": result.stopped_at,
-        "counts": {
-            s: result.count(s) for s in (STATUS_OK, STATUS_ERROR, STATUS_SKIPPED, STATUS_NOT_RUN)
-        },
+        "search": result.search,
+        "rungs": [{"simulations": n, "requests": r} for n, r in result.rungs],
+        "counts": {s: result.count(s) for s in STATUSES},
+        "skipped_by": _skipped_by(rows),
         "verdict": verdict(result),
         "warnings": warnings(result),
         "winner": _public(result.winner, cols),

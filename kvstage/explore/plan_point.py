@@ -66,6 +66,8 @@ def run_plan_point(scenario: Scenario, attainment: float) -> dict[str, Any]:
         row |= {
             "status": STATUS_OK,
             "requests": len(result.requests),
+            "prefill_gpu": scenario.prefill.gpu,
+            "decode_gpu": scenario.decode.gpu,
             "requests_failed": result.rooms_failed,
             "bottleneck": verdict["stage"],
             "bottleneck_why": verdict["explanation"],

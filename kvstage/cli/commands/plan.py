@@ -47,6 +47,7 @@ def _skipped_table(groups: list[dict[str, Any]]) -> Table:
 
 def _front_table(result: Any) -> Table:
     q = result.qname
+    costs = any(r.get("cost_per_hour") is not None for r in result.front)
     t = Table(
         title=f"Pareto front: GPUs, goodput per GPU and TTFT {q} over the steady window (no other "
         "point is as good in all three and better in one beyond the 95% intervals)",
@@ -62,6 +63,7 @@ def _front_table(result: Any) -> Table:
         (f"TTFT {q}", True),
         ("95% interval", True),
         (f"TPOT {q}", True),
+        *((("$/M in", True), ("$/M out", True)) if costs else ()),
         ("busiest stage", False),
         ("", False),
     ):
@@ -83,6 +85,11 @@ def _front_table(result: Any) -> Table:
             _secs(r[f"ttft_s.{q}"]),
             f"{_secs(r.get(f'ttft_s.{q}_lo'))} .. {_secs(r.get(f'ttft_s.{q}_hi'))}",
             _secs(r[f"tpot_s.{q}"]),
+            *(
+                (_num(r.get("cost_per_m_input_tokens")), _num(r.get("cost_per_m_output_tokens")))
+                if costs
+                else ()
+            ),
             f"{r['busiest_stage']} {util:.0%}" if util is not None else "-",
             mark,
             style="bold" if r["winner"] else None,
@@ -105,26 +112,41 @@ def _progress_bar(progress: bool) -> Any:
     )
 
 
-def _grid(
-    prefill_tp: str | None,
-    decode_tp: str | None,
-    prefill_instances: str | None,
-    decode_instances: str | None,
-    pool_mb: str | None,
-) -> dict[str, str | None]:
+def _grid(*values: str | None) -> dict[str, str | None]:
+    """The searched grid: each option's values (KEYS order) or its default."""
     from kvstage.explore.plan import DEFAULT_GRID
 
-    given = dict(
-        zip(
-            DEFAULT_GRID,
-            (prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
-            strict=True,
-        )
-    )
+    given = dict(zip(DEFAULT_GRID, values, strict=True))
     return {k: v if v is not None else DEFAULT_GRID[k] for k, v in given.items()}
 
 
-def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> None:
+def _log_line(text: str) -> None:
+    console.print(escape(text), highlight=False, soft_wrap=True)
+
+
+def _print_export(result: Any, cands: Any) -> None:
+    """The winner's SGLang launch lines (kvstage/explore/export.py)."""
+    from kvstage.explore.export import sglang_commands
+    from kvstage.explore.plan import KEYS
+
+    w = result.winner
+    if w is None:
+        console.print("[yellow]--export sglang: no winner to export[/]")
+        return
+    point = next(p for p in cands.points if all(p.settings[k] == w[k] for k in KEYS))
+    console.print(escape(sglang_commands(point.scenario)), highlight=False, soft_wrap=True)
+
+
+_SEARCH_TEXT = {
+    "halving": "successive halving (short windows first, the best third on)",
+    "levels": "GPU counts smallest first, stopping one count above the first that meets the SLO",
+    "exhaustive": "every candidate on the whole workload",
+}
+
+
+def _print_intro(
+    scenario: Path, cands: Any, attainment: float, where: str, search: str = "levels"
+) -> None:
     from kvstage.explore.plan import skip_reasons
 
     gpus = sorted({_gpus(p.settings) for p in cands.points})
@@ -132,7 +154,8 @@ def _print_intro(scenario: Path, cands: Any, attainment: float, where: str) -> N
     console.print(
         f"plan [bold]{escape(str(scenario))}[/]: {len(cands.points) + len(cands.skipped)} configurations, "
         f"{len(cands.skipped)} skipped, {len(cands.points)} to search over {len(gpus)} GPU counts "
-        f"({gpus[0]}..{gpus[-1]}); SLO {slo} for >= {attainment:.0%} of requests; on {where}",
+        f"({gpus[0]}..{gpus[-1]}); SLO {slo} for >= {attainment:.0%} of requests; search: "
+        f"{_SEARCH_TEXT[search]}; on {where}",
         highlight=False,
         soft_wrap=True,
     )
@@ -170,14 +193,21 @@ def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
     )
     for text in warnings(result):
         console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
-    search = (
-        f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
-        f"{result.count('not run')} larger configuration(s) not run"
-        if result.stopped_at is not None
-        else "every candidate simulated"
-    )
+    if result.search == "halving":
+        rungs = " -> ".join(f"{n} ({r:,} requests)" for n, r in result.rungs)
+        search = (
+            f"successive halving, simulations per rung: {rungs}; "
+            f"{result.count('pruned')} pruned on a short window"
+        )
+    elif result.stopped_at is not None:
+        search = (
+            f"stopped after {result.stopped_at} GPUs, one count above the first that meets the SLO; "
+            f"{result.count('not run')} larger configuration(s) not run"
+        )
+    else:
+        search = "every candidate simulated"
     console.print(
-        f"{len(result.simulated)} configurations simulated in {result.wall_s:.1f} s on "
+        f"{len(result.simulated) + result.count('pruned')} configurations simulated in {result.wall_s:.1f} s on "
         f"{result.backend} ({search}); files in {out_dir}: {', '.join(p.name for p in files.values())}",
         highlight=False,
         soft_wrap=True,
@@ -211,6 +241,51 @@ def plan(
             metavar="V1,V2,...", help="Staging pool per decode rank, MiB (default: the scenario's)."
         ),
     ] = None,
+    chunk: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...",
+            help="Chunked prefill sizes, tokens (prefill.chunked_prefill_size; default: the scenario's).",
+        ),
+    ] = None,
+    router: Annotated[
+        str | None,
+        typer.Option(
+            metavar="R1,R2,...",
+            help="Routers: round-robin, least-outstanding, staging-aware (default: the scenario's).",
+        ),
+    ] = None,
+    path: Annotated[
+        str | None,
+        typer.Option(
+            metavar="P1,P2,...", help="Transfer paths: staging, slice (default: the scenario's)."
+        ),
+    ] = None,
+    search: Annotated[
+        str,
+        typer.Option(
+            metavar="METHOD",
+            help="halving (successive halving: short windows first, the best third on), levels "
+            "(GPU counts smallest first, one count above the first that meets) or exhaustive.",
+        ),
+    ] = "halving",
+    screen: Annotated[
+        bool,
+        typer.Option(
+            help="Skip configurations whose offered load exceeds a stage's capacity (bottleneck model) before simulating."
+        ),
+    ] = True,
+    gpu_hour_cost: Annotated[
+        str | None,
+        typer.Option(
+            metavar="GPU=PRICE,...",
+            help="Price per GPU-hour by GPU name, e.g. h100-sxm=2.5,h200=3.6: adds cost per million input and output tokens.",
+        ),
+    ] = None,
+    export: Annotated[
+        str | None,
+        typer.Option(metavar="ENGINE", help="Print the winner's launch flags: sglang."),
+    ] = None,
     max_gpus: Annotated[
         int | None, typer.Option(help="Skip configurations with more GPUs than this.")
     ] = None,
@@ -222,9 +297,7 @@ def plan(
     ] = 0.9,
     exhaustive: Annotated[
         bool,
-        typer.Option(
-            help="Simulate every candidate instead of stopping one GPU count above the first that meets the SLO."
-        ),
+        typer.Option(help="Simulate every candidate on the whole workload (--search exhaustive)."),
     ] = False,
     workers: Annotated[
         int | None,
@@ -245,19 +318,28 @@ def plan(
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Search prefill TP, decode TP, instance counts and staging pool for the fewest GPUs
-    that meet the scenario's [slo] targets at its workload (rate or trace).
+    """Search prefill TP, decode TP, instance counts, staging pool, chunk, router and
+    transfer path for the fewest GPUs that meet the scenario's [slo] targets at its
+    workload (rate or trace).
 
-    Defaults: --prefill-tp 1,2,4,8 --decode-tp 1,2,4,8 --prefill-instances 1,2,4
-    --decode-instances 1,2,4, the scenario's pool. Configurations the scenario rejects
-    (TP mapping vs KV heads, pool < one chunk, decode memory < weights) are skipped with
-    the reason. GPU counts are simulated smallest first; the search stops one count
-    above the first that meets the SLO (--exhaustive: all). Prints the Pareto front
-    (goodput per GPU vs TTFT p90) and the winner (fewest GPUs; ties: most goodput per
-    GPU) with its bottleneck; writes plan.csv, plan.json and plan_front.png (`kvstage
-    report OUT` shows them). Exits 1 when nothing meets the SLO or a point failed."""
+    Defaults: --prefill-tp 1,2,4,8 --decode-tp 1,2,4,8 --prefill-instances 1,2,3,4,6
+    --decode-instances 1,2,3,4,6, the scenario's pool, chunk, router and path.
+    Configurations the scenario rejects (TP mapping vs KV heads, pool < one chunk,
+    decode memory < weights) are skipped with the reason, and so (--screen) are those
+    whose offered load exceeds a stage's capacity. --search halving (default)
+    simulates every configuration on a short window (its length from the
+    configuration's utilization), keeps the best third and lengthens; levels runs GPU
+    counts smallest first; exhaustive runs all on the whole workload. Figures are over
+    the steady window with 95% intervals. Prints the Pareto front and the winner
+    (fewest GPUs; ties: most goodput per GPU) with its bottleneck; writes plan.csv,
+    plan.json and plan_front.png (`kvstage report OUT` shows them); --export sglang
+    prints the winner's launch flags. Off a terminal, progress goes to the log (a line
+    per quarter or per minute, with an ETA). Exits 1 when nothing meets the SLO or a
+    point failed."""
+    from kvstage.explore.costs import parse_gpu_costs
     from kvstage.explore.executor import ExploreError, require_ray
-    from kvstage.explore.plan import plan_candidates, run_plan, write_plan
+    from kvstage.explore.plan import SEARCHES, plan_candidates, planned_work, run_plan, write_plan
+    from kvstage.explore.progress import ProgressLog
 
     sets = list(set_ or [])
     if not scenario.is_file():
@@ -266,24 +348,34 @@ def plan(
         _fail(f"--workers {workers}: must be at least 1")
     if not 0 < attainment <= 1:
         _fail(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
+    search = "exhaustive" if exhaustive else search
+    if search not in SEARCHES:
+        _fail(f"--search {search!r}: one of {', '.join(SEARCHES)}")
+    if export is not None and export != "sglang":
+        _fail(f"--export {export!r}: the engines it can export to: sglang")
     try:
+        prices = parse_gpu_costs(gpu_hour_cost)
         if ray is not None:
             require_ray()
-        cands = plan_candidates(
-            scenario,
-            _grid(prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb),
-            sets,
-            max_gpus,
+        grid = _grid(
+            prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb, chunk, router, path
         )
-    except ExploreError as exc:  # PlanError, SweepError, --ray
+        cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
+    except ExploreError as exc:  # PlanError, SweepError, --ray, --gpu-hour-cost
         _fail(str(exc))
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
-    _print_intro(scenario, cands, attainment, where)
-    bar = _progress_bar(progress)
-    task = bar.add_task("", total=len(cands.points))
+    _print_intro(scenario, cands, attainment, where, search)
+    jobs, work = planned_work(cands, attainment, search)
+    terminal = console.is_terminal
+    bar = _progress_bar(progress and terminal)
+    task = bar.add_task("", total=work)
+    log = ProgressLog(jobs, work, _log_line) if progress and not terminal else None
 
     def on_point(row: dict[str, Any]) -> None:
-        bar.update(task, advance=1, description=f"{row['gpus']} GPUs")
+        n = row.get("requests") or 0
+        bar.update(task, advance=n, description=f"{row['gpus']} GPUs")
+        if log is not None:
+            log.advance(n)
 
     try:
         with bar:
@@ -293,8 +385,9 @@ def plan(
                 attainment=attainment,
                 workers=workers,
                 ray_address=ray,
-                exhaustive=exhaustive,
+                search=search,
                 on_point=on_point,
+                gpu_costs=prices,
             )
     except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
@@ -306,7 +399,9 @@ def plan(
         "set": sets,
         "grid": {v.key: list(v.values) for v in cands.varies},
         "max_gpus": max_gpus,
-        "exhaustive": exhaustive,
+        "exhaustive": search == "exhaustive",
+        "screen": screen,
+        "gpu_hour_cost": prices,
     }
     try:
         out_dir = make_run_dir(cands.points[0].scenario, "plan", out)
@@ -314,6 +409,8 @@ def plan(
     except OSError as exc:
         _fail(f"cannot write the plan to {out or 'runs/'}: {exc}")
     _print_result(result, files, out_dir)
+    if export is not None:
+        _print_export(result, cands)
     raise typer.Exit(0 if result.winner is not None and not result.count("error") else 1)
 
 
