@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_engine
+from test_netns import namespaces as two_namespaces  # noqa: F401 (a fixture)
 from typer.testing import CliRunner
 
 from kvstage.calibrate.fit import fit_copy, fit_latency_bandwidth, fit_per_request, median_of
@@ -219,6 +220,74 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(
     result = simulate(s)
     assert judge(result).code == 0
     assert result.summary["requests_done"] == 4 and result.summary["requests_failed"] == 0
+    # both processes on this host: every number is same-host, and the profile says its
+    # inter-node figure is one
+    assert set(extra["measured_where"].values()) == {"same-host"}
+    assert "inter_* are a SAME-HOST figure" in profile.read_text()
+
+
+def test_where_each_number_was_measured() -> None:
+    from kvstage.calibrate.measure import measured_where
+    from kvstage.hw.probes.hosts import ProbeHost
+
+    apart = {"sender": ProbeHost("10.0.0.1"), "receiver": ProbeHost("10.0.0.2", "nsB")}
+    w = measured_where(apart, {"over": "tcp"})
+    assert (w["write"], w["batch"], w["control"]) == ("inter-host", "inter-host", "inter-host")
+    assert w["kernels"] == w["posting"] == w["inrun"] == "same-host"
+    assert w["hosts"] == "10.0.0.1 -> 10.0.0.2 (netns nsB)"
+    # two namespaces whose writes UCX still copied with CMA crossed no network: same-host
+    assert measured_where(apart, {"over": "same-host"})["write"] == "same-host"
+    assert measured_where(None, {"over": "same-host"})["write"] == "same-host"
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(300)
+def test_calibration_across_two_namespaces_records_inter_host(
+    tmp_path: Path,
+    two_namespaces,  # noqa: F811 (the fixture imported from test_netns)
+) -> None:
+    """`kvstage calibrate --host A --peer-host B --peer-netns NS_B`, run in namespace A: the
+    writes cross the veth (its counters), the profile's inter-node numbers come from
+    them and it says so, and the numbers measured on one host say that too."""
+    import subprocess
+    import sys
+
+    from test_netns import ADDR_A, ADDR_B, _veth_tx
+
+    require_engine("nixl")
+    ns_a, ns_b, veth_a = two_namespaces
+    out = tmp_path / "cal" / "p.toml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "MC_TCP_"))}
+    env["UCX_TLS"] = "tcp"  # one machine to UCX: without it, it would copy with CMA
+    before = _veth_tx(ns_a, veth_a)
+    done = subprocess.run(
+        ["ip", "netns", "exec", ns_a, str(Path(sys.executable).parent / "kvstage"), "calibrate"]
+        + ["--backend", "nixl", "--quick", "--host", ADDR_A, "--peer-host", ADDR_B]
+        + ["--peer-netns", ns_b, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    crossed = _veth_tx(ns_a, veth_a) - before
+    extra = json.loads(sidecar_path(out).read_text())
+    where = extra["measured_where"]
+    assert (where["write"], where["batch"], where["control"]) == ("inter-host",) * 3, where
+    assert where["kernels"] == where["inrun"] == "same-host"
+    assert where["hosts"] == f"{ADDR_A} -> {ADDR_B} (netns {ns_b})"
+    used = extra["raw"]["transport_used"]
+    assert used["over"] == "tcp" and used["writes"]["inter-node"] == [f"tcp/{veth_a}"], used
+    raw = extra["raw"]["write"]
+    sent = sum(size * len(reps) for size, reps in zip(raw["sizes"], raw["seconds"], strict=True))
+    assert crossed >= sent, f"{crossed} bytes left {veth_a}, {sent} written"
+    text = out.read_text()
+    assert "inter_* were measured between two hosts" in text and "inter-host writes" in text
+    data = tomllib.loads(text)
+    assert data["inter_bandwidth_gbps"] == pytest.approx(
+        extra["fit"]["write"]["bandwidth_Bps"] * 8 / 1e9, rel=1e-3
+    )
+    assert "writes measured inter-host" in done.stdout
 
 
 def test_weak_fits_are_named():

@@ -137,10 +137,12 @@ def _redirect_output(log_path: str) -> None:
     os.close(fd)
 
 
-def _child_setup(log_path: str) -> None:
+def _child_setup(log_path: str, place: Any = None, role: str = "") -> None:
     from kvstage.hw.placement import quiet_engines
 
     _redirect_output(log_path)
+    if place is not None:  # its host: a network namespace and address (hw/probes/hosts.py)
+        place.enter(role)
     quiet_engines(os.environ)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     import torch
@@ -180,21 +182,22 @@ def _spin_wait(transport: Any, handle: Any, timeout_s: float, what: str) -> None
 
 
 def _receiver_main(
-    backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str
+    backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str, place: Any = None
 ) -> None:
     try:
-        _child_setup(log_path)
+        _child_setup(log_path, place, "receiver")
         import torch
 
         from kvstage.hw.control import ControlPlane
         from kvstage.hw.transport import make_transport
         from kvstage.shared.protocol import Abort
 
-        transport = make_transport(backend, f"kvstage-cal-recv-{os.getpid()}", device)
+        opts = place.transport_options(backend) if place is not None else {}
+        transport = make_transport(backend, f"kvstage-cal-recv-{os.getpid()}", device, **opts)
         dst = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
         transport.register(dst)
         conn.send(("metadata", transport.agent_name, transport.metadata()))
-        cp = ControlPlane()
+        cp = ControlPlane(place.address) if place is not None else ControlPlane()
         conn.send(("control", cp.address, cp.identity))
         _, peer_addr, peer = _expect(conn, "control", plan.step_timeout_s * 3)
         cp.connect("ping", peer_addr, peer)
@@ -332,11 +335,11 @@ def _measure_batches(
     return {"op_bytes": s, "counts": counts, **timed}
 
 
-def _measure_control(plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
+def _measure_control(plan: CalibrationPlan, conn: Any, place: Any = None) -> dict[str, Any]:
     from kvstage.hw.control import ControlPlane
     from kvstage.shared.protocol import Abort, Watermark
 
-    cp = ControlPlane()
+    cp = ControlPlane(place.address) if place is not None else ControlPlane()
     conn.send(("control", cp.address, cp.identity))
     _, echo_addr, echo = _expect(conn, "control", plan.step_timeout_s)
     cp.connect("echo", echo_addr, echo)
@@ -501,14 +504,16 @@ def _sender_main(
     conn: Any,
     log_path: str,
     extras: Sequence[Extra] = (),
+    place: Any = None,
 ) -> None:
     try:
-        _child_setup(log_path)
+        _child_setup(log_path, place, "sender")
         import torch
 
         from kvstage.hw.transport import make_transport
 
-        transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device)
+        opts = place.transport_options(backend) if place is not None else {}
+        transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device, **opts)
         src = torch.randint(
             0,
             256,
@@ -534,8 +539,9 @@ def _sender_main(
                 _measure_batches(transport, peer, local.addr, remote.addr, plan, conn),
             )
         )
+        conn.send(("result", "transport_used", transport.used()))  # what carried the writes
         transport.close()
-        conn.send(("result", "control", _measure_control(plan, conn)))
+        conn.send(("result", "control", _measure_control(plan, conn, place)))
         conn.send(("result", "kernels", _measure_kernels(device, plan, conn)))
         for name, extra in extras:
             conn.send(("result", name, extra(partial(_progress, conn))))
@@ -569,7 +575,12 @@ class _Children:
 
     @classmethod
     def spawn(
-        cls, backend: str, device: str, plan: CalibrationPlan, extras: Sequence[Extra]
+        cls,
+        backend: str,
+        device: str,
+        plan: CalibrationPlan,
+        extras: Sequence[Extra],
+        hosts: dict[str, Any] | None = None,
     ) -> _Children:
         from kvstage.hw.control import SECRET_ENV, new_secret
 
@@ -587,13 +598,28 @@ class _Children:
         procs = {
             "receiver": ctx.Process(
                 target=_receiver_main,
-                args=(backend, device, plan, r_child, logs["receiver"]),
+                args=(
+                    backend,
+                    device,
+                    plan,
+                    r_child,
+                    logs["receiver"],
+                    (hosts or {}).get("receiver"),
+                ),
                 daemon=True,
                 name="kvstage-cal-recv",
             ),
             "sender": ctx.Process(
                 target=_sender_main,
-                args=(backend, device, plan, s_child, logs["sender"], tuple(extras)),
+                args=(
+                    backend,
+                    device,
+                    plan,
+                    s_child,
+                    logs["sender"],
+                    tuple(extras),
+                    (hosts or {}).get("sender"),
+                ),
                 daemon=True,
                 name="kvstage-cal-send",
             ),
@@ -687,8 +713,10 @@ def measure(
     plan: CalibrationPlan | None = None,
     progress: ProgressFn | None = None,
     extras: Sequence[Extra] = (),
+    hosts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the two measuring processes; return the raw points (see module docstring).
+    `hosts`: "sender" / "receiver" -> where each runs (hw/probes/hosts.py ProbeHost).
 
     `extras`: further measurements for the sender to run after the kernels, each
     stored under its name in the raw points."""
@@ -700,7 +728,7 @@ def measure(
         raise CalibrationError(f"{backend}: engine not usable here: {why}")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise CalibrationError(f"device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-    children = _Children.spawn(backend, device, plan, extras)
+    children = _Children.spawn(backend, device, plan, extras, hosts)
     start = time.monotonic()
     try:
         children.run(plan.step_timeout_s, progress, start)

@@ -17,9 +17,16 @@ from typing import Any
 from kvstage.calibrate.inrun import CAL_SCENARIO, CAL_SMALL, copy_bytes_mean, kind_means
 from kvstage.hw.probes import engine as probe
 from kvstage.hw.probes.engine import CalibrationPlan, ProgressFn
+from kvstage.hw.probes.hosts import ProbeHost, inter_host
 from kvstage.hw.probes.posting import PostingPlan, measure_posting
 
-__all__ = ["measure", "measure_handle_cost", "measure_inrun", "rank_loop_constants"]
+__all__ = [
+    "measure",
+    "measure_handle_cost",
+    "measure_inrun",
+    "measured_where",
+    "rank_loop_constants",
+]
 
 
 def measure(
@@ -27,14 +34,20 @@ def measure(
     device: str = "cpu",
     plan: CalibrationPlan | None = None,
     progress: ProgressFn | None = None,
+    hosts: dict[str, ProbeHost] | None = None,
 ) -> dict[str, Any]:
     """The probe's raw points (kvstage.hw.probes.engine.measure) with the state-machine event
     cost ("handle") measured in the sender process after the kernels, and the posting
-    probe's (kvstage.hw.probes.posting, host memory) under "posting"."""
+    probe's (kvstage.hw.probes.posting, host memory) under "posting". `hosts`: where the
+    sender and the receiver run (hw/probes/hosts.py); "where" says, per measurement,
+    whether it was taken between two hosts or on one (`measured_where`)."""
     from kvstage.run import conditions
 
     before = conditions.sample()
-    raw = probe.measure(backend, device, plan, progress, extras=(("handle", measure_handle_cost),))
+    raw = probe.measure(
+        backend, device, plan, progress, extras=(("handle", measure_handle_cost),), hosts=hosts
+    )
+    raw["where"] = measured_where(hosts, raw.get("transport_used"))
     quick = plan is not None and plan.quick
     raw["posting"] = measure_posting(
         backend, PostingPlan.quick_plan() if quick else PostingPlan(), progress
@@ -43,6 +56,28 @@ def measure(
     raw["rank_loop"] = rank_loop_constants(device)
     raw["inrun"] = measure_inrun(backend, device, progress)  # kvstage/calibrate/inrun.py
     return raw
+
+
+SAME_HOST = "same-host"
+
+
+def measured_where(
+    hosts: dict[str, ProbeHost] | None, used: dict[str, Any] | None
+) -> dict[str, str]:
+    """Per measurement, where it was taken: "inter-host" only for the sender's writes,
+    batches and control pings between two hosts whose writes really left the host (the
+    engine's transports, hw/transport_used.py: not CMA or CUDA IPC); everything else
+    (kernels, the event cost, posting, the in-run runs) runs on one host."""
+    apart = inter_host((hosts or {}).get("sender"), (hosts or {}).get("receiver"))
+    over = (used or {}).get("over")
+    link = "inter-host" if apart and over not in (None, SAME_HOST) else SAME_HOST
+    out = dict.fromkeys(("write", "batch"), link)
+    out["control"] = "inter-host" if apart else SAME_HOST  # ZMQ over TCP between the two
+    out.update(dict.fromkeys(("kernels", "handle", "posting", "inrun"), SAME_HOST))
+    if apart:
+        out["hosts"] = f"{hosts['sender'].describe()} -> {hosts['receiver'].describe()}"
+        out["writes_over"] = str(over)
+    return out
 
 
 def rank_loop_constants(device: str) -> dict[str, float]:

@@ -130,6 +130,16 @@ class Calibration:
 
     # --- derived numbers -----------------------------------------------------------
     @property
+    def where(self) -> dict[str, str]:
+        """Per measurement, "inter-host" or "same-host" (measure.measured_where); raw
+        points from before it was recorded were all taken on one host."""
+        return self.raw.get("where") or {"write": "same-host"}
+
+    @property
+    def inter_host(self) -> bool:
+        return self.where.get("write") == "inter-host"
+
+    @property
     def engine_idle_cores(self) -> float:
         """Cores an idle process of this engine keeps busy (its progress threads): CPU
         seconds per second of the receiver while it had nothing to do."""
@@ -212,7 +222,8 @@ class Calibration:
         return {
             "source": (
                 f"kvstage calibrate: {self.backend} on {self.device}, host {self.host}, "
-                f"{self.when}{', quick sweep' if self.quick else ''}"
+                f"{self.when}{', quick sweep' if self.quick else ''}, "
+                f"{'inter-host' if self.inter_host else 'same-host'} writes"
             ),
             "inter_bandwidth_gbps": gbps,
             "inter_latency_us": lat_us,
@@ -330,6 +341,7 @@ class Calibration:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "profile": self.profile_fields(),
+            "measured_where": self.where,  # per measurement: inter-host or same-host
             "fit": self.fit_table(),
             "forward": {
                 "fill_latency_s": self.fill.latency_s,
@@ -351,7 +363,7 @@ class Calibration:
         lines = [
             f"# Calibrated by `kvstage calibrate --backend {self.backend} --device {self.device}"
             f"{' --quick' if self.quick else ''}` on {self.host}, {self.when}.",
-            "# Two processes on this machine, real engine, both roles on one host (loopback).",
+            *self._where_toml(),
             f"# Fit quality and raw points: {sidecar_name} beside this file (the profile",
             "# loader accepts no extra tables). Numbers are medians; a shared machine is noisy.",
             f"source = {q(p['source'])}",
@@ -362,7 +374,13 @@ class Calibration:
             f"# Batches of n x {_fmt_bytes(self.raw['batch']['op_bytes'])}: t(n) = {pr.intercept_s * 1e6:.1f} us + n * "
             f"{pr.slope_s * 1e6:.2f} us, R^2 {pr.r2:.4f}; per request = slope - op bytes / bandwidth.",
             "# latency_us below is the total minus one write's posting (the sim adds it back).",
-            "# Inter and intra are the same path here: every rank is a process on this host.",
+            (
+                "# inter_* were measured between two hosts; intra_* are the same figure (no"
+                " same-host write was measured in this run)."
+                if self.inter_host
+                else "# inter_* are a SAME-HOST figure (no inter-host run): every process was on"
+                " this host; measure across hosts (--peer-host) for an inter-node number."
+            ),
             f"inter_bandwidth_gbps = {p['inter_bandwidth_gbps']!r}",
             f"inter_latency_us = {p['inter_latency_us']!r}",
             f"intra_bandwidth_gbps = {p['intra_bandwidth_gbps']!r}",
@@ -391,6 +409,20 @@ class Calibration:
             *self._host_toml(p),
         ]
         return "\n".join(lines) + "\n"
+
+    def _where_toml(self) -> list[str]:
+        """Where the numbers were measured, for the profile's head."""
+        w = self.where
+        if not self.inter_host:
+            return [
+                "# Two processes on this machine, real engine, both on one host: every number"
+                " is same-host."
+            ]
+        return [
+            f"# Writes, batches and control pings between two hosts: {w.get('hosts', '?')}, the",
+            f"# writes over {w.get('writes_over', '?')}; kernels, posting, the event cost and the"
+            " in-run runs on one host.",
+        ]
 
     def _host_toml(self, p: dict[str, Any]) -> list[str]:
         """The host model's fields with what they come from (sim/host.py)."""
@@ -555,10 +587,12 @@ def calibrate(
     quick: bool = False,
     plan: CalibrationPlan | None = None,
     progress: ProgressFn | None = None,
+    hosts: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Measure on this machine and fit. Raises CalibrationError when it cannot measure."""
+    """Measure on this machine and fit. Raises CalibrationError when it cannot measure.
+    `hosts`: where the two measuring processes run (hw/probes/hosts.py)."""
     plan = plan or (CalibrationPlan.quick_plan() if quick else CalibrationPlan.full())
-    raw = measure(backend, device, plan, progress)
+    raw = measure(backend, device, plan, progress, hosts)
     raw["plan"] = asdict(plan)
     return analyse(raw, backend, device, plan.quick)
 

@@ -103,6 +103,22 @@ def weak_fits(cal) -> list[str]:
     ]
 
 
+def _hosts(host: str | None, peer_host: str | None, peer_netns: str | None):
+    """The two processes' places (hw/probes/hosts.py), or None: both on loopback here."""
+    if peer_host is None and peer_netns is None and host is None:
+        return None
+    from kvstage.hw.probes.hosts import ProbeHost, ProbeHostError
+
+    if peer_host is None:
+        fail("--host / --peer-netns need --peer-host (the receiving process's address)")
+    receiver = ProbeHost(peer_host, peer_netns)
+    try:
+        receiver.check()
+    except ProbeHostError as exc:
+        fail(str(exc))
+    return {"sender": ProbeHost(host or "127.0.0.1"), "receiver": receiver}
+
+
 def calibrate(
     backend: Annotated[
         Literal["nixl", "mooncake"], typer.Option(help="Transfer engine to measure.")
@@ -174,6 +190,7 @@ def calibrate(
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         allowed = f"cpu, cuda:0..cuda:{n - 1}" if n else "cpu"
         fail(f"--device {device}: {problem.split(' but ', 1)[-1]}; allowed here: {allowed}")
+    hosts = _hosts(host, peer_host, peer_netns)
     path = out or _default_out(backend, device)
     bar = Progress(
         TextColumn("[bold]{task.description:<8}"),
@@ -196,7 +213,7 @@ def calibrate(
     )
     try:
         with bar:
-            cal = run_calibration(backend, device, quick=quick, progress=progress)
+            cal = run_calibration(backend, device, quick=quick, progress=progress, hosts=hosts)
     except CalibrationError as exc:
         fail(str(exc), 1)
     print_calibration(cal, console)
@@ -204,6 +221,13 @@ def calibrate(
         toml_path, side = write_profile(cal, path)
     except Exception as exc:  # noqa: BLE001 - one clear line, never a traceback
         fail(f"writing the profile {path}: {exc}", 1)
+    where = cal.where
+    console.print(
+        f"writes measured {where.get('write')}"
+        + (f" ({where['hosts']}, over {where.get('writes_over')})" if "hosts" in where else "")
+        + ("" if cal.inter_host else ": the profile's inter-node numbers are a same-host figure"),
+        highlight=False,
+    )
     console.print(f"profile: {toml_path}\nfit and raw points: {side}")
     console.print(f"use it: kvstage sim SCENARIO --set links.profile={toml_path.resolve()}")
 
