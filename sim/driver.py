@@ -63,6 +63,7 @@ from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import LiveLoads, cluster_nics
 from kvstage.sim.decode_batch import DecodeBatches
+from kvstage.sim.engine_host import EngineHost
 from kvstage.sim.fold import Fold
 from kvstage.sim.forward import GroupForward, HostFills
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
@@ -209,6 +210,8 @@ class Simulation:
         else:  # one forward stream per prefill instance
             ranks = g.prefill_tp if self.fold is None else 1
             self.group_forwards = [GroupForward(self, ranks) for _ in range(ss.prefill_instances)]
+            if self.engine is not None:  # [engine]: its scheduler loops (sim/engine_host.py)
+                self.group_forwards = self.engine.forwards(ranks)
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -255,6 +258,9 @@ class Simulation:
         self.host = lk.host  # None: GPU model; else the cpu-loop host model (sim/host.py)
         # one kernel launch per writer block when a decode rank scatters a chunk
         self._scatter_launches = [len(g.writers(d % g.decode_tp)) for d in range(ss.decode_ranks)]
+        # [engine] (GPU model only): the serving engine's prefill host (sim/engine_host.py)
+        preset = s.engine.resolved()
+        self.engine = EngineHost(self, preset) if preset and self.host is None else None
 
     def _build_host(self) -> None:
         """The cpu-loop host model: per rank a loop and worker threads on shared cores."""
@@ -336,6 +342,11 @@ class Simulation:
             requests = 1 if kind is Write else a.requests
             if self.host is not None and self.host.write_on_cpu:
                 self._write_on_cpu(rt, a, requests)
+                return
+            if self.engine is not None:  # posted where the serving engine posts
+                self.engine.write(rt, a, requests)
+                if self.fold is not None:
+                    self.fold.ghost_writes(rt, a, requests)
                 return
             ev = self.fabric.transfer(  # the scenario's link numbers: engine posting + NIC message rate
                 self.prefill_nic[rt.rank],

@@ -23,6 +23,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.cluster_table import ClusterConfig
+from kvstage.shared.scenario.engines import ENGINE_PRESETS, EnginePreset
 from kvstage.shared.scenario.errors import _FieldProblem
 from kvstage.shared.scenario.fieldtypes import (
     MIB,
@@ -510,6 +511,33 @@ class HardwareConfig(_Table):
         raise ValueError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {v!r}")
 
 
+class EngineConfig(_Table):
+    """[engine]: the serving engine whose prefill host the simulator models
+    (shared/scenario/engines.py, sim/engine_host.py), with the GPU model
+    (links.host_model = "gpu"; the cpu-loop host model keeps its own loops); absent: the
+    transfer engine's own posting threads (sim/links.py), as without it."""
+
+    preset: str | None = None
+    overlap: bool | None = None  # absent: the preset's
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in ENGINE_PRESETS:
+            raise ValueError(
+                f"unknown engine preset {v!r}; allowed: {list(ENGINE_PRESETS)} "
+                "(kvstage presets lists them)"
+            )
+        return v
+
+    def resolved(self) -> EnginePreset | None:
+        """The preset with this table's overrides, or None without one."""
+        if self.preset is None:
+            return None
+        p = ENGINE_PRESETS[self.preset]
+        return p if self.overlap is None else replace(p, overlap=self.overlap)
+
+
 class ExpectConfig(_Table):
     """[expect]: the outcome a (fault) scenario must end with; `kvstage sim`/`hw`
     check it and exit 1 when it does not hold."""
@@ -554,6 +582,7 @@ class Scenario(_Table):
     expect: ExpectConfig = Field(default_factory=ExpectConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _base_dir: Path | None = PrivateAttr(default=None)
 
