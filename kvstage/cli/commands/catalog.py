@@ -163,13 +163,45 @@ def profiles_table(base_dir: str | None = None) -> Table:
     return t
 
 
+def engines_table() -> Table:
+    """One row per serving-engine preset (`[engine] preset`): where the descriptor work
+    of a KV transfer runs and what each part costs (shared/scenario/engines.py)."""
+    from kvstage.shared.scenario.engines import ENGINE_PRESETS
+
+    t = Table(
+        title="engine presets (\\[engine] preset = NAME; the prefill host, sim/engine_host.py)",
+        title_justify="left",
+    )
+    cols = ("preset", "posts on", "queues x pool", "descriptors", "build ns", "prepare ns")
+    cols += ("post ns", "per call us", "launch us", "overlap", "summary")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("preset", "posts on", "summary") else "right")
+    for name, p in ENGINE_PRESETS.items():
+        t.add_row(
+            name,
+            p.post_on,
+            f"{p.queues} x {p.pool}" if p.queues else "-",
+            "per block" if p.granularity == "block" else "layout",
+            _num(p.build_ns),
+            _num(p.prepare_ns),
+            _num(p.post_ns),
+            _num(p.post_call_us),
+            _num(p.launch_us),
+            "yes" if p.overlap else "no",
+            p.summary,
+        )
+    return t
+
+
 def presets() -> None:
     """List the model presets (layers, KV heads, head_dim, KV bytes per token, total and
     MoE active parameters, the published config), the GPUs `prefill.gpu` / `decode.gpu`
-    can name with their datasheet numbers, and the achieved-efficiency defaults."""
+    can name with their datasheet numbers, the achieved-efficiency defaults, and the
+    serving-engine presets `[engine] preset` can name."""
     console.print(presets_table())
     console.print(gpus_table())
     console.print(efficiency_table())
+    console.print(engines_table())
 
 
 def profiles(
