@@ -244,3 +244,25 @@ def test_parsing_rules():
     assert not t.met_by({"status": "ok", "ttft_s.p99": None, "requests_failed": 0})  # no samples
     assert not t.met_by({"status": "invalid", "ttft_s.p99": None, "requests_failed": None})
     assert Target("requests_failed", "<=", 1).met_by({"status": "ok", "requests_failed": 1})
+
+
+def test_cli_sweep_progress_lines_off_a_terminal(tmp_path):
+    """CliRunner's output is not a terminal: progress comes as lines, not a bar."""
+    args = [
+        "sweep",
+        str(SCENARIO),
+        "--vary",
+        VARY[0],
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    for s in SETS:
+        args += ["--set", s]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    lines = [x for x in res.output.splitlines() if x.startswith("sweeping: ")]
+    assert (
+        lines and lines[-1].startswith("sweeping: 2/2 simulations") and lines[-1].endswith("done")
+    )

@@ -298,6 +298,10 @@ def _progress_bar(progress: bool) -> Any:
     )
 
 
+def _log_line(text: str) -> None:
+    console.print(escape(text), highlight=False, soft_wrap=True)
+
+
 def _run(
     scenario: Path,
     varies: list[Any],
@@ -309,17 +313,25 @@ def _run(
 ) -> Any:
     """Simulate the points under a progress bar; a failed sweep is one error line and exit 2."""
     from kvstage.explore.executor import ExploreError
+    from kvstage.explore.progress import ProgressLog
     from kvstage.explore.sweep import run_sweep
 
-    bar = _progress_bar(progress)
+    # off a terminal, a bar prints nothing useful: lines per quarter or minute instead
+    terminal = console.is_terminal
+    bar = _progress_bar(progress and terminal)
     task = None
+    log: ProgressLog | None = None
 
     def on_start(n: int) -> None:
-        nonlocal task
+        nonlocal task, log
         task = bar.add_task("points", total=n)
+        if progress and not terminal:
+            log = ProgressLog(n, n, _log_line, what="sweeping")
 
     def on_point(_index: int, _row: dict) -> None:
         bar.advance(task)
+        if log is not None:
+            log.advance(1)
 
     try:
         with bar:
