@@ -14,8 +14,11 @@ frame's key belongs to one (sender, receiver) pair (hw/keys.py: X25519 between t
 two ranks' key pairs, HKDF with the run secret, 32 random bytes the launcher draws
 per run, over both identities, incarnations included), so its MAC proves which rank
 sent it and to whom; a rendezvous message's key is bound to its rank, incarnation and
-direction. A frame list that is too big is dropped before anything looks into it (ZMQ
-`MAXMSGSIZE` first, before its bytes are buffered); one from no known peer, or whose
+direction. Below the MACs, every connection is a ZMQ CURVE one whose server key is
+derived from the run secret (`curve_server`, `curve_client`): a process without the
+secret never gets a connection, so nothing it sends is buffered. A frame list that is
+too big is dropped before anything looks into it (ZMQ `MAXMSGSIZE` on each frame's
+header first, before its bytes are buffered, then the frame count and size); one from no known peer, or whose
 MAC is missing or wrong, is dropped before it is decoded; an authenticated message
 that speaks for another rank than its sender, or is addressed to another rank, is
 dropped after. Each is counted (`ControlPlane.oversize`, `.unauthenticated`,
@@ -38,7 +41,7 @@ from typing import Any
 
 import zmq
 
-from kvstage.hw.keys import MAX_NAME_BYTES, Identity, KeyPair
+from kvstage.hw.keys import MAX_NAME_BYTES, Identity, KeyPair, curve_server_keys
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
 from kvstage.shared.runtime import rank_name  # noqa: F401 - re-exported (launcher, ranks)
 
@@ -47,12 +50,19 @@ log = logging.getLogger("kvstage.hw.control")
 SECRET_ENV = "KVSTAGE_RUN_SECRET"  # the run secret, hex, for ranks the launcher spawns
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
-# The largest legitimate control message is a few dozen bytes (a reason string is cut
-# at MAX_REASON_BYTES): anything over 64 KiB is dropped and counted, unread. ZMQ itself
-# cuts off a peer that sends a single frame over 1 MiB (not counted: never delivered).
-MAX_CONTROL_BYTES = 64 << 10
+# The largest legitimate control frame is a reason string (cut at MAX_REASON_BYTES,
+# 1 KiB [C] shared/protocol.py) and a message has at most 6 frames (name, header, tag,
+# integers, reason, MAC): ZMQ itself cuts off a peer that sends a frame over 4 KiB
+# (MAXMSGSIZE, checked on the frame's header before its bytes are buffered; not
+# counted: never delivered), and a message of more than 8 frames or 32 KiB is dropped
+# and counted, unread.
+ZMQ_MAX_CONTROL_FRAME = 4 << 10
 MAX_CONTROL_FRAMES = 8
-ZMQ_MAX_CONTROL_FRAME = 1 << 20
+MAX_CONTROL_BYTES = MAX_CONTROL_FRAMES * ZMQ_MAX_CONTROL_FRAME
+# ZMQ's receive queue of a control inbox, in messages (ZMQ's default [C] libzmq
+# zmq_setsockopt(3), made explicit): with the bounds above at most
+# 1,000 x 32 KiB = 32 MiB queued from peers that hold the run secret.
+CONTROL_RCVHWM = 1000
 # A report carries the rank's whole trace; a hello its transfer metadata.
 MAX_RENDEZVOUS_BYTES = 512 << 20
 
@@ -65,6 +75,25 @@ TO_RANK = b"kvstage rendezvous launcher->rank v1"
 
 class RunSecretError(RuntimeError):
     """No usable run secret: a rank never runs unauthenticated."""
+
+
+def curve_server(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock`, before it binds, a CURVE server with the run's key pair
+    (hw/keys.py `curve_server_keys`): only a holder of the run secret gets a
+    connection, so nothing a stranger sends is ever buffered."""
+    public, private = curve_server_keys(secret)
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+
+
+def curve_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock`, before it connects, a CURVE client of the run's listening sockets
+    (its own key pair drawn fresh: the server accepts any holder of the run secret)."""
+    public, private = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_keys(secret)[0])
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, private)
 
 
 def new_secret() -> bytes:
@@ -293,6 +322,8 @@ class ControlPlane:
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)
+        self.inbox.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
+        curve_server(self.inbox, self._secret)
         port = self.inbox.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.name = name or self.address
@@ -355,6 +386,7 @@ class ControlPlane:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)  # nothing comes back on a PUSH
+        curve_client(sock, self._secret)
         sock.connect(address)
         self._out[peer] = sock
 

@@ -15,6 +15,12 @@ another rank, or anyone else who holds the run secret, can neither make nor reus
 incarnation and key pair) cannot be spoken for with its predecessor's frames. The
 salt keeps a process without the run secret from talking at all.
 
+Before any of that, a connection itself is authenticated: every socket that listens
+(a rank's control inbox, the rendezvous) is a ZMQ CURVE server (RFC 26) whose key
+pair is derived from the run secret (`curve_server_keys`), and every connecting socket
+a CURVE client of it. A process without the run secret cannot finish the handshake, so
+ZMQ buffers not one byte of what it sends (bounded before authenticated).
+
 The rendezvous cannot use pair keys (a rank knows its address, not a key): a rank's
 messages to it are signed with `rank_key`, HKDF of the run secret over the rank's name
 and incarnation, and carry a sequence number (hw/rendezvous.py refuses replays).
@@ -32,6 +38,7 @@ PUBLIC_KEY_BYTES = 32  # an X25519 public key (RFC 7748)
 MAX_NAME_BYTES = 64  # a rank's name on the wire ("prefill12", "decode3"; tools' own names)
 _PAIR = b"kvstage control v3"
 _RANK = b"kvstage rendezvous v2"
+_CURVE = b"kvstage curve server v1"
 
 
 def _hkdf(secret: bytes, info: bytes, ikm: bytes) -> bytes:
@@ -87,3 +94,10 @@ def rank_key(secret: bytes, direction: bytes, name: str, incarnation: int) -> by
     """The key of rendezvous messages of rank `name`'s `incarnation` in `direction`."""
     info = _RANK + _field(direction) + _field(name.encode()) + incarnation.to_bytes(8, "big")
     return _hkdf(secret, info, b"")
+
+
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) raw 32-byte Curve25519 keys of every listening socket of the run:
+    a function of the run secret, so only its holders can connect."""
+    private = X25519PrivateKey.from_private_bytes(_hkdf(secret, _CURVE, b""))
+    return private.public_key().public_bytes_raw(), private.private_bytes_raw()

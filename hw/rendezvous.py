@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstage.hw.bandwidth import PROBE_SLOT_S
 from kvstage.hw.control import (
@@ -44,6 +45,8 @@ from kvstage.hw.control import (
     TO_RANK,
     FrameMac,
     Throttled,
+    curve_client,
+    curve_server,
     frame_header,
     frames_size,
     log,
@@ -51,6 +54,11 @@ from kvstage.hw.control import (
 )
 from kvstage.hw.keys import MAX_NAME_BYTES, PUBLIC_KEY_BYTES, Identity, rank_key
 from kvstage.shared.runtime import rank_name
+
+# connections the rendezvous closes before their CURVE handshake, none completed, before
+# a rank concludes that its run secret is not the launcher's (ZMQ reconnects every
+# 0.1 s [C] libzmq ZMQ_RECONNECT_IVL default, so about 0.3 s)
+REFUSED_HANDSHAKES = 3
 
 
 def _b64(data: bytes) -> str:
@@ -235,8 +243,16 @@ class RendezvousClient:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_BYTES)
+        curve_client(self.sock, secret)
         if not address.startswith("tcp://"):
             address = f"tcp://{address}"
+        # connection events: a rendezvous that closes every connection before the CURVE
+        # handshake completes does not hold this rank's run secret
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self._handshakes = self._refused_handshakes = 0
         self.sock.connect(address)
         self.address = address
         self.notices: list[dict[str, Any]] = []
@@ -263,9 +279,27 @@ class RendezvousClient:
         except zmq.Again:
             pass
 
+    def _check_handshakes(self) -> None:
+        """RendezvousError once the rendezvous closed connections before their handshake
+        and never completed one: this rank's secret is not the run's."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshakes += 1
+            elif event == zmq.EVENT_DISCONNECTED and not self._handshakes:
+                self._refused_handshakes += 1
+        if not self._handshakes and self._refused_handshakes >= REFUSED_HANDSHAKES:
+            raise RendezvousError(
+                f"the rendezvous at {self.address} refused this rank's connection "
+                f"{self._refused_handshakes} times before its handshake: this rank cannot "
+                f"authenticate: this rank's run secret is not the launcher's (check "
+                f"--secret-file / ${SECRET_ENV})"
+            )
+
     def _pump(self, timeout_ms: int) -> None:
         """Take in what the rendezvous sent (waiting up to `timeout_ms` for the first):
         notices aside, answers in order."""
+        self._check_handshakes()
         if not self.sock.poll(timeout_ms):
             return
         while True:
@@ -442,6 +476,8 @@ class RendezvousClient:
         return list(self.recv(timeout_s, "the rank table").get("rejoins", []))
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=1000)
 
 
@@ -517,6 +553,8 @@ class RendezvousServer:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_BYTES)
+        curve_server(self.sock, secret)  # a stranger gets no connection: nothing buffered
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:

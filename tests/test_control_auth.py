@@ -27,12 +27,14 @@ from test_hw import write_scenario
 from test_outcome import kvstage_cmd
 
 from kvstage.hw.control import (
-    MAX_CONTROL_BYTES,
+    MAX_CONTROL_FRAMES,
     SECRET_ENV,
     TO_LAUNCHER,
+    ZMQ_MAX_CONTROL_FRAME,
     ControlPlane,
     FrameMac,
     RunSecretError,
+    curve_client,
     frame_header,
     new_secret,
     read_secret_file,
@@ -50,9 +52,13 @@ from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import generate_requests
 
 
-def _push(address: str) -> zmq.Socket:
+def _push(address: str, secret: bytes | None = None) -> zmq.Socket:
+    """A plain PUSH to `address`; with `secret`, a CURVE client holding the run secret
+    (and no pair key)."""
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
+    if secret is not None:
+        curve_client(sock, secret)
     sock.connect(address)
     return sock
 
@@ -72,35 +78,53 @@ def _pair(a: ControlPlane, b: ControlPlane, a_calls_b: str = "inbox") -> None:
 
 
 def test_control_plane_drops_what_it_cannot_authenticate():
+    """A process without the run secret gets no connection (CURVE): nothing it sends
+    arrives, however big. One that holds the secret but no pair key is dropped and
+    counted: no MAC or a wrong one (unauthenticated), too many frames (oversize); a frame
+    over ZMQ's bound cuts its connection before its bytes are buffered."""
     secret = new_secret()
     inbox = ControlPlane(secret=secret, name="inbox")
     honest = ControlPlane(secret=secret, name="honest")
     other_run = ControlPlane(secret=new_secret(), name="other")
-    raw = _push(inbox.address)
+    stranger = _push(inbox.address)
+    holder = _push(inbox.address, secret)
+    again = _push(inbox.address, secret)
     try:
         _pair(honest, inbox)
         _pair(other_run, inbox)  # its key pair is known, its run secret is not this run's
         forged = Abort(room=0, prefill_rank=0, decode_rank=0, reason="forged")
-        raw.send_multipart(encode(forged))  # no MAC
-        raw.send_multipart([*encode(forged), os.urandom(32)])  # a wrong MAC
+        attempts = [
+            encode(forged),  # no MAC
+            [*encode(forged), os.urandom(32)],  # a wrong MAC
+            [b"x"] * (MAX_CONTROL_FRAMES + 1),  # too many frames to look at
+        ]
+        for frames in attempts:
+            holder.send_multipart(frames)
+        for frames in [*attempts, [b"x" * (64 << 20)]]:
+            try:  # queued at the stranger at most: its handshake never completes
+                stranger.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        holder.send(b"x" * (ZMQ_MAX_CONTROL_FRAME + 1))  # ZMQ cuts the connection off
         honest.send("inbox", Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0))
-        other_run.send("inbox", forged)  # a MAC, with another run's secret
-        raw.send_multipart([b"x" * (MAX_CONTROL_BYTES + 1), os.urandom(32)])  # too big to look at
-        got = _receive_until(inbox, lambda got: inbox.unauthenticated + inbox.oversize >= 4 and got)
+        other_run.send("inbox", forged)  # another run's secret: no connection either
+        got = _receive_until(inbox, lambda got: inbox.unauthenticated + inbox.oversize >= 3 and got)
+        got += _receive_until(inbox, lambda _: False, timeout_s=0.5)  # nothing more comes
         assert got == [Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0)]
         assert inbox.counters() == {
             "malformed": 0,
-            "unauthenticated": 3,
+            "unauthenticated": 2,
             "misattributed": 0,
             "oversize": 1,
             "replayed": 0,
         }
         # a frame list signed for this pair that does not decode is malformed, as before
-        raw.send_multipart(honest.seal("inbox", [b"KVS?", b"junk"]))
+        again.send_multipart(honest.seal("inbox", [b"KVS?", b"junk"]))
         assert _receive_until(inbox, lambda _: inbox.malformed == 1) == []
         assert inbox.received == 1
     finally:
-        raw.close(linger=0)
+        for sock in (stranger, holder, again):
+            sock.close(linger=0)
         for cp in (inbox, honest, other_run):
             cp.close()
 
@@ -117,7 +141,7 @@ def test_a_frame_proves_its_sender_and_its_receiver():
     # a secret holder that says it is prefill0 (its own key pair: not prefill0's)
     impostor = ControlPlane(secret=secret, name="prefill0", role="prefill")
     planes = (decode0, decode1, prefill0, prefill1, impostor)
-    raw0, raw1 = _push(decode0.address), _push(decode1.address)
+    raw0, raw1 = _push(decode0.address, secret), _push(decode1.address, secret)
     try:
         for d in (decode0, decode1):
             for p in (prefill0, prefill1):
@@ -159,7 +183,7 @@ def test_a_captured_frame_sent_again_is_dropped_as_replayed():
     secret = new_secret()
     inbox = ControlPlane(secret=secret, name="decode0")
     honest = ControlPlane(secret=secret, name="prefill0")
-    raw = _push(inbox.address)
+    raw = _push(inbox.address, secret)
     try:
         _pair(honest, inbox)
         wm = [Watermark(round=1, tail=t, prefill_rank=0, decode_rank=0) for t in range(4)]
@@ -197,7 +221,7 @@ def test_once_a_restart_is_known_the_old_incarnation_is_dropped_before_the_new_o
         assert new.incarnation > old.incarnation
         inbox.connect("prefill1", new.address, new.identity)  # what a rejoin notice does
         old.send("inbox", wm[1])  # a late frame of the old process, newer than its last
-        raw = _push(inbox.address)
+        raw = _push(inbox.address, secret)
         raw.send_multipart(old.seal("inbox", encode(wm[2]), seq=1 << 40))  # any sequence number
         assert _receive_until(inbox, lambda _: inbox.replayed >= 2) == []
         assert inbox.replayed == 2
@@ -361,14 +385,22 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             assert "registered no rank" in _refused(
                 server, stranger, {"kind": "report", "role": "prefill", "rank": 0}
             )
-            # garbage, and a hello without a MAC, from a plain socket
-            raw = zmq.Context.instance().socket(zmq.DEALER)
-            raw.setsockopt(zmq.LINGER, 0)
-            raw.connect(f"tcp://{server.address}")
-            raw.send(b"\xff not json at all")
-            raw.send(json.dumps(_hello("prefill", 0)).encode())
-            _until(lambda: sum("unauthenticated" in r for r in server.refusals) == 2)
-            raw.close()
+            # garbage, and a hello without a MAC: from a plain socket (no connection: never
+            # even refused), and from one that holds the secret (refused)
+            for with_secret in (False, True):
+                raw = zmq.Context.instance().socket(zmq.DEALER)
+                raw.setsockopt(zmq.LINGER, 0)
+                if with_secret:
+                    curve_client(raw, secret)
+                raw.connect(f"tcp://{server.address}")
+                raw.send(b"\xff not json at all")
+                raw.send(json.dumps(_hello("prefill", 0)).encode())
+                if with_secret:
+                    _until(lambda: sum("unauthenticated" in r for r in server.refusals) == 2)
+                else:
+                    time.sleep(0.5)
+                    assert not any("unauthenticated" in r for r in server.refusals)
+                raw.close()
             # a rank with another run's secret is refused, and says why
             wrong = RendezvousClient(server.address, secret=new_secret())
             clients.append(wrong)
@@ -423,6 +455,7 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             # a message captured and sent again is refused: a replayed query tells nothing
             raw = zmq.Context.instance().socket(zmq.DEALER)
             raw.setsockopt(zmq.LINGER, 0)
+            curve_client(raw, secret)
             raw.connect(f"tcp://{server.address}")
             mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7), b"")
             query = mac.sign(
@@ -507,8 +540,10 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
     assert sent["ranks"] == ["decode0", "prefill0", "prefill1"] and sent["messages"] > 0
     reports = result.reports
     assert sorted(reports) == sent["ranks"]
-    assert all(r["unauthenticated"] > 0 for r in reports.values()), {
-        n: r["unauthenticated"] for n, r in reports.items()
+    # without the run secret no connection is made (CURVE): not one forgery reached a
+    # rank's MAC check
+    assert all(r["unauthenticated"] == 0 and r["malformed"] == 0 for r in reports.values()), {
+        n: (r["unauthenticated"], r["malformed"]) for n, r in reports.items()
     }
     assert_every_room_right(s, reports)
     assert (run_dir / "run.secret").stat().st_mode & 0o777 == 0o600

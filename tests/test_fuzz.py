@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_harness import World
 
-from kvstage.hw.control import ControlPlane, new_secret
+from kvstage.hw.control import ControlPlane, curve_client, new_secret
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
 from kvstage.shared.protocol import (
@@ -103,6 +103,7 @@ def plane():
 def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
     cp, peer, ctx = plane
     push = ctx.socket(zmq.PUSH)
+    curve_client(push, SECRET)  # a holder of the run secret gets a connection
     push.connect(cp.address)
     rng = random.Random(0)
     good = [StagingReq(1, 0, 4, 0, 0), Watermark(2, 10, 0, 0)]

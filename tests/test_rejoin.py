@@ -396,7 +396,7 @@ def _restart_and_replay(
         rejoins = _until(lambda: client.rejoins(10), timeout_s=120)
         box["rejoin"] = rejoins[0]
         last = box["requests"] - 1
-        push = _push(table["decode0"].control)
+        push = _push(table["decode0"].control, secret)
         # a frame under the old incarnation's name and number (signed with a key of the
         # tool's own: the old process's key pair is gone with it)
         old_self = ControlPlane(secret=secret, name="prefill1")
