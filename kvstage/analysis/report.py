@@ -91,6 +91,11 @@ class _Figures:
         return f'<figure><img src="{uri}" alt="{_e(alt)}"><figcaption>{_e(caption)}</figcaption></figure>'
 
 
+def _gbs(gbit_s):
+    """summary.json's Gbit/s as GB/s (10^9 bytes/s), the unit kvstage prints."""
+    return gbit_s / 8 if isinstance(gbit_s, (int, float)) else gbit_s
+
+
 def _num(x, unit: str = "", digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
@@ -143,7 +148,7 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
             f"{ms(ttft.get('p50'))} / {ms(ttft.get('p90'))} / {ms(ttft.get('p99'))}",
         ),
         ("payload", f"{(s.get('payload_bytes') or 0) / (1 << 30):,.2f} GiB"),
-        ("throughput", f"{_num(s.get('throughput_gbps'))} Gb/s"),
+        ("throughput", f"{_num(_gbs(s.get('throughput_gbps')))} GB/s"),
         *_ring_rows(run, s),
         (
             "watermark stall total / p99 / chunks",
@@ -225,7 +230,7 @@ def _scenario_rows(run: Run) -> list[tuple[str, str]]:
         ),
         (
             "links",
-            f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {links.get('inter_bandwidth_gbps', '?')} Gb/s inter-node",
+            f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {_num(_gbs(links.get('inter_bandwidth_gbps')))} GB/s inter-node",
         ),
         (
             "workload",

@@ -77,7 +77,8 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
         t.add_row(
             "prefix cache hits (prompt tokens cached)", f"{summary['prefix_hit_fraction']:.1%}"
         )
-    t.add_row("throughput", f"{summary['throughput_gbps']:,.2f} Gb/s")
+    # GB/s, the unit of every bandwidth kvstage prints (summary.json keeps Gbit/s in throughput_gbps)
+    t.add_row("throughput", f"{summary['throughput_gbps'] / 8:,.2f} GB/s")
     t.add_row("ring live peak (written, not freed)", _ring(summary, "live"))
     t.add_row("ring reserved peak (handed out)", _ring(summary, "reserved"))
     st = summary["watermark_stall_s"]
