@@ -501,6 +501,11 @@ class DecodeMachine(MachineBase):
         if self._writer_for(msg, now, out) is None:
             return
         room = self._rooms.get(msg.room)
+        if room is None and not self.is_finished(msg.room):
+            # an ABORT before anything else about the room came (it failed at its writer
+            # before the writer asked for a region): remembered, the room fails now
+            # instead of holding its writers and pages for its whole timeout
+            room = self._new_room(msg.room, now)
         if room is not None:
             self._fail(
                 room,
