@@ -168,3 +168,27 @@ def test_event_count_per_request_stays_flat() -> None:
 
     few, many = events(128), events(1024)
     assert math.isclose(few, many, rel_tol=0.25)
+
+
+def test_descriptor_fit_recovers_per_descriptor_costs_and_gil_ratios() -> None:
+    from kvstage.calibrate.descriptors import fit_descriptors
+
+    counts = [256, 1024, 4096, 16384]
+    line = lambda a, b: [[a + b * n] * 3 for n in counts]  # noqa: E731
+    raw = {
+        "engine": "nixl",
+        "counts": counts,
+        "sweep": {"build_s": line(2e-5, 20e-9), "prepare_s": line(3e-5, 55e-9)},
+        "gil": {
+            "worker_batches_per_s_alone": 300.0,
+            "worker_batches_per_s_beside_python": 100.0,
+            "python_iters_per_s_alone": 2e5,
+            "python_iters_per_s_beside_worker": 1e5,
+        },
+    }
+    fit = fit_descriptors(raw)
+    assert fit.per_descriptor_ns("build_numpy") == pytest.approx(20.0)
+    assert fit.parts["prepare"].intercept_s == pytest.approx(3e-5)
+    assert fit.parts["build_numpy"].r2 == pytest.approx(1.0)
+    assert (fit.worker_slowdown, fit.python_slowdown) == pytest.approx((3.0, 2.0))
+    assert set(fit.table()["parts"]) == {"build_numpy", "prepare"}

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstage.calibrate.descriptors import DescriptorFit, fit_descriptors
 from kvstage.calibrate.fit import (
     CopyFit,
     LinearFit,
@@ -126,6 +127,9 @@ class Calibration:
     gpu_flops: float
     profile: dict[str, Any] = field(default_factory=dict)
     posting: PostingFit | None = None  # None: raw points without the posting probe
+    # the serving engine's descriptor costs and the GIL (kvstage/calibrate/descriptors.py);
+    # None: raw points without the descriptor probe (`kvstage calibrate --descriptors`)
+    descriptors: DescriptorFit | None = None
     inrun: dict[str, Any] = field(default_factory=dict)  # in-run factors' fit ({}: none)
 
     # --- derived numbers -----------------------------------------------------------
@@ -288,6 +292,7 @@ class Calibration:
             "per_request_points": self._per_request_points(),
             "link_latency_s": self.link_latency_s,
             "posting": self.posting.table() if self.posting is not None else None,
+            "descriptors": self.descriptors.table() if self.descriptors is not None else None,
             "control": {
                 "rtt_median_s": self.control_rtt_s,
                 "rtt_p90_s": self.control_rtt_p90_s,
@@ -575,6 +580,7 @@ def analyse(raw: dict[str, Any], backend: str, device: str, quick: bool) -> Cali
         fill_bytes_per_token=int(k["fill"]["bytes_per_token"]),
         gpu_flops=flops,
         posting=fit_posting(raw["posting"]) if raw.get("posting") else None,
+        descriptors=fit_descriptors(raw["descriptors"]) if raw.get("descriptors") else None,
     )
     cal.inrun = fit_profile(cal.profile_fields(), raw.get("inrun"))
     return cal

@@ -24,7 +24,7 @@ head-major block layout makes a block's head slice contiguous).
 
 Sources (every number): [C] code read, [P] a published measurement, [M] kvstage's
 descriptor probe (hw/probes/descriptors.py, `kvstage calibrate --descriptors`; the
-figures below are from this repository's 2-core VM, host memory, NIXL 0.x / UCX),
+figures below are from this repository's 2-core VM, host memory, NIXL / UCX),
 [A] an assumption.
 """
 
@@ -35,18 +35,22 @@ from typing import Literal
 
 __all__ = ["ENGINE_PRESETS", "EnginePreset", "engine_names"]
 
-# [M] hw/probes/descriptors.py on this repository's 2-core VM (2026-12-02, host memory,
-# UCX loopback), per descriptor, 65,536 descriptors per call, min of 3:
-#   numpy build of (n, 3) address arrays  1,118 us -> 17 ns
-#   Python list building (Mooncake)     108,650 us -> 1.66 us
-#   get_xfer_descs x2 + initialize_xfer   2,570 us -> 39 ns
-#   make_prepped_xfer                     2,333 us -> 36 ns
-#   transfer (loopback: UCX copies too)  53,505 us -> 0.82 us (an upper bound of a post)
-_BUILD_NUMPY_NS = 17.0
-_BUILD_PYLIST_NS = 1660.0
-_PREPARE_NS = 39.0
-_PREPPED_NS = 36.0
-_INDEX_NS = 3.0  # [M] index arrays into prepared lists: 201 us / 65,536
+# [M] scenarios/profiles/measured/descriptors-nixl-vm.json (`kvstage calibrate
+# --descriptors` on this repository's 2-core VM, 2026-12-02, load ~5: noisy; host
+# memory, NIXL/UCX loopback): t(n) = per_call + n * per_descriptor over n = 256..65,536,
+# per descriptor:
+#   numpy build of (n, 3) address arrays    20.2 ns  (R^2 0.98)
+#   Python address lists (Mooncake)          219 ns  (R^2 0.57: 0.2 us at n = 4,096,
+#                                                     2.7 us at 65,536, superlinear)
+#   index arrays into prepared lists         3.6 ns  (R^2 0.76)
+#   get_xfer_descs x2 + initialize_xfer     55.7 ns  (R^2 0.67)
+#   make_prepped_xfer                       31.8 ns  (R^2 0.84)
+#   transfer (loopback: UCX copies too)      674 ns  (R^2 0.87; an upper bound of a post)
+_BUILD_NUMPY_NS = 20.2
+_BUILD_PYLIST_NS = 219.0
+_PREPARE_NS = 55.7
+_PREPPED_NS = 31.8
+_INDEX_NS = 3.6
 # [P] posting one RDMA work request through UCX/verbs: the message rate bounds the NIC
 # side separately (sim/links.py). The CPU side: a verbs post is ~0.1 us per request
 # (scenarios/profiles/rdma-400g.toml, inter_per_request_us and its sources).

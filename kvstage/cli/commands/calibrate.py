@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvstage.cli.commands import calibrate_serving as serving
+from kvstage.cli.commands.calibrate_descriptors import descriptors_command
 from kvstage.cli.errors import fail
 
 STAGES = ("writes", "batches", "control", "kernels", "fill")
@@ -163,12 +164,20 @@ def calibrate(
     decode_step_ms: serving.DecodeStepMs = None,
     decode_batch: serving.DecodeBatch = None,
     decode_context: serving.DecodeContext = None,
+    descriptors: Annotated[
+        bool,
+        typer.Option(
+            help="Measure only a serving engine's per-descriptor costs (numpy build, NIXL prepare and post) and the GIL between a Python thread and a transfer worker; write their fit (JSON, R^2) to --out."
+        ),
+    ] = False,
 ) -> None:
     """Measure this machine between two real processes over the real engine (write
     latency and bandwidth, per-request overhead, ZMQ control round trip, gather /
     scatter kernels, hw prefill fill rate), fit them, and write a hardware profile
     that a scenario can name with `links.profile = "PATH"`. With --fit-serving, fit
     the serving efficiencies to one prefill and/or one decode measurement instead."""
+    if descriptors:  # kvstage/cli/commands/calibrate_descriptors.py
+        return descriptors_command(backend, device, out, quick)
     if fit_serving is not None:
         pre, dec = (
             (prefill_tokens_per_s, prompt_tokens),
