@@ -1,21 +1,21 @@
-"""Staging vs slice under load: TTFT and exposed transfer time as concurrency grows.
+"""Staging vs slice under load: TTFT as concurrency grows, per serving-engine preset.
 
-Llama-3.1-8B (32 layers, 8 KV heads of 128, bf16), N prompts of 1,024 tokens arriving
-at once, prefill TP2 -> decode TP4 and prefill TP8 -> decode TP2, N = 1, 8, 64, 256,
-512, on the `rdma-400g` profile (NIXL on 400 Gb/s RDMA): the transfer engine's posting
-threads and the NIC message rate are on (sim/links.py). For each point it prints the
-mean TTFT (arrival to decode ready) and the mean exposed transfer (the room's last
-prefill forward end to decode ready: what a request waits for beyond its compute) of
-the slice path and the staging path, and their ratio; the slice path's work requests
-per prompt are printed once per geometry.
+N prompts arriving at once (Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16; 128
+tokens each by default: the setup docs/staging-vs-slice.md argues SGLang PR #22536
+used), prefill TP2 -> decode TP4 and TP4 -> TP4, N = 1, 8, 64, 128, 256, 512, on the
+`rdma-400g` profile. For each engine preset (`[engine] preset`, shared/scenario/
+engines.py; "none": kvstage's own posting threads, sim/links.py) it prints the mean
+TTFT (arrival to decode ready) of the slice and the staging path, their ratio, the
+slice path's extra TTFT Delta(N) = slice - staging and c(N) = 2 Delta / (N + 1): one
+serialized per-request resource of cost c gives c(N) = c at every N.
 
     .venv/bin/python benchmarks/staging_vs_slice.py
-    .venv/bin/python benchmarks/staging_vs_slice.py --profile rdma-400g-mooncake
-    .venv/bin/python benchmarks/staging_vs_slice.py --set links.post_threads=0   # posting in parallel
+    .venv/bin/python benchmarks/staging_vs_slice.py --engine sglang-nixl --prompt-tokens 1024
+    .venv/bin/python benchmarks/staging_vs_slice.py --engine none --set links.post_threads=0
     .venv/bin/python benchmarks/staging_vs_slice.py --prompts 1,64 --geometry 2x4
 
-Every number comes from the profile (scenarios/profiles/<name>.toml, each with its
-source); --set overrides any scenario field as `kvstage sim --set` does.
+Every number comes from the profile (scenarios/profiles/<name>.toml) and the preset,
+each with its source; --set overrides any scenario field as `kvstage sim --set` does.
 """
 
 from __future__ import annotations
@@ -33,15 +33,23 @@ from kvstage.metrics.rooms import room_latencies  # noqa: E402
 from kvstage.shared.scenario import apply_overrides, scenario_from_dict  # noqa: E402
 from kvstage.sim.driver import Simulation  # noqa: E402
 
-PROMPT_TOKENS = 1024
-GEOMETRIES = {"2x4": (2, 4), "8x2": (8, 2)}
+PROMPT_TOKENS = 128
+GEOMETRIES = {"2x4": (2, 4), "4x4": (4, 4), "8x2": (8, 2)}
+ENGINES = "none,sglang-nixl,sglang-nixl-prepped,sglang-mooncake,vllm-nixl"
 
 
 def scenario(
-    prefill_tp: int, decode_tp: int, prompts: int, path: str, profile: str, sets: list[str]
+    prefill_tp: int,
+    decode_tp: int,
+    prompts: int,
+    path: str,
+    profile: str,
+    sets: list[str],
+    engine: str = "none",
 ):
     base = {
         "name": f"llama3.1-8b-p{prefill_tp}-d{decode_tp}-{prompts}x{PROMPT_TOKENS}-{path}",
+        "engine": {} if engine == "none" else {"preset": engine},
         "model": {"preset": "llama-3.1-8b"},
         "prefill": {"tp": prefill_tp},
         "decode": {"tp": decode_tp},
@@ -62,11 +70,11 @@ def scenario(
 
 
 def run(prefill_tp: int, decode_tp: int, prompts: int, path: str, profile: str,
-        sets: list[str]) -> tuple[float, float, int, float]:  # fmt: skip
+        sets: list[str], engine: str = "none") -> tuple[float, float, int, float]:  # fmt: skip
     """(mean TTFT s, mean exposed transfer s, work requests of the first prompt, its
     forward s) of one run."""
     result = Simulation(
-        scenario(prefill_tp, decode_tp, prompts, path, profile, sets), check=False
+        scenario(prefill_tp, decode_tp, prompts, path, profile, sets, engine), check=False
     ).run()
     if result.rooms_done != prompts:
         raise SystemExit(
@@ -89,48 +97,55 @@ def run(prefill_tp: int, decode_tp: int, prompts: int, path: str, profile: str,
     return statistics.fmean(ttft), statistics.fmean(exposed), requests.get(0, 0), forward
 
 
+def study(p: int, d: int, counts: list[int], engine: str, args) -> None:
+    """One table: per N the two paths' mean TTFT, ratio, Delta(N), c(N)."""
+    print(f"\nprefill TP{p} -> decode TP{d}, engine {engine}")
+    print(
+        f"  {'N':>5} {'slice TTFT ms':>14} {'staging TTFT ms':>16} {'ratio':>6} "
+        f"{'Delta ms':>9} {'c(N) ms':>8}"
+    )
+    cs = []
+    per_prompt = 0
+    for n in counts:
+        s_ttft, _, per_prompt, _ = run(p, d, n, "slice", args.profile, args.sets, engine)
+        g_ttft, _, _, _ = run(p, d, n, "staging", args.profile, args.sets, engine)
+        delta = s_ttft - g_ttft
+        cs.append(2 * delta / (n + 1))
+        print(
+            f"  {n:5d} {s_ttft * 1e3:14.1f} {g_ttft * 1e3:16.1f} {s_ttft / g_ttft:6.2f} "
+            f"{delta * 1e3:9.2f} {cs[-1] * 1e3:8.3f}"
+        )
+    pos = [c for c in cs if c > 0]
+    spread = f"{max(pos) / min(pos):.2f}" if len(pos) == len(cs) else "-"
+    print(
+        f"  slice path: {per_prompt:,} descriptors (work requests) per prompt; "
+        f"c(N) max / min: {spread}"
+    )
+
+
 def main() -> int:
+    global PROMPT_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="rdma-400g")
-    ap.add_argument("--prompts", default="1,8,64,256,512", help="comma-separated concurrencies")
-    ap.add_argument(
-        "--geometry", default="2x4,8x2", help="comma-separated PxD (prefill TP x decode TP)"
-    )
+    ap.add_argument("--prompts", default="1,8,64,128,256,512", help="comma-separated N")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    ap.add_argument("--geometry", default="2x4,4x4", help="comma-separated PxD (TP sizes)")
+    ap.add_argument("--engine", default=ENGINES, help="comma-separated presets; none: no [engine]")
     ap.add_argument(
         "--set", dest="sets", action="append", default=[], help="scenario override, repeatable"
     )
     args = ap.parse_args()
+    PROMPT_TOKENS = args.prompt_tokens
     counts = [int(x) for x in args.prompts.split(",")]
     t0 = time.perf_counter()
     print(
         f"Llama-3.1-8B, N prompts of {PROMPT_TOKENS} tokens at once, profile {args.profile}"
         + (f", {' '.join(args.sets)}" if args.sets else "")
     )
-    for geo in args.geometry.split(","):
-        p, d = GEOMETRIES.get(geo) or tuple(int(x) for x in geo.split("x"))
-        print(f"\nprefill TP{p} -> decode TP{d}")
-        print(
-            f"  {'N':>5} {'slice TTFT ms':>14} {'staging TTFT ms':>16} {'ratio':>6} "
-            f"{'slice exposed ms':>17} {'staging exposed ms':>19} {'ratio':>6}"
-        )
-        per_prompt, forward = 0, 0.0
-        for n in counts:
-            s_ttft, s_exp, per_prompt, forward = run(p, d, n, "slice", args.profile, args.sets)
-            g_ttft, g_exp, _, _ = run(p, d, n, "staging", args.profile, args.sets)
-            print(
-                f"  {n:5d} {s_ttft * 1e3:14.1f} {g_ttft * 1e3:16.1f} {s_ttft / g_ttft:6.2f} "
-                f"{s_exp * 1e3:17.2f} {g_exp * 1e3:19.2f} {s_exp / g_exp:6.1f}"
-            )
-        s = scenario(p, d, 1, "slice", args.profile, args.sets)
-        link, g = s.links.resolved().link, s.geometry()
-        batches = len(g.targets(0))
-        posting = per_prompt / p * link.per_request_s + batches * link.per_batch_s
-        print(
-            f"  slice path: {per_prompt:,} work requests per prompt; one prefill rank posts "
-            f"{per_prompt // p:,} of them in {batches} batches: {posting * 1e3:.2f} ms on "
-            f"{link.post_threads or 'unlimited'} posting thread(s), against a "
-            f"{forward * 1e3:.2f} ms prefill forward per prompt"
-        )
+    for engine in args.engine.split(","):
+        for geo in args.geometry.split(","):
+            p, d = GEOMETRIES.get(geo) or tuple(int(x) for x in geo.split("x"))
+            study(p, d, counts, engine, args)
     print(f"\n{time.perf_counter() - t0:.1f} s wall")
     return 0
 
