@@ -121,6 +121,7 @@ def test_one_batch_holds_the_burst_and_the_forward_is_one() -> None:
     sim = Simulation(s)
     result = sim.run()
     assert isinstance(sim.group_forwards[0], EngineForward)
+    assert sim.group_forwards[0].budget == s.prefill.chunked_prefill_size == 8192
     assert sim.group_forwards[0].batches == 1  # 8 x 128 tokens fit one 8192-token batch
     computes = {(r.start, r.end) for r in result.records if r.phase == "compute"}
     assert len(computes) == 1

@@ -82,7 +82,9 @@ class EnginePreset:
     launch_us: float  # on the scheduler, per forward launch (Python: holds the GIL)
     poll_us: float  # on the scheduler, per room in flight and loop turn
     overlap: bool  # launch batch k+1 before processing batch k's results
-    batch_tokens: int  # 0: one room per forward; else the batch token budget
+    # the prefill batch's token budget; None: the scenario's prefill.chunked_prefill_size
+    # ([C] SGLang's PrefillAdder fills a batch up to the chunk budget); 0: one room per forward
+    batch_tokens: int | None
     source: str
 
     def build_s(self, n: int) -> float:
@@ -136,7 +138,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=_POLL_US,
             overlap=False,
-            batch_tokens=8192,
+            batch_tokens=None,
             source=(
                 "[C] sglang nixl/conn.py: NixlKVManager.send_kvcache_slice builds one "
                 "(address, length, device) per (layer, K/V, token), get_xfer_descs + "
@@ -161,7 +163,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=_POLL_US,
             overlap=False,
-            batch_tokens=8192,
+            batch_tokens=None,
             source=(
                 "[C] sglang nixl/conn.py after PR #26406: prep_xfer_dlist once per peer, "
                 "transfer_queues (SGLANG_DISAGGREGATION_QUEUE_SIZE, default 4) with one "
@@ -186,7 +188,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=0.0,
             overlap=False,
-            batch_tokens=8192,
+            batch_tokens=None,
             source=(
                 "[C] sglang mooncake/conn.py: transfer_queues = QUEUE_SIZE (4) FastQueues, "
                 "each a transfer_worker thread and a ThreadPoolExecutor of "
@@ -213,7 +215,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=0.0,
             overlap=False,
-            batch_tokens=8192,
+            batch_tokens=None,
             source=(
                 "[C] vllm-project/vllm .../kv_connector/v1/nixl_connector.py: "
                 "register_kv_caches prepares per-block descriptor lists (split by heads for "
