@@ -206,6 +206,12 @@ def test_progress_log_quarters_and_minutes():
     t[0] += 61
     slow.advance(1)  # 1% of the work, but a minute passed: a line
     assert len(out) == 1 and "1/100" in out[0]
+    slow.finish()  # the search ended under its estimate: a closing line says so
+    assert (
+        len(out) == 2
+        and out[-1].startswith("planning: 1/1 simulations, 100%")
+        and out[-1].endswith("done")
+    )
 
 
 @pytest.mark.parametrize(

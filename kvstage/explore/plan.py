@@ -2,29 +2,39 @@
 
 `kvstage plan SCENARIO` takes the scenario's model, links profile, workload (rate or
 trace) and [slo] targets, and searches a grid of cluster shapes -- prefill TP, decode
-TP, prefill and decode instance counts, staging pool per decode rank -- for the
-configuration with the fewest GPUs (instances x TP on both sides) whose SLO
-attainment (`kvstage.metrics.rooms.slo_figures`: share of requests that finished and met
-every target) reaches a threshold, 0.9 by default: "TTFT p90 < 2 s" is a 2 s TTFT
-target met by at least 90% of the requests. Ties at the same GPU count go to the
-highest goodput per GPU.
+TP, prefill and decode instance counts, staging pool per decode rank, chunked prefill
+size, router and transfer path (`KEYS`; the last four default to the scenario's own)
+-- for the configuration with the fewest GPUs (instances x TP on both sides) whose SLO
+attainment over the steady window (`kvstage.metrics.steady`: share of requests that
+finished and met every target) reaches a threshold, 0.9 by default: "TTFT p90 < 2 s"
+is a 2 s TTFT target met by at least 90% of the requests. Ties at the same GPU count
+go to the highest goodput per GPU, then the lowest TTFT (`winner_key`).
 
-Candidates are the sweep's points (`kvstage.explore.sweep.plan_points`): a combination the
-scenario's own validation rejects (a TP pair the rank mapping cannot express, a pool
-smaller than one chunk, decode GPU memory that cannot hold the weights) is skipped
-before anything runs, with the scenario's reason, as is one above `--max-gpus`.
+Candidates are the sweep's points (`kvstage.explore.sweep.plan_points`). Skipped before
+anything runs, with the reason and what skipped it (`skipped_by`): a combination the
+scenario's own validation rejects ("scenario": a TP pair the rank mapping cannot
+express, a pool smaller than one chunk, decode memory that cannot hold the weights),
+one above `--max-gpus` ("max-gpus"), and with `screen` one whose offered load exceeds
+a stage's capacity in the bottleneck model ("capacity": kvstage/explore/screen.py).
 
-The search (`run_plan`) simulates GPU counts in increasing order, a whole count at a
-time (several counts per batch while there are fewer points than workers), each point
-with `kvstage.explore.sweep.run_point` on one executor (kvstage/explore/executor.py: local
-process pool or Ray) kept for the whole search. It stops once a count has a
-configuration that meets the SLO and the next count above it has been simulated too: the winner is exact (every smaller count was simulated in
-full), and the one count more puts on the front what one step up buys. Counts above
-it are "not run". `exhaustive=True` simulates every candidate.
+The search (`run_plan`) runs every simulation on one executor (kvstage/explore/
+executor.py: local process pool or Ray) kept for the whole search:
 
-The Pareto front is over the simulated points: goodput per GPU (higher is better)
-against TTFT p90 (lower is better); a point is on it when no other point is at least
-as good in both and better in one.
+* "halving": successive halving (kvstage/explore/halving.py): every configuration on a
+  short window (its length from the utilization the screen gives its busiest stage),
+  the best third on to a window three times longer, until the survivors run the whole
+  workload; the others are "pruned" with their last window's figures;
+* "levels": GPU counts in increasing order, a whole count at a time (several counts
+  per batch while there are fewer points than workers), stopping once a count has a
+  configuration that meets the SLO and the next count above it has been simulated
+  too: the winner is exact (every smaller count was simulated in full), and the one
+  count more puts on the front what one step up buys; counts above it are "not run";
+* "exhaustive": every candidate on the whole workload.
+
+The Pareto front is over the points simulated on the whole workload: GPUs, goodput per
+GPU (higher is better) and TTFT at the target quantile (lower is better); a point is
+on it when no other point beats it beyond the 95% intervals (`beats`). Costs
+(kvstage/explore/costs.py) come from `gpu_costs`, a price per GPU-hour by GPU name.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Off a terminal a progress bar prints nothing useful (or control characters), and
 long plan or sweep would be silent for minutes. `ProgressLog(jobs, work, emit)` takes
 the planned simulations and their work (requests to simulate, so that the long last
 windows of successive halving weigh what they cost), and `advance(n)` after each
-simulation of n requests; it emits "planning: 12/40 simulations, 31% of the work,
+simulation of n requests, and `finish()` at the end; it emits "planning: 12/40 simulations, 31% of the work,
 1 min 5 s elapsed, ETA 2 min 24 s" when the work crosses a quarter, and at most
 `every_s` (60 s) after the last line otherwise. The ETA assumes the rest runs at the
 pace so far (elapsed x remaining / done work).
@@ -56,6 +56,14 @@ class ProgressLog:
             self.quarter = max(self.quarter, quarter)
             self.last = now
             self.emit(self.line(now, share))
+
+    def finish(self) -> None:
+        """The closing line ("done") unless the last one said it: the planned work is an
+        estimate (successive halving does not know its survivors in advance)."""
+        if self.done_work < self.work:
+            self.work, self.jobs = max(self.done_work, 1e-9), self.done_jobs
+            self.last = self.clock()
+            self.emit(self.line(self.last, 1.0))
 
     def line(self, now: float, share: float) -> str:
         elapsed = now - self.t0

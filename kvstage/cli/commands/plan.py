@@ -391,6 +391,8 @@ def plan(
             )
     except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
+    if log is not None:
+        log.finish()
     from kvstage.run.rundir import make_run_dir
 
     meta = {
