@@ -234,7 +234,12 @@ class DecodeMachine(MachineBase):
             if before is not None and room.room >= before:
                 continue  # the rejoining incarnation's to serve
             self._fail(
-                room, f"writer prefill rank {rank} is gone: {reason}", now, out, skip_writer=rank
+                room,
+                f"writer prefill rank {rank} is gone: {reason}",
+                now,
+                out,
+                skip_writer=rank,
+                fence=True,
             )
 
     def _on_peer_rejoined(self, ev: PeerRejoined, now: float, out: list[Action]) -> None:
@@ -565,7 +570,13 @@ class DecodeMachine(MachineBase):
         out.append(ReleaseRoom(room.room))
 
     def _fail(
-        self, room: DecodeRoom, reason: str, now: float, out: list[Action], skip_writer: int = -1
+        self,
+        room: DecodeRoom,
+        reason: str,
+        now: float,
+        out: list[Action],
+        skip_writer: int = -1,
+        fence: bool = False,
     ) -> None:
         """Fail a room: release every region it holds, tell its writers.
 
@@ -574,6 +585,10 @@ class DecodeMachine(MachineBase):
         abort (its ABORT comes after its own in-flight writes finished) or
         `abort_grace_s` passed, so a late write cannot land on memory that was handed
         out again. A room that never opened here exposed nothing: released at once.
+        `skip_writer` is not told; with `fence` (a writer declared lost: silent, not
+        known dead) it is still waited for, so its memory waits out the whole grace:
+        a hung writer may still write until its launcher kills it
+        (PEER_TIMEOUT_S + abort_grace_s > RANK_SILENT_S, tests/test_fencing.py).
         """
         self._end_room(room)
         held = [
@@ -584,6 +599,8 @@ class DecodeMachine(MachineBase):
         # a writer's new incarnation knows nothing of an older room: it is not told
         told = [p for p in room.writers if p != skip_writer and not self._replaced(p, room.room)]
         waiting = set(told)
+        if fence and skip_writer in room.writers:
+            waiting.add(skip_writer)  # never confirms: fenced by the grace alone
         exposed = room.chunks is not None or held
         if exposed and waiting:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)

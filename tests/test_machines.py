@@ -341,7 +341,7 @@ def test_chunk_ready_never_arriving_fails_room_with_reason_and_frees():
 
 
 def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
-    from kvstage.shared.events import PeerLost
+    from kvstage.shared.events import PeerLost, Tick
 
     g = geo(2, 1, 8)
     m = DecodeMachine(0, g, g.chunk_bytes() * 4, ProtocolConfig(abort_grace_s=1.0))
@@ -355,8 +355,10 @@ def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
     assert 1 not in m._subscribers
     assert not m._subscribers  # the only room failed: no writer has a live room here
     m.handle(Abort(0, 0, 0, "drained"), 0.6)  # the live writer confirms
+    assert not m.ring.empty  # the lost one may be hung, not dead: fenced by the grace
+    m.handle(Tick(), 1.5)
     assert m.ring.empty
-    out = m.handle(OpenRoom(1, prompt_tokens=32), 0.7)  # new rooms fail at once
+    out = m.handle(OpenRoom(1, prompt_tokens=32), 1.6)  # new rooms fail at once
     assert any(isinstance(a, RoomFailed) and "gone" in a.reason for a in out)
 
 
