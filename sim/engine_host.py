@@ -27,7 +27,9 @@ shared/scenario/engines.py). Per prefill rank (one process, as in SGLang and vLL
   After the post the bytes go through the NIC fabric with the profile's bandwidth and
   message rate, its posting costs left out (the engine's post replaces them).
 
-The GPU model only (links.host_model = "gpu"); decode ranks are unchanged.
+The GPU model only (links.host_model = "gpu"; with "cpu-loop" the preset is not used);
+decode ranks are unchanged; with [cluster] fold the folded ranks' ghost writes start when
+the simulated rank's call is issued, without its descriptor delay.
 Deterministic: bursts in submission order, SimPy's clock.
 """
 
