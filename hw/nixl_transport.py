@@ -110,6 +110,10 @@ class NixlTransport(Transport):
             )
         self._mem_type = _MEM_TYPE[self.device_type]
         self._reg_descs: list[Any] = []
+        # True: write() makes the descriptors on the caller's thread, the lane only runs
+        # transfer() (a prefill rank's hardware.posting = "loop"); batches so prepared
+        self.prepare_inline = False
+        self.prepared_inline = 0
 
     def used(self) -> dict[str, Any]:
         """UCX's protocol choices for this process's writes, from the UCX log the rank
@@ -144,6 +148,9 @@ class NixlTransport(Transport):
         # transfer() copies a CMA write's bytes itself before it returns (GIL released):
         # 20-60 ms for a chunk's block, held off the rank loop by posting on the lane.
         xfer = _NixlXfer(ops=ops)
+        if self.prepare_inline:  # hardware.posting = "loop": descriptors on this thread
+            self._prepare(peer, xfer)
+            self.prepared_inline += 1
         run = self._transfer  # the lane's CPU is the copy's (Mooncake's lanes only wait)
         if self.job_cpu is not None:
             run = self.job_cpu.wrap("write", run, int(ops[:, 2].sum()))
@@ -152,6 +159,19 @@ class NixlTransport(Transport):
 
     def _transfer(self, peer: PeerInfo, xfer: _NixlXfer) -> None:
         """Post one batch and wait for it to finish (on its peer's lane)."""
+        if xfer.handle is None:
+            self._prepare(peer, xfer)
+        state = self._agent.transfer(xfer.handle)  # raises e.g. NIXL_ERR_REMOTE_DISCONNECT
+        pause = LANE_POLL_MIN_S
+        while state == "PROC":  # an engine that moves the bytes in the background (RDMA)
+            time.sleep(pause)
+            pause = min(LANE_POLL_MAX_S, pause * 2)
+            state = self._agent.check_xfer_state(xfer.handle)
+        if state == "ERR":
+            raise RuntimeError("the transfer ended in ERR")
+
+    def _prepare(self, peer: PeerInfo, xfer: _NixlXfer) -> None:
+        """The batch's descriptor lists and transfer request (xfer.handle)."""
         # One initialize_xfer over N descriptors. Measured here against
         # prep_xfer_dlist + make_prepped_xfer for 1024 x 64 KiB, 4096 x 512 B and
         # 16384 x 256 B: same transfer time, and creating the request was cheaper
@@ -170,14 +190,6 @@ class NixlTransport(Transport):
         local_descs = self._agent.get_xfer_descs(local, self._mem_type)
         remote_descs = self._agent.get_xfer_descs(remote, peer.native)
         xfer.handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.name)
-        state = self._agent.transfer(xfer.handle)  # raises e.g. NIXL_ERR_REMOTE_DISCONNECT
-        pause = LANE_POLL_MIN_S
-        while state == "PROC":  # an engine that moves the bytes in the background (RDMA)
-            time.sleep(pause)
-            pause = min(LANE_POLL_MAX_S, pause * 2)
-            state = self._agent.check_xfer_state(xfer.handle)
-        if state == "ERR":
-            raise RuntimeError("the transfer ended in ERR")
 
     def _check(self, native: _NixlXfer) -> bool:
         return native.ended()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -132,6 +133,18 @@ class PrefillRank(RankProcess):
         self.slots: dict[
             tuple[int, int, int], tuple[int, int]
         ] = {}  # (room, chunk, d) -> (start, n)
+        # hardware.posting: which thread does a write's descriptor work (the posting
+        # section below); the names of the threads that posted, for the report
+        self.posting = scenario.hardware.posting
+        self.posted_on: Counter[str] = Counter()
+        if self.posting == "loop":  # NIXL: get_xfer_descs + initialize_xfer in write()
+            self.transport.prepare_inline = True
+        self.post_thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-post")
+            if self.posting == "worker"
+            else None
+        )
+        self.posts: deque[tuple[Future, WriteDone, tuple[int, int] | None]] = deque()
         self.forwards: deque[Forward] = deque()
         self.computing: _Computing | None = None
         self.compute_thread = ThreadPoolExecutor(
@@ -203,6 +216,8 @@ class PrefillRank(RankProcess):
         return out
 
     def close(self) -> None:
+        if self.post_thread is not None:
+            self.post_thread.shutdown(wait=True, cancel_futures=True)
         self.compute_thread.shutdown(wait=True, cancel_futures=True)
         self.copy_thread.shutdown(wait=True, cancel_futures=True)
         super().close()
@@ -232,6 +247,7 @@ class PrefillRank(RankProcess):
     def _progress(self) -> None:
         self._forward_step()
         self._gathers_done()
+        self._posts_done()
         self._poll_transfers()
 
     # --- the forward -------------------------------------------------------------------------
@@ -316,7 +332,8 @@ class PrefillRank(RankProcess):
 
     def _slice_write(self, a: SliceWrite) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
-        ops = slice_ops(
+        build = partial(
+            slice_ops,
             self.g,
             self.local,
             a.decode_rank % self.g.decode_tp,
@@ -326,20 +343,69 @@ class PrefillRank(RankProcess):
             a.dst_page_base + a.page_start,
             a.num_pages,
         )
-        self._post(peer.agent, ops.tuples(), WriteDone(a.room, a.chunk, a.decode_rank), None)
+        self._post(peer.agent, build, WriteDone(a.room, a.chunk, a.decode_rank), None)
+
+    # --- posting (hardware.posting) ---------------------------------------------------------
+    # "lane" (the default, the behaviour before the option): the loop thread builds the ops
+    #   (the slice path's numpy arrays, then a Python list) and write() checks them against
+    #   the registered regions; the engine's descriptors (NIXL get_xfer_descs +
+    #   initialize_xfer) are made on the peer's lane thread, with transfer().
+    # "loop": all the descriptor work on the loop thread, NIXL's descriptors too (as
+    #   SGLang's NIXL backend at PR #22536, [engine] preset sglang-nixl): it delays the
+    #   loop's next forward, poll and message; transfer() stays on the lane (on RDMA it
+    #   returns at once, on loopback CMA it copies the bytes).
+    # "worker": the loop hands the write to one posting thread that builds, checks and
+    #   posts (as sglang-nixl-prepped's transfer worker); the loop takes the handle back.
+    def _post_job(self, agent: str, ops) -> XferHandle:
+        """Build the ops (a callable: the slice path's) and post them, on this thread."""
+        self.posted_on[threading.current_thread().name] += 1
+        return self.transport.write(agent, ops().tuples() if callable(ops) else ops)
 
     def _post(self, agent: str, ops, done: WriteDone, slot: tuple[int, int] | None) -> None:
-        try:
-            handle = self.transport.write(agent, ops)
-        except TransferError as exc:
-            if slot:
-                self.arena.free(*slot)
-            self._feed(WriteDone(done.room, done.chunk, done.decode_rank, ok=False, error=str(exc)))
+        if self.post_thread is not None:  # hardware.posting = "worker"
+            job = self.post_thread.submit(self._post_job, agent, ops)
+            job.add_done_callback(self._wake)
+            self.posts.append((job, done, slot))
             return
+        try:
+            handle = self._post_job(agent, ops)
+        except TransferError as exc:
+            self._post_failed(done, slot, exc)
+            return
+        self._posted(handle, done, slot)
+
+    def _posts_done(self) -> None:
+        """The posting thread's finished posts, in order: their handles to poll."""
+        while self.posts and self.posts[0][0].done():
+            job, done, slot = self.posts.popleft()
+            try:
+                handle = job.result()  # a failed slice_ops is a bug: raised here, in the loop
+            except TransferError as exc:
+                self._post_failed(done, slot, exc)
+                continue
+            self._posted(handle, done, slot)
+
+    def _post_failed(self, done: WriteDone, slot: tuple[int, int] | None, exc: Exception) -> None:
+        if slot:
+            self.arena.free(*slot)
+        self._feed(WriteDone(done.room, done.chunk, done.decode_rank, ok=False, error=str(exc)))
+
+    def _posted(self, handle: XferHandle, done: WriteDone, slot: tuple[int, int] | None) -> None:
         self.pending.append(_Pending(handle, done, slot))
         # NIXL's CMA writes complete inside write(): report them now rather than a loop
         # turn (up to BUSY_POLL_S of waiting for messages) later.
         self._poll_transfers()
+
+    def _report_extra(self) -> dict[str, Any]:
+        return {
+            "posting": {
+                "mode": self.posting,
+                "loop_thread": threading.current_thread().name,  # the report is the loop's
+                "threads": dict(self.posted_on),  # thread name -> writes it built and posted
+                # NIXL descriptors made on the posting thread (not the lane)
+                "prepared_inline": getattr(self.transport, "prepared_inline", 0),
+            }
+        }
 
     def _poll_transfers(self) -> None:
         if not self.pending:

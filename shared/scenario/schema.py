@@ -500,6 +500,12 @@ class HardwareConfig(_Table):
     # "mlx5_0,mlx5_1"; empty: the engine's choice); NIXL's UCX reads UCX_* variables
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device: str = ""
+    # which thread of a prefill rank does a write's descriptor work (hw/prefill_rank.py):
+    # "lane" (the behaviour before this option): ops built and checked on the rank's loop
+    # thread, NIXL's descriptors made on the peer's lane; "loop": all of it on the loop
+    # thread, as [engine] preset sglang-nixl; "worker": all of it on one posting thread,
+    # the loop only hands the write over, as sglang-nixl-prepped
+    posting: Literal["lane", "loop", "worker"] = "lane"
     scale_down: ScaleDown = Field(default_factory=ScaleDown)
 
     @field_validator("device")
