@@ -12,8 +12,10 @@ from kvstage.hw.jobcpu import JobCpu, merge
 
 
 def _spin(seconds: float) -> int:
-    end, x = time.perf_counter() + seconds, 0
-    while time.perf_counter() < end:
+    """Burn `seconds` of this thread's CPU (not of wall time: on a loaded host a
+    wall-clock spin may get only a fraction of a core)."""
+    end, x = time.thread_time() + seconds, 0
+    while time.thread_time() < end:
         x += 1
     return x
 
