@@ -137,6 +137,7 @@ class PrefillRank(RankProcess):
         # section below); the names of the threads that posted, for the report
         self.posting = scenario.hardware.posting
         self.posted_on: Counter[str] = Counter()
+        self.post_s: Counter[str] = Counter()  # thread name -> seconds building and posting
         if self.posting == "loop":  # NIXL: get_xfer_descs + initialize_xfer in write()
             self.transport.prepare_inline = True
         self.post_thread = (
@@ -358,8 +359,12 @@ class PrefillRank(RankProcess):
     #   posts (as sglang-nixl-prepped's transfer worker); the loop takes the handle back.
     def _post_job(self, agent: str, ops) -> XferHandle:
         """Build the ops (a callable: the slice path's) and post them, on this thread."""
-        self.posted_on[threading.current_thread().name] += 1
-        return self.transport.write(agent, ops().tuples() if callable(ops) else ops)
+        name, t0 = threading.current_thread().name, time.perf_counter()
+        try:
+            return self.transport.write(agent, ops().tuples() if callable(ops) else ops)
+        finally:
+            self.posted_on[name] += 1
+            self.post_s[name] += time.perf_counter() - t0
 
     def _post(self, agent: str, ops, done: WriteDone, slot: tuple[int, int] | None) -> None:
         if self.post_thread is not None:  # hardware.posting = "worker"
@@ -402,6 +407,7 @@ class PrefillRank(RankProcess):
                 "mode": self.posting,
                 "loop_thread": threading.current_thread().name,  # the report is the loop's
                 "threads": dict(self.posted_on),  # thread name -> writes it built and posted
+                "seconds": {k: round(v, 6) for k, v in self.post_s.items()},
                 # NIXL descriptors made on the posting thread (not the lane)
                 "prepared_inline": getattr(self.transport, "prepared_inline", 0),
             }

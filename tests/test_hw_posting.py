@@ -70,6 +70,7 @@ def test_posting_thread_and_every_byte(tmp_path, monkeypatch, path, posting):
         assert p["mode"] == posting
         threads, loop = p["threads"], p["loop_thread"]
         assert threads, f"{name} posted nothing"
+        assert set(p["seconds"]) == set(threads)  # the time each posting thread spent
         writes += sum(threads.values())
         if posting == "worker":  # every write built and posted on the rank's posting thread
             assert all(t.startswith(f"{name}-post") for t in threads), threads
