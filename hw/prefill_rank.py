@@ -354,7 +354,8 @@ class PrefillRank(RankProcess):
     # "loop": all the descriptor work on the loop thread, NIXL's descriptors too (as
     #   SGLang's NIXL backend at PR #22536, [engine] preset sglang-nixl): it delays the
     #   loop's next forward, poll and message; transfer() stays on the lane (on RDMA it
-    #   returns at once, on loopback CMA it copies the bytes).
+    #   returns at once, on loopback CMA it copies the bytes). NIXL only: Mooncake makes
+    #   no descriptors apart from its transfer call, so there "loop" is "lane".
     # "worker": the loop hands the write to one posting thread that builds, checks and
     #   posts (as sglang-nixl-prepped's transfer worker); the loop takes the handle back.
     def _post_job(self, agent: str, ops) -> XferHandle:
