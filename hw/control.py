@@ -317,6 +317,8 @@ class ControlPlane:
         self._seq = 0
         self._senders: dict[bytes, _Sender] = {}  # peer name -> what its frames are checked with
         self._macs: dict[str, FrameMac] = {}  # peer -> the key of this plane's frames to it
+        self._pair_keys: dict[str, bytes] = {}  # peer -> raw key of frames to it (hw/keys.py)
+        self._pair_keys_in: dict[str, bytes] = {}  # peer -> raw key of its frames to this plane
         self.role = role
         self.ctx = ctx or zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -383,12 +385,19 @@ class ControlPlane:
         if known is None or known.identity != identity:
             self._senders[sender] = _Sender(identity, self._pair_mac(identity, me))
         self._macs[peer] = self._pair_mac(me, identity)
+        self._pair_keys[peer] = self._keys.pair_key(self._secret, me, identity)
+        self._pair_keys_in[peer] = self._keys.pair_key(self._secret, identity, me)
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)  # nothing comes back on a PUSH
         curve_client(sock, self._secret)
         sock.connect(address)
         self._out[peer] = sock
+
+    def pair_key(self, peer: str, *, to_peer: bool) -> bytes:
+        """The pair key (hw/keys.py) of frames from this plane to `peer` (`to_peer`) or
+        from `peer` to it: other keys of the pair (`write_key`) are derived from it."""
+        return (self._pair_keys if to_peer else self._pair_keys_in)[peer]
 
     def seal(
         self,

@@ -1,20 +1,31 @@
-"""A decode rank process: the staging ring's memory, scatters and byte verification."""
+"""A decode rank process: the staging ring's memory, scatters and byte verification.
+
+With transfer.verify_writes = "checksum", a scatter first copies its staging region
+out of the ring (registered memory, which the engines can write at any time), checks
+each writer block of the copy against the keyed checksum its writer sent in
+CHUNK_READY (hw/keys.py), and scatters the copy only if every block matches: bytes
+that came any other way never reach the KV cache, and the room fails."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
 
 from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import scatter, wait_for_stream
+from kvstage.hw.keys import block_checksum, write_key
 from kvstage.hw.kvpool import verify
 from kvstage.hw.rank import RankProcess
 from kvstage.hw.rendezvous import RankInfo
 from kvstage.shared.events import Scatter, ScatterDone, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
+
+log = logging.getLogger("kvstage.hw.rank")
 
 
 class DecodeRank(RankProcess):
@@ -34,6 +45,9 @@ class DecodeRank(RankProcess):
         self.bytes_wrong = 0
         self.rooms_verified = 0
         self.wrong_rooms: list[int] = []
+        self.verify_writes = scenario.transfer.verify_writes == "checksum"
+        self.writes_rejected = 0  # staging regions whose checksum failed: not scattered
+        self.bytes_checksummed = 0
 
     def _rank_extra(self) -> dict[str, Any]:
         return {**super()._rank_extra(), "ring_addr": int(self.ring_buf.data_ptr())}
@@ -54,10 +68,40 @@ class DecodeRank(RankProcess):
         self.jobs.append((future, a))
 
     def _scatter(self, a: Scatter) -> None:
-        self._submit(self.job_cpu.wrap("scatter", self._scatter_job, a.nbytes), a)
+        keys = None
+        if self.verify_writes:  # the keys on the loop thread: the control plane is its own
+            keys = {
+                p: write_key(self.control.pair_key(rank_name("prefill", p), to_peer=False))
+                for _, p, _ in a.checksums
+            }
+        job = self.job_cpu.wrap("scatter", partial(self._scatter_job, keys=keys), a.nbytes)
+        self._submit(job, a)
 
-    def _scatter_job(self, a: Scatter) -> None:
+    def _rejected(self, a: Scatter, region: torch.Tensor, keys: dict[int, bytes]) -> str:
+        """Why the region's copy fails its writers' checksums ('' if it passes)."""
+        layout = self.scatter_layout(a.num_pages)
+        sums = {w: (p, s) for w, p, s in a.checksums}
+        host = region.cpu().numpy()
+        for b in layout.blocks:
+            p, want = sums.get(b.writer, (b.prefill_rank, 0))
+            if not want:
+                return f"writer {b.writer} (prefill rank {p}) sent no checksum"
+            got = block_checksum(keys[p], a.room, a.chunk, host[b.offset : b.offset + b.nbytes])
+            self.bytes_checksummed += b.nbytes
+            if got != want:
+                return (
+                    f"block of writer {b.writer} (prefill rank {p}, bytes [{b.offset}, "
+                    f"+{b.nbytes}) of the region) does not match its checksum"
+                )
+        return ""
+
+    def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
+        if keys is not None:
+            region = region.clone()  # what is checked is what is scattered
+            why = self._rejected(a, region, keys)
+            if why:
+                return why
         scatter(
             self.pool,
             a.dst_page_base + a.page_start,
@@ -66,6 +110,7 @@ class DecodeRank(RankProcess):
             self.scatter_layout(a.num_pages),
         )
         wait_for_stream(self.device)  # finished before the runtime frees its region
+        return ""
 
     def _verify(self, a: Verify) -> None:
         self._submit(self._verify_job, a)
@@ -87,7 +132,16 @@ class DecodeRank(RankProcess):
             job, a = self.jobs.popleft()
             result = job.result()  # a failed kernel is a bug: raise it here, in the loop
             if type(a) is Scatter:
-                self._feed(ScatterDone(a.room, a.chunk))
+                if result:
+                    self.writes_rejected += 1
+                    log.warning(
+                        "%s: room %d chunk %d: write rejected: %s",
+                        self.name,
+                        a.room,
+                        a.chunk,
+                        result,
+                    )
+                self._feed(ScatterDone(a.room, a.chunk, rejected=result))
                 continue
             checked, wrong = result
             self.bytes_verified += checked
@@ -107,6 +161,8 @@ class DecodeRank(RankProcess):
             "bytes_wrong": self.bytes_wrong,
             "rooms_verified": self.rooms_verified,
             "wrong_rooms": self.wrong_rooms,
+            "writes_rejected": self.writes_rejected,
+            "bytes_checksummed": self.bytes_checksummed,
         }
 
     _EXECUTORS = {

@@ -21,6 +21,15 @@ pair is derived from the run secret (`curve_server_keys`), and every connecting 
 a CURVE client of it. A process without the run secret cannot finish the handshake, so
 ZMQ buffers not one byte of what it sends (bounded before authenticated).
 
+A writer's blocks are checked with a key of the pair too (transfer.verify_writes =
+"checksum"): `write_key` derives it from the pair key of writer -> decode, and
+`block_checksum` is keyed BLAKE2b over the block, salted with (room, chunk). Only the
+writer and its decode hold the key: bytes that reached the decode's staging ring any
+other way (an engine's open port, a write into the wrong region, a fenced writer's
+late write) fail the check, so the decode never scatters them. BLAKE2b, not CRC32C or
+xxhash: those are not MACs (a CRC is linear, so a writer of known data can fix up any
+change it makes whatever the key).
+
 The rendezvous cannot use pair keys (a rank knows its address, not a key): a rank's
 messages to it are signed with `rank_key`, HKDF of the run secret over the rank's name
 and incarnation, and carry a sequence number (hw/rendezvous.py refuses replays).
@@ -28,6 +37,8 @@ and incarnation, and carry a sequence number (hw/rendezvous.py refuses replays).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes
@@ -39,6 +50,8 @@ MAX_NAME_BYTES = 64  # a rank's name on the wire ("prefill12", "decode3"; tools'
 _PAIR = b"kvstage control v3"
 _RANK = b"kvstage rendezvous v2"
 _CURVE = b"kvstage curve server v1"
+_WRITE = b"kvstage write checksum v1"
+CHECKSUM_MASK = (1 << 63) - 1  # a CHUNK_READY's checksum field holds 63 bits (shared/protocol.py)
 
 
 def _hkdf(secret: bytes, info: bytes, ikm: bytes) -> bytes:
@@ -101,3 +114,16 @@ def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
     a function of the run secret, so only its holders can connect."""
     private = X25519PrivateKey.from_private_bytes(_hkdf(secret, _CURVE, b""))
     return private.public_key().public_bytes_raw(), private.private_bytes_raw()
+
+
+def write_key(pair_key: bytes) -> bytes:
+    """The key of a writer's block checksums, from the pair key of writer -> decode."""
+    return _hkdf(pair_key, _WRITE, b"")
+
+
+def block_checksum(key: bytes, room: int, chunk: int, data) -> int:
+    """Keyed BLAKE2b (RFC 7693) of one writer block (any buffer: bytes, a numpy array),
+    bound to its room and chunk: 63 bits, never 0 (0 means "no checksum")."""
+    salt = struct.pack("!QQ", room, chunk)
+    digest = hashlib.blake2b(data, digest_size=8, key=key, salt=salt).digest()
+    return (int.from_bytes(digest, "big") & CHECKSUM_MASK) or 1

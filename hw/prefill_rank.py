@@ -16,6 +16,7 @@ import torch
 from kvstage.hw.bandwidth import GB, PROBE_MIN_BYTES, PROBE_WRITES, probe_bytes, probe_pairs
 from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
+from kvstage.hw.keys import block_checksum, write_key
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rendezvous import RankInfo
@@ -158,6 +159,10 @@ class PrefillRank(RankProcess):
             max_workers=1, thread_name_prefix=f"{self.name}-gather"
         )
         self.gathers: deque[tuple[Future, Gather]] = deque()
+        # transfer.verify_writes = "checksum": each gathered block's keyed checksum, carried
+        # by its WriteDone into CHUNK_READY (hw/keys.py `block_checksum`)
+        self.verify_writes = scenario.transfer.verify_writes == "checksum"
+        self.checksums: dict[tuple[int, int, int], int] = {}  # (room, chunk, d) -> checksum
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for d in self.sessions.all_targets(self.rank):
@@ -300,36 +305,46 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
+        key = None
+        if self.verify_writes:
+            peer = rank_name("decode", a.decode_rank)
+            key = write_key(self.control.pair_key(peer, to_peer=True))
         job = self.copy_thread.submit(
-            self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot
+            self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot, key
         )
         job.add_done_callback(self._wake)
         self.gathers.append((job, a))
 
-    def _gather_job(self, a: Gather, first_page: int, slot: int) -> None:
+    def _gather_job(self, a: Gather, first_page: int, slot: int, key: bytes | None) -> int:
         out = self.send_buf[slot : slot + a.nbytes]
         gather(self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out)
         wait_for_stream(self.device)  # the write must not read a half-gathered block
+        if key is None:
+            return 0
+        return block_checksum(key, a.room, a.chunk, out.cpu().numpy())
 
     def _gathers_done(self) -> None:
         while self.gathers and self.gathers[0][0].done():
             job, a = self.gathers.popleft()
-            job.result()  # a failed kernel is a bug: raise it here, in the loop
+            checksum = job.result()  # a failed kernel is a bug: raise it here, in the loop
             key = (a.room, a.chunk, a.decode_rank)
+            if checksum and key in self.slots:
+                self.checksums[key] = checksum
             self._feed(GatherDone(*key))
             abandoned = self.slots.pop(key, None)  # no Write took it: its room failed meanwhile
             if abandoned is not None:
+                self.checksums.pop(key, None)
                 self.arena.free(*abandoned)
                 self._retry_gathers()
 
     def _write(self, a: Write) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
         slot = self.slots.pop((a.room, a.chunk, a.decode_rank))
+        checksum = self.checksums.pop((a.room, a.chunk, a.decode_rank), 0)
         local = int(self.send_buf.data_ptr()) + slot[0]
         remote = int(peer.extra["ring_addr"]) + a.dst_offset
-        self._post(
-            peer.agent, [(local, remote, a.nbytes)], WriteDone(a.room, a.chunk, a.decode_rank), slot
-        )
+        done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=checksum)
+        self._post(peer.agent, [(local, remote, a.nbytes)], done, slot)
 
     def _slice_write(self, a: SliceWrite) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]

@@ -103,6 +103,7 @@ class DecodeMachine(MachineBase):
         # failed rooms whose staging regions and KV pages are kept out of reuse
         self._quarantine: dict[int, Quarantine] = {}
         self.scatters_issued = 0
+        self.writes_rejected = 0  # staging regions that failed their write checksum
         # writers that were lost and rejoined as a new incarnation: (role, rank) ->
         # (incarnation, first room it serves); rooms before it stay the lost one's
         self._rejoined: dict[tuple[str, int], tuple[int, int]] = {}
@@ -197,9 +198,15 @@ class DecodeMachine(MachineBase):
             bytes=alloc.nbytes if alloc else 0,
         )
         self._free(ev.room, ev.chunk, flight.alloc_id, now, out)
+        if ev.rejected:
+            self.writes_rejected += 1
         room = self._rooms.get(ev.room)
         if room is None:
             return  # the room failed while its scatter ran; the region is free now
+        if ev.rejected:  # none of it reached the KV cache: the room fails
+            room.allocs.pop(ev.chunk, None)
+            self._fail(room, f"chunk {ev.chunk}: write rejected: {ev.rejected}", now, out)
+            return
         move_chunk(room, ev.chunk, DecodeChunk.COMPLETE)
         self._maybe_done(room, now, out)
 
@@ -463,6 +470,7 @@ class DecodeMachine(MachineBase):
         if not arrived:
             room.first_arrival[msg.chunk] = now
         arrived.add(w)
+        room.checksums.setdefault(msg.chunk, {})[w] = (msg.prefill_rank, msg.checksum)
         self._chunk_maybe_complete(room, msg.chunk, now, out)
         self._maybe_done(room, now, out)
 
@@ -555,6 +563,7 @@ class DecodeMachine(MachineBase):
                 c.page_start,
                 c.num_pages,
                 room.dst_page_base,
+                tuple((w, p, s) for w, (p, s) in sorted(room.checksums.get(chunk, {}).items())),
             )
         )
 

@@ -55,19 +55,25 @@ class GatherDone:
 
 @dataclass(frozen=True, slots=True)
 class WriteDone:
-    """A Write or SliceWrite finished; ok=False means the engine reported failure."""
+    """A Write or SliceWrite finished; ok=False means the engine reported failure.
+    `checksum`: the written block's keyed checksum (transfer.verify_writes), else 0."""
 
     room: int
     chunk: int
     decode_rank: int
     ok: bool = True
     error: str = ""
+    checksum: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ScatterDone:
+    """A Scatter finished; `rejected` (non-empty): the region failed its write checksum,
+    nothing of it was scattered."""
+
     room: int
     chunk: int
+    rejected: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +250,8 @@ class Scatter:
     page_start: int
     num_pages: int
     dst_page_base: int
+    # (writer, prefill rank, checksum) of each writer block, from its CHUNK_READY
+    checksums: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,13 +276,22 @@ class PrefillMachine(MachineBase):
             return
         t.move(ev.chunk, ChunkState.WRITTEN, now)
         t.unacked[ev.chunk] = now
+        if ev.checksum:
+            t.checksums[ev.chunk] = ev.checksum
         out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, ev.chunk)))
         self._maybe_writer_done(room, t, now, out)
 
     def _chunk_ready(self, room: PrefillRoom, t: Target, chunk: int) -> ChunkReady:
         c = room.chunks[chunk]
         return ChunkReady(
-            room.room, chunk, c.page_start, c.num_pages, self.rank, t.writer, t.decode_rank
+            room.room,
+            chunk,
+            c.page_start,
+            c.num_pages,
+            self.rank,
+            t.writer,
+            t.decode_rank,
+            t.checksums.get(chunk, 0),
         )
 
     def _writer_done(self, room: PrefillRoom, t: Target) -> WriterDone:

@@ -54,6 +54,7 @@ class Target:
     done_sent: float = 0.0
     done_acked: bool = False
     unacked: dict[int, float] = field(default_factory=dict)  # chunk -> CHUNK_READY last sent
+    checksums: dict[int, int] = field(default_factory=dict)  # chunk -> its written block's
 
     @property
     def delivered(self) -> bool:

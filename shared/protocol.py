@@ -41,6 +41,7 @@ _LIMITS: dict[str, int] = {
     "tail": 2**50,
     "round": 2**62,
     "dst_page_base": 2**40,
+    "checksum": 2**63,  # 63 bits of a keyed BLAKE2b digest (hw/keys.py `block_checksum`)
 }
 
 
@@ -84,7 +85,9 @@ class Watermark:
 
 @dataclass(frozen=True, slots=True)
 class ChunkReady:
-    """Prefill -> decode: this writer's block of the chunk has landed."""
+    """Prefill -> decode: this writer's block of the chunk has landed. `checksum`: with
+    transfer.verify_writes = "checksum", the block's keyed checksum (0 otherwise, and in
+    the simulator)."""
 
     TAG: ClassVar[bytes] = b"READY"
     room: int
@@ -94,6 +97,7 @@ class ChunkReady:
     prefill_rank: int
     writer: int
     decode_rank: int
+    checksum: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,9 @@ under the real names, for every room of the run:
   grid, foreign rooms).
 
 Asserted: every room done, 0 bytes wrong, no invariant violated, no honest frame
-dropped as a replay, the forgeries counted as unauthenticated at every rank. Both
+dropped as a replay, the forgeries counted as unauthenticated at every rank, and no
+honest write rejected by the write checksum (transfer.verify_writes = "checksum", on
+here as the issue asks; tests/test_verify_writes.py has the writes it rejects). Both
 engines. What a rank that holds its own pair keys can still try (a compromised
 writer) is the core's to refuse: tests/test_capabilities.py, and its simulated twin.
 """
@@ -123,7 +125,8 @@ def _attack(s, run_dir, address: str, sent: dict) -> None:
 def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     require_engine(backend)
     s = load_scenario(
-        write_scenario(tmp_path, 2, 1, 8, requests=30), overrides=[f"hardware.backend={backend}"]
+        write_scenario(tmp_path, 2, 1, 8, requests=30),
+        overrides=[f"hardware.backend={backend}", "transfer.verify_writes=checksum"],
     )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -156,3 +159,5 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
         n: r["dropped"] for n, r in reports.items()
     }
     assert_every_room_right(s, reports)
+    assert reports["decode0"]["writes_rejected"] == 0
+    assert reports["decode0"]["bytes_checksummed"] > 0

@@ -336,6 +336,9 @@ class TransferConfig(_Table):
 
     path: Literal["staging", "slice"] = "staging"
     room_timeout_s: PosFloat = 60.0
+    # "checksum": each writer block's keyed checksum rides in CHUNK_READY and the decode
+    # checks the staging region against it before scattering (docs/hardware-mode.md)
+    verify_writes: Literal["none", "checksum"] = "none"
 
 
 class LinksConfig(_ProfileNumbers):

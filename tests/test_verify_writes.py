@@ -1,0 +1,187 @@
+"""Verified before scattered (issue 25, item 4): transfer.verify_writes = "checksum".
+
+Each writer sends, in CHUNK_READY, a keyed checksum of the block it wrote into the
+decode's staging ring (hw/keys.py `block_checksum`, keyed by its pair key with the
+decode); the decode copies the region out of the ring, checks every block of the copy
+and scatters only a copy that passes (hw/decode_rank.py). Two writers that are not the
+granted one, on real transfers (hardware mode, P2->D1, every byte verified):
+
+- an insider holding the run secret that writes blocks of a region's size at every
+  other room's offset of the decode's ring, through a transfer engine of its own
+  (NIXL and Mooncake), during the first half of the arrivals;
+- a process with no secret and no kvstage code that writes into the ring through
+  Mooncake's open TCP port (docs/hardware-mode.md, the engines' own listeners) with
+  Mooncake's own API: only the target's address and session are looked up here
+  (`ss -ltnp` shows the port; the handshake answers with the segment's buffers).
+
+Asserted: 0 bytes wrong in the KV cache, rejections counted, every failed room failed
+on a rejected write, the rooms the writes did not reach done, no invariant violated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import require_engine
+from test_hw import write_scenario
+
+from kvstage.hw.control import read_secret_file
+from kvstage.hw.launch import launch
+from kvstage.hw.placement import transport_options
+from kvstage.hw.rendezvous import RendezvousClient
+from kvstage.hw.transport import _unpack_metadata, make_transport
+from kvstage.shared.invariants import check_records
+from kvstage.shared.scenario import load_scenario
+from kvstage.shared.trace import TraceRecord
+
+pytestmark = [pytest.mark.hw, pytest.mark.timeout(300)]
+
+REQUESTS = 40  # at 20 rooms/s (write_scenario): arrivals over 2 s
+ATTACK_S = 1.0  # from t0: the first rooms' regions are overwritten, the last ones' not
+
+
+def _scenario(tmp_path, backend: str):
+    path = write_scenario(tmp_path, 2, 1, 8, requests=REQUESTS)
+    return load_scenario(
+        path, overrides=[f"hardware.backend={backend}", "transfer.verify_writes=checksum"]
+    )
+
+
+def _target(run_dir, address: str):
+    """The decode rank's table entry and t0, once the run has both (the run secret reads
+    the table: where to write, not a key to write with)."""
+    client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
+    try:
+        while True:
+            table, t0 = client.query(10)
+            if t0 is not None and "decode0" in table:
+                return table["decode0"], t0
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _sweep(s, t0: float, write) -> int:
+    """Write a region's size at every region-sized offset of the ring (one batch), over
+    and over, from t0 for ATTACK_S: how many sweeps landed."""
+    size = s.geometry().region_bytes(s.geometry().chunks(4)[0].num_pages)
+    offsets = list(range(0, s.pool_bytes - size + 1, size))
+    while time.time() < t0:
+        time.sleep(0.01)
+    landed = 0
+    while time.time() < t0 + ATTACK_S:
+        landed += write(offsets, size)
+    return landed
+
+
+def _insider(s, run_dir, address: str, stats: dict) -> None:
+    """A secret holder's own transfer engine writing into the decode's ring."""
+    info, t0 = _target(run_dir, address)
+    backend = s.hardware.backend
+    t = make_transport(
+        backend, "kvstage-insider", "cpu", **transport_options(s.hardware, backend, "127.0.0.1")
+    )
+    junk = torch.full((s.pool_bytes,), 0xA5, dtype=torch.uint8)
+    t.register(junk)
+    t.add_peer(info.agent, info.metadata)
+    ring = int(info.extra["ring_addr"])
+
+    def write(offsets: list[int], size: int) -> int:
+        ops = [(int(junk.data_ptr()) + off, ring + off, size) for off in offsets]
+        t.wait(t.write(info.agent, ops), 10.0, "insider")
+        return 1
+
+    try:
+        stats["writes"] = _sweep(s, t0, write)
+    finally:
+        t.close()
+
+
+def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
+    """Mooncake's own engine, no kvstage code and no secret in the write path."""
+    from mooncake.engine import TransferEngine
+
+    info, t0 = _target(run_dir, address)
+    session = _unpack_metadata(info.metadata)[1].decode()  # host:port, what `ss` shows
+    ring = int(info.extra["ring_addr"])
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    junk = np.full(s.pool_bytes, 0x5A, dtype=np.uint8)
+    assert engine.register_memory(junk.ctypes.data, junk.nbytes) == 0
+
+    def write(offsets: list[int], size: int) -> int:
+        rc = engine.batch_transfer_sync_write(
+            session,
+            [junk.ctypes.data + off for off in offsets],
+            [ring + off for off in offsets],
+            [size] * len(offsets),
+        )
+        return int(rc == 0)
+
+    stats["writes"] = _sweep(s, t0, write)
+    engine.unregister_memory(junk.ctypes.data)
+
+
+def _run(tmp_path, backend: str, attack) -> tuple:
+    require_engine(backend)
+    s = _scenario(tmp_path, backend)
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "scenario.toml").write_text(s.to_toml())
+    stats = {"writes": 0}
+    threads = []
+
+    def on_started(address, procs):
+        th = threading.Thread(target=attack, args=(s, run_dir, address, stats), daemon=True)
+        th.start()
+        threads.append(th)
+
+    result = launch(
+        run_dir / "scenario.toml",
+        2,
+        1,
+        run_dir / "logs",
+        backend=backend,
+        device="cpu",
+        timeout_s=240,
+        on_started=on_started,
+    )
+    for th in threads:
+        th.join(30)
+    return s, result, stats
+
+
+def _assert_rejected_not_scattered(s, result, stats: dict) -> None:
+    reports = result.reports
+    assert set(reports) == {"prefill0", "prefill1", "decode0"}, result.errors
+    dec = reports["decode0"]
+    seen = {k: dec.get(k) for k in ("writes_rejected", "rooms_done", "rooms_failed")}
+    assert stats["writes"] > 0, (stats, seen)
+    assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
+    assert dec["writes_rejected"] > 0, (stats, seen)
+    assert dec["bytes_checksummed"] > 0
+    assert dec["rooms_done"] + dec["rooms_failed"] == REQUESTS
+    assert dec["rooms_failed"] > 0 and dec["rooms_done"] > 0, (stats, seen)
+    reasons = list(dec["failures"].values())
+    assert reasons and all("write rejected" in str(why) for why in reasons), reasons[:3]
+    assert dec["rooms_verified"] == dec["rooms_done"]
+    records = sorted(
+        (TraceRecord(*row) for r in reports.values() for row in r["records"]),
+        key=lambda r: (r.end, r.start, r.role, r.rank),
+    )
+    assert not check_records(records, s.transfer.path)
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_an_insiders_write_at_other_rooms_offsets_is_never_scattered(tmp_path, backend):
+    s, result, stats = _run(tmp_path, backend, _insider)
+    _assert_rejected_not_scattered(s, result, stats)
+
+
+def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
+    s, result, stats = _run(tmp_path, "mooncake", _raw_mooncake)
+    _assert_rejected_not_scattered(s, result, stats)
