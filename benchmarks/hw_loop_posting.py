@@ -16,6 +16,11 @@ preset (loop: sglang-nixl, worker: sglang-nixl-prepped) on the loopback-cpu prof
 `uptime` before and after: the host is shared, compare the ratios in one run.
 
     .venv/bin/python benchmarks/hw_loop_posting.py [--rooms 1,4,16] [--repeats 1]
+    KVSTAGE_LOOP_RT=0 .venv/bin/python benchmarks/hw_loop_posting.py   # loop at normal priority
+
+kvstage raises a rank's loop thread to a real-time class (hw/priority.py LoopPriority); a
+serving engine's scheduler runs at normal priority, so KVSTAGE_LOOP_RT=0 is the closer
+analogue of sglang-nixl (results: docs/results/2026-12-02-hw-loop-posting.md).
 """
 
 from __future__ import annotations
