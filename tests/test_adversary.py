@@ -21,7 +21,9 @@ dropped as a replay, the forgeries counted as unauthenticated at every rank, and
 honest write rejected by the write checksum (transfer.verify_writes = "checksum", on
 here as the issue asks; tests/test_verify_writes.py has the writes it rejects). Both
 engines. What a rank that holds its own pair keys can still try (a compromised
-writer) is the core's to refuse: tests/test_capabilities.py, and its simulated twin.
+writer granting itself regions it was not given) would need per-region capabilities in
+the core (issue 25 item 2), not built yet; the checksum already keeps its bytes out of
+other writers' rooms (tests/test_verify_writes.py).
 """
 
 from __future__ import annotations
