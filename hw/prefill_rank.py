@@ -21,6 +21,7 @@ from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rendezvous import RankInfo
 from kvstage.hw.transport import TransferError, XferHandle
+from kvstage.shared.compute import chunk_forward_s
 from kvstage.shared.events import (
     Forward,
     ForwardDone,
@@ -294,7 +295,11 @@ class PrefillRank(RankProcess):
                 self.global_heads,
             )
             job.add_done_callback(self._wake)
-            delay = self.s.forward_time_s(f.tokens) if self.s.hardware.forward_delay else 0.0
+            delay = 0.0
+            if self.s.hardware.forward_delay:  # the simulator's price of this chunk
+                delay = chunk_forward_s(
+                    self.s, f.tokens, f.cached_tokens, f.page_start, self.g.page_size
+                )
             self.computing = _Computing(job, start + delay, f, start)
 
     # --- gather and writes ----------------------------------------------------------------------

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
 __all__ = [
+    "chunk_forward_s",
     "DecodeStep",
     "Forward",
     "allreduce_s",
@@ -296,6 +297,19 @@ def prefill_forward_s(s: Scenario, tokens: int, context: int = 0) -> float:
 
 
 # --------------------------------------------------------------------------- decode
+
+
+def chunk_forward_s(
+    s: Scenario, tokens: int, cached_tokens: int, page_start: int, page_size: int
+) -> float:
+    """One chunk of a prompt (a `Forward` action): it computes `tokens - cached_tokens`
+    tokens, attending to the prompt's KV before them (the earlier chunks, from page
+    `page_start` on, and this chunk's cached part); 0 when all of it is cached. The
+    simulator's group forward and hardware mode's `forward_delay` both take this."""
+    computed = tokens - cached_tokens
+    if computed <= 0:
+        return 0.0
+    return s.forward_time_s(computed, page_start * page_size + cached_tokens)
 
 
 def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstage.shared.compute import chunk_forward_s
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.runtime import RankRuntime
 from kvstage.sim.gpu import SerialStream
@@ -66,10 +67,9 @@ class GroupForward:
         if f.chunk == 0:  # the room opens when its first chunk's forward starts
             sim._at(start - now, self._started, key)
         if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
-            # what is computed attends to the prompt's KV before it: the earlier chunks
-            # and the cached part of this one (shared/compute.py, chunked prefill)
-            context = f.page_start * sim.geometry.page_size + f.cached_tokens
-            forward = sim.scenario.forward_time_s(f.tokens - f.cached_tokens, context)
+            forward = chunk_forward_s(
+                sim.scenario, f.tokens, f.cached_tokens, f.page_start, sim.geometry.page_size
+            )
             end = self.stream.reserve(now, forward)
         else:
             end = start  # a room (or a chunk of a cached prefix) with nothing to compute
