@@ -170,12 +170,13 @@ def run_hardware(
     run_dir = make_run_dir(scenario, "hw", out)
     g, c = scenario.geometry(), scenario.cluster
     instances = "" if c.single else f"{c.prefill_instances} x "
+    requests = len(generate_requests(scenario))  # a whole trace when requests is unset
     console.print(
         f"hardware run: {scenario.name}, {instances}prefill TP{g.prefill_tp} -> "
         f"{'' if c.single else f'{c.decode_instances} x '}decode TP{g.decode_tp}, "
-        f"{hw.backend} on {hw.device}, {scenario.workload.requests} requests, {scenario.transfer.path} path"
+        f"{hw.backend} on {hw.device}, {requests} requests, {scenario.transfer.path} path"
     )
-    with HwProgress(console, g.decode_tp, len(generate_requests(scenario))) as progress:
+    with HwProgress(console, g.decode_tp, requests) as progress:
         if target is not None:
             launch_options["ceiling"] = True
         result = launch_run(
