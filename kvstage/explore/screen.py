@@ -31,7 +31,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from kvstage.metrics.bottleneck import DECODE, NIC, PREFILL, nic_counts, offered_load
+from kvstage.metrics.bottleneck import (
+    DECODE,
+    NIC,
+    PREFILL,
+    batch_within,
+    nic_counts,
+    offered_load,
+)
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -94,10 +101,7 @@ def capacity(scenario: Scenario) -> Capacity:
     target = s.slo.tpot_s
     if target is not None and load["output_tokens"]:
         context = load["computed_tokens"] + load["output_tokens"] / 2
-        fit = ((target - model.step_overhead_s) * model.hbm_Bps - model.weight_bytes) / (
-            context * model.kv_bytes_per_token
-        )
-        cap = max(0.0, fit) / target * c.decode_instances
+        cap = batch_within(model, context, target) / target * c.decode_instances
         offered = rate * load["output_tokens"]
         out[DECODE] = _stage(
             offered,

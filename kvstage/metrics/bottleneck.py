@@ -216,7 +216,7 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
         }
     target = s.slo.tpot_s
     if target is not None and rate is not None:
-        fit = _batch_within(model, context, target)
+        fit = batch_within(model, context, target)
         capacity = fit / target * s.cluster.decode_instances  # output tokens/s at the target
         offered = rate * load["output_tokens"]
         out |= {
@@ -234,7 +234,7 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
     return out
 
 
-def _batch_within(model: DecodeModel, context: float, target: float) -> int:
+def batch_within(model: DecodeModel, context: float, target: float) -> int:
     """The largest batch (at most decode.max_running_requests) whose step, each request
     holding `context` tokens of KV, fits `target` seconds; 0 when not even one does.
     The step time grows with the batch (more KV, more FLOPs), so bisect."""
