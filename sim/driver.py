@@ -466,13 +466,23 @@ class Simulation:
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, index: int, req: Request, _ev=None) -> None:
-        self._arrivals_left -= 1
-        arrive = Arrive(req)
         prefill, decode = self.prefill, self.decode
         if not self.sessions.single:
             prefill, decode = self._route(index, req)
         if self.fold is not None:
             prefill, decode = [rt for rt in prefill if rt], [rt for rt in decode if rt]
+        delay = self.engine.request_s if self.engine is not None else 0.0
+        if delay:  # the serving stack's own path first: the arrival is on record now
+            now = self.env.now
+            for rt in decode:
+                self._keep_record(TraceRecord("decode", rt.rank, "arrive", now, now, room=req.room))
+            self._at(delay, self._open, req, prefill, decode)
+        else:
+            self._open(req, prefill, decode)
+
+    def _open(self, req: Request, prefill: list, decode: list, _ev=None) -> None:
+        self._arrivals_left -= 1
+        arrive = Arrive(req)
         for rt in decode:
             self._deliver(rt, arrive)
         for rt in prefill:  # queues the forwards; no loop turn of its own

@@ -27,6 +27,10 @@ shared/scenario/engines.py). Per prefill rank (one process, as in SGLang and vLL
   After the post the bytes go through the NIC fabric with the profile's bandwidth and
   message rate, its posting costs left out (the engine's post replaces them).
 
+- the request's own path (`request_us`): HTTP, tokenization, detokenization and
+  streaming, a delay from the request's arrival (on record: a decode `arrive` row) to
+  its room opening, paid by every request alike; no resource is held.
+
 The GPU model only (links.host_model = "gpu"; with "cpu-loop" the preset is not used);
 decode ranks are unchanged; with [cluster] fold the folded ranks' ghost writes start when
 the simulated rank's call is issued, without its descriptor delay.
@@ -131,6 +135,8 @@ class EngineHost:
         # the engine's post replaces the transfer engine's posting model; the NIC's
         # bandwidth and message rate stay (sim/links.py)
         self.link = replace(sim.write_link, per_request_s=0.0, per_batch_s=0.0, post_threads=0)
+        # per request, before its room opens (the serving stack outside the forward)
+        self.request_s = preset.request_us * 1e-6
         g = sim.geometry
         self._block_descs = g.kv_factor * g.layers  # per page, head-major blocks
 

@@ -141,6 +141,63 @@ def test_worker_posting_frees_the_scheduler_for_the_next_launch() -> None:
     assert mean_done("sglang-nixl-prepped") < mean_done("sglang-nixl")
 
 
+def test_the_request_path_is_a_delay_of_request_us_not_a_queue(monkeypatch) -> None:
+    """Every room of a burst opens request_us after its arrival (none waits for
+    another), and each TTFT is the one without the request path plus request_us."""
+    from dataclasses import replace
+
+    from kvstage.metrics.rooms import room_latencies
+
+    p = ENGINE_PRESETS["sglang-nixl"]
+    delay = p.request_us * 1e-6
+    assert delay > 0
+
+    def rooms() -> dict[int, dict[str, float]]:
+        result = Simulation(_scenario(8, path="staging")).run()
+        assert result.ok and result.rooms_done == 8
+        return room_latencies(result.records)
+
+    with_path = rooms()
+    for info in with_path.values():
+        assert info["arrival"] == 0.0  # the burst arrives at t = 0, on record
+        assert info["admitted"] - info["arrival"] == pytest.approx(delay, rel=1e-12)
+    monkeypatch.setitem(ENGINE_PRESETS, "sglang-nixl", replace(p, request_us=0.0))
+    without = rooms()
+    for room, info in with_path.items():
+        ttft, base = (
+            info["done"] - info["arrival"],
+            without[room]["done"] - without[room]["arrival"],
+        )
+        assert ttft == pytest.approx(base + delay, rel=1e-9)
+
+
+def test_sglang_nixl_gives_the_shape_of_sglang_pr_22536() -> None:
+    """The issue's target, by mechanism (docs/staging-vs-slice.md): TP2 -> TP4 under
+    sglang-nixl, the slice / staging TTFT ratio <= 1.3 for one prompt, rising with the
+    burst, >= 1.4 at 256; one serialized per-room cost, so c(N) = 2 Delta / (N + 1)
+    steady within 2.5x; at equal TP (TP4 -> TP4) within 0.85-1.35."""
+
+    def ttft(prompts: int, path: str, decode_tp: int = 4, prefill_tp: int = 2) -> float:
+        data = _scenario(prompts, path).model_dump(exclude_none=True)
+        data["prefill"]["tp"], data["decode"]["tp"] = prefill_tp, decode_tp
+        data.pop("links")
+        result = Simulation(scenario_from_dict(data)).run()
+        assert result.ok and result.rooms_done == prompts
+        done = [r.end for r in result.records if r.phase == "room_done" and r.role == "decode"]
+        return max(done) if prompts == 1 else sum(done) / len(done)
+
+    counts = (1, 8, 64, 256)
+    slice_, staging = [ttft(n, "slice") for n in counts], [ttft(n, "staging") for n in counts]
+    ratios = [a / b for a, b in zip(slice_, staging, strict=True)]
+    assert ratios[0] <= 1.3 and ratios[-1] >= 1.4
+    assert ratios == sorted(ratios)
+    c = [2 * (a - b) / (n + 1) for a, b, n in zip(slice_, staging, counts, strict=True)]
+    assert max(c) / min(c) <= 2.5
+    for n in (1, 64):
+        equal = ttft(n, "slice", prefill_tp=4) / ttft(n, "staging", prefill_tp=4)
+        assert 0.85 <= equal <= 1.35
+
+
 def test_without_engine_the_driver_is_unchanged() -> None:
     sim = Simulation(_scenario(2, preset=None))
     assert sim.engine is None

@@ -15,9 +15,13 @@ The descriptor work of one transfer call of n descriptors is
                                 lists were prepared once, prep_xfer_dlist)
     post     n * post_ns + post_call_us   (transfer / make_prepped_xfer / batch_transfer)
 
-charged on the scheduler thread (`post_on = "scheduler"`) or on a transfer worker
-(`"worker"`), holding the rank process's interpreter lock for the parts flagged
-`*_gil`. Descriptors follow `granularity`: "layout" (kvstage's slice-path request
+Each request also pays `request_us` between its arrival and its room opening (the
+serving stack outside the forward: HTTP, tokenization, streaming; a delay, not a queue)
+and each scheduler iteration `launch_us` of Python.
+
+The descriptor work is charged on the scheduler thread (`post_on = "scheduler"`) or on
+a transfer worker (`"worker"`), holding the rank process's interpreter lock for the
+parts flagged `*_gil`. Descriptors follow `granularity`: "layout" (kvstage's slice-path request
 count: one per token, or per page where a head slice is a whole token row,
 shared/layout.py `slice_requests`), or "block" (one per (page, layer, K/V): a
 head-major block layout makes a block's head slice contiguous).
@@ -56,9 +60,18 @@ _INDEX_NS = 3.6
 # (scenarios/profiles/rdma-400g.toml, inter_per_request_us and its sources).
 _POST_NS = 100.0
 _POST_CALL_US = 11.0  # [M] make_prepped_xfer + transfer of one batch (rdma-400g.toml)
-# [A] the scheduler's own Python per forward launch (schedule a batch, build its
-# ForwardBatch, launch): no measurement found.
-_LAUNCH_US = 500.0
+# [P] SGLang's CPU time per scheduler iteration (schedule a batch, build its ForwardBatch,
+# launch, process its result, stream): tenstorrent/tt-inference-server issue #3560
+# (https://github.com/tenstorrent/tt-inference-server/issues/3560, 2026-05-18): SGLang
+# with a CPU mock forward that busy-waits 1 / 380 s = 2.632 ms, `vllm bench serve
+# --random-input-len 128 --max-concurrency 1`: median TPOT 2.94 ms, so 0.31 ms per
+# iteration outside the forward (one request in the batch).
+_LAUNCH_US = 310.0
+# [P] the same measurement: median TTFT 9.54 ms with one 2.632 ms forward and one such
+# iteration, so 9.54 - 2.632 - 0.31 = 6.6 ms per request outside the forward and the
+# scheduler loop: HTTP, chat template and tokenization (128 tokens), the scheduler's
+# receive, detokenization, the first SSE chunk. Colocated (not disaggregated), one host.
+_REQUEST_US = 6600.0
 # [A] check_xfer_state of the handles of one room, per loop turn (NixlKVSender.poll [C])
 _POLL_US = 2.0
 _ENQUEUE_US = 20.0  # [A] a queue put and a handle (Python) per transfer call
@@ -82,6 +95,10 @@ class EnginePreset:
     launch_us: float  # on the scheduler, per forward launch (Python: holds the GIL)
     poll_us: float  # on the scheduler, per room in flight and loop turn
     overlap: bool  # launch batch k+1 before processing batch k's results
+    # per request, outside the forward, the transfer and the scheduler loop (HTTP,
+    # tokenization, detokenization, streaming): a delay between the request's arrival
+    # and its room opening, not a queue (the tokenizer manager is asyncio); 0: not charged
+    request_us: float
     # the prefill batch's token budget; None: the scenario's prefill.chunked_prefill_size
     # ([C] SGLang's PrefillAdder fills a batch up to the chunk budget); 0: one room per forward
     batch_tokens: int | None
@@ -138,6 +155,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=_POLL_US,
             overlap=False,
+            request_us=_REQUEST_US,
             batch_tokens=None,
             source=(
                 "[C] sglang nixl/conn.py: NixlKVManager.send_kvcache_slice builds one "
@@ -163,6 +181,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=_POLL_US,
             overlap=False,
+            request_us=_REQUEST_US,
             batch_tokens=None,
             source=(
                 "[C] sglang nixl/conn.py after PR #26406: prep_xfer_dlist once per peer, "
@@ -188,6 +207,7 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=0.0,
             overlap=False,
+            request_us=_REQUEST_US,
             batch_tokens=None,
             source=(
                 "[C] sglang mooncake/conn.py: transfer_queues = QUEUE_SIZE (4) FastQueues, "
@@ -215,13 +235,16 @@ ENGINE_PRESETS: dict[str, EnginePreset] = {
             launch_us=_LAUNCH_US,
             poll_us=0.0,
             overlap=False,
+            request_us=0.0,
             batch_tokens=None,
             source=(
                 "[C] vllm-project/vllm .../kv_connector/v1/nixl_connector.py: "
                 "register_kv_caches prepares per-block descriptor lists (split by heads for "
                 "a TP ratio, HND layout), _read_blocks issues make_prepped_xfer + transfer "
                 "from block ids, off the engine-core scheduler process; vLLM reads from the "
-                "decode side, modeled here as the same work on the prefill rank's worker"
+                "decode side, modeled here as the same work on the prefill rank's worker; no "
+                "per-request figure for vLLM's HTTP and tokenizer path measured the way "
+                "_REQUEST_US is was found, so request_us is 0 (not charged)"
             ),
         ),
     )

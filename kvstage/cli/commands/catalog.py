@@ -173,7 +173,7 @@ def engines_table() -> Table:
         title_justify="left",
     )
     cols = ("preset", "posts on", "queues x pool", "descriptors", "build ns", "prepare ns")
-    cols += ("post ns", "per call us", "launch us", "overlap", "summary")
+    cols += ("post ns", "per call us", "launch us", "request us", "overlap", "summary")
     for col in cols:
         t.add_column(col, justify="left" if col in ("preset", "posts on", "summary") else "right")
     for name, p in ENGINE_PRESETS.items():
@@ -187,6 +187,7 @@ def engines_table() -> Table:
             _num(p.post_ns),
             _num(p.post_call_us),
             _num(p.launch_us),
+            _num(p.request_us),
             "yes" if p.overlap else "no",
             p.summary,
         )
