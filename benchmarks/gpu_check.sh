@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hardware mode on one GPU. First the GPU tests (kernels on device memory; NIXL/UCX
 # transfers between rank processes whose KV pools, staging rings and send buffers are
-# GPU memory, every byte verified), then one table on the GPU: the engine's raw ceiling
+# GPU memory, every byte verified), the descriptor probe (NIXL's per-descriptor costs and
+# the GIL, host then GPU memory), then one table on the GPU: the engine's raw ceiling
 # (one large write VRAM -> VRAM between two processes, benchmarks/transport_raw.py) beside
 # the staging and slice paths of a P2->D1 scenario, both roles on the one device, for
 # each backend of BACKENDS (default: nixl, and mooncake where its CUDA wheel,
@@ -56,6 +57,13 @@ fi
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
 # gather / scatter bandwidth as a share of a device-to-device copy (goal: >= 0.8)
 "$PY" benchmarks/gpu_kernels.py --layers 16 --tokens 8192
+# the serving engine's per-descriptor costs (build, prepare, post) and the GIL, NIXL on host
+# memory then on GPU memory, each fit with its R^2 (hw/probes/descriptors.py): the numbers the
+# [engine] presets take from the VM (shared/scenario/engines.py), here on a GPU host
+for dev in cpu cuda; do
+    "$PY" -m kvstage.cli calibrate --descriptors --quick --device "$dev" \
+        --out "$OUT/descriptors-$dev.json" || echo "descriptor probe on $dev failed (see above)"
+done
 for backend in $BACKENDS; do
     # the ceiling: one 256 MiB write GPU -> GPU through the engine, no protocol (its last write checked byte for byte)
     "$PY" benchmarks/transport_raw.py --backends "$backend" --device cuda --size-mib 256 --reps 5 \

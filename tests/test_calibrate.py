@@ -527,9 +527,10 @@ def test_cpu_factors_from_the_ranks_job_cpu():
     assert cpu_factors(fields, [{}]) == {}  # runs without job_cpu: nothing measured
 
 
-def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path) -> None:
+@pytest.mark.parametrize("what", [[], ["--descriptors"]], ids=["profile", "descriptors"])
+def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path, what) -> None:
     """No CUDA device: the command says so in one line before any process starts (exit 2,
-    no traceback, no profile written)."""
+    no traceback, no profile written), the descriptor probe too."""
     import subprocess
     import sys
 
@@ -540,6 +541,7 @@ def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path) -> None:
     out = tmp_path / "p.toml"
     done = subprocess.run(
         [sys.executable, "-m", "kvstage.cli", "calibrate", "--device", "cuda", "--quick"]
+        + what
         + ["--out", str(out)],
         capture_output=True,
         text=True,
@@ -550,3 +552,23 @@ def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: --device cuda:"), done.stderr
     assert "no CUDA device" in lines[0] and "allowed here: cpu" in lines[0]
     assert "Traceback" not in done.stderr + done.stdout and not out.exists()
+
+
+def test_descriptor_probe_times_every_part_with_the_real_nixl() -> None:
+    """The probe (hw/probes/descriptors.py) on host memory: one timing per part, count
+    and repetition, all positive; more descriptors cost more to build; the fit names
+    each part with its R^2."""
+    require_engine("nixl")
+    from kvstage.calibrate.descriptors import fit_descriptors
+    from kvstage.hw.probes.descriptors import DescriptorPlan, measure_descriptors
+
+    plan = DescriptorPlan(counts=(256, 4096, 16384), reps=2, gil_n=1024, gil_s=0.2)
+    raw = measure_descriptors(plan)
+    assert (raw["memory"], raw["device"], raw["counts"]) == ("DRAM", "cpu", [256, 4096, 16384])
+    for part, rows in raw["sweep"].items():
+        assert len(rows) == 3 and all(len(r) == 2 and min(r) > 0 for r in rows), part
+    build = [min(r) for r in raw["sweep"]["build_s"]]
+    assert build[-1] > build[0]  # 64x the descriptors: numpy's work grows
+    assert all(v > 0 for v in raw["gil"].values())
+    fit = fit_descriptors(raw)
+    assert {"build_numpy", "prepare", "post"} <= set(fit.table()["parts"])

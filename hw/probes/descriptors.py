@@ -3,7 +3,10 @@ host, in parts, with the real NIXL here, and what the interpreter lock does betw
 Python scheduler thread and a transfer worker.
 
 One process, one NIXL agent (UCX) writing to itself (loopback: NIXL's own agent name
-as the remote), host memory. For each descriptor count n of a sweep, timed per batch:
+as the remote), host memory, or GPU memory with `device = "cuda[:N]"` (two torch
+buffers on the GPU registered as VRAM, as a serving engine's KV pool is; the numpy work
+is the same, the engine's calls then resolve GPU addresses). For each descriptor count
+n of a sweep, timed per batch:
 
 - build: the slice path's numpy work of SGLang's NIXL backend (read in
   sgl-project/sglang python/sglang/srt/disaggregation/nixl/conn.py,
@@ -43,6 +46,7 @@ class DescriptorPlan:
     layers: int = 32
     gil_n: int = 4096
     gil_s: float = 1.0
+    device: str = "cpu"  # or "cuda" / "cuda:N": the buffers in GPU memory (VRAM)
 
 
 def _slice_addresses(base: int, n: int, layers: int, nbytes: int, device: int) -> np.ndarray:
@@ -71,25 +75,36 @@ class _Loopback:
         self.agent = nixl_agent("kvstage-descriptor-probe", cfg)
         self.name = self.agent.name
         size = max(plan.counts) * plan.slice_bytes * 2 + 4096
-        self.src = np.zeros(size, dtype=np.uint8)
-        self.dst = np.zeros(size, dtype=np.uint8)
+        if plan.device == "cpu":
+            self.mem, self.dev = "DRAM", 0
+            self.src = np.zeros(size, dtype=np.uint8)
+            self.dst = np.zeros(size, dtype=np.uint8)
+            addrs = (self.src.ctypes.data, self.dst.ctypes.data)
+        else:  # GPU memory: torch buffers on the device, registered as VRAM
+            import torch
+
+            dev = torch.device(plan.device)
+            self.mem, self.dev = "VRAM", dev.index or 0
+            self.src = torch.zeros(size, dtype=torch.uint8, device=dev)
+            self.dst = torch.zeros(size, dtype=torch.uint8, device=dev)
+            addrs = (self.src.data_ptr(), self.dst.data_ptr())
+        self.addrs = addrs
         self._regs = [
-            self.agent.register_memory([(self.src.ctypes.data, size, 0, "")], "DRAM"),
-            self.agent.register_memory([(self.dst.ctypes.data, size, 0, "")], "DRAM"),
+            self.agent.register_memory([(a, size, self.dev, "")], self.mem) for a in addrs
         ]
         self.plan = plan
 
     def build(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         p = self.plan
         return (
-            _slice_addresses(self.src.ctypes.data, n, p.layers, p.slice_bytes, 0),
-            _slice_addresses(self.dst.ctypes.data, n, p.layers, p.slice_bytes, 0),
+            _slice_addresses(self.addrs[0], n, p.layers, p.slice_bytes, self.dev),
+            _slice_addresses(self.addrs[1], n, p.layers, p.slice_bytes, self.dev),
         )
 
     def prepare(self, src: np.ndarray, dst: np.ndarray) -> Any:
         a = self.agent
         return a.initialize_xfer(
-            "WRITE", a.get_xfer_descs(src, "DRAM"), a.get_xfer_descs(dst, "DRAM"), self.name
+            "WRITE", a.get_xfer_descs(src, self.mem), a.get_xfer_descs(dst, self.mem), self.name
         )
 
     def post(self, handle: Any) -> None:
@@ -124,15 +139,15 @@ def _sweep(lb: _Loopback, plan: DescriptorPlan) -> dict[str, list[list[float]]]:
         rows = {k: [] for k in out}
         src, dst = lb.build(n)
         lists = (
-            a.prep_xfer_dlist("NIXL_INIT_AGENT", src, "DRAM"),
-            a.prep_xfer_dlist(lb.name, dst, "DRAM"),
+            a.prep_xfer_dlist("NIXL_INIT_AGENT", src, lb.mem),
+            a.prep_xfer_dlist(lb.name, dst, lb.mem),
         )
         idx = np.arange(n, dtype=np.int64)
         for _ in range(plan.reps):
             t_build, (s, d) = _timed(lb.build, n)
             t_list, _ = _timed(_python_lists, s, d)
             t_index, _ = _timed(_indices, n, plan.layers)
-            t_descs, _ = _timed(_xfer_descs, a, s, d)
+            t_descs, _ = _timed(_xfer_descs, a, s, d, lb.mem)
             t_prep, handle = _timed(lb.prepare, s, d)
             t_post, _ = _timed(lb.post, handle)
             lb.finish(handle)
@@ -149,8 +164,8 @@ def _sweep(lb: _Loopback, plan: DescriptorPlan) -> dict[str, list[list[float]]]:
     return out
 
 
-def _xfer_descs(agent: Any, src: np.ndarray, dst: np.ndarray) -> tuple[Any, Any]:
-    return agent.get_xfer_descs(src, "DRAM"), agent.get_xfer_descs(dst, "DRAM")
+def _xfer_descs(agent: Any, src: np.ndarray, dst: np.ndarray, mem: str) -> tuple[Any, Any]:
+    return agent.get_xfer_descs(src, mem), agent.get_xfer_descs(dst, mem)
 
 
 def _python_lists(src: np.ndarray, dst: np.ndarray) -> tuple[list, list, list]:
@@ -240,6 +255,8 @@ def measure_descriptors(plan: DescriptorPlan | None = None) -> dict[str, Any]:
         lb.close()
     return {
         "engine": "nixl",
+        "memory": lb.mem,
+        "device": plan.device,
         "counts": list(plan.counts),
         "slice_bytes": plan.slice_bytes,
         "sweep": sweep,

@@ -20,6 +20,21 @@ STAGES = ("writes", "batches", "control", "kernels", "fill")
 MIN_R2 = 0.9
 
 
+def _check_device(device: str) -> None:
+    """One line and exit 2 for a device not allowed or not here, before any work."""
+    if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
+    from kvstage.hw.merge import device_problem
+
+    problem = device_problem(device)  # no GPU: one line, exit 2, before any process starts
+    if problem:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        allowed = f"cpu, cuda:0..cuda:{n - 1}" if n else "cpu"
+        fail(f"--device {device}: {problem.split(' but ', 1)[-1]}; allowed here: {allowed}")
+
+
 def _default_out(backend: str, device: str) -> Path:
     return (
         Path("runs") / "calibration" / f"{backend}-{device}-{time.strftime('%Y%m%d-%H%M%S')}.toml"
@@ -177,6 +192,7 @@ def calibrate(
     that a scenario can name with `links.profile = "PATH"`. With --fit-serving, fit
     the serving efficiencies to one prefill and/or one decode measurement instead."""
     if descriptors:  # kvstage/cli/commands/calibrate_descriptors.py
+        _check_device(device)
         return descriptors_command(backend, device, out, quick)
     if fit_serving is not None:
         pre, dec = (
@@ -188,17 +204,7 @@ def calibrate(
     from kvstage.calibrate.profile import calibrate as run_calibration
 
     console = Console()
-    if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-    from kvstage.hw.merge import device_problem
-
-    problem = device_problem(device)  # no GPU: one line, exit 2, before any process starts
-    if problem:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        allowed = f"cpu, cuda:0..cuda:{n - 1}" if n else "cpu"
-        fail(f"--device {device}: {problem.split(' but ', 1)[-1]}; allowed here: {allowed}")
+    _check_device(device)
     hosts = _hosts(host, peer_host, peer_netns)
     path = out or _default_out(backend, device)
     bar = Progress(

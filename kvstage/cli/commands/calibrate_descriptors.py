@@ -17,8 +17,9 @@ from rich.table import Table
 from kvstage.cli.errors import fail
 
 
-def _default_out() -> Path:
-    return Path("runs/calibration") / f"descriptors-nixl-{time.strftime('%Y%m%d-%H%M%S')}.json"
+def _default_out(memory: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs/calibration") / f"descriptors-nixl-{memory.lower()}-{stamp}.json"
 
 
 def descriptors_command(backend: str, device: str, out: Path | None, quick: bool) -> None:
@@ -26,14 +27,15 @@ def descriptors_command(backend: str, device: str, out: Path | None, quick: bool
         fail(
             f"--descriptors measures NIXL's descriptor calls; --backend {backend!r} not allowed (allowed: nixl)"
         )
-    if device != "cpu":
-        fail(f"--descriptors measures host memory; --device {device!r} not allowed (allowed: cpu)")
     from kvstage.calibrate.descriptors import fit_descriptors
     from kvstage.hw.probes.descriptors import DescriptorPlan, measure_descriptors
 
-    plan = DescriptorPlan(counts=(256, 1024, 4096, 16384), reps=3, gil_s=0.5) if quick else None
+    plan = DescriptorPlan(device=device)
+    if quick:
+        plan = DescriptorPlan(counts=(256, 1024, 4096, 16384), reps=3, gil_s=0.5, device=device)
+    memory = "host memory" if device == "cpu" else f"GPU memory ({device})"
     console = Console()
-    console.print("measuring descriptor costs with NIXL (one agent, loopback, host memory)")
+    console.print(f"measuring descriptor costs with NIXL (one agent, loopback, {memory})")
     try:
         raw = measure_descriptors(plan)
     except Exception as exc:  # noqa: BLE001 - one clear line, never a traceback
@@ -52,7 +54,7 @@ def descriptors_command(backend: str, device: str, out: Path | None, quick: bool
         f"GIL: a transfer worker beside a busy Python thread runs {fit.worker_slowdown:.1f}x "
         f"slower, the Python thread {fit.python_slowdown:.1f}x slower (a fair share: 2x each)"
     )
-    path = out or _default_out()
+    path = out or _default_out(raw.get("memory", "DRAM"))
     doc = {
         "kvstage_descriptors": 1,
         "host": socket.gethostname(),
