@@ -46,17 +46,25 @@ PROMPT_TOKENS = 128
 PRESET = {"loop": "sglang-nixl", "worker": "sglang-nixl-prepped", "lane": None}
 
 
+FORWARD_MS = 0.0  # --forward-ms: each room's modeled prefill forward (0: none)
+
+
 def scenario(rooms: int, path: str, posting: str, engine: str | None = None):
+    prefill = {"tp": 2, "chunked_prefill_size": PROMPT_TOKENS}
+    hardware = {"backend": "nixl", "posting": posting}
+    if FORWARD_MS:  # the forward regime: both modes price a room's forward the same way
+        prefill["tokens_per_s"] = PROMPT_TOKENS / (FORWARD_MS * 1e-3)
+        hardware["forward_delay"] = True
     return scenario_from_dict(
         {
             "name": f"loop-posting-p2-d4-{rooms}x{PROMPT_TOKENS}-{path}-{posting}",
             "engine": {"preset": engine} if engine else {},
             "model": {"layers": 32, "kv_heads": 8, "head_dim": 16, "params_b": 0.1},
-            "prefill": {"tp": 2, "chunked_prefill_size": PROMPT_TOKENS},
+            "prefill": prefill,
             "decode": {"tp": 4, "page_size": 16, "staging_pool_mb": 4, "prefix_tokens": 0},
             "transfer": {"path": path, "room_timeout_s": 180.0},
             "links": {"profile": "loopback-cpu"},
-            "hardware": {"backend": "nixl", "posting": posting},
+            "hardware": hardware,
             "workload": {
                 "requests": rooms,
                 "arrival": "burst",
@@ -76,6 +84,21 @@ def write_ms(records) -> float:
     return statistics.fmean(spans) * 1e3 if spans else 0.0
 
 
+def forward_lag_ms(records) -> float:
+    """Mean forward start lag, ms: each prefill `compute` row's start minus the previous
+    room's compute end on the same rank (rooms 2..N; 0 with one room). With the forwards
+    back to back this is the loop's work between them: the posting with "loop"."""
+    by_rank: dict[int, list] = {}
+    for r in records:
+        if r.phase == "compute" and r.role == "prefill":
+            by_rank.setdefault(r.rank, []).append(r)
+    lags = []
+    for rows in by_rank.values():
+        rows.sort(key=lambda r: r.start)
+        lags += [b.start - a.end for a, b in zip(rows, rows[1:], strict=False)]
+    return statistics.fmean(lags) * 1e3 if lags else 0.0
+
+
 def mean_ttft(records, rooms: int, what: str) -> float:
     lat = room_latencies(records)
     done = [i["done"] - i["arrival"] for i in lat.values() if "done" in i and not i.get("failed")]
@@ -84,9 +107,10 @@ def mean_ttft(records, rooms: int, what: str) -> float:
     return statistics.fmean(done)
 
 
-def hw_ttft(rooms: int, path: str, posting: str) -> tuple[float, float, float]:
+def hw_ttft(rooms: int, path: str, posting: str) -> tuple[float, float, float, float]:
     """(mean TTFT s, mean slice write ms, ms per write the posting thread spent building
-    and posting: the loop's with "loop", the worker's with "worker") of one hardware run."""
+    and posting: the loop's with "loop", the worker's with "worker", mean forward start
+    lag ms) of one hardware run."""
     s = scenario(rooms, path, posting)
     reports: dict[str, dict] = {}
     launch = hwrun.launch
@@ -107,16 +131,18 @@ def hw_ttft(rooms: int, path: str, posting: str) -> tuple[float, float, float]:
     posts = [r["posting"] for n, r in reports.items() if n.startswith("prefill")]
     writes = sum(sum(p["threads"].values()) for p in posts)
     post_ms = sum(sum(p["seconds"].values()) for p in posts) * 1e3 / max(1, writes)
-    return mean_ttft(result.records, rooms, s.name), write_ms(result.records), post_ms
+    records = result.records
+    return mean_ttft(records, rooms, s.name), write_ms(records), post_ms, forward_lag_ms(records)
 
 
-def sim_ttft(rooms: int, path: str, posting: str) -> tuple[float, float]:
+def sim_ttft(rooms: int, path: str, posting: str) -> tuple[float, float, float, float]:
     s = scenario(rooms, path, posting, PRESET[posting])
     records = Simulation(s, check=False).run().records
     # the preset's descriptor work of one call (on the scheduler or the worker)
     p, n = ENGINE_PRESETS[PRESET[posting]], s.geometry().slice_requests(0, 0, 8)
     post_ms = sum(p.split(n)) * 1e3 if path == "slice" else 0.0
-    return mean_ttft(records, rooms, f"sim {s.name}"), write_ms(records), post_ms
+    ttft = mean_ttft(records, rooms, f"sim {s.name}")
+    return ttft, write_ms(records), post_ms, forward_lag_ms(records)
 
 
 def uptime() -> str:
@@ -127,18 +153,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rooms", default="1,4,16", help="comma-separated rooms in flight")
     ap.add_argument("--repeats", type=int, default=1, help="hardware runs per cell (best kept)")
+    ap.add_argument(
+        "--regime",
+        choices=("forward", "wire"),
+        default="forward",
+        help="forward: each room's prefill forward modeled (hardware.forward_delay) and long "
+        "enough that the lane keeps up, so the forwards queue, as on an RDMA host; wire: no "
+        "modeled forward, the loopback copy dominates (the 2026-12-02 first runs)",
+    )
+    ap.add_argument(
+        "--forward-ms",
+        type=float,
+        default=300.0,
+        help="forward regime: one room's modeled prefill forward, ms (prefill.tokens_per_s); "
+        "default 300, above the ~100-250 ms a loopback write call takes",
+    )
     args = ap.parse_args()
+    global FORWARD_MS
+    FORWARD_MS = args.forward_ms if args.regime == "forward" else 0.0
     counts = [int(x) for x in args.rooms.split(",")]
     t0 = time.perf_counter()
     print(f"uptime before: {uptime()}")
     print(
         f"prefill TP2 -> decode TP4, NIXL loopback, host memory, {PROMPT_TOKENS}-token rooms "
         f"at once; TTFT ms (mean over rooms, best of {args.repeats})"
+        + (f"; each room's forward {FORWARD_MS:g} ms" if FORWARD_MS else "; no modeled forward")
     )
     head = f"  {'N':>3} {'':4} {'staging':>8} {'slice loop':>11} {'slice worker':>13}"
     print(
         head + f" {'D loop':>7} {'D worker':>9} {'c loop':>7} {'c worker':>9} {'D l/w':>6}"
-        f" {'write ms l/w':>13} {'post ms l/w':>12}"
+        f" {'write ms l/w':>13} {'post ms l/w':>12} {'fwd lag ms st/l/w':>18}"
     )
     rows = []
     for n in counts:
@@ -156,6 +200,8 @@ def main() -> int:
             sl, sw = both[("slice", "loop")], both[("slice", "worker")]
             w = f"{sl[1]:6.2f}/{sw[1]:.2f}"
             post = f"{sl[2]:6.2f}/{sw[2]:.2f}"
+            st = both.get(("staging", "lane"), both.get(("staging", "loop")))
+            lag = f"{st[3]:5.1f}/{sl[3]:.1f}/{sw[3]:.1f}"
             base_l = t.get(("staging", "lane"), t.get(("staging", "loop")))
             base_w = t.get(("staging", "lane"), t.get(("staging", "worker")))
             dl, dw = t[("slice", "loop")] - base_l, t[("slice", "worker")] - base_w
@@ -164,7 +210,7 @@ def main() -> int:
             print(
                 f"  {n:3d} {mode:4} {base_l * 1e3:8.1f} {t[('slice', 'loop')] * 1e3:11.1f} "
                 f"{t[('slice', 'worker')] * 1e3:13.1f} {dl * 1e3:7.1f} {dw * 1e3:9.1f} "
-                f"{2 * dl / (n + 1) * 1e3:7.2f} {2 * dw / (n + 1) * 1e3:9.2f} {ratio} {w:>13} {post:>12}"
+                f"{2 * dl / (n + 1) * 1e3:7.2f} {2 * dw / (n + 1) * 1e3:9.2f} {ratio} {w:>13} {post:>12} {lag:>18}"
             )
     for mode in ("hw", "sim"):
         d = {n: (dl, dw) for m, n, dl, dw in rows if m == mode}
@@ -179,6 +225,8 @@ def main() -> int:
     print("write ms l/w: mean span of one slice write call (post to done), loop / worker;")
     print("post ms l/w: per write call, the posting thread's build + check + post (hw: the")
     print("     loop thread with loop, the posting worker with worker; sim: the preset's)")
+    print("fwd lag ms st/l/w: mean of each prefill forward's start minus the previous")
+    print("     forward's end on the same rank (rooms 2..N), staging / slice loop / worker")
     print("sim: staging and slice under the matching preset (loop: sglang-nixl, worker:")
     print("     sglang-nixl-prepped), profile loopback-cpu")
     print(f"uptime after: {uptime()}")
