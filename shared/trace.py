@@ -29,7 +29,8 @@ PHASES: tuple[str, ...] = (
     "dropped",  # a message ignored (late, unknown room, malformed, implausible)
     "resend",  # prefill: a CHUNK_READY or WRITER_DONE sent again (not acknowledged in time)
     "late_write",  # prefill: a write completed after its room's abort grace (a safety violation)
-    "arrive",  # decode: a request arrived but its KV pages did not fit yet (admission waits)
+    "arrive",  # decode: a request arrived before its room opened (its KV pages did not fit
+    # yet, or, with an [engine] preset, the serving stack's own path came first)
     "generate",  # decode: the room in the continuous batch (start: joined; end: last token);
     # `requests` holds the tokens generated
 )

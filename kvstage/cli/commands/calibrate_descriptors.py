@@ -30,9 +30,8 @@ def descriptors_command(backend: str, device: str, out: Path | None, quick: bool
     from kvstage.calibrate.descriptors import fit_descriptors
     from kvstage.hw.probes.descriptors import DescriptorPlan, measure_descriptors
 
-    plan = DescriptorPlan(device=device)
-    if quick:
-        plan = DescriptorPlan(counts=(256, 1024, 4096, 16384), reps=3, gil_s=0.5, device=device)
+    quick_plan = {"counts": (256, 1024, 4096, 16384), "reps": 3, "gil_s": 0.5} if quick else {}
+    plan = DescriptorPlan(device=device, **quick_plan)
     memory = "host memory" if device == "cpu" else f"GPU memory ({device})"
     console = Console()
     console.print(f"measuring descriptor costs with NIXL (one agent, loopback, {memory})")
