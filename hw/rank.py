@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -56,6 +57,7 @@ from kvstage.hw.placement import transport_options
 from kvstage.hw.priority import LoopPriority, WritePriority, thread_ids
 from kvstage.hw.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
 from kvstage.hw.transport import make_transport
+from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.events import (
     Arrive,
@@ -193,6 +195,8 @@ class RankProcess:
             kv_pages=pages,
             verify=self.verify_mode != "off",
             sessions=self.sessions,
+            # a decode's nonces under a key of this process alone (shared/capability.py)
+            capabilities=Capabilities(secrets.token_bytes(32)),
         )
         self.records: list[TraceRecord] = []
         self.rendezvous_address = rendezvous

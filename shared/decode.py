@@ -27,6 +27,7 @@ of an incarnation older than the one that rejoined is stale and ignored.
 
 from __future__ import annotations
 
+from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import Sessions
 from kvstage.shared.decode_state import (
     MAX_EARLY_REQS,
@@ -79,8 +80,11 @@ class DecodeMachine(MachineBase):
         pool_bytes: int,
         config: ProtocolConfig | None = None,
         sessions: Sessions | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
         super().__init__(rank, geometry, config or ProtocolConfig())
+        # the nonces this rank hands its writers and checks in their answers
+        self.caps = capabilities or Capabilities.for_simulation(rank)
         # rank is global (instance * TP + local rank); one instance: the local rank
         self.sessions = sessions or Sessions(geometry)
         if not 0 <= rank < self.sessions.decode_ranks:
@@ -171,7 +175,7 @@ class DecodeMachine(MachineBase):
         room.dst_page_base = ev.dst_page_base
         self._record(out, "room_open", now, now, room=ev.room, chunk=len(room.chunks))
         for p in room.writers:
-            out.append(Send(self._peer(p), Bootstrap(ev.room, ev.dst_page_base, p, self.rank)))
+            out.append(Send(self._peer(p), self._bootstrap(room, p)))
         self._arm_deadline(ev.room, now, self.config.retry_s)  # BOOTSTRAP re-sends
         # What came before the open is handled now, checked against the room's grid.
         early, room.early = room.early, []
@@ -320,9 +324,7 @@ class DecodeMachine(MachineBase):
                 out.append(
                     Send(
                         self._peer(msg.prefill_rank),
-                        Abort(
-                            msg.room, msg.prefill_rank, self.rank, "the room failed at the decode"
-                        ),
+                        self._abort(msg.room, msg.prefill_rank, "the room failed at the decode"),
                     )
                 )
             elif type(msg) is ChunkReady:
@@ -393,8 +395,9 @@ class DecodeMachine(MachineBase):
             room.allocs[msg.chunk] = self.ring.assign(self._region_bytes(msg.num_pages))
             self._ring_changed = True
         alloc = room.allocs[msg.chunk]
+        nonce = self.caps.grant(msg.room, msg.chunk, msg.prefill_rank, alloc.id if alloc else -1)
         if alloc is None:
-            rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.prefill_rank, self.rank)
+            rsp = StagingRsp(msg.room, msg.chunk, 0, 0, 0, True, msg.prefill_rank, self.rank, nonce)
         else:
             rsp = StagingRsp(
                 msg.room,
@@ -405,6 +408,7 @@ class DecodeMachine(MachineBase):
                 False,
                 msg.prefill_rank,
                 self.rank,
+                nonce,
             )
         out.append(Send(self._peer(msg.prefill_rank), rsp))
         # Subscribed after the RSP: a writer back after a while would hold a watermark
@@ -489,9 +493,17 @@ class DecodeMachine(MachineBase):
                 return "for a chunk with no staging region"
             if w not in room.asked.get(msg.chunk, ()):
                 return f"from writer {w}, which never asked for the chunk's region"
+            alloc = room.allocs[msg.chunk]
+            want = self.caps.grant(msg.room, msg.chunk, msg.prefill_rank, alloc.id if alloc else -1)
+            if msg.nonce != want:
+                return f"from writer {w} does not echo the nonce of the region granted to it"
+        elif msg.nonce != self.caps.room(msg.room, msg.prefill_rank):
+            return f"from writer {w} does not echo the room nonce of its BOOTSTRAP"
         return ""
 
     def _on_writer_done(self, msg: WriterDone, now: float, out: list[Action]) -> None:
+        if self._writer_for(msg, now, out) is None or self._unproven(msg, now, out):
+            return
         ack = DoneAck(msg.room, msg.prefill_rank, self.rank)
         found = self._opened_room(msg, now, out, ack)
         if found is None:
@@ -511,7 +523,7 @@ class DecodeMachine(MachineBase):
         self._maybe_done(room, now, out)
 
     def _on_abort_msg(self, msg: Abort, now: float, out: list[Action]) -> None:
-        if self._writer_for(msg, now, out) is None:
+        if self._writer_for(msg, now, out) is None or self._unproven(msg, now, out):
             return
         room = self._rooms.get(msg.room)
         if room is None and not self.is_finished(msg.room):
@@ -529,6 +541,53 @@ class DecodeMachine(MachineBase):
             )
         else:
             self._confirm_abort(msg.room, msg.prefill_rank, now, out)
+
+    def _unproven(self, msg: WriterDone | Abort, now: float, out: list[Action]) -> bool:
+        """A writer's WRITER_DONE or ABORT that does not echo its room nonce: dropped,
+        changing nothing (it could otherwise finish, fail or release a room its sender
+        was never handed). An open room's BOOTSTRAP goes back to the named writer, so
+        an honest one that lost it, or failed before it came, proves itself next."""
+        if msg.nonce == self.caps.room(msg.room, msg.prefill_rank):
+            return False
+        name = "WRITER_DONE" if type(msg) is WriterDone else "ABORT"
+        self._drop(
+            out,
+            now,
+            f"{name} from prefill rank {msg.prefill_rank} does not echo the room nonce of "
+            f"its BOOTSTRAP ({'none' if not msg.nonce else 'a wrong one'})",
+            msg.room,
+            peer=msg.prefill_rank,
+        )
+        room = self._rooms.get(msg.room)
+        if room is not None and room.chunks is not None:
+            out.append(Send(self._peer(msg.prefill_rank), self._bootstrap(room, msg.prefill_rank)))
+        return True
+
+    def nonce_for(self, cls: type, room: int, chunk: int, prefill_rank: int) -> int:
+        """The nonce an honest writer `prefill_rank` echoes in its message of type `cls`
+        (CHUNK_READY, WRITER_DONE, ABORT) about `room` (and `chunk`): for a folded
+        writer's mirrored messages (sim/fold.py). 0 for a chunk with no region here."""
+        if cls is ChunkReady and self.config.path is TransferPath.STAGING:
+            r = self._rooms.get(room)
+            if r is None or chunk not in r.allocs:
+                return 0
+            alloc = r.allocs[chunk]
+            return self.caps.grant(room, chunk, prefill_rank, alloc.id if alloc else -1)
+        return self.caps.room(room, prefill_rank)
+
+    def _bootstrap(self, room: DecodeRoom, prefill_rank: int) -> Bootstrap:
+        return Bootstrap(
+            room.room,
+            room.dst_page_base,
+            prefill_rank,
+            self.rank,
+            self.caps.room(room.room, prefill_rank),
+        )
+
+    def _abort(self, room: int, prefill_rank: int, reason: str) -> Abort:
+        return Abort(
+            room, prefill_rank, self.rank, reason[:512], self.caps.room(room, prefill_rank)
+        )
 
     def _on_unexpected(self, msg, now: float, out: list[Action]) -> None:
         self._drop(
@@ -618,7 +677,7 @@ class DecodeMachine(MachineBase):
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
         for p in told:
-            out.append(Send(self._peer(p), Abort(room.room, p, self.rank, reason[:512])))
+            out.append(Send(self._peer(p), self._abort(room.room, p, reason)))
         self._finish(room.room, ok=False)
         self._record(
             out,
@@ -651,12 +710,12 @@ class DecodeMachine(MachineBase):
             return
         heard = set(room.writers_done)
         for writers in (*room.asked.values(), *room.arrived.values()):
-            heard |= writers
+            heard.update(writers)
         silent = [p for w, p in enumerate(room.writers) if w not in heard]
         if not silent:
             return  # every writer has spoken: it had the BOOTSTRAP, no more re-sends
         for p in silent:
-            out.append(Send(self._peer(p), Bootstrap(room.room, room.dst_page_base, p, self.rank)))
+            out.append(Send(self._peer(p), self._bootstrap(room, p)))
         room.retries += 1
         backoff = self.config.retry_s * (2 ** min(room.retries, self.config.max_backoff_doublings))
         if now + backoff < room.deadline:

@@ -40,7 +40,14 @@ from kvstage.shared.events import (
 )
 from kvstage.shared.layout import Geometry, HeadSlice, LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, MachineBase, ProtocolConfig, TransferPath
-from kvstage.shared.prefill_state import IN_FLIGHT, ChunkState, Draining, PrefillRoom, Target
+from kvstage.shared.prefill_state import (
+    IN_FLIGHT,
+    ChunkState,
+    Draining,
+    LiveGrants,
+    PrefillRoom,
+    Target,
+)
 from kvstage.shared.protocol import (
     Abort,
     Bootstrap,
@@ -87,7 +94,8 @@ class PrefillMachine(MachineBase):
         self._wm: dict[int, WatermarkPos] = {d: WatermarkPos(0, 0) for d in self.targets}
         # per decode rank: heap of (round, end, room, chunk) waiting for the watermark
         self._waiting: dict[int, list[tuple[int, int, int, int]]] = {d: [] for d in self.targets}
-        self._early_boot: dict[tuple[int, int], int] = {}
+        # (room, decode rank) -> (dst_page_base, room nonce) of a BOOTSTRAP before the open
+        self._early_boot: dict[tuple[int, int], tuple[int, int]] = {}
         self._heard: dict[int, float] = {}  # decode rank -> last time it told us something new
         self._draining: dict[int, Draining] = {}
         # the highest ring round each decode rank handed this rank: a WATERMARK past
@@ -95,6 +103,9 @@ class PrefillMachine(MachineBase):
         # RSP makes it plausible (or forever, if it was forged)
         self._max_round: dict[int, int] = {d: 0 for d in self.targets}
         self._implausible_wm: dict[int, WatermarkPos] = {}
+        # per decode rank: its regions granted here and not yet written (no true
+        # watermark passes them; no true grant overlaps them in their round)
+        self._live_grants: dict[int, LiveGrants] = {d: LiveGrants() for d in self.targets}
         # failed rooms whose drain grace expired with writes unconfirmed: a write that
         # completes later may have landed on a region the decode handed out again
         self._expired_drains: dict[int, set[tuple[int, int]]] = {}
@@ -166,7 +177,7 @@ class PrefillMachine(MachineBase):
         for d, t in targets.items():
             boot = self._early_boot.pop((ev.room, d), None)
             if boot is not None:
-                t.dst_page_base = boot
+                t.dst_page_base, t.nonce = boot
             if self.config.path is TransferPath.STAGING:
                 # Ask for every chunk's region now, so the decode allocates while
                 # this rank is still computing the prefill forward.
@@ -280,9 +291,11 @@ class PrefillMachine(MachineBase):
             t.checksums[ev.chunk] = ev.checksum
         out.append(Send(self._peer(t.decode_rank), self._chunk_ready(room, t, ev.chunk)))
         self._maybe_writer_done(room, t, now, out)
+        self._live_grants[t.decode_rank].discard(room.room, ev.chunk)
 
     def _chunk_ready(self, room: PrefillRoom, t: Target, chunk: int) -> ChunkReady:
         c = room.chunks[chunk]
+        rsp = t.rsp.get(chunk)
         return ChunkReady(
             room.room,
             chunk,
@@ -292,10 +305,11 @@ class PrefillMachine(MachineBase):
             t.writer,
             t.decode_rank,
             t.checksums.get(chunk, 0),
+            rsp.nonce if rsp is not None else t.nonce,  # the grant's; the slice path: the room's
         )
 
     def _writer_done(self, room: PrefillRoom, t: Target) -> WriterDone:
-        return WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank)
+        return WriterDone(room.room, len(room.chunks), self.rank, t.writer, t.decode_rank, t.nonce)
 
     def _target_in_flight(
         self,
@@ -376,6 +390,33 @@ class PrefillMachine(MachineBase):
                     out, now, f"STAGING_RSP {problem}", msg.room, msg.chunk, peer=msg.decode_rank
                 )
                 return
+            if WatermarkPos(msg.round, msg.offset) < self._wm[msg.decode_rank]:
+                # a region live in a ring is never behind its watermark, whenever that
+                # was sent (the head only moves on): this grant or the view is false
+                self._drop(
+                    out,
+                    now,
+                    f"STAGING_RSP region ({msg.round}, {msg.offset}) behind the watermark "
+                    f"{tuple(self._wm[msg.decode_rank])}: never live",
+                    msg.room,
+                    msg.chunk,
+                    peer=msg.decode_rank,
+                )
+                return
+            grants = self._live_grants[msg.decode_rank]
+            clash = grants.overlapping(msg.round, msg.offset, msg.end)
+            if clash is not None:
+                self._drop(
+                    out,
+                    now,
+                    f"STAGING_RSP region [{msg.offset}, {msg.end}) of round {msg.round} overlaps "
+                    f"[{clash[0]}, {clash[1]}), granted to this rank and not yet written",
+                    msg.room,
+                    msg.chunk,
+                    peer=msg.decode_rank,
+                )
+                return
+            grants.add(msg.room, msg.chunk, msg.round, msg.offset, msg.end)
             if msg.round > self._max_round[msg.decode_rank]:
                 self._max_round[msg.decode_rank] = msg.round
                 self._maybe_accept_watermark(msg.decode_rank, now, out)
@@ -421,10 +462,14 @@ class PrefillMachine(MachineBase):
                 peer=d,
             )
             return
+        past = self._past_live_grant(d, new)
+        if past:
+            self._drop(out, now, f"WATERMARK {past}: never sent", peer=d)
+            return
         if msg.round > self._max_round[d] + 1:
             # Beyond anything decode rank d handed this rank (its ring restarts a round
             # at most once past the last region it gave out): held, not applied, until
-            # an RSP of that round arrives. A forged one never becomes plausible.
+            # an RSP of that round arrives (a WATERMARK may overtake the RSP).
             held = self._implausible_wm.get(d)
             if held is None or new > held:
                 self._implausible_wm[d] = new
@@ -438,11 +483,26 @@ class PrefillMachine(MachineBase):
             return
         self._apply_watermark(d, new, now, out)
 
+    def _past_live_grant(self, d: int, new: WatermarkPos) -> str:
+        """Why decode rank d cannot have sent watermark `new` whatever the order of
+        delivery ('' if it can have): it passes a region d granted this rank that
+        this rank has not said written. Such a region is live in d's ring (a ring
+        frees a region only after its scatter, which waits for every writer's
+        CHUNK_READY), and a ring's watermark is its oldest live region, or its head,
+        which is never past a region placed after it."""
+        oldest = self._live_grants[d].oldest()
+        if oldest is not None and new > oldest:
+            return (
+                f"({new.round}, {new.tail}) past region ({oldest[0]}, {oldest[1]}), granted "
+                f"to this rank and not yet written"
+            )
+        return ""
+
     def _maybe_accept_watermark(self, d: int, now: float, out: list[Action]) -> None:
         held = self._implausible_wm.get(d)
         if held is not None and held.round <= self._max_round[d] + 1:
             del self._implausible_wm[d]
-            if held > self._wm[d]:
+            if held > self._wm[d] and not self._past_live_grant(d, held):
                 self._apply_watermark(d, held, now, out)
 
     def _apply_watermark(self, d: int, new: WatermarkPos, now: float, out: list[Action]) -> None:
@@ -460,19 +520,36 @@ class PrefillMachine(MachineBase):
             return
         room = self._rooms.get(msg.room)
         if room is None:
+            if self._finished.get(msg.room) is False:
+                # failed here, perhaps before the BOOTSTRAP came (so its ABORT carried
+                # no room nonce, and the decode asks again): the ABORT, with the nonce
+                drain = self._draining.get(msg.room)
+                if drain is not None:  # sent once its in-flight writes report back
+                    drain.nonces.setdefault(msg.decode_rank, msg.nonce)
+                else:
+                    self._send_aborts(
+                        msg.room,
+                        [msg.decode_rank],
+                        f"the room failed at prefill rank {self.rank}",
+                        out,
+                        {msg.decode_rank: msg.nonce},
+                    )
+                return
             if self.is_finished(msg.room):
                 return
             if len(self._early_boot) >= MAX_EARLY_BOOTSTRAPS:
                 self._drop(out, now, "too many bootstraps for unopened rooms", msg.room)
                 return
-            self._early_boot[(msg.room, msg.decode_rank)] = msg.dst_page_base
+            self._early_boot[(msg.room, msg.decode_rank)] = (msg.dst_page_base, msg.nonce)
             return
         t = room.targets[msg.decode_rank]
         if t.dst_page_base is not None:
             return
         t.dst_page_base = msg.dst_page_base
+        t.nonce = t.nonce or msg.nonce
         for c in room.chunks:
             self._advance(room, t, c.index, now, out)
+        self._maybe_writer_done(room, t, now, out)
 
     def _on_abort_msg(self, msg: Abort, now: float, out: list[Action]) -> None:
         if not self._check_peer(msg, now, out):
@@ -480,6 +557,18 @@ class PrefillMachine(MachineBase):
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
         room = self._rooms.get(msg.room)
         if room is not None:
+            t = room.targets[msg.decode_rank]
+            if t.nonce and msg.nonce != t.nonce:
+                self._drop(
+                    out,
+                    now,
+                    f"ABORT from decode rank {msg.decode_rank} does not carry the room nonce "
+                    f"of its BOOTSTRAP",
+                    msg.room,
+                    peer=msg.decode_rank,
+                )
+                return
+            t.nonce = msg.nonce
             # Our ABORT back (after in-flight writes drained) tells the decode that
             # this writer will not touch the room's regions again.
             self._fail(room, reason, now, out)
@@ -487,17 +576,25 @@ class PrefillMachine(MachineBase):
             # Not opened here yet (still queued for the forward): remember the
             # failure so the later OpenRoom is refused instead of starting a room
             # the decode already gave up on.
+            nonces = {k[1]: v[1] for k, v in self._early_boot.items() if k[0] == msg.room}
+            nonces[msg.decode_rank] = msg.nonce
             self._early_boot = {k: v for k, v in self._early_boot.items() if k[0] != msg.room}
             self._finish(msg.room, ok=False)
             self._record(out, "room_failed", now, now, room=msg.room, detail=reason)
             out.append(RoomFailed(msg.room, reason))
             out.append(ReleaseRoom(msg.room))
-            self._send_aborts(msg.room, self.sessions.targets(msg.room, self.rank), reason, out)
+            self._send_aborts(
+                msg.room, self.sessions.targets(msg.room, self.rank), reason, out, nonces
+            )
         elif msg.room not in self._draining:
             # Finished here (done, or failed with nothing in flight): confirm at once
             # that this writer will not touch the room's regions again.
             self._send_aborts(
-                msg.room, [msg.decode_rank], "writer confirms: nothing in flight", out
+                msg.room,
+                [msg.decode_rank],
+                "writer confirms: nothing in flight",
+                out,
+                {msg.decode_rank: msg.nonce},
             )
 
     def _on_ready_ack(self, msg: ReadyAck, now: float, out: list[Action]) -> None:
@@ -601,8 +698,8 @@ class PrefillMachine(MachineBase):
     def _maybe_writer_done(
         self, room: PrefillRoom, t: Target, now: float, out: list[Action]
     ) -> None:
-        if t.done or t.written < len(room.chunks):
-            return
+        if t.done or t.written < len(room.chunks) or not t.nonce:
+            return  # without the BOOTSTRAP's room nonce it would be dropped: waits for it
         t.done = True
         t.done_sent = now
         out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
@@ -630,12 +727,17 @@ class PrefillMachine(MachineBase):
             if st in IN_FLIGHT
         }
         targets = list(room.targets)
+        nonces = {d: t.nonce for d, t in room.targets.items() if t.nonce}
         if pending:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
-            self._draining[room.room] = Draining(pending, targets, reason, until)
+            self._draining[room.room] = Draining(pending, targets, reason, until, nonces)
         else:
-            self._send_aborts(room.room, targets, reason, out)
+            self._send_aborts(room.room, targets, reason, out, nonces)
             out.append(ReleaseRoom(room.room))
+        # its regions leave this rank's live grants (the decode frees them once told)
+        for d, t in room.targets.items():
+            for c in t.rsp:
+                self._live_grants[d].discard(room.room, c)
 
     def _retry(self, room: PrefillRoom, now: float, out: list[Action]) -> None:
         """Re-ask for what a lost message would explain; the decode answers idempotently."""
@@ -700,7 +802,10 @@ class PrefillMachine(MachineBase):
                     detail="CHUNK_READY not acknowledged",
                 )
                 sent = True
-        if t.done and not t.done_acked and t.done_sent <= due:
+        # every chunk written but the BOOTSTRAP (and its room nonce) never came: a
+        # WRITER_DONE without the nonce asks the decode for it (dropped, answered)
+        asks = not t.done and not t.nonce and t.written == len(room.chunks)
+        if (asks or t.done and not t.done_acked) and t.done_sent <= due:
             t.done_sent = now
             out.append(Send(self._peer(t.decode_rank), self._writer_done(room, t)))
             self._record(
@@ -711,7 +816,9 @@ class PrefillMachine(MachineBase):
                 room=room.room,
                 writer=t.writer,
                 peer=t.decode_rank,
-                detail="WRITER_DONE not acknowledged",
+                detail="WRITER_DONE waits for the BOOTSTRAP's room nonce"
+                if asks
+                else "WRITER_DONE not acknowledged",
             )
             sent = True
         return sent
@@ -738,14 +845,25 @@ class PrefillMachine(MachineBase):
         drain.pending.discard((decode_rank, chunk))
         if not drain.pending:
             del self._draining[room_id]
-            self._send_aborts(room_id, drain.targets, drain.reason, out)
+            self._send_aborts(room_id, drain.targets, drain.reason, out, drain.nonces)
             out.append(ReleaseRoom(room_id))
 
     def _send_aborts(
-        self, room_id: int, targets: list[int], reason: str, out: list[Action]
+        self,
+        room_id: int,
+        targets: list[int],
+        reason: str,
+        out: list[Action],
+        nonces: dict[int, int] | None = None,
     ) -> None:
+        """ABORT to each of `targets`, echoing its room nonce (`nonces`; 0 where this
+        rank never had one: the decode then answers with its BOOTSTRAP, and the ABORT
+        goes again with the nonce)."""
+        nonces = nonces or {}
         for d in targets:
-            out.append(Send(self._peer(d), Abort(room_id, self.rank, d, reason[:512])))
+            out.append(
+                Send(self._peer(d), Abort(room_id, self.rank, d, reason[:512], nonces.get(d, 0)))
+            )
 
     def _fire_timeouts(self, now: float, out: list[Action]) -> None:
         for room_id in self._expired(now):
@@ -766,6 +884,7 @@ class PrefillMachine(MachineBase):
                     drain.targets,
                     drain.reason + f" (in-flight writes {sorted(drain.pending)[:4]} unconfirmed)",
                     out,
+                    drain.nonces,
                 )
                 out.append(ReleaseRoom(room_id))
 
@@ -799,7 +918,9 @@ class PrefillMachine(MachineBase):
             if t.done and not t.done_acked:
                 waits.append(f"decode rank {t.decode_rank} to acknowledge WRITER_DONE (DONE_ACK)")
             if t.dst_page_base is None and (
-                self.config.path is TransferPath.SLICE or any(r.oversized for r in t.rsp.values())
+                self.config.path is TransferPath.SLICE
+                or any(r.oversized for r in t.rsp.values())
+                or t.written == len(room.chunks)
             ):
                 waits.append(f"BOOTSTRAP from decode rank {t.decode_rank}")
         return (

@@ -5,6 +5,8 @@ shared/prefill.py); any other move raises `LocalProtocolError`.
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -55,6 +57,7 @@ class Target:
     done_acked: bool = False
     unacked: dict[int, float] = field(default_factory=dict)  # chunk -> CHUNK_READY last sent
     checksums: dict[int, int] = field(default_factory=dict)  # chunk -> its written block's
+    nonce: int = 0  # the room nonce of the decode's BOOTSTRAP (or ABORT); 0: none yet
 
     @property
     def delivered(self) -> bool:
@@ -89,6 +92,7 @@ class Draining:
     targets: list[int]
     reason: str
     until: float  # the grace: given up then, writes unconfirmed
+    nonces: dict[int, int] = field(default_factory=dict)  # decode rank -> room nonce
 
 
 @dataclass(slots=True)
@@ -101,3 +105,64 @@ class PrefillRoom:
     deadline: float = 0.0
     retries: int = 0  # consecutive re-requests that brought nothing new
     last_retry: float = -1.0
+
+
+class LiveGrants:
+    """The regions one decode rank granted this writer that it cannot have freed yet:
+    answered (STAGING_RSP) and not yet said written (CHUNK_READY), in a room still live
+    here. A decode frees a region only after its scatter, and scatters only after every
+    writer's CHUNK_READY, so each of these is still live in its ring. Two rules follow:
+
+    - no two of them overlap in one round (a ring places a round's regions one after
+      another; a later round may overlap an earlier one's, which the watermark orders);
+    - the decode's watermark cannot have passed the oldest of them (`oldest`).
+    """
+
+    __slots__ = ("_by_key", "_rounds", "_heap")
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int, int], tuple[int, int, int]] = {}  # (room, chunk) -> region
+        self._rounds: dict[int, list[tuple[int, int]]] = {}  # round -> sorted (offset, end)
+        self._heap: list[tuple[int, int, int, int]] = []  # (round, offset, room, chunk), lazy
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def overlapping(self, round: int, offset: int, end: int) -> tuple[int, int] | None:
+        """A live region of `round` that [offset, end) overlaps, or None."""
+        spans = self._rounds.get(round)
+        if not spans:
+            return None
+        i = bisect_left(spans, (offset, end))
+        for j in (i - 1, i):
+            if 0 <= j < len(spans) and spans[j][0] < end and offset < spans[j][1]:
+                return spans[j]
+        return None
+
+    def add(self, room: int, chunk: int, round: int, offset: int, end: int) -> None:
+        self._by_key[(room, chunk)] = (round, offset, end)
+        spans = self._rounds.setdefault(round, [])
+        spans.insert(bisect_left(spans, (offset, end)), (offset, end))
+        heapq.heappush(self._heap, (round, offset, room, chunk))
+
+    def discard(self, room: int, chunk: int) -> bool:
+        region = self._by_key.pop((room, chunk), None)
+        if region is None:
+            return False
+        round, offset, end = region
+        spans = self._rounds[round]
+        del spans[bisect_left(spans, (offset, end))]
+        if not spans:
+            del self._rounds[round]
+        return True
+
+    def oldest(self) -> tuple[int, int] | None:
+        """(round, offset) of the oldest live region: no true watermark is past it."""
+        heap, live = self._heap, self._by_key
+        while heap:
+            round, offset, room, chunk = heap[0]
+            region = live.get((room, chunk))
+            if region is not None and region[:2] == (round, offset):
+                return round, offset
+            heapq.heappop(heap)
+        return None

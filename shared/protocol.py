@@ -42,6 +42,7 @@ _LIMITS: dict[str, int] = {
     "round": 2**62,
     "dst_page_base": 2**40,
     "checksum": 2**63,  # 63 bits of a keyed BLAKE2b digest (hw/keys.py `block_checksum`)
+    "nonce": 2**63,  # a capability (shared/capability.py); 0: none
 }
 
 
@@ -59,7 +60,8 @@ class StagingReq:
 
 @dataclass(frozen=True, slots=True)
 class StagingRsp:
-    """Decode -> prefill: the chunk's region (or OVERSIZED: use the slice path)."""
+    """Decode -> prefill: the chunk's region (or OVERSIZED: use the slice path).
+    `nonce`: the grant's capability, which the writer's CHUNK_READY echoes."""
 
     TAG: ClassVar[bytes] = b"RSP"
     room: int
@@ -70,6 +72,7 @@ class StagingRsp:
     oversized: bool
     prefill_rank: int
     decode_rank: int
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,8 @@ class Watermark:
 class ChunkReady:
     """Prefill -> decode: this writer's block of the chunk has landed. `checksum`: with
     transfer.verify_writes = "checksum", the block's keyed checksum (0 otherwise, and in
-    the simulator)."""
+    the simulator). `nonce`: the STAGING_RSP's grant nonce (on the slice path, the
+    BOOTSTRAP's room nonce)."""
 
     TAG: ClassVar[bytes] = b"READY"
     room: int
@@ -98,11 +102,13 @@ class ChunkReady:
     writer: int
     decode_rank: int
     checksum: int = 0
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class WriterDone:
-    """Prefill -> decode: this writer has written all `num_chunks` chunks of the room."""
+    """Prefill -> decode: this writer has written all `num_chunks` chunks of the room.
+    `nonce`: the room nonce of its BOOTSTRAP."""
 
     TAG: ClassVar[bytes] = b"DONE"
     room: int
@@ -110,28 +116,34 @@ class WriterDone:
     prefill_rank: int
     writer: int
     decode_rank: int
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Bootstrap:
-    """Decode -> prefill: the room exists at the decode; its KV pages start here."""
+    """Decode -> prefill: the room exists at the decode; its KV pages start here.
+    `nonce`: the room's capability for this writer (shared/capability.py)."""
 
     TAG: ClassVar[bytes] = b"BOOT"
     room: int
     dst_page_base: int
     prefill_rank: int
     decode_rank: int
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """Either direction: the room failed at the sender; release what it holds."""
+    """Either direction: the room failed at the sender; release what it holds.
+    `nonce`: the room nonce of the writer (from the decode: what its BOOTSTRAP carried;
+    from the writer: the echo, 0 if it never had one)."""
 
     TAG: ClassVar[bytes] = b"ABORT"
     room: int
     prefill_rank: int
     decode_rank: int
     reason: str
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import Sessions
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import (
@@ -228,6 +229,7 @@ class RankRuntime:
         first_room: int | None = None,
         started_at: float = 0.0,
         incarnation: int = 0,
+        capabilities: Capabilities | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} not allowed (allowed: {', '.join(ROLES)})")
@@ -244,7 +246,7 @@ class RankRuntime:
             )
         else:
             self.machine = DecodeMachine(
-                rank, g, scenario.pool_bytes, self.config, sessions=self.sessions
+                rank, g, scenario.pool_bytes, self.config, self.sessions, capabilities
             )
         requests = requests if requests is not None else generate_requests(scenario)
         self.scenario = scenario

@@ -8,7 +8,8 @@ What the other ranks would have done reaches the simulated ones anyway:
 
 - messages: a representative's message to a decode rank is also delivered as sent by
   each other writer of that room at that decode rank (same room and chunk, its own
-  prefill rank and writer index), so fan-in counts every writer as before;
+  prefill rank, writer index and the nonce the decode handed it), so fan-in counts
+  every writer as before;
 - the fabric: every other prefill rank's write is started as a flow through its own
   NICs at the representative's moment, so the NICs they share see the same traffic
   (only its completion has nobody to tell);
@@ -69,16 +70,21 @@ class Fold:
         cls = type(msg)
         slots = _fields(cls)
         values = [getattr(msg, f) for f in slots]
-        at_rank, at_writer = (
+        at_rank, at_writer, at_nonce = (
             slots.index("prefill_rank"),
             slots.index("writer") if "writer" in slots else -1,
+            slots.index("nonce") if "nonce" in slots else -1,
         )
+        decode = self.sim.decode[decode_rank].machine if at_nonce >= 0 else None
+        chunk = getattr(msg, "chunk", -1)
         out = []
         for w, p in enumerate(writers):
             if p != msg.prefill_rank:  # (dataclasses.replace is slow on this hot path)
                 values[at_rank] = p
                 if at_writer >= 0:
                     values[at_writer] = w
+                if decode is not None:  # the nonce the decode handed that writer
+                    values[at_nonce] = decode.nonce_for(cls, msg.room, chunk, p)
                 out.append(cls(*values))
         return out
 

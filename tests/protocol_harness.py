@@ -7,6 +7,7 @@ a seed. A shadow of each decode ring checks safety while it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -60,6 +61,8 @@ class World:
             {} for _ in range(g.decode_tp)
         ]
         self.scattered: list[dict[tuple[int, int], int]] = [{} for _ in range(g.decode_tp)]
+        # per decode rank: (room, chunk) -> the writers whose block of it was written
+        self.wrote: list[dict[tuple[int, int], set[int]]] = [{} for _ in range(g.decode_tp)]
         self.violations: list[str] = []
 
     def open_room(self, room: int, prompt_tokens: int, prefix_tokens: int = 0) -> None:
@@ -104,6 +107,13 @@ class World:
             self.scattered[rank][key] = self.scattered[rank].get(key, 0) + 1
             if self.scattered[rank][key] > 1:
                 self.violations.append(f"double scatter {key} on decode {rank}")
+            missing = set(range(len(self.geometry.writers(rank)))) - self.wrote[rank].get(
+                key, set()
+            )
+            if missing:
+                self.violations.append(
+                    f"scatter {key} on decode {rank} before writers {missing} wrote"
+                )
             self.bag.append((role, rank, ScatterDone(a.room, a.chunk)))
         elif isinstance(a, Record):
             self.records.append(a.record)
@@ -119,6 +129,7 @@ class World:
             self.failed.setdefault((role, rank), {})[a.room] = a.reason
 
     def _check_write(self, a: Write) -> None:
+        self.wrote[a.decode_rank].setdefault((a.room, a.chunk), set()).add(a.writer)
         lo, hi = a.dst_offset, a.dst_offset + a.nbytes
         if hi > self.pool_bytes:
             self.violations.append(f"write {a} beyond the pool")
@@ -164,3 +175,10 @@ class World:
         for m in self.prefill + self.decode:
             for action in m.handle(Tick(), now):
                 self._carry(m.role, m.rank, action)
+
+
+def echo(m: DecodeMachine, msg):
+    """A writer's CHUNK_READY, WRITER_DONE or ABORT to decode machine `m`, carrying the
+    nonce `m` handed that writer (shared/capability.py), as an honest writer sends it."""
+    chunk = getattr(msg, "chunk", -1)
+    return dataclasses.replace(msg, nonce=m.nonce_for(type(msg), msg.room, chunk, msg.prefill_rank))

@@ -20,10 +20,11 @@ Asserted: every room done, 0 bytes wrong, no invariant violated, no honest frame
 dropped as a replay, the forgeries counted as unauthenticated at every rank, and no
 honest write rejected by the write checksum (transfer.verify_writes = "checksum", on
 here as the issue asks; tests/test_verify_writes.py has the writes it rejects). Both
-engines. What a rank that holds its own pair keys can still try (a compromised
-writer granting itself regions it was not given) would need per-region capabilities in
-the core (issue 25 item 2), not built yet; the checksum already keeps its bytes out of
-other writers' rooms (tests/test_verify_writes.py).
+engines. Below the MACs, the core's capabilities (shared/capability.py) hold without
+them: tests/test_capabilities.py is the simulated twin, the same attacks under the real
+names, without the nonces, and no MACs at all. What a rank that holds its own pair keys
+can still do is limited to its own rooms: it knows only its own nonces, and the
+checksum keeps its bytes out of other writers' blocks (tests/test_verify_writes.py).
 """
 
 from __future__ import annotations

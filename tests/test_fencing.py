@@ -15,6 +15,8 @@ with t the writer's last sign of life, and freed > killed by KILL_MARGIN_S.
 
 from __future__ import annotations
 
+from protocol_harness import echo
+
 from kvstage.hw.rendezvous import RANK_BEAT_S, RANK_SILENT_S
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import OpenRoom, PeerLost, RoomFailed, Tick
@@ -49,7 +51,9 @@ def test_a_lost_sole_writer_is_fenced_by_the_grace():
     m.handle(OpenRoom(0, prompt_tokens=32), 0.0)
     m.handle(StagingReq(0, 0, 4, 0, 0), 0.0)
     m.handle(StagingReq(0, 1, 4, 0, 0), 0.0)
-    m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 0.1)  # chunk 0 scattering, chunk 1 written to
+    m.handle(
+        echo(m, ChunkReady(0, 0, 0, 4, 0, 0, 0)), 0.1
+    )  # chunk 0 scattering, chunk 1 written to
     lost_at = 3.1
     out = m.handle(PeerLost("prefill", 0, "silent for 3 s"), lost_at)
     assert any(isinstance(a, RoomFailed) for a in out)

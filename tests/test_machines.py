@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from protocol_harness import World
+from protocol_harness import World, echo
 
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import AbortRoom, OpenRoom, RoomFailed, Scatter, ScatterDone, Send
@@ -115,10 +115,10 @@ def test_duplicate_chunk_ready_cannot_trigger_early_scatter():
         m.handle(StagingReq(0, 0, 4, p, 0), 0.0)
     out = []
     for _ in range(5):  # writer 0 says ready five times
-        out += m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 0.1)
+        out += m.handle(echo(m, ChunkReady(0, 0, 0, 4, 0, 0, 0)), 0.1)
     assert not any(isinstance(a, Scatter) for a in out)
     for p in (1, 2, 3):
-        out += m.handle(ChunkReady(0, 0, 0, 4, p, p, 0), 0.2)
+        out += m.handle(echo(m, ChunkReady(0, 0, 0, 4, p, p, 0)), 0.2)
     assert sum(isinstance(a, Scatter) for a in out) == 1
 
 
@@ -142,16 +142,16 @@ def test_abort_releases_everything_and_late_messages_are_ignored():
         for p in (0, 1):
             m.handle(StagingReq(0, c, 4, p, 0), 0.0)
     for p in (0, 1):
-        m.handle(ChunkReady(0, 0, 0, 4, p, p, 0), 0.1)  # chunk 0 scattering
+        m.handle(echo(m, ChunkReady(0, 0, 0, 4, p, p, 0)), 0.1)  # chunk 0 scattering
     assert m.ring.live_count == 4
-    out = m.handle(Abort(0, 1, 0, "user cancelled"), 0.2)
+    out = m.handle(echo(m, Abort(0, 1, 0, "user cancelled")), 0.2)
     assert any(isinstance(a, RoomFailed) for a in out)
     assert any(
         isinstance(a, Send) and isinstance(a.msg, Abort) and a.msg.prefill_rank == 0 for a in out
     )
     # writer 0 may still have writes in flight: its regions stay out of reuse
     assert m.ring.live_count == 4
-    m.handle(Abort(0, 0, 0, "drained"), 0.25)  # writer 0 confirms
+    m.handle(echo(m, Abort(0, 0, 0, "drained")), 0.25)  # writer 0 confirms
     assert m.ring.live_count == 1  # the region being scattered waits for its scatter
     m.handle(ScatterDone(0, 0), 0.3)
     assert m.ring.empty
@@ -169,7 +169,7 @@ def test_timeout_fails_with_reason_and_releases():
     m.handle(OpenRoom(0, prompt_tokens=32), 0.0)
     m.handle(StagingReq(0, 0, 4, 0, 0), 0.0)
     m.handle(StagingReq(0, 0, 4, 1, 0), 0.0)
-    m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 1.0)
+    m.handle(echo(m, ChunkReady(0, 0, 0, 4, 0, 0, 0)), 1.0)
     assert m.next_deadline == 5.0
     from kvstage.shared.events import Tick
 
@@ -178,8 +178,8 @@ def test_timeout_fails_with_reason_and_releases():
     assert failed and "timed out" in failed[0].reason and "chunk 0: prefill [1]" in failed[0].reason
     # quarantined until both writers confirm (or the grace passes)
     assert m.ring.live_count == 1
-    m.handle(Abort(0, 0, 0, "drained"), 5.1)
-    m.handle(Abort(0, 1, 0, "drained"), 5.1)
+    m.handle(echo(m, Abort(0, 0, 0, "drained")), 5.1)
+    m.handle(echo(m, Abort(0, 1, 0, "drained")), 5.1)
     assert m.ring.empty
 
 
@@ -354,7 +354,7 @@ def test_dead_writer_fails_its_rooms_and_is_unsubscribed():
     assert not any(isinstance(a, Send) and a.dest.rank == 1 for a in out)
     assert 1 not in m._subscribers
     assert not m._subscribers  # the only room failed: no writer has a live room here
-    m.handle(Abort(0, 0, 0, "drained"), 0.6)  # the live writer confirms
+    m.handle(echo(m, Abort(0, 0, 0, "drained")), 0.6)  # the live writer confirms
     assert not m.ring.empty  # the lost one may be hung, not dead: fenced by the grace
     m.handle(Tick(), 1.5)
     assert m.ring.empty
@@ -383,8 +383,8 @@ def test_a_writer_with_no_live_room_is_not_told_of_watermark_moves():
         out = m.handle(StagingReq(room, 0, 4, p, 0), 0.0)
         assert [type(a.msg) for a in out if isinstance(a, Send)] == [StagingRsp, Watermark]
     assert list(m._subscribers) == [0, 1]
-    m.handle(ChunkReady(0, 0, 0, 4, 0, 0, 0), 0.1)
-    m.handle(WriterDone(0, 1, 0, 0, 0), 0.1)
+    m.handle(echo(m, ChunkReady(0, 0, 0, 4, 0, 0, 0)), 0.1)
+    m.handle(echo(m, WriterDone(0, 1, 0, 0, 0)), 0.1)
     out = m.handle(ScatterDone(0, 0), 0.2)  # room 0 done, its region freed: the ring moved
     assert told(out) == [1]
     assert list(m._subscribers) == [1]
