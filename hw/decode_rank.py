@@ -33,10 +33,6 @@ class DecodeRank(RankProcess):
 
     def __init__(self, scenario, rank: int, rendezvous: str, **kw) -> None:
         super().__init__(scenario, rank, rendezvous, **kw)
-        self.ring_buf = torch.zeros(
-            max(1, scenario.pool_bytes), dtype=torch.uint8, device=self.device
-        )
-        self.transport.register(self.ring_buf)
         # Scatters and verifications run on one worker thread, in order (a stream): the
         # loop keeps answering messages meanwhile (torch releases the GIL in its kernels).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy")
@@ -48,6 +44,19 @@ class DecodeRank(RankProcess):
         self.verify_writes = scenario.transfer.verify_writes == "checksum"
         self.writes_rejected = 0  # staging regions whose checksum failed: not scattered
         self.bytes_checksummed = 0
+
+    def _register_memory(self) -> None:
+        """The staging ring, and the KV pool only where a peer's write lands in it: on
+        the slice path, or where a full chunk is larger than the ring (an OVERSIZED chunk
+        takes the slice path). Registered memory is open to whoever reaches the engine's
+        port (Mooncake's listen on every address, unauthenticated: docs/hardware-mode.md),
+        so on the staging path only the ring is, and transfer.verify_writes = "checksum"
+        checks what lands there before it reaches the KV cache."""
+        s = self.s
+        self.ring_buf = torch.zeros(max(1, s.pool_bytes), dtype=torch.uint8, device=self.device)
+        self.transport.register(self.ring_buf)
+        if s.transfer.path == "slice" or self.g.chunk_bytes() > s.pool_bytes:
+            self.transport.register(self.pool.tensor)
 
     def _rank_extra(self) -> dict[str, Any]:
         return {**super()._rank_extra(), "ring_addr": int(self.ring_buf.data_ptr())}

@@ -227,7 +227,7 @@ class RankProcess:
             self.device,
             **transport_options(scenario.hardware, self.backend, host),
         )
-        self.transport.register(self.pool.tensor)
+        self._register_memory()
         self.write_priority = WritePriority()  # the write path's class, while the loop runs
         self.write_priority.engine = [
             t for t in thread_ids() if t not in before
@@ -251,6 +251,12 @@ class RankProcess:
         return str(self.device).startswith("cuda")
 
     # --- role hooks ------------------------------------------------------------------
+    def _register_memory(self) -> None:
+        """Register what the engine moves bytes from or into (before the engine's threads
+        are told from the others: a first registration may start some). A prefill's KV
+        pool is the source of its slice writes."""
+        self.transport.register(self.pool.tensor)
+
     def _rank_extra(self) -> dict[str, Any]:
         """What peers need to know about this rank's memory (the rendezvous carries it)."""
         return {"kv_pool": self.pool.desc.to_wire()}

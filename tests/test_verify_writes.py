@@ -12,7 +12,8 @@ granted one, on real transfers (hardware mode, P2->D1, every byte verified):
 - a process with no secret and no kvstage code that writes into the ring through
   Mooncake's open TCP port (docs/hardware-mode.md, the engines' own listeners) with
   Mooncake's own API: only the target's address and session are looked up here
-  (`ss -ltnp` shows the port; the handshake answers with the segment's buffers).
+  (`ss -ltnp` shows the port; the handshake answers with the segment's buffers),
+  and then once into the decode's KV pool, which the staging path does not register.
 
 Asserted: 0 bytes wrong in the KV cache, rejections counted, every failed room failed
 on a rejected write, the rooms the writes did not reach done, no invariant violated.
@@ -123,6 +124,11 @@ def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
         return int(rc == 0)
 
     stats["writes"] = _sweep(s, t0, write)
+    # the KV pool is not registered on the staging path (hw/decode_rank.py): refused
+    pool = int(info.extra["kv_pool"]["base_addr"])
+    stats["pool_write_rc"] = engine.batch_transfer_sync_write(
+        session, [junk.ctypes.data], [pool], [4096]
+    )
     engine.unregister_memory(junk.ctypes.data)
 
 
@@ -185,3 +191,4 @@ def test_an_insiders_write_at_other_rooms_offsets_is_never_scattered(tmp_path, b
 def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     s, result, stats = _run(tmp_path, "mooncake", _raw_mooncake)
     _assert_rejected_not_scattered(s, result, stats)
+    assert stats["pool_write_rc"] != 0, "a write into the unregistered KV pool landed"
