@@ -207,10 +207,9 @@ def test_a_ring_never_grants_overlapping_regions_in_one_round():
         else:
             ring.assign(rng.randrange(1, 3000))
         live = ring.live()
-        for a in live:
-            for b in live:
-                if a.id < b.id and a.round == b.round:
-                    assert a.end <= b.offset or b.end <= a.offset, (a, b)
+        placed = sorted((a.round, a.offset, a.end) for a in live)
+        for (r1, _, end), (r2, offset, _) in zip(placed, placed[1:]):
+            assert r1 != r2 or end <= offset, (r1, end, offset)
         wm = ring.watermark
         assert all((a.round, a.offset) >= wm for a in live)
 
@@ -298,7 +297,7 @@ class InsiderWorld(World):
 
 
 @pytest.mark.parametrize("path", ["staging", "slice"])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(8))
 def test_an_insider_without_the_nonces_harms_no_room(path, seed):
     g = Geometry(4, 2, 8, layers=2, head_dim=4, dtype_bytes=2, page_size=4, chunked_prefill_size=16)
     cfg = ProtocolConfig(path=path, room_timeout_s=120.0)
