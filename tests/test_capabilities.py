@@ -11,6 +11,7 @@ MACs at all, harms no room.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -208,7 +209,7 @@ def test_a_ring_never_grants_overlapping_regions_in_one_round():
             ring.assign(rng.randrange(1, 3000))
         live = ring.live()
         placed = sorted((a.round, a.offset, a.end) for a in live)
-        for (r1, _, end), (r2, offset, _) in zip(placed, placed[1:]):
+        for (r1, _, end), (r2, offset, _) in itertools.pairwise(placed):
             assert r1 != r2 or end <= offset, (r1, end, offset)
         wm = ring.watermark
         assert all((a.round, a.offset) >= wm for a in live)
