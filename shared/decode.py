@@ -493,12 +493,10 @@ class DecodeMachine(MachineBase):
                 return "for a chunk with no staging region"
             if w not in room.asked.get(msg.chunk, ()):
                 return f"from writer {w}, which never asked for the chunk's region"
-            alloc = room.allocs[msg.chunk]
-            want = self.caps.grant(msg.room, msg.chunk, msg.prefill_rank, alloc.id if alloc else -1)
-            if msg.nonce != want:
-                return f"from writer {w} does not echo the nonce of the region granted to it"
-        elif msg.nonce != self.caps.room(msg.room, msg.prefill_rank):
-            return f"from writer {w} does not echo the room nonce of its BOOTSTRAP"
+        if msg.nonce != self.nonce_for(ChunkReady, msg.room, msg.chunk, msg.prefill_rank):
+            staging = self.config.path is TransferPath.STAGING
+            handed = "region granted to it" if staging else "room, in its BOOTSTRAP"
+            return f"from writer {w} does not echo the nonce of the {handed}"
         return ""
 
     def _on_writer_done(self, msg: WriterDone, now: float, out: list[Action]) -> None:
@@ -566,7 +564,8 @@ class DecodeMachine(MachineBase):
     def nonce_for(self, cls: type, room: int, chunk: int, prefill_rank: int) -> int:
         """The nonce an honest writer `prefill_rank` echoes in its message of type `cls`
         (CHUNK_READY, WRITER_DONE, ABORT) about `room` (and `chunk`): for a folded
-        writer's mirrored messages (sim/fold.py). 0 for a chunk with no region here."""
+        writer's mirrored messages (sim/fold.py), and the check of a CHUNK_READY. 0 for
+        a chunk with no region here."""
         if cls is ChunkReady and self.config.path is TransferPath.STAGING:
             r = self._rooms.get(room)
             if r is None or chunk not in r.allocs:
