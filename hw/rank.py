@@ -196,7 +196,7 @@ class RankProcess:
             verify=self.verify_mode != "off",
             sessions=self.sessions,
             # a decode's nonces under a key of this process alone (shared/capability.py)
-            capabilities=Capabilities(secrets.token_bytes(32)),
+            capabilities=Capabilities(secrets.token_bytes(32)) if self.role == "decode" else None,
         )
         self.records: list[TraceRecord] = []
         self.rendezvous_address = rendezvous

@@ -546,7 +546,7 @@ class PrefillMachine(MachineBase):
         if t.dst_page_base is not None:
             return
         t.dst_page_base = msg.dst_page_base
-        t.nonce = t.nonce or msg.nonce
+        t.nonce = msg.nonce
         for c in room.chunks:
             self._advance(room, t, c.index, now, out)
         self._maybe_writer_done(room, t, now, out)

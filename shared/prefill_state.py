@@ -125,9 +125,6 @@ class LiveGrants:
         self._rounds: dict[int, list[tuple[int, int]]] = {}  # round -> sorted (offset, end)
         self._heap: list[tuple[int, int, int, int]] = []  # (round, offset, room, chunk), lazy
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
     def overlapping(self, round: int, offset: int, end: int) -> tuple[int, int] | None:
         """A live region of `round` that [offset, end) overlaps, or None."""
         spans = self._rounds.get(round)
@@ -145,16 +142,15 @@ class LiveGrants:
         spans.insert(bisect_left(spans, (offset, end)), (offset, end))
         heapq.heappush(self._heap, (round, offset, room, chunk))
 
-    def discard(self, room: int, chunk: int) -> bool:
+    def discard(self, room: int, chunk: int) -> None:
         region = self._by_key.pop((room, chunk), None)
         if region is None:
-            return False
+            return
         round, offset, end = region
         spans = self._rounds[round]
         del spans[bisect_left(spans, (offset, end))]
         if not spans:
             del self._rounds[round]
-        return True
 
     def oldest(self) -> tuple[int, int] | None:
         """(round, offset) of the oldest live region: no true watermark is past it."""
