@@ -153,7 +153,7 @@ def run(
             f'cluster.router="{router}"',
             f"cluster.shard={'true' if shard else 'false'}",
             'workload.arrival="trace"',
-            'workload.prompt="csv"',
+            'workload.prompt="trace"',
             f'workload.trace="{trace}"',
             f"workload.requests={n}",
             f"workload.max_prompt_tokens={MAX_PROMPT}",

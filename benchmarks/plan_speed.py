@@ -70,7 +70,7 @@ profile = "rdma-400g"
 
 [workload]
 arrival = "trace"
-prompt = "csv"
+prompt = "trace"
 trace = "{trace}"
 
 [slo]

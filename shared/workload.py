@@ -21,9 +21,14 @@ Processes (`workload.arrival`), all starting with a request at t = 0:
            trace replayed twice as fast); every row, or the first `requests` rows
            when workload.requests is given (`trace_rows` says how many of how many).
 
+A trace (`workload.trace`) supplies everything it has unless the scenario overrides
+it: naming one makes `arrival` and `prompt` default to "trace" (the schema fills them
+in), and a row's output_tokens and prefix_tokens are used when the scenario sets no
+workload.output_tokens.
+
 Prompt lengths (`workload.prompt`): fixed prompt_tokens; uniform integers in
 [prompt_min, prompt_max]; lognormal with median prompt_tokens and sigma
-prompt_sigma, clamped to [prompt_min, prompt_max]; csv: the rows' prompt_tokens (in
+prompt_sigma, clamped to [prompt_min, prompt_max]; trace: the rows' prompt_tokens (in
 row order, repeating when there are fewer rows than requests and arrivals do not
 come from the trace). Every prompt is then clamped to [1, workload.max_prompt_tokens].
 
@@ -31,8 +36,11 @@ Prefix: decode.prefix_tokens, or a row's prefix_tokens when the CSV gives one, c
 at the prompt rounded down to a page multiple. A CSV prefix that is not page aligned
 is kept as is: the protocol must fail that room with a reason, which is worth testing.
 
+Output tokens: workload.output_tokens when the scenario sets it, else the row's
+output length (a Mooncake trace's output_length, a CSV's output_tokens column), else 0.
+
 Block hash ids (Mooncake's `hash_ids`, ids of the prompt's 512-token blocks) go to the
-request when its prompt is the row's (prompt = "csv"), cut to the blocks of the
+request when its prompt is the row's (prompt = "trace"), cut to the blocks of the
 prompt after the cap; the prefill's prefix cache (shared/prefix_cache.py) keys on them.
 """
 
@@ -110,20 +118,17 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     items: list[tuple[float, int, int, int, tuple[int, ...]]] = []
     for i in range(n):
         row = rows[i % len(rows)] if rows else None
-        prompt = (
-            row.prompt_tokens if (w.prompt == "csv" and row is not None) else _prompt(w, prompt_rng)
-        )
+        from_row = w.prompt == "trace" and row is not None
+        prompt = row.prompt_tokens if from_row else _prompt(w, prompt_rng)
         prompt = max(1, prompt if cap is None else min(prompt, cap))
         prefix = scenario.decode.prefix_tokens
         if row is not None and row.prefix_tokens is not None:
             prefix = row.prefix_tokens
         prefix = min(prefix, prompt // page * page)
-        output = (
-            row.output_tokens
-            if row is not None and row.output_tokens is not None
-            else w.output_tokens
-        )
-        ids = row.hash_ids[: -(-prompt // BLOCK_TOKENS)] if w.prompt == "csv" and row else ()
+        output = w.output_tokens
+        if output is None:
+            output = row.output_tokens if row is not None and row.output_tokens is not None else 0
+        ids = row.hash_ids[: -(-prompt // BLOCK_TOKENS)] if from_row else ()
         items.append((arrivals[i], prompt, prefix, output, ids))
 
     items.sort(key=lambda it: it[0])  # stable: ties (bursts, trace) keep their order

@@ -198,7 +198,7 @@ profile = "loopback-cpu"
 requests = 4
 arrival = "{arrival}"
 rate_per_s = 20
-prompt = "csv"
+prompt = "trace"
 trace = "{csv}"
 """
 

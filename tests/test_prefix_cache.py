@@ -90,7 +90,6 @@ staging_pool_mb = 8
 profile = "loopback-cpu"
 [workload]
 arrival = "trace"
-prompt = "csv"
 trace = "trace.jsonl"
 """
 # a conversation: turn 2 extends turn 1's prompt (4 blocks of 512 tokens); a third

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,7 @@ def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
         decode={"prefix_tokens": 64},
         requests=100,
         arrival="trace",
-        prompt="csv",
+        prompt="trace",
         trace="trace.csv",
     )
     reqs = generate_requests(s)
@@ -216,7 +217,7 @@ def test_trace_arrivals_and_prompts(tmp_path: Path) -> None:
     ]
     # At most `requests` rows, the first ones of the file.
     reqs = generate_requests(
-        scenario(tmp_path, requests=2, arrival="trace", prompt="csv", trace="trace.csv")
+        scenario(tmp_path, requests=2, arrival="trace", prompt="trace", trace="trace.csv")
     )
     assert [r.arrival_s for r in reqs] == [0.0, 0.5]
 
@@ -237,7 +238,7 @@ def test_csv_prompts_with_generated_arrivals_cycle(tmp_path: Path) -> None:
             requests=6,
             arrival="fixed",
             rate_per_s=1.0,
-            prompt="csv",
+            prompt="trace",
             trace="trace.csv",
         )
     )
@@ -285,7 +286,7 @@ def test_bad_trace(tmp_path: Path, text: str, expected: str) -> None:
     assert info.value.field == "workload.trace"
     # ... also when only the prompts come from it
     with pytest.raises(ScenarioError, match="workload.trace"):
-        scenario(tmp_path, arrival="fixed", prompt="csv", trace="trace.csv")
+        scenario(tmp_path, arrival="fixed", prompt="trace", trace="trace.csv")
     # The reader alone says the same.
     with pytest.raises(ScenarioError) as direct:
         read_trace(path)
@@ -306,16 +307,59 @@ def test_bad_trace_named_in_a_scenario_file(tmp_path: Path) -> None:
     assert "prompt_tokens = 'many': expected an integer >= 1" in message
 
 
-def test_unused_trace_is_not_read(tmp_path: Path) -> None:
+def test_a_named_trace_is_read_even_with_its_arrivals_and_prompts_overridden(
+    tmp_path: Path,
+) -> None:
+    # it still supplies what the scenario does not override (output lengths, prefixes)
     write_trace(tmp_path, "not a trace at all\n")
-    s = scenario(tmp_path, arrival="fixed", prompt="fixed", trace="trace.csv")
-    assert len(generate_requests(s)) == s.workload.requests
+    with pytest.raises(ScenarioError, match="workload.trace"):
+        scenario(tmp_path, arrival="fixed", prompt="fixed", trace="trace.csv")
+
+
+def test_a_trace_supplies_everything_it_has_unless_overridden(tmp_path: Path) -> None:
+    write_trace(tmp_path, "arrival_s,prompt_tokens,output_tokens\n0,1000,7\n0.5,2000,9\n")
+    only = scenario(tmp_path, trace="trace.csv")  # nothing but the trace named
+    w = only.workload
+    assert (w.arrival, w.prompt, w.requests, w.output_tokens) == ("trace", "trace", None, None)
+    reqs = generate_requests(only)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        (0.0, 1000, 7),
+        (0.5, 2000, 9),
+    ]
+    # each explicit setting overrides its part, and only that
+    reqs = generate_requests(
+        scenario(tmp_path, trace="trace.csv", prompt="fixed", prompt_tokens=64, output_tokens=3)
+    )
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        (0.0, 64, 3),
+        (0.5, 64, 3),
+    ]
+    reqs = generate_requests(
+        scenario(tmp_path, trace="trace.csv", arrival="fixed", rate_per_s=1.0, requests=3)
+    )
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        (0.0, 1000, 7),
+        (1.0, 2000, 9),
+        (2.0, 1000, 7),
+    ]
+    # the resolved scenario says where each part comes from, and loads back the same
+    again = scenario_from_dict(tomllib.loads(only.to_toml()), tmp_path)
+    assert generate_requests(again) == generate_requests(only)
+
+
+def test_the_old_prompt_name_csv_is_refused_with_its_new_name(tmp_path: Path) -> None:
+    write_trace(tmp_path)
+    with pytest.raises(ScenarioError) as info:
+        scenario(tmp_path, arrival="trace", prompt="csv", trace="trace.csv")
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "workload.prompt" in message and 'renamed "trace"' in message
 
 
 def test_trace_with_byte_order_mark_and_unsorted_rows(tmp_path: Path) -> None:
     write_trace(tmp_path, "\ufeffprompt_tokens,arrival_s\n300,2.0\n100,0.5\n200,0.5\n")
     reqs = generate_requests(
-        scenario(tmp_path, requests=10, arrival="trace", prompt="csv", trace="trace.csv")
+        scenario(tmp_path, requests=10, arrival="trace", prompt="trace", trace="trace.csv")
     )
     # rows need not be sorted; ties keep file order
     assert [(r.arrival_s, r.prompt_tokens) for r in reqs] == [(0.5, 100), (0.5, 200), (2.0, 300)]
@@ -414,7 +458,7 @@ def long_trace(tmp_path: Path, rows: int = 40) -> Path:
 
 def test_every_trace_row_replayed_without_requests(tmp_path: Path) -> None:
     long_trace(tmp_path)
-    s = scenario(tmp_path, arrival="trace", prompt="csv", trace="trace.csv")
+    s = scenario(tmp_path, arrival="trace", prompt="trace", trace="trace.csv")
     assert s.workload.requests is None
     reqs = generate_requests(s)
     check_basic(reqs, 40)  # not the 16 a generated workload defaults to
@@ -428,10 +472,10 @@ def test_every_trace_row_replayed_without_requests(tmp_path: Path) -> None:
 
 def test_requests_replays_the_first_rows_n_of_m(tmp_path: Path) -> None:
     long_trace(tmp_path)
-    s = scenario(tmp_path, requests=7, arrival="trace", prompt="csv", trace="trace.csv")
+    s = scenario(tmp_path, requests=7, arrival="trace", prompt="trace", trace="trace.csv")
     assert [r.prompt_tokens for r in generate_requests(s)] == [100 + i for i in range(7)]
     assert trace_rows(s) == (7, 40)
-    big = scenario(tmp_path, requests=100, arrival="trace", prompt="csv", trace="trace.csv")
+    big = scenario(tmp_path, requests=100, arrival="trace", prompt="trace", trace="trace.csv")
     assert trace_rows(big) == (40, 40)
 
 

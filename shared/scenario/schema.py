@@ -402,7 +402,9 @@ class WorkloadConfig(_Table):
     # Lines, a name ending in .jsonl); see shared/scenario/trace_csv.py
     trace: str | None = None
     trace_speedup: PosFloat = 1.0  # trace arrival times are divided by it (2: twice as fast)
-    prompt: Literal["fixed", "uniform", "lognormal", "csv"] = "fixed"
+    # "trace": the trace rows' own prompt lengths (and a Mooncake trace's hash ids); the
+    # default when a trace is named (filled in before validation, like `arrival`)
+    prompt: Literal["fixed", "uniform", "lognormal", "trace"] = "fixed"
     prompt_tokens: PosInt = 8192  # fixed length; lognormal median
     prompt_min: PosInt = 1024
     prompt_max: PosInt = 32768
@@ -410,9 +412,9 @@ class WorkloadConfig(_Table):
     # Cap applied to every prompt after sampling (also trace rows); scale-down sets it.
     max_prompt_tokens: PosInt | None = None
     seed: Annotated[int, Field(ge=0)] = 0  # Random(-s) == Random(s): refuse negatives
-    # tokens each request generates at the decode (a trace's output_tokens win);
-    # 0: the decode's generation is not modeled
-    output_tokens: NonNegInt = 0
+    # tokens each request generates at the decode; 0: the decode's generation is not
+    # modeled; unset: a trace row's output length where the trace has one, else 0
+    output_tokens: NonNegInt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -428,6 +430,17 @@ class WorkloadConfig(_Table):
                 "renamed workload.trace (a .csv or a Mooncake .jsonl); note that without "
                 "workload.requests every trace row is replayed",
             )
+        if data.get("prompt") == "csv":
+            # Refused, not aliased: the name lied (a Mooncake trace is JSON Lines).
+            raise _FieldProblem(
+                {"prompt": "csv"},
+                'renamed "trace" (the trace rows\' own prompt lengths, the default when '
+                "workload.trace is set)",
+            )
+        if data.get("trace"):
+            # A trace supplies everything it has unless the scenario says otherwise:
+            # its arrivals and its prompts (with a Mooncake trace's hash ids).
+            data = {"arrival": "trace", "prompt": "trace", **data}
         if data.get("requests") is None and data.get("arrival", "poisson") != "trace":
             data = {**data, "requests": GENERATED_REQUESTS}
         # A relative trace path means relative to the scenario file, so the resolved
@@ -442,8 +455,10 @@ class WorkloadConfig(_Table):
 
     @property
     def uses_trace(self) -> bool:
-        """Whether requests come from the trace file (its arrivals or its prompts)."""
-        return bool(self.trace) and (self.arrival == "trace" or self.prompt == "csv")
+        """Whether the requests read a trace file: whenever one is named (what the
+        scenario does not override comes from it: arrivals, prompts, output lengths,
+        prefixes)."""
+        return bool(self.trace)
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkloadConfig:
@@ -460,15 +475,15 @@ class WorkloadConfig(_Table):
                 f"the lognormal median must lie in [prompt_min, prompt_max] = "
                 f"[{self.prompt_min}, {self.prompt_max}]",
             )
-        needs_trace = self.arrival == "trace" or self.prompt == "csv"
+        needs_trace = self.arrival == "trace" or self.prompt == "trace"
         if needs_trace and not self.trace:
             raise _FieldProblem(
                 {"trace": self.trace},
-                'required when arrival = "trace" or prompt = "csv" '
+                'required when arrival = "trace" or prompt = "trace" '
                 "(a CSV ending in .csv with columns arrival_s,prompt_tokens[,prefix_tokens]"
                 "[,output_tokens], or a Mooncake trace: JSON Lines, a name ending in .jsonl)",
             )
-        if needs_trace and self.trace and not Path(self.trace).is_file():
+        if self.trace and not Path(self.trace).is_file():
             raise _FieldProblem({"trace": self.trace}, "no such file")
         return self
 
