@@ -11,6 +11,15 @@ application module is on floor 1), the number of floors being the largest.
     .venv/bin/python scripts/import_graph.py --arrows   # and every arrow
     .venv/bin/python scripts/import_graph.py --concepts # a node per concept folder
     .venv/bin/python scripts/import_graph.py --root DIR # another checkout (a git worktree)
+    .venv/bin/python scripts/import_graph.py --shared   # the core's graph (shared/) instead
+    .venv/bin/python scripts/import_graph.py --cycles   # and every import circle
+
+With --shared the modules are those of `shared/` (kvstage.shared), and an import of one
+by another counts at any depth as above; --concepts then makes a node of each
+sub-package (kvstage.shared.scenario, kvstage.shared.serving). --cycles prints each
+circle (a strongly connected set of modules that import each other, directly or
+through others), the arrows of imports made inside a function (lazy imports) marked
+`(lazy)` and those under `if TYPE_CHECKING:` marked `(typing)`.
 
 With --concepts every module inside a package of kvstage/ counts as that package
 (kvstage.run.hwrun -> kvstage.run), a top-level module stays itself, and arrows inside
@@ -28,23 +37,58 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "kvstage"
 CORE = ("kvstage.shared", "kvstage.sim", "kvstage.hw")
+# the trees a graph can be drawn of: (folder, the package it installs as, what it skips)
+TREES = {
+    "app": ("kvstage", "kvstage", CORE),
+    "shared": ("shared", "kvstage.shared", ("kvstage.sim", "kvstage.hw")),
+}
 
 
-def modules(root: Path = ROOT) -> dict[str, Path]:
+def modules(root: Path = ROOT, tree: str = "app") -> dict[str, Path]:
+    folder, package, _ = TREES[tree]
     out = {}
-    for path in sorted((root / "kvstage").rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
+    for path in sorted((root / folder).rglob("*.py")):
+        parts = [package, *path.relative_to(root / folder).with_suffix("").parts]
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-def arrows(mods: dict[str, Path]) -> set[tuple[str, str]]:
-    found = set()
+def _import_kinds(tree: ast.AST) -> dict[ast.AST, str]:
+    """Each import node of a module: "lazy" inside a function, "typing" under
+    `if TYPE_CHECKING:`, else "top"."""
+    kinds: dict[ast.AST, str] = {}
+
+    def visit(node: ast.AST, kind: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            k = kind
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                k = "lazy"
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                k = "typing" if kind == "top" else kind
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                kinds[child] = k
+            visit(child, k)
+
+    visit(tree, "top")
+    return kinds
+
+
+def arrows(mods: dict[str, Path], tree: str = "app") -> set[tuple[str, str]]:
+    return set(arrow_kinds(mods, tree))
+
+
+def arrow_kinds(mods: dict[str, Path], tree: str = "app") -> dict[tuple[str, str], str]:
+    """Every arrow, with "top" when one of its imports runs at import time, else "lazy"
+    or "typing"."""
+    top, skip = TREES[tree][1], TREES[tree][2]
+    found: dict[tuple[str, str], str] = {}
+    rank = {"top": 0, "lazy": 1, "typing": 2}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        kinds = _import_kinds(ast.parse(path.read_text(encoding="utf-8")))
+        for node, kind in kinds.items():
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -55,14 +99,51 @@ def arrows(mods: dict[str, Path]) -> set[tuple[str, str]]:
                     base = ".".join([*up, base] if base else up)
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             for t in targets:
-                if any(t == c or t.startswith(c + ".") for c in CORE):
+                if any(t == c or t.startswith(c + ".") for c in skip):
                     continue
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
-                if t and t != name and t != "kvstage":
-                    found.add((name, t))
+                if t and t != name and t != top:
+                    old = found.get((name, t), "typing")
+                    found[(name, t)] = min(old, kind, key=rank.__getitem__)
                     break
     return found
+
+
+def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan)."""
+    out: dict[str, list[str]] = {}
+    for a, b in edges:
+        out.setdefault(a, []).append(b)
+        out.setdefault(b, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(out[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(out):
+        if v not in index:
+            strong(v)
+    return sorted(found)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,15 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--root", type=Path, default=ROOT, help="the checkout to read (default: this one)"
     )
+    p.add_argument("--shared", action="store_true", help="the graph of shared/ instead")
+    p.add_argument("--cycles", action="store_true", help="print every import circle")
     args = p.parse_args(argv)
-    mods = modules(args.root)
-    edges = arrows(mods)
+    tree = "shared" if args.shared else "app"
+    mods = modules(args.root, tree)
+    kinds = arrow_kinds(mods, tree)
+    edges = set(kinds)
     if args.concepts:
+        depth = 3 if args.shared else 2
 
         def concept(m: str) -> str:
-            return ".".join(m.split(".")[:2])
+            parts = m.split(".")
+            keep = depth if mods.get(".".join(parts[:depth]), Path()).name == "__init__.py" else 99
+            return ".".join(parts[:keep])
 
-        edges = {(concept(a), concept(b)) for a, b in edges if concept(a) != concept(b)}
+        merged: dict[tuple[str, str], str] = {}
+        for (a, b), k in sorted(kinds.items(), key=lambda item: item[1] != "top"):
+            if concept(a) != concept(b):
+                merged.setdefault((concept(a), concept(b)), k)
+        kinds = merged
+        edges = set(kinds)
         mods = {concept(m): p for m, p in mods.items()}
     out: dict[str, set[str]] = {m: set() for m in mods}
     for a, b in edges:
@@ -100,7 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.arrows:
         for a, b in sorted(edges):
-            print(f"  {a} -> {b}")
+            mark = "" if kinds[(a, b)] == "top" else f" ({kinds[(a, b)]})"
+            print(f"  {a} -> {b}{mark}")
+    if args.cycles:
+        circles = cycles(edges)
+        print(f"{len(circles)} import circles")
+        for group in circles:
+            inside = sorted((a, b) for a, b in edges if a in group and b in group)
+            print(f"  {len(group)} modules: " + ", ".join(group))
+            for a, b in inside:
+                mark = "" if kinds[(a, b)] == "top" else f" ({kinds[(a, b)]})"
+                print(f"    {a} -> {b}{mark}")
     return 0
 
 
