@@ -4,7 +4,7 @@ One row per published figure: the figure, the simulated one, their ratio, the cl
 tolerance (chosen from the figure's own spread before the row was first run, never
 after) and the source. Per class (prefill throughput, decode throughput, TTFT, TPOT /
 ITL, goodput) the median ratio and the share of rows within tolerance. The model's
-defaults (shared/scenario/gpus.py `Efficiency`) are sourced from kernel and training
+defaults (shared/serving/gpus.py `Efficiency`) are sourced from kernel and training
 measurements, never fitted to this table: a row that misses says why, from the
 mechanism it leaves out.
 
@@ -72,8 +72,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstage.run.summary import simulation_summary
-from kvstage.shared.compute import decode_step, prefill_forward
 from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.serving.compute import decode_step, prefill_forward
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,6 @@ from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rendezvous import RankInfo
 from kvstage.hw.transport import TransferError, XferHandle
-from kvstage.shared.compute import chunk_forward_s
 from kvstage.shared.events import (
     Forward,
     ForwardDone,
@@ -32,6 +31,7 @@ from kvstage.shared.events import (
     Write,
     WriteDone,
 )
+from kvstage.shared.serving.compute import chunk_forward_s
 
 # Gathered blocks in flight per decode rank this rank writes to: the send buffer
 # holds this many full chunks' blocks for each.

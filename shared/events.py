@@ -294,7 +294,7 @@ class Forward:
     page_start: int  # the chunk's first page within the prompt (prefix included)
     num_pages: int
     tokens: int
-    # of `tokens`, those in the prefill instance's cached prefix (shared/prefix_cache.py):
+    # of `tokens`, those in the prefill instance's cached prefix (shared/serving/prefix_cache.py):
     # their KV is read, not computed; the forward computes tokens - cached_tokens, after
     # a context of page_start * page_size + cached_tokens tokens
     cached_tokens: int = 0

@@ -70,9 +70,9 @@ from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, ProtocolConfig
 from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
 from kvstage.shared.prefill import PrefillMachine
-from kvstage.shared.prefix_cache import PrefixCache, cache_blocks, cached_in_chunk
 from kvstage.shared.protocol import MESSAGE_TYPES, StagingRsp
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.prefix_cache import PrefixCache, cache_blocks, cached_in_chunk
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 
@@ -309,7 +309,7 @@ class RankRuntime:
         # first): when they are admitted, the machine never touches their memory
         self._released_unadmitted: set[int] = set()
         self._last_arrived = -1  # the newest room that arrived here (room ids follow arrival order)
-        # prefill: the instance's prefix cache (shared/prefix_cache.py), fresh each incarnation
+        # prefill: the instance's prefix cache (shared/serving/prefix_cache.py), fresh each incarnation
         self.prefix_cache = PrefixCache(cache_blocks(scenario)) if role == "prefill" else None
 
     def restart(self, incarnation: int, first_room: int, now: float) -> None:

@@ -41,7 +41,7 @@ output length (a Mooncake trace's output_length, a CSV's output_tokens column), 
 
 Block hash ids (Mooncake's `hash_ids`, ids of the prompt's 512-token blocks) go to the
 request when its prompt is the row's (prompt = "trace"), cut to the blocks of the
-prompt after the cap; the prefill's prefix cache (shared/prefix_cache.py) keys on them.
+prompt after the cap; the prefill's prefix cache (shared/serving/prefix_cache.py) keys on them.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvstage.shared.prefix_cache import BLOCK_TOKENS
 from kvstage.shared.scenario import Scenario, WorkloadConfig
 from kvstage.shared.scenario.trace_csv import TraceRow, read_trace
+from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
 
 __all__ = ["Request", "TraceRow", "generate_requests", "read_trace", "trace_rows"]
 

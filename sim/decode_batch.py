@@ -20,9 +20,9 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.events import Generate, GenerateDone
 from kvstage.shared.runtime import RankRuntime
+from kvstage.shared.serving.decode_model import DecodeModel
 
 if TYPE_CHECKING:
     from kvstage.sim.driver import Simulation

@@ -28,7 +28,6 @@ import simpy
 from simpy.events import NORMAL
 
 from kvstage.shared.cluster import Router, Sessions, cluster_sessions
-from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.events import (
     Arrive,
     Die,
@@ -59,6 +58,7 @@ from kvstage.shared.runtime import (
     sum_counts,
 )
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import LiveLoads, cluster_nics

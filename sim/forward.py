@@ -5,7 +5,7 @@ arrival order, chunk by chunk); these only decide how long it takes:
 
 - `GroupForward` (the GPU model): the prefill TP group computes together, one chunk
   at a time, on one stream; each chunk's duration comes from the model's FLOPs
-  (`Scenario.forward_time_s`, shared/compute.py), its attention over the context
+  (`Scenario.forward_time_s`, shared/serving/compute.py), its attention over the context
   before it (chunked prefill). Every rank of the group asks for the same chunk; the
   first request plans it, the others join it.
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstage.shared.compute import chunk_forward_s
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.runtime import RankRuntime
+from kvstage.shared.serving.compute import chunk_forward_s
 from kvstage.sim.gpu import SerialStream
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from kvstage.explore.sweep_target import parse_target, why_unmet
 from kvstage.metrics.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, nic_counts, ttft_parts
 from kvstage.metrics.rooms import room_latencies
 from kvstage.run.summary import simulation_summary
-from kvstage.shared.decode_model import GIB, DecodeModel
 from kvstage.shared.scenario import load_scenario
+from kvstage.shared.serving.decode_model import GIB, DecodeModel
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvstage.metrics.rooms import request_breakdown, room_latencies, summarize
-from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.scenario import ScenarioError, load_scenario
-from kvstage.shared.scenario.physics import GIB
+from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.memory import GIB
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Physical bounds of the serving model (issue 22), checked by hand from datasheets.
 
 Every expected number here is computed in the test from the datasheet figures written
-below (not read from shared/scenario/gpus.py) and the models' published config.json
+below (not read from shared/serving/gpus.py) and the models' published config.json
 numbers, so a wrong catalogue entry or formula in the code under test fails here:
 
 - a decode step never beats its FLOP floor (2 x active params x B / tp / peak) nor its
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.shared.compute import allreduce_s, decode_step, prefill_forward
-from kvstage.shared.decode_model import DecodeModel
 from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.serving.compute import allreduce_s, decode_step, prefill_forward
+from kvstage.shared.serving.decode_model import DecodeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
@@ -185,7 +185,7 @@ def test_expert_parallelism_divides_the_experts_and_pays_the_all_to_all():
     other GPUs of its node and the NIC once per other node it picks."""
     s = scenario("deepseek-v3", "h200", 8, "prefill.gpu=h100-sxm", "prefill.tp=1", "prefill.ep=32")
     assert s is not None
-    from kvstage.shared.compute import alltoall_s, weights_per_gpu_bytes
+    from kvstage.shared.serving.compute import alltoall_s, weights_per_gpu_bytes
 
     e = (671e9 - 37e9) / 248
     d = 37e9 - 8 * e

@@ -1,4 +1,4 @@
-"""The prefill's prefix cache (shared/prefix_cache.py): LRU over 512-token blocks keyed by
+"""The prefill's prefix cache (shared/serving/prefix_cache.py): LRU over 512-token blocks keyed by
 a Mooncake trace's hash_ids, its capacity from the prefill GPU's memory, and what a hit
 saves in a simulated run (compute, not transfer)."""
 
@@ -11,9 +11,14 @@ import pytest
 
 from kvstage.metrics.rooms import room_latencies
 from kvstage.run.summary import simulation_summary
-from kvstage.shared.prefix_cache import BLOCK_TOKENS, PrefixCache, cache_blocks, cached_in_chunk
 from kvstage.shared.scenario import load_scenario
-from kvstage.shared.scenario.physics import side_memory
+from kvstage.shared.serving.memory import side_memory
+from kvstage.shared.serving.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    cache_blocks,
+    cached_in_chunk,
+)
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import Simulation
 

@@ -92,7 +92,7 @@ def test_simulated_breakdown_matches_its_trace_and_the_forward_model(small_run):
     summary = summarize(result.records, mode="sim", pool_bytes=s.pool_bytes, requests=4)
     assert summary["requests_done"] == 4
     # two chunks of 8,192 tokens, one after the other; the second attends to the
-    # first's 8,192 tokens of context too (shared/compute.py)
+    # first's 8,192 tokens of context too (shared/serving/compute.py)
     forward = s.forward_time_s(8192) + s.forward_time_s(8192, context=8192)
     kv, compute = [], []
     for req in result.requests:

@@ -172,7 +172,7 @@ def test_defaults_and_derived_numbers(tmp_path: Path) -> None:
     # 2 * 8e9 * 8192 / 4 FLOPs at H100's 989 TFLOP/s bf16 x the 40% MFU of a long chunk
     assert s.gpu("prefill").name == "h100-sxm" and s.efficiency().mfu(8192) == 0.4
     # (issue 22: the forward adds attention and TP all-reduces, tests/test_physics.py)
-    from kvstage.shared.compute import prefill_forward
+    from kvstage.shared.serving.compute import prefill_forward
 
     f = prefill_forward(s, 8192)
     assert f.linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / (989e12 * 0.4))

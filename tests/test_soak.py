@@ -16,7 +16,7 @@ def test_soak_10k_requests_one_percent_of_each_message_fault():
     types = ", ".join(f"{name} = 0.01" for name in MESSAGE_NAMES.values())
     sets = [f"workload.requests={N}", "workload.rate_per_s=40", "transfer.room_timeout_s=2"]
     # The 99.9% target below is about recovering lost messages, measured with the
-    # prefill at 400 TFLOP/s sustained (the linear model before shared/compute.py:
+    # prefill at 400 TFLOP/s sustained (the linear model before shared/serving/compute.py:
     # 9,992 of 10,000 done). The compute model prices this toy 64-token chunk at 10%
     # MFU plus 4 all-reduces, about 3x slower; the ring then backs up further and 19
     # rooms' recoveries cross the 2 s room timeout (9,981 done): a load effect, not a

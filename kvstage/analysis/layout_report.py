@@ -155,8 +155,8 @@ def _gib(nbytes: float) -> str:
 
 def _cluster_table(s: Scenario) -> Table:
     """The cluster and the decode side: instances, GPUs, KV capacity, step time."""
-    from kvstage.shared.decode_model import DecodeModel
-    from kvstage.shared.scenario.physics import side_memory
+    from kvstage.shared.serving.decode_model import DecodeModel
+    from kvstage.shared.serving.memory import side_memory
 
     c, g, m = s.cluster, s.geometry(), DecodeModel(s)
     t = Table(title="cluster and decode side", show_header=False)

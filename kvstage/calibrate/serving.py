@@ -3,7 +3,7 @@ measurements (issue 22 item 1).
 
 Given one measured prefill throughput (tokens/s of one prefill instance at a prompt
 length) and one decode step time (at a batch and a context per request), find the
-`prefill.mfu` and `decode.hbm_efficiency` under which shared/compute.py reproduces
+`prefill.mfu` and `decode.hbm_efficiency` under which shared/serving/compute.py reproduces
 them, the rest of the scenario (GPUs, TP, EP, model, links) as given:
 
 - prefill: the prompt's chunks (chunked_prefill_size, each after the ones before) at
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstage.shared.compute import decode_step
 from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.serving.compute import decode_step
 
 __all__ = ["ServingFit", "ServingFitError", "fit_decode_hbm", "fit_prefill_mfu", "fit_serving"]
 

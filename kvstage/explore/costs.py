@@ -1,7 +1,7 @@
 """Cost figures of a plan's configurations from a price per GPU-hour.
 
 `--gpu-hour-cost h100-sxm=2.5,h200=3.6` (`parse_gpu_costs`) prices each catalogue GPU
-(kvstage/shared/scenario/gpus.py names them) per GPU-hour, in any currency; without it
+(kvstage/shared/serving/gpus.py names them) per GPU-hour, in any currency; without it
 no cost is given. Per simulated configuration (`cost_figures`):
 
 * `cost_per_hour`: prefill GPUs x the prefill GPU's price + decode GPUs x the decode
@@ -34,7 +34,7 @@ def parse_gpu_costs(text: str | None) -> dict[str, float] | None:
     name is not a catalogue GPU or a price is not a number >= 0."""
     if text is None:
         return None
-    from kvstage.shared.scenario.gpus import GPUS, gpu_names
+    from kvstage.shared.serving.gpus import GPUS, gpu_names
 
     out: dict[str, float] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):

@@ -79,7 +79,7 @@ def _stage(offered: float, capacity: float, why: str, servers: int) -> dict[str,
 
 def capacity(scenario: Scenario) -> Capacity:
     """The stages' offered load, capacity and utilization, without simulating."""
-    from kvstage.shared.decode_model import DecodeModel
+    from kvstage.shared.serving.decode_model import DecodeModel
 
     s, load = scenario, workload_load(scenario)
     rate = load["requests_per_s"]

@@ -17,7 +17,7 @@ Each stage has a utilization (offered / capacity) where a capacity exists:
   resident: admitted -> last token), over `DecodeModel.capacity_tokens` x instances;
 * decode compute: output tokens/s offered over what the decode instances generate at
   the TPOT target (the largest batch, at most `decode.max_running_requests`, whose
-  step, `DecodeModel.step_time_s` (shared/compute.py), fits it).
+  step, `DecodeModel.step_time_s` (shared/serving/compute.py), fits it).
 
 * staging ring: the bytes the load keeps in each decode rank's ring over what the
   ring can hold at once. A chunk's region (its writer blocks back to back, the same
@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstage.metrics.rooms import percentiles
-from kvstage.shared.decode_model import DecodeModel
+from kvstage.shared.serving.decode_model import DecodeModel
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario

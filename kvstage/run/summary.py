@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from kvstage.metrics.bottleneck import bottleneck
 from kvstage.metrics.rooms import room_latencies, slo_figures, summarize
 from kvstage.run.expect import group_failures
-from kvstage.shared.compute import efficiency_figures
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.compute import efficiency_figures
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests, trace_rows
 
@@ -60,9 +60,9 @@ def run_summary(
             "dropped_messages": sum(r.dropped for r in ranks),
             "ring_used_at_end": {str(r.rank): r.ring_used for r in ranks if r.role == "decode"},
             "ranks_died": sorted(r.name for r in ranks if r.died),
-            # prompt tokens the prefill's prefix cache served / prompt tokens (shared/prefix_cache.py)
+            # prompt tokens the prefill's prefix cache served / prompt tokens (shared/serving/prefix_cache.py)
             "prefix_hit_fraction": _prefix_hit_fraction(ranks),
-            # the GPUs and efficiencies the compute model used (shared/compute.py)
+            # the GPUs and efficiencies the compute model used (shared/serving/compute.py)
             "serving_model": efficiency_figures(scenario),
         }
     )

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from kvstage.fmt import MIB, ms
 from kvstage.run.conditions import describe
-from kvstage.shared.compute import describe_efficiency
+from kvstage.shared.serving.compute import describe_efficiency
 
 # TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
 # starts at the first forward, so it holds prefill compute + exposed KV transfer.

@@ -36,15 +36,6 @@ from kvstage.shared.scenario.fieldtypes import (
     _Table,
     mib_to_bytes,
 )
-from kvstage.shared.scenario.gpus import (
-    DEFAULT_EFFICIENCY,
-    DEFAULT_GPU,
-    GPUS,
-    Efficiency,
-    Gpu,
-    gpu_names,
-)
-from kvstage.shared.scenario.physics import memory_problem
 from kvstage.shared.scenario.presets import PRESETS
 from kvstage.shared.scenario.profiles import (
     ResolvedLinks,
@@ -54,6 +45,15 @@ from kvstage.shared.scenario.profiles import (
 )
 from kvstage.shared.scenario.slo_table import SloConfig
 from kvstage.shared.scenario.toml_out import dumps_toml
+from kvstage.shared.serving.gpus import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_GPU,
+    GPUS,
+    Efficiency,
+    Gpu,
+    gpu_names,
+)
+from kvstage.shared.serving.memory import memory_problem
 
 __all__ = [
     "DecodeConfig",
@@ -249,7 +249,7 @@ def _known_gpu(v: str) -> str:
 
 
 Utilization = Annotated[float, Field(gt=0, le=1)]
-# Expert parallelism (shared/compute.py): the GPUs one expert group spans. 1: every
+# Expert parallelism (shared/serving/compute.py): the GPUs one expert group spans. 1: every
 # expert split over the TP group (as TP alone); tp: each GPU of the group holds
 # experts / tp whole experts; a multiple of tp above it: the group spans ep / tp
 # instances, each running its own attention (DP attention), experts / ep per GPU.
@@ -280,7 +280,9 @@ class PrefillConfig(_Table):
     tokens_per_s: PosFloat | None = None  # if set: forward time = tokens / tokens_per_s
     tflops: PosFloat | None = None  # sustained per GPU; absent: peak x MFU
     mfu: Utilization | None = None  # absent: the default table by forward size
-    ep: ExpertParallel = 1  # expert-parallel size (shared/compute.py); 1: experts split by TP
+    ep: ExpertParallel = (
+        1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
+    )
 
     _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
@@ -298,7 +300,7 @@ class DecodeConfig(_Table):
     staging_pool_mb: PoolMiB = 4096.0  # MiB per decode rank
     prefix_tokens: NonNegInt = 0  # decode-side cached prefix of every request
     gpu: str = DEFAULT_GPU
-    # KV capacity (shared/scenario/physics.py): the GPU's memory (gpu_memory_gib
+    # KV capacity (shared/serving/memory.py): the GPU's memory (gpu_memory_gib
     # overrides it), the share of it the engine takes, less weights and activations
     gpu_memory_gib: PosFloat | None = None
     memory_utilization: Utilization = 0.9
@@ -307,7 +309,9 @@ class DecodeConfig(_Table):
     max_running_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     hbm_efficiency: Utilization | None = None  # absent: gpus.Efficiency.decode_hbm
     step_overhead_ms: NonNegFloat | None = None  # absent: gpus.Efficiency.step_overhead_s
-    ep: ExpertParallel = 1  # expert-parallel size (shared/compute.py); 1: experts split by TP
+    ep: ExpertParallel = (
+        1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
+    )
 
     _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
@@ -654,7 +658,7 @@ class Scenario(_Table):
                 sgeo = _scaled_geometry(geo, sd)
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
-        _check_expert_parallel(self)  # shared/compute.py
+        _check_expert_parallel(self)  # shared/serving/compute.py
         _check_memory(self)
         return self
 
@@ -703,13 +707,13 @@ class Scenario(_Table):
         """Modeled prefill forward time of a chunk of `tokens` tokens after `context`
         tokens already in the prompt's KV (chunked prefill), on one prefill rank.
 
-        One home for the formula (shared/compute.py) so the simulator and
+        One home for the formula (shared/serving/compute.py) so the simulator and
         `hardware.forward_delay` agree: tokens / tokens_per_s when given; else linear
         FLOPs (active parameters) plus attention FLOPs, quadratic in the context, at
         `prefill.tflops` sustained or at the GPU's peak x MFU, plus the TP all-reduces
         and the expert-parallel all-to-all.
         """
-        from kvstage.shared.compute import prefill_forward_s  # (it imports this package)
+        from kvstage.shared.serving.compute import prefill_forward_s  # (it imports this package)
 
         return prefill_forward_s(self, tokens, context)
 

@@ -48,7 +48,7 @@ class TraceRow:
     prefix_tokens: int | None
     line: int
     output_tokens: int | None = None  # tokens generated, when the trace says
-    # ids of the prompt's 512-token blocks (Mooncake traces; shared/prefix_cache.py)
+    # ids of the prompt's 512-token blocks (Mooncake traces; shared/serving/prefix_cache.py)
     hash_ids: tuple[int, ...] = ()
 
 

@@ -14,7 +14,7 @@ them) hold one JSON object per line:
   [512 i, 512 (i + 1)) (the last one may be partial), each id naming the block's
   content after the same prefix, so two prompts share a prefix exactly as far as
   their leading ids agree -> the request's hash_ids, which the prefill instance's
-  prefix cache looks up (shared/prefix_cache.py: cached tokens skip the forward).
+  prefix cache looks up (shared/serving/prefix_cache.py: cached tokens skip the forward).
   That is not `decode.prefix_tokens`, a prefix the *decode* already holds, which
   shortens the transfer; a prefill-side hit does not (docs/prefix-reuse.md).
 Other keys are ignored. Blank lines are skipped; lines need not be sorted.

@@ -57,7 +57,7 @@ def presets_table() -> Table:
 
 def gpus_table() -> Table:
     """One row per catalogue GPU (`prefill.gpu` / `decode.gpu`): datasheet numbers."""
-    from kvstage.shared.scenario.gpus import DEFAULT_GPU, GPUS
+    from kvstage.shared.serving.gpus import DEFAULT_GPU, GPUS
 
     t = Table(
         title=f"GPUs (\\[prefill] / \\[decode] gpu = NAME; default {DEFAULT_GPU}; dense FLOP/s)",
@@ -88,10 +88,10 @@ def gpus_table() -> Table:
 
 def efficiency_table() -> Table:
     """The achieved-efficiency defaults (gpus.Efficiency) and the fields that override them."""
-    from kvstage.shared.scenario.gpus import DEFAULT_EFFICIENCY as e
+    from kvstage.shared.serving.gpus import DEFAULT_EFFICIENCY as e
 
     t = Table(
-        title="achieved efficiency (defaults; sources in shared/scenario/gpus.py)",
+        title="achieved efficiency (defaults; sources in shared/serving/gpus.py)",
         title_justify="left",
     )
     for col in ("what", "default", "override"):

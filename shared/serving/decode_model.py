@@ -1,12 +1,12 @@
 """The decode side's numbers: KV capacity and the time of one generation step.
 
-KV capacity (per decode rank, in tokens): what shared/scenario/physics.py leaves for
+KV capacity (per decode rank, in tokens): what shared/serving/memory.py leaves for
 KV on one decode GPU (its memory x `decode.memory_utilization`, less this rank's part
 of the weights and the activations), over the KV bytes one token takes on this rank.
 Admission waits until a room's pages (transferred prompt plus its output tokens) fit.
 
 A generation step of the continuous batch (at most `decode.max_running_requests`
-requests) takes what shared/compute.py `decode_step` says: the larger of the bytes
+requests) takes what shared/serving/compute.py `decode_step` says: the larger of the bytes
 it reads (the weights it touches, all of a dense model's, the experts the batch picks
 of a MoE model's, plus the batch's KV) over HBM x decode_hbm and its FLOPs over peak
 x MFU, plus the per-step overhead, the TP all-reduces and any expert all-to-all.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstage.shared.compute import decode_step
-from kvstage.shared.scenario.physics import GIB, side_memory
+from kvstage.shared.serving.compute import decode_step
+from kvstage.shared.serving.memory import GIB, side_memory
 
 if TYPE_CHECKING:
-    from kvstage.shared.compute import DecodeStep
     from kvstage.shared.scenario import Scenario
+    from kvstage.shared.serving.compute import DecodeStep
 
 __all__ = ["GIB", "DecodeModel"]
 
@@ -53,7 +53,7 @@ class DecodeModel:
         return self.capacity_tokens // self.page_size
 
     def step(self, batch_kv_tokens: float, batch: int = 1) -> DecodeStep:
-        """The parts of one step (shared/compute.py `DecodeStep`)."""
+        """The parts of one step (shared/serving/compute.py `DecodeStep`)."""
         return decode_step(self.scenario, batch, batch_kv_tokens)
 
     def step_time_s(self, batch_kv_tokens: float, batch: int = 1) -> float:

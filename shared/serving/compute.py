@@ -2,7 +2,7 @@
 
 One home for the formulas, pure functions of a `Scenario` (the simulator, hardware
 mode's `forward_delay`, the bottleneck verdict, `plan` and the benchmarks all ask
-here). The GPU's datasheet numbers come from shared/scenario/gpus.py (`Gpu`), the
+here). The GPU's datasheet numbers come from shared/serving/gpus.py (`Gpu`), the
 achieved shares of them from `Scenario.efficiency()` (gpus.Efficiency, with the
 scenario's overrides).
 
@@ -315,7 +315,7 @@ def chunk_forward_s(
 def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
     """One decode step on one decode GPU: `batch` requests (one new token each) holding
     `kv_tokens` tokens of KV in all (this instance's)."""
-    from kvstage.shared.scenario.physics import side_memory
+    from kvstage.shared.serving.memory import side_memory
 
     m, cfg, eff = s.model, s.decode, s.efficiency()
     gpu = s.gpu("decode")

@@ -112,7 +112,7 @@ class PrefixCache:
 
 def cache_blocks(scenario: Scenario) -> int:
     """The prefix cache's capacity in blocks on one prefill GPU of `scenario`."""
-    from kvstage.shared.scenario.physics import side_memory
+    from kvstage.shared.serving.memory import side_memory
 
     mem = side_memory(scenario, "prefill")
     return max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))

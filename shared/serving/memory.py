@@ -6,7 +6,7 @@ allocator's slack, CUDA graphs, NCCL buffers):
 
 - weights: every parameter (all experts of a MoE model) at `model.weight_dtype`:
   the dense part divided over the TP group, the experts over max(tp, ep) GPUs
-  (`prefill.ep` / `decode.ep`; shared/compute.py `weights_per_gpu_bytes`);
+  (`prefill.ep` / `decode.ep`; shared/serving/compute.py `weights_per_gpu_bytes`);
 - activations and workspace: the largest forward's tokens (a prefill chunk, a decode
   batch of `decode.max_running_requests`) x hidden size x ACTIVATION_TENSORS tensors
   at 2 bytes, held whole on every rank of the group (an upper bound: some are
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstage.shared.scenario.gpus import Gpu
+from kvstage.shared.serving.gpus import Gpu
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import Scenario
@@ -96,7 +96,7 @@ def side_memory(s: Scenario, side: str) -> SideMemory:
     memory = gpu.memory_gib * GIB
     if side == "decode" and s.decode.gpu_memory_gib is not None:
         memory = s.decode.gpu_memory_gib * GIB
-    from kvstage.shared.compute import weights_per_gpu_bytes  # (it imports this package)
+    from kvstage.shared.serving.compute import weights_per_gpu_bytes  # (it imports this package)
 
     tokens = s.prefill.chunked_prefill_size if side == "prefill" else s.decode.max_running_requests
     chunk = g.grid_pages * g.page_size

@@ -1,0 +1,11 @@
+"""The serving model: what a GPU does with a scenario's requests.
+
+    gpus.py          the GPU catalogue (datasheets) and the achieved efficiencies
+    compute.py       the time of a prefill forward and a decode step on one GPU
+    memory.py        memory per GPU on each side: weights, activations, KV
+    decode_model.py  a decode instance's KV capacity and step time
+    prefix_cache.py  the prefill instance's prefix cache (Mooncake hash ids, LRU)
+
+Import from the modules; this package's `__init__` imports nothing, so that the
+scenario schema can import the catalogue without pulling the whole model in.
+"""
