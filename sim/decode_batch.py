@@ -3,7 +3,7 @@
 A room joins its decode instance's batch once every rank of the instance has its KV
 (each rank's runtime hands out a `Generate` after its RoomDone); it gets one token per
 step and leaves after its last one, when every rank hears `GenerateDone` and frees
-the room's pages. A step's time comes from `shared.decode_model.DecodeModel`: the
+the room's pages. A step's time comes from `shared.serving.decode_model.DecodeModel`: the
 weights plus the KV of everyone in the batch, read once, or its FLOPs, whichever is
 longer. Rooms join at step boundaries, as in an engine's scheduler, and at most
 `decode.max_running_requests` run at once: the others wait, in arrival order, for a
