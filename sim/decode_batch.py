@@ -17,6 +17,7 @@ run with large batches stays cheap.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,9 @@ class DecodeBatches:
         self._ready: dict[int, list[RankRuntime]] = {}  # room -> ranks whose KV is in
         self._abandoned: set[int] = set()  # rooms that failed at a rank of their instance
         self.peak_batch = 0  # the most rooms any instance ran in one step
+        # called at the end of every step with the rooms that got a token in it and the
+        # time (sim/online.py streams them); None in an offline run
+        self.on_tokens: Callable[[list[int], float], None] | None = None
 
     def submit(self, rt: RankRuntime, g: Generate, now: float) -> None:
         if g.room in self._abandoned:  # failed at another rank: nothing to generate
@@ -95,6 +99,8 @@ class DecodeBatches:
 
     def _stepped(self, batch: _Batch, _ev=None) -> None:
         batch.steps += 1
+        if self.on_tokens is not None:
+            self.on_tokens([f[1] for f in batch.finishing], self.sim.env.now)
         batch.kv_tokens += batch.size  # every room's KV grew by one token
         while batch.finishing and batch.finishing[0][0] <= batch.steps:
             _, room, kv_at_end, ranks, joined = heapq.heappop(batch.finishing)

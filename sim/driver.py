@@ -127,11 +127,14 @@ class Simulation:
         progress: Callable[[int, int], None] | None = None,
         shard: tuple[frozenset[int], frozenset[int]] | None = None,
         workload: tuple[list[Request], Sessions, Router] | None = None,
+        generate: bool | None = None,
     ) -> None:
         """`shard`: (prefill instances, decode instances) of one independent group
         (sim/shard.py): only its ranks and its rooms are simulated. `workload`: the
         scenario's requests, sessions and router when the caller has them already (every
-        group of a sharded run shares them; static routes are only read)."""
+        group of a sharded run shares them; static routes are only read). `generate`:
+        whether the decode side generates tokens (None: when a request has output
+        tokens; sim/online.py says True, its requests coming later)."""
         self.scenario = scenario
         self.shard = shard
         self.geometry = g = scenario.geometry()
@@ -147,7 +150,7 @@ class Simulation:
         ss, workload = self.sessions, self.requests if self.router.static else []
         # the decode side: KV capacity always when given; generation when requests have output
         self.decode_model = DecodeModel(scenario)
-        generate = any(r.output_tokens for r in self.requests)
+        generate = any(r.output_tokens for r in self.requests) if generate is None else generate
         # [cluster] fold: one rank stands for its symmetric peers (sim/fold.py); the
         # others are None here and never simulated
         self.fold = Fold(self) if scenario.cluster.fold else None
@@ -530,13 +533,7 @@ class Simulation:
         return prefill, decode
 
     # --- run --------------------------------------------------------------------------------
-    def run(self) -> SimResult:
-        wall = time.perf_counter()
-        self._arrival_order = sorted(
-            range(len(self.requests)), key=lambda i: self.requests[i].arrival_s
-        )
-        if self.requests:
-            self._schedule_arrival(0)
+    def _start_runtimes(self) -> None:
         for rt in self.runtimes:  # faults that act before any event (a late join, a kill)
             wake = rt.next_wakeup
             if wake is not None:
@@ -545,9 +542,22 @@ class Simulation:
         # a runtime no event ever reaches (a load-aware router sent it no room) is
         # settled all along: count it, or the run could never end
         self._settled.update(rt for rt in self.runtimes if rt.settled)
+
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        self._arrival_order = sorted(
+            range(len(self.requests)), key=lambda i: self.requests[i].arrival_s
+        )
+        if self.requests:
+            self._schedule_arrival(0)
+        self._start_runtimes()
         if self.requests:
             with gc_paused():
                 self.env.run(until=self._all_done)
+        return self.result(wall)
+
+    def result(self, wall: float) -> SimResult:
+        """The run's result once it ended (`wall`: perf_counter() when it started)."""
         sim_time = self.env.now
         violations: list[Violation] = []
         if self.checker is not None:

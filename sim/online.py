@@ -1,0 +1,113 @@
+"""A simulation whose requests arrive while it runs (`kvstage serve`).
+
+`OnlineSimulation` is the scenario's cluster with no workload of its own: `inject`
+adds one request at the current simulated time, routed as the offline run routes an
+arrival (the static router by arrival index, a load-aware one by the instances' load
+now), and `advance` moves the clock forward, handling every event due on the way. The
+caller owns the clock (kvstage/serve/ paces it against the wall clock); nothing here
+knows about wall time or I/O.
+
+Generation is always modeled (a request brings its own output length), and each decode
+step's tokens go to `on_tokens(room, k, time)`: token k (1-based) of the room was
+produced at that simulated time, one per step the room spends in its instance's
+continuous batch (sim/decode_batch.py). A request with no output tokens produces none.
+
+The run never ends on its own: the server may always receive another request, so the
+count of arrivals still to come stays above zero until `close`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvstage.shared.cluster import cluster_sessions
+from kvstage.shared.pages import decode_room_pages
+from kvstage.shared.scenario import Scenario
+from kvstage.shared.workload import Request
+from kvstage.sim.driver import SimResult, Simulation, gc_paused
+
+__all__ = ["OnlineSimulation", "RequestRefused"]
+
+
+class RequestRefused(ValueError):
+    """A request this cluster can never serve (its KV does not fit an instance)."""
+
+
+class OnlineSimulation(Simulation):
+    """The scenario's cluster, fed one request at a time (see the module docstring)."""
+
+    def __init__(self, scenario: Scenario, on_tokens: Callable[[int, int, float], None]) -> None:
+        sessions, router = cluster_sessions(scenario, [])
+        super().__init__(scenario, workload=([], sessions, router), generate=True)
+        self._arrivals_left = 1  # the server is open: one more may always come
+        self._emit = on_tokens
+        self._started = time.perf_counter()
+        self._produced: dict[int, int] = {}  # room -> tokens produced so far
+        self.batches.on_tokens = self._tokens
+        # the pages the largest request may take (every instance is alike)
+        self._kv_pages = self.decode_model.capacity_pages
+        self._start_runtimes()
+
+    # --- what the server calls -----------------------------------------------------
+    def next_event_at(self) -> float:
+        """When the next event is due (inf when nothing is scheduled)."""
+        return self.env.peek()
+
+    def advance(self, until: float) -> None:
+        """Handle every event due before `until` and move the clock to it."""
+        if until > self.env.now:
+            with gc_paused():
+                self.env.run(until=until)
+
+    def inject(self, prompt_tokens: int, output_tokens: int) -> int:
+        """A request arrives now; returns its room. Raises `RequestRefused` when its KV
+        can never fit a decode instance (it would wait for pages forever)."""
+        s = self.scenario
+        page = s.decode.page_size
+        cap = s.workload.max_prompt_tokens
+        prompt = max(1, prompt_tokens if cap is None else min(prompt_tokens, cap))
+        prefix = min(s.decode.prefix_tokens, prompt // page * page)
+        room = len(self.requests)
+        req = Request(room, self.env.now, prompt, prefix, output_tokens)
+        need = decode_room_pages(req, page) + -(-output_tokens // page)
+        if need > self._kv_pages:
+            raise RequestRefused(
+                f"{prompt} prompt + {output_tokens} output tokens need {need} KV pages of "
+                f"{page} tokens; a decode instance holds {self._kv_pages}"
+            )
+        self.requests.append(req)
+        self._arrivals_left += 1
+        if self.loads is None:  # a static route, decided by arrival index as offline
+            ss, g = self.sessions, self.geometry
+            if not ss.single:
+                ss.routes[room] = self.router.static_route(room)
+            pi, di = ss.route(room)
+            ranks = (
+                *self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp],
+                *self.decode[di * g.decode_tp : (di + 1) * g.decode_tp],
+            )
+            for rt in ranks:
+                if rt is not None:
+                    rt.assign(req)
+        # (a load-aware router routes and assigns in _arrive, as offline)
+        self._produced[room] = 0
+        self._arrive(room, req)
+        return room
+
+    def close(self) -> SimResult:
+        """No more requests: run until every one has ended, and return the result."""
+        self._arrivals_left -= 1
+        self._maybe_end()
+        if not self._all_done.triggered:
+            with gc_paused():
+                self.env.run(until=self._all_done)
+        return self.result(self._started)
+
+    # --- internals -----------------------------------------------------------------
+    def _tokens(self, rooms: list[int], now: float) -> None:
+        produced, emit = self._produced, self._emit
+        for room in rooms:
+            k = produced[room] + 1
+            produced[room] = k
+            emit(room, k, now)
