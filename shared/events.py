@@ -155,7 +155,8 @@ class ForwardDone:
 @dataclass(frozen=True, slots=True)
 class GenerateDone:
     """Decode: a room's generation ended at `now` (its last output token); it joined
-    the instance's batch at `start`. Its KV pages may then be reused."""
+    the instance's batch at `start` (a slot: its first token went to the client then).
+    Its KV pages may then be reused."""
 
     room: int
     start: float

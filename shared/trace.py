@@ -31,8 +31,10 @@ PHASES: tuple[str, ...] = (
     "late_write",  # prefill: a write completed after its room's abort grace (a safety violation)
     "arrive",  # decode: a request arrived before its room opened (its KV pages did not fit
     # yet, or, with an [engine] preset, the serving stack's own path came first)
-    "generate",  # decode: the room in the continuous batch (start: joined; end: last token);
-    # `requests` holds the tokens generated
+    "generate",  # decode: the room in the continuous batch (start: joined, its first token
+    # out; end: its last token); `requests` holds the tokens generated
+    "decode_step",  # decode (simulated generation): one step of an instance's batch, at its
+    # first rank; `requests` holds the batch size
 )
 
 

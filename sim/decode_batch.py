@@ -1,9 +1,15 @@
 """Continuous batching at each decode instance, in simulated time.
 
-A room joins its decode instance's batch once every rank of the instance has its KV
-(each rank's runtime hands out a `Generate` after its RoomDone); it gets one token per
-step and leaves after its last one, when every rank hears `GenerateDone` and frees
-the room's pages. A step's time comes from `shared.serving.decode_model.DecodeModel`: the
+A room is ready for the batch once every rank of the instance has its KV (each rank's
+runtime hands out a `Generate` after its RoomDone). It joins at a step boundary when
+there is a slot; that moment is its first token at the client: as in SGLang's PD
+decode, the prefill samples the first token and ships it with the KV, and the decode
+streams it when the request enters its running batch (docs/metrics.md). It then gets
+one token per step, N - 1 steps for N output tokens, and leaves after its last one,
+when every rank hears `GenerateDone` (with the time it joined) and frees the room's
+pages. Each step is traced as a `decode_step` row at the instance's first simulated
+rank (`requests`: the batch), whose lengths are the rooms' inter-token gaps. A step's
+time comes from `shared.serving.decode_model.DecodeModel`: the
 weights plus the KV of everyone in the batch, read once, or its FLOPs, whichever is
 longer. Rooms join at step boundaries, as in an engine's scheduler, and at most
 `decode.max_running_requests` run at once: the others wait, in arrival order, for a
@@ -24,6 +30,7 @@ from typing import TYPE_CHECKING
 from kvstage.shared.events import Generate, GenerateDone
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.trace import TraceRecord
 
 if TYPE_CHECKING:
     from kvstage.sim.driver import Simulation
@@ -37,6 +44,8 @@ class _Batch:
     kv_tokens: int = 0  # KV of every room in the batch, in tokens
     size: int = 0
     stepping: bool = False
+    rank: int = -1  # the instance's first simulated decode rank (its step rows' rank)
+    step_start: float = 0.0
     # (tokens to generate, room, context tokens, ranks, joined at)
     joining: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
     # (finish step, room, KV tokens at the end, ranks, joined at)
@@ -82,9 +91,17 @@ class DecodeBatches:
 
     def _step(self, batch: _Batch) -> None:
         room_for = max(0, self.model.max_batch - batch.size)
-        for tokens, room, context, ranks, joined in batch.joining[:room_for]:
+        now = self.sim.env.now
+        for tokens, room, context, ranks, _ready in batch.joining[:room_for]:
+            if batch.rank < 0:
+                batch.rank = min(rt.rank for rt in ranks)
+            if tokens <= 1:  # its one token came with the KV: streamed as it joins, done
+                for rt in ranks:
+                    self.sim._deliver(rt, GenerateDone(room, now))
+                continue
+            # its first token (from the prefill) is out now; N - 1 steps follow
             heapq.heappush(
-                batch.finishing, (batch.steps + tokens, room, context + tokens, ranks, joined)
+                batch.finishing, (batch.steps + tokens - 1, room, context + tokens - 1, ranks, now)
             )
             batch.kv_tokens += context
             batch.size += 1
@@ -95,9 +112,20 @@ class DecodeBatches:
         batch.stepping = True
         self.peak_batch = max(self.peak_batch, batch.size)
         step = self.model.step_time_s(batch.kv_tokens, batch.size)
+        batch.step_start = now
         self.sim._at(step, self._stepped, batch)
 
     def _stepped(self, batch: _Batch, _ev=None) -> None:
+        self.sim._keep_record(
+            TraceRecord(
+                "decode",
+                batch.rank,
+                "decode_step",
+                batch.step_start,
+                self.sim.env.now,
+                requests=batch.size,
+            )
+        )
         batch.steps += 1
         if self.on_tokens is not None:
             self.on_tokens([f[1] for f in batch.finishing], self.sim.env.now)

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.metrics.rooms import request_breakdown, room_latencies, summarize
+from kvstage.metrics.rooms import (
+    BREAKDOWN,
+    request_breakdown,
+    request_figures,
+    room_latencies,
+    summarize,
+)
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.serving.memory import GIB
@@ -58,8 +64,9 @@ def test_gpu_memory_below_the_weights_is_one_clear_error():
 
 
 def test_one_request_alone_takes_one_step_per_token_with_its_kv_growing():
-    """Alone in the batch, a request's generation is the sum of the step times of its
-    own KV as it grows by one token per step."""
+    """Alone in the batch, a request's first token reaches the client as it joins (the
+    prefill made it) and the other N - 1 each take a step of its own KV, growing by one
+    token per step: TPOT = (E2E - TTFT) / (N - 1) is their mean, ITL each step."""
     s = load_scenario(
         P8D2,
         [*FIXED, "workload.requests=1", "workload.output_tokens=50", "workload.prompt_tokens=4096"],
@@ -67,14 +74,60 @@ def test_one_request_alone_takes_one_step_per_token_with_its_kv_growing():
     res = simulate(s)
     gen = by_phase(res.records, "generate")[0]
     m = DecodeModel(s)
-    expect = sum(m.step_time_s(4096 + i) for i in range(50))
-    assert gen.end - gen.start == pytest.approx(expect, rel=1e-9)
+    steps = [m.step_time_s(4096 + i) for i in range(49)]
+    assert gen.end - gen.start == pytest.approx(sum(steps), rel=1e-9)
     assert gen.requests == 50
     # the room's pages were freed only after its last token: the run ends then
     assert res.sim_time_s == pytest.approx(gen.end)
     per = request_breakdown(room_latencies(res.records))
-    assert per["tpot_s"] == [pytest.approx(expect / 50)]
+    assert per["tpot_s"] == [pytest.approx(sum(steps) / 49)]
+    assert per["itl_s"] == pytest.approx(steps, rel=1e-9)
     assert per["e2e_s"][0] == pytest.approx(gen.end - res.requests[0].arrival_s, abs=1e-6)
+    assert per["ttft_s"][0] == pytest.approx(gen.start - res.requests[0].arrival_s, abs=1e-6)
+
+
+def test_one_slot_four_prompts_tpot_is_the_step_and_ttft_includes_the_wait():
+    """decode.max_running_requests = 1 and four prompts at once (the closed form of issue
+    36): each request generates alone, so its TPOT is its own steps' mean (no wait in
+    it) and every gap is one step; a request's first token comes when the one before
+    it finished, so its TTFT holds the whole generations of those before it."""
+    n, prompt = 40, 2048
+    s = load_scenario(
+        P8D2,
+        [
+            *FIXED,
+            "workload.requests=4",
+            f"workload.output_tokens={n}",
+            f"workload.prompt_tokens={prompt}",
+            'workload.arrival="fixed"',
+            "workload.rate_per_s=1000000",
+            "decode.max_running_requests=1",
+        ],
+    )
+    res = simulate(s)
+    assert res.rooms_done == 4 and not res.violations
+    m = DecodeModel(s)
+    steps = [m.step_time_s(prompt + i) for i in range(n - 1)]
+    rooms = room_latencies(res.records)
+    order = sorted(rooms, key=lambda r: rooms[r]["first_token"])
+    for k, room in enumerate(order):
+        info = rooms[room]
+        figs = request_figures(info)
+        assert figs["tpot_s"] == pytest.approx(sum(steps) / (n - 1), rel=1e-9)
+        assert info["itls"] == pytest.approx(steps, rel=1e-9)
+        if k:  # it got the slot the moment the one before it sent its last token
+            before = rooms[order[k - 1]]
+            assert info["first_token"] == pytest.approx(before["last_token"], abs=1e-12)
+            assert figs["ttft_s"] >= k * sum(steps) - 1e-9
+            assert info["first_token"] - info["done"] > 0  # the wait for the slot
+    per = request_breakdown(rooms)
+    assert max(per["ttft_s"]) > 3 * sum(steps)
+    assert max(per["tpot_s"]) == pytest.approx(sum(steps) / (n - 1), rel=1e-9)
+    # the breakdown adds up to TTFT, request by request
+    for room in order:
+        info = rooms[room]
+        parts = sum(info[b] - info[a] for a, b in BREAKDOWN.values())
+        assert parts == pytest.approx(request_figures(info)["ttft_s"], abs=1e-9)
 
 
 def test_admission_waits_for_kv_pages_held_by_generating_rooms():
@@ -165,8 +218,9 @@ def test_max_running_requests_caps_the_batch():
         return max(g.end for g in gens) - min(g.start for g in gens)
 
     m = DecodeModel(capped_s)
-    # a round of two rooms takes at least 20 steps of a batch of two (KV >= 2 prompts)
-    one_round = 20 * m.step_time_s(2 * 1024, 2)
+    # a round of two rooms takes at least 19 steps of a batch of two (KV >= 2 prompts):
+    # the first of the 20 tokens comes from the prefill
+    one_round = 19 * m.step_time_s(2 * 1024, 2)
     assert span(capped) >= 3 * one_round * 0.99
     # uncapped, the rooms join as their prefills end and overlap: at least one round less
     assert span(free) < span(capped) - one_round

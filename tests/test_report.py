@@ -409,7 +409,7 @@ def test_staging_vs_slice_puts_exposed_transfer_beside_ttft(runs):
     loaded = [load_run(runs["staging"]), load_run(runs["slice"])]
     fig = staging_vs_slice(loaded)
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles[0].startswith("TTFT") and "arrival -> decode ready" in titles[0]
+    assert titles[0].startswith("TTFT") and "arrival -> first token" in titles[0]
     assert titles[1].startswith("exposed KV transfer") and "last forward end" in titles[1]
     # bar heights: p50 and p99 per run, in ms, from the same breakdown summary.json uses
     heights = [round(p.get_height(), 6) for p in fig.axes[1].patches]

@@ -41,8 +41,10 @@ def run(path: Path, sets: list[str]):
 def test_attainment_and_goodput_by_hand():
     _, res, _ = run(P8D2, BASE)
     rooms = room_latencies(res.records)
-    ttft = {k: i["done"] - i["arrival"] for k, i in rooms.items()}
-    tpot = {k: (i["generate_end"] - i["generate_start"]) / 16 for k, i in rooms.items()}
+    # the client's figures, by hand from the trace rows: the first token when the room
+    # joins the decode's batch, TPOT over the 15 tokens after it
+    ttft = {k: i["generate_start"] - i["arrival"] for k, i in rooms.items()}
+    tpot = {k: (i["generate_end"] - i["generate_start"]) / 15 for k, i in rooms.items()}
     target = sorted(ttft.values())[2] + 1e-9  # the first three meet it
     s, res, summary = run(
         P8D2, [*BASE, f"slo.ttft_s={target}", f"slo.tpot_s={max(tpot.values()) + 1e-9}"]

@@ -8,8 +8,9 @@ written.
 Definitions (B is measured relative to A):
 
 - transfer latency of a room: first prefill `room_open` (the first STAGING_REQ) to
-  the last decode `room_done` (as in `kvstage.metrics.rooms`); TTFT: decode `room_open`
-  (arrival) to the last decode `room_done`. Matched by room.
+  the last decode `room_done` (as in `kvstage.metrics.rooms`); TTFT: arrival to the
+  first token at the client (`kvstage.metrics.rooms.request_figures`, docs/metrics.md).
+  Matched by room.
 - chunk latency of (room, chunk, decode rank): from the moment the last of its
   writers finished computing the chunk (`compute` end; without compute rows, the
   writers' first gather / wm_wait / write start) to the chunk landing in the decode
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvstage.fmt import json_text
-from kvstage.metrics.rooms import percentiles, room_latencies
+from kvstage.metrics.rooms import percentiles, request_figures, room_latencies
 from kvstage.run.conditions import loaded_warnings
 from kvstage.run.rundir import Run, load_run
 from kvstage.shared.trace import TraceRecord
@@ -70,8 +71,9 @@ def room_metrics(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]]:
         m: dict[str, float] = {}
         if "transfer_start" in info:
             m["transfer"] = info["done"] - info["transfer_start"]
-        if "arrival" in info:
-            m["ttft"] = info["done"] - info["arrival"]
+        figures = request_figures(info)
+        if figures is not None:
+            m["ttft"] = figures["ttft_s"]
         out[room] = m
     return out
 

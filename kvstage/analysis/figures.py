@@ -392,7 +392,7 @@ def latency_cdfs(runs: Sequence[Run | str]) -> Figure:
     axes = fig.subplots(1, 2)
     for ax, key, title in (
         (axes[0], "transfer", "transfer latency (first STAGING_REQ -> room done)"),
-        (axes[1], "ttft", "TTFT (arrival -> decode ready)"),
+        (axes[1], "ttft", "TTFT (arrival -> first token)"),
     ):
         allv: list[float] = []
         for i, run in enumerate(runs):
@@ -501,7 +501,7 @@ def phase_bars(runs: Sequence[Run | str]) -> Figure:
 
 # What each latency panel measures: (request_breakdown key, title, the span it measures).
 _PATH_PANELS = (
-    ("ttft_s", "TTFT", "arrival -> decode ready: what the user waits"),
+    ("ttft_s", "TTFT", "arrival -> first token: what the user waits"),
     (
         "kv_transfer_latency_s",
         "exposed KV transfer",

@@ -460,7 +460,7 @@ def _across_runs(runs: list[Run], figure: _Figures) -> str:
                 figures.staging_vs_slice(runs),
                 "staging-vs-slice",
                 "staging vs slice",
-                "TTFT (arrival -> decode ready), the exposed KV transfer inside it (last forward end -> "
+                "TTFT (arrival -> first token at the client), the exposed KV transfer inside it (last forward end -> "
                 "decode ready: what the transfer adds to TTFT) and transfer requests per request, by "
                 "transfer path.",
             )

@@ -87,7 +87,9 @@ _LATENCIES = (
     "queueing_s",
     "staging_wait_s",
     "decode_admission_wait_s",
+    "decode_slot_wait_s",
     "tpot_s",
+    "itl_s",
     "e2e_s",
 )
 METRICS: tuple[str, ...] = (
@@ -502,6 +504,7 @@ def metric_display(metric: str, values: Sequence[float | None]) -> tuple[float, 
         "sim_time_s": "simulated time",
         "wall_s": "wall time",
         "tpot_s": "TPOT",
+        "itl_s": "ITL",
         "e2e_s": "end to end",
         "slo_attainment": "SLO attainment",
         "goodput_rps": "goodput (req/s)",

@@ -7,6 +7,7 @@ are comparable field by field.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -58,7 +59,13 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     - `admitted`: the decode's first `room_open` (its KV pages were granted; later
       than `arrival`, the decode's `arrive` row, when admission waited);
     - `generate_start` / `generate_end` / `output_tokens`: the room in its decode
-      instance's continuous batch (when the decode side's generation is modeled);
+      instance's continuous batch (when the decode side's generation is modeled):
+      it joined (its first token went to the client) and its last token;
+    - `first_token` / `last_token`: when the client received its first and last
+      token (docs/metrics.md): `generate_start` / `generate_end` when generation is
+      modeled, else `done` (the decode streams the prefill's token once the KV is in);
+    - `itls`: (a list) its inter-token gaps, the `decode_step` rows of its instance
+      between its first and last token (simulated generation only);
     - `done`: the last decode rank's `room_done` (only when every decode rank that
       has a row of the room finished it: in a cluster, the ranks of the decode
       instance the room was routed to); `failed`: 1.0 when a rank failed it;
@@ -80,8 +87,12 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     freed: list[
         tuple[int, int, int, float, int]
     ] = []  # (decode rank, room, chunk, free time, region bytes)
+    steps: dict[int, list[tuple[float, float]]] = {}  # decode rank -> its instance's steps
+    gen_rank: dict[int, int] = {}  # room -> the first decode rank with its generate row
     for r in records:
         if r.room < 0:
+            if r.phase == "decode_step":
+                steps.setdefault(r.rank, []).append((r.end, r.end - r.start))
             continue
         if r.role == "decode":
             decode_ranks.setdefault(r.room, set()).add(r.rank)
@@ -97,6 +108,7 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
             info["generate_start"] = max(info.get("generate_start", -math.inf), r.start)
             info["generate_end"] = max(info.get("generate_end", -math.inf), r.end)
             info["output_tokens"] = r.requests
+            gen_rank[r.room] = min(gen_rank.get(r.room, r.rank), r.rank)
         elif r.phase == "compute" and r.role == "prefill":
             info["forward_start"] = min(info.get("forward_start", math.inf), r.start)
             info["forward_end"] = max(info.get("forward_end", -math.inf), r.end)
@@ -117,7 +129,29 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
         if done_count.get(room, 0) < len(decode_ranks.get(room, ())):
             info.pop("done", None)
     _ring_holds(rooms, written, freed)
+    _client_times(rooms, steps, gen_rank)
     return rooms
+
+
+def _client_times(
+    rooms: dict[int, dict[str, float]],
+    steps: dict[int, list[tuple[float, float]]],
+    gen_rank: dict[int, int],
+) -> None:
+    """Each finished room's `first_token`, `last_token` and `itls` (see `room_latencies`)."""
+    for series in steps.values():
+        series.sort()
+    ends = {rank: [e for e, _ in series] for rank, series in steps.items()}
+    for room, info in rooms.items():
+        if "done" not in info or info.get("failed"):
+            continue
+        info["first_token"], info["last_token"] = client_tokens(info)
+        series = steps.get(gen_rank.get(room, -1))
+        if series is None:
+            continue
+        lo = bisect_right(ends[gen_rank[room]], info["first_token"])
+        hi = bisect_right(ends[gen_rank[room]], info["last_token"])
+        info["itls"] = [gap for _, gap in series[lo:hi]]  # type: ignore[assignment]
 
 
 def _ring_holds(
@@ -143,75 +177,91 @@ def _ring_holds(
         info["ring_region_bytes"] = float(largest[room])
 
 
-# summary.json's per-request breakdown: key -> (from, to) in `room_latencies` terms.
+# summary.json's per-request breakdown of TTFT: key -> (from, to) in `room_latencies` terms.
 # transfer_latency_s (prefill room_open -> decode ready) contains the prefill forward;
-# kv_transfer_latency_s is the part of it the request waits for after the forward.
+# kv_transfer_latency_s is the part of it the request waits for after the forward;
+# decode_slot_wait_s the wait of a ready request for a slot in the decode's batch.
 BREAKDOWN: dict[str, tuple[str, str]] = {
     "queueing_s": ("arrival", "forward_start"),
     "prefill_compute_s": ("forward_start", "forward_end"),
     "kv_transfer_latency_s": ("forward_end", "done"),
+    "decode_slot_wait_s": ("done", "generate_start"),
 }
+# the client's figures (docs/metrics.md), as sglang.bench_serving, vllm bench serve and
+# AIPerf define them
+CLIENT_FIGURES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 
 
 def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[float]]:
-    """Per finished request: transfer_latency_s, ttft_s, the BREAKDOWN spans and
-    staging_wait_s, each a list over the requests that have both ends in the trace."""
+    """Per finished request: the client's figures (`request_figures`; `itl_s` pools
+    every inter-token gap of every request, as the clients do), transfer_latency_s, the
+    BREAKDOWN spans of TTFT and staging_wait_s; each a list over the requests that have
+    the figure."""
     out: dict[str, list[float]] = {
         k: [] for k in ("transfer_latency_s", "ttft_s", *BREAKDOWN, "staging_wait_s")
     }
-    spans = {
-        "transfer_latency_s": ("transfer_start", "done"),
-        "ttft_s": ("arrival", "done"),
-        **BREAKDOWN,
-    }
+    spans = {"transfer_latency_s": ("transfer_start", "done"), **BREAKDOWN}
     for info in rooms.values():
-        if info.get("failed") or "done" not in info:
+        figures = request_figures(info)
+        if figures is None:
             continue
+        for key, value in figures.items():
+            out.setdefault(key, []).append(value)
+        out.setdefault("itl_s", []).extend(info.get("itls", ()))  # type: ignore[arg-type]
         for key, (a, b) in spans.items():
             if a in info and b in info:
                 out[key].append(info[b] - info[a])
         out["staging_wait_s"].append(info.get("staging_wait", 0.0))
-        for key, value in _decode_side(info).items():
-            out.setdefault(key, []).append(value)
+        if "admitted" in info and "arrival" in info:
+            out.setdefault("decode_admission_wait_s", []).append(info["admitted"] - info["arrival"])
     if not any(out.get("decode_admission_wait_s", ())):
         out.pop("decode_admission_wait_s", None)  # nobody waited: not a figure of this run
+    for key in ("decode_slot_wait_s", "itl_s"):
+        if not out.get(key):
+            out.pop(key, None)  # generation not modeled
     return out
 
 
-def _decode_side(info: dict[str, float]) -> dict[str, float]:
-    """A done request's decode-side spans, where the trace has them: admission wait
-    (kept only when some request waited), time per output token and end to end (when
-    generation is modeled)."""
-    out = {}
-    if "admitted" in info and "arrival" in info:
-        out["decode_admission_wait_s"] = info["admitted"] - info["arrival"]
-    if "generate_end" in info and info.get("output_tokens", 0) > 0:
-        out["tpot_s"] = (info["generate_end"] - info["generate_start"]) / info["output_tokens"]
-        out["e2e_s"] = info["generate_end"] - info["arrival"]
-    return out
+def client_tokens(info: dict[str, float]) -> tuple[float, float]:
+    """A finished room's first and last token at the client (see `room_latencies`)."""
+    if "generate_end" in info:
+        return info["generate_start"], info["generate_end"]
+    return info["done"], info["done"]
 
 
 def request_figures(info: dict[str, float]) -> dict[str, float] | None:
-    """A finished request's SLO figures (ttft_s; tpot_s and e2e_s when its generation is
-    modeled); None when it failed or did not finish."""
+    """A finished request's client figures (docs/metrics.md); None when it failed or did
+    not finish. `ttft_s`: arrival to the first token at the client; with generation
+    modeled also `e2e_s` (arrival to its last token) and, for N > 1 output tokens,
+    `tpot_s` = (E2E - TTFT) / (N - 1)."""
     if info.get("failed") or "done" not in info or "arrival" not in info:
         return None
-    side = _decode_side(info)
-    return {
-        "ttft_s": info["done"] - info["arrival"],
-        **{k: side[k] for k in ("tpot_s", "e2e_s") if k in side},
-    }
+    first, last = client_tokens(info)
+    out = {"ttft_s": first - info["arrival"]}
+    if "generate_end" in info and info.get("output_tokens", 0) > 0:
+        out["e2e_s"] = last - info["arrival"]
+        n = info["output_tokens"]
+        if n > 1:
+            out["tpot_s"] = (out["e2e_s"] - out["ttft_s"]) / (n - 1)
+    return out
+
+
+def meets(figures: dict[str, float] | None, targets: dict[str, float]) -> bool:
+    """A request is good when it finished and every target holds for it, as `vllm bench
+    serve --goodput` counts: a request of one token has TPOT 0 there; a figure the run
+    does not have (no TPOT without modeled generation) misses."""
+    if figures is None:
+        return False
+    if "e2e_s" in figures and "tpot_s" not in figures:
+        figures = {**figures, "tpot_s": 0.0}
+    return all(k in figures and figures[k] <= v for k, v in targets.items())
 
 
 def serving_span(rooms: dict[int, dict[str, float]]) -> float:
     """First arrival to the last finished request's end (its last token when generation
     is modeled, else decode ready): the time the run served its requests."""
     starts = [i["arrival"] for i in rooms.values() if "arrival" in i]
-    ends = [
-        i.get("generate_end", i["done"])
-        for i in rooms.values()
-        if "done" in i and not i.get("failed")
-    ]
+    ends = [client_tokens(i)[1] for i in rooms.values() if request_figures(i) is not None]
     return max(ends) - min(starts) if starts and ends else 0.0
 
 
@@ -229,7 +279,7 @@ def slo_figures(
     if not targets:
         return {}
     figures = [f for f in map(request_figures, rooms.values()) if f is not None]
-    met = sum(1 for f in figures if all(k in f and f[k] <= v for k, v in targets.items()))
+    met = sum(1 for f in figures if meets(f, targets))
     span = serving_span(rooms)
     goodput = met / span if span > 0 else 0.0
     out = {

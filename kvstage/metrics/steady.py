@@ -15,7 +15,7 @@ arrivals stop, in a lighter batch (the drain); neither is the load the run stand
 
 Figures over the window (`steady_figures`):
 
-* quantiles p50 / p90 / p99 of TTFT, TPOT and end to end, and the target quantile
+* quantiles p50 / p90 / p99 of TTFT, TPOT, ITL (every gap, pooled) and end to end, and the target quantile
   (`quantile_name`: attainment 0.99 -> p99) with a 95% interval: order statistics at
   q +- 1.96 sqrt(q (1 - q) / n_eff), where n_eff is n over the variance inflation
   that batch means (`BATCHES` consecutive batches) measure for the indicator
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstage.metrics.rooms import request_figures
+from kvstage.metrics.rooms import meets, request_figures
 
 if TYPE_CHECKING:
     from kvstage.shared.workload import Request
@@ -210,10 +210,10 @@ def steady_figures(
         out[f"{key}.{qname}_lo"] = _finite(lo)
         out[f"{key}.{qname}_hi"] = _finite(hi)
 
-    def met(f: dict[str, float] | None) -> float:
-        return float(bool(f) and all(k in f and f[k] <= v for k, v in targets.items()))
-
-    hits = [met(f) for _, f in figs]
+    itls = sorted(gap for room in w.rooms for gap in rooms[room].get("itls", ()))
+    for q in QUANTILES:  # every gap of the window's requests, pooled as the clients do
+        out[f"itl_s.{quantile_name(q)}"] = _finite(_quantile(itls, q))
+    hits = [float(meets(f, targets)) for _, f in figs]
     n = len(hits)
     rate = (n - 1) / w.span_s if n > 1 and w.span_s > 0 else 0.0
     att = statistics.fmean(hits) if hits else 0.0

@@ -9,16 +9,19 @@ from kvstage.fmt import MIB, ms
 from kvstage.run.conditions import describe
 from kvstage.shared.serving.compute import describe_efficiency
 
-# TTFT = queueing + prefill compute + exposed KV transfer; the transfer latency above
-# starts at the first forward, so it holds prefill compute + exposed KV transfer.
+# TTFT = queueing + prefill compute + exposed KV transfer + decode slot wait; the
+# transfer latency above starts at the first forward, so it holds prefill compute +
+# exposed KV transfer. TPOT, ITL and E2E are the clients' (docs/metrics.md).
 _BREAKDOWN_ROWS = (
     ("queueing_s", "  queueing (arrival -> first forward)"),
     ("prefill_compute_s", "  prefill compute (first forward -> last forward end)"),
     ("kv_transfer_latency_s", "  exposed KV transfer (last forward end -> decode ready)"),
+    ("decode_slot_wait_s", "  decode slot wait (decode ready -> first token)"),
     ("staging_wait_s", "staging wait (a chunk behind the watermark)"),
     # the decode side, when modeled (KV capacity, generation)
     ("decode_admission_wait_s", "decode admission wait (arrival -> KV pages granted)"),
-    ("tpot_s", "TPOT (time per output token)"),
+    ("tpot_s", "TPOT ((E2E - TTFT) / (N - 1))"),
+    ("itl_s", "ITL (every gap between tokens)"),
     ("e2e_s", "end to end (arrival -> last token)"),
 )
 
@@ -58,7 +61,7 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
     t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
     ttft = summary["ttft_s"]
-    t.add_row("TTFT (arrival -> decode ready) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
+    t.add_row("TTFT (arrival -> first token) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
     for key, label in _BREAKDOWN_ROWS:
         if key in summary:  # summaries written before the breakdown existed lack it
             t.add_row(

@@ -2,9 +2,10 @@
 
 Each target bounds one per-request figure of summary.json (kvstage/metrics/rooms.py): a
 request meets the SLO when it finished and every target given holds for it
-(`ttft_s`: arrival -> decode ready; `tpot_s`: time per output token; `e2e_s`: arrival
--> last token). A failed request misses. Without targets nothing is judged and
-summary.json has no SLO keys.
+(the clients' figures, docs/metrics.md: `ttft_s`: arrival -> first token at the client;
+`tpot_s`: (E2E - TTFT) / (N - 1), 0 for one token, as `vllm bench serve --goodput`
+counts; `e2e_s`: arrival -> last token). A failed request misses. Without targets
+nothing is judged and summary.json has no SLO keys.
 """
 
 from __future__ import annotations
