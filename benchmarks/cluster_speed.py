@@ -84,6 +84,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvstage.shared.serving.compute import prefill_forward_s
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -127,7 +129,7 @@ def prefill_capacity_rps(instances: int) -> float:
     """Requests per second the prefill instances compute at the trace's mean prompt."""
     s = load_scenario(SCENARIO)
     mean_prompt = min(MAX_PROMPT, MEDIAN_PROMPT * math.exp(0.6**2 / 2))
-    return instances / s.forward_time_s(int(mean_prompt))
+    return instances / prefill_forward_s(s, int(mean_prompt))
 
 
 def run(

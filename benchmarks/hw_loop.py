@@ -54,7 +54,7 @@ from pathlib import Path
 from kvstage.hw.rank import LOOP_STATS_ENV
 from kvstage.run.hwrun import launch_run
 from kvstage.run.result import judge
-from kvstage.shared.scenario import load_scenario
+from kvstage.shared.scenario import load_scenario, scaled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,17 +149,19 @@ def print_stamps(f: dict) -> None:
 
 def run_case(tp: tuple[int, int], backend: str, requests: int) -> None:
     P, D = tp
-    s = load_scenario(
-        REPO / "scenarios" / "llama3-8b-p4-d2.toml",
-        overrides=[
-            f"prefill.tp={P}",
-            f"decode.tp={D}",
-            f"hardware.backend={backend}",
-            f"workload.requests={requests}",
-            "workload.rate_per_s=8",
-            "hardware.scale_down.enabled=true",
-        ],
-    ).scaled()
+    s = scaled(
+        load_scenario(
+            REPO / "scenarios" / "llama3-8b-p4-d2.toml",
+            overrides=[
+                f"prefill.tp={P}",
+                f"decode.tp={D}",
+                f"hardware.backend={backend}",
+                f"workload.requests={requests}",
+                "workload.rate_per_s=8",
+                "hardware.scale_down.enabled=true",
+            ],
+        )
+    )
     with tempfile.TemporaryDirectory() as tmp:
         stats_dir = Path(tmp) / "loop"
         stats_dir.mkdir()

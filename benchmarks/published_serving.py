@@ -73,7 +73,7 @@ from pathlib import Path
 
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario, load_scenario
-from kvstage.shared.serving.compute import decode_step, prefill_forward
+from kvstage.shared.serving.compute import decode_step, prefill_forward, prefill_forward_s
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def nim(prompt: int, what: str) -> Callable[[], float]:
             "decode.tp=2",
         )
         if what == "ttft":
-            return s.forward_time_s(prompt) * 1e3
+            return prefill_forward_s(s, prompt) * 1e3
         return decode_step(s, 1, prompt + 250).total_s * 1e3  # mid-generation KV
 
     return run

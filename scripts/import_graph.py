@@ -19,7 +19,8 @@ by another counts at any depth as above; --concepts then makes a node of each
 sub-package (kvstage.shared.scenario, kvstage.shared.serving). --cycles prints each
 circle (a strongly connected set of modules that import each other, directly or
 through others), the arrows of imports made inside a function (lazy imports) marked
-`(lazy)` and those under `if TYPE_CHECKING:` marked `(typing)`.
+`(lazy)` and those under `if TYPE_CHECKING:` marked `(typing)`: first the circles of
+the imports that run, then those the TYPE_CHECKING imports (which never run) close.
 
 With --concepts every module inside a package of kvstage/ counts as that package
 (kvstage.run.hwrun -> kvstage.run), a top-level module stays itself, and arrows inside
@@ -196,15 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             mark = "" if kinds[(a, b)] == "top" else f" ({kinds[(a, b)]})"
             print(f"  {a} -> {b}{mark}")
     if args.cycles:
-        circles = cycles(edges)
-        print(f"{len(circles)} import circles")
-        for group in circles:
-            inside = sorted((a, b) for a, b in edges if a in group and b in group)
-            print(f"  {len(group)} modules: " + ", ".join(group))
-            for a, b in inside:
-                mark = "" if kinds[(a, b)] == "top" else f" ({kinds[(a, b)]})"
-                print(f"    {a} -> {b}{mark}")
+        running = {e for e, k in kinds.items() if k != "typing"}
+        _print_circles("import circles (imports that run, lazy ones included)", running, kinds)
+        _print_circles("circles with the TYPE_CHECKING imports counted too", edges, kinds)
     return 0
+
+
+def _print_circles(title: str, edges: set[tuple[str, str]], kinds: dict) -> None:
+    circles = cycles(edges)
+    print(f"{len(circles)} {title}")
+    for group in circles:
+        inside = sorted((a, b) for a, b in edges if a in group and b in group)
+        print(f"  {len(group)} modules: " + ", ".join(group))
+        for a, b in inside:
+            mark = "" if kinds[(a, b)] == "top" else f" ({kinds[(a, b)]})"
+            print(f"    {a} -> {b}{mark}")
 
 
 if __name__ == "__main__":

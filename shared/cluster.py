@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstage.shared.layout import Geometry
-from kvstage.shared.scenario.cluster_table import ROUTERS
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
 __all__ = [
+    "ROUTERS",
     "InstanceLoad",
     "Router",
     "Sessions",
@@ -34,6 +34,9 @@ __all__ = [
     "least",
     "shard_problem",
 ]
+
+# the routing policies `cluster.router` names (shared/scenario/cluster_table.py)
+ROUTERS = ("round-robin", "least-outstanding", "staging-aware", "cache-aware")
 
 
 class Sessions:

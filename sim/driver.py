@@ -59,6 +59,7 @@ from kvstage.shared.runtime import (
 )
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.gpus import efficiency, side_gpu
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import LiveLoads, cluster_nics
@@ -223,10 +224,11 @@ class Simulation:
         self.control_latency = lk.control_latency_s
         # copy kernels: gathers on the prefill GPU, scatters on the decode GPU; a
         # calibrated host's copy numbers (the profile's) stand in for both
-        eff = s.efficiency()
+        eff = efficiency(s)
         self.gather_gpu, self.scatter_gpu = (
             GpuParams(
-                mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s or s.gpu(side).hbm_Bps * eff.copy_hbm,
+                mem_bandwidth_Bps=lk.mem_bandwidth_bytes_s
+                or side_gpu(s, side).hbm_Bps * eff.copy_hbm,
                 launch_s=eff.kernel_launch_s if lk.kernel_launch_s is None else lk.kernel_launch_s,
             )
             for side in ("prefill", "decode")

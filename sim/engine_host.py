@@ -49,6 +49,7 @@ import simpy
 
 from kvstage.shared.events import Forward, SliceWrite, Write, WriteDone
 from kvstage.shared.scenario.engines import EnginePreset
+from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.sim.forward import GroupForward, _GroupChunk
 from kvstage.sim.host import CpuShare
 
@@ -257,7 +258,7 @@ class EngineForward(GroupForward):
         self.batches += 1
         start = self.stream.free_at(now)
         tokens = sum(f.tokens for _, f in batch if f.num_pages)
-        end = self.stream.reserve(now, sim.scenario.forward_time_s(tokens)) if tokens else start
+        end = self.stream.reserve(now, prefill_forward_s(sim.scenario, tokens)) if tokens else start
         for key, f in batch:
             self._chunks[key].start = start
             if f.chunk == 0:

@@ -5,7 +5,7 @@ arrival order, chunk by chunk); these only decide how long it takes:
 
 - `GroupForward` (the GPU model): the prefill TP group computes together, one chunk
   at a time, on one stream; each chunk's duration comes from the model's FLOPs
-  (`Scenario.forward_time_s`, shared/serving/compute.py), its attention over the context
+  (`chunk_forward_s`, shared/serving/compute.py), its attention over the context
   before it (chunked prefill). Every rank of the group asks for the same chunk; the
   first request plans it, the others join it.
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills

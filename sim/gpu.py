@@ -2,7 +2,7 @@
 
 Gather/scatter kernels are memory bound (they read and write every byte once), so
 their duration is launch overhead plus 2*bytes over HBM bandwidth. (The prefill
-forward's duration is the scenario's: `Scenario.forward_time_s`, see sim/forward.py.)
+forward's duration is the scenario's: `prefill_forward_s` in shared/serving/compute.py, see sim/forward.py.)
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from kvstage.metrics.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, ni
 from kvstage.metrics.rooms import room_latencies
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import load_scenario
+from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.shared.serving.decode_model import GIB, DecodeModel
 from kvstage.sim.driver import simulate
 
@@ -41,7 +42,7 @@ def test_prefill_far_above_its_capacity_is_prefill_compute():
     s, summary = verdict("workload.rate_per_s=4", "workload.prompt_tokens=32768")
     b = summary["bottleneck"]
     assert (b["stage"], b["reason"]) == (PREFILL, "overloaded")
-    capacity = 8192 / s.forward_time_s(8192)
+    capacity = 8192 / prefill_forward_s(s, 8192)
     assert b["stages"][PREFILL]["capacity_tokens_per_s"] == pytest.approx(capacity)
     assert b["stages"][PREFILL]["utilization"] == pytest.approx(4 * 32768 / capacity)
     assert b["offered"]["prompt_tokens_per_s"] == pytest.approx(4 * 32768)
@@ -56,7 +57,9 @@ def test_a_light_load_names_the_largest_share_of_ttft():
     assert (b["stage"], b["reason"]) == (PREFILL, "largest share of TTFT")
     assert b["stages"][PREFILL]["utilization"] < 1
     assert b["stages"][PREFILL]["ttft_share"] > 0.9  # the forward is the TTFT
-    assert b["stages"][PREFILL]["forward_per_request_s"] == pytest.approx(s.forward_time_s(32768))
+    assert b["stages"][PREFILL]["forward_per_request_s"] == pytest.approx(
+        prefill_forward_s(s, 32768)
+    )
 
 
 def test_a_tiny_kv_capacity_is_decode_kv_capacity():

@@ -9,6 +9,7 @@ import simpy
 
 from kvstage.shared.scenario import ScenarioError, scenario_from_dict
 from kvstage.shared.scenario.engines import ENGINE_PRESETS
+from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.sim.driver import Simulation
 from kvstage.sim.engine_host import EngineForward, Gil, Threads
 from kvstage.sim.forward import GroupForward
@@ -126,7 +127,7 @@ def test_one_batch_holds_the_burst_and_the_forward_is_one() -> None:
     computes = {(r.start, r.end) for r in result.records if r.phase == "compute"}
     assert len(computes) == 1
     ((start, end),) = computes
-    assert end - start == pytest.approx(s.forward_time_s(8 * 128))
+    assert end - start == pytest.approx(prefill_forward_s(s, 8 * 128))
 
 
 def test_worker_posting_frees_the_scheduler_for_the_next_launch() -> None:

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from kvstage.analysis.layout_report import duplicate_share
 from kvstage.cli.main import app
-from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.scenario import ScenarioError, load_scenario, scaled
 from kvstage.shared.scenario.presets import PRESETS
+from kvstage.shared.serving.compute import prefill_forward_s
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 WIDE = {"COLUMNS": "300"}
@@ -61,9 +62,9 @@ def test_moe_forward_uses_active_parameters():
     linear = 2 * d * c / tp / (peak * 0.40) + 2 * 2 * e * c / tp / (peak * 0.358)
     attention = 4 * 32 * 32 * 128 * c * (c + 1) / 2 / tp / (peak * 0.5)
     allreduce = 2 * 32 * (c * 4096 * 2 * 2 * 3 / 4 / (450e9 * 0.8) + 10e-6)
-    assert moe.forward_time_s(8192) == pytest.approx(linear + attention + allreduce, rel=1e-3)
+    assert prefill_forward_s(moe, 8192) == pytest.approx(linear + attention + allreduce, rel=1e-3)
     # every expert's FLOPs as active: the linear part grows, the rest is the same
-    assert dense.forward_time_s(8192) > 2.5 * moe.forward_time_s(8192)
+    assert prefill_forward_s(dense, 8192) > 2.5 * prefill_forward_s(moe, 8192)
     # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
     assert load().model.flops_params_b == 8.0
     assert load("model.preset=mixtral-8x7b", "model.params_b=40").model.flops_params_b == 40
@@ -73,7 +74,7 @@ def test_active_parameters_are_checked_scaled_and_kept():
     with pytest.raises(ScenarioError, match="active_params_b"):
         load("model.preset=mixtral-8x7b", "model.active_params_b=50")
     moe = load("model.preset=mixtral-8x7b", "hardware.scale_down.enabled=true")
-    small = moe.scaled()
+    small = scaled(moe)
     assert small.model.layers == 4
     assert small.model.active_params_b == pytest.approx(12.9 * 4 / 32)
     assert small.model.params_b == pytest.approx(46.7 * 4 / 32)

@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 from kvstage.shared.scenario import ScenarioError, load_scenario
-from kvstage.shared.serving.compute import allreduce_s, decode_step, prefill_forward
+from kvstage.shared.serving.compute import (
+    allreduce_s,
+    decode_step,
+    prefill_forward,
+    prefill_forward_s,
+)
 from kvstage.shared.serving.decode_model import DecodeModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +145,7 @@ def test_a_prefill_forward_never_beats_peak_flops(model, gpu, tp, s):
     for tokens, context in ((128, 0), (8192, 0), (8192, 32768)):
         f = prefill_forward(s, tokens, context)
         assert f.total_s >= 2 * active * 1e9 * tokens / tp / _peak(gpu, dtype)
-        assert s.forward_time_s(tokens, context) == f.total_s
+        assert prefill_forward_s(s, tokens, context) == f.total_s
     if tp > 1:  # two all-reduces a layer of 8192 x hidden x 2 B, ring 2 (n-1)/n
         link = SHEET[gpu][4] * 1e9
         nbytes = 8192 * hidden * 2 * 2 * (tp - 1) / tp
@@ -152,8 +157,8 @@ def test_prefill_attention_is_quadratic_in_the_context():
     than a 1k prompt, by the attention FLOPs worked out here."""
     s = scenario("llama-3-8b", "h100-sxm", 1)
     chunk, n = 8192, 126 * 1024
-    long = sum(s.forward_time_s(min(chunk, n - p), p) for p in range(0, n, chunk)) / n
-    short = s.forward_time_s(1024) / 1024
+    long = sum(prefill_forward_s(s, min(chunk, n - p), p) for p in range(0, n, chunk)) / n
+    short = prefill_forward_s(s, 1024) / 1024
     assert long > 1.5 * short
     # by hand: 4 x layers x heads x head_dim x sum over query tokens of keys seen
     keys = n * (n + 1) / 2
@@ -185,7 +190,8 @@ def test_expert_parallelism_divides_the_experts_and_pays_the_all_to_all():
     other GPUs of its node and the NIC once per other node it picks."""
     s = scenario("deepseek-v3", "h200", 8, "prefill.gpu=h100-sxm", "prefill.tp=1", "prefill.ep=32")
     assert s is not None
-    from kvstage.shared.serving.compute import alltoall_s, weights_per_gpu_bytes
+    from kvstage.shared.serving.compute import alltoall_s
+    from kvstage.shared.serving.memory import weights_per_gpu_bytes
 
     e = (671e9 - 37e9) / 248
     d = 37e9 - 8 * e
@@ -224,7 +230,7 @@ def test_fit_serving_recovers_the_efficiencies_that_made_the_figures():
 
     made = load_scenario(P8D2, ["prefill.mfu=0.33", "decode.hbm_efficiency=0.6"])
     prompt = 12000  # two chunks, the second after 8,192 tokens of context
-    seconds = made.forward_time_s(8192) + made.forward_time_s(prompt - 8192, 8192)
+    seconds = prefill_forward_s(made, 8192) + prefill_forward_s(made, prompt - 8192, 8192)
     step = decode_step(made, 16, 16 * 3000).total_s
     fit = fit_serving(P8D2, prefill=(prompt / seconds, prompt), decode=(step, 16, 3000))
     assert fit.prefill_mfu == pytest.approx(0.33, abs=1e-6)

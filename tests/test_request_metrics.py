@@ -16,6 +16,7 @@ from kvstage.explore.sweep_target import parse_target, why_unmet
 from kvstage.metrics.rooms import percentiles, room_latencies, summarize
 from kvstage.run.summary_table import print_summary
 from kvstage.shared.scenario import load_scenario
+from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.shared.trace import TraceRecord
 from kvstage.sim.driver import simulate
 
@@ -93,7 +94,7 @@ def test_simulated_breakdown_matches_its_trace_and_the_forward_model(small_run):
     assert summary["requests_done"] == 4
     # two chunks of 8,192 tokens, one after the other; the second attends to the
     # first's 8,192 tokens of context too (shared/serving/compute.py)
-    forward = s.forward_time_s(8192) + s.forward_time_s(8192, context=8192)
+    forward = prefill_forward_s(s, 8192) + prefill_forward_s(s, 8192, context=8192)
     kv, compute = [], []
     for req in result.requests:
         rows = [r for r in result.records if r.room == req.room]

@@ -25,8 +25,11 @@ from kvstage.shared.scenario import (
     dumps_toml,
     load_scenario,
     parse_override_value,
+    scaled,
     scenario_from_dict,
 )
+from kvstage.shared.serving.compute import prefill_forward_s
+from kvstage.shared.serving.gpus import efficiency, side_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "scenarios"
@@ -119,7 +122,7 @@ def test_catalogue_file_loads(path: Path) -> None:
     assert load_scenario(path, ["transfer.path=slice"]).transfer.path == "slice"
     sd = s.hardware.scale_down
     assert not sd.enabled
-    small = load_scenario(path, ["hardware.scale_down.enabled=true"]).scaled()
+    small = scaled(load_scenario(path, ["hardware.scale_down.enabled=true"]))
     assert (small.prefill.tp, small.decode.tp) == (s.prefill.tp, s.decode.tp)
     assert small.model.layers <= 4 and small.workload.requests <= 8
     # Host memory on a 2-core, 24 GiB machine: a small pool per decode rank.
@@ -170,17 +173,17 @@ def test_defaults_and_derived_numbers(tmp_path: Path) -> None:
     assert (g.prefill_tp, g.decode_tp, g.total_kv_heads, g.layers) == (4, 2, 8, 32)
     assert g.dtype_bytes == 2 and g.chunked_prefill_size == 8192
     # 2 * 8e9 * 8192 / 4 FLOPs at H100's 989 TFLOP/s bf16 x the 40% MFU of a long chunk
-    assert s.gpu("prefill").name == "h100-sxm" and s.efficiency().mfu(8192) == 0.4
+    assert side_gpu(s, "prefill").name == "h100-sxm" and efficiency(s).mfu(8192) == 0.4
     # (issue 22: the forward adds attention and TP all-reduces, tests/test_physics.py)
     from kvstage.shared.serving.compute import prefill_forward
 
     f = prefill_forward(s, 8192)
     assert f.linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / (989e12 * 0.4))
-    assert s.forward_time_s(8192) == pytest.approx(f.total_s) and f.total_s > f.linear_s
+    assert prefill_forward_s(s, 8192) == pytest.approx(f.total_s) and f.total_s > f.linear_s
     s1 = scenario_from_dict(minimal(prefill={"tflops": 400.0}))
     assert prefill_forward(s1, 8192).linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / 400e12)
     s2 = scenario_from_dict(minimal(prefill={"tokens_per_s": 1000.0}))
-    assert s2.forward_time_s(500) == pytest.approx(0.5)
+    assert prefill_forward_s(s2, 500) == pytest.approx(0.5)
     r = s.links.resolved()
     assert r.placement == "inter" and r.link == r.inter
     assert r.link.bandwidth_bytes_s == pytest.approx(370e9 / 8)
@@ -649,7 +652,7 @@ def test_dumps_toml_special_floats() -> None:
 
 def test_scaled_shrinks_and_keeps_tp() -> None:
     s = load_scenario(SCENARIOS / "llama3-70b-p8-d2.toml", ["hardware.scale_down.enabled=true"])
-    small = s.scaled()
+    small = scaled(s)
     assert (small.prefill.tp, small.decode.tp, small.model.kv_heads) == (8, 2, 8)
     assert small.model.head_dim == s.model.head_dim
     assert small.decode.page_size == s.decode.page_size
@@ -662,13 +665,13 @@ def test_scaled_shrinks_and_keeps_tp() -> None:
     assert small.prefill.chunked_prefill_size == 512
     assert small.geometry().chunk_bytes() == 4 << 20
     # Idempotent, and both modes can reload its TOML.
-    assert dump_all(small.scaled()) == dump_all(small)
+    assert dump_all(scaled(small)) == dump_all(small)
     assert small.name == s.name
 
 
 def test_scaled_disabled_is_identity() -> None:
     s = load_scenario(SCENARIOS / "llama3-70b-p8-d2.toml")
-    assert s.scaled() is s
+    assert scaled(s) is s
 
 
 def test_scaled_never_grows() -> None:
@@ -686,7 +689,7 @@ def test_scaled_never_grows() -> None:
             },
         )
     )
-    small = s.scaled()
+    small = scaled(s)
     assert small.model.layers == 2 and small.workload.requests == 3
     assert small.workload.prompt_tokens == 100
 

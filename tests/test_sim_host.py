@@ -14,6 +14,7 @@ from kvstage.shared.scenario import (
     HostNumbers,
     ScenarioError,
     load_scenario,
+    scaled,
     scenario_from_dict,
 )
 from kvstage.sim.driver import Simulation, simulate
@@ -277,7 +278,7 @@ def test_calibrated_profile_turns_the_host_model_on(tmp_path):
         overrides=[f"links.profile={profile}", "links.placement=intra", "workload.requests=4"],
     )
     assert s.links.resolved().host is not None
-    r = simulate(s.scaled())
+    r = simulate(scaled(s))
     assert r.ok and r.rooms_done == 4
     for fault in ("stall-scatter", "late-session", "drop-rsp-watermark"):
         fs = load_scenario(

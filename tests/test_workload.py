@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
+from kvstage.shared.scenario import (
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    scaled,
+    scenario_from_dict,
+)
 from kvstage.shared.workload import Request, generate_requests, read_trace, trace_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -383,9 +389,11 @@ def test_missing_trace(tmp_path: Path) -> None:
 
 
 def test_scaled_workload_fits() -> None:
-    s = load_scenario(
-        REPO / "scenarios" / "llama3-70b-p8-d2.toml", ["hardware.scale_down.enabled=true"]
-    ).scaled()
+    s = scaled(
+        load_scenario(
+            REPO / "scenarios" / "llama3-70b-p8-d2.toml", ["hardware.scale_down.enabled=true"]
+        )
+    )
     reqs = generate_requests(s)
     check_basic(reqs, 8)
     assert max(r.prompt_tokens for r in reqs) <= 2048

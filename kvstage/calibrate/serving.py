@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstage.shared.scenario import Scenario, load_scenario
-from kvstage.shared.serving.compute import decode_step
+from kvstage.shared.serving.compute import decode_step, prefill_forward_s
 
 __all__ = ["ServingFit", "ServingFitError", "fit_decode_hbm", "fit_prefill_mfu", "fit_serving"]
 
@@ -50,7 +50,7 @@ class ServingFit:
 
 def _prompt_time_s(s: Scenario, prompt: int) -> float:
     chunk = s.prefill.chunked_prefill_size
-    return sum(s.forward_time_s(min(chunk, prompt - p), p) for p in range(0, prompt, chunk))
+    return sum(prefill_forward_s(s, min(chunk, prompt - p), p) for p in range(0, prompt, chunk))
 
 
 def _bisect(f, lo: float, hi: float) -> float:

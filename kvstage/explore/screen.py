@@ -39,6 +39,7 @@ from kvstage.metrics.bottleneck import (
     nic_counts,
     offered_load,
 )
+from kvstage.shared.serving.compute import prefill_forward_s
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -88,7 +89,7 @@ def capacity(scenario: Scenario) -> Capacity:
         return out
     c = s.cluster
     chunk = s.prefill.chunked_prefill_size
-    prefill_cap = chunk / s.forward_time_s(chunk) * c.prefill_instances
+    prefill_cap = chunk / prefill_forward_s(s, chunk) * c.prefill_instances
     offered = rate * load["computed_tokens"]
     out[PREFILL] = _stage(
         offered,

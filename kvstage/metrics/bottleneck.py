@@ -9,7 +9,7 @@ prompt (prompt less the decode's cached prefix), output tokens and KV bytes move
 
 Each stage has a utilization (offered / capacity) where a capacity exists:
 
-* prefill compute: tokens/s of one instance (`Scenario.forward_time_s`) x instances;
+* prefill compute: tokens/s of one instance (`prefill_forward_s`) x instances;
 * NIC: KV bytes per request (measured payload per finished request) and work requests
   per request over the NICs of the tighter side (bandwidth and message rate; ranks
   rail-aligned on nodes as in sim/cluster.py);
@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstage.metrics.rooms import percentiles
+from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.shared.serving.decode_model import DecodeModel
 
 if TYPE_CHECKING:
@@ -131,11 +132,11 @@ def _util(offered: float, capacity: float) -> float | None:
 
 def _prefill(s: Scenario, load: dict, rate: float | None) -> dict[str, Any]:
     chunk = s.prefill.chunked_prefill_size
-    per_instance = chunk / s.forward_time_s(chunk)
+    per_instance = chunk / prefill_forward_s(s, chunk)
     capacity = per_instance * s.cluster.prefill_instances
     out: dict[str, Any] = {
         "capacity_tokens_per_s": capacity,
-        "forward_per_request_s": s.forward_time_s(round(load["computed_tokens"])),
+        "forward_per_request_s": prefill_forward_s(s, round(load["computed_tokens"])),
     }
     if rate is not None:
         offered = rate * load["computed_tokens"]

@@ -34,6 +34,7 @@ from kvstage.shared.scenario.loading import (
     load_scenario,
     parse_override_value,
     read_scenario_file,
+    scaled,
     scenario_from_dict,
 )
 from kvstage.shared.scenario.presets import PRESETS, ModelPreset
@@ -89,5 +90,6 @@ __all__ = [
     "parse_override_value",
     "profile_dirs",
     "read_scenario_file",
+    "scaled",
     "scenario_from_dict",
 ]

@@ -13,9 +13,8 @@ from pydantic import Field, model_validator
 
 from kvstage.shared.scenario.fieldtypes import _Table
 
-__all__ = ["ROUTERS", "ClusterConfig"]
+__all__ = ["ClusterConfig"]
 
-ROUTERS = ("round-robin", "least-outstanding", "staging-aware", "cache-aware")
 Instances = Annotated[int, Field(ge=1, le=4096)]
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "load_scenario",
     "parse_override_value",
     "read_scenario_file",
+    "scaled",
     "scenario_from_dict",
 ]
 
@@ -171,3 +172,40 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def scaled(s: Scenario) -> Scenario:
+    """Scenario `s` with [hardware.scale_down] applied, or itself when disabled.
+
+    Sizes only shrink (each is min(current, scale-down value)); TP sizes, KV
+    heads, head_dim and page size stay, so the rank mapping under test is the
+    same. params_b shrinks with the layer count so the modeled forward time stays
+    per-layer faithful.
+    """
+    sd = s.hardware.scale_down
+    if not sd.enabled:
+        return s
+    data = s.model_dump(exclude_none=True)
+    if sd.layers is not None and sd.layers < s.model.layers:
+        data["model"]["layers"] = sd.layers
+        for key in ("params_b", "active_params_b"):
+            if key in data["model"]:
+                data["model"][key] = data["model"][key] * sd.layers / s.model.layers
+    if sd.requests is not None:
+        given = s.workload.requests  # None: every trace row
+        data["workload"]["requests"] = sd.requests if given is None else min(given, sd.requests)
+    if sd.max_prompt_tokens is not None:
+        cap = sd.max_prompt_tokens
+        w = data["workload"]
+        if s.workload.max_prompt_tokens is not None:
+            cap = min(cap, s.workload.max_prompt_tokens)
+        w["max_prompt_tokens"] = cap
+        for key in ("prompt_tokens", "prompt_min", "prompt_max"):
+            w[key] = min(w[key], cap)
+    if sd.staging_pool_mb is not None:
+        data["decode"]["staging_pool_mb"] = min(s.decode.staging_pool_mb, sd.staging_pool_mb)
+    if sd.chunked_prefill_size is not None:
+        data["prefill"]["chunked_prefill_size"] = min(
+            s.prefill.chunked_prefill_size, sd.chunked_prefill_size
+        )
+    return scenario_from_dict(data, s.base_dir, source=f"{s.name} (scaled down)")

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from kvstage.shared.cluster import fold_problem, shard_problem
 from kvstage.shared.faults import FaultsConfig
 from kvstage.shared.layout import DTYPE_BYTES, Geometry, LayoutError, validate_tp
 from kvstage.shared.scenario.cluster_table import ClusterConfig
@@ -46,11 +47,8 @@ from kvstage.shared.scenario.profiles import (
 from kvstage.shared.scenario.slo_table import SloConfig
 from kvstage.shared.scenario.toml_out import dumps_toml
 from kvstage.shared.serving.gpus import (
-    DEFAULT_EFFICIENCY,
     DEFAULT_GPU,
     GPUS,
-    Efficiency,
-    Gpu,
     gpu_names,
 )
 from kvstage.shared.serving.memory import memory_problem
@@ -188,6 +186,15 @@ class ModelConfig(_Table):
         return self.params_b * 1e9 * DTYPE_BYTES[self.weight_dtype]
 
     @property
+    def mla_widths(self) -> tuple[int, int, int, int] | None:
+        """The preset's MLA widths (qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+        kv_lora_rank), or None when the model names no preset that gives them."""
+        p = PRESETS.get(self.preset or "")
+        if p is None or not p.v_head_dim:
+            return None
+        return (p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim, p.kv_lora_rank)
+
+    @property
     def heads(self) -> int:
         """Query heads (attention FLOPs)."""
         return self.attention_heads or self.kv_heads
@@ -268,9 +275,10 @@ def _check_ep_tp(cfg: Any) -> Any:
 class PrefillConfig(_Table):
     """[prefill]: TP size, the GPU, and how long a forward takes.
 
-    The forward's time is its FLOPs at the GPU's peak x MFU (Scenario.forward_time_s);
-    `mfu` replaces the default table (gpus.Efficiency), `tflops` sets the sustained
-    FLOP/s per GPU outright and `tokens_per_s` the whole forward.
+    The forward's time is its FLOPs at the GPU's peak x MFU (`prefill_forward_s`,
+    shared/serving/compute.py); `mfu` replaces the default table (gpus.Efficiency),
+    `tflops` sets the sustained FLOP/s per GPU outright and `tokens_per_s` the whole
+    forward.
     """
 
     tp: TPSize
@@ -631,14 +639,10 @@ class Scenario(_Table):
         self._base_dir = Path(base_dir) if base_dir is not None else None
         _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
         if self.cluster.fold:
-            from kvstage.shared.cluster import fold_problem  # (it imports this package)
-
             problem = fold_problem(self)
             if problem:
                 raise _FieldProblem({"cluster.fold": True}, f"cannot fold ranks: {problem}")
         if self.cluster.shard:
-            from kvstage.shared.cluster import shard_problem
-
             problem = shard_problem(self)
             if problem:
                 raise _FieldProblem({"cluster.shard": True}, f"cannot shard the cluster: {problem}")
@@ -687,76 +691,7 @@ class Scenario(_Table):
         """Directory relative paths were resolved against (the scenario file's)."""
         return self._base_dir
 
-    def gpu(self, side: str) -> Gpu:
-        """The catalogue GPU of `side` ("prefill" or "decode")."""
-        return GPUS[self.prefill.gpu if side == "prefill" else self.decode.gpu]
-
-    def efficiency(self) -> Efficiency:
-        """The achieved-efficiency defaults with this scenario's overrides on top."""
-        e = DEFAULT_EFFICIENCY
-        changes: dict[str, Any] = {}
-        if self.prefill.mfu is not None:
-            changes["prefill_mfu"] = ((1, self.prefill.mfu),)
-        if self.decode.hbm_efficiency is not None:
-            changes["decode_hbm"] = self.decode.hbm_efficiency
-        if self.decode.step_overhead_ms is not None:
-            changes["step_overhead_s"] = self.decode.step_overhead_ms / 1e3
-        return replace(e, **changes) if changes else e
-
-    def forward_time_s(self, tokens: int, context: int = 0) -> float:
-        """Modeled prefill forward time of a chunk of `tokens` tokens after `context`
-        tokens already in the prompt's KV (chunked prefill), on one prefill rank.
-
-        One home for the formula (shared/serving/compute.py) so the simulator and
-        `hardware.forward_delay` agree: tokens / tokens_per_s when given; else linear
-        FLOPs (active parameters) plus attention FLOPs, quadratic in the context, at
-        `prefill.tflops` sustained or at the GPU's peak x MFU, plus the TP all-reduces
-        and the expert-parallel all-to-all.
-        """
-        from kvstage.shared.serving.compute import prefill_forward_s  # (it imports this package)
-
-        return prefill_forward_s(self, tokens, context)
-
     # --- transforms --------------------------------------------------------------
-    def scaled(self) -> Scenario:
-        """This scenario with [hardware.scale_down] applied, or itself when disabled.
-
-        Sizes only shrink (each is min(current, scale-down value)); TP sizes, KV
-        heads, head_dim and page size stay, so the rank mapping under test is the
-        same. params_b shrinks with the layer count so the modeled forward time stays
-        per-layer faithful.
-        """
-        sd = self.hardware.scale_down
-        if not sd.enabled:
-            return self
-        data = self.model_dump(exclude_none=True)
-        if sd.layers is not None and sd.layers < self.model.layers:
-            data["model"]["layers"] = sd.layers
-            for key in ("params_b", "active_params_b"):
-                if key in data["model"]:
-                    data["model"][key] = data["model"][key] * sd.layers / self.model.layers
-        if sd.requests is not None:
-            given = self.workload.requests  # None: every trace row
-            data["workload"]["requests"] = sd.requests if given is None else min(given, sd.requests)
-        if sd.max_prompt_tokens is not None:
-            cap = sd.max_prompt_tokens
-            w = data["workload"]
-            if self.workload.max_prompt_tokens is not None:
-                cap = min(cap, self.workload.max_prompt_tokens)
-            w["max_prompt_tokens"] = cap
-            for key in ("prompt_tokens", "prompt_min", "prompt_max"):
-                w[key] = min(w[key], cap)
-        if sd.staging_pool_mb is not None:
-            data["decode"]["staging_pool_mb"] = min(self.decode.staging_pool_mb, sd.staging_pool_mb)
-        if sd.chunked_prefill_size is not None:
-            data["prefill"]["chunked_prefill_size"] = min(
-                self.prefill.chunked_prefill_size, sd.chunked_prefill_size
-            )
-        # loading.py validates scenarios and so imports this module: import it here.
-        from kvstage.shared.scenario.loading import scenario_from_dict
-
-        return scenario_from_dict(data, self._base_dir, source=f"{self.name} (scaled down)")
-
     def to_toml(self) -> str:
         """The resolved scenario as TOML; `load_scenario` of it gives this scenario back.
 

@@ -26,30 +26,18 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstage.shared.scenario.errors import ScenarioError
+from kvstage.shared.scenario.trace_mooncake import read_mooncake
+from kvstage.shared.scenario.trace_row import TraceRow
 
 __all__ = ["TRACE_COLUMNS", "TRACE_SUFFIXES", "TraceRow", "read_trace"]
 
 TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "prefix_tokens", "output_tokens")
 _REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens")
 _FORMAT = "arrival_s,prompt_tokens[,prefix_tokens][,output_tokens]"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One request of a trace file; `line` is its line number in the file."""
-
-    arrival_s: float
-    prompt_tokens: int
-    prefix_tokens: int | None
-    line: int
-    output_tokens: int | None = None  # tokens generated, when the trace says
-    # ids of the prompt's 512-token blocks (Mooncake traces; shared/serving/prefix_cache.py)
-    hash_ids: tuple[int, ...] = ()
 
 
 def _parse_int(text: str, column: str, where: str, minimum: int) -> int:
@@ -174,8 +162,6 @@ def read_trace(path: str | Path) -> list[TraceRow]:
             "ending in .csv, or a Mooncake trace (JSON Lines) ending in .jsonl"
         )
     if suffix == ".jsonl":
-        from kvstage.shared.scenario.trace_mooncake import read_mooncake  # it imports TraceRow
-
         return read_mooncake(p)
     try:
         fh = p.open(newline="", encoding="utf-8-sig")

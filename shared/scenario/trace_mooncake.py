@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstage.shared.scenario.errors import ScenarioError
-from kvstage.shared.scenario.trace_csv import TraceRow
+from kvstage.shared.scenario.trace_row import TraceRow
 
 __all__ = ["MOONCAKE_FORMAT", "read_mooncake"]
 

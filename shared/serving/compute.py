@@ -3,7 +3,7 @@
 One home for the formulas, pure functions of a `Scenario` (the simulator, hardware
 mode's `forward_delay`, the bottleneck verdict, `plan` and the benchmarks all ask
 here). The GPU's datasheet numbers come from shared/serving/gpus.py (`Gpu`), the
-achieved shares of them from `Scenario.efficiency()` (gpus.Efficiency, with the
+achieved shares of them from `gpus.efficiency(s)` (gpus.Efficiency, with the
 scenario's overrides).
 
 Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV:
@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstage.shared.layout import DTYPE_BYTES
-from kvstage.shared.scenario.presets import PRESETS
+from kvstage.shared.serving.gpus import efficiency, side_gpu
+from kvstage.shared.serving.memory import expert_split, side_memory
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -70,10 +71,8 @@ __all__ = [
     "describe_efficiency",
     "distinct_experts",
     "efficiency_figures",
-    "expert_split",
     "prefill_forward",
     "prefill_forward_s",
-    "weights_per_gpu_bytes",
 ]
 
 ACT_BYTES = 2  # [A] activations in BF16 (all-reduce payload, combine)
@@ -129,21 +128,6 @@ class DecodeStep:
 # --------------------------------------------------------------------------- model shape
 
 
-def expert_split(s: Scenario) -> tuple[float, float]:
-    """(dense parameters D, one expert's parameters e), in parameters.
-
-    P = D + E e and A = D + k e; a dense model (no experts, or no active_params_b) is
-    all D."""
-    m = s.model
-    total = m.params_b * 1e9
-    active = m.flops_params_b * 1e9
-    E, k = m.experts, m.experts_per_token
-    if not E or not k or E == k or active >= total:
-        return total, 0.0
-    e = (total - active) / (E - k)
-    return max(0.0, active - k * e), e
-
-
 def distinct_experts(experts: int, per_token: int, tokens: float) -> float:
     """Expected distinct experts `tokens` tokens pick per layer (k of E each, uniformly):
     E (1 - (1 - k/E)^tokens)."""
@@ -161,24 +145,12 @@ def _dp_attention(s: Scenario, side: str) -> bool:
     return cfg.ep > cfg.tp and s.model.experts > 0
 
 
-def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
-    """Bytes of weights one GPU of `side` holds: the dense part over TP, the experts
-    over max(tp, ep) GPUs (ep > tp: the expert group spans several instances)."""
-    cfg = _cfg(s, side)
-    dense, e = expert_split(s)
-    per = DTYPE_BYTES[s.model.weight_dtype]
-    experts = s.model.experts * e
-    return (dense / cfg.tp + experts / max(cfg.tp, cfg.ep)) * per
-
-
 def _attn_dims(s: Scenario, decode: bool) -> tuple[int, int]:
     """(d_qk, d_v) per head of one attention pair."""
     m = s.model
     if m.attention != "mla":
         return m.head_dim, m.head_dim
-    p = PRESETS.get(m.preset or "")
-    dims = (p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim, p.kv_lora_rank)
-    nope, rope, v, lora = dims if p and p.v_head_dim else _MLA_DEFAULT
+    nope, rope, v, lora = m.mla_widths or _MLA_DEFAULT
     if decode:  # absorbed: attend over the latent (+ rope), values are the latent
         return lora + rope, lora
     return nope + rope, v
@@ -201,11 +173,11 @@ def allreduce_s(s: Scenario, side: str, tokens: float) -> float:
     tp = _cfg(s, side).tp
     if tp == 1:
         return 0.0
-    eff = s.efficiency()
+    eff = efficiency(s)
     per_layer = 1 if _dp_attention(s, side) else 2
     n = per_layer * s.model.layers
     nbytes = tokens * s.model.hidden * ACT_BYTES * 2 * (tp - 1) / tp
-    return n * (nbytes / (s.gpu(side).scaleup_Bps * eff.allreduce) + eff.allreduce_latency_s)
+    return n * (nbytes / (side_gpu(s, side).scaleup_Bps * eff.allreduce) + eff.allreduce_latency_s)
 
 
 def _nic_Bps(s: Scenario) -> float:
@@ -228,7 +200,7 @@ def alltoall_s(s: Scenario, side: str, tokens: float) -> float:
     per_copy = m.hidden * (DISPATCH_BYTES + COMBINE_BYTES)
     nvlink_copies = k * (gpn - 1) / ep
     other_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** k) if nodes > 1 else 0.0
-    scale = s.gpu(side).scaleup_Bps * s.efficiency().allreduce
+    scale = side_gpu(s, side).scaleup_Bps * efficiency(s).allreduce
     per_token = nvlink_copies * per_copy / scale + other_nodes * per_copy / _nic_Bps(s)
     return tokens * m.layers * per_token
 
@@ -242,7 +214,7 @@ def _linear_s(
     """(linear FLOPs on this GPU, their time, the dense matmuls' MFU) of a forward of
     `tokens` tokens of this instance; `flat`: one MFU for every matmul (decode)."""
     cfg, m = _cfg(s, side), s.model
-    eff = s.efficiency()
+    eff = efficiency(s)
     dense, e = expert_split(s)
     group_tokens = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
     expert_rows = group_tokens * m.experts_per_token / m.experts if m.experts else tokens
@@ -251,7 +223,7 @@ def _linear_s(
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:  # prefill.tflops: sustained FLOP/s outright
         return d_flops + x_flops, (d_flops + x_flops) / (tflops * 1e12), math.nan
-    peak = s.gpu(side).peak_flops(m.weight_dtype)
+    peak = side_gpu(s, side).peak_flops(m.weight_dtype)
     mfu = flat or eff.mfu(round(tokens))
     t = d_flops / (peak * mfu)
     if x_flops:
@@ -264,7 +236,7 @@ def _attention_s(s: Scenario, side: str, flops: float) -> float:
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:
         return flops / (tflops * 1e12)
-    return flops / (s.gpu(side).peak_flops("bf16") * s.efficiency().attention_mfu)
+    return flops / (side_gpu(s, side).peak_flops("bf16") * efficiency(s).attention_mfu)
 
 
 def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int = 1) -> Forward:
@@ -309,16 +281,14 @@ def chunk_forward_s(
     computed = tokens - cached_tokens
     if computed <= 0:
         return 0.0
-    return s.forward_time_s(computed, page_start * page_size + cached_tokens)
+    return prefill_forward_s(s, computed, page_start * page_size + cached_tokens)
 
 
 def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
     """One decode step on one decode GPU: `batch` requests (one new token each) holding
     `kv_tokens` tokens of KV in all (this instance's)."""
-    from kvstage.shared.serving.memory import side_memory
-
-    m, cfg, eff = s.model, s.decode, s.efficiency()
-    gpu = s.gpu("decode")
+    m, cfg, eff = s.model, s.decode, efficiency(s)
+    gpu = side_gpu(s, "decode")
     per = DTYPE_BYTES[m.weight_dtype]
     dense, e = expert_split(s)
     weights = dense / cfg.tp * per
@@ -354,7 +324,7 @@ def decode_step_s(s: Scenario, batch: int, kv_tokens: float) -> float:
 
 def efficiency_figures(s: Scenario) -> dict[str, object]:
     """The GPUs and the efficiencies a run's model used (summary.json `serving_model`)."""
-    eff, chunk = s.efficiency(), s.prefill.chunked_prefill_size
+    eff, chunk = efficiency(s), s.prefill.chunked_prefill_size
     p, d = s.prefill, s.decode
     out: dict[str, object] = {
         "prefill_gpu": p.gpu,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.compute import decode_step
+from kvstage.shared.serving.gpus import efficiency, side_gpu
 from kvstage.shared.serving.memory import GIB, side_memory
 
 if TYPE_CHECKING:
@@ -37,8 +38,8 @@ class DecodeModel:
         self.memory = mem
         self.kv_bytes_per_token = mem.kv_bytes_per_token  # on one decode rank
         self.weight_bytes = mem.weight_bytes  # held (a MoE step may read fewer)
-        eff = s.efficiency()
-        self.hbm_Bps = s.gpu("decode").hbm_Bps * eff.decode_hbm
+        eff = efficiency(s)
+        self.hbm_Bps = side_gpu(s, "decode").hbm_Bps * eff.decode_hbm
         self.step_overhead_s = eff.step_overhead_s
         self.page_size = g.page_size
         self.capacity_tokens: int = mem.kv_tokens

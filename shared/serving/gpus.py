@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario import Scenario
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -28,7 +32,9 @@ __all__ = [
     "GPUS",
     "Efficiency",
     "Gpu",
+    "efficiency",
     "gpu_names",
+    "side_gpu",
 ]
 
 
@@ -180,3 +186,20 @@ class Efficiency:
 
 
 DEFAULT_EFFICIENCY = Efficiency()
+
+
+def side_gpu(s: Scenario, side: str) -> Gpu:
+    """The catalogue GPU of `side` ("prefill" or "decode") of scenario `s`."""
+    return GPUS[s.prefill.gpu if side == "prefill" else s.decode.gpu]
+
+
+def efficiency(s: Scenario) -> Efficiency:
+    """The achieved-efficiency defaults with scenario `s`'s overrides on top."""
+    changes: dict[str, Any] = {}
+    if s.prefill.mfu is not None:
+        changes["prefill_mfu"] = ((1, s.prefill.mfu),)
+    if s.decode.hbm_efficiency is not None:
+        changes["decode_hbm"] = s.decode.hbm_efficiency
+    if s.decode.step_overhead_ms is not None:
+        changes["step_overhead_s"] = s.decode.step_overhead_ms / 1e3
+    return replace(DEFAULT_EFFICIENCY, **changes) if changes else DEFAULT_EFFICIENCY

@@ -6,7 +6,7 @@ allocator's slack, CUDA graphs, NCCL buffers):
 
 - weights: every parameter (all experts of a MoE model) at `model.weight_dtype`:
   the dense part divided over the TP group, the experts over max(tp, ep) GPUs
-  (`prefill.ep` / `decode.ep`; shared/serving/compute.py `weights_per_gpu_bytes`);
+  (`prefill.ep` / `decode.ep`; `weights_per_gpu_bytes`);
 - activations and workspace: the largest forward's tokens (a prefill chunk, a decode
   batch of `decode.max_running_requests`) x hidden size x ACTIVATION_TENSORS tensors
   at 2 bytes, held whole on every rank of the group (an upper bound: some are
@@ -24,12 +24,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstage.shared.serving.gpus import Gpu
+from kvstage.shared.layout import DTYPE_BYTES
+from kvstage.shared.serving.gpus import Gpu, side_gpu
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import Scenario
 
-__all__ = ["ACTIVATION_TENSORS", "GIB", "SideMemory", "memory_problem", "side_memory"]
+__all__ = [
+    "ACTIVATION_TENSORS",
+    "GIB",
+    "SideMemory",
+    "expert_split",
+    "memory_problem",
+    "side_memory",
+    "weights_per_gpu_bytes",
+]
 
 GIB = 1 << 30
 # [A] live activation tensors of hidden width during one layer's forward (residual,
@@ -87,17 +96,40 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}".removesuffix(".0") if nbytes >= GIB else f"{nbytes / GIB:.2f}"
 
 
+def expert_split(s: Scenario) -> tuple[float, float]:
+    """(dense parameters D, one expert's parameters e), in parameters.
+
+    P = D + E e and A = D + k e; a dense model (no experts, or no active_params_b) is
+    all D."""
+    m = s.model
+    total = m.params_b * 1e9
+    active = m.flops_params_b * 1e9
+    E, k = m.experts, m.experts_per_token
+    if not E or not k or E == k or active >= total:
+        return total, 0.0
+    e = (total - active) / (E - k)
+    return max(0.0, active - k * e), e
+
+
+def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
+    """Bytes of weights one GPU of `side` holds: the dense part over TP, the experts
+    over max(tp, ep) GPUs (ep > tp: the expert group spans several instances)."""
+    cfg = s.prefill if side == "prefill" else s.decode
+    dense, e = expert_split(s)
+    per = DTYPE_BYTES[s.model.weight_dtype]
+    experts = s.model.experts * e
+    return (dense / cfg.tp + experts / max(cfg.tp, cfg.ep)) * per
+
+
 def side_memory(s: Scenario, side: str) -> SideMemory:
     """The memory budget of one GPU of `side` ("prefill" or "decode") of scenario `s`."""
     g, m = s.geometry(), s.model
     cfg = s.prefill if side == "prefill" else s.decode
-    gpu = s.gpu(side)
+    gpu = side_gpu(s, side)
     heads = g.prefill_heads if side == "prefill" else g.decode_heads
     memory = gpu.memory_gib * GIB
     if side == "decode" and s.decode.gpu_memory_gib is not None:
         memory = s.decode.gpu_memory_gib * GIB
-    from kvstage.shared.serving.compute import weights_per_gpu_bytes  # (it imports this package)
-
     tokens = s.prefill.chunked_prefill_size if side == "prefill" else s.decode.max_running_requests
     chunk = g.grid_pages * g.page_size
     return SideMemory(

@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstage.shared.serving.memory import side_memory
+
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
@@ -112,8 +114,6 @@ class PrefixCache:
 
 def cache_blocks(scenario: Scenario) -> int:
     """The prefix cache's capacity in blocks on one prefill GPU of `scenario`."""
-    from kvstage.shared.serving.memory import side_memory
-
     mem = side_memory(scenario, "prefill")
     return max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))
 

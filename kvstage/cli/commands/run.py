@@ -88,7 +88,7 @@ def sim(
         # the same scale-down `kvstage hw` applies, so the two runs compare
         if not s.hardware.scale_down.enabled:
             s = _load(scenario, list(set_ or []) + ["hardware.scale_down.enabled=true"], seed)
-        s = s.scaled()
+        s = scaled(s)
     code = run_simulation(s, out=out, trace_format=trace_format, progress=progress, console=console)
     raise typer.Exit(code)
 
@@ -198,7 +198,7 @@ def hw(
     s = _load(scenario, sets, seed)
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
-    s = s.scaled()
+    s = scaled(s)
     from kvstage.shared.cluster import hardware_sessions
 
     try:  # every rank computes the routes itself: only a static router can run
