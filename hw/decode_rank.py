@@ -1,10 +1,12 @@
 """A decode rank process: the staging ring's memory, scatters and byte verification.
 
-With transfer.verify_writes = "checksum", a scatter first copies its staging region
-out of the ring (registered memory, which the engines can write at any time), checks
-each writer block of the copy against the keyed checksum its writer sent in
-CHUNK_READY (hw/keys.py), and scatters the copy only if every block matches: bytes
-that came any other way never reach the KV cache, and the room fails."""
+With transfer.verify_writes = "mac" (the default) or "checksum", a scatter first copies
+its staging region out of the ring (registered memory, which the engines can write at
+any time), checks each writer block of the copy against the tag its writer sent in
+CHUNK_READY (hw/writemac.py), and scatters the copy only if every block matches: bytes
+that came any other way never reach the KV cache, and the room fails. On the slice
+path (and for OVERSIZED chunks) each writer block is checked in the KV pages it landed
+in (CheckSlice) before its chunk counts as complete."""
 
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ from typing import Any
 import torch
 
 from kvstage.hw.control import rank_name
-from kvstage.hw.kernels import scatter, wait_for_stream
-from kvstage.hw.keys import block_checksum, write_key
+from kvstage.hw.kernels import gather, scatter, wait_for_stream
 from kvstage.hw.kvpool import verify
 from kvstage.hw.rank import RankProcess
 from kvstage.hw.rendezvous import RankInfo
-from kvstage.shared.events import Scatter, ScatterDone, Verify, VerifyDone
+from kvstage.hw.writemac import block_tag, tag_key
+from kvstage.shared.events import CheckSlice, Scatter, ScatterDone, SliceChecked, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
 
 log = logging.getLogger("kvstage.hw.rank")
@@ -36,13 +38,13 @@ class DecodeRank(RankProcess):
         # Scatters and verifications run on one worker thread, in order (a stream): the
         # loop keeps answering messages meanwhile (torch releases the GIL in its kernels).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy")
-        self.jobs: deque[tuple[Future, Scatter | Verify]] = deque()
+        self.jobs: deque[tuple[Future, Scatter | CheckSlice | Verify]] = deque()
         self.bytes_verified = 0
         self.bytes_wrong = 0
         self.rooms_verified = 0
         self.wrong_rooms: list[int] = []
-        self.verify_writes = scenario.transfer.verify_writes == "checksum"
-        self.writes_rejected = 0  # staging regions whose checksum failed: not scattered
+        self.verify_writes = scenario.transfer.verify_writes  # "none": nothing checked
+        self.writes_rejected = 0  # regions or slices whose write tag failed: not used
         self.bytes_checksummed = 0
 
     def _register_memory(self) -> None:
@@ -50,8 +52,8 @@ class DecodeRank(RankProcess):
         the slice path, or where a full chunk is larger than the ring (an OVERSIZED chunk
         takes the slice path). Registered memory is open to whoever reaches the engine's
         port (Mooncake's listen on every address, unauthenticated: docs/hardware-mode.md),
-        so on the staging path only the ring is, and transfer.verify_writes = "checksum"
-        checks what lands there before it reaches the KV cache."""
+        so on the staging path only the ring is, and transfer.verify_writes checks what
+        lands there before it reaches the KV cache."""
         s = self.s
         self.ring_buf = torch.zeros(max(1, s.pool_bytes), dtype=torch.uint8, device=self.device)
         self.transport.register(self.ring_buf)
@@ -71,37 +73,70 @@ class DecodeRank(RankProcess):
         """Where each writer block of a chunk lands (the shared layout)."""
         return self.g.staging_layout(self.local, num_pages)
 
-    def _submit(self, job, a: Scatter | Verify) -> None:
+    def _submit(self, job, a: Scatter | CheckSlice | Verify) -> None:
         future = self.worker.submit(job, a)
         future.add_done_callback(self._wake)  # the loop sleeps until then
         self.jobs.append((future, a))
 
+    def _tag_keys(self, a: Scatter | CheckSlice) -> dict[int, bytes] | None:
+        """The tag key of each writer of `a` (None: verify_writes = "none"), made on the
+        loop thread: the control plane is its own."""
+        if self.verify_writes == "none":
+            return None
+        return {
+            p: tag_key(
+                self.verify_writes, self.control.pair_key(rank_name("prefill", p), to_peer=False)
+            )
+            for _, p, _, _ in a.checksums
+        }
+
     def _scatter(self, a: Scatter) -> None:
-        keys = None
-        if self.verify_writes:  # the keys on the loop thread: the control plane is its own
-            keys = {
-                p: write_key(self.control.pair_key(rank_name("prefill", p), to_peer=False))
-                for _, p, _ in a.checksums
-            }
+        keys = self._tag_keys(a)
         job = self.job_cpu.wrap("scatter", partial(self._scatter_job, keys=keys), a.nbytes)
         self._submit(job, a)
 
+    def _block_rejected(self, a: Scatter | CheckSlice, b, block, keys: dict[int, bytes]) -> str:
+        """Why writer block `b` (a WriterBlock; `block`: its private bytes) fails its
+        writer's tag ('' if it passes)."""
+        tags = {w: (p, t, n) for w, p, t, n in a.checksums}
+        p, want, nonce = tags.get(b.writer, (b.prefill_rank, 0, 0))
+        if not want:
+            return f"writer {b.writer} (prefill rank {p}) sent no write tag"
+        got = block_tag(self.verify_writes, keys[p], a.room, a.chunk, nonce, block)
+        self.bytes_checksummed += b.nbytes
+        if got != want:
+            return (
+                f"block of writer {b.writer} (prefill rank {p}, {b.nbytes} bytes) does not "
+                f"match its write tag"
+            )
+        return ""
+
     def _rejected(self, a: Scatter, region: torch.Tensor, keys: dict[int, bytes]) -> str:
-        """Why the region's copy fails its writers' checksums ('' if it passes)."""
-        layout = self.scatter_layout(a.num_pages)
-        sums = {w: (p, s) for w, p, s in a.checksums}
+        """Why the region's copy fails its writers' tags ('' if it passes)."""
         host = region.cpu().numpy()
-        for b in layout.blocks:
-            p, want = sums.get(b.writer, (b.prefill_rank, 0))
-            if not want:
-                return f"writer {b.writer} (prefill rank {p}) sent no checksum"
-            got = block_checksum(keys[p], a.room, a.chunk, host[b.offset : b.offset + b.nbytes])
-            self.bytes_checksummed += b.nbytes
-            if got != want:
-                return (
-                    f"block of writer {b.writer} (prefill rank {p}, bytes [{b.offset}, "
-                    f"+{b.nbytes}) of the region) does not match its checksum"
-                )
+        for b in self.scatter_layout(a.num_pages).blocks:
+            why = self._block_rejected(a, b, host[b.offset : b.offset + b.nbytes], keys)
+            if why:
+                return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
+        return ""
+
+    def _check_slice(self, a: CheckSlice) -> None:
+        keys = self._tag_keys(a)
+        nbytes = self.scatter_layout(a.num_pages).region_bytes
+        job = self.job_cpu.wrap("check", partial(self._check_slice_job, keys=keys), nbytes)
+        self._submit(job, a)
+
+    def _check_slice_job(self, a: CheckSlice, keys: dict[int, bytes]) -> str:
+        """Each writer's block as it landed in the KV pages, gathered into a private copy
+        and checked against its tag ('' if all pass)."""
+        first = a.dst_page_base + a.page_start
+        for b in self.scatter_layout(a.num_pages).blocks:
+            block = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+            gather(self.pool, first, a.num_pages, b.heads.dst_head_start, b.heads.num_heads, block)
+            wait_for_stream(self.device)
+            why = self._block_rejected(a, b, block, keys)
+            if why:
+                return why
         return ""
 
     def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
@@ -140,7 +175,7 @@ class DecodeRank(RankProcess):
         while self.jobs and self.jobs[0][0].done():
             job, a = self.jobs.popleft()
             result = job.result()  # a failed kernel is a bug: raise it here, in the loop
-            if type(a) is Scatter:
+            if type(a) is Scatter or type(a) is CheckSlice:
                 if result:
                     self.writes_rejected += 1
                     log.warning(
@@ -150,7 +185,8 @@ class DecodeRank(RankProcess):
                         a.chunk,
                         result,
                     )
-                self._feed(ScatterDone(a.room, a.chunk, rejected=result))
+                done = ScatterDone if type(a) is Scatter else SliceChecked
+                self._feed(done(a.room, a.chunk, rejected=result))
                 continue
             checked, wrong = result
             self.bytes_verified += checked
@@ -176,5 +212,6 @@ class DecodeRank(RankProcess):
 
     _EXECUTORS = {
         Scatter: _scatter,
+        CheckSlice: _check_slice,
         Verify: _verify,
     }

@@ -74,9 +74,11 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         "bytes_verified": total("bytes_verified"),
         "bytes_wrong": total("bytes_wrong"),
         "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
-        # staging regions that failed their keyed write checksum, never scattered
+        # writer blocks that failed their write tag (hw/writemac.py): never scattered,
+        # their rooms failed; and the bytes the decodes checked against tags
         "verify_writes": scenario.transfer.verify_writes,
         "writes_rejected": total("writes_rejected"),
+        "bytes_checksummed": total("bytes_checksummed"),
         "transfer_requests_posted": total("requests_posted"),
         "malformed_messages": total("malformed"),
         "unauthenticated_messages": total(

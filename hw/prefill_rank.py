@@ -16,11 +16,11 @@ import torch
 from kvstage.hw.bandwidth import GB, PROBE_MIN_BYTES, PROBE_WRITES, probe_bytes, probe_pairs
 from kvstage.hw.control import rank_name
 from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
-from kvstage.hw.keys import block_checksum, write_key
 from kvstage.hw.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rendezvous import RankInfo
 from kvstage.hw.transport import TransferError, XferHandle
+from kvstage.hw.writemac import block_tag, tag_key
 from kvstage.shared.events import (
     Forward,
     ForwardDone,
@@ -160,10 +160,27 @@ class PrefillRank(RankProcess):
             max_workers=1, thread_name_prefix=f"{self.name}-gather"
         )
         self.gathers: deque[tuple[Future, Gather]] = deque()
-        # transfer.verify_writes = "checksum": each gathered block's keyed checksum, carried
-        # by its WriteDone into CHUNK_READY (hw/keys.py `block_checksum`)
-        self.verify_writes = scenario.transfer.verify_writes == "checksum"
-        self.checksums: dict[tuple[int, int, int], int] = {}  # (room, chunk, d) -> checksum
+        # transfer.verify_writes ("mac", "checksum"; "none": off): each written block's
+        # tag, computed over a private copy before any peer can reach the bytes, carried
+        # by its WriteDone into CHUNK_READY (hw/writemac.py)
+        self.verify_writes = scenario.transfer.verify_writes
+        self.checksums: dict[tuple[int, int, int], int] = {}  # (room, chunk, d) -> tag
+
+    def _register_memory(self) -> None:
+        """The KV pool only where it is the source of a write: on the slice path, or where
+        a full chunk is larger than the ring (an OVERSIZED chunk takes the slice path).
+        On the staging path a peer reaches only the send buffer, whose blocks are tagged
+        before they enter it (docs/hardware-mode.md, "What a peer can reach")."""
+        s = self.s
+        if s.transfer.path == "slice" or self.g.chunk_bytes() > s.pool_bytes:
+            self.transport.register(self.pool.tensor)
+
+    def _tag_key(self, decode_rank: int) -> bytes | None:
+        """The key of this rank's write tags to `decode_rank` (None: verify_writes = "none")."""
+        if self.verify_writes == "none":
+            return None
+        pair = self.control.pair_key(rank_name("decode", decode_rank), to_peer=True)
+        return tag_key(self.verify_writes, pair)
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for d in self.sessions.all_targets(self.rank):
@@ -310,10 +327,7 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
-        key = None
-        if self.verify_writes:
-            peer = rank_name("decode", a.decode_rank)
-            key = write_key(self.control.pair_key(peer, to_peer=True))
+        key = self._tag_key(a.decode_rank)
         job = self.copy_thread.submit(
             self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot, key
         )
@@ -322,11 +336,27 @@ class PrefillRank(RankProcess):
 
     def _gather_job(self, a: Gather, first_page: int, slot: int, key: bytes | None) -> int:
         out = self.send_buf[slot : slot + a.nbytes]
-        gather(self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out)
-        wait_for_stream(self.device)  # the write must not read a half-gathered block
         if key is None:
+            gather(
+                self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out
+            )
+            wait_for_stream(self.device)  # the write must not read a half-gathered block
             return 0
-        return block_checksum(key, a.room, a.chunk, out.cpu().numpy())
+        # tagged where no peer can write (the pool is not registered on the staging path),
+        # then copied into the registered send buffer
+        block = self._private_block(first_page, a.num_pages, a.heads, a.nbytes)
+        tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+        out.copy_(block)
+        wait_for_stream(self.device)
+        return tag
+
+    def _private_block(self, first_page: int, num_pages: int, heads, nbytes: int) -> torch.Tensor:
+        """A writer block (`heads`: a HeadSlice) gathered from the pool into memory of this
+        process alone."""
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        gather(self.pool, first_page, num_pages, heads.src_head_start, heads.num_heads, block)
+        wait_for_stream(self.device)
+        return block
 
     def _gathers_done(self) -> None:
         while self.gathers and self.gathers[0][0].done():
@@ -364,7 +394,14 @@ class PrefillRank(RankProcess):
             a.dst_page_base + a.page_start,
             a.num_pages,
         )
-        self._post(peer.agent, build, WriteDone(a.room, a.chunk, a.decode_rank), None)
+        tag = 0
+        key = self._tag_key(a.decode_rank)
+        if key is not None:  # the slice the decode will check, as it leaves the pool
+            first = self.runtime.page_base(a.room) + a.src_page
+            block = self._private_block(first, a.num_pages, a.heads, a.nbytes)
+            tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+        done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=tag)
+        self._post(peer.agent, build, done, None)
 
     # --- posting (hardware.posting) ---------------------------------------------------------
     # "lane" (the default, the behaviour before the option): the loop thread builds the ops

@@ -195,6 +195,7 @@ class RankProcess:
             kv_pages=pages,
             verify=self.verify_mode != "off",
             sessions=self.sessions,
+            check_writes=scenario.transfer.verify_writes != "none",
             # a decode's nonces under a key of this process alone (shared/capability.py)
             capabilities=Capabilities(secrets.token_bytes(32)) if self.role == "decode" else None,
         )
@@ -373,6 +374,7 @@ class RankProcess:
             kv_pages=self.pages,
             verify=self.verify_mode != "off",
             sessions=self.sessions,
+            check_writes=self.s.transfer.verify_writes != "none",
             first_room=first_room,
             started_at=self.now(),
             incarnation=self.control.incarnation,

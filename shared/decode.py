@@ -41,6 +41,7 @@ from kvstage.shared.decode_state import (
 from kvstage.shared.events import (
     AbortRoom,
     Action,
+    CheckSlice,
     Event,
     OpenRoom,
     PeerLost,
@@ -51,6 +52,7 @@ from kvstage.shared.events import (
     Scatter,
     ScatterDone,
     Send,
+    SliceChecked,
     Tick,
 )
 from kvstage.shared.layout import Geometry, LayoutError, room_pages
@@ -101,6 +103,8 @@ class DecodeMachine(MachineBase):
         self._subscribers: dict[int, None] = {}
         self._live_rooms_of: dict[int, int] = {}  # prefill rank -> live rooms it writes here
         self._scatters: dict[tuple[int, int], InFlightScatter] = {}
+        # slice-path chunks being checked against their write tags: (room, chunk) -> since
+        self._checks: dict[tuple[int, int], float] = {}
         self._last_wm = self.ring.watermark
         self._ring_changed = False  # an assign or free since the last watermark check
         self._region_cache: dict[int, int] = {}
@@ -121,7 +125,7 @@ class DecodeMachine(MachineBase):
     @property
     def settled(self) -> bool:
         """No room live, no scatter running, no failed room's regions quarantined."""
-        return not self._rooms and not self._quarantine and not self._scatters
+        return not self._rooms and not self._quarantine and not self._scatters and not self._checks
 
     def holding(self) -> list[str]:
         """What keeps the machine from being settled, in words."""
@@ -131,6 +135,7 @@ class DecodeMachine(MachineBase):
             for r, q in sorted(self._quarantine.items())[:5]
         ]
         out += [f"scatter {k} since {f.start:.2f}s" for k, f in sorted(self._scatters.items())[:5]]
+        out += [f"check of {k} since {t:.2f}s" for k, t in sorted(self._checks.items())[:5]]
         return out
 
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -209,6 +214,21 @@ class DecodeMachine(MachineBase):
             return  # the room failed while its scatter ran; the region is free now
         if ev.rejected:  # none of it reached the KV cache: the room fails
             room.allocs.pop(ev.chunk, None)
+            self._fail(room, f"chunk {ev.chunk}: write rejected: {ev.rejected}", now, out)
+            return
+        move_chunk(room, ev.chunk, DecodeChunk.COMPLETE)
+        self._maybe_done(room, now, out)
+
+    def _on_slice_checked(self, ev: SliceChecked, now: float, out: list[Action]) -> None:
+        if self._checks.pop((ev.room, ev.chunk), None) is None:
+            self._drop(out, now, "SliceChecked for no check in flight", ev.room, ev.chunk)
+            return
+        if ev.rejected:
+            self.writes_rejected += 1
+        room = self._rooms.get(ev.room)
+        if room is None:
+            return  # the room failed while its check ran
+        if ev.rejected:  # the pages hold bytes no writer sent: the room fails
             self._fail(room, f"chunk {ev.chunk}: write rejected: {ev.rejected}", now, out)
             return
         move_chunk(room, ev.chunk, DecodeChunk.COMPLETE)
@@ -474,7 +494,7 @@ class DecodeMachine(MachineBase):
         if not arrived:
             room.first_arrival[msg.chunk] = now
         arrived.add(w)
-        room.checksums.setdefault(msg.chunk, {})[w] = (msg.prefill_rank, msg.checksum)
+        room.checksums.setdefault(msg.chunk, {})[w] = (msg.prefill_rank, msg.checksum, msg.nonce)
         self._chunk_maybe_complete(room, msg.chunk, now, out)
         self._maybe_done(room, now, out)
 
@@ -606,8 +626,16 @@ class DecodeMachine(MachineBase):
             out, "chunk_ready", room.first_arrival.get(chunk, now), now, room=room.room, chunk=chunk
         )
         alloc = room.allocs.get(chunk)
+        tags = tuple((w, *t) for w, t in sorted(room.checksums.get(chunk, {}).items()))
         if alloc is None:  # slice path or OVERSIZED: the bytes are already in the KV pool
-            move_chunk(room, chunk, DecodeChunk.COMPLETE)
+            if not self.config.check_slice_writes:
+                move_chunk(room, chunk, DecodeChunk.COMPLETE)
+                return
+            move_chunk(room, chunk, DecodeChunk.SCATTERING)  # checked in place, then complete
+            self._checks[(room.room, chunk)] = now
+            out.append(
+                CheckSlice(room.room, chunk, c.page_start, c.num_pages, room.dst_page_base, tags)
+            )
             return
         move_chunk(room, chunk, DecodeChunk.SCATTERING)
         self._scatters[(room.room, chunk)] = InFlightScatter(alloc.id, now)
@@ -621,7 +649,7 @@ class DecodeMachine(MachineBase):
                 c.page_start,
                 c.num_pages,
                 room.dst_page_base,
-                tuple((w, p, s) for w, (p, s) in sorted(room.checksums.get(chunk, {}).items())),
+                tags,
             )
         )
 
@@ -850,6 +878,7 @@ class DecodeMachine(MachineBase):
     _HANDLERS = {
         OpenRoom: _on_open,
         ScatterDone: _on_scatter_done,
+        SliceChecked: _on_slice_checked,
         AbortRoom: _on_abort_local,
         Tick: _on_tick,
         PeerLost: _on_peer_lost,

@@ -52,8 +52,9 @@ class DecodeRoom:
     state: dict[int, DecodeChunk] = field(default_factory=dict)  # absent: COLLECTING
     complete: int = 0  # chunks COMPLETE
     writers_done: dict[int, int] = field(default_factory=dict)  # writer -> num_chunks claimed
-    # chunk -> writer -> (prefill rank, checksum) of the block, from its first CHUNK_READY
-    checksums: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # chunk -> writer -> (prefill rank, write tag, nonce) of the block, from its first
+    # CHUNK_READY
+    checksums: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
 
 
 def move_chunk(room: DecodeRoom, chunk: int, new: DecodeChunk) -> None:

@@ -77,6 +77,15 @@ class ScatterDone:
 
 
 @dataclass(frozen=True, slots=True)
+class SliceChecked:
+    """A CheckSlice finished; `rejected` (non-empty): a block failed its write tag."""
+
+    room: int
+    chunk: int
+    rejected: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed; lets the machine fire timeouts."""
 
@@ -181,6 +190,7 @@ Event = (
     | GatherDone
     | WriteDone
     | ScatterDone
+    | SliceChecked
     | Tick
     | AbortRoom
     | PeerLost
@@ -209,6 +219,7 @@ class Gather:
     num_pages: int
     heads: HeadSlice
     nbytes: int
+    nonce: int = 0  # the grant's (STAGING_RSP): the key of the block's write tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +249,7 @@ class SliceWrite:
     heads: HeadSlice
     requests: int
     nbytes: int
+    nonce: int = 0  # what its CHUNK_READY echoes: the key of the block's write tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,8 +263,22 @@ class Scatter:
     page_start: int
     num_pages: int
     dst_page_base: int
-    # (writer, prefill rank, checksum) of each writer block, from its CHUNK_READY
-    checksums: tuple[tuple[int, int, int], ...] = ()
+    # (writer, prefill rank, write tag, nonce) of each writer block, from its CHUNK_READY
+    checksums: tuple[tuple[int, int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSlice:
+    """Decode (hardware, transfer.verify_writes): check the writer blocks that the slice
+    path wrote straight into the room's KV pages [dst_page_base + page_start,
+    +num_pages) against their write tags, before the chunk counts as complete."""
+
+    room: int
+    chunk: int
+    page_start: int
+    num_pages: int
+    dst_page_base: int
+    checksums: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,10 @@ class ProtocolConfig:
     # Rooms remembered as finished, so that late or duplicate messages about them
     # are dropped instead of resurrecting state. Oldest forgotten first.
     finished_memory: int = 1 << 16
+    # Hardware, transfer.verify_writes: a slice-path (or OVERSIZED) chunk is checked in
+    # the KV pages against its writers' tags (CheckSlice) before it counts as complete.
+    # The simulator moves no bytes, so it checks nothing: False there.
+    check_slice_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:

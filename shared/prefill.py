@@ -672,6 +672,7 @@ class PrefillMachine(MachineBase):
                     c.num_pages,
                     t.heads,
                     self._block_bytes(c.num_pages, t.heads),
+                    rsp.nonce,
                 )
             )
             return
@@ -692,6 +693,7 @@ class PrefillMachine(MachineBase):
                 t.heads,
                 self._slice_requests(t.decode_rank, c.num_pages),
                 self._block_bytes(c.num_pages, t.heads),
+                rsp.nonce if rsp is not None else t.nonce,  # as its CHUNK_READY echoes
             )
         )
 

@@ -40,6 +40,7 @@ from kvstage.shared.events import (
     AbortRoom,
     Action,
     Arrive,
+    CheckSlice,
     ChunkComputed,
     Die,
     Event,
@@ -58,6 +59,7 @@ from kvstage.shared.events import (
     Scatter,
     ScatterDone,
     Send,
+    SliceChecked,
     SliceWrite,
     Tick,
     Verify,
@@ -83,7 +85,16 @@ _ROOM_MESSAGES = frozenset(t for t in MESSAGE_TYPES if "room" in t.__dataclass_f
 MAX_FOREIGN_TRACED = 1000
 # completions of work the runtime handed out (a restarted one drops its predecessor's)
 _COMPLETIONS = frozenset(
-    {ForwardStarted, ForwardDone, GatherDone, WriteDone, ScatterDone, VerifyDone, GenerateDone}
+    {
+        ForwardStarted,
+        ForwardDone,
+        GatherDone,
+        WriteDone,
+        ScatterDone,
+        SliceChecked,
+        VerifyDone,
+        GenerateDone,
+    }
 )
 
 
@@ -96,9 +107,13 @@ def fault_stream(role: str, rank: int) -> int:
     return (role == "decode") * 4096 + rank
 
 
-def protocol_config(scenario: Scenario) -> ProtocolConfig:
+def protocol_config(scenario: Scenario, check_slice_writes: bool = False) -> ProtocolConfig:
+    """The protocol's knobs from the scenario; `check_slice_writes`: hardware mode's
+    slice-path write tags (transfer.verify_writes), which the simulator does not check."""
     return ProtocolConfig(
-        path=scenario.transfer.path, room_timeout_s=scenario.transfer.room_timeout_s
+        path=scenario.transfer.path,
+        room_timeout_s=scenario.transfer.room_timeout_s,
+        check_slice_writes=check_slice_writes,
     )
 
 
@@ -226,6 +241,7 @@ class RankRuntime:
         verify: bool = False,
         sessions: Sessions | None = None,
         generate: bool = False,
+        check_writes: bool = False,
         first_room: int | None = None,
         started_at: float = 0.0,
         incarnation: int = 0,
@@ -236,7 +252,7 @@ class RankRuntime:
         g = scenario.geometry()
         self.role, self.rank, self.name = role, rank, rank_name(role, rank)
         self.geometry = g
-        self.config = protocol_config(scenario)
+        self.config = protocol_config(scenario, check_writes)
         # rank is global across instances (shared/cluster.py); one instance: the local rank
         self.sessions = sessions or Sessions(g)
         self.instance = self.sessions.instance(role, rank)
@@ -250,12 +266,8 @@ class RankRuntime:
             )
         requests = requests if requests is not None else generate_requests(scenario)
         self.scenario = scenario
-        self._given = (
-            requests,
-            kv_pages,
-            verify,
-            generate,
-        )  # what a restarted incarnation is built from
+        # what a restarted incarnation is built from
+        self._given = (requests, kv_pages, verify, generate, check_writes)
         # A restarted incarnation (first_room given: `restarted`) serves the rooms from
         # first_room on; the rooms before it were its lost predecessor's.
         self.first_room = first_room
@@ -322,7 +334,7 @@ class RankRuntime:
         incarnation's work that comes in later names a room before `first_room` and
         is dropped, and a message about one is dropped as foreign, as a new process
         would. (Hardware mode builds the new incarnation's runtime with `first_room`.)"""
-        requests, kv_pages, verify, generate = self._given
+        requests, kv_pages, verify, generate, check_writes = self._given
         self.__init__(
             self.scenario,
             self.role,
@@ -332,6 +344,7 @@ class RankRuntime:
             verify=verify,
             sessions=self.sessions,
             generate=generate,
+            check_writes=check_writes,
             first_room=first_room,
             started_at=now,
             incarnation=incarnation,
@@ -572,6 +585,10 @@ class RankRuntime:
         self.failures.setdefault(a.room, a.reason)
         out.append(a)
 
+    def _route_check(self, a: CheckSlice, now: float, out: list[Action]) -> None:
+        self._owed.add(("check", a.room, a.chunk))
+        out.append(a)
+
     def _route_release(self, a: ReleaseRoom, now: float, out: list[Action]) -> None:
         mem = self._memory.get(a.room)
         if mem is not None:
@@ -586,6 +603,7 @@ class RankRuntime:
         Write: _route_write,
         SliceWrite: _route_write,
         Scatter: _route_scatter,
+        CheckSlice: _route_check,
         RoomDone: _route_done,
         RoomFailed: _route_failed,
         ReleaseRoom: _route_release,
@@ -607,6 +625,10 @@ class RankRuntime:
             self._hold(now + stall, event=ev)  # the completion is seen late
         else:
             self._feed(ev, now, out)
+
+    def _on_slice_checked(self, ev: SliceChecked, now: float, out: list[Action]) -> None:
+        self._owed.settle(("check", ev.room, ev.chunk))
+        self._feed(ev, now, out)
 
     def _on_verify_done(self, ev: VerifyDone, now: float, out: list[Action]) -> None:
         self._owed.settle(("verify", ev.room))
@@ -782,6 +804,7 @@ class RankRuntime:
         GatherDone: _on_gather_done,
         WriteDone: _on_write_done,
         ScatterDone: _on_scatter_done,
+        SliceChecked: _on_slice_checked,
         VerifyDone: _on_verify_done,
         GenerateDone: _on_generate_done,
         Tick: _on_tick,

@@ -18,13 +18,13 @@ under the real names, for every room of the run:
 
 Asserted: every room done, 0 bytes wrong, no invariant violated, no honest frame
 dropped as a replay, the forgeries counted as unauthenticated at every rank, and no
-honest write rejected by the write checksum (transfer.verify_writes = "checksum", on
-here as the issue asks; tests/test_verify_writes.py has the writes it rejects). Both
+honest write rejected by the write tag (transfer.verify_writes = "mac", the default;
+tests/test_verify_writes.py has the writes it rejects). Both
 engines. Below the MACs, the core's capabilities (shared/capability.py) hold without
 them: tests/test_capabilities.py is the simulated twin, the same attacks under the real
 names, without the nonces, and no MACs at all. What a rank that holds its own pair keys
 can still do is limited to its own rooms: it knows only its own nonces, and the
-checksum keeps its bytes out of other writers' blocks (tests/test_verify_writes.py).
+write tag keeps its bytes out of other writers' blocks (tests/test_verify_writes.py).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     require_engine(backend)
     s = load_scenario(
         write_scenario(tmp_path, 2, 1, 8, requests=30),
-        overrides=[f"hardware.backend={backend}", "transfer.verify_writes=checksum"],
+        overrides=[f"hardware.backend={backend}"],  # verify_writes: the default, "mac"
     )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

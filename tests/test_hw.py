@@ -112,6 +112,10 @@ def test_every_byte_lands(tmp_path, backend, path, case):
             * g.dtype_bytes
         )
     assert summary["bytes_verified"] == expected
+    # the write tag (transfer.verify_writes = "mac", the default) on both paths: every
+    # writer block checked (replicated heads: once per writer), none rejected
+    assert summary["verify_writes"] == "mac"
+    assert summary["writes_rejected"] == 0 and summary["bytes_checksummed"] >= expected
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     if path == "slice":
         assert summary["transfer_requests"]["total"] > 10 * 3 * D

@@ -1,8 +1,9 @@
-"""Verified before scattered (issue 25, item 4): transfer.verify_writes = "checksum".
+"""Verified before scattered (issue 25, item 4; issue 39, item 2): transfer.verify_writes,
+"mac" (the default) and "checksum".
 
-Each writer sends, in CHUNK_READY, a keyed checksum of the block it wrote into the
-decode's staging ring (hw/keys.py `block_checksum`, keyed by its pair key with the
-decode); the decode copies the region out of the ring, checks every block of the copy
+Each writer sends, in CHUNK_READY, a tag of the block it wrote into the decode's
+staging ring (hw/writemac.py, keyed by its pair key with the decode and the grant's
+nonce); the decode copies the region out of the ring, checks every block of the copy
 and scatters only a copy that passes (hw/decode_rank.py). Two writers that are not the
 granted one, on real transfers (hardware mode, P2->D1, every byte verified):
 
@@ -45,11 +46,12 @@ REQUESTS = 40  # at 20 rooms/s (write_scenario): arrivals over 2 s
 ATTACK_S = 1.0  # from t0: the first rooms' regions are overwritten, the last ones' not
 
 
-def _scenario(tmp_path, backend: str):
+def _scenario(tmp_path, backend: str, kind: str):
     path = write_scenario(tmp_path, 2, 1, 8, requests=REQUESTS)
-    return load_scenario(
-        path, overrides=[f"hardware.backend={backend}", "transfer.verify_writes=checksum"]
-    )
+    kinds = [] if kind == "mac" else [f"transfer.verify_writes={kind}"]  # "mac": the default
+    s = load_scenario(path, overrides=[f"hardware.backend={backend}", *kinds])
+    assert s.transfer.verify_writes == kind
+    return s
 
 
 def _target(run_dir, address: str):
@@ -132,9 +134,9 @@ def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
     engine.unregister_memory(junk.ctypes.data)
 
 
-def _run(tmp_path, backend: str, attack) -> tuple:
+def _run(tmp_path, backend: str, attack, kind: str = "mac") -> tuple:
     require_engine(backend)
-    s = _scenario(tmp_path, backend)
+    s = _scenario(tmp_path, backend, kind)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
@@ -182,9 +184,11 @@ def _assert_rejected_not_scattered(s, result, stats: dict) -> None:
     assert not check_records(records, s.transfer.path)
 
 
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_an_insiders_write_at_other_rooms_offsets_is_never_scattered(tmp_path, backend):
-    s, result, stats = _run(tmp_path, backend, _insider)
+@pytest.mark.parametrize(
+    ("backend", "kind"), [("nixl", "mac"), ("mooncake", "mac"), ("nixl", "checksum")]
+)
+def test_an_insiders_write_at_other_rooms_offsets_is_never_scattered(tmp_path, backend, kind):
+    s, result, stats = _run(tmp_path, backend, _insider, kind)
     _assert_rejected_not_scattered(s, result, stats)
 
 

@@ -348,9 +348,12 @@ class TransferConfig(_Table):
 
     path: Literal["staging", "slice"] = "staging"
     room_timeout_s: PosFloat = 60.0
-    # "checksum": each writer block's keyed checksum rides in CHUNK_READY and the decode
-    # checks the staging region against it before scattering (docs/hardware-mode.md)
-    verify_writes: Literal["none", "checksum"] = "none"
+    # Hardware mode: each writer block's write tag rides in CHUNK_READY and the decode
+    # checks the block against it before it scatters (staging) or counts the chunk
+    # complete (slice path). "mac": Poly1305 then keyed BLAKE2b (hw/writemac.py);
+    # "checksum": keyed BLAKE2b of the whole block (slower); "none": opt out
+    # (docs/hardware-mode.md). The simulator moves no bytes and checks none.
+    verify_writes: Literal["none", "checksum", "mac"] = "mac"
 
 
 class LinksConfig(_ProfileNumbers):
