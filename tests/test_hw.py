@@ -197,6 +197,9 @@ def test_killed_rank_its_rooms_fail_the_others_finish_nothing_left(tmp_path):
         for r in summary["failures"].values()
     ), summary["failures"]
     assert summary["bytes_wrong"] == 0
+    # the invariants are checked on a failed run too, over the survivors' records
+    assert summary["unreported_ranks"] == ["prefill1"]
+    assert summary["invariant_violations"] == 0
     assert elapsed < 120
     assert procs_seen and all(p.poll() is not None for p in procs_seen.values())
 

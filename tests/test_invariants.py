@@ -275,3 +275,28 @@ def test_clock_tolerance_orders_two_clocks_only_beyond_their_uncertainty():
         for v in check_records([write, scatter], clock_tolerance_s=0.001)
         if v.invariant == "exactly_once"
     ]
+
+
+def test_a_run_with_a_lost_rank_is_checked_over_what_the_others_recorded(monkeypatch):
+    """Issue 39, item 6: hardware mode checks every run, failed ranks or not. Without a
+    lost decode rank's records its writers' writes into its ring cannot be judged
+    (nothing says their data ended): `missing` excuses exactly that, and a broken safety
+    rule at the rank that did report is still caught."""
+
+    def without_decode1(w):
+        return [r for r in w.records if not (r.role == "decode" and r.rank == 1)]
+
+    kept = without_decode1(_run(rooms=5, P=2, D=2, pool_chunks=1))
+    # read as if complete, the lost rank's absence looks like data that never died
+    assert {v.invariant for v in check_records(kept)} == {"safety"}
+    assert check_records(kept, missing={("decode", 1)}) == []
+    monkeypatch.setattr(prefill_mod, "is_ready", lambda *a: True)  # the watermark ignored
+    found = [
+        v
+        for seed in range(3)
+        for v in check_records(
+            without_decode1(_run(seed=seed, rooms=5, P=2, D=2, pool_chunks=1)),
+            missing={("decode", 1)},
+        )
+    ]
+    assert any(v.invariant == "safety" for v in found)

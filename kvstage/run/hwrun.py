@@ -57,6 +57,14 @@ def _restarts(scenario: Scenario) -> dict[str, list[float]]:
     return restarts
 
 
+def _missing_ranks(scenario: Scenario, ranks: list[RankResult]) -> set[tuple[str, int]]:
+    """(role, rank) of every rank of the run that sent no report."""
+    g, c = scenario.geometry(), scenario.cluster
+    expected = {("prefill", p) for p in range(c.prefill_instances * g.prefill_tp)}
+    expected |= {("decode", d) for d in range(c.decode_instances * g.decode_tp)}
+    return expected - {(r.role, r.rank) for r in ranks}
+
+
 def launch_run(
     scenario: Scenario,
     run_dir: Path,
@@ -106,12 +114,13 @@ def launch_run(
     )
     records = merge_records(result.reports)
     errors = list(result.errors)
-    violations = (
-        check_records(records, scenario.transfer.path, clock_tolerance(result.reports))
-        if result.ok
-        else []
-    )
     ranks = [RankResult.from_wire(r) for _, r in sorted(result.reports.items())]
+    # checked on every run, failed ranks or not: over what the ranks that reported
+    # recorded (shared/invariants.py `check_records`, `missing`)
+    missing = _missing_ranks(scenario, ranks)
+    violations = check_records(
+        records, scenario.transfer.path, clock_tolerance(result.reports), missing
+    )
     figures = hardware_figures(scenario, result.reports)
     # asked for RDMA, moved over TCP: the run fails closed, naming the ranks (hw/transport_used.py)
     wrong_transport = rdma_problem(rdma_asked(hw), figures["transport_used"])
@@ -130,6 +139,8 @@ def launch_run(
             "affinity": {n: r.get("affinity") for n, r in sorted(result.reports.items())},
             "bandwidth": bandwidth_summary(records, result.reports),
             "errors": errors,
+            # ranks that sent no report: the invariants were checked without their records
+            "unreported_ranks": [f"{role}{rank}" for role, rank in sorted(missing)],
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
             "conditions": _run_conditions(before, spawn, result.reports),
         },
