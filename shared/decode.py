@@ -27,6 +27,8 @@ of an incarnation older than the one that rejoined is stale and ignored.
 
 from __future__ import annotations
 
+import math
+
 from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import Sessions
 from kvstage.shared.decode_state import (
@@ -169,6 +171,8 @@ class DecodeMachine(MachineBase):
             return
         if room is None:
             room = self._new_room(ev.room, now)
+        else:  # made by a message before the open: its timeout runs from now
+            room.deadline = self._arm_deadline(ev.room, now)
         dead_writers = [
             (r, k) for (r, k) in self.dead_peers if k in room.writers and self._gone_for(k, ev.room)
         ]
@@ -363,7 +367,7 @@ class DecodeMachine(MachineBase):
             return None
         room = self._rooms.get(msg.room)
         if room is None:
-            room = self._new_room(msg.room, now)
+            room = self._new_room(msg.room, now, opened=False)
         return room
 
     def _keep_early(self, room: DecodeRoom, msg, now: float, out: list[Action]) -> bool:
@@ -792,13 +796,17 @@ class DecodeMachine(MachineBase):
         )
 
     # --- ring and watermark ----------------------------------------------------------------
-    def _new_room(self, room_id: int, now: float) -> DecodeRoom:
+    def _new_room(self, room_id: int, now: float, opened: bool = True) -> DecodeRoom:
+        """A room, made at its open or by a writer's message before it (`opened` False).
+        Only an open room's timeout runs: a message cannot start the clock of a room
+        that has not arrived here (so a peer cannot time future rooms out), and the
+        open arms it (`_on_open`)."""
         room = DecodeRoom(room_id, now, self.sessions.writers(room_id, self.rank))
         self._rooms[room_id] = room
         live = self._live_rooms_of
         for p in room.writers:
             live[p] = live.get(p, 0) + 1
-        room.deadline = self._arm_deadline(room_id, now)
+        room.deadline = self._arm_deadline(room_id, now) if opened else math.inf
         return room
 
     def _free(self, room: int, chunk: int, alloc_id: int, now: float, out: list[Action]) -> None:
