@@ -98,3 +98,43 @@ def test_everyday_output_fits_80_columns_off_a_terminal(tmp_path):
         assert not wide, (name, wide)
     # a simulation's table does not judge the host: simulated times do not depend on it
     assert "host of" not in outputs["compare"].stdout
+
+
+def test_presets_in_a_pipe_keep_every_name_whole_at_80_columns():
+    """Off a terminal at 80 columns every model, GPU, engine and profile name is printed
+    whole (a table too wide for the width prints as plain text, never "llama…")."""
+    import re
+
+    from kvstage.shared.scenario.engines import ENGINE_PRESETS
+    from kvstage.shared.scenario.presets import PRESETS
+    from kvstage.shared.scenario.profiles import available_profiles
+    from kvstage.shared.serving.gpus import GPUS
+
+    out = kvstage("presets")
+    profiles = kvstage("profiles")
+    assert out.returncode == 0 and profiles.returncode == 0, out.stderr + profiles.stderr
+    text = out.stdout + profiles.stdout
+    assert not [line for line in text.splitlines() if len(line) > 80]
+    assert "…" not in text
+    names = [*PRESETS, *(g.name for g in GPUS.values()), *ENGINE_PRESETS, *available_profiles()]
+    for name in names:
+        assert re.search(rf"(^|[\s│|]){re.escape(name)}($|[\s│|:])", text, re.M), name
+
+
+def test_a_table_that_fits_stays_a_table_and_one_too_wide_prints_plain():
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvstage.tables import print_table
+
+    t = Table(title="t")
+    for col in ("name", "a", "b"):
+        t.add_column(col)
+    t.add_row("a-rather-long-model-name-1", "x" * 30, "y " * 20)
+    wide, narrow = Console(width=200, record=True), Console(width=40, record=True)
+    print_table(wide, t)
+    print_table(narrow, t)
+    assert "┃ name" in wide.export_text()
+    lines = narrow.export_text().splitlines()
+    assert lines[:2] == ["t", "a-rather-long-model-name-1"]
+    assert all(len(line) <= 40 for line in lines) and "…" not in "".join(lines)

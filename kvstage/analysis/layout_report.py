@@ -8,6 +8,7 @@ from rich.table import Table
 from kvstage.fmt import MIB
 from kvstage.shared.layout import owned_heads, room_pages
 from kvstage.shared.scenario import Scenario
+from kvstage.tables import print_table
 
 
 def _mib(n: float) -> str:
@@ -112,7 +113,7 @@ def _ranks_table(s: Scenario) -> Table:
 
 def layout_report(s: Scenario, console: Console) -> None:
     g = s.geometry()
-    console.print(_ranks_table(s))
+    print_table(console, _ranks_table(s))
     if g.mla:
         console.print(mla_mapping(s))
 
@@ -145,8 +146,8 @@ def layout_report(s: Scenario, console: Console) -> None:
     sizes.add_row("slice / staging requests", f"{ratio:,.0f}x")
     sizes.add_row("staged bytes that are duplicates", _duplicates_row(s))
     sizes.add_row("transfer path of this scenario", s.transfer.path)
-    console.print(sizes)
-    console.print(_cluster_table(s))
+    print_table(console, sizes)
+    print_table(console, _cluster_table(s))
 
 
 def _gib(nbytes: float) -> str:

@@ -8,6 +8,7 @@ from rich.table import Table
 from kvstage.fmt import MIB, ms
 from kvstage.run.conditions import describe
 from kvstage.shared.serving.compute import describe_efficiency
+from kvstage.tables import print_table
 
 # TTFT = queueing + prefill compute + exposed KV transfer + decode slot wait; the
 # transfer latency above starts at the first forward, so it holds prefill compute +
@@ -109,4 +110,4 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     # times are simulated, so for sim runs they stay in summary.json, out of the table
     if "conditions" in summary and summary.get("mode") != "sim":
         t.add_row("host during the run", describe(summary["conditions"], short=True))
-    console.print(t)
+    print_table(console, t)

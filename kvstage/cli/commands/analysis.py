@@ -19,6 +19,7 @@ from rich.table import Table
 from kvstage.cli.errors import fail as _fail
 from kvstage.cli.errors import warn
 from kvstage.fmt import ms, pct
+from kvstage.tables import print_table
 
 console = Console()
 
@@ -70,7 +71,7 @@ def _print_compare(result: dict) -> None:
             f"{'-' if not math.isfinite(mape) else f'{mape:.1%}'} / {pct(m['bias'])}",
             end_section=True,
         )
-    console.print(t)
+    print_table(console, t)
     ph = Table(title="phase breakdown (total over all chunks and ranks; mean per chunk and rank)")
     for col in ("phase", "A total", "B total", "A mean", "B mean"):
         ph.add_column(col, justify="left" if col == "phase" else "right")
@@ -85,7 +86,7 @@ def _print_compare(result: dict) -> None:
             ms(p["a"]["mean_s"]),
             ms(p["b"]["mean_s"]),
         )
-    console.print(ph)
+    print_table(console, ph)
     r = result["rooms"]
     console.print(
         f"rooms matched: {r['matched']}; only in A: {r['only_in_a']}; only in B: {r['only_in_b']}; "
@@ -114,7 +115,7 @@ def _print_conditions(result: dict) -> None:
             t.add_column(col)
         for d in diff[:12]:
             t.add_row(escape(d["field"]), escape(str(d["a"])), escape(str(d["b"])))
-        console.print(t)
+        print_table(console, t)
         if len(diff) > 12:
             console.print(f"... and {len(diff) - 12} more", highlight=False, markup=False)
     if result.get("scenario_diff_note"):

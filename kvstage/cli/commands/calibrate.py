@@ -14,6 +14,7 @@ from rich.table import Table
 from kvstage.cli.commands import calibrate_serving as serving
 from kvstage.cli.commands.calibrate_descriptors import descriptors_command
 from kvstage.cli.errors import fail
+from kvstage.tables import print_table
 
 STAGES = ("writes", "batches", "control", "kernels", "fill")
 # a fit below this explains too little of its points to be trusted without a look
@@ -94,7 +95,7 @@ def print_calibration(cal, console: Console) -> None:
             f"{h['mean_s'] * 1e6:.1f} us mean",
             f"median {h['median_s'] * 1e6:.1f} us, {h['events']} events",
         )
-    console.print(t)
+    print_table(console, t)
     for line in weak_fits(cal):
         console.print(f"[bold yellow]warning:[/] {line}", highlight=False)
 

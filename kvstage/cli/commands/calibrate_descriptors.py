@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstage.cli.errors import fail
+from kvstage.tables import print_table
 
 
 def _default_out(memory: str) -> Path:
@@ -48,7 +49,7 @@ def descriptors_command(backend: str, device: str, out: Path | None, quick: bool
     for name, row in fit.table()["parts"].items():
         t.add_row(name, f"{row['per_descriptor_ns']:,.1f}", f"{row['per_call_us']:,.1f}",
                   f"{row['r2']:.3f}", row["what"])  # fmt: skip
-    console.print(t)
+    print_table(console, t)
     console.print(
         f"GIL: a transfer worker beside a busy Python thread runs {fit.worker_slowdown:.1f}x "
         f"slower, the Python thread {fit.python_slowdown:.1f}x slower (a fair share: 2x each)"

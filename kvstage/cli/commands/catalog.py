@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvstage.tables import print_table
+
 console = Console()
 
 
@@ -199,10 +201,10 @@ def presets() -> None:
     MoE active parameters, the published config), the GPUs `prefill.gpu` / `decode.gpu`
     can name with their datasheet numbers, the achieved-efficiency defaults, and the
     serving-engine presets `[engine] preset` can name."""
-    console.print(presets_table())
-    console.print(gpus_table())
-    console.print(efficiency_table())
-    console.print(engines_table())
+    print_table(console, presets_table())
+    print_table(console, gpus_table())
+    print_table(console, efficiency_table())
+    print_table(console, engines_table())
 
 
 def profiles(
@@ -215,7 +217,7 @@ def profiles(
 ) -> None:
     """List the hardware profiles `[links] profile` can name: NIC bandwidth, latency and
     posting cost per work request, message rate, NVLink bandwidth, GPU FLOP/s, source."""
-    console.print(profiles_table(scenario_dir))
+    print_table(console, profiles_table(scenario_dir))
 
 
 def register(app: typer.Typer) -> None:

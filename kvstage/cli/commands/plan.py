@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstage.cli.errors import fail as _fail
+from kvstage.tables import print_table
 
 console = Console()
 
@@ -171,7 +172,7 @@ def _print_intro(
             highlight=False,
         )
     if cands.skipped:
-        console.print(_skipped_table(skip_reasons(cands.skipped)))
+        print_table(console, _skipped_table(skip_reasons(cands.skipped)))
 
 
 def _gpus(settings: dict[str, Any]) -> int:
@@ -183,7 +184,7 @@ def _gpus(settings: dict[str, Any]) -> int:
 def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
     from kvstage.explore.plan import verdict, warnings
 
-    console.print(_front_table(result))
+    print_table(console, _front_table(result))
     line = verdict(result)
     color = "green" if result.winner else "yellow"
     console.print(

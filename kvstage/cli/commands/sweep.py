@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstage.cli.errors import fail as _fail
+from kvstage.tables import print_table
 
 console = Console()
 
@@ -362,13 +363,13 @@ def _print_results(
     result: Any, metric: str, tgt: Any, report: dict | None, files: dict[str, Path], out_dir: Path
 ) -> None:
     table, reasons = _results_table(result, metric, tgt.metric if tgt else None)
-    console.print(table)
+    print_table(console, table)
     for n, reason in enumerate(reasons, 1):
         console.print(f"[{n}] {reason}", markup=False, highlight=False)
     if len(result.rows) > _MAX_PRINTED_ROWS:
         console.print(f"... {len(result.rows) - _MAX_PRINTED_ROWS} more rows in {files['csv']}")
     if report is not None:
-        console.print(_target_table(result, report))
+        print_table(console, _target_table(result, report))
         for a in report["answers"]:
             if not a["meets"] and a.get("why"):
                 where = ", ".join(f"{k}={v}" for k, v in a["settings"].items())
