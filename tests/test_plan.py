@@ -229,7 +229,12 @@ def test_cli_prints_the_winner_and_writes_files(scenario, tmp_path):
     assert res.exit_code == 0, res.output
     assert "winner: 4 GPUs, P 2xTP1 + D 1xTP2, pool 64 MiB" in res.output
     assert "Pareto front" in res.output and "skipped before simulating" in res.output
-    assert {p.name for p in out.iterdir()} == {"plan.csv", "plan.json", "plan_front.png"}
+    assert {p.name for p in out.iterdir()} == {
+        "plan.csv",
+        "plan.json",
+        "plan_front.png",
+        "colocated.csv",
+    }
     with (out / "plan.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 48 and sum(r["winner"] == "true" for r in rows) == 1

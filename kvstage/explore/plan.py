@@ -48,6 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.explore.colocated import (
+    ColocatedCandidates,
+    compare,
+    search_colocated,
+    write_colocated_csv,
+)
 from kvstage.explore.costs import COST_COLUMNS, add_costs
 from kvstage.explore.executor import Executor, ExploreError
 from kvstage.explore.figures import front_figure, shape
@@ -331,6 +337,11 @@ class PlanResult:
     winner: dict[str, Any] | None = None
     best: dict[str, Any] | None = None  # with no winner: the highest attainment
     front: list[dict[str, Any]] = field(default_factory=list)
+    # the colocated baseline (kvstage/explore/colocated.py): its rows, the best that
+    # meets the SLO, and whether disaggregation pays against it (`compare`)
+    colocated: list[dict[str, Any]] = field(default_factory=list)
+    colocated_best: dict[str, Any] | None = None
+    comparison: dict[str, Any] | None = None
 
     @property
     def qname(self) -> str:
@@ -475,12 +486,15 @@ def run_plan(
     search: str = "levels",
     on_point: Callable[[dict[str, Any]], None] | None = None,
     gpu_costs: dict[str, float] | None = None,
+    colocated: ColocatedCandidates | None = None,
 ) -> PlanResult:
     """Search `cands` (see the module docstring): `search` "levels" (GPU counts
     smallest first, stopping one count above the first that meets the SLO),
     "halving" (kvstage/explore/halving.py) or "exhaustive" (every candidate on the
     whole workload; `exhaustive=True` says the same). `on_point(row)` as each
-    simulation finishes; `gpu_costs` (GPU name -> cost per GPU-hour) adds the costs."""
+    simulation finishes; `gpu_costs` (GPU name -> cost per GPU-hour) adds the costs;
+    `colocated` candidates are searched on the same executor and weighed against the
+    disaggregated winner (kvstage/explore/colocated.py)."""
     if not 0 < attainment <= 1:
         raise PlanError(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
     search = "exhaustive" if exhaustive else search
@@ -504,6 +518,11 @@ def run_plan(
             pruned = [_pruned(cut[p.index]) for p in cands.points if p.index in cut]
         else:
             done, i, stopped_at = _levels_search(run, levels, search == "exhaustive")
+        colo_rows, colo_best = (
+            search_colocated(colocated, runner, attainment, quantile_name(attainment))
+            if colocated is not None
+            else ([], None)
+        )
     wall = time.perf_counter() - t0
     not_run = [
         _row(
@@ -524,6 +543,9 @@ def run_plan(
     )
     add_costs(result.rows, gpu_costs)
     judge(result)
+    if colocated is not None:
+        result.colocated, result.colocated_best = colo_rows, colo_best
+        result.comparison = compare(result.winner, colo_best, gpu_costs)
     return result
 
 
@@ -750,7 +772,15 @@ def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[
         "skipped": skip_reasons([r for r in rows if r["status"] == STATUS_SKIPPED]),
         "points": rows,
     }
-    files = {"csv": csv_path, "json": write_json(out_dir / "plan.json", doc)}
+    files = {"csv": csv_path}
+    if result.comparison is not None:
+        doc["colocated"] = {
+            "best": result.colocated_best,
+            "comparison": result.comparison,
+            "points": result.colocated,
+        }
+        files["colocated"] = write_colocated_csv(result.colocated, out_dir, result.attainment)
+    files["json"] = write_json(out_dir / "plan.json", doc)
     fig = front_figure(doc)
     fig.savefig(out_dir / "plan_front.png", dpi=110)
     files["png"] = out_dir / "plan_front.png"

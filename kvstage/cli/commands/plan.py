@@ -98,6 +98,52 @@ def _front_table(result: Any) -> Table:
     return t
 
 
+def _colocated_table(result: Any) -> Table:
+    """Per GPU count simulated, the colocated configuration that did best there."""
+    q = result.qname
+    t = Table(
+        title="colocated (prefill chunks mixed into decode batches, same GPUs): the best per GPU count",
+        title_justify="left",
+    )
+    for col in ("instances", "chunk", "GPUs", "attain.", "goodput/GPU", f"TTFT {q}", f"TPOT {q}"):
+        t.add_column(col, justify="left" if col == "instances" else "right")
+    t.add_column("")
+    per: dict[int, dict[str, Any]] = {}
+    for r in result.colocated:
+        if r["status"] != "ok":
+            continue
+        key = (r["slo_attainment"] or 0.0, r["goodput_per_gpu_rps"] or 0.0)
+        old = per.get(r["gpus"])
+        if old is None or key > (old["slo_attainment"] or 0.0, old["goodput_per_gpu_rps"] or 0.0):
+            per[r["gpus"]] = r
+    for g in sorted(per):
+        r = per[g]
+        t.add_row(
+            f"{r['colocated.instances']} x TP{r['colocated.tp']}",
+            str(r["prefill.chunked_prefill_size"]),
+            str(g),
+            _num(r["slo_attainment"], "{:.0%}"),
+            _num(r["goodput_per_gpu_rps"]),
+            _secs(r.get(f"ttft_s.{q}")),
+            _secs(r.get(f"tpot_s.{q}")),
+            "[bold green]best[/]"
+            if r["best"]
+            else ("meets" if r["meets"] else "[yellow]misses[/]"),
+        )
+    return t
+
+
+def _print_colocated(result: Any) -> None:
+    console.print(_colocated_table(result))
+    c = result.comparison
+    color = "green" if c["pays"] else "yellow"
+    console.print(
+        f"[bold {color}]colocated vs disaggregated:[/] {escape(c['text'])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _progress_bar(progress: bool) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -220,6 +266,21 @@ def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
         )
 
 
+def _check_options(scenario: Path, workers: int | None, attainment: float, search: str) -> str:
+    """The plain options' errors (exit 2); the search method."""
+    from kvstage.explore.plan import SEARCHES
+
+    if not scenario.is_file():
+        _fail(f"scenario file not found: {scenario}")
+    if workers is not None and workers < 1:
+        _fail(f"--workers {workers}: must be at least 1")
+    if not 0 < attainment <= 1:
+        _fail(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
+    if search not in SEARCHES:
+        _fail(f"--search {search!r}: one of {', '.join(SEARCHES)}")
+    return search
+
+
 def plan(
     scenario: Annotated[
         Path,
@@ -290,6 +351,20 @@ def plan(
     max_gpus: Annotated[
         int | None, typer.Option(help="Skip configurations with more GPUs than this.")
     ] = None,
+    colocated: Annotated[
+        bool,
+        typer.Option(
+            help="Also search colocated serving (prefill chunks mixed into decode batches on the "
+            "same GPUs) and say whether disaggregation pays."
+        ),
+    ] = True,
+    colocated_instances: Annotated[
+        str,
+        typer.Option(
+            metavar="N1,N2,...",
+            help="Colocated instance counts (their TPs: the --prefill-tp and --decode-tp values).",
+        ),
+    ] = "1,2,3,4,6,8,12,16",
     attainment: Annotated[
         float,
         typer.Option(
@@ -334,24 +409,20 @@ def plan(
     the steady window with 95% intervals. Prints the Pareto front and the winner
     (fewest GPUs; ties: most goodput per GPU) with its bottleneck; writes plan.csv,
     plan.json and plan_front.png (`kvstage report OUT` shows them); --export sglang
-    prints the winner's launch flags. Off a terminal, progress goes to the log (a line
+    prints the winner's launch flags. --colocated (default) also simulates the same
+    GPUs serving prefill and decode together (chunks mixed into decode batches;
+    instances x TP x chunk), prints the best per GPU count and whether disaggregation
+    pays, and writes colocated.csv. Off a terminal, progress goes to the log (a line
     per quarter or per minute, with an ETA). Exits 1 when nothing meets the SLO or a
     point failed."""
+    from kvstage.explore.colocated import colocated_from_plan
     from kvstage.explore.costs import parse_gpu_costs
     from kvstage.explore.executor import ExploreError, require_ray
-    from kvstage.explore.plan import SEARCHES, plan_candidates, planned_work, run_plan, write_plan
+    from kvstage.explore.plan import plan_candidates, planned_work, run_plan, write_plan
     from kvstage.explore.progress import ProgressLog
 
     sets = list(set_ or [])
-    if not scenario.is_file():
-        _fail(f"scenario file not found: {scenario}")
-    if workers is not None and workers < 1:
-        _fail(f"--workers {workers}: must be at least 1")
-    if not 0 < attainment <= 1:
-        _fail(f"--attainment {attainment}: a share of the requests in (0, 1], e.g. 0.9")
-    search = "exhaustive" if exhaustive else search
-    if search not in SEARCHES:
-        _fail(f"--search {search!r}: one of {', '.join(SEARCHES)}")
+    search = _check_options(scenario, workers, attainment, "exhaustive" if exhaustive else search)
     if export is not None and export != "sglang":
         _fail(f"--export {export!r}: the engines it can export to: sglang")
     try:
@@ -362,6 +433,7 @@ def plan(
             prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb, chunk, router, path
         )
         cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
+        colo = colocated_from_plan(cands, colocated_instances, max_gpus) if colocated else None
     except ExploreError as exc:  # PlanError, SweepError, --ray, --gpu-hour-cost
         _fail(str(exc))
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
@@ -389,6 +461,7 @@ def plan(
                 search=search,
                 on_point=on_point,
                 gpu_costs=prices,
+                colocated=colo,
             )
     except ExploreError as exc:  # PlanError, SweepError, --ray
         _fail(str(exc))
@@ -412,6 +485,8 @@ def plan(
     except OSError as exc:
         _fail(f"cannot write the plan to {out or 'runs/'}: {exc}")
     _print_result(result, files, out_dir)
+    if result.comparison is not None:
+        _print_colocated(result)
     if export is not None:
         _print_export(result, cands)
     raise typer.Exit(0 if result.winner is not None and not result.count("error") else 1)

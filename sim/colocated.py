@@ -1,0 +1,376 @@
+"""Colocated serving in simulated time: the same GPUs prefill and decode, no KV transfer.
+
+The baseline a disaggregated plan is weighed against (`kvstage plan`, the colocated row):
+`instances` engine instances of TP `tp` on the decode side's GPU, each one scheduler
+loop that runs one forward at a time. A forward (a "step") carries every running
+request's next token (the decode batch) and, in the token budget left, chunks of the
+prompts being prefilled, mixed into the same forward:
+
+- budget: `prefill.chunked_prefill_size` tokens a step, the running decodes' one token
+  each counted first. [C] vLLM v1 `Scheduler.schedule`
+  (vllm-project/vllm vllm/v1/core/sched/scheduler.py at 00024d31: `token_budget =
+  self.max_num_scheduled_tokens`, RUNNING requests scheduled before WAITING ones);
+  [C] SGLang with `--enable-mixed-chunk` (sgl-project/sglang
+  python/sglang/srt/managers/scheduler.py at d51c1c21, `get_new_batch_prefill`:
+  `PrefillAdder(..., chunked_prefill_size, running_bs if self.is_mixed_chunk else 0)`,
+  the running batch's tokens taken off the chunk budget, and the prefill batch then
+  mixed with the running decode batch);
+- order: prompts already being prefilled first, then new requests in arrival order
+  (first come, first served, as both engines' default policy); a prompt larger than
+  what is left of the budget is cut (chunked prefill) and continues next step;
+- admission: a new request starts its prefill only when its KV, prompt plus output
+  tokens, fits in the instance's KV pool (`shared.serving.decode_model.DecodeModel`'s
+  capacity, the rule the disaggregated decode admits by) and fewer than
+  `decode.max_running_requests` are running; the queue waits behind its head;
+- prefix cache: one per instance (`shared.serving.prefix_cache.PrefixCache`, capacity from
+  the same GPU's KV memory, as the disaggregated prefill's): cached tokens are not
+  computed;
+- a request's first token comes out of the step that computes its prompt's last
+  chunk (`done`, `first_token`: its TTFT); it then joins the decode batch and gets
+  one token per step for the other `output_tokens - 1`, every gap an inter-token
+  latency (`itls`), the client's figures of kvstage/metrics/rooms.py;
+- the per-request cost of an `[engine]` preset (`request_us`: HTTP, tokenizer,
+  streaming; shared/scenario/engines.py) delays its arrival at the scheduler, as the
+  disaggregated simulation delays its room.
+
+A step's time (`mixed_step_s`): with no prompt in it, the decode step of
+`DecodeModel.step_time_s` (shared/serving/compute.py `decode_step`); with no decode, the
+prefill forward of its chunks (shared/serving/compute.py: linear FLOPs over all the chunks'
+tokens at the MFU of that many rows, attention per chunk over its context, TP
+all-reduces, expert all-to-all), as a prefill instance computes them; mixed, one
+forward that reads the weights once: max(the decode's bytes over HBM, the decode's
+FLOP time plus the chunks' linear and attention time) plus the decode's step overhead
+and both parts' all-reduces and all-to-all. A chunk mixed into a compute-bound step
+makes it longer by exactly the chunk's compute; into a memory-bound one by less (the
+chunk's matmuls hide the weight read).
+
+Routing: round-robin (request i to instance i mod N) or, for every other router,
+least-outstanding (fewest requests routed and not yet finished; ties to the lowest
+index): there is no staging ring to be aware of.
+
+Left out: preemption (admission reserves the output's KV up front, so none is needed),
+speculative decoding, CUDA-graph padding, the retraction SGLang does on KV pressure.
+
+The result is per-request records in `kvstage.metrics.rooms.room_latencies` terms
+(`arrival`, `admitted`, `forward_start`, `forward_end`, `done`, `first_token`,
+`last_token`, `generate_start`, `generate_end`, `output_tokens`, `itls`), so a plan takes the same figures
+(`kvstage.metrics.steady`) from a colocated run as from a disaggregated one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstage.shared.serving.compute import allreduce_s, alltoall_s, attention_flops, prefill_forward
+from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
+from kvstage.shared.workload import Request, generate_requests
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario import Scenario
+
+__all__ = [
+    "ColocatedResult",
+    "colocated_scenario",
+    "mixed_step_s",
+    "prefill_step_s",
+    "simulate_colocated",
+]
+
+
+def colocated_scenario(scenario: Scenario, tp: int, instances: int, ep: int = 1) -> Scenario:
+    """`scenario` served colocated: `instances` instances of TP `tp` (EP `ep`) on the
+    decode side's GPU, both sides of the model set alike (the prefill formulas then
+    describe a chunk on these GPUs). The scenario's own validation is not run again:
+    `colocated_problem` says what does not fit."""
+    d = scenario.decode.model_copy(update={"tp": tp, "ep": ep})
+    p = scenario.prefill.model_copy(
+        update={
+            "tp": tp,
+            "ep": ep,
+            "gpu": d.gpu,
+            "memory_utilization": d.memory_utilization,
+        }
+    )
+    c = scenario.cluster.model_copy(
+        update={"prefill_instances": instances, "decode_instances": instances}
+    )
+    return scenario.model_copy(update={"decode": d, "prefill": p, "cluster": c})
+
+
+def colocated_problem(scenario: Scenario) -> str | None:
+    """Why a colocated scenario cannot serve (weights or one chunk do not fit), else None."""
+    from kvstage.shared.serving.memory import side_memory
+
+    return side_memory(scenario, "decode").problem() or None
+
+
+# --------------------------------------------------------------------------- step time
+
+
+def prefill_step_s(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float]:
+    """(compute seconds, fixed seconds) of a forward of prompt chunks `pieces` (tokens
+    computed, context before them): linear FLOPs over all their tokens at the MFU of
+    that many rows and attention per chunk (compute); the TP all-reduces and expert
+    all-to-all of the tokens (fixed). One piece alone: shared/serving/compute.py
+    `prefill_forward` exactly (`prefill.tokens_per_s` overrides the whole forward)."""
+    total = sum(t for t, _ in pieces)
+    if total <= 0:
+        return 0.0, 0.0
+    if s.prefill.tokens_per_s is not None:
+        return total / s.prefill.tokens_per_s, 0.0
+    if len(pieces) == 1:
+        f = prefill_forward(s, pieces[0][0], pieces[0][1])
+        return f.linear_s + f.attention_s, f.allreduce_s + f.alltoall_s
+    f = prefill_forward(s, total, 0)
+    keys = sum(t * (c + (t + 1) / 2) for t, c in pieces)
+    att = attention_flops(s, total, keys, decode=False) / s.prefill.tp
+    per_flop = f.attention_s / f.attention_flops if f.attention_flops else 0.0
+    return f.linear_s + att * per_flop, allreduce_s(s, "prefill", total) + alltoall_s(
+        s, "prefill", total
+    )
+
+
+def mixed_step_s(
+    s: Scenario, model: DecodeModel, batch: int, kv_tokens: float, pieces: list[tuple[int, int]]
+) -> float:
+    """One forward of an instance: `batch` decoding requests holding `kv_tokens` of KV
+    and prompt chunks `pieces` (see the module docstring)."""
+    if not pieces:
+        return model.step_time_s(kv_tokens, batch) if batch else 0.0
+    compute, fixed = prefill_step_s(s, pieces)
+    if not batch:
+        return compute + fixed
+    d = model.step(kv_tokens, batch)
+    return (
+        max(d.memory_s, d.compute_s + compute) + d.overhead_s + d.allreduce_s + d.alltoall_s + fixed
+    )
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass(slots=True)
+class _Req:
+    req: Request
+    arrival: float  # at the scheduler (after the engine's per-request cost)
+    computed: int = 0  # prompt tokens done (cached ones included)
+    kv: int = 0  # KV tokens reserved: prompt + output
+
+
+@dataclass(slots=True)
+class _Instance:
+    index: int
+    cache: PrefixCache
+    waiting: deque[_Req] = field(default_factory=deque)
+    prefilling: list[_Req] = field(default_factory=list)
+    # (finish step, room, KV tokens at the end, reserved KV)
+    finishing: list[tuple[int, int, int, int]] = field(default_factory=list)
+    steps: int = 0
+    batch: int = 0  # decoding requests
+    kv_tokens: int = 0  # their KV now
+    reserved: int = 0  # KV tokens reserved by every admitted request
+    outstanding: int = 0  # routed, not finished
+    stepping: bool = False
+    busy_s: float = 0.0
+    step_ends: list[float] = field(default_factory=list)  # when each forward ended
+    # the step in flight: its prompt pieces (request, tokens), the decode batch it carries
+    pieces: list[tuple[_Req, int]] = field(default_factory=list)
+
+
+@dataclass
+class ColocatedResult:
+    """A colocated run: per-request records (room -> `room_latencies`-style dict)."""
+
+    scenario: Scenario
+    requests: list[Request]
+    rooms: dict[int, dict[str, float]]
+    sim_time_s: float
+    wall_s: float
+    steps: int
+    busy_s: float  # GPU-group seconds of forwards, summed over the instances
+    peak_batch: int
+    rooms_failed: int = 0
+    failed_reason: str = ""
+
+    @property
+    def utilization(self) -> float:
+        """The instances' share of the run they spent in forwards."""
+        n = self.scenario.cluster.decode_instances
+        return self.busy_s / (n * self.sim_time_s) if self.sim_time_s > 0 else 0.0
+
+
+class _Engine:
+    def __init__(self, s: Scenario, requests: list[Request]) -> None:
+        self.s = s
+        self.model = DecodeModel(s)
+        self.budget = s.prefill.chunked_prefill_size
+        mem = self.model.memory  # the instance's KV memory holds the prefix cache too
+        blocks = max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))
+        n = s.cluster.decode_instances
+        self.instances = [_Instance(i, PrefixCache(blocks)) for i in range(n)]
+        self.rooms: dict[int, dict[str, float]] = {}
+        self.events: list[tuple[float, int, int]] = []  # (time, order, instance)
+        self.order = 0
+        self.steps = self.peak = self.failed = 0
+        self.rr = s.cluster.router == "round-robin"
+        preset = s.engine.resolved()
+        self.delay = preset.request_us * 1e-6 if preset is not None else 0.0
+        self.requests = requests
+        self.why = ""
+
+    def run(self) -> float:
+        pending = deque(self.requests)
+        now = 0.0
+        while pending or self.events:
+            next_step = self.events[0][0] if self.events else float("inf")
+            if pending and pending[0].arrival_s + self.delay <= next_step:
+                r = pending.popleft()
+                now = r.arrival_s + self.delay
+                self._arrive(r, now)
+                continue
+            now, _, i = heapq.heappop(self.events)
+            self._stepped(self.instances[i], now)
+        return now
+
+    def _arrive(self, r: Request, now: float) -> None:
+        self.rooms[r.room] = {"arrival": r.arrival_s}
+        inst = (
+            self.instances[r.room % len(self.instances)]
+            if self.rr
+            else min(self.instances, key=lambda x: (x.outstanding, x.index))
+        )
+        need = r.prompt_tokens + r.output_tokens
+        if need > self.model.capacity_tokens:
+            self.rooms[r.room]["failed"] = 1.0
+            self.failed += 1
+            self.why = (
+                f"room {r.room}: {need} tokens of KV > {self.model.capacity_tokens} the "
+                "instance holds"
+            )
+            return
+        inst.outstanding += 1
+        inst.waiting.append(_Req(r, now))
+        if not inst.stepping:
+            self._step(inst, now)
+
+    def _admit(self, inst: _Instance, now: float) -> None:
+        cap, most = self.model.capacity_tokens, self.model.max_batch
+        while inst.waiting:
+            q = inst.waiting[0]
+            need = q.req.prompt_tokens + q.req.output_tokens
+            running = inst.batch + len(inst.prefilling)
+            if inst.reserved + need > cap or running >= most:
+                return
+            inst.waiting.popleft()
+            q.kv = need
+            inst.reserved += need
+            q.computed = inst.cache.admit(q.req.hash_ids, q.req.prompt_tokens)
+            self.rooms[q.req.room]["admitted"] = now
+            inst.prefilling.append(q)
+
+    def _step(self, inst: _Instance, now: float) -> None:
+        self._admit(inst, now)
+        left = self.budget - inst.batch
+        pieces: list[tuple[_Req, int]] = []
+        for q in inst.prefilling:
+            if left <= 0:
+                break
+            take = min(left, q.req.prompt_tokens - q.computed)
+            pieces.append((q, take))
+            left -= take
+            info = self.rooms[q.req.room]
+            info.setdefault("forward_start", now)
+        inst.pieces = pieces
+        if not pieces and not inst.batch:
+            inst.stepping = False
+            return
+        inst.stepping = True
+        self.peak = max(self.peak, inst.batch)
+        dt = mixed_step_s(
+            self.s, self.model, inst.batch, inst.kv_tokens, [(t, q.computed) for q, t in pieces]
+        )
+        inst.busy_s += dt
+        self.steps += 1
+        self.order += 1
+        heapq.heappush(self.events, (now + dt, self.order, inst.index))
+
+    def _stepped(self, inst: _Instance, now: float) -> None:
+        inst.step_ends.append(now)
+        if inst.batch:
+            inst.steps += 1
+            inst.kv_tokens += inst.batch
+            while inst.finishing and inst.finishing[0][0] <= inst.steps:
+                _, room, kv_end, reserved = heapq.heappop(inst.finishing)
+                inst.batch -= 1
+                inst.kv_tokens -= kv_end
+                inst.reserved -= reserved
+                inst.outstanding -= 1
+                self._finished(inst, room, now)
+        for q, take in inst.pieces:
+            q.computed += take
+            if q.computed >= q.req.prompt_tokens:
+                self._prefilled(inst, q, now)
+        inst.prefilling = [q for q in inst.prefilling if q.computed < q.req.prompt_tokens]
+        self._step(inst, now)
+
+    def _prefilled(self, inst: _Instance, q: _Req, now: float) -> None:
+        r = q.req
+        info = self.rooms[r.room]
+        info.update(forward_end=now, done=now, first_token=now, last_token=now)
+        if r.output_tokens <= 0:
+            inst.reserved -= q.kv
+            inst.outstanding -= 1
+            return
+        # the prefill's forward made the first token; N - 1 decode steps make the rest
+        info.update(generate_start=now, generate_end=now, output_tokens=float(r.output_tokens))
+        info["itls"] = []  # type: ignore[assignment]
+        if r.output_tokens == 1:
+            inst.reserved -= q.kv
+            inst.outstanding -= 1
+            return
+        heapq.heappush(
+            inst.finishing,
+            (inst.steps + r.output_tokens - 1, r.room, r.prompt_tokens + r.output_tokens - 1, q.kv),
+        )
+        inst.batch += 1
+        inst.kv_tokens += r.prompt_tokens
+
+    def _finished(self, inst: _Instance, room: int, now: float) -> None:
+        """A room's last token: its end and its inter-token gaps (every step since its
+        first token carried it)."""
+        info = self.rooms[room]
+        first = info["first_token"]
+        lo = bisect.bisect_right(inst.step_ends, first)
+        times = [first, *inst.step_ends[lo:]]
+        info.update(generate_end=now, last_token=now)
+        info["itls"] = [b - a for a, b in zip(times, times[1:], strict=False)]  # type: ignore[assignment]
+
+
+def simulate_colocated(
+    scenario: Scenario, requests: list[Request] | None = None
+) -> ColocatedResult:
+    """Simulate `scenario` served colocated (make it with `colocated_scenario`): its
+    workload (`generate_requests`, or `requests`) on `cluster.decode_instances`
+    instances of TP `decode.tp`."""
+    wall = time.perf_counter()
+    reqs = generate_requests(scenario) if requests is None else requests
+    engine = _Engine(scenario, reqs)
+    end = engine.run()
+    return ColocatedResult(
+        scenario=scenario,
+        requests=reqs,
+        rooms=engine.rooms,
+        sim_time_s=end,
+        wall_s=time.perf_counter() - wall,
+        steps=engine.steps,
+        busy_s=sum(i.busy_s for i in engine.instances),
+        peak_batch=engine.peak,
+        rooms_failed=engine.failed,
+        failed_reason=engine.why,
+    )
