@@ -52,6 +52,7 @@ from kvstage.hw.control import (
     run_secret,
     write_secret_file,
 )
+from kvstage.hw.forkserver import ForkedProcess, rank_start, start_rank
 from kvstage.hw.placement import engine_env, launch_addresses, quiet_engines
 from kvstage.hw.rendezvous import RANK_SILENT_S, RendezvousServer
 
@@ -76,6 +77,9 @@ class LaunchResult:
     errors: list[str] = field(default_factory=list)
     # ranks that died (or went silent) and rejoined: rank, incarnation, first_room, after
     rejoined: list[dict[str, Any]] = field(default_factory=list)
+    # CPU time of the ranks the fork server started (not this process's children, so not
+    # in its os.times()), as the fork server measured each at its exit (hw/forkserver.py)
+    forked_cpu_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -189,6 +193,11 @@ def launch(
     errors: list[str] = []
     stop = _StopOnSignal()
     try:
+        if spawn:
+            try:
+                rank_start()
+            except ValueError as exc:
+                raise LaunchError(str(exc)) from exc
         if not spawn:
             print(
                 f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
@@ -215,7 +224,9 @@ def launch(
             ranks.respawn,
             on_progress,
         )
-        return _released(server, procs, start, errors)
+        result = _released(server, procs, start, errors)
+        result.forked_cpu_s = ranks.forked_cpu_s()
+        return result
     except LaunchError as exc:
         server.abort(str(exc))
         reports = {n: m for n, (_, m) in server.reports.items()}
@@ -274,12 +285,14 @@ def _rank_command(
 
 class _Ranks:
     """The rank processes this launcher started, and their logs (`<name>.log`; a rank
-    started again: `<name>-restartN.log`)."""
+    started again: `<name>-restartN.log`). Forked from the fork server where it can
+    (hw/forkserver.py, $KVSTAGE_RANK_START), spawned otherwise."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
         self.env = env
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
+        self.forked: list[ForkedProcess] = []
         self.logs: dict[str, Path] = {}
         self.commands: dict[str, list[str]] = {}
         self.restarted: dict[str, int] = {}
@@ -290,14 +303,23 @@ class _Ranks:
         slot = self.slots.setdefault(name, len(self.slots))  # its local rank, for its NIC
         self.logs[name] = self.log_dir / (log or f"{name}.log")
         with self.logs[name].open("w") as fh:
+            env = {**self.env, LOCAL_SLOT_ENV: str(slot)}
+            forked = start_rank(cmd, env, self.logs[name], warn=_say_once)
+            if forked is not None:
+                self.procs[name] = forked
+                self.forked.append(forked)
+                return
             self.procs[name] = subprocess.Popen(
                 cmd,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                env={**self.env, LOCAL_SLOT_ENV: str(slot)},
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_launcher(),
             )
+
+    def forked_cpu_s(self) -> float:
+        return sum(p.cpu_s or 0.0 for p in self.forked)
 
     def respawn(self, name: str, register_at: float) -> None:
         """Start a killed rank again; it registers at `register_at` (epoch s)."""
@@ -307,6 +329,15 @@ class _Ranks:
             [*self.commands[name], "--register-at", f"{register_at:.6f}"],
             f"{name}-restart{n}.log",
         )
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        print(f"launcher: {message}", file=sys.stderr, flush=True)
 
 
 def _until_all_reported(

@@ -83,6 +83,18 @@ def test_no_spawn_ranks_on_this_host_are_not_others():
     assert measure(before, after, spawned=True, ranks_cpu_s=mine)["loaded"] is True
 
 
+def test_forked_ranks_cpu_is_the_runs_own():
+    """Ranks forked by the fork server are its children, not the launcher's: the CPU time
+    it measured for them is added to the run's own, so they are not other processes."""
+    cores = os.cpu_count()
+    before = Sample(wall=0.0, busy_s=0.0, own_s=0.0, loadavg=None)
+    after = Sample(wall=10.0, busy_s=9.0 * cores, own_s=0.0, loadavg=None)
+    c = measure(before, after, forked_cpu_s=9.0 * cores)
+    assert c["cpu_own_s"] == 9.0 * cores and c["cpu_forked_s"] == 9.0 * cores
+    assert c["cpu_other_s"] == 0.0 and c["loaded"] is False
+    assert "cpu_forked_s" not in measure(before, after) and measure(before, after)["loaded"]
+
+
 def test_summary_json_holds_the_conditions(tmp_path):
     s = load_scenario(
         ROOT / "scenarios" / "llama3-8b-p4-d2.toml", overrides=["workload.requests=4"]

@@ -256,3 +256,35 @@ def test_lost_and_duplicated_messages_on_real_engines(tmp_path):
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
     _, records = read_records(run_dir)
     assert not check_records(records)
+
+
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_ranks_start_by_fork_or_by_spawn_as_set(tmp_path, monkeypatch, how):
+    """$KVSTAGE_RANK_START: ranks forked from the fork server (the default) or spawned
+    as new interpreters; the run is the same, and forked ranks' CPU time is the run's
+    own (conditions: `cpu_forked_s`, measured by the fork server)."""
+    import subprocess
+
+    from kvstage.hw.forkserver import ForkedProcess
+
+    require_engine("nixl")
+    monkeypatch.setenv("KVSTAGE_RANK_START", how)
+    f = write_scenario(tmp_path, 1, 1, 8)
+    seen = {}
+    code, run_dir = run(tmp_path, "nixl", f, on_started=lambda _a, procs: seen.update(procs))
+    summary = read_summary(run_dir)
+    assert code == 0 and summary["requests_done"] == 3 and summary["bytes_wrong"] == 0
+    kind = ForkedProcess if how == "fork" else subprocess.Popen
+    assert sorted(seen) == ["decode0", "prefill0"]
+    assert all(isinstance(p, kind) for p in seen.values()), seen
+    forked = summary["conditions"].get("cpu_forked_s")
+    assert (forked is not None and forked > 0) if how == "fork" else forked is None
+
+
+def test_a_bad_rank_start_setting_fails_the_run_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTAGE_RANK_START", "exec")
+    f = write_scenario(tmp_path, 1, 1, 8)
+    code, run_dir = run(tmp_path, "nixl", f)
+    assert code == 1
+    errors = read_summary(run_dir)["errors"]
+    assert any("KVSTAGE_RANK_START='exec'" in e and "fork, spawn" in e for e in errors), errors

@@ -15,8 +15,10 @@ every run records, in summary.json under `conditions`:
   waited for. A hardware run's rank processes are children of the launcher, which
   waits for every one of them before the run ends, so their CPU time counts as the
   run's own; with `--no-spawn` they are not, and the CPU the ranks on this host
-  report for themselves is added instead (`cpu_ranks_here_s`); a simulation is this
-  process alone;
+  report for themselves is added instead (`cpu_ranks_here_s`); ranks forked by the
+  fork server (hw/forkserver.py) are its children, not the launcher's: the CPU time
+  the fork server measured for each as it exited is added (`cpu_forked_s`); a
+  simulation is this process alone;
 - `cpu_other_s` = max(0, busy - own): what other processes took;
 - `other_cpu_share`: cpu_other_s / (wall_s x cores), the share of the host's whole
   CPU capacity that other processes took during the run (0.5 = half the cores);
@@ -88,16 +90,19 @@ def measure(
     *,
     spawned: bool = True,
     ranks_cpu_s: float = 0.0,
+    forked_cpu_s: float = 0.0,
 ) -> dict:
     """summary.json's `conditions` for the interval from `before` to `after` (default: now).
     `spawned=False`: a hardware run whose ranks were started elsewhere (`--no-spawn`), so
     they are not this process's children; `ranks_cpu_s`, the CPU time those of them on
     this host report for themselves (`rank_cpu_here`), then counts as the run's own, not
-    as other processes' (said in `note`)."""
+    as other processes' (said in `note`). `forked_cpu_s`: the CPU time of the ranks the
+    fork server started for this run (children of the fork server, not of this process)."""
     after = after or sample()
     cores = os.cpu_count() or 1
     wall = max(after.wall - before.wall, 0.0)
     own = max(after.own_s - before.own_s, 0.0) + (0.0 if spawned else ranks_cpu_s)
+    own += forked_cpu_s
     out: dict = {
         "cores": cores,
         "loadavg_before": list(before.loadavg) if before.loadavg else None,
@@ -110,6 +115,8 @@ def measure(
         "loaded": None,
         "loaded_if_share_above": LOADED_SHARE,
     }
+    if forked_cpu_s:
+        out["cpu_forked_s"] = round(forked_cpu_s, 4)
     if not spawned:
         out["cpu_ranks_here_s"] = round(ranks_cpu_s, 4)
         out["note"] = (

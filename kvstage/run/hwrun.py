@@ -35,13 +35,18 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import generate_requests
 
 
-def _run_conditions(before: conditions.Sample, spawned: bool, reports: dict[str, dict]) -> dict:
-    """How busy the host was (spawned ranks' CPU time is the run's own), and whether
+def _run_conditions(
+    before: conditions.Sample, spawned: bool, reports: dict[str, dict], forked_cpu_s: float
+) -> dict:
+    """How busy the host was (spawned and forked ranks' CPU time is the run's own), and whether
     every rank loop got its real-time class (a host that refuses it delays control
     messages)."""
     return {
         **conditions.measure(
-            before, spawned=spawned, ranks_cpu_s=conditions.rank_cpu_here(reports)
+            before,
+            spawned=spawned,
+            ranks_cpu_s=conditions.rank_cpu_here(reports),
+            forked_cpu_s=forked_cpu_s,
         ),
         "loops_realtime": conditions.loops_realtime(reports),
     }
@@ -142,7 +147,7 @@ def launch_run(
             # ranks that sent no report: the invariants were checked without their records
             "unreported_ranks": [f"{role}{rank}" for role, rank in sorted(missing)],
             "rejoins": result.rejoined,  # ranks that died (or went silent) and rejoined
-            "conditions": _run_conditions(before, spawn, result.reports),
+            "conditions": _run_conditions(before, spawn, result.reports, result.forked_cpu_s),
         },
     )
     return RunResult(
