@@ -18,6 +18,9 @@ Definitions (B is measured relative to A):
   (room, chunk, decode rank) where both runs have it.
 - relative error of a pair: (b - a) / a; MAPE is the mean of its absolute value,
   bias the mean of the signed value (positive: B slower).
+- client figures (`kvstage.analysis.client_compare`): TTFT, TPOT, ITL and E2E at p50,
+  p90 and p99 over the requests both finished, and served throughput; the verdict of a
+  comparison with a measured run (`kvstage import`) is theirs.
 - phase breakdown: total and mean duration per chunk and rank of `wm_wait`, `gather`,
   `write`, `slice_write`, `scatter`, and of the control plane: the req -> rsp gap
   per (prefill rank, room, chunk) and the wait from the last write of a chunk to
@@ -30,6 +33,7 @@ import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvstage.analysis.client_compare import compare_clients
 from kvstage.fmt import json_text
 from kvstage.metrics.rooms import percentiles, request_figures, room_latencies
 from kvstage.run.conditions import loaded_warnings
@@ -392,7 +396,10 @@ def compare_runs(
     chunk_pairs = [(ca[k], cb[k]) for k in chunk_keys]
 
     transfer = error_metrics(_room_pairs(ra, rb, both, "transfer"))
-    line = verdict(transfer, tolerance=tolerance)
+    client = compare_clients(a, b, tolerance=tolerance)
+    # a measured run has no transfer spans: it is judged on the client's figures
+    measured = "measured" in (a.mode, b.mode)
+    line = client["verdict"] if measured else verdict(transfer, tolerance=tolerance)
     diff = (
         scenario_diff(a.scenario, b.scenario, (a.mode, b.mode)) if a.scenario and b.scenario else []
     )
@@ -405,6 +412,7 @@ def compare_runs(
         "b": _run_info(b, sb, cb),
         "rooms": _rooms_section(both, rooms),
         "transfer_latency": transfer,
+        "client": client,
         "ttft": error_metrics(_room_pairs(ra, rb, both, "ttft")),
         "chunk_latency": {
             **error_metrics(chunk_pairs),

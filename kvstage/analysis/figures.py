@@ -652,3 +652,50 @@ def comparison_scatter(result: dict) -> Figure:
         fontsize=10,
     )
     return fig
+
+
+_CLIENT_PANELS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"))
+
+
+def client_cdfs(runs: Sequence[Run | str]) -> Figure:
+    """Empirical CDFs of TTFT, TPOT and ITL (the clients' definitions), one curve per run;
+    a run that has only its tool's reported quantiles (no per-request rows) is drawn as
+    its p50 / p90 / p99 points."""
+    runs = _runs(runs)
+    fig = Figure(figsize=(11, 3.8), dpi=100)
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.3, top=0.9, wspace=0.25)
+    axes = fig.subplots(1, 3)
+    per_run = [request_breakdown(room_latencies(run.records)) for run in runs]
+    for ax, (key, title) in zip(axes, _CLIENT_PANELS, strict=True):
+        allv: list[float] = []
+        for i, (run, per) in enumerate(zip(runs, per_run, strict=True)):
+            vals = sorted(v * 1e3 for v in per.get(key, []))
+            if vals:
+                ys = [(k + 1) / len(vals) for k in range(len(vals))]
+                ax.step([vals[0], *vals], [0.0, *ys], where="post", color=run_color(i),
+                        linewidth=1.6, label=_label(run))  # fmt: skip
+                allv += vals
+                continue
+            rep = run.summary.get(key) or {}
+            pts = [(rep[q] * 1e3, y) for q, y in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+                   if isinstance(rep.get(q), int | float)]  # fmt: skip
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=run_color(i),
+                        label=f"{_label(run)} (reported)")  # fmt: skip
+                allv += [p[0] for p in pts]
+        if not allv:
+            _empty(ax, f"no {title}")
+            continue
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(title, fontsize=10)
+        ax.grid(color="#EEEEEE")
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    return fig

@@ -338,6 +338,30 @@ def _room_matching(result: dict) -> list[str]:
     return out
 
 
+def _client_table(client: dict | None) -> str:
+    """The client figures of B against A (kvstage/analysis/client_compare.py)."""
+    if not client or not client["figures"]:
+        return ""
+    from kvstage.analysis.client_compare import LABELS
+
+    rows = [
+        (f"{LABELS[r['metric']]} {r['quantile']}", ms(r["a"]), ms(r["b"]), pct(r["error"]))
+        for r in client["figures"]
+    ]
+    rows += [
+        (
+            r["metric"].replace("_", " "),
+            "-" if r["a"] is None else f"{r['a']:,.3f}",
+            "-" if r["b"] is None else f"{r['b']:,.3f}",
+            pct(r["error"]),
+        )
+        for r in client["throughput"]
+    ]
+    return f'<p class="meta">client figures, over {_e(client["basis"])}</p>' + _table(
+        rows, header=("figure", "A", "B", "(B - A) / A"), num_cols=(1, 2, 3)
+    )
+
+
 def _compare_section(k: int, result: dict, figure: _Figures) -> str:
     a, b = result["a"], result["b"]
     out = [f'<section id="compare-{k}">']
@@ -348,6 +372,8 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
     )
     mape = result["transfer_latency"].get("mape")
     ok = mape is not None and math.isfinite(mape) and mape <= result.get("tolerance", 0.15)
+    if "measured" in (a["mode"], b["mode"]):
+        ok = result["verdict"].startswith("B matches")
     out.append(f'<div class="verdict{"" if ok else " off"}">{_e(result["verdict"])}</div>')
     out += [_warning(w) for w in result.get("warnings") or []]
     if result.get("scenario_diff_note"):
@@ -370,6 +396,7 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
     out.append(
         _table(rows, header=("metric", "A", "B", "B - A", "(B - A) / A"), num_cols=(1, 2, 3, 4))
     )
+    out.append(_client_table(result.get("client")))
     out.append('<div class="cols"><div>')
     out += _room_matching(result)
     out.append("</div><div>")
@@ -444,6 +471,17 @@ def _across_runs(runs: list[Run], figure: _Figures) -> str:
         )
     )
     body.append(_cdf_values(runs))
+    if any(r.mode == "measured" or (r.summary.get("tpot_s") or {}).get("count") for r in runs):
+        body.append(
+            figure(
+                figures.client_cdfs(runs),
+                "client-cdf",
+                "client figures",
+                "TTFT, TPOT and ITL as the benchmark clients define them (docs/metrics.md), one curve per "
+                "run over its finished requests (ITL: every gap); a run with only reported figures "
+                "(an aggregate file) shows its p50 / p90 / p99 as points.",
+            )
+        )  # only where generation is modeled or measured
     body.append(
         figure(
             figures.phase_bars(runs),

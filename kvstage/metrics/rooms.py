@@ -65,7 +65,11 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
       token (docs/metrics.md): `generate_start` / `generate_end` when generation is
       modeled, else `done` (the decode streams the prefill's token once the KV is in);
     - `itls`: (a list) its inter-token gaps, the `decode_step` rows of its instance
-      between its first and last token (simulated generation only);
+      between its first and last token (simulated generation), or the gaps between
+      its `token` rows (a measured run);
+    - a measured run's client rows (kvstage/measured/rundir.py): `arrival`,
+      `client_first` / `client_last` (its first and last token), `output_tokens` and
+      `prompt_tokens`;
     - `done`: the last decode rank's `room_done` (only when every decode rank that
       has a row of the room finished it: in a cluster, the ranks of the decode
       instance the room was routed to); `failed`: 1.0 when a rank failed it;
@@ -89,10 +93,14 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     ] = []  # (decode rank, room, chunk, free time, region bytes)
     steps: dict[int, list[tuple[float, float]]] = {}  # decode rank -> its instance's steps
     gen_rank: dict[int, int] = {}  # room -> the first decode rank with its generate row
+    tokens: dict[int, list[float]] = {}  # room -> a measured client's token times
     for r in records:
         if r.room < 0:
             if r.phase == "decode_step":
                 steps.setdefault(r.rank, []).append((r.end, r.end - r.start))
+            continue
+        if r.role == "client":
+            _client_row(rooms.setdefault(r.room, {}), tokens, r)
             continue
         if r.role == "decode":
             decode_ranks.setdefault(r.room, set()).add(r.rank)
@@ -130,7 +138,28 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
             info.pop("done", None)
     _ring_holds(rooms, written, freed)
     _client_times(rooms, steps, gen_rank)
+    for room, times in tokens.items():
+        info = rooms[room]
+        if "client_first" in info:
+            times.sort()
+            marks = [info["client_first"], *times]
+            info["itls"] = [b - a for a, b in zip(marks, marks[1:], strict=False)]  # type: ignore[assignment]
     return rooms
+
+
+def _client_row(info: dict[str, float], tokens: dict[int, list[float]], r: TraceRecord) -> None:
+    """One row of a measured client (kvstage/measured/rundir.py) into its room's info."""
+    if r.phase == "request":
+        info["arrival"] = r.start
+        info["client_last"] = r.end
+        info["output_tokens"] = r.requests
+        info["prompt_tokens"] = r.bytes
+    elif r.phase == "first_token":
+        info["client_first"] = r.start
+    elif r.phase == "token":
+        tokens.setdefault(r.room, []).append(r.start)
+    elif r.phase == "room_failed":
+        info["failed"] = 1.0
 
 
 def _client_times(
@@ -143,7 +172,7 @@ def _client_times(
         series.sort()
     ends = {rank: [e for e, _ in series] for rank, series in steps.items()}
     for room, info in rooms.items():
-        if "done" not in info or info.get("failed"):
+        if ("done" not in info and "client_first" not in info) or info.get("failed"):
             continue
         info["first_token"], info["last_token"] = client_tokens(info)
         series = steps.get(gen_rank.get(room, -1))
@@ -208,6 +237,8 @@ def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[floa
         for key, value in figures.items():
             out.setdefault(key, []).append(value)
         out.setdefault("itl_s", []).extend(info.get("itls", ()))  # type: ignore[arg-type]
+        if "client_first" in info:
+            continue  # a measured client: no transfer-path spans
         for key, (a, b) in spans.items():
             if a in info and b in info:
                 out[key].append(info[b] - info[a])
@@ -224,6 +255,8 @@ def request_breakdown(rooms: dict[int, dict[str, float]]) -> dict[str, list[floa
 
 def client_tokens(info: dict[str, float]) -> tuple[float, float]:
     """A finished room's first and last token at the client (see `room_latencies`)."""
+    if "client_first" in info:  # measured by the client itself
+        return info["client_first"], info["client_last"]
     if "generate_end" in info:
         return info["generate_start"], info["generate_end"]
     return info["done"], info["done"]
@@ -234,11 +267,14 @@ def request_figures(info: dict[str, float]) -> dict[str, float] | None:
     not finish. `ttft_s`: arrival to the first token at the client; with generation
     modeled also `e2e_s` (arrival to its last token) and, for N > 1 output tokens,
     `tpot_s` = (E2E - TTFT) / (N - 1)."""
-    if info.get("failed") or "done" not in info or "arrival" not in info:
+    if info.get("failed") or "arrival" not in info:
+        return None
+    if "done" not in info and "client_first" not in info:
         return None
     first, last = client_tokens(info)
     out = {"ttft_s": first - info["arrival"]}
-    if "generate_end" in info and info.get("output_tokens", 0) > 0:
+    generated = "generate_end" in info or "client_first" in info
+    if generated and info.get("output_tokens", 0) > 0:
         out["e2e_s"] = last - info["arrival"]
         n = info["output_tokens"]
         if n > 1:
@@ -263,6 +299,19 @@ def serving_span(rooms: dict[int, dict[str, float]]) -> float:
     starts = [i["arrival"] for i in rooms.values() if "arrival" in i]
     ends = [client_tokens(i)[1] for i in rooms.values() if request_figures(i) is not None]
     return max(ends) - min(starts) if starts and ends else 0.0
+
+
+def served_rates(rooms: dict[int, dict[str, float]]) -> dict[str, float]:
+    """`requests_per_s` and `output_tokens_per_s`: finished requests and their output
+    tokens over the serving span, as the clients divide completed work by the run's
+    duration."""
+    span = serving_span(rooms)
+    done = [i for i in rooms.values() if request_figures(i) is not None]
+    tokens = sum(i.get("output_tokens", 0) for i in done)
+    return {
+        "requests_per_s": len(done) / span if span > 0 else 0.0,
+        "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+    }
 
 
 def slo_figures(
@@ -391,7 +440,9 @@ def summarize(
 ) -> dict:
     """The trace metrics of summary.json; `rooms`: `room_latencies(records)` if already made."""
     rooms = room_latencies(records) if rooms is None else rooms
-    done = sum(1 for i in rooms.values() if "done" in i and not i.get("failed"))
+    done = sum(
+        1 for i in rooms.values() if ("done" in i or "client_first" in i) and not i.get("failed")
+    )
     failed = sum(1 for i in rooms.values() if i.get("failed"))
     per_request = request_breakdown(rooms)
     payload = 0
@@ -416,7 +467,12 @@ def summarize(
         "requests": requests,
         "requests_done": done,
         "requests_failed": failed,
-        **{key: percentiles(values) for key, values in per_request.items()},
+        **{
+            key: percentiles(values)
+            for key, values in per_request.items()
+            if values or mode != "measured"  # a measured run has no transfer-path spans
+        },
+        **served_rates(rooms),
         "payload_bytes": payload,
         "throughput_gbps": (payload * 8 / 1e9 / busy) if busy else 0.0,
         **ring_figures(records, pool_bytes),

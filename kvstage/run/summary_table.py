@@ -56,19 +56,28 @@ def print_summary(summary: dict, console: Console, title: str = "summary") -> No
     t.add_column("value", justify="right")
     t.add_row(
         "requests done / failed",
-        f"{summary['requests_done']} / {summary['requests_failed']} of {summary['requests']}",
+        f"{summary.get('requests_done', '?')} / {summary.get('requests_failed', '?')} of "
+        f"{summary.get('requests', '?')}",
     )
-    lat = summary["transfer_latency_s"]
-    t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
-    t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
-    ttft = summary["ttft_s"]
-    t.add_row("TTFT (arrival -> first token) p50 / p99", f"{ms(ttft['p50'])} / {ms(ttft['p99'])}")
+    lat = summary.get("transfer_latency_s") or {}
+    if lat.get("count"):  # a measured run has no transfer spans
+        t.add_row("transfer latency p50 / p99", f"{ms(lat['p50'])} / {ms(lat['p99'])}")
+        t.add_row("transfer latency mean / max", f"{ms(lat['mean'])} / {ms(lat['max'])}")
+    ttft = summary.get("ttft_s") or {}
+    t.add_row(
+        "TTFT (arrival -> first token) p50 / p99", f"{ms(ttft.get('p50'))} / {ms(ttft.get('p99'))}"
+    )
     for key, label in _BREAKDOWN_ROWS:
-        if key in summary:  # summaries written before the breakdown existed lack it
-            t.add_row(
-                f"{label} p50 / p99", f"{ms(summary[key]['p50'])} / {ms(summary[key]['p99'])}"
-            )
+        if (summary.get(key) or {}).get("count"):  # older summaries lack it; none: no sample
+            fig = summary[key]
+            t.add_row(f"{label} p50 / p99", f"{ms(fig.get('p50'))} / {ms(fig.get('p99'))}")
+    for key, label in (("requests_per_s", "req/s"), ("output_tokens_per_s", "output tokens/s")):
+        if summary.get(key):
+            t.add_row(f"served {label}", f"{summary[key]:,.2f}")
     _capacity_rows(t, summary)
+    if summary.get("mode") == "measured":
+        print_table(console, t)
+        return
     if "serving_model" in summary:  # summaries written before issue 22 lack it
         prefill, decode = describe_efficiency(summary["serving_model"])
         t.add_row("prefill model (GPU, efficiency)", prefill)

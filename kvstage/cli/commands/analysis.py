@@ -72,6 +72,7 @@ def _print_compare(result: dict) -> None:
             end_section=True,
         )
     print_table(console, t)
+    _print_client(result["client"])
     ph = Table(title="phase breakdown (total over all chunks and ranks; mean per chunk and rank)")
     for col in ("phase", "A total", "B total", "A mean", "B mean"):
         ph.add_column(col, justify="left" if col == "phase" else "right")
@@ -96,10 +97,29 @@ def _print_compare(result: dict) -> None:
     _print_conditions(result)
     mape = result["transfer_latency"]["mape"]
     ok = mape is not None and math.isfinite(mape) and mape <= result["tolerance"]
+    if "measured" in (a["mode"], b["mode"]):
+        ok = result["verdict"].startswith("B matches")
     console.print(
         f"[bold {'green' if ok else 'yellow'}]verdict:[/] {escape(result['verdict'])}",
         highlight=False,
     )
+
+
+def _print_client(client: dict) -> None:
+    """The client figures of B against A (kvstage/analysis/client_compare.py)."""
+    if not client["figures"] and not client["throughput"]:
+        return
+    from kvstage.analysis.client_compare import LABELS
+
+    t = Table(title=f"client figures, over {client['basis']}")
+    for col in ("figure", "A", "B", "(B - A) / A"):
+        t.add_column(col, justify="left" if col == "figure" else "right")
+    for r in client["figures"]:
+        t.add_row(f"{LABELS[r['metric']]} {r['quantile']}", ms(r["a"]), ms(r["b"]), pct(r["error"]))
+    for r in client["throughput"]:
+        fmt = lambda v: "-" if v is None else f"{v:,.3f}"  # noqa: E731
+        t.add_row(r["metric"].replace("_", " "), fmt(r["a"]), fmt(r["b"]), pct(r["error"]))
+    print_table(console, t)
 
 
 def _print_conditions(result: dict) -> None:

@@ -1,0 +1,81 @@
+"""`vllm bench serve --save-result [--save-detailed]` (its result JSON).
+
+Field names from vLLM `vllm/benchmarks/serve.py` at commit 009e6d4a (read 2026-12-03):
+`benchmark` returns `duration`, `completed`, `failed`, `total_input_tokens`,
+`total_output_tokens`, `request_throughput`, `request_goodput` (null without
+`--goodput`), `output_throughput`, `{mean,median,std}_{ttft,tpot,itl,e2el}_ms` and
+`p{P}_{metric}_ms` per `--metric-percentiles`, and the per-request lists `input_lens`,
+`output_lens`, `ttfts`, `itls` (gaps, s), `latencies`, `start_times` (perf_counter, s),
+`errors`; `main` drops `input_lens`, `output_lens`, `start_times`, `ttfts`, `itls`,
+`generated_texts` and `errors` unless `--save-detailed`. A request failed when its
+`errors` entry is not empty. Arrivals: `start_times` less the first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvstage.measured.fields import json_lines, listed_request, number, per_request_lists
+from kvstage.measured.measurement import MeasuredError, MeasuredRequest, Measurement, ms_figures
+
+FORMAT = "vllm-bench"
+TOOL = "vllm bench serve @ 009e6d4a"
+NAMES = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2el": "e2e_s"}
+DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors")
+
+
+def looks_like(record: Any) -> bool:
+    return isinstance(record, dict) and ("mean_e2el_ms" in record or "median_e2el_ms" in record)
+
+
+def _load(path: Path) -> tuple[str, dict]:
+    text = Path(path).read_text()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        n, obj = json_lines(path)[-1]  # --append-result: one object a line
+        return str(n), obj
+    if not isinstance(obj, dict):
+        raise MeasuredError(path, "", "(file)", "not a JSON object")
+    return "", obj
+
+
+def _requests(path: Path, where: str, rec: dict) -> list[MeasuredRequest]:
+    n = per_request_lists(path, where, rec, DETAILS)
+    starts = [s for s in rec["start_times"] if isinstance(s, int | float)]
+    t0 = min(starts) if starts else 0.0
+    out = []
+    for i in range(n):
+        for key in ("latencies", "start_times"):
+            if not isinstance(rec[key][i], int | float):
+                raise MeasuredError(path, where, f"{key}[{i}]", f"not a number: {rec[key][i]!r}")
+        arrival, e2e = float(rec["start_times"][i]) - t0, float(rec["latencies"][i])
+        out.append(listed_request(path, where, rec, i, arrival_s=arrival, e2e_s=e2e))
+    return out
+
+
+def read(path: Path) -> Measurement:
+    where, rec = _load(path)
+    if not looks_like(rec):
+        raise MeasuredError(path, where, "mean_e2el_ms", "missing: not vllm bench serve output")
+    completed = number(path, where, rec, "completed", kind=int)
+    failed = int(rec.get("failed") or 0)
+    reported = {
+        **ms_figures(rec, NAMES),
+        "duration_s": number(path, where, rec, "duration"),
+        "requests": completed + failed,
+        "requests_done": completed,
+        "requests_failed": failed,
+        "requests_per_s": number(path, where, rec, "request_throughput"),
+        "output_tokens_per_s": number(path, where, rec, "output_throughput"),
+    }
+    if rec.get("request_goodput") is not None:
+        reported["goodput_rps"] = number(path, where, rec, "request_goodput")
+    m = Measurement(Path(path), FORMAT, TOOL, reported=reported)
+    if any(k in rec for k in ("ttfts", "itls", "start_times")):
+        m.requests = _requests(path, where, rec)
+    else:
+        m.notes.append("no per-request figures (run vllm bench serve with --save-detailed)")
+    return m
