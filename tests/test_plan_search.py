@@ -168,7 +168,7 @@ def test_export_sglang_flags_for_a_known_winner(scenario, tmp_path):
     assert "--chunked-prefill-size" not in text and "--page-size 16" in text
     assert env == {"SGLANG_DISAGG_STAGING_BUFFER": "1", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "64"}
     lines = sglang_commands(point.scenario).splitlines()
-    assert "prefill: 2 instance(s)" in lines[1] and "decode: 1 instance(s)" in lines[3]
+    assert "prefill: 2 server(s)" in lines[1] and "decode: 1 server(s)" in lines[3]
     res = CliRunner().invoke(
         app,
         ["plan", str(scenario), *CLI_GRID, "--workers", "1", "--out", str(tmp_path / "p"),
@@ -221,7 +221,7 @@ def test_progress_log_quarters_and_minutes():
         (["--gpu-hour-cost", "h200=cheap"], ["--gpu-hour-cost", "h200='cheap'", ">= 0"]),
         (["--gpu-hour-cost", "h200"], ["--gpu-hour-cost", "NAME=PRICE"]),
         (["--search", "random"], ["--search", "halving"]),
-        (["--export", "vllm"], ["--export", "sglang"]),
+        (["--export", "trtllm"], ["--export", "sglang, vllm, lws"]),
         (["--router", "fastest"], ["--router", "round-robin"]),
         (["--path", "carrier-pigeon"], ["--path", "staging"]),
         (["--chunk", "0"], ["--chunk"]),

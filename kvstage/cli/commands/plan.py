@@ -171,17 +171,29 @@ def _log_line(text: str) -> None:
     console.print(escape(text), highlight=False, soft_wrap=True)
 
 
-def _print_export(result: Any, cands: Any) -> None:
-    """The winner's SGLang launch lines (kvstage/explore/export.py)."""
-    from kvstage.explore.export import sglang_commands
+EXPORTS = ("sglang", "vllm", "lws")
+
+
+def _print_export(result: Any, cands: Any, target: str) -> None:
+    """The winner as `target`: SGLang launch lines and the router's
+    (kvstage/explore/export.py), vLLM serve lines (export_vllm.py) or LeaderWorkerSet
+    manifests (export_k8s.py)."""
+    from kvstage.explore.export import ExportError, sglang_commands
+    from kvstage.explore.export_k8s import lws_yaml
+    from kvstage.explore.export_vllm import vllm_commands
     from kvstage.explore.plan import KEYS
 
     w = result.winner
     if w is None:
-        console.print("[yellow]--export sglang: no winner to export[/]")
+        console.print(f"[yellow]--export {target}: no winner to export[/]")
         return
     point = next(p for p in cands.points if all(p.settings[k] == w[k] for k in KEYS))
-    console.print(escape(sglang_commands(point.scenario)), highlight=False, soft_wrap=True)
+    make = {"sglang": sglang_commands, "vllm": vllm_commands, "lws": lws_yaml}[target]
+    try:
+        text = make(point.scenario)
+    except ExportError as exc:
+        _fail(str(exc))
+    console.print(escape(text), highlight=False, soft_wrap=True)
 
 
 _SEARCH_TEXT = {
@@ -346,7 +358,12 @@ def plan(
     ] = None,
     export: Annotated[
         str | None,
-        typer.Option(metavar="ENGINE", help="Print the winner's launch flags: sglang."),
+        typer.Option(
+            metavar="TARGET",
+            help="Print the winner for a deployment: sglang (launch lines, multi-node flags, "
+            "the router in PD mode), vllm (serve lines with --kv-transfer-config) or lws "
+            "(Kubernetes LeaderWorkerSet manifests).",
+        ),
     ] = None,
     max_gpus: Annotated[
         int | None, typer.Option(help="Skip configurations with more GPUs than this.")
@@ -408,8 +425,8 @@ def plan(
     counts smallest first; exhaustive runs all on the whole workload. Figures are over
     the steady window with 95% intervals. Prints the Pareto front and the winner
     (fewest GPUs; ties: most goodput per GPU) with its bottleneck; writes plan.csv,
-    plan.json and plan_front.png (`kvstage report OUT` shows them); --export sglang
-    prints the winner's launch flags. --colocated (default) also simulates the same
+    plan.json and plan_front.png (`kvstage report OUT` shows them); --export sglang,
+    vllm or lws prints the winner for a deployment. --colocated (default) also simulates the same
     GPUs serving prefill and decode together (chunks mixed into decode batches;
     instances x TP x chunk), prints the best per GPU count and whether disaggregation
     pays, and writes colocated.csv. Off a terminal, progress goes to the log (a line
@@ -423,8 +440,8 @@ def plan(
 
     sets = list(set_ or [])
     search = _check_options(scenario, workers, attainment, "exhaustive" if exhaustive else search)
-    if export is not None and export != "sglang":
-        _fail(f"--export {export!r}: the engines it can export to: sglang")
+    if export is not None and export not in EXPORTS:
+        _fail(f"--export {export!r}: one of {', '.join(EXPORTS)}")
     try:
         prices = parse_gpu_costs(gpu_hour_cost)
         if ray is not None:
@@ -488,7 +505,7 @@ def plan(
     if result.comparison is not None:
         _print_colocated(result)
     if export is not None:
-        _print_export(result, cands)
+        _print_export(result, cands, export)
     raise typer.Exit(0 if result.winner is not None and not result.count("error") else 1)
 
 

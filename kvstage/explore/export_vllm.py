@@ -1,0 +1,119 @@
+"""A plan's winner as vLLM launch lines: `kvstage plan --export vllm`.
+
+One `vllm serve` line per side, each instance a server, the KV transfer configured by
+`--kv-transfer-config` JSON. The names are vLLM's own, read in its code (vLLM does
+not install here without a CUDA torch: PyPI vllm pins torch==2.14.0, the CUDA build,
+against the project's CPU torch 2.13.0, so the tests check against these field lists,
+not vLLM's parser):
+
+* `KVTransferConfig` ([C] vllm-project/vllm vllm/config/kv_transfer.py at
+  007c643b4abb7a79e69ef2b343b3dc80eb643c0d): fields kv_connector, engine_id,
+  kv_buffer_device, kv_buffer_size, kv_role (kv_producer / kv_consumer / kv_both),
+  kv_rank, kv_parallel_size, kv_ip, kv_port, kv_connector_extra_config,
+  kv_connector_module_path;
+* the connector registry ([C] vllm/distributed/kv_transfer/kv_connector/factory.py at
+  the same commit): SharedStorageConnector, P2pNcclConnector, LMCacheConnectorV1,
+  NixlConnector, MultiConnector. kvstage's NIXL backend is `NixlConnector` with
+  kv_role kv_both on both sides (the role vLLM's NIXL examples give both); the
+  Mooncake backend has no connector at that commit, so it is refused;
+* the serve flags, EngineArgs fields with dashes ([C] vllm/engine/arg_utils.py at
+  001999d2f360c2c5da23a916510c273b1a73d06c: --tensor-parallel-size, --block-size
+  (choices 8, 16, 32, 64, 128: the KV page), --gpu-memory-utilization,
+  --max-num-batched-tokens (the step's token budget: the prefill chunk), --max-num-seqs
+  (decode.max_running_requests); later EngineArgs add kv_transfer_config
+  (`--kv-transfer-config`, the JSON above) and enable_expert_parallel
+  (`--enable-expert-parallel`, = ParallelConfig.enable_expert_parallel: ep > 1, the
+  experts over the TP group's GPUs)).
+
+Multi-node vLLM runs over a Ray cluster (`--distributed-executor-backend ray`), which
+this export does not set up: a side whose TP spans nodes is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import TYPE_CHECKING
+
+from kvstage.explore.export import ExportError, _model
+
+if TYPE_CHECKING:
+    from kvstage.shared.scenario import Scenario
+
+__all__ = [
+    "KV_CONNECTORS",
+    "KV_TRANSFER_FIELDS",
+    "kv_transfer_config",
+    "vllm_commands",
+    "vllm_flags",
+]
+
+KV_CONNECTORS = {"nixl": "NixlConnector"}
+# [C] KVTransferConfig's fields at 007c643b (the module docstring)
+KV_TRANSFER_FIELDS = (
+    "kv_connector",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_role",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+)
+
+
+def kv_transfer_config(s: Scenario) -> dict[str, object]:
+    """The `--kv-transfer-config` object of either side."""
+    connector = KV_CONNECTORS.get(s.hardware.backend)
+    if connector is None:
+        raise ExportError(
+            f"--export vllm: vLLM has no connector for the {s.hardware.backend} backend "
+            f"(its registry: SharedStorageConnector, P2pNcclConnector, LMCacheConnectorV1, "
+            f'NixlConnector, MultiConnector); use hardware.backend = "nixl"'
+        )
+    return {"kv_connector": connector, "kv_role": "kv_both"}
+
+
+def vllm_flags(s: Scenario, side: str) -> list[str]:
+    """`vllm serve` arguments of one side."""
+    cfg = getattr(s, side)
+    if max(cfg.tp, cfg.ep) > s.cluster.gpus_per_node:
+        raise ExportError(
+            f"--export vllm: {side} TP{cfg.tp} spans nodes of {s.cluster.gpus_per_node} GPUs; "
+            "multi-node vLLM needs a Ray cluster, which this export does not set up"
+        )
+    if cfg.ep > cfg.tp:
+        raise ExportError(
+            f"--export vllm: {side} ep {cfg.ep} > tp {cfg.tp} (DP attention) is not exported "
+            "for vLLM"
+        )
+    flags = ["serve", _model(s), "--tensor-parallel-size", str(cfg.tp)]
+    if cfg.ep > 1:
+        flags.append("--enable-expert-parallel")
+    flags += [
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(s), separators=(",", ":")),
+        "--gpu-memory-utilization",
+        f"{cfg.memory_utilization:g}",
+        "--block-size",
+        str(s.decode.page_size),
+    ]
+    if side == "prefill":
+        flags += ["--max-num-batched-tokens", str(s.prefill.chunked_prefill_size)]
+    else:
+        flags += ["--max-num-seqs", str(s.decode.max_running_requests)]
+    return flags
+
+
+def vllm_commands(s: Scenario) -> str:
+    """Both sides' `vllm serve` lines with their instance counts, as shell text."""
+    c = s.cluster
+    out = [f"# kvstage plan winner: prefill {c.prefill_instances} x TP{s.prefill.tp}, decode "
+           f"{c.decode_instances} x TP{s.decode.tp} (vLLM, NixlConnector)"]  # fmt: skip
+    for side, count in (("prefill", c.prefill_instances), ("decode", c.decode_instances)):
+        out.append(f"# {side}: {count} instance(s) of this, one per {getattr(s, side).tp} GPU(s)")
+        out.append(" ".join(shlex.quote(w) for w in ["vllm", *vllm_flags(s, side)]))
+    return "\n".join(out)

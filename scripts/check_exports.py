@@ -1,0 +1,76 @@
+"""Parse `kvstage plan --export sglang`'s launch lines with SGLang's own argument parser.
+
+SGLang's server does not install as a project extra (its dependencies pull a CUDA
+torch), so the tests check the router line with sglang-router's parser and this script,
+run by hand, checks the server lines with `ServerArgs.add_cli_args` of a SGLang copied
+without its dependencies:
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/sgl sglang==0.5.23 \
+        psutil pybase64 triton msgspec tqdm IPython traitlets
+    .venv/bin/python scripts/check_exports.py /tmp/sgl
+
+For the flagship, a multi-node (prefill TP16) and a DP-attention (DeepSeek-V3, decode
+EP16 over TP8) scenario it parses both sides' lines (placeholders filled in) and checks
+that every flag lands in the ServerArgs field it is meant for; it prints one line per
+side and exits 1 on a mismatch. 2026-12-03, sglang 0.5.23: every line parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from kvstage.explore.export import sglang_flags
+from kvstage.shared.scenario import load_scenario
+
+CASES = (
+    ("scenarios/llama3-70b-p8-d2.toml", []),
+    ("scenarios/llama3-70b-p16-d4.toml", []),
+    ("scenarios/mla/deepseek-v3-p16-d8.toml", ["decode.ep=16", "cluster.decode_instances=2"]),
+)
+FILL = {
+    "$NODE_RANK": "0",
+    "$PREFILL_HEAD:5000": "10.0.0.1:5000",
+    "$DECODE_HEAD:5000": "10.0.0.2:5000",
+}
+
+
+def main() -> int:
+    sys.path.insert(0, sys.argv[1])
+    from sglang.srt.server_args import ServerArgs
+
+    from kvstage.explore.export import multinode_flags, node_count
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    bad = 0
+    for path, sets in CASES:
+        s = load_scenario(path, sets)
+        for side in ("prefill", "decode"):
+            _, flags = sglang_flags(s, side)
+            flags += multinode_flags(
+                node_count(s, side), "$NODE_RANK", f"${side.upper()}_HEAD:5000"
+            )
+            args = parser.parse_args([FILL.get(w, w) for w in flags])
+            cfg = getattr(s, side)
+            want = {
+                "disaggregation_mode": side,
+                "tp_size": max(cfg.tp, cfg.ep),
+                "page_size": s.decode.page_size,
+                "disaggregation_transfer_backend": s.hardware.backend,
+                "nnodes": node_count(s, side),
+                "ep_size": cfg.ep,
+                "attn_dp_size": max(1, cfg.ep // cfg.tp),
+            }
+            got = {k: getattr(args, k) for k in want}
+            ok = got == want
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} {path} {side}: {shlex.join(flags)}")
+            if not ok:
+                print(f"    want {want}\n    got  {got}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
