@@ -57,6 +57,7 @@ from kvstage.hw.placement import transport_options
 from kvstage.hw.priority import LoopPriority, WritePriority, thread_ids
 from kvstage.hw.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
 from kvstage.hw.transport import make_transport
+from kvstage.shared.admission import admit, context_limits
 from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.events import (
@@ -185,7 +186,9 @@ class RankProcess:
         self.device = device or scenario.hardware.device
         self.verify_mode = verify_mode or scenario.hardware.verify
         # the rooms routed to this rank's instance: its workload, and what its KV pool holds
-        self.mine = mine = [r for r in requests if self.sessions.serves(self.role, rank, r.room)]
+        # (less those an engine refuses at admission, shared/admission.py)
+        served = admit(requests, context_limits(scenario))[0]
+        self.mine = mine = [r for r in served if self.sessions.serves(self.role, rank, r.room)]
         self.pages = pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
         self.runtime = RankRuntime(
             scenario,

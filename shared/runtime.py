@@ -400,7 +400,16 @@ class RankRuntime:
         if self._timers:
             parts.append(f"{len(self._timers)} timer(s), next at {min(self._timers).due:.2f}s")
         if self._waiting:
-            parts.append(f"{len(self._waiting)} request(s) waiting for pages")
+            head = self._waiting[0]
+            pool = (
+                f", {self._pages.free_pages} of {self._pages.num_pages} free"
+                if self._pages is not None
+                else ""
+            )
+            parts.append(
+                f"rooms {_some(r.room for r in self._waiting)} waiting for KV pages (room "
+                f"{head.room} first, needing {self._pages_needed(head)}{pool})"
+            )
         if self._held:
             parts.append(f"{len(self._held)} event(s) held for a late session")
         if self._memory:
@@ -685,13 +694,9 @@ class RankRuntime:
     def _admit(self, now: float, out: list[Action]) -> None:
         """Open (decode) or schedule the forwards of (prefill) waiting rooms, in arrival
         order, while their pages fit; the first that does not fit holds the rest."""
-        page_size = self.geometry.page_size
-        pages_of = prefill_room_pages if self.role == "prefill" else decode_room_pages
         while self._waiting:
             req = self._waiting[0]
-            n = pages_of(req, page_size)
-            if self.generate:  # the output tokens' KV grows into pages taken now
-                n += -(-req.output_tokens // page_size)
+            n = self._pages_needed(req)
             first = 0
             if n and self._pages is not None:
                 try:
@@ -708,6 +713,15 @@ class RankRuntime:
                 self._released_unadmitted.discard(req.room)
                 self._memory[req.room].released = True
                 self._maybe_free(req.room, now, out)
+
+    def _pages_needed(self, req: Request) -> int:
+        """The KV pages a room holds here from admission on."""
+        page_size = self.geometry.page_size
+        pages_of = prefill_room_pages if self.role == "prefill" else decode_room_pages
+        n = pages_of(req, page_size)
+        if self.generate:  # the output tokens' KV grows into pages taken now
+            n += -(-req.output_tokens // page_size)
+        return n
 
     def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
         self._feed(

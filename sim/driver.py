@@ -27,6 +27,7 @@ from heapq import heappush
 import simpy
 from simpy.events import NORMAL
 
+from kvstage.shared.admission import Limits, admit
 from kvstage.shared.cluster import Router, Sessions, cluster_sessions
 from kvstage.shared.events import (
     Arrive,
@@ -60,6 +61,7 @@ from kvstage.shared.runtime import (
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.serving.gpus import efficiency, side_gpu
+from kvstage.shared.serving.memory import side_memory
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import LiveLoads, cluster_nics
@@ -107,6 +109,8 @@ class SimResult:
     rooms_failed: int
     failures: dict[int, str] = field(default_factory=dict)
     ranks: list[RankResult] = field(default_factory=list)
+    # room -> why the engine refused it at admission (shared/admission.py): never served
+    rejected: dict[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -148,10 +152,10 @@ class Simulation:
         self.requests, self.sessions, self.router = workload
         if shard is not None:  # the group's rooms (routes are static and stay within it)
             self.requests = [r for r in self.requests if self.sessions.route(r.room)[0] in shard[0]]
-        ss, workload = self.sessions, self.requests if self.router.static else []
         # the decode side: KV capacity always when given; generation when requests have output
         self.decode_model = DecodeModel(scenario)
         generate = any(r.output_tokens for r in self.requests) if generate is None else generate
+        ss, workload = self.sessions, self._admit(generate)
         # [cluster] fold: one rank stands for its symmetric peers (sim/fold.py); the
         # others are None here and never simulated
         self.fold = Fold(self) if scenario.cluster.fold else None
@@ -216,6 +220,15 @@ class Simulation:
             self.group_forwards = [GroupForward(self, ranks) for _ in range(ss.prefill_instances)]
             if self.engine is not None:  # [engine]: its scheduler loops (sim/engine_host.py)
                 self.group_forwards = self.engine.forwards(ranks)
+
+    def _admit(self, generate: bool) -> list[Request]:
+        """The requests the ranks get up front (a static router's; a load-aware one hands
+        them out on arrival): not those the engines refuse before any work (a prompt
+        beyond the model's context, KV no rank's pool can ever hold), which never reach
+        a rank and are kept in `rejected`; the run goes on without them."""
+        limits = engine_limits(self.scenario, generate, self.decode_model.capacity_pages)
+        admitted, self.rejected = admit(self.requests, limits)
+        return admitted if self.router.static else []
 
     # --- models ---------------------------------------------------------------------
     def _build_hardware(self) -> None:
@@ -471,6 +484,13 @@ class Simulation:
 
     # --- workload -----------------------------------------------------------------------
     def _arrive(self, index: int, req: Request, _ev=None) -> None:
+        if req.room in self.rejected:  # refused at admission: no rank ever sees it
+            self._arrivals_left -= 1
+            self._ended += 1
+            if self.progress is not None:
+                self.progress(self._ended, len(self.requests))
+            self._maybe_end()
+            return
         prefill, decode = self.prefill, self.decode
         if not self.sessions.single:
             prefill, decode = self._route(index, req)
@@ -555,7 +575,7 @@ class Simulation:
         self._start_runtimes()
         if self.requests:
             with gc_paused():
-                self.env.run(until=self._all_done)
+                self._run_to_the_end()
         return self.result(wall)
 
     def result(self, wall: float) -> SimResult:
@@ -583,6 +603,26 @@ class Simulation:
             ),
             failures=merge_failures(ranks),
             ranks=ranks,
+            rejected=dict(self.rejected),
+        )
+
+    def _run_to_the_end(self) -> None:
+        """Run until every runtime settled; a run that stops with work left (nothing
+        scheduled, some rank still holding rooms) raises Stalled, naming what waits."""
+        try:
+            self.env.run(until=self._all_done)
+        except RuntimeError as exc:
+            if self._all_done.triggered or "No scheduled events left" not in str(exc):
+                raise
+            raise Stalled(self.stall_diagnosis()) from None
+
+    def stall_diagnosis(self) -> str:
+        """One line: when the run stalled, and per rank not settled what it waits for."""
+        held = [f"{rt.name}: {rt.holding()}" for rt in self.runtimes if not rt.settled]
+        left = f"; {self._arrivals_left} arrival(s) not delivered" if self._arrivals_left else ""
+        return (
+            f"the simulation stalled at {self.env.now:.3f}s with work left (nothing more can "
+            f"happen){left}: " + " | ".join(held)
         )
 
     def _decode_groups(self) -> list[list[RankRuntime]]:
@@ -591,6 +631,25 @@ class Simulation:
             [rt for rt in self.decode[i : i + tp] if rt] for i in range(0, len(self.decode), tp)
         ]
         return [group for group in groups if group]
+
+
+class Stalled(RuntimeError):
+    """The simulation ran out of events with work left: the message says what waits."""
+
+
+def engine_limits(scenario: Scenario, generate: bool, decode_pages: int | None = None) -> Limits:
+    """What a simulated instance admits (shared/admission.py): the model's context length,
+    and the KV pools of the serving model: a decode rank's (DecodeModel, the pages its
+    runtime allocates) and a prefill rank's (shared/serving/memory.py)."""
+    page = scenario.decode.page_size
+    prefill_tokens = side_memory(scenario, "prefill").kv_tokens
+    return Limits(
+        page_size=page,
+        context_tokens=scenario.model.context_tokens,
+        decode_pages=DecodeModel(scenario).capacity_pages if decode_pages is None else decode_pages,
+        prefill_pages=prefill_tokens // page if prefill_tokens > 0 else None,
+        output_in_pages=generate,
+    )
 
 
 def _by_instance(requests: list[Request], ss) -> dict[tuple[str, int], list[Request]]:

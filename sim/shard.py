@@ -172,4 +172,5 @@ def merge_results(
         rooms_failed=sum(r.rooms_failed for r in results),
         failures=merge_failures(ranks),
         ranks=ranks,
+        rejected=dict(sorted(room for r in results for room in r.rejected.items())),
     )

@@ -71,13 +71,17 @@ def _clip(text: str) -> str:
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
 
-def format_failure_groups(failures: dict[int, str]) -> list[str]:
+def format_failure_groups(
+    failures: dict[int, str], verb: str = "failed", key: str = "failure_groups"
+) -> list[str]:
     """The failed rooms by reason, as a few console lines (at most GROUPS_SHOWN groups,
-    ROOMS_SHOWN room ids each); [] when no room failed."""
+    ROOMS_SHOWN room ids each); [] when no room failed. `verb` and `key` say what
+    happened to them and which summary.json key has them all ("rejected", "rejected"
+    for the requests an engine refused)."""
     if not failures:
         return []
     groups = group_failures(failures)
-    lines = [f"{len(failures)} room(s) failed, by reason:"]
+    lines = [f"{len(failures)} room(s) {verb}, by reason:"]
     for g in groups[:GROUPS_SHOWN]:
         shown = ", ".join(str(r) for r in g.rooms[:ROOMS_SHOWN])
         more = ", ..." if len(g.rooms) > ROOMS_SHOWN else ""
@@ -91,7 +95,7 @@ def format_failure_groups(failures: dict[int, str]) -> list[str]:
     if rest:
         lines.append(
             f"  ... {len(rest)} more reason(s), {sum(len(g.rooms) for g in rest)} room(s) "
-            "(summary.json failure_groups)"
+            f"(summary.json {key})"
         )
     return lines
 

@@ -28,6 +28,7 @@ from kvstage.run.hw_progress import HwProgress
 from kvstage.run.result import RunResult, finish_run
 from kvstage.run.rundir import make_run_dir
 from kvstage.run.summary import run_summary
+from kvstage.shared.admission import admit, context_limits
 from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.invariants import check_records
 from kvstage.shared.runtime import RankResult, merge_failures, rank_name
@@ -97,6 +98,7 @@ def launch_run(
     before = conditions.sample()  # how busy the host was during the run (kvstage/run/conditions.py)
     requests = generate_requests(scenario)
     rooms = len(requests)
+    rejected = admit(requests, context_limits(scenario))[1]  # never reach a rank (hw/rank.py)
     probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
     result = launch(
         scenario_path,
@@ -139,6 +141,7 @@ def launch_run(
         requests=rooms,
         wall_s=result.wall_s,
         violations=len(violations),
+        rejected=rejected,
         extra={
             **figures,
             "affinity": {n: r.get("affinity") for n, r in sorted(result.reports.items())},
@@ -162,6 +165,7 @@ def launch_run(
         rooms,
         summary,
         rejoined=result.rejoined,
+        rejected=rejected,
     )
 
 

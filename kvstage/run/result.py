@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from kvstage.run.expect import check_expectation, print_outcome
+from kvstage.run.expect import check_expectation, format_failure_groups, print_outcome
 from kvstage.run.rundir import write_run
 from kvstage.run.summary_table import print_summary
 from kvstage.shared.invariants import Violation
@@ -51,6 +51,8 @@ class RunResult:
     requests: int  # rooms of the workload
     summary: dict[str, Any]  # summary.json (kvstage/run/summary.py)
     rejoined: list[dict] = field(default_factory=list)  # hardware: ranks that died and rejoined
+    # room -> why the engine refused it at admission (shared/admission.py); not a failure
+    rejected: dict[int, str] = field(default_factory=dict)
 
     def write(self, run_dir: Path, trace_format: str = "parquet") -> dict[str, Path]:
         """The run directory: trace, scenario.toml, summary.json."""
@@ -111,6 +113,8 @@ def finish_run(
     result.write(run_dir, trace_format)
     print_summary(result.summary, console, title=_title(result))
     _print_rejoins(console, result.rejoined)
+    for line in format_failure_groups(result.rejected, "rejected at admission", "rejected"):
+        console.print(line, markup=False, highlight=False)
     console.print(f"run directory: {run_dir}")
     v = judge(result)
     if v.expected_failure:

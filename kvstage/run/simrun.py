@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstage.run import conditions
@@ -15,6 +16,7 @@ from kvstage.run.rundir import make_run_dir
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import trace_rows
+from kvstage.sim.driver import Stalled
 from kvstage.sim.shard import simulate_scenario
 
 
@@ -37,6 +39,7 @@ def simulate(scenario: Scenario, progress: Callable[[int, int], None] | None = N
         wall_s=result.wall_s,
         requests=len(result.requests),
         summary=summary,
+        rejected=result.rejected,
     )
 
 
@@ -65,6 +68,12 @@ def run_simulation(
     )
     with bar:
         task = bar.add_task(scenario.name, total=total)
-        result = simulate(scenario, progress=lambda done, _n: bar.update(task, completed=done))
+        try:
+            result = simulate(scenario, progress=lambda done, _n: bar.update(task, completed=done))
+        except Stalled as exc:  # one line naming what waits, never a traceback
+            console.print(
+                f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+            )
+            return 1
     run_dir = make_run_dir(scenario, "sim", out)
     return finish_run(result, run_dir, trace_format=trace_format, console=console)

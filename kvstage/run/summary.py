@@ -35,9 +35,11 @@ def run_summary(
     requests: int,
     wall_s: float,
     violations: int,
+    rejected: dict[int, str] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run's summary. `ranks` are the ranks that reported (a killed one does not)."""
+    """The run's summary. `ranks` are the ranks that reported (a killed one does not);
+    `rejected`: room -> why the engine refused it at admission (shared/admission.py)."""
     rooms = room_latencies(records)
     summary = summarize(
         records, mode=mode, pool_bytes=scenario.pool_bytes, requests=requests, rooms=rooms
@@ -53,6 +55,9 @@ def run_summary(
             "failures": {str(k): v for k, v in list(failures.items())[:FAILURES_LISTED]},
             # every failed room, counted per reason with its numbers as `#` (kvstage/run/expect.py)
             "failure_groups": {g.pattern: len(g.rooms) for g in group_failures(failures)},
+            # requests the engine refused before any work, counted per reason (as failure_groups)
+            "requests_rejected": len(rejected or {}),
+            "rejected": {g.pattern: len(g.rooms) for g in group_failures(rejected or {})},
             "faults_injected": sum_counts(r.faults_injected for r in ranks),
             "faults_by_rank": {
                 r.name: dict(sorted(r.faults_injected.items())) for r in ranks if r.faults_injected
@@ -89,6 +94,7 @@ def simulation_summary(scenario: Scenario, result: SimResult) -> dict[str, Any]:
         requests=len(result.requests),
         wall_s=result.wall_s,
         violations=len(result.violations),
+        rejected=result.rejected,
         extra={"sim_time_s": result.sim_time_s},
     )
 

@@ -38,6 +38,9 @@ class ModelPreset:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     kv_lora_rank: int = 0
+    # config.json max_position_embeddings: the longest sequence (prompt + output) the
+    # engines serve by default (SGLang's context_len, vLLM's max_model_len); 0: unknown
+    context_tokens: int = 0
 
     @property
     def latent_dim(self) -> int | None:
@@ -183,3 +186,36 @@ for _name in ("deepseek-v2", "deepseek-v3", "kimi-k2"):
     PRESETS[_name] = replace(
         PRESETS[_name], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512
     )
+
+# max_position_embeddings from the same config.json files, i.e.
+# https://huggingface.co/<source>/blob/main/config.json for each preset's `source`
+# (llama-3-405b: meta-llama/Llama-3.1-405B; opt-13b: facebook/opt-13b). Llama 3 has an
+# 8k context, Llama 3.1 and 3.2 128k; SGLang and vLLM take this as the context length
+# unless --context-length / --max-model-len says otherwise ([model] context_tokens).
+_CONTEXT: dict[str, int] = {
+    "llama-2-7b": 4096,
+    "llama-3-8b": 8192,
+    "llama-3.1-8b": 131072,
+    "llama-3-70b": 8192,
+    "llama-3.1-70b": 131072,
+    "llama-3-405b": 131072,
+    "llama-3.1-405b": 131072,
+    "llama-3.2-1b": 131072,
+    "llama-3.2-3b": 131072,
+    "mistral-7b": 32768,
+    "mixtral-8x7b": 32768,
+    "mixtral-8x22b": 65536,
+    "qwen2.5-0.5b": 32768,
+    "qwen2.5-7b": 131072,
+    "qwen2.5-14b": 131072,
+    "qwen2.5-32b": 131072,
+    "qwen2.5-72b": 131072,
+    "qwen3-30b-a3b": 40960,
+    "qwen3-235b-a22b": 40960,
+    "deepseek-v2": 163840,
+    "deepseek-v3": 163840,
+    "kimi-k2": 131072,
+    "opt-13b": 2048,
+}
+for _name, _ctx in _CONTEXT.items():
+    PRESETS[_name] = replace(PRESETS[_name], context_tokens=_ctx)

@@ -100,6 +100,10 @@ class ModelConfig(_Table):
     # MoE: routed experts and how many each token picks (0: dense)
     experts: NonNegInt = 0
     experts_per_token: NonNegInt = 0
+    # the context length the engines serve (a preset's max_position_embeddings, or what
+    # --context-length / --max-model-len set): a longer request is refused at admission
+    # (shared/admission.py); absent: no limit
+    context_tokens: PosInt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,6 +128,8 @@ class ModelConfig(_Table):
             base |= {"hidden_size": p.hidden_size, "attention_heads": p.attention_heads}
         if p.experts:
             base |= {"experts": p.experts, "experts_per_token": p.experts_per_token}
+        if p.context_tokens:
+            base["context_tokens"] = p.context_tokens
         return _mla_geometry({**base, **data})
 
     @model_validator(mode="after")

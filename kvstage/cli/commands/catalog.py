@@ -22,7 +22,8 @@ def _num(x: float | None, unit: str = "", scale: float = 1.0) -> str:
 
 
 def presets_table() -> Table:
-    """One row per model preset: KV geometry, KV bytes per token (bf16), parameters."""
+    """One row per model preset: KV geometry, KV bytes per token (bf16), parameters,
+    context length (max_position_embeddings)."""
     from kvstage.shared.scenario.presets import PRESETS
 
     t = Table(
@@ -37,6 +38,7 @@ def presets_table() -> Table:
         "KV KiB/token (bf16)",
         "params (B)",
         "active (B)",
+        "context",
         "note",
         "config source",
     ):
@@ -51,6 +53,7 @@ def presets_table() -> Table:
             f"{kv / 1024:,.0f}",
             _num(p.params_b),
             _num(p.active_params_b) if p.active_params_b else "= params",
+            f"{p.context_tokens:,}" if p.context_tokens else "-",
             p.note,
             p.source and f"huggingface.co/{p.source}",
         )

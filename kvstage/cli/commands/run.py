@@ -61,6 +61,10 @@ def validate(scenario: ScenarioArg, set_: SetOpt = None) -> None:
     console.print(s.to_toml(), highlight=False, markup=False)
     console.rule("derived layout")
     layout_report(s, console)
+    from kvstage.analysis.admission_report import admission_warnings
+
+    for line in admission_warnings(s):
+        console.print(line, markup=False, highlight=False)
 
 
 def sim(
