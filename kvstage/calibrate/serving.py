@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.scenario.loading import SERVING_PROFILE_KEYS
 from kvstage.shared.serving.compute import decode_step, prefill_forward_s
 
 __all__ = ["ServingFit", "ServingFitError", "fit_decode_hbm", "fit_prefill_mfu", "fit_serving"]
@@ -147,3 +148,158 @@ def fit_serving(
         fit_prefill_mfu(path, *prefill) if prefill else None,
         fit_decode_hbm(path, *decode) if decode else None,
     )
+
+
+# --- from measured runs (issue 36 item 4): many points, held-out error ---------------------
+
+HOLD_EVERY = 4  # every 4th point (in file order) is held out of the fit and scored
+
+
+@dataclass(frozen=True)
+class PointsFit:
+    """One fit of measured points: the values, the points used and held out, and the
+    held-out error (mean absolute relative error of the model against the held-out
+    points; None when fewer than HOLD_EVERY points came)."""
+
+    values: dict[str, float]
+    fitted: int
+    held_out: int
+    held_out_mape: float | None
+    what: str
+
+
+def split_points(points: list) -> tuple[list, list]:
+    """(fit, held out): every HOLD_EVERY-th point held out when there are enough."""
+    if len(points) < HOLD_EVERY:
+        return list(points), []
+    held = [p for i, p in enumerate(points) if i % HOLD_EVERY == HOLD_EVERY - 1]
+    return [p for i, p in enumerate(points) if i % HOLD_EVERY != HOLD_EVERY - 1], held
+
+
+def _mape(pairs: list[tuple[float, float]]) -> float | None:
+    """Mean |model - measured| / measured over (measured, model) pairs."""
+    return sum(abs(b - a) / a for a, b in pairs) / len(pairs) if pairs else None
+
+
+def fit_decode_points(path: Path, points: list) -> PointsFit:
+    """decode.hbm_efficiency and decode.step_overhead_ms from decode steps (batch, KV,
+    step time): a memory-bound step is overhead + bytes / (HBM x h) + collectives, a line
+    in the step's bytes-at-full-HBM time (kvstage.calibrate.fit.fit_line, relative
+    weights): its intercept the overhead, its slope 1 / h. Compute-bound steps say
+    nothing of h and are left out."""
+    from kvstage.calibrate.fit import fit_line
+
+    base = load_scenario(path, ["decode.hbm_efficiency=1", "decode.step_overhead_ms=0"])
+    parts = [(p, decode_step(base, p.batch, p.kv_tokens)) for p in points]
+    bound = [(p, d) for p, d in parts if d.memory_s >= d.compute_s]
+    train, held = split_points(bound)
+    if len(train) < 2:
+        raise ServingFitError(
+            f"{len(bound)} memory-bound decode steps in the runs: a line needs 2 or more "
+            "(import an SGLang decode log with kvstage import)"
+        )
+    line = fit_line(
+        [d.memory_s for _, d in train],
+        [p.step_s - d.allreduce_s - d.alltoall_s for p, d in train],
+        what="decode steps",
+    )
+    if not line.slope_s > 0:
+        raise ServingFitError("decode step time does not grow with the bytes read: no HBM share")
+    h = min(1.0, 1.0 / line.slope_s)
+    fitted = load_scenario(
+        path, [f"decode.hbm_efficiency={h}", f"decode.step_overhead_ms={line.intercept_s * 1e3}"]
+    )
+    score = [(p.step_s, decode_step(fitted, p.batch, p.kv_tokens).total_s) for p, _ in held]
+    return PointsFit(
+        {"decode.hbm_efficiency": h, "decode.step_overhead_ms": line.intercept_s * 1e3},
+        len(train),
+        len(held),
+        _mape(score),
+        "decode step time",
+    )
+
+
+def _golden(f, lo: float, hi: float) -> float:
+    """The x in [lo, hi] that minimises the unimodal f."""
+    g = (5**0.5 - 1) / 2
+    a, b = lo, hi
+    for _ in range(_STEPS):
+        c, d = b - g * (b - a), a + g * (b - a)
+        a, b = (a, d) if f(c) < f(d) else (c, b)
+    return (a + b) / 2
+
+
+def fit_prefill_points(path: Path, points: list) -> PointsFit:
+    """prefill.mfu from prefill forwards (new tokens, cached tokens, seconds): the flat
+    MFU that minimises the squared relative error of the model's forward times."""
+    given = load_scenario(path).prefill
+    if given.tflops is not None or given.tokens_per_s is not None:
+        raise ServingFitError(
+            "the scenario sets prefill.tflops or prefill.tokens_per_s, which replace the "
+            "MFU model: remove it to fit prefill.mfu"
+        )
+    train, held = split_points(points)
+    if not train:
+        raise ServingFitError(
+            "no prefill forward in the runs (import a PD prefill server's log: its "
+            "Prefill batch lines of back-to-back batches)"
+        )
+
+    def times(m: float, pts: list) -> list[float]:
+        s = load_scenario(path, [f"prefill.mfu={m}"])
+        return [prefill_forward_s(s, p.tokens, p.cached) for p in pts]
+
+    def loss(m: float) -> float:
+        return sum(
+            ((t - p.forward_s) / p.forward_s) ** 2
+            for p, t in zip(train, times(m, train), strict=True)
+        )
+
+    m = _golden(loss, _LO, 1.0)
+    score = list(zip([p.forward_s for p in held], times(m, held), strict=True))
+    return PointsFit(
+        {"prefill.mfu": m}, len(train), len(held), _mape(score), "prefill forward time"
+    )
+
+
+def fit_request_points(path: Path, points: list, overrides: list[str]) -> PointsFit:
+    """The per-request cost outside the prefill forward: the median over requests that
+    found the system idle of TTFT less the model's forward of their prompt (with the
+    fitted `overrides`). It holds the front end (HTTP, tokenizer, streaming) and an idle
+    system's KV transfer; the held-out error is of TTFT = that cost + the forward."""
+    train, held = split_points(points)
+    if not train:
+        raise ServingFitError("no request that found the system idle in the runs")
+    s = load_scenario(path, overrides)
+    rest = sorted(p.ttft_s - _prompt_time_s(s, p.prompt_tokens) for p in train)
+    cost = rest[len(rest) // 2] if len(rest) % 2 else sum(rest[len(rest) // 2 - 1 :][:2]) / 2
+    score = [(p.ttft_s, cost + _prompt_time_s(s, p.prompt_tokens)) for p in held]
+    return PointsFit({"request_ms": cost * 1e3}, len(train), len(held), _mape(score), "idle TTFT")
+
+
+PROFILE_KEYS = SERVING_PROFILE_KEYS
+
+
+def profile_text(fits: list[PointsFit], sources: list[str], scenario: Path) -> str:
+    """A serving profile: the fitted keys as scenario tables, each fit's points and
+    held-out error as comments; a scenario names it with `[serving] profile = "FILE"`."""
+    lines = [
+        "# kvstage serving profile: `kvstage calibrate --fit-serving "
+        f"{scenario} --from ...` (docs/workflow.md)",
+        f"# measured runs: {', '.join(sources)}",
+    ]
+    tables: dict[str, list[str]] = {}
+    for f in fits:
+        err = "-" if f.held_out_mape is None else f"{f.held_out_mape:.1%}"
+        lines.append(
+            f"# {f.what}: {f.fitted} points fitted, {f.held_out} held out, held-out error {err}"
+        )
+        for key, value in f.values.items():
+            table, _, name = key.partition(".")
+            if table in PROFILE_KEYS:
+                tables.setdefault(table, []).append(f"{name} = {value:.6g}")
+            else:  # no scenario key carries it (yet): on record
+                lines.append(f"# {key} = {value:.6g} (not a scenario key: on record only)")
+    for table, entries in tables.items():
+        lines += [f"[{table}]", *entries]
+    return "\n".join(lines) + "\n"

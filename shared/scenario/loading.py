@@ -81,13 +81,46 @@ def read_scenario_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            return tomllib.load(fh)
+            data = tomllib.load(fh)
     except FileNotFoundError:
         raise ScenarioError(f"{p}: no such scenario file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{p}: invalid TOML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{p}: cannot read: {exc}") from None
+    if "serving" in data:
+        _merge_serving_profile(p, data)
+    return data
+
+
+# What a serving profile (`kvstage calibrate --fit-serving --from`, docs/workflow.md) may set
+SERVING_PROFILE_KEYS = {"prefill": ("mfu",), "decode": ("hbm_efficiency", "step_overhead_ms")}
+
+
+def _merge_serving_profile(p: Path, data: dict[str, Any]) -> None:
+    """`[serving] profile = "FILE"` (relative to the scenario): the profile's fitted keys
+    under the scenario's own (the scenario's win); the [serving] table goes, so the
+    resolved scenario holds the values and loads without the profile."""
+    table = data.pop("serving")
+    if not isinstance(table, dict) or set(table) != {"profile"}:
+        raise ScenarioError(f'{p}: [serving] takes one key, profile = "FILE"')
+    prof = p.parent / str(table["profile"])
+    try:
+        with prof.open("rb") as fh:
+            fitted = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{p}: serving.profile {prof}: cannot read it ({exc})") from None
+    for name, values in fitted.items():
+        allowed = SERVING_PROFILE_KEYS.get(name, ())
+        bad = [k for k in (values if isinstance(values, dict) else {"?": 0}) if k not in allowed]
+        if bad:
+            raise ScenarioError(
+                f"{prof}: [{name}] {', '.join(bad)}: a serving profile sets only "
+                + "; ".join(f"{t}.{k}" for t, ks in SERVING_PROFILE_KEYS.items() for k in ks)
+            )
+        own = data.setdefault(name, {})
+        for key, value in values.items():
+            own.setdefault(key, value)
 
 
 def parse_override_value(raw: str) -> Any:

@@ -180,6 +180,8 @@ def calibrate(
     decode_step_ms: serving.DecodeStepMs = None,
     decode_batch: serving.DecodeBatch = None,
     decode_context: serving.DecodeContext = None,
+    from_runs: serving.FromRuns = None,
+    serving_profile: serving.ServingProfile = None,
     descriptors: Annotated[
         bool,
         typer.Option(
@@ -195,6 +197,8 @@ def calibrate(
     if descriptors:  # kvstage/cli/commands/calibrate_descriptors.py
         _check_device(device)
         return descriptors_command(backend, device, out, quick)
+    if fit_serving is not None and from_runs:
+        return serving.fit_from_runs_command(fit_serving, from_runs, serving_profile)
     if fit_serving is not None:
         pre, dec = (
             (prefill_tokens_per_s, prompt_tokens),

@@ -39,6 +39,76 @@ DecodeContext = Annotated[
 ]
 
 
+FromRuns = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--from",
+        help="--fit-serving: a measured run directory (kvstage import) to fit to; repeat it. "
+        "Decode logs fit decode.hbm_efficiency and step_overhead_ms, prefill logs "
+        "prefill.mfu, a client's requests the per-request cost; every 4th point is held out.",
+    ),
+]
+ServingProfile = Annotated[
+    Path | None,
+    typer.Option(
+        help="--fit-serving --from: write the fit as a serving profile a scenario names "
+        'with [serving] profile = "FILE".'
+    ),
+]
+
+
+def fit_from_runs_command(path: Path, runs: list[Path], profile: Path | None) -> None:
+    """Fit the serving model to the measured runs' points; print each fit with its
+    held-out error; write the profile when asked. One line per bad input (exit 2)."""
+    from kvstage.calibrate.serving import (
+        ServingFitError,
+        fit_decode_points,
+        fit_prefill_points,
+        fit_request_points,
+        profile_text,
+    )
+    from kvstage.calibrate.serving_points import points_from_runs
+    from kvstage.run.rundir import RunError, load_run
+    from kvstage.shared.scenario import ScenarioError
+
+    try:
+        loaded = [load_run(r) for r in runs]
+    except RunError as exc:
+        fail(str(exc))
+    pts = points_from_runs(loaded)
+    console = Console()
+    for note in pts.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
+    fits = []
+    try:
+        if pts.decode:
+            fits.append(fit_decode_points(path, pts.decode))
+        if pts.prefill:
+            fits.append(fit_prefill_points(path, pts.prefill))
+        if pts.requests:
+            sets = [f"{k}={v}" for f in fits for k, v in f.values.items()]
+            fits.append(fit_request_points(path, pts.requests, sets))
+    except (ServingFitError, ScenarioError) as exc:
+        fail(str(exc))
+    if not fits:
+        fail(
+            "the runs hold no decode step, prefill forward or idle request to fit "
+            "(import an SGLang log or a client's per-request file with kvstage import)"
+        )
+    for f in fits:
+        err = "-" if f.held_out_mape is None else f"{f.held_out_mape:.1%}"
+        values = ", ".join(f"{k} = {v:.4g}" for k, v in f.values.items())
+        console.print(
+            f"{f.what}: {values} ({f.fitted} points; held-out error {err} over {f.held_out})",
+            highlight=False,
+            markup=False,
+        )
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.write_text(profile_text(fits, [str(r) for r in runs], path))
+        console.print(f"serving profile: {profile}", highlight=False, markup=False)
+
+
 def fit_serving_command(path: Path, prefill: tuple, decode: tuple) -> None:
     """One line per bad input (exit 2), else the fitted lines."""
     from kvstage.calibrate.serving import ServingFitError, fit_serving
