@@ -46,7 +46,12 @@ def looks_like_summary(obj: Any) -> bool:
 def _seconds(path: Path, where: str, metrics: dict, tag: str) -> Any:
     entry = metrics.get(tag)
     if not isinstance(entry, dict) or "value" not in entry:
-        raise MeasuredError(path, where, f"metrics.{tag}", "missing")
+        hint = (
+            " (a streamed run has it: aiperf profile --streaming)"
+            if tag == "time_to_first_token"
+            else ""
+        )
+        raise MeasuredError(path, where, f"metrics.{tag}", "missing" + hint)
     scale = TIME_UNITS.get(str(entry.get("unit")))
     if scale is None:
         raise MeasuredError(path, where, f"metrics.{tag}.unit", f"{entry.get('unit')!r}: no time")

@@ -4,7 +4,8 @@ Field names from vLLM `vllm/benchmarks/serve.py` at commit 009e6d4a (read 2026-1
 `benchmark` returns `duration`, `completed`, `failed`, `total_input_tokens`,
 `total_output_tokens`, `request_throughput`, `request_goodput` (null without
 `--goodput`), `output_throughput`, `{mean,median,std}_{ttft,tpot,itl,e2el}_ms` and
-`p{P}_{metric}_ms` per `--metric-percentiles`, and the per-request lists `input_lens`,
+`p{P}_{metric}_ms` per `--metric-percentiles` (for the metrics `--percentile-metrics`
+names: ttft, tpot, itl by default, e2el only when named), and the per-request lists `input_lens`,
 `output_lens`, `ttfts`, `itls` (gaps, s), `latencies`, `start_times` (perf_counter, s),
 `errors`; `main` drops `input_lens`, `output_lens`, `start_times`, `ttfts`, `itls`,
 `generated_texts` and `errors` unless `--save-detailed`. A request failed when its
@@ -27,7 +28,11 @@ DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_tim
 
 
 def looks_like(record: Any) -> bool:
-    return isinstance(record, dict) and ("mean_e2el_ms" in record or "median_e2el_ms" in record)
+    """`request_goodput` is always in the result (null without --goodput); the E2E
+    figures only when --percentile-metrics names e2el (the default is ttft,tpot,itl)."""
+    return isinstance(record, dict) and (
+        "request_goodput" in record or "mean_e2el_ms" in record or "median_e2el_ms" in record
+    )
 
 
 def _load(path: Path) -> tuple[str, dict]:
@@ -59,7 +64,7 @@ def _requests(path: Path, where: str, rec: dict) -> list[MeasuredRequest]:
 def read(path: Path) -> Measurement:
     where, rec = _load(path)
     if not looks_like(rec):
-        raise MeasuredError(path, where, "mean_e2el_ms", "missing: not vllm bench serve output")
+        raise MeasuredError(path, where, "request_goodput", "missing: not vllm bench serve output")
     completed = number(path, where, rec, "completed", kind=int)
     failed = int(rec.get("failed") or 0)
     reported = {
