@@ -68,6 +68,15 @@ def _target(run_dir, address: str):
         client.close()
 
 
+def _entry(run_dir, address: str, name: str):
+    """Rank `name`'s table entry (as `_target`, once the run has the table)."""
+    client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
+    try:
+        return client.query(10)[0][name]
+    finally:
+        client.close()
+
+
 def _sweep(s, t0: float, write) -> int:
     """Write a region's size at every region-sized offset of the ring (one batch), over
     and over, from t0 for ATTACK_S: how many sweeps landed."""
@@ -130,6 +139,14 @@ def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
     pool = int(info.extra["kv_pool"]["base_addr"])
     stats["pool_write_rc"] = engine.batch_transfer_sync_write(
         session, [junk.ctypes.data], [pool], [4096]
+    )
+    # nor is a prefill's KV pool (hw/prefill_rank.py, issue 39 item 3): a read is refused
+    prefill = _entry(run_dir, address, "prefill0")
+    stats["prefill_pool_read_rc"] = engine.batch_transfer_sync_read(
+        _unpack_metadata(prefill.metadata)[1].decode(),
+        [junk.ctypes.data],
+        [int(prefill.extra["kv_pool"]["base_addr"])],
+        [4096],
     )
     engine.unregister_memory(junk.ctypes.data)
 
@@ -196,3 +213,4 @@ def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     s, result, stats = _run(tmp_path, "mooncake", _raw_mooncake)
     _assert_rejected_not_scattered(s, result, stats)
     assert stats["pool_write_rc"] != 0, "a write into the unregistered KV pool landed"
+    assert stats["prefill_pool_read_rc"] != 0, "a read of a prefill's unregistered pool worked"
