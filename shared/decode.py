@@ -112,6 +112,9 @@ class DecodeMachine(MachineBase):
         self._region_cache: dict[int, int] = {}
         # failed rooms whose staging regions and KV pages are kept out of reuse
         self._quarantine: dict[int, Quarantine] = {}
+        # since when a fenced writer's regions are quarantined (None: none are): room
+        # clocks stop meanwhile
+        self._fenced_since: float | None = None
         self.scatters_issued = 0
         self.writes_rejected = 0  # staging regions that failed their write checksum
         # writers that were lost and rejoined as a new incarnation: (role, rank) ->
@@ -703,7 +706,10 @@ class DecodeMachine(MachineBase):
         exposed = room.chunks is not None or held
         if exposed and waiting:
             until = self._arm_deadline(room.room, now, self.config.abort_grace_s)
-            self._quarantine[room.room] = Quarantine(held, waiting, until)
+            fenced = bool(held) and fence and skip_writer in room.writers
+            self._quarantine[room.room] = Quarantine(held, waiting, until, fenced)
+            if fenced and self._fenced_since is None:
+                self._fenced_since = now  # the other rooms' clocks stop (_resume_clocks)
         else:
             for chunk, alloc_id in held:
                 self._free(room.room, chunk, alloc_id, now, out)
@@ -727,10 +733,12 @@ class DecodeMachine(MachineBase):
         for room_id in self._expired(now):
             room = self._rooms.get(room_id)
             if room is not None:
-                if now >= room.deadline:
-                    self._fail(room, self._stall_reason(room), now, out)
-                else:
+                if now < room.deadline:
                     self._resend_bootstrap(room, now, out)
+                elif self._fenced_since is None:
+                    self._fail(room, self._stall_reason(room), now, out)
+                # else: its clock is stopped behind a fenced writer's regions; the
+                # release of the last of them moves its deadline on (_resume_clocks)
             elif room_id in self._quarantine and now >= self._quarantine[room_id].until:
                 self._release_quarantine(room_id, now, out)
 
@@ -768,6 +776,20 @@ class DecodeMachine(MachineBase):
         for chunk, alloc_id in q.held:
             self._free(room_id, chunk, alloc_id, now, out)
         out.append(ReleaseRoom(room_id))
+        if q.fenced and not any(x.fenced for x in self._quarantine.values()):
+            self._resume_clocks(now)
+
+    def _resume_clocks(self, now: float) -> None:
+        """The last fenced writer's regions are free: every live room gets back the time
+        it spent behind them (they may have held the ring's watermark back, so the rooms
+        of healthy writers sharing the ring could not move). Bounded: a fence lasts
+        abort_grace_s from its writer's loss."""
+        since, self._fenced_since = self._fenced_since, None
+        for room in self._rooms.values():
+            stopped = now - max(since, room.created)
+            if room.deadline != math.inf and stopped > 0:
+                room.deadline += stopped
+                self._arm_deadline(room.room, now, room.deadline - now)
 
     def _stall_reason(self, room: DecodeRoom) -> str:
         waits = []

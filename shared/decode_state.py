@@ -85,3 +85,6 @@ class Quarantine:
     held: list[tuple[int, int]]  # (chunk, allocation id) of staging regions not yet freed
     waiting: set[int]  # prefill ranks that have not confirmed the abort
     until: float  # the grace: released then even without every confirmation
+    # a lost writer's room that holds staging regions: its regions may hold the ring's
+    # watermark back for the whole grace, so the other rooms' clocks stop meanwhile
+    fenced: bool = False

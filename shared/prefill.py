@@ -871,7 +871,7 @@ class PrefillMachine(MachineBase):
         for room_id in self._expired(now):
             room = self._rooms.get(room_id)
             if room is not None:
-                if now >= room.deadline:
+                if now >= room.deadline and not self._behind_watermark(room):
                     self._fail(room, self._stall_reason(room), now, out)
                 else:
                     self._retry(room, now, out)
@@ -889,6 +889,14 @@ class PrefillMachine(MachineBase):
                     drain.nonces,
                 )
                 out.append(ReleaseRoom(room_id))
+
+    def _behind_watermark(self, room: PrefillRoom) -> bool:
+        """A chunk of the room waits for a decode's watermark: that decode, which holds
+        the ring, times the room out (its clock stops while a lost writer's regions hold
+        the ring back: DecodeMachine._resume_clocks), and its ABORT ends the room here.
+        Until then the re-sent STAGING_REQ asks it for the watermark, or for the ABORT of
+        a room it failed; a decode that is gone is PeerLost."""
+        return any(t.chunks_in(ChunkState.WM_WAIT) for t in room.targets.values())
 
     def _stall_reason(self, room: PrefillRoom) -> str:
         waits = []
