@@ -1,7 +1,8 @@
 """The colocated side of a plan: the same GPUs serving prefill and decode together.
 
 Beside its disaggregated search, `kvstage plan` searches colocated configurations --
-`instances` engine instances of TP `tp` on the decode side's GPU, each mixing chunked
+`instances` engine instances of TP `tp` (and EP: the plan's prefill and decode EP
+values) on the decode side's GPU, each mixing chunked
 prefill into its decode batches (kvstage/sim/colocated.py simulates them; the chunk is
 the step's token budget) -- over the axes `COLOCATED_KEYS`, and says whether
 disaggregation pays (`compare`): the fewest GPUs that meet the SLO each way, goodput
@@ -43,14 +44,20 @@ __all__ = [
     "write_colocated_csv",
 ]
 
-COLOCATED_KEYS = ("colocated.instances", "colocated.tp", "prefill.chunked_prefill_size")
+COLOCATED_KEYS = (
+    "colocated.instances",
+    "colocated.tp",
+    "colocated.ep",
+    "prefill.chunked_prefill_size",
+)
 DEFAULT_COLOCATED_INSTANCES = "1,2,3,4,6,8,12,16"
 
 
 def colocated_shape(row: dict[str, Any]) -> str:
     """`C 4xTP4, chunk 2048`: a colocated configuration in a few words."""
+    ep = f" EP{row['colocated.ep']}" if (row.get("colocated.ep") or 1) > 1 else ""
     return (
-        f"C {row['colocated.instances']}xTP{row['colocated.tp']}, "
+        f"C {row['colocated.instances']}xTP{row['colocated.tp']}{ep}, "
         f"chunk {row['prefill.chunked_prefill_size']}"
     )
 
@@ -66,41 +73,54 @@ def _gpus(settings: dict[str, Any]) -> int:
     return settings["colocated.instances"] * settings["colocated.tp"]
 
 
+def _layout_problem(base: Scenario, tp: int, ep: int, n: int) -> str | None:
+    """Why TP `tp` with EP `ep` over `n` instances is no colocated layout, else None."""
+    if ep > 1 and not base.model.experts:
+        return f"ep {ep}: the model has no experts (model.experts = 0)"
+    if ep > 1 and ep % tp:
+        return f"ep {ep} is not a multiple of tp {tp}"
+    group = ep // tp if ep > tp else 1
+    if n % group:
+        return f"{n} instance(s) of TP{tp} do not fill whole expert groups of {group} (ep {ep})"
+    return None
+
+
 def colocated_candidates(
     base: Scenario,
     tps: Sequence[int],
     instances: Sequence[int],
     chunks: Sequence[int],
     max_gpus: int | None,
+    eps: Sequence[int] = (1,),
 ) -> ColocatedCandidates:
-    """Every (instances, TP, chunk) of the grid on `base`'s decode GPU; those whose
-    weights or one chunk do not fit a GPU, or above `max_gpus`, skipped with why."""
+    """Every (instances, TP, EP, chunk) of the grid on `base`'s decode GPU; those whose
+    weights or one chunk do not fit a GPU, whose EP does not apply, or above `max_gpus`,
+    skipped with why."""
     from kvstage.sim.colocated import colocated_problem, colocated_scenario
 
     out = ColocatedCandidates({}, {})
-    index = 0
     for tp in sorted(set(tps)):
-        for chunk in sorted(set(chunks)):
-            s = colocated_scenario(base, tp, 1)
-            s = s.model_copy(
-                update={"prefill": s.prefill.model_copy(update={"chunked_prefill_size": chunk})}
-            )
-            problem = colocated_problem(s)
-            for n in sorted(set(instances)):
-                settings = {
-                    "colocated.instances": n,
-                    "colocated.tp": tp,
-                    "prefill.chunked_prefill_size": chunk,
-                }
-                why = problem
-                if why is None and max_gpus is not None and n * tp > max_gpus:
-                    why = f"{n * tp} GPUs: over the plan's {max_gpus}"
-                if why is not None:
-                    out.skipped.append(_row(settings, "skipped", reason=why))
-                    continue
-                out.scenarios[index] = colocated_scenario(s, tp, n)
-                out.settings[index] = settings
-                index += 1
+        for ep in sorted(set(eps)):
+            for chunk in sorted(set(chunks)):
+                s = colocated_scenario(base, tp, 1, ep)
+                p = s.prefill.model_copy(update={"chunked_prefill_size": chunk})
+                s = s.model_copy(update={"prefill": p})
+                for n in sorted(set(instances)):
+                    settings = {
+                        "colocated.instances": n,
+                        "colocated.tp": tp,
+                        "colocated.ep": ep,
+                        "prefill.chunked_prefill_size": chunk,
+                    }
+                    why = _layout_problem(base, tp, ep, n) or colocated_problem(s)
+                    if why is None and max_gpus is not None and n * tp > max_gpus:
+                        why = f"{n * tp} GPUs: over the plan's {max_gpus}"
+                    if why is not None:
+                        out.skipped.append(_row(settings, "skipped", reason=why))
+                        continue
+                    index = len(out.settings)
+                    out.scenarios[index] = colocated_scenario(s, tp, n, ep)
+                    out.settings[index] = settings
     return out
 
 
@@ -319,9 +339,10 @@ def colocated_from_plan(cands: Any, instances: str, max_gpus: int | None) -> Col
 
     values = {v.key: list(v.values) for v in cands.varies}
     tps = [*values["prefill.tp"], *values["decode.tp"]]
+    eps = [*values["prefill.ep"], *values["decode.ep"]]
     chunks = values["prefill.chunked_prefill_size"]
     if max_gpus is None:
         rows = [p.settings for p in cands.points] + list(cands.skipped)
         max_gpus = max(gpus_of(r) for r in rows)
     base = cands.points[0].scenario
-    return colocated_candidates(base, tps, parse_instances(instances), chunks, max_gpus)
+    return colocated_candidates(base, tps, parse_instances(instances), chunks, max_gpus, eps)

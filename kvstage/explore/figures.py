@@ -231,9 +231,11 @@ def _sweep_lines(
 def shape(row: dict[str, Any]) -> str:
     """`P 2xTP4 + D 1xTP4, pool 4096 MiB, chunk 8192`: a configuration in a few words
     (the router and the path when they are not round-robin and staging)."""
+    pe = f" EP{row['prefill.ep']}" if (row.get("prefill.ep") or 1) > 1 else ""
+    de = f" EP{row['decode.ep']}" if (row.get("decode.ep") or 1) > 1 else ""
     text = (
-        f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']} + "
-        f"D {row['cluster.decode_instances']}xTP{row['decode.tp']}, pool {row['decode.staging_pool_mb']:g} MiB"
+        f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']}{pe} + "
+        f"D {row['cluster.decode_instances']}xTP{row['decode.tp']}{de}, pool {row['decode.staging_pool_mb']:g} MiB"
     )
     if row.get("prefill.chunked_prefill_size") is not None:
         text += f", chunk {row['prefill.chunked_prefill_size']}"

@@ -3,7 +3,9 @@
 `kvstage plan SCENARIO` takes the scenario's model, links profile, workload (rate or
 trace) and [slo] targets, and searches a grid of cluster shapes -- prefill TP, decode
 TP, prefill and decode instance counts, staging pool per decode rank, chunked prefill
-size, router and transfer path (`KEYS`; the last four default to the scenario's own)
+size, router, transfer path and expert-parallel size per side (`KEYS`; the last six
+default to the scenario's own; an EP above the TP is DP attention, ep / tp instances
+sharing one expert group)
 -- for the configuration with the fewest GPUs (instances x TP on both sides) whose SLO
 attainment over the steady window (`kvstage.metrics.steady`: share of requests that
 finished and met every target) reaches a threshold, 0.9 by default: "TTFT p90 < 2 s"
@@ -107,6 +109,8 @@ KEYS = {
     "prefill.chunked_prefill_size": "--chunk",
     "cluster.router": "--router",
     "transfer.path": "--path",
+    "prefill.ep": "--prefill-ep",
+    "decode.ep": "--decode-ep",
 }
 # The axes that default to the scenario's own value (None here), and where that
 # value's default lives when the scenario does not set it.
@@ -115,6 +119,8 @@ OWN_DEFAULT = {
     "prefill.chunked_prefill_size": (PrefillConfig, "chunked_prefill_size"),
     "cluster.router": (ClusterConfig, "router"),
     "transfer.path": (TransferConfig, "path"),
+    "prefill.ep": (PrefillConfig, "ep"),
+    "decode.ep": (DecodeConfig, "ep"),
 }
 DEFAULT_GRID: dict[str, str | None] = {
     "prefill.tp": "1,2,4,8",
@@ -272,8 +278,9 @@ def plan_candidates(
     full: dict[int, int] = {}
     for p in points:
         gpus = gpus_of(p.settings)
-        if p.scenario is None:
-            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=p.reason, skipped_by="scenario"))
+        why = p.reason if p.scenario is None else moe_problem(p.scenario)
+        if why is not None:
+            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=why, skipped_by="scenario"))
             continue
         if max_gpus is not None and gpus > max_gpus:
             skipped.append(
@@ -300,6 +307,24 @@ def plan_candidates(
             f"(e.g. {shape(skipped[0])}: {skipped[0]['reason']})"
         )
     return Candidates(varies, keep, skipped, targets, busiest, full)
+
+
+def moe_problem(s: Any) -> str | None:
+    """Why a MoE layout (`prefill.ep`, `decode.ep`) does not apply, else None: expert
+    parallelism on a model without experts, or DP attention (ep > tp: ep / tp instances
+    share one expert group) over instances that do not fill whole groups."""
+    c = s.cluster
+    for side, count in (("prefill", c.prefill_instances), ("decode", c.decode_instances)):
+        cfg = getattr(s, side)
+        if cfg.ep > 1 and not s.model.experts:
+            return f"{side}.ep {cfg.ep}: the model has no experts (model.experts = 0)"
+        group = cfg.ep // cfg.tp if cfg.ep > cfg.tp else 1
+        if count % group:
+            return (
+                f"{count} {side} instance(s) of TP{cfg.tp} do not fill whole expert groups "
+                f"of {group} ({side}.ep {cfg.ep} / tp {cfg.tp})"
+            )
+    return None
 
 
 def _row(settings: dict[str, Any], status: str, **extra: Any) -> dict[str, Any]:

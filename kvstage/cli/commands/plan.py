@@ -46,6 +46,10 @@ def _skipped_table(groups: list[dict[str, Any]]) -> Table:
     return t
 
 
+def _ep(row: dict[str, Any], key: str) -> str:
+    return f" EP{row[key]}" if (row.get(key) or 1) > 1 else ""
+
+
 def _front_table(result: Any) -> Table:
     q = result.qname
     costs = any(r.get("cost_per_hour") is not None for r in result.front)
@@ -77,8 +81,8 @@ def _front_table(result: Any) -> Table:
         )
         util = r.get("busiest_utilization")
         t.add_row(
-            f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}",
-            f"{r['cluster.decode_instances']} x TP{r['decode.tp']}",
+            f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}{_ep(r, 'prefill.ep')}",
+            f"{r['cluster.decode_instances']} x TP{r['decode.tp']}{_ep(r, 'decode.ep')}",
             f"{r['decode.staging_pool_mb']:g}",
             str(r["gpus"]),
             _num(r["slo_attainment"], "{:.0%}"),
@@ -119,7 +123,7 @@ def _colocated_table(result: Any) -> Table:
     for g in sorted(per):
         r = per[g]
         t.add_row(
-            f"{r['colocated.instances']} x TP{r['colocated.tp']}",
+            f"{r['colocated.instances']} x TP{r['colocated.tp']}{_ep(r, 'colocated.ep')}",
             str(r["prefill.chunked_prefill_size"]),
             str(g),
             _num(r["slo_attainment"], "{:.0%}"),
@@ -278,6 +282,28 @@ def _print_result(result: Any, files: dict[str, Path], out_dir: Path) -> None:
         )
 
 
+def _meta(
+    scenario: Path,
+    sets: list[str],
+    cands: Any,
+    max_gpus: int | None,
+    search: str,
+    screen: bool,
+    prices: dict[str, float] | None,
+) -> dict[str, Any]:
+    """plan.json's description of the search."""
+    return {
+        "scenario": str(scenario),
+        "scenario_name": scenario.stem,
+        "set": sets,
+        "grid": {v.key: list(v.values) for v in cands.varies},
+        "max_gpus": max_gpus,
+        "exhaustive": search == "exhaustive",
+        "screen": screen,
+        "gpu_hour_cost": prices,
+    }
+
+
 def _check_options(scenario: Path, workers: int | None, attainment: float, search: str) -> str:
     """The plain options' errors (exit 2); the search method."""
     from kvstage.explore.plan import SEARCHES
@@ -333,6 +359,21 @@ def plan(
         str | None,
         typer.Option(
             metavar="P1,P2,...", help="Transfer paths: staging, slice (default: the scenario's)."
+        ),
+    ] = None,
+    prefill_ep: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...",
+            help="Expert-parallel sizes of the prefill side (prefill.ep; above the TP: DP "
+            "attention; default: the scenario's).",
+        ),
+    ] = None,
+    decode_ep: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...",
+            help="Expert-parallel sizes of the decode side (decode.ep; default: the scenario's).",
         ),
     ] = None,
     search: Annotated[
@@ -447,7 +488,16 @@ def plan(
         if ray is not None:
             require_ray()
         grid = _grid(
-            prefill_tp, decode_tp, prefill_instances, decode_instances, pool_mb, chunk, router, path
+            prefill_tp,
+            decode_tp,
+            prefill_instances,
+            decode_instances,
+            pool_mb,
+            chunk,
+            router,
+            path,
+            prefill_ep,
+            decode_ep,
         )
         cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
         colo = colocated_from_plan(cands, colocated_instances, max_gpus) if colocated else None
@@ -486,16 +536,7 @@ def plan(
         log.finish()
     from kvstage.run.rundir import make_run_dir
 
-    meta = {
-        "scenario": str(scenario),
-        "scenario_name": scenario.stem,
-        "set": sets,
-        "grid": {v.key: list(v.values) for v in cands.varies},
-        "max_gpus": max_gpus,
-        "exhaustive": search == "exhaustive",
-        "screen": screen,
-        "gpu_hour_cost": prices,
-    }
+    meta = _meta(scenario, sets, cands, max_gpus, search, screen, prices)
     try:
         out_dir = make_run_dir(cands.points[0].scenario, "plan", out)
         files = write_plan(result, out_dir, meta)
