@@ -205,3 +205,43 @@ def test_compare_scores_client_figures_over_the_same_requests(tmp_path):
     assert res["client"]["basis"].startswith("each run's own")
     rows = {(r["metric"], r["quantile"]): r for r in res["client"]["figures"]}
     assert rows["ttft_s", "p99"]["a"] == pytest.approx(0.249)
+
+
+def test_a_simulation_written_as_vllm_output_scores_zero_against_itself(tmp_path):
+    """The loop closed on itself: a simulated run's requests written as `vllm bench serve
+    --save-detailed` would write them (start times, TTFT, gaps, latency), imported, and
+    compared with the simulation: the same requests, every client figure equal."""
+    from kvstage.run.rundir import write_run
+    from kvstage.run.summary import simulation_summary
+    from kvstage.shared.scenario import load_scenario
+    from kvstage.sim.driver import simulate
+
+    scenario = load_scenario(
+        Path(__file__).resolve().parents[1] / "scenarios" / "llama3-70b-p8-d2.toml",
+        ['workload.prompt="fixed"', "workload.prompt_tokens=2048", "workload.requests=8",
+         "workload.output_tokens=12", "workload.rate_per_s=20", "decode.max_running_requests=2"],
+    )  # fmt: skip
+    res = simulate(scenario)
+    sim_dir = tmp_path / "sim"
+    sim_dir.mkdir()
+    write_run(sim_dir, scenario, res.records, simulation_summary(scenario, res), "sim")
+    rooms = room_latencies(res.records)
+    order = sorted(rooms)
+    out = {
+        "duration": 1.0, "completed": len(order), "failed": 0, "request_throughput": 1.0,
+        "request_goodput": None, "output_throughput": 1.0, "total_token_throughput": 1.0,
+        "input_lens": [2048] * len(order), "output_lens": [12] * len(order),
+        "start_times": [100.0 + rooms[r]["arrival"] for r in order],
+        "ttfts": [rooms[r]["first_token"] - rooms[r]["arrival"] for r in order],
+        "itls": [rooms[r]["itls"] for r in order],
+        "latencies": [rooms[r]["last_token"] - rooms[r]["arrival"] for r in order],
+        "errors": [""] * len(order), "generated_texts": [""] * len(order),
+    }  # fmt: skip
+    (tmp_path / "vllm.json").write_text(json.dumps(out))
+    measured = load_run(write_measured_run(read_measured(tmp_path / "vllm.json"), tmp_path / "m"))
+    res = compare_runs(measured, load_run(sim_dir))
+    assert res["client"]["requests"] == len(order)
+    scored = [r for r in res["client"]["figures"] if r["metric"] in ("ttft_s", "tpot_s", "itl_s")]
+    assert len(scored) == 9
+    assert all(abs(r["error"]) < 1e-9 for r in scored), scored
+    assert res["verdict"].startswith("B matches A")

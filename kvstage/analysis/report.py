@@ -521,6 +521,7 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
             f"{r['goodput_per_gpu_rps']:.3g}",
             ms(r[f"ttft_s.{q}"]),
             ms(r[f"tpot_s.{q}"]),
+            ms(r.get(f"itl_s.{q}")),
             r["bottleneck"] or "-",
             "winner" if r["winner"] else ("meets" if r["meets"] else "misses"),
         )
@@ -543,10 +544,11 @@ def _plan_section(i: int, plan_dir: Path, figure: _Figures) -> str:
                     "goodput/GPU (req/s)",
                     f"TTFT {q}",
                     f"TPOT {q}",
+                    f"ITL {q}",
                     "bottleneck",
                     "",
                 ),
-                num_cols=(1, 2, 3, 4, 5),
+                num_cols=(1, 2, 3, 4, 5, 6),
             ),
             figure(
                 front_figure(plan),

@@ -144,8 +144,8 @@ MIN_TAIL = 10
 def figure_columns(attainment: float) -> tuple[str, ...]:
     """Per simulated point, the figures kept: the steady window, attainment and goodput
     with their intervals, p50 / p90 / p99 of TTFT, TPOT and end to end and the target
-    quantile (`quantile_name(attainment)`) with its interval, tokens per GPU, the
-    busiest stage."""
+    quantile (`quantile_name(attainment)`) with its interval, ITL (every gap) at those
+    quantiles, tokens per GPU, the busiest stage."""
     q = quantile_name(attainment)
     lat = []
     for key in SLO_FIGURES:
@@ -153,6 +153,8 @@ def figure_columns(attainment: float) -> tuple[str, ...]:
         if f"{key}.{q}" not in names:
             names.append(f"{key}.{q}")
         lat += [*names, f"{key}.{q}_lo", f"{key}.{q}_hi"]
+    itl = [f"itl_s.{quantile_name(x)}" for x in QUANTILES]  # every gap pooled: no interval
+    lat += itl if f"itl_s.{q}" in itl else [*itl, f"itl_s.{q}"]
     return (
         "requests",
         "window_requests",
@@ -687,7 +689,8 @@ def verdict(result: PlanResult) -> str:
             f"{_interval_text(w, 'slo_attainment', _pct)}, goodput "
             f"{_interval_text(w, 'goodput_rps', _num)} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
             f"TTFT {q} {_interval_text(w, f'ttft_s.{q}', _secs)}, "
-            f"TPOT {q} {_interval_text(w, f'tpot_s.{q}', _secs)}; "
+            f"TPOT {q} {_interval_text(w, f'tpot_s.{q}', _secs)}, "
+            f"ITL {q} {_secs(w.get(f'itl_s.{q}'))}; "
             f"bottleneck: {w['bottleneck']} ({w['bottleneck_why']})"
         )
     b = result.best

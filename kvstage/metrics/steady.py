@@ -211,7 +211,7 @@ def steady_figures(
         out[f"{key}.{qname}_hi"] = _finite(hi)
 
     itls = sorted(gap for room in w.rooms for gap in rooms[room].get("itls", ()))
-    for q in QUANTILES:  # every gap of the window's requests, pooled as the clients do
+    for q in {*QUANTILES, attainment}:  # every gap of the window's requests, pooled
         out[f"itl_s.{quantile_name(q)}"] = _finite(_quantile(itls, q))
     hits = [float(meets(f, targets)) for _, f in figs]
     n = len(hits)

@@ -68,6 +68,7 @@ def _front_table(result: Any) -> Table:
         (f"TTFT {q}", True),
         ("95% interval", True),
         (f"TPOT {q}", True),
+        (f"ITL {q}", True),
         *((("$/M in", True), ("$/M out", True)) if costs else ()),
         ("busiest stage", False),
         ("", False),
@@ -90,6 +91,7 @@ def _front_table(result: Any) -> Table:
             _secs(r[f"ttft_s.{q}"]),
             f"{_secs(r.get(f'ttft_s.{q}_lo'))} .. {_secs(r.get(f'ttft_s.{q}_hi'))}",
             _secs(r[f"tpot_s.{q}"]),
+            _secs(r.get(f"itl_s.{q}")),
             *(
                 (_num(r.get("cost_per_m_input_tokens")), _num(r.get("cost_per_m_output_tokens")))
                 if costs
