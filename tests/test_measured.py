@@ -245,3 +245,14 @@ def test_a_simulation_written_as_vllm_output_scores_zero_against_itself(tmp_path
     assert len(scored) == 9
     assert all(abs(r["error"]) < 1e-9 for r in scored), scored
     assert res["verdict"].startswith("B matches A")
+
+
+def test_an_older_vllm_benchmark_serving_result_reads_without_send_times(tmp_path):
+    """benchmarks/benchmark_serving.py before `vllm bench serve`: no start_times or
+    latencies, and its goodput key spelt `request_goodput:`."""
+    assert detect(DATA / "vllm_benchmark_serving_old.json") == "vllm-bench"
+    run = imported(tmp_path, "vllm_benchmark_serving_old.json")
+    per = request_breakdown(room_latencies(run.records))
+    assert per["ttft_s"] == pytest.approx([0.1, 0.25, 0.1])
+    assert per["e2e_s"] == pytest.approx([0.2, 0.35, 0.1])  # TTFT + the gaps
+    assert per["tpot_s"] == pytest.approx([0.05, 0.05])

@@ -1,7 +1,8 @@
 """AIPerf's exports: `profile_export.jsonl` (one record a request) and
 `profile_export_aiperf.json` (the run's statistics).
 
-Field names from ai-dynamo/aiperf at commit db4f6397 (read 2026-12-03):
+Field names from ai-dynamo/aiperf at commit db4f6397 (read 2026-12-03; the record
+export exists since 5e0b1e17, 2025-10-09, with these metadata fields):
 `aiperf/common/models/record_models.py` `MetricRecordInfo`: a record line is
 `{"metadata": {"request_start_ns", "request_end_ns", "benchmark_phase" ("warmup" |
 "profiling"), "session_num", "x_request_id", ...}, "metrics": {tag: {"value", "unit"}},

@@ -27,7 +27,8 @@ DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 
 
 def looks_like(record: Any) -> bool:
-    return isinstance(record, dict) and "mean_e2e_latency_ms" in record
+    keys = ("mean_e2e_latency_ms", "median_e2e_latency_ms")  # vllm's are `..._e2el_ms`
+    return isinstance(record, dict) and any(k in record for k in keys)
 
 
 def _requests(path: Path, where: str, rec: dict) -> list[MeasuredRequest]:
@@ -40,7 +41,9 @@ def read(path: Path) -> Measurement:
     n, rec = lines[-1]
     where = str(n)
     if not looks_like(rec):
-        raise MeasuredError(path, where, "mean_e2e_latency_ms", "missing: not bench_serving output")
+        raise MeasuredError(
+            path, where, "median_e2e_latency_ms", "missing: not bench_serving output"
+        )
     completed = number(path, where, rec, "completed", kind=int)
     reported = {
         **ms_figures(rec, NAMES),

@@ -7,7 +7,8 @@ Field names from vLLM `vllm/benchmarks/serve.py` at commit 009e6d4a (read 2026-1
 `p{P}_{metric}_ms` per `--metric-percentiles` (for the metrics `--percentile-metrics`
 names: ttft, tpot, itl by default, e2el only when named), and the per-request lists `input_lens`,
 `output_lens`, `ttfts`, `itls` (gaps, s), `latencies`, `start_times` (perf_counter, s),
-`errors`; `main` drops `input_lens`, `output_lens`, `start_times`, `ttfts`, `itls`,
+`errors` (older `benchmarks/benchmark_serving.py` results have no `start_times` or
+`latencies`: arrivals 0, the last token at TTFT plus the gaps); `main` drops `input_lens`, `output_lens`, `start_times`, `ttfts`, `itls`,
 `generated_texts` and `errors` unless `--save-detailed`. A request failed when its
 `errors` entry is not empty. Arrivals: `start_times` less the first.
 """
@@ -24,15 +25,15 @@ from kvstage.measured.measurement import MeasuredError, MeasuredRequest, Measure
 FORMAT = "vllm-bench"
 TOOL = "vllm bench serve @ 009e6d4a"
 NAMES = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2el": "e2e_s"}
-DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors")
+DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
+TIMES = ("start_times", "latencies")  # older benchmark_serving.py results lack them
 
 
 def looks_like(record: Any) -> bool:
     """`request_goodput` is always in the result (null without --goodput); the E2E
     figures only when --percentile-metrics names e2el (the default is ttft,tpot,itl)."""
-    return isinstance(record, dict) and (
-        "request_goodput" in record or "mean_e2el_ms" in record or "median_e2el_ms" in record
-    )
+    keys = ("request_goodput", "request_goodput:", "mean_e2el_ms", "median_e2el_ms")
+    return isinstance(record, dict) and any(k in record for k in keys)
 
 
 def _load(path: Path) -> tuple[str, dict]:
@@ -48,15 +49,17 @@ def _load(path: Path) -> tuple[str, dict]:
 
 
 def _requests(path: Path, where: str, rec: dict) -> list[MeasuredRequest]:
-    n = per_request_lists(path, where, rec, DETAILS)
-    starts = [s for s in rec["start_times"] if isinstance(s, int | float)]
+    times = tuple(k for k in TIMES if k in rec)
+    n = per_request_lists(path, where, rec, (*DETAILS, *times))
+    starts = [s for s in rec.get("start_times", ()) if isinstance(s, int | float)]
     t0 = min(starts) if starts else 0.0
     out = []
     for i in range(n):
-        for key in ("latencies", "start_times"):
+        for key in times:
             if not isinstance(rec[key][i], int | float):
                 raise MeasuredError(path, where, f"{key}[{i}]", f"not a number: {rec[key][i]!r}")
-        arrival, e2e = float(rec["start_times"][i]) - t0, float(rec["latencies"][i])
+        arrival = float(rec["start_times"][i]) - t0 if "start_times" in rec else 0.0
+        e2e = float(rec["latencies"][i]) if "latencies" in rec else None  # else TTFT + gaps
         out.append(listed_request(path, where, rec, i, arrival_s=arrival, e2e_s=e2e))
     return out
 
