@@ -12,11 +12,14 @@ application module is on floor 1), the number of floors being the largest.
     .venv/bin/python scripts/import_graph.py --concepts # a node per concept folder
     .venv/bin/python scripts/import_graph.py --root DIR # another checkout (a git worktree)
     .venv/bin/python scripts/import_graph.py --shared   # the core's graph (shared/) instead
+    .venv/bin/python scripts/import_graph.py --hw       # hardware mode's graph (hw/) instead
     .venv/bin/python scripts/import_graph.py --cycles   # and every import circle
 
 With --shared the modules are those of `shared/` (kvstage.shared), and an import of one
 by another counts at any depth as above; --concepts then makes a node of each
-sub-package (kvstage.shared.scenario, kvstage.shared.serving). --cycles prints each
+sub-package (kvstage.shared.scenario, kvstage.shared.serving). --hw does the same for
+`hw/` (kvstage.hw; its imports of shared/ and sim/ are not counted), --concepts making a
+node of each of its folders (kvstage.hw.rank, kvstage.hw.probes). --cycles prints each
 circle (a strongly connected set of modules that import each other, directly or
 through others), the arrows of imports made inside a function (lazy imports) marked
 `(lazy)` and those under `if TYPE_CHECKING:` marked `(typing)`: first the circles of
@@ -42,6 +45,7 @@ CORE = ("kvstage.shared", "kvstage.sim", "kvstage.hw")
 TREES = {
     "app": ("kvstage", "kvstage", CORE),
     "shared": ("shared", "kvstage.shared", ("kvstage.sim", "kvstage.hw")),
+    "hw": ("hw", "kvstage.hw", ("kvstage.shared", "kvstage.sim")),
 }
 
 
@@ -157,14 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         "--root", type=Path, default=ROOT, help="the checkout to read (default: this one)"
     )
     p.add_argument("--shared", action="store_true", help="the graph of shared/ instead")
+    p.add_argument("--hw", action="store_true", help="the graph of hw/ instead")
     p.add_argument("--cycles", action="store_true", help="print every import circle")
     args = p.parse_args(argv)
-    tree = "shared" if args.shared else "app"
+    if args.shared and args.hw:
+        p.error("--shared and --hw each draw one tree: give one of them")
+    tree = "shared" if args.shared else "hw" if args.hw else "app"
     mods = modules(args.root, tree)
     kinds = arrow_kinds(mods, tree)
     edges = set(kinds)
     if args.concepts:
-        depth = 3 if args.shared else 2
+        depth = 2 if tree == "app" else 3
 
         def concept(m: str) -> str:
             parts = m.split(".")
