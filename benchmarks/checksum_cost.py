@@ -2,9 +2,9 @@
 write it guards.
 
 Each writer block is tagged twice on the chunk's critical path: the writer tags its
-gathered block (a private copy) before it enters the send buffer (hw/prefill_rank.py),
+gathered block (a private copy) before it enters the send buffer (hw/rank/prefill.py),
 the decode copies the staging region out of the ring and tags the copy before it
-scatters it (hw/decode_rank.py). hw/writemac.py has both functions:
+scatters it (hw/rank/decode.py). hw/rank/writemac.py has both functions:
 - "mac": Poly1305 (OpenSSL through `cryptography`) under a one-time key, then keyed
   BLAKE2b over the 16-byte result (a Carter-Wegman MAC, docs/design.md "The write tag");
 - "checksum": keyed BLAKE2b over the whole block (hashlib, one core).
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from kvstage.hw.transport import make_transport
-from kvstage.hw.writemac import block_tag, tag_key
+from kvstage.hw.rank.writemac import block_tag, tag_key
+from kvstage.hw.transport.base import make_transport
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
 RDMA_400G_BPS = 370e9 / 8  # [A] scenarios/profiles/rdma-400g.toml inter_bandwidth_gbps

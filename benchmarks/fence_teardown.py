@@ -1,6 +1,6 @@
 """Can a decode cut one lost writer off in the engine, so its regions can be reused
 before the fence's grace? Issue 39, item 5: measured, per engine, between two processes
-on this host (hw/transport.py, the engines kvstage uses).
+on this host (hw/transport/base.py, the engines kvstage uses).
 
 A receiver (the decode) registers a ring and loads the writer's metadata; the writer
 writes 0x11 into it (it lands). Then the receiver does the engine's per-peer teardown:
@@ -23,7 +23,7 @@ import multiprocessing as mp
 
 import torch
 
-from kvstage.hw.transport import make_transport
+from kvstage.hw.transport.base import make_transport
 
 N = 1 << 20
 

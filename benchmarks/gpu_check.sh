@@ -12,7 +12,7 @@
 #
 # Before that (and on a machine without a GPU: CPU_ONLY=1 stops after it), what the
 # runs will use: the affinity table (each local rank's GPU, NUMA node and rail NIC,
-# and whether they share a PCIe switch: hw/affinity.py), the RDMA devices and their
+# and whether they share a PCIe switch: hw/transport/affinity.py), the RDMA devices and their
 # ports, the GPU topology, and the engines' transports. After the runs: the transports
 # each rank's engine chose (summary.json transport_used) and the bandwidth verdict of
 # the staging run on GPU memory (--target, each pair against its own ceiling), with
@@ -26,8 +26,8 @@ mkdir -p "$OUT"
 echo "== affinity (local ranks 0..N-1 on cuda:i, N = the GPUs torch sees, at least 1)"
 "$PY" - <<'PYEOF'
 import torch
-from kvstage.hw.affinity import host_topology, rank_affinity, table_lines
-from kvstage.hw.placement import default_host, route_source
+from kvstage.hw.transport.affinity import host_topology, rank_affinity, table_lines
+from kvstage.hw.transport.placement import default_host, route_source
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 host = route_source("192.0.2.1") or default_host()  # this host's address on its default route
 rows = {f"local{i}": rank_affinity(f"local{i}", host, f"cuda:{i}" if n else "cpu", i).to_wire()

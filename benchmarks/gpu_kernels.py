@@ -2,7 +2,7 @@
 the same bytes measured in the same run (run by hand on a GPU machine; prints a table).
 With --device cpu the same table for host memory, the memory hardware mode uses here,
 plus the hw forward's pattern fill and the decode's full verification of the block
-(hw/kvpool.py), each against the same copy (run it with OMP_NUM_THREADS=1: a rank
+(hw/rank/kvpool.py), each against the same copy (run it with OMP_NUM_THREADS=1: a rank
 process runs one intra-op thread).
 
 A writer block of a full chunk (Llama-3-70B-like: 80 layers scaled to `--layers`, 8 KV
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from kvstage.hw.kernels import block_bytes, gather, scatter
-from kvstage.hw.kvpool import KVPool, fill_pattern, verify
+from kvstage.hw.rank.kernels import block_bytes, gather, scatter
+from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.layout import Geometry
 
 

@@ -12,7 +12,7 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
   rather than waiting on its socket, where a message is taken at once; and the longest
   turns (how long a message could wait to be looked at);
 - where a STAGING_REQ's delivery goes, from the control planes' stamps (the ranks'
-  wall clocks; hw/control.py): the send() call; if the decode was waiting in its poll
+  wall clocks; hw/control/plane.py): the send() call; if the decode was waiting in its poll
   when it was sent, sent -> poll woke; if it was in a turn, sent -> that turn's end;
   then woke -> handled. And per rank, of its turns over 1 ms, the share of their time
   the loop thread waited, runnable, for a CPU (Linux schedstat run delay).
@@ -20,7 +20,7 @@ For P2->D1 and P4->D2 it runs one hardware scenario and reads the trace:
 Goal on a quiet machine (issue 13): delivery p50 under 2 ms and p99 under 20 ms for
 P2->D1. Check `uptime` first: on a loaded host these figures mean little.
 
-Each loop line names the scheduling class its thread ran in (hw/priority.py LoopPriority:
+Each loop line names the scheduling class its thread ran in (hw/rank/priority.py LoopPriority:
 the loop thread and the ZMQ I/O threads in SCHED_RR 10 by default; KVSTAGE_LOOP_RT=0
 for normal scheduling, KVSTAGE_LOOP_RT_IO=0 to leave the I/O threads normal). Measured
 on this 2-core host, P2->D1 nixl, 24 requests, modes interleaved, load average 0.7-6.6
@@ -51,7 +51,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from kvstage.hw.rank import LOOP_STATS_ENV
+from kvstage.hw.rank.process import LOOP_STATS_ENV
 from kvstage.run.hwrun import launch_run
 from kvstage.run.result import judge
 from kvstage.shared.scenario import load_scenario, scaled

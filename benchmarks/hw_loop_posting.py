@@ -18,7 +18,7 @@ preset (loop: sglang-nixl, worker: sglang-nixl-prepped) on the loopback-cpu prof
     .venv/bin/python benchmarks/hw_loop_posting.py [--rooms 1,4,16] [--repeats 1]
     KVSTAGE_LOOP_RT=0 .venv/bin/python benchmarks/hw_loop_posting.py   # loop at normal priority
 
-kvstage raises a rank's loop thread to a real-time class (hw/priority.py LoopPriority); a
+kvstage raises a rank's loop thread to a real-time class (hw/rank/priority.py LoopPriority); a
 serving engine's scheduler runs at normal priority, so KVSTAGE_LOOP_RT=0 is the closer
 analogue of sglang-nixl (results: docs/results/2026-12-02-hw-loop-posting.md).
 """

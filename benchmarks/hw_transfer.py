@@ -21,7 +21,7 @@ workload waits behind the others' requests, so its room timeout is sized from th
 workload's request count (room_timeout_s) instead of the scenario's 60 s: the run
 finishes and its figures print even on a slow engine.
 
-Write-path priority (hw/priority.py WritePriority; issue 13 item 2). The staging writes ran
+Write-path priority (hw/rank/priority.py WritePriority; issue 13 item 2). The staging writes ran
 slowed by the gathers, scatters and fills sharing the 2 cores (a NIXL lane waited for a
 CPU longer than it ran, per its schedstat). Measured here, interleaved, load average
 1.2-4.3 (another agent's simulations besides), staging s / stg/raw / sl/stg / room p50:
@@ -138,7 +138,7 @@ def write_busy(records: list) -> float:
     """Seconds during which at least one write was in flight (union of the write and
     slice_write spans in the trace): the transfer time, without the prefill's fill
     ("forward") and gather time between writes."""
-    from kvstage.hw.bandwidth import WRITE_PHASES, busy_seconds
+    from kvstage.hw.transport.bandwidth import WRITE_PHASES, busy_seconds
 
     return busy_seconds((r.start, r.end) for r in records if r.phase in WRITE_PHASES)
 

@@ -55,7 +55,7 @@ def receiver(backend: str, nbytes: int, nops: int, device: str, conn: Any) -> No
     try:
         import torch
 
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.transport.base import make_transport
 
         transport = make_transport(backend, "bench-recv", device)
         dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -78,7 +78,7 @@ def sender(
     try:
         import numpy as np
 
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.transport.base import make_transport
 
         transport = make_transport(backend, "bench-send", device)
         src = _source(nbytes).to(device)
@@ -164,7 +164,7 @@ def main() -> int:
     if args.reps < 1 or (args.size_mib << 10) % args.op_kib:
         parser.error("--reps must be >= 1 and --op-kib must divide --size-mib")
 
-    from kvstage.hw.transport import probe_engine
+    from kvstage.hw.transport.base import probe_engine
 
     print(
         f"{'backend':9} {'case':8} {'ops':>5} {'median GB/s':>12} {'best GB/s':>10} "

@@ -19,7 +19,7 @@ With --shared the modules are those of `shared/` (kvstage.shared), and an import
 by another counts at any depth as above; --concepts then makes a node of each
 sub-package (kvstage.shared.scenario, kvstage.shared.serving). --hw does the same for
 `hw/` (kvstage.hw; its imports of shared/ and sim/ are not counted), --concepts making a
-node of each of its folders (kvstage.hw.rank, kvstage.hw.probes). --cycles prints each
+node of each of its folders (kvstage.hw.rank.process, kvstage.hw.probes). --cycles prints each
 circle (a strongly connected set of modules that import each other, directly or
 through others), the arrows of imports made inside a function (lazy imports) marked
 `(lazy)` and those under `if TYPE_CHECKING:` marked `(typing)`: first the circles of

@@ -3,7 +3,7 @@
 # through srun; tests/test_sbatch.py starts it with SLURM's variables set by hand).
 #
 # Identity: `kvstage hw-rank` without --role/--rank reads SLURM_PROCID, SLURM_NTASKS and
-# SLURM_LOCALID (hw/placement.py); the rendezvous is MASTER_ADDR:MASTER_PORT; the run's
+# SLURM_LOCALID (hw/transport/placement.py); the rendezvous is MASTER_ADDR:MASTER_PORT; the run's
 # secret and resolved scenario are RUN_DIR/run.secret and RUN_DIR/scenario.toml, written
 # by the launcher (`kvstage hw --no-spawn`). Needs RUN_DIR, MASTER_ADDR, MASTER_PORT;
 # KVSTAGE (default .venv/bin/kvstage) and DEVICE (cuda or cpu) are optional.
@@ -21,7 +21,7 @@ if [[ ! -s $RUN_DIR/run.secret || ! -s $RUN_DIR/scenario.toml ]]; then
     exit 2
 fi
 # "cuda" means this task's GPU: cuda:SLURM_LOCALID where the task sees every GPU of its
-# node, cuda:0 where SLURM binds one GPU to each task (hw/placement.py rank_device reads
+# node, cuda:0 where SLURM binds one GPU to each task (hw/transport/placement.py rank_device reads
 # CUDA_VISIBLE_DEVICES).
 args=()
 [[ -n ${DEVICE:-} ]] && args+=(--device "$DEVICE")

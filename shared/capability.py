@@ -1,6 +1,6 @@
 """Capabilities: the nonces a decode rank hands its writers, which they must echo.
 
-The MACs of hardware mode (hw/keys.py) prove which rank sent a frame. A nonce proves
+The MACs of hardware mode (hw/control/keys.py) prove which rank sent a frame. A nonce proves
 more: that the sender was *given* what it names. A decode rank hands out two kinds,
 each drawn for one writer (a prefill rank) and never sent to another:
 

@@ -2,7 +2,7 @@
 
 The rank runtime owns this (shared/runtime.py): it admits a room when its pages fit
 and releases them when the machine says nothing can touch them any more, in both
-modes. Hardware mode backs the pages with a real tensor (hw/kvpool.py); the
+modes. Hardware mode backs the pages with a real tensor (hw/rank/kvpool.py); the
 simulation runs with `capacity=None` (no limit) until it models KV capacity.
 """
 

@@ -41,7 +41,7 @@ _LIMITS: dict[str, int] = {
     "tail": 2**50,
     "round": 2**62,
     "dst_page_base": 2**40,
-    "checksum": 2**63,  # 63 bits of a keyed BLAKE2b digest (hw/keys.py `block_checksum`)
+    "checksum": 2**63,  # 63 bits of a keyed BLAKE2b digest (hw/control/keys.py `block_checksum`)
     "nonce": 2**63,  # a capability (shared/capability.py); 0: none
 }
 

@@ -98,7 +98,7 @@ class GroupForward:
 
 class HostFills:
     """The host model: each prefill rank fills its chunks on its forward thread, in
-    order; its loop starts each fill and reports it done (as hw/prefill_rank.py)."""
+    order; its loop starts each fill and reports it done (as hw/rank/prefill.py)."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim

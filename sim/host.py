@@ -1,12 +1,12 @@
 """Host model (opt-in, `links.host_model = "cpu-loop"`): ranks as hardware mode's processes.
 
-In hardware mode on one host every rank is one process (hw/rank.py) with:
+In hardware mode on one host every rank is one process (hw/rank/process.py) with:
 - a loop thread that handles each delivered event (a message, a completion) in turn
   and posts the writes; while work runs elsewhere it polls for completions every
   `loop_poll` seconds (it wakes at once for a message); in a real-time class by
   default (`loop_rt`: it takes a core the moment it has work);
 - a forward thread (prefill ranks): the pattern fill of one chunk after the other, at
-  a lower CPU priority (nice `forward_nice`, hw/prefill_rank.py);
+  a lower CPU priority (nice `forward_nice`, hw/rank/prefill.py);
 - a copy thread: gathers (prefill) or scatters (decode), in order.
 P + D such processes share the host's few cores with each other, with their engines'
 own threads and with whatever else runs on the host. The default simulator models

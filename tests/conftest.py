@@ -12,7 +12,7 @@ IN_CI = os.environ.get("CI") == "true"
 def require_engine(backend: str) -> None:
     """Skip a hardware test when the engine cannot be imported — but never in CI,
     where the engines are installed and a missing one is a failure."""
-    from kvstage.hw.transport import probe_engine
+    from kvstage.hw.transport.base import probe_engine
 
     why = probe_engine(backend)
     if why is None:

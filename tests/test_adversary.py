@@ -3,7 +3,7 @@
 Authentication keeps out anyone without the secret (tests/test_control_auth.py). The
 attacks of issue 25's table came from a process that holds it and speaks under the
 real ranks' names; each then corrupted rooms or broke a safety invariant. Per-pair
-keys (hw/keys.py) make a frame's MAC prove its sender and receiver, so every one of
+keys (hw/control/keys.py) make a frame's MAC prove its sender and receiver, so every one of
 them is now dropped before it is decoded, and counted. Sent while a run is under way,
 under the real names, for every room of the run:
 
@@ -38,9 +38,9 @@ from conftest import require_engine
 from test_control_auth import assert_every_room_right
 from test_hw import write_scenario
 
-from kvstage.hw.control import ControlPlane, read_secret_file
-from kvstage.hw.launch import launch
-from kvstage.hw.rendezvous import RendezvousClient
+from kvstage.hw.control.plane import ControlPlane, read_secret_file
+from kvstage.hw.control.rendezvous import RendezvousClient
+from kvstage.hw.launch.launcher import launch
 from kvstage.shared.layout import room_pages
 from kvstage.shared.protocol import (
     Abort,

@@ -1,4 +1,4 @@
-"""Per-rank NIC affinity (hw/affinity.py) against a sysfs tree built of real files.
+"""Per-rank NIC affinity (hw/transport/affinity.py) against a sysfs tree built of real files.
 
 The tree is a two-socket GPU node in miniature: under each root port a PCIe switch
 with one GPU and one RDMA NIC on its downstream ports (the rail layout of an 8-GPU
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw.affinity import (
+from kvstage.hw.transport.affinity import (
     NIC_MAP_ENV,
     RANK_NIC_ENV,
     gpus,
@@ -27,7 +27,7 @@ from kvstage.hw.affinity import (
     shares_switch,
     table_lines,
 )
-from kvstage.hw.placement import engine_env
+from kvstage.hw.transport.placement import engine_env
 
 # (bdf, parent path under devices/pci0000:00, vendor, class, numa)
 RAIL0 = ["0000:00:01.0", "0000:01:00.0"]  # root port, switch upstream port

@@ -1,4 +1,4 @@
-"""The bandwidth verdict (hw/bandwidth.py): each pair's achieved GB/s (its bytes over the
+"""The bandwidth verdict (hw/transport/bandwidth.py): each pair's achieved GB/s (its bytes over the
 time its writes were busy) against the raw ceiling its prefill measured before the
 first room, and `kvstage hw --target F` ending with a PASS/FAIL line and the matching
 exit code. The two-namespace run (test_netns.py) shows the same across a veth."""
@@ -13,7 +13,8 @@ from conftest import require_engine
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
 
-from kvstage.hw.bandwidth import (
+from kvstage.hw.probes.baseline import TOOLS, parse_ib_write_bw, parse_teb
+from kvstage.hw.transport.bandwidth import (
     PROBE_BYTES,
     PROBE_MIN_BYTES,
     PairFigure,
@@ -24,7 +25,6 @@ from kvstage.hw.bandwidth import (
     probe_bytes,
     verdict,
 )
-from kvstage.hw.baseline import TOOLS, parse_ib_write_bw, parse_teb
 from kvstage.shared.trace import TraceRecord
 
 

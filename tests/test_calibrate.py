@@ -198,10 +198,10 @@ def test_quick_calibration_writes_a_profile_that_loads_and_simulates(
     assert "two ranks at once" in profile.read_text()
     assert len(extra["raw"]["write"]["sizes"]) == len(CalibrationPlan.quick_plan().sizes)
     # the host model's fields: the rank loop's constants, the message CPU, the host's load
-    from kvstage.hw.prefill_rank import FORWARD_NICE
+    from kvstage.hw.rank.prefill import FORWARD_NICE
 
     assert data["host_model"] == "cpu-loop"
-    # the loop wakes when a thread's job ends (hw/rank.py): no poll period to model
+    # the loop wakes when a thread's job ends (hw/rank/process.py): no poll period to model
     assert data["loop_poll_us"] == 0 and data["forward_nice"] == FORWARD_NICE
     assert extra["raw"]["control"]["cpu_per_ping_s"] > 0
     assert data["event_us"] > extra["raw"]["handle"]["mean_s"] * 1e6  # handle() + one message

@@ -26,7 +26,8 @@ from conftest import require_engine
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
 
-from kvstage.hw.control import (
+from kvstage.hw.control.keys import rank_key
+from kvstage.hw.control.plane import (
     MAX_CONTROL_FRAMES,
     SECRET_ENV,
     TO_LAUNCHER,
@@ -40,10 +41,14 @@ from kvstage.hw.control import (
     read_secret_file,
     write_secret_file,
 )
-from kvstage.hw.keys import rank_key
-from kvstage.hw.launch import launch
-from kvstage.hw.rank_main import main as rank_main
-from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
+from kvstage.hw.control.rendezvous import (
+    RankInfo,
+    RendezvousClient,
+    RendezvousError,
+    RendezvousServer,
+)
+from kvstage.hw.launch.launcher import launch
+from kvstage.hw.rank.main import main as rank_main
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import room_pages
 from kvstage.shared.protocol import Abort, ChunkReady, Watermark, encode
@@ -607,12 +612,14 @@ def _children(pid: int) -> list[int]:
 
 
 def _ranks_of(launcher: int) -> list[int]:
-    """The launcher's rank processes: its children, or (forked, hw/forkserver.py) its fork
+    """The launcher's rank processes: its children, or (forked, hw/launch/forkserver.py) its fork
     server's."""
     ranks = []
     for pid in _children(launcher):
         try:
-            forkserver = b"kvstage.hw.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            forkserver = (
+                b"kvstage.hw.launch.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            )
         except OSError:
             continue
         ranks += _children(pid) if forkserver else [pid]

@@ -7,7 +7,7 @@ quarantined for the whole `abort_grace_s` after the loss, whoever else confirmed
 The timeouts are aligned so that the grace outlasts the kill:
 
     lost at      t + PEER_TIMEOUT_S                     (peers, shared/liveness.py)
-    killed by    t + RANK_SILENT_S + one launcher turn  (hw/rendezvous.py, hw/launch.py)
+    killed by    t + RANK_SILENT_S + one launcher turn  (hw/control/rendezvous.py, hw/launch/launcher.py)
     freed at     t + PEER_TIMEOUT_S + abort_grace_s     (shared/machine.py)
 
 with t the writer's last sign of life, and freed > killed by KILL_MARGIN_S.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from protocol_harness import echo
 
-from kvstage.hw.rendezvous import RANK_BEAT_S, RANK_SILENT_S
+from kvstage.hw.control.rendezvous import RANK_BEAT_S, RANK_SILENT_S
 from kvstage.shared.decode import DecodeMachine
 from kvstage.shared.events import OpenRoom, PeerLost, RoomFailed, Tick
 from kvstage.shared.layout import Geometry
@@ -26,7 +26,7 @@ from kvstage.shared.machine import ProtocolConfig
 from kvstage.shared.protocol import ChunkReady, StagingReq
 
 # what the kill may take after the launcher saw the rank silent: its loop turn (at most
-# one rank beat, RANK_BEAT_S [C] hw/rendezvous.py) and the SIGKILL's delivery; and
+# one rank beat, RANK_BEAT_S [C] hw/control/rendezvous.py) and the SIGKILL's delivery; and
 # what the peers' detector may be late by, one heartbeat [C] shared/liveness.py.
 # 1 s of margin beyond both [A].
 KILL_MARGIN_S = 1.0

@@ -4,7 +4,7 @@ transfers with every byte verified (issue 25, item 5).
 Once, one 256 x 1 MiB message took a decode rank from 308 to 572 MB, and 300 MiB to the
 rendezvous took the launcher from 538 to 890 MB: the bytes were buffered before
 anything looked at them. Now every listening socket is a CURVE server keyed by the run
-secret (hw/control.py `curve_server`): a process without the secret never completes
+secret (hw/control/plane.py `curve_server`): a process without the secret never completes
 the handshake, so nothing it sends is buffered. A holder of the secret is held to
 4 KiB a frame (ZMQ `MAXMSGSIZE`, cut off on the frame's header) and 8 frames a
 message (dropped unread). docs/hardware-mode.md states the bound asserted here: a
@@ -31,14 +31,14 @@ from conftest import require_engine
 from test_control_auth import assert_every_room_right
 from test_hw import write_scenario
 
-from kvstage.hw.control import (
+from kvstage.hw.control.plane import (
     MAX_CONTROL_FRAMES,
     ZMQ_MAX_CONTROL_FRAME,
     curve_client,
     read_secret_file,
 )
-from kvstage.hw.launch import launch
-from kvstage.hw.rendezvous import RendezvousClient
+from kvstage.hw.control.rendezvous import RendezvousClient
+from kvstage.hw.launch.launcher import launch
 from kvstage.shared.scenario import load_scenario
 
 pytestmark = [pytest.mark.hw, pytest.mark.timeout(420)]

@@ -1,4 +1,4 @@
-"""The fork server (hw/forkserver.py): a forked rank is what a spawned one would be,
+"""The fork server (hw/launch/forkserver.py): a forked rank is what a spawned one would be,
 its exit is told to the launcher, and no forked rank outlives its launcher."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw.forkserver import (
+from kvstage.hw.launch.forkserver import (
     ForkServer,
     forkable,
     rank_start,
@@ -69,9 +69,9 @@ def test_the_setting_says_fork_or_spawn():
 
 
 def test_only_this_interpreter_running_a_module_or_a_script_is_forked():
-    assert forkable([sys.executable, "-m", "kvstage.hw.rank_main", "s.toml"])
+    assert forkable([sys.executable, "-m", "kvstage.hw.rank.main", "s.toml"])
     assert forkable([sys.executable, str(PROBE), "x"])
-    assert not forkable(["numactl", "-N0", sys.executable, "-m", "kvstage.hw.rank_main"])
+    assert not forkable(["numactl", "-N0", sys.executable, "-m", "kvstage.hw.rank.main"])
     assert not forkable([sys.executable, "-c", "pass"])
     assert not forkable([sys.executable, "-m"])
 
@@ -106,10 +106,10 @@ def test_how_a_forked_process_ended_is_told(light, tmp_path):
 
 def test_a_module_runs_as_with_python_m(light, tmp_path):
     log = tmp_path / "help.log"
-    cmd = [sys.executable, "-m", "kvstage.hw.rank_main", "--help"]
+    cmd = [sys.executable, "-m", "kvstage.hw.rank.main", "--help"]
     child = light.fork(cmd, dict(os.environ), log)
     assert child.wait(timeout=120) == 0
-    assert "usage: kvstage.hw.rank_main" in log.read_text()
+    assert "usage: kvstage.hw.rank.main" in log.read_text()
 
 
 def test_closing_the_launcher_end_ends_every_forked_process(tmp_path):
@@ -131,7 +131,7 @@ def test_a_killed_launcher_takes_its_forked_processes_along(tmp_path):
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from kvstage.hw.forkserver import ForkServer\n"
+        "from kvstage.hw.launch.forkserver import ForkServer\n"
         "s = ForkServer.start(preload=())\n"
         f"c = s.fork([sys.executable, {str(PROBE)!r}, {str(out)!r}, 'pause'], {{}}, "
         f"Path({str(tmp_path / 'pause.log')!r}))\n"

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_harness import World
 
-from kvstage.hw.control import ControlPlane, curve_client, new_secret
+from kvstage.hw.control.plane import ControlPlane, curve_client, new_secret
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry
 from kvstage.shared.protocol import (

@@ -16,8 +16,8 @@ import torch
 from conftest import require_engine
 from rich.console import Console
 
-from kvstage.hw.kernels import gather, scatter
-from kvstage.hw.kvpool import KVPool, fill_pattern, verify
+from kvstage.hw.rank.kernels import gather, scatter
+from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.layout import Geometry, owned_heads, room_pages
 from kvstage.shared.workload import generate_requests
 

@@ -1,4 +1,4 @@
-"""SLURM placement: prefill and decode ranks on separate nodes (hw/hostfile.py), and the
+"""SLURM placement: prefill and decode ranks on separate nodes (hw/launch/hostfile.py), and the
 batch script's PLACEMENT switch, without SLURM (fake scontrol and srun on PATH)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw.hostfile import slots_per_node, split_hosts
-from kvstage.hw.placement import PlacementError, role_of
+from kvstage.hw.launch.hostfile import slots_per_node, split_hosts
+from kvstage.hw.transport.placement import PlacementError, role_of
 
 ROOT = Path(__file__).resolve().parent.parent
 

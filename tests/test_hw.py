@@ -265,7 +265,7 @@ def test_ranks_start_by_fork_or_by_spawn_as_set(tmp_path, monkeypatch, how):
     own (conditions: `cpu_forked_s`, measured by the fork server)."""
     import subprocess
 
-    from kvstage.hw.forkserver import ForkedProcess
+    from kvstage.hw.launch.forkserver import ForkedProcess
 
     require_engine("nixl")
     monkeypatch.setenv("KVSTAGE_RANK_START", how)

@@ -1,4 +1,4 @@
-"""A rank's job CPU totals (hw/jobcpu.py): per kind, the count, the CPU of the thread that
+"""A rank's job CPU totals (hw/transport/jobcpu.py): per kind, the count, the CPU of the thread that
 ran each job, its wall time and bytes; summed over ranks for summary.json job_cpu."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvstage.hw.jobcpu import JobCpu, merge
+from kvstage.hw.transport.jobcpu import JobCpu, merge
 
 
 def _spin(seconds: float) -> int:

@@ -1,4 +1,4 @@
-"""The write path's scheduling class (hw/priority.py WritePriority, issue 13 item 2).
+"""The write path's scheduling class (hw/rank/priority.py WritePriority, issue 13 item 2).
 
 While a rank's loop runs, the transfer engine's own threads run in SCHED_RR 5
 (KVSTAGE_WRITE_RT, below the loop's rr:10) so a write in flight is not queued behind the
@@ -23,8 +23,8 @@ from conftest import require_engine
 from test_hw import run, write_scenario
 from test_hw_loop_sched import _on_thread, _policy, hw_case, run_with_loop_stats
 
-from kvstage.hw.control import LOOP_STATS_ENV
-from kvstage.hw.priority import (
+from kvstage.hw.control.plane import LOOP_STATS_ENV
+from kvstage.hw.rank.priority import (
     WRITE_RT_ENV,
     WRITE_RT_LANES_ENV,
     WritePriority,
@@ -166,7 +166,7 @@ def test_hw_engine_threads_report_their_class_and_verify_every_byte(
     assert (
         summary["lane_sched"] == lanes and summary["engine_sched"] == engine
     )  # summary.json says it too
-    jobs = summary["job_cpu"]  # what the heavy jobs cost in CPU (hw/jobcpu.py)
+    jobs = summary["job_cpu"]  # what the heavy jobs cost in CPU (hw/transport/jobcpu.py)
     assert {"fill", "gather", "scatter"} <= set(jobs) and all(
         j["n"] > 0 and j["cpu_s"] > 0 for j in jobs.values()
     )

@@ -1,4 +1,4 @@
-"""The rank loop's scheduling class (hw/priority.py LoopPriority, issue 13).
+"""The rank loop's scheduling class (hw/rank/priority.py LoopPriority, issue 13).
 
 A hardware rank raises its loop thread and its ZMQ I/O threads to real-time round robin
 (KVSTAGE_LOOP_RT, default rr:10) so control messages are not queued behind the rank's
@@ -18,8 +18,8 @@ import zmq
 from conftest import require_engine
 from test_hw import run, write_scenario
 
-from kvstage.hw.control import LOOP_STATS_ENV
-from kvstage.hw.priority import LOOP_RT_ENV, LoopPriority, thread_ids
+from kvstage.hw.control.plane import LOOP_STATS_ENV
+from kvstage.hw.rank.priority import LOOP_RT_ENV, LoopPriority, thread_ids
 from kvstage.run.rundir import read_summary
 
 linux_only = pytest.mark.skipif(

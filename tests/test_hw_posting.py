@@ -1,5 +1,5 @@
 """hardware.posting: which thread of a prefill rank does a write's descriptor work
-(hw/prefill_rank.py). Real ranks, NIXL over loopback: every byte checked at the decode,
+(hw/rank/prefill.py). Real ranks, NIXL over loopback: every byte checked at the decode,
 and the rank's report says which thread built and posted each write."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 from conftest import require_engine
 from rich.console import Console
 
-from kvstage.hw.launch import RunProgress
+from kvstage.hw.launch.launcher import RunProgress
 from kvstage.run.hw_progress import HwProgress, rooms_ended
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw import nixl_transport, prefill_rank
-from kvstage.hw.transport import probe_engine
+from kvstage.hw.rank import prefill as prefill_rank
+from kvstage.hw.transport import nixl as nixl_transport
+from kvstage.hw.transport.base import probe_engine
 
 REPO = Path(__file__).resolve().parents[1]
 

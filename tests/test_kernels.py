@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvstage.hw.kernels as kernels
-import kvstage.hw.kvpool as kvpool
-from kvstage.hw.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
-from kvstage.hw.kvpool import (
+import kvstage.hw.rank.kernels as kernels
+import kvstage.hw.rank.kvpool as kvpool
+from kvstage.hw.rank.kernels import SliceOps, apply_ops, gather, scatter, slice_ops
+from kvstage.hw.rank.kvpool import (
     KVPool,
     PoolDesc,
     expected_pattern,

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from kvstage.analysis.layout_report import duplicate_share
 from kvstage.cli.main import app
-from kvstage.hw.kernels import apply_ops, block_bytes, slice_ops
-from kvstage.hw.kvpool import KVPool, fill_pattern, verify
+from kvstage.hw.rank.kernels import apply_ops, block_bytes, slice_ops
+from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.invariants import check_records
 from kvstage.shared.layout import Geometry, LayoutError, owned_heads, room_pages, staging_address
 from kvstage.shared.scenario import ScenarioError, load_scenario, scenario_from_dict

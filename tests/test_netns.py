@@ -27,7 +27,7 @@ from conftest import IN_CI, require_engine
 from test_hw import write_scenario
 from test_placement import assert_causal
 
-from kvstage.hw.bandwidth import probe_pairs
+from kvstage.hw.transport.bandwidth import probe_pairs
 from kvstage.run.rundir import read_summary
 from kvstage.run.tracefile import read_records
 from kvstage.shared.cluster import hardware_sessions
@@ -187,7 +187,7 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
                 ",".join(f"decode{i}={SKEW_S}" for i in range(D)),
                 sys.executable,
                 "-m",
-                "kvstage.hw.rank_main",
+                "kvstage.hw.rank.main",
                 *common,
                 "--role",
                 "decode",

@@ -22,7 +22,7 @@ def test_generic_names_are_not_installed(tmp_path):
 
 def test_kvstage_subpackages_import_from_anywhere(tmp_path):
     r = _run(
-        "import kvstage.shared.ring, kvstage.sim.driver, kvstage.hw.rank_main, kvstage.cli; "
+        "import kvstage.shared.ring, kvstage.sim.driver, kvstage.hw.rank.main, kvstage.cli; "
         "print(kvstage.shared.ring.StagingRing.__module__)",
         tmp_path,
     )

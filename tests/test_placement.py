@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.hw.control import new_secret
-from kvstage.hw.placement import (
+from kvstage.hw.control.plane import new_secret
+from kvstage.hw.control.rendezvous import RendezvousClient, RendezvousServer
+from kvstage.hw.transport.placement import (
     Identity,
     PlacementError,
     engine_env,
@@ -26,7 +27,6 @@ from kvstage.hw.placement import (
     transport_options,
     visible_gpus,
 )
-from kvstage.hw.rendezvous import RendezvousClient, RendezvousServer
 from kvstage.shared.scenario import load_scenario
 
 
@@ -259,7 +259,7 @@ def assert_causal(records) -> int:
 
 
 def test_launcher_addresses():
-    from kvstage.hw.placement import launch_addresses
+    from kvstage.hw.transport.placement import launch_addresses
 
     assert launch_addresses(None, None, None, {}) == ("127.0.0.1", "127.0.0.1", "127.0.0.1")
     assert launch_addresses(None, "10.77.0.1", None, {}) == ("10.77.0.1", "10.77.0.1", "10.77.0.1")

@@ -13,9 +13,9 @@ import pytest
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
 
-from kvstage.hw.control import new_secret, write_secret_file
-from kvstage.hw.preflight import MIB, memory_problem, port_problem, rank_bytes
-from kvstage.hw.transport_used import rdma_devices
+from kvstage.hw.control.plane import new_secret, write_secret_file
+from kvstage.hw.rank.preflight import MIB, memory_problem, port_problem, rank_bytes
+from kvstage.hw.transport.used import rdma_devices
 from kvstage.shared.scenario import load_scenario
 
 
@@ -92,7 +92,7 @@ def test_a_rank_with_no_rendezvous_says_it_waits_then_gives_up_in_one_line(tmp_p
         [
             sys.executable,
             "-m",
-            "kvstage.hw.rank_main",
+            "kvstage.hw.rank.main",
             str(scenario),
             "--role",
             "decode",

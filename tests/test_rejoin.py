@@ -27,8 +27,13 @@ from conftest import require_engine
 from test_control_auth import _free_port, _push, serving
 from test_hw import run, write_scenario
 
-from kvstage.hw.control import ControlPlane, new_secret, read_secret_file
-from kvstage.hw.rendezvous import RankInfo, RendezvousClient, RendezvousError, RendezvousServer
+from kvstage.hw.control.plane import ControlPlane, new_secret, read_secret_file
+from kvstage.hw.control.rendezvous import (
+    RankInfo,
+    RendezvousClient,
+    RendezvousError,
+    RendezvousServer,
+)
 from kvstage.run.rundir import read_summary
 from kvstage.run.tracefile import read_records
 from kvstage.shared.decode import DecodeMachine
@@ -351,7 +356,7 @@ def _rank_cmd(
     return [
         sys.executable,
         "-m",
-        "kvstage.hw.rank_main",
+        "kvstage.hw.rank.main",
         str(run_dir / "scenario.toml"),
         "--role",
         role,

@@ -323,7 +323,7 @@ def test_scaled_link_stretches_every_part_of_a_write():
 
 
 def test_a_real_time_loop_takes_a_core_ahead_of_the_other_threads():
-    """loop_rt (hw/rank.py runs the loop in SCHED_RR): on 1 core beside a copy job, an
+    """loop_rt (hw/rank/process.py runs the loop in SCHED_RR): on 1 core beside a copy job, an
     event's 1 CPU second ends at 1.0 instead of 2.0 (fair halves); the copy gets the core
     back after it. Without loop_rt the two share it."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvstage.hw.transport import (
+from kvstage.hw.transport.base import (
     BACKENDS,
     EngineUnavailableError,
     PeerInfo,
@@ -306,7 +306,7 @@ def test_unknown_backend_is_a_clear_value_error() -> None:
 
 
 def test_missing_engine_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstage.hw.nixl_transport import NixlTransport
+    from kvstage.hw.transport.nixl import NixlTransport
 
     monkeypatch.setattr(NixlTransport, "engine_module", "no_such_engine_module")
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""What moved the bytes (hw/transport_used.py): UCX's protocol tables and Mooncake's
+"""What moved the bytes (hw/transport/used.py): UCX's protocol tables and Mooncake's
 topology read into summary.json's `transport_used`, and the rule that fails a run that
 asked for RDMA and moved its bytes over TCP. The real engines' records are checked by
 test_hw.py (one host: CMA, TCP) and test_netns.py (two namespaces: TCP on the veth)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvstage.hw.transport_used import (
+from kvstage.hw.transport.used import (
     carried_over,
     mooncake_hcas,
     mooncake_used,

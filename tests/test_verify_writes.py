@@ -2,9 +2,9 @@
 "mac" (the default) and "checksum".
 
 Each writer sends, in CHUNK_READY, a tag of the block it wrote into the decode's
-staging ring (hw/writemac.py, keyed by its pair key with the decode and the grant's
+staging ring (hw/rank/writemac.py, keyed by its pair key with the decode and the grant's
 nonce); the decode copies the region out of the ring, checks every block of the copy
-and scatters only a copy that passes (hw/decode_rank.py). Two writers that are not the
+and scatters only a copy that passes (hw/rank/decode.py). Two writers that are not the
 granted one, on real transfers (hardware mode, P2->D1, every byte verified):
 
 - an insider holding the run secret that writes blocks of a region's size at every
@@ -31,11 +31,11 @@ import torch
 from conftest import require_engine
 from test_hw import write_scenario
 
-from kvstage.hw.control import read_secret_file
-from kvstage.hw.launch import launch
-from kvstage.hw.placement import transport_options
-from kvstage.hw.rendezvous import RendezvousClient
-from kvstage.hw.transport import _unpack_metadata, make_transport
+from kvstage.hw.control.plane.plane import read_secret_file
+from kvstage.hw.control.plane.rendezvous import RendezvousClient
+from kvstage.hw.launch.launcher.launcher import launch
+from kvstage.hw.transport.base.base import _unpack_metadata, make_transport
+from kvstage.hw.transport.base.placement import transport_options
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
@@ -135,12 +135,12 @@ def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
         return int(rc == 0)
 
     stats["writes"] = _sweep(s, t0, write)
-    # the KV pool is not registered on the staging path (hw/decode_rank.py): refused
+    # the KV pool is not registered on the staging path (hw/rank/decode.py): refused
     pool = int(info.extra["kv_pool"]["base_addr"])
     stats["pool_write_rc"] = engine.batch_transfer_sync_write(
         session, [junk.ctypes.data], [pool], [4096]
     )
-    # nor is a prefill's KV pool (hw/prefill_rank.py, issue 39 item 3): a read is refused
+    # nor is a prefill's KV pool (hw/rank/prefill.py, issue 39 item 3): a read is refused
     prefill = _entry(run_dir, address, "prefill0")
     stats["prefill_pool_read_rc"] = engine.batch_transfer_sync_read(
         _unpack_metadata(prefill.metadata)[1].decode(),

@@ -6,7 +6,7 @@ was keyed with; the decode hands every block's (tag, nonce) to its Scatter (stag
 CheckSlice (slice path, with ProtocolConfig.check_slice_writes, as hardware mode sets
 it), and a rejected block fails its room. An attacker here overwrites some rooms'
 blocks after their writer wrote them: those rooms fail on a rejected write and every
-other room is done. The hardware side (hw/writemac.py, the MAC itself) is checked below
+other room is done. The hardware side (hw/rank/writemac.py, the MAC itself) is checked below
 and in tests/test_verify_writes.py.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from protocol_harness import World
 
-from kvstage.hw.writemac import KINDS, block_mac, block_tag, mac_key, tag_key
+from kvstage.hw.rank.writemac import KINDS, block_mac, block_tag, mac_key, tag_key
 from kvstage.shared.events import (
     CheckSlice,
     Gather,
@@ -114,7 +114,7 @@ def test_the_slice_path_without_the_check_scatters_the_attackers_bytes():
     assert ATTACKED <= w.done[("decode", 0)]
 
 
-# --- the MAC (hw/writemac.py) ---------------------------------------------------------------
+# --- the MAC (hw/rank/writemac.py) ---------------------------------------------------------------
 
 
 def test_the_mac_is_bound_to_every_input_and_to_every_byte():

@@ -9,9 +9,9 @@ part (kvstage/calibrate/profile.py).
   `Transport.write` until `poll` says done;
 - per-request overhead: one batch of n ops of s bytes for a sweep of n;
 - control messages: ping-pong of real protocol messages (shared.protocol codec) over
-  the ZMQ PUSH/PULL control plane of hw/control.py, and the pinging process's CPU
+  the ZMQ PUSH/PULL control plane of hw/control/plane.py, and the pinging process's CPU
   time per ping (a message's CPU cost in a rank loop);
-- gather / scatter: hw/kernels.py on KV pools of this device;
+- gather / scatter: hw/rank/kernels.py on KV pools of this device;
 - the hardware-mode prefill 'forward' (hw.kvpool.fill_pattern, what a prefill rank
   runs per chunk) for a sweep of chunk sizes;
 - a matmul (the profile schema's gpu_tflops);
@@ -138,7 +138,7 @@ def _redirect_output(log_path: str) -> None:
 
 
 def _child_setup(log_path: str, place: Any = None, role: str = "") -> None:
-    from kvstage.hw.placement import quiet_engines
+    from kvstage.hw.transport.placement import quiet_engines
 
     _redirect_output(log_path)
     if place is not None:  # its host: a network namespace and address (hw/probes/hosts.py)
@@ -147,7 +147,7 @@ def _child_setup(log_path: str, place: Any = None, role: str = "") -> None:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     import torch
 
-    # Like hw/rank_main.py: ranks run one intra-op thread each.
+    # Like hw/rank/main.py: ranks run one intra-op thread each.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
 
 
@@ -188,8 +188,8 @@ def _receiver_main(
         _child_setup(log_path, place, "receiver")
         import torch
 
-        from kvstage.hw.control import ControlPlane
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.control.plane import ControlPlane
+        from kvstage.hw.transport.base import make_transport
         from kvstage.shared.protocol import Abort
 
         opts = place.transport_options(backend) if place is not None else {}
@@ -336,7 +336,7 @@ def _measure_batches(
 
 
 def _measure_control(plan: CalibrationPlan, conn: Any, place: Any = None) -> dict[str, Any]:
-    from kvstage.hw.control import ControlPlane
+    from kvstage.hw.control.plane import ControlPlane
     from kvstage.shared.protocol import Abort, Watermark
 
     cp = ControlPlane(place.address) if place is not None else ControlPlane()
@@ -387,8 +387,8 @@ def _time_call(fn: Callable[[], None], device: str) -> float:
 def _measure_kernels(device: str, plan: CalibrationPlan, conn: Any) -> dict[str, Any]:
     import torch
 
-    from kvstage.hw.kernels import block_bytes, gather, scatter
-    from kvstage.hw.kvpool import KVPool
+    from kvstage.hw.rank.kernels import block_bytes, gather, scatter
+    from kvstage.hw.rank.kvpool import KVPool
     from kvstage.shared.layout import Geometry
 
     kg = KERNEL_GEOMETRY
@@ -466,8 +466,8 @@ def _measure_fill(
     src: Any, heads: int, plan: CalibrationPlan, rng: Any, conn: Any, device: str
 ) -> dict[str, Any]:
     """The hardware-mode prefill 'forward': fill_pattern of a chunk's pages."""
-    from kvstage.hw.kernels import block_bytes
-    from kvstage.hw.kvpool import fill_pattern
+    from kvstage.hw.rank.kernels import block_bytes
+    from kvstage.hw.rank.kvpool import fill_pattern
 
     fpages = list(plan.fill_pages)
     global_heads = list(range(heads))
@@ -510,7 +510,7 @@ def _sender_main(
         _child_setup(log_path, place, "sender")
         import torch
 
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.transport.base import make_transport
 
         opts = place.transport_options(backend) if place is not None else {}
         transport = make_transport(backend, f"kvstage-cal-send-{os.getpid()}", device, **opts)
@@ -582,7 +582,7 @@ class _Children:
         extras: Sequence[Extra],
         hosts: dict[str, Any] | None = None,
     ) -> _Children:
-        from kvstage.hw.control import SECRET_ENV, new_secret
+        from kvstage.hw.control.plane import SECRET_ENV, new_secret
 
         os.environ.setdefault(
             SECRET_ENV, new_secret().hex()
@@ -720,7 +720,7 @@ def measure(
 
     `extras`: further measurements for the sender to run after the kernels, each
     stored under its name in the raw points."""
-    from kvstage.hw.transport import probe_engine
+    from kvstage.hw.transport.base import probe_engine
 
     plan = plan or CalibrationPlan.full()
     why = probe_engine(backend)

@@ -5,9 +5,9 @@ namespace to enter first (two namespaces joined by a veth are two hosts on one m
 where the command runs and binds A; the receiving process enters NS (Linux setns on
 /var/run/netns/NS, before any engine or thread starts, so everything it starts is in
 NS) and binds B. Both tell their engines their address (MC_TCP_BIND_ADDRESS, and
-UCX_NET_DEVICES = the interface holding it, as hw/placement.py engine_env does for a
+UCX_NET_DEVICES = the interface holding it, as hw/transport/placement.py engine_env does for a
 rank) and ask UCX to log its protocol choices, so the sender can say what carried its
-writes (hw/transport_used.py): only writes that left the host make an inter-host
+writes (hw/transport/used.py): only writes that left the host make an inter-host
 figure. For NIXL between namespaces set UCX_TLS=tcp: UCX sees one machine and would
 otherwise copy with CMA, which crosses no network.
 """
@@ -47,8 +47,8 @@ class ProbeHost:
 
     def enter(self, role: str) -> None:
         """In the measuring process, first thing: its namespace, then its engines' address."""
-        from kvstage.hw.placement import engine_env
-        from kvstage.hw.transport_used import ucx_log_env
+        from kvstage.hw.transport.placement import engine_env
+        from kvstage.hw.transport.used import ucx_log_env
 
         if self.netns is not None:
             _enter_netns(self.netns)

@@ -95,7 +95,7 @@ class _Poster:
     ) -> None:
         import torch
 
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.transport.base import make_transport
 
         self.backend = backend
         self.transport = make_transport(backend, name, "cpu")
@@ -197,7 +197,7 @@ def _receiver(backend: str, plan: PostingPlan, conn: Any, log: str) -> None:
         _child_setup(log)
         import torch
 
-        from kvstage.hw.transport import make_transport
+        from kvstage.hw.transport.base import make_transport
 
         t = make_transport(backend, f"kvstage-post-recv-{os.getpid()}", "cpu")
         t.register(torch.zeros(plan.buffer_bytes, dtype=torch.uint8))

@@ -27,7 +27,7 @@ Two more runs' worth of numbers go with them:
   the copy thread, the index glue, the completion that wakes the loop), copy_op_us.
   The factors are fitted to both runs at once (joint_steps);
 - the ranks measure what each fill, gather, scatter and NIXL lane copy costs in CPU
-  (summary.json job_cpu, hw/jobcpu.py): fills took 1.0-1.2 ms of CPU of 2.5-2.9 ms in
+  (summary.json job_cpu, hw/transport/jobcpu.py): fills took 1.0-1.2 ms of CPU of 2.5-2.9 ms in
   their thread, NIXL's copies 1.1x their time alone where write_scale had charged
   2.3-4.1x. copy_op_us comes from the two runs' copy CPU (t = s * (op + alone),
   closed form, copy_op_from_runs: the cores' sharing does not stretch CPU seconds, and
@@ -123,7 +123,7 @@ def copy_op_from_runs(big: tuple[float, float], small: tuple[float, float]) -> f
 
 def loop_is_realtime(inrun: dict | None, key: str = "loop_sched") -> bool:
     """Whether every rank of the in-run hardware run got a real-time class for its loop
-    (summary.json loop_sched, hw/priority.py LoopPriority: the host model's loop_rt), or with
+    (summary.json loop_sched, hw/rank/priority.py LoopPriority: the host model's loop_rt), or with
     key="engine_sched" for its transfer engine's threads (WritePriority: write_rt)."""
     from kvstage.run.conditions import all_realtime
 
@@ -230,7 +230,7 @@ def fit_profile(fields: dict[str, Any], inrun: dict | None) -> dict[str, Any]:
 
 def cpu_factors(fields: dict[str, Any], runs: list[dict]) -> dict[str, float]:
     """fill_cpu_scale, copy_cpu_scale with copy_op_us, and write_cpu_scale (NIXL: its lane
-    copies) from the in-run runs' job CPU (summary.json job_cpu, hw/jobcpu.py) over what
+    copies) from the in-run runs' job CPU (summary.json job_cpu, hw/transport/jobcpu.py) over what
     the probe's numbers give those jobs alone; {} for runs that did not measure it. The
     copy's fixed part is the closed form of copy_op_from_runs on CPU seconds, which the
     cores' sharing does not stretch.

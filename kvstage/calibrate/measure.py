@@ -66,7 +66,7 @@ def measured_where(
 ) -> dict[str, str]:
     """Per measurement, where it was taken: "inter-host" only for the sender's writes,
     batches and control pings between two hosts whose writes really left the host (the
-    engine's transports, hw/transport_used.py: not CMA or CUDA IPC); everything else
+    engine's transports, hw/transport/used.py: not CMA or CUDA IPC); everything else
     (kernels, the event cost, posting, the in-run runs) runs on one host."""
     apart = inter_host((hosts or {}).get("sender"), (hosts or {}).get("receiver"))
     over = (used or {}).get("over")
@@ -87,9 +87,9 @@ def rank_loop_constants(device: str) -> dict[str, float]:
     GPU forward is not reniced).
 
     A worker thread that finishes a fill, gather or scatter sets the control plane's
-    waker, and the loop blocks on it (hw/rank.py): it notices at once, and so do the
-    write lanes of both engines (hw/transport.py), so the poll period is 0."""
-    from kvstage.hw.prefill_rank import FORWARD_NICE
+    waker, and the loop blocks on it (hw/rank/process.py): it notices at once, and so do the
+    write lanes of both engines (hw/transport/base.py), so the poll period is 0."""
+    from kvstage.hw.rank.prefill import FORWARD_NICE
 
     return {
         "busy_poll_s": 0.0,

@@ -172,7 +172,7 @@ class Calibration:
 
     @property
     def rank_loop(self) -> dict[str, float]:
-        """Hardware mode's rank loop constants (calibrate/measure.py rank_loop_constants, hw/prefill_rank.py
+        """Hardware mode's rank loop constants (calibrate/measure.py rank_loop_constants, hw/rank/prefill.py
         FORWARD_NICE), as recorded at calibration; read now for older raw points."""
         return self.raw.get("rank_loop") or rank_loop_constants(self.device)
 
@@ -398,7 +398,7 @@ class Calibration:
             f"{len(self.raw['control']['rtt_s'])} pings).",
             f"control_latency_us = {p['control_latency_us']!r}",
             "gpus_per_nic = 1",
-            f"# hw/kernels.py gather + scatter fitted together: {cp.bandwidth_Bps / 1e9:.2f} GB/s copied, "
+            f"# hw/rank/kernels.py gather + scatter fitted together: {cp.bandwidth_Bps / 1e9:.2f} GB/s copied, "
             f"launch {cp.launch_s * 1e6:.1f} us,",
             f"# R^2 {cp.r2:.4f} (gather alone {self.gather.bandwidth_Bps / 1e9:.2f} GB/s, scatter "
             f"{self.scatter.bandwidth_Bps / 1e9:.2f} GB/s). The sim charges",

@@ -16,7 +16,7 @@ every run records, in summary.json under `conditions`:
   waits for every one of them before the run ends, so their CPU time counts as the
   run's own; with `--no-spawn` they are not, and the CPU the ranks on this host
   report for themselves is added instead (`cpu_ranks_here_s`); ranks forked by the
-  fork server (hw/forkserver.py) are its children, not the launcher's: the CPU time
+  fork server (hw/launch/forkserver.py) are its children, not the launcher's: the CPU time
   the fork server measured for each as it exited is added (`cpu_forked_s`); a
   simulation is this process alone;
 - `cpu_other_s` = max(0, busy - own): what other processes took;
@@ -138,7 +138,7 @@ def measure(
 
 def rank_cpu_here(reports: dict[str, dict], hostname: str | None = None) -> float:
     """CPU seconds the ranks on this host (same hostname: same kernel, network
-    namespaces included) report for themselves (hw/rank.py `cpu_s`)."""
+    namespaces included) report for themselves (hw/rank/process.py `cpu_s`)."""
     here = socket.gethostname() if hostname is None else hostname
     return sum(float(r.get("cpu_s") or 0.0) for r in reports.values() if r.get("hostname") == here)
 
@@ -153,7 +153,7 @@ def is_loaded(conditions: dict | None) -> bool | None:
 
 
 def all_realtime(classes) -> bool:
-    """Whether every scheduling class a rank reported (hw/rank.py ThreadPriority: "rr:10",
+    """Whether every scheduling class a rank reported (hw/rank/process.py ThreadPriority: "rr:10",
     "fifo:5", "rr:5 (3 of 4 threads)", "normal (... refused ...)") is a real-time one;
     False for none."""
     classes = [str(c) for c in classes]
@@ -162,7 +162,7 @@ def all_realtime(classes) -> bool:
 
 def loops_realtime(reports: dict[str, dict]) -> bool | None:
     """Whether every rank's loop ran in a real-time class (its report's loop_sched,
-    hw/priority.py LoopPriority); None without reports."""
+    hw/rank/priority.py LoopPriority); None without reports."""
     if not reports:
         return None
     return all_realtime(r.get("loop_sched", "") for r in reports.values())

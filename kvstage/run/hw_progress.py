@@ -1,7 +1,7 @@
 """What `kvstage hw` shows while its ranks run: ranks registered, rooms ended of the
 total, elapsed time.
 
-The launcher hands a `RunProgress` (hw/launch.py) about ten times a second; the rooms
+The launcher hands a `RunProgress` (hw/launch/launcher.py) about ten times a second; the rooms
 come from the ranks' alive beats to the rendezvous (each says how many rooms of its own
 workload ended, done or failed). A room has ended for the run when every decode rank of
 its instance ended it, so the figure is, per decode instance, the least of its ranks'
@@ -17,7 +17,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvstage.hw.launch import RunProgress
+from kvstage.hw.launch.launcher import RunProgress
 
 
 def rooms_ended(rooms: dict[str, tuple[int, int]], decode_tp: int) -> tuple[int, int] | None:

@@ -1,5 +1,5 @@
 """A hardware run: `launch_run` spawns (or waits for) the ranks, merges their reports
-(kvstage/hw/merge.py) and gives the run's RunResult (kvstage/run/result.py); `kvstage hw`
+(kvstage/hw/launch/merge.py) and gives the run's RunResult (kvstage/run/result.py); `kvstage hw`
 (`run_hardware`) shows its progress and ends it with `finish_run`: run directory,
 summary table, exit code."""
 
@@ -11,18 +11,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from kvstage.hw.affinity import table_lines
-from kvstage.hw.bandwidth import (
+from kvstage.hw.launch.environment import write_environment
+from kvstage.hw.launch.launcher import RunProgress, launch
+from kvstage.hw.launch.merge import clock_tolerance, hardware_figures, merge_records
+from kvstage.hw.transport.affinity import table_lines
+from kvstage.hw.transport.bandwidth import (
     PairFigure,
     bandwidth_summary,
     limit_lines,
     probe_pairs,
     verdict,
 )
-from kvstage.hw.environment import write_environment
-from kvstage.hw.launch import RunProgress, launch
-from kvstage.hw.merge import clock_tolerance, hardware_figures, merge_records
-from kvstage.hw.transport_used import rdma_asked, rdma_problem
+from kvstage.hw.transport.used import rdma_asked, rdma_problem
 from kvstage.run import conditions
 from kvstage.run.hw_progress import HwProgress
 from kvstage.run.result import RunResult, finish_run
@@ -89,16 +89,20 @@ def launch_run(
     """Run `scenario` on real transfers, the ranks' logs and scenario.toml in `run_dir`
     (which must exist); prints nothing. `placement`: host, bind, advertise
     (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
-    `ceiling`: measure each pair's raw write ceiling before the first room (hw/bandwidth.py);
+    `ceiling`: measure each pair's raw write ceiling before the first room (hw/transport/bandwidth.py);
     `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered."""
     hw, g, c = scenario.hardware, scenario.geometry(), scenario.cluster
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
-    write_environment(Path(run_dir))  # versions, GPUs, NICs, engine variables (hw/environment.py)
+    write_environment(
+        Path(run_dir)
+    )  # versions, GPUs, NICs, engine variables (hw/launch/environment.py)
     before = conditions.sample()  # how busy the host was during the run (kvstage/run/conditions.py)
     requests = generate_requests(scenario)
     rooms = len(requests)
-    rejected = admit(requests, context_limits(scenario))[1]  # never reach a rank (hw/rank.py)
+    rejected = admit(requests, context_limits(scenario))[
+        1
+    ]  # never reach a rank (hw/rank/process.py)
     probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
     result = launch(
         scenario_path,
@@ -129,7 +133,7 @@ def launch_run(
         records, scenario.transfer.path, clock_tolerance(result.reports), missing
     )
     figures = hardware_figures(scenario, result.reports)
-    # asked for RDMA, moved over TCP: the run fails closed, naming the ranks (hw/transport_used.py)
+    # asked for RDMA, moved over TCP: the run fails closed, naming the ranks (hw/transport/used.py)
     wrong_transport = rdma_problem(rdma_asked(hw), figures["transport_used"])
     if wrong_transport and result.ok:
         errors.append(wrong_transport)
@@ -184,7 +188,7 @@ def run_hardware(
     broke and the failed rooms are the ones the scenario's [expect] allows (none without
     one); 1 otherwise. `target`: the share of its ceiling every pair must reach (a
     PASS/FAIL line; FAIL exits 1; implies the probe); `baseline`: the vendors' benchmarks
-    beside the run's figures (hw/baseline.py). `launch_options`: launch_run's."""
+    beside the run's figures (hw/probes/baseline.py). `launch_options`: launch_run's."""
     console = console or Console()
     hw = scenario.hardware
     run_dir = make_run_dir(scenario, "hw", out)
@@ -219,10 +223,10 @@ def run_hardware(
 
 def print_baselines(console: Console, summary: dict, run_dir: Path) -> None:
     """nixlbench, ib_write_bw, transfer_engine_bench on the run's NICs, where found
-    (hw/baseline.py), one line each beside the pairs' figures; kept in baseline.json."""
+    (hw/probes/baseline.py), one line each beside the pairs' figures; kept in baseline.json."""
     import json
 
-    from kvstage.hw.baseline import baseline_lines, baselines
+    from kvstage.hw.probes.baseline import baseline_lines, baselines
 
     entries = baselines(summary.get("affinity") or {})
     (run_dir / "baseline.json").write_text(json.dumps(entries, indent=1) + "\n")
@@ -232,7 +236,7 @@ def print_baselines(console: Console, summary: dict, run_dir: Path) -> None:
 
 def print_affinity(console: Console, rows: dict) -> None:
     """Each rank's host, GPU, NUMA node and NIC, and whether GPU and NIC share a PCIe
-    switch (hw/affinity.py), as the ranks said at the rendezvous."""
+    switch (hw/transport/affinity.py), as the ranks said at the rendezvous."""
     for line in table_lines(rows):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
@@ -257,7 +261,7 @@ def print_bandwidth(console: Console, bw: dict) -> None:
 
 
 def _print_verdict(console: Console, result: RunResult, target: float) -> bool:
-    """The PASS/FAIL line of `--target` (hw/bandwidth.py); True when it passed."""
+    """The PASS/FAIL line of `--target` (hw/transport/bandwidth.py); True when it passed."""
     pairs = [
         PairFigure(
             int(p["prefill"][7:]),

@@ -41,7 +41,7 @@ __all__ = [
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 
 # The optional host model (sim/host.py), opt-in per profile: with host_model =
-# "cpu-loop" every rank is ONE single-threaded loop (hw/rank.py) that serialises its
+# "cpu-loop" every rank is ONE single-threaded loop (hw/rank/process.py) that serialises its
 # event handling, pattern fills, gathers and scatters, and that loop work is slowed by
 # the host's CPU sharing. Absent (or "gpu"): the default GPU model, unchanged.
 #   host_model          "gpu" | "cpu-loop"
@@ -58,18 +58,18 @@ REPO_PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 #                       fill, gather or scatter waits half of it on average
 #   forward_nice        the forward thread's nice level above the loop's (CPU weight
 #                       1.25 ** -nice)
-#   loop_rt             true: the loop thread runs in a real-time class (hw/rank.py
+#   loop_rt             true: the loop thread runs in a real-time class (hw/rank/process.py
 #                       LoopPriority, the hardware default): it takes a core whenever
 #                       it has work, ahead of every other thread (absent: false)
 #   write_on_cpu        true: a write is a copy by a CPU thread of the writing rank (one
-#                       lane per peer, as hw/transport.py's): host memory over loopback,
+#                       lane per peer, as hw/transport/base.py's): host memory over loopback,
 #                       where the engine copies the bytes itself; its time alone is the
 #                       link's (latency, posting, bytes / bandwidth), stretched by the
 #                       shared cores like any thread's work (absent: false, a link flow)
 #   write_cpu_threads   threads a write keeps busy for its whole time with write_on_cpu
 #                       (a socket transport copies on both ends: 2; absent: 1)
 #   write_rt            true: those threads run in a real-time class below the loop's
-#                       (hw/priority.py WritePriority raises Mooncake's engine threads): a
+#                       (hw/rank/priority.py WritePriority raises Mooncake's engine threads): a
 #                       write takes its cores ahead of fills, gathers and scatters
 #                       (absent: false)
 #   copy_op_us          CPU a gather or scatter costs its rank beyond the kernel (the

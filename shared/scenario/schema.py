@@ -356,7 +356,7 @@ class TransferConfig(_Table):
     room_timeout_s: PosFloat = 60.0
     # Hardware mode: each writer block's write tag rides in CHUNK_READY and the decode
     # checks the block against it before it scatters (staging) or counts the chunk
-    # complete (slice path). "mac": Poly1305 then keyed BLAKE2b (hw/writemac.py);
+    # complete (slice path). "mac": Poly1305 then keyed BLAKE2b (hw/rank/writemac.py);
     # "checksum": keyed BLAKE2b of the whole block (slower); "none": opt out
     # (docs/hardware-mode.md). The simulator moves no bytes and checks none.
     verify_writes: Literal["none", "checksum", "mac"] = "mac"
@@ -539,7 +539,7 @@ class HardwareConfig(_Table):
     # "mlx5_0,mlx5_1"; empty: the engine's choice); NIXL's UCX reads UCX_* variables
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device: str = ""
-    # which thread of a prefill rank does a write's descriptor work (hw/prefill_rank.py):
+    # which thread of a prefill rank does a write's descriptor work (hw/rank/prefill.py):
     # "lane" (the behaviour before this option): ops built and checked on the rank's loop
     # thread, NIXL's descriptors made on the peer's lane; "loop": all of it on the loop
     # thread, as [engine] preset sglang-nixl; "worker": all of it on one posting thread,

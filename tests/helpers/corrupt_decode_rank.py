@@ -2,7 +2,7 @@
 
 Used as `rank_wrapper` of a hardware run (tests/test_hw.py) to prove that byte
 verification catches a wrong head offset. It is started as
-`python corrupt_decode_rank.py <python> -m kvstage.hw.rank_main ARGS...`; prefill ranks
+`python corrupt_decode_rank.py <python> -m kvstage.hw.rank.main ARGS...`; prefill ranks
 run unchanged.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from kvstage.hw import decode_rank, rank_main
+from kvstage.hw.rank import decode as decode_rank
+from kvstage.hw.rank import main as rank_main
 
 
 def shifted_layout(self, num_pages: int):
@@ -28,6 +29,6 @@ def shifted_layout(self, num_pages: int):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    assert argv[1:3] == ["-m", "kvstage.hw.rank_main"], argv
+    assert argv[1:3] == ["-m", "kvstage.hw.rank.main"], argv
     decode_rank.DecodeRank.scatter_layout = shifted_layout
     sys.exit(rank_main.main(argv[3:]))

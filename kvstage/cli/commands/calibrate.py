@@ -25,7 +25,7 @@ def _check_device(device: str) -> None:
     """One line and exit 2 for a device not allowed or not here, before any work."""
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-    from kvstage.hw.merge import device_problem
+    from kvstage.hw.launch.merge import device_problem
 
     problem = device_problem(device)  # no GPU: one line, exit 2, before any process starts
     if problem:

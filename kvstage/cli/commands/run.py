@@ -192,7 +192,7 @@ def hw(
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
     the same trace and summary as the simulation are written. Exits 1 if a rank failed,
     a byte was wrong, staging leaked or an invariant broke."""
-    from kvstage.hw.merge import device_problem
+    from kvstage.hw.launch.merge import device_problem
     from kvstage.run.hwrun import run_hardware
 
     sets = list(set_ or [])
@@ -209,8 +209,8 @@ def hw(
         hardware_sessions(s, [])
     except ValueError as exc:
         _fail(str(exc))
-    from kvstage.hw.placement import launch_addresses
-    from kvstage.hw.preflight import launch_problem
+    from kvstage.hw.rank.preflight import launch_problem
+    from kvstage.hw.transport.placement import launch_addresses
 
     # before anything is written or started: the port, and for ranks spawned here (with
     # --no-spawn they run elsewhere and check for themselves) the GPU, RDMA and memory
@@ -225,7 +225,7 @@ def hw(
         _fail(problem)
     extra = {}
     if secret_file is not None:
-        from kvstage.hw.control import RunSecretError, read_secret_file
+        from kvstage.hw.control.plane import RunSecretError, read_secret_file
 
         try:
             extra["secret"] = read_secret_file(secret_file)
@@ -255,10 +255,10 @@ def hw(
 
 
 def _nic_map(text: str | None) -> None:
-    """--nic-map, checked, for the ranks (they read $KVSTAGE_NIC_MAP: hw/affinity.py)."""
+    """--nic-map, checked, for the ranks (they read $KVSTAGE_NIC_MAP: hw/transport/affinity.py)."""
     if text is None:
         return
-    from kvstage.hw.affinity import NIC_MAP_ENV, parse_nic_map
+    from kvstage.hw.transport.affinity import NIC_MAP_ENV, parse_nic_map
 
     try:
         parse_nic_map(text)
@@ -321,7 +321,7 @@ def hw_rank(
 ) -> None:
     """Run one rank alone (for srun, torchrun or mpirun placing ranks on different nodes).
     Give it the run directory's scenario.toml so every rank sees the same resolved scenario."""
-    from kvstage.hw.rank_main import main as rank_main
+    from kvstage.hw.rank.main import main as rank_main
 
     _nic_map(nic_map)
     argv = [str(scenario)]

@@ -6,11 +6,11 @@ A frame list that does not decode is logged and dropped; it never reaches the
 state machine and never raises out of `receive`.
 
 The rendezvous that introduces ranks, tracks their liveness and lets a restarted
-prefill rank rejoin is hw/rendezvous.py.
+prefill rank rejoin is hw/control/rendezvous.py.
 
 Every frame list, control or rendezvous, is authenticated: an HMAC-SHA256 over the
 frame count and every frame with its length goes as one extra, last frame. A control
-frame's key belongs to one (sender, receiver) pair (hw/keys.py: X25519 between the
+frame's key belongs to one (sender, receiver) pair (hw/control/keys.py: X25519 between the
 two ranks' key pairs, HKDF with the run secret, 32 random bytes the launcher draws
 per run, over both identities, incarnations included), so its MAC proves which rank
 sent it and to whom; a rendezvous message's key is bound to its rank, incarnation and
@@ -41,11 +41,11 @@ from typing import Any
 
 import zmq
 
-from kvstage.hw.keys import MAX_NAME_BYTES, Identity, KeyPair, curve_server_keys
+from kvstage.hw.control.keys import MAX_NAME_BYTES, Identity, KeyPair, curve_server_keys
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
 from kvstage.shared.runtime import rank_name  # noqa: F401 - re-exported (launcher, ranks)
 
-log = logging.getLogger("kvstage.hw.control")
+log = logging.getLogger("kvstage.hw.control.plane")
 
 SECRET_ENV = "KVSTAGE_RUN_SECRET"  # the run secret, hex, for ranks the launcher spawns
 SECRET_BYTES = 32
@@ -66,7 +66,7 @@ CONTROL_RCVHWM = 1000
 # A report carries the rank's whole trace; a hello its transfer metadata.
 MAX_RENDEZVOUS_BYTES = 512 << 20
 
-# KVSTAGE_LOOP_STATS=DIR (hw/rank.py): a control plane also stamps every frame it sends and
+# KVSTAGE_LOOP_STATS=DIR (hw/rank/process.py): a control plane also stamps every frame it sends and
 # receives and every wake of its poll, for benchmarks/hw_loop.py's delivery breakdown.
 LOOP_STATS_ENV = "KVSTAGE_LOOP_STATS"
 TO_LAUNCHER = b"kvstage rendezvous rank->launcher v1"
@@ -79,7 +79,7 @@ class RunSecretError(RuntimeError):
 
 def curve_server(sock: zmq.Socket, secret: bytes) -> None:
     """Make `sock`, before it binds, a CURVE server with the run's key pair
-    (hw/keys.py `curve_server_keys`): only a holder of the run secret gets a
+    (hw/control/keys.py `curve_server_keys`): only a holder of the run secret gets a
     connection, so nothing a stranger sends is ever buffered."""
     public, private = curve_server_keys(secret)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -290,7 +290,7 @@ class ControlPlane:
 
     Peers: `connect(peer, address, identity)` with the peer's `Identity` (its name,
     incarnation and public key, from the rendezvous' table). Frames to it are signed
-    with the key of this pair (hw/keys.py), and only frames from a connected peer,
+    with the key of this pair (hw/control/keys.py), and only frames from a connected peer,
     signed with the key of that peer to this plane, are accepted.
 
     Replay protection: every frame carries its sender's name, the sender's incarnation
@@ -317,7 +317,9 @@ class ControlPlane:
         self._seq = 0
         self._senders: dict[bytes, _Sender] = {}  # peer name -> what its frames are checked with
         self._macs: dict[str, FrameMac] = {}  # peer -> the key of this plane's frames to it
-        self._pair_keys: dict[str, bytes] = {}  # peer -> raw key of frames to it (hw/keys.py)
+        self._pair_keys: dict[
+            str, bytes
+        ] = {}  # peer -> raw key of frames to it (hw/control/keys.py)
         self._pair_keys_in: dict[str, bytes] = {}  # peer -> raw key of its frames to this plane
         self.role = role
         self.ctx = ctx or zmq.Context.instance()
@@ -395,7 +397,7 @@ class ControlPlane:
         self._out[peer] = sock
 
     def pair_key(self, peer: str, *, to_peer: bool) -> bytes:
-        """The pair key (hw/keys.py) of frames from this plane to `peer` (`to_peer`) or
+        """The pair key (hw/control/keys.py) of frames from this plane to `peer` (`to_peer`) or
         from `peer` to it: other keys of the pair (`write_key`) are derived from it."""
         return (self._pair_keys if to_peer else self._pair_keys_in)[peer]
 

@@ -4,7 +4,7 @@ Written by `kvstage hw` into the run directory before the ranks start: the versi
 kvstage, Python, torch (and its CUDA), NIXL, UCX and Mooncake; the host's GPUs, NICs
 (IP interfaces with their state and speed, RDMA devices with their ports) and NUMA
 nodes; the GPU topology where `nvidia-smi topo -m` answers, and the PCIe paths of GPUs
-and NICs with which GPU shares a switch with which NIC (hw/affinity.py); and the environment
+and NICs with which GPU shares a switch with which NIC (hw/transport/affinity.py); and the environment
 variables that steer the engines, placement and kvstage. The run secret is never in it:
 variables whose name says SECRET, TOKEN, KEY or PASSWORD are listed by name only.
 
@@ -171,7 +171,7 @@ def environment_variables(env: Mapping[str, str] | None = None) -> dict[str, str
 
 
 def _affinity() -> dict[str, Any] | str:
-    from kvstage.hw.affinity import host_topology
+    from kvstage.hw.transport.affinity import host_topology
 
     try:
         return host_topology()

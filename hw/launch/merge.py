@@ -3,7 +3,7 @@ hardware-only figures of summary.json; and whether this machine can run ranks on
 device at all (`device_problem`, asked before any rank is spawned).
 
 Each rank reports its trace rows, counters and scheduling classes to the launcher at
-the end of the run (hw/rank.py); `kvstage.run.hwrun` turns the merged run into the
+the end of the run (hw/rank/process.py); `kvstage.run.hwrun` turns the merged run into the
 same RunResult a simulation gives.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstage.hw.jobcpu import merge as merge_job_cpu
+from kvstage.hw.transport.jobcpu import merge as merge_job_cpu
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 
@@ -74,7 +74,7 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         "bytes_verified": total("bytes_verified"),
         "bytes_wrong": total("bytes_wrong"),
         "wrong_rooms": sorted({room for r in reports for room in r.get("wrong_rooms", [])}),
-        # writer blocks that failed their write tag (hw/writemac.py): never scattered,
+        # writer blocks that failed their write tag (hw/rank/writemac.py): never scattered,
         # their rooms failed; and the bytes the decodes checked against tags
         "verify_writes": scenario.transfer.verify_writes,
         "writes_rejected": total("writes_rejected"),
@@ -92,18 +92,18 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         ),  # authenticated but not newer than their sender's last
         "clocks": _clocks(by_rank),
         "clock_tolerance_s": clock_tolerance(by_rank),
-        # each rank's loop scheduling class (hw/priority.py LoopPriority): "rr:10", or
+        # each rank's loop scheduling class (hw/rank/priority.py LoopPriority): "rr:10", or
         # "normal (...)" where the host refused it; the delivery latency depends on it
         "loop_sched": {name: r.get("loop_sched", "?") for name, r in sorted(by_rank.items())},
-        # the transfer engine's threads' class (hw/priority.py WritePriority: rr:5 for Mooncake's)
+        # the transfer engine's threads' class (hw/rank/priority.py WritePriority: rr:5 for Mooncake's)
         "engine_sched": {name: r.get("engine_sched", "?") for name, r in sorted(by_rank.items())},
         # the write lanes' class: normal by default, "rr:5 per batch, 1 host slot (N raised,
-        # M normal)" with KVSTAGE_WRITE_RT_LANES=slots (hw/priority.py WritePriority)
+        # M normal)" with KVSTAGE_WRITE_RT_LANES=slots (hw/rank/priority.py WritePriority)
         "lane_sched": {name: r.get("lane_sched", "?") for name, r in sorted(by_rank.items())},
         # what the ranks' fills, gathers, scatters and NIXL's lane copies cost in CPU, summed
-        # per kind (hw/jobcpu.py): kvstage calibrate's fill/copy/write CPU
+        # per kind (hw/transport/jobcpu.py): kvstage calibrate's fill/copy/write CPU
         "job_cpu": merge_job_cpu([r.get("job_cpu") or {} for r in reports]),
-        # per rank, what its engine chose to move the bytes (hw/transport_used.py)
+        # per rank, what its engine chose to move the bytes (hw/transport/used.py)
         "transport_used": {
             name: r.get("transport_used") or {} for name, r in sorted(by_rank.items())
         },

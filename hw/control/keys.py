@@ -2,7 +2,7 @@
 
 The run secret alone proves only that a frame comes from *some* holder of it. So
 every control plane also draws an X25519 key pair when it starts; its public half
-travels in the rank's hello (hw/rendezvous.py `RankInfo.key`), next to its name and
+travels in the rank's hello (hw/control/rendezvous.py `RankInfo.key`), next to its name and
 incarnation. The key of frames from A to B is
 
     HKDF-SHA256(ikm = X25519(A, B), salt = run secret,
@@ -32,7 +32,7 @@ change it makes whatever the key).
 
 The rendezvous cannot use pair keys (a rank knows its address, not a key): a rank's
 messages to it are signed with `rank_key`, HKDF of the run secret over the rank's name
-and incarnation, and carry a sequence number (hw/rendezvous.py refuses replays).
+and incarnation, and carry a sequence number (hw/control/rendezvous.py refuses replays).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - **Ceiling**: before the first room, each prefill rank writes one large block into
   each decode peer's staging ring (unused until the first room: a writer overwrites
   its region before any chunk is ready, so the probe's bytes are never read), in a
-  time slot of its own so that no two pairs share a link (hw/prefill_rank.py `_probe`,
+  time slot of its own so that no two pairs share a link (hw/rank/prefill.py `_probe`,
   slots from the rendezvous), from a buffer the prefill registers for it. Best of
   PROBE_WRITES writes after one small warm-up write that sets up the connection.
 - **Achieved**: a pair's bytes over the time its writes were busy: the union of the
@@ -13,7 +13,7 @@
   its own ceiling, naming the lowest pair either way.
 - **Limit** (`limits`): per host, the bytes its busiest NIC moved (counters) over the
   time the writes touching that host were busy, against the NIC's link rate (the
-  ranks' affinity records, hw/affinity.py): at NIC_BOUND of the link or more the NIC
+  ranks' affinity records, hw/transport/affinity.py): at NIC_BOUND of the link or more the NIC
   was the limit; below, the engine was (its writes reached the given share of the
   engine's own ceiling). A virtual device (veth, loopback) has no link rate: the
   engine, and the host's CPUs that copy for it, are the limit there.

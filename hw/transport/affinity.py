@@ -27,7 +27,7 @@ The NIC of a rank, first that applies:
    one per local rank, round robin [A];
 4. no RDMA device: the IP interface that holds the rank's address (`lo` on loopback).
 
-The engines get it (hw/placement.py engine_env, transport_options): UCX_NET_DEVICES =
+The engines get it (hw/transport/placement.py engine_env, transport_options): UCX_NET_DEVICES =
 `mlx5_N:PORT` (the first active port) for an RDMA NIC, the interface name otherwise;
 Mooncake's device name for protocol rdma. What a user set (UCX_NET_DEVICES,
 hardware.mooncake_device) stands, and the record says so.
@@ -353,7 +353,7 @@ def rank_affinity(
 ) -> Affinity:
     """This rank's NIC and GPU (see the module docstring). `host_iface`: the interface
     holding `host` (default: looked up here). ValueError for a bad user map."""
-    from kvstage.hw.placement import interface_of, is_loopback
+    from kvstage.hw.transport.placement import interface_of, is_loopback
 
     env = os.environ if env is None else env
     if local_rank is None and env.get(LOCAL_SLOT_ENV, "").isdigit():

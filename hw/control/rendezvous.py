@@ -5,12 +5,12 @@ by srun/mpirun): every rank sends a JSON hello with its control address and its
 transfer metadata; when all ranks are there each gets the whole table and a common
 start time. At the end every rank sends its report and waits for the go to exit,
 so no process disappears while a peer might still write to it. Every message is
-authenticated with the run's secret (hw/control.py): a rank's messages carry its
+authenticated with the run's secret (hw/control/plane.py): a rank's messages carry its
 name, incarnation and a sequence number and are signed with that rank's own key
-(hw/keys.py `rank_key`), so a hello, report or beat can only be signed for the rank it
+(hw/control/keys.py `rank_key`), so a hello, report or beat can only be signed for the rank it
 speaks for, and a message sent again (replayed) is refused. A rank's hello also
 carries its control plane's public key (`RankInfo.key`), from which its peers derive
-the keys of their frames to and from it (hw/keys.py).
+the keys of their frames to and from it (hw/control/keys.py).
 
 During the run each rank says it is alive every RANK_BEAT_S: the launcher's failure
 detector for ranks it did not start (`kvstage hw --no-spawn`). A prefill rank that
@@ -37,8 +37,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstage.hw.bandwidth import PROBE_SLOT_S
-from kvstage.hw.control import (
+from kvstage.hw.control.keys import MAX_NAME_BYTES, PUBLIC_KEY_BYTES, Identity, rank_key
+from kvstage.hw.control.plane import (
     MAX_RENDEZVOUS_BYTES,
     SECRET_ENV,
     TO_LAUNCHER,
@@ -52,7 +52,7 @@ from kvstage.hw.control import (
     log,
     run_secret,
 )
-from kvstage.hw.keys import MAX_NAME_BYTES, PUBLIC_KEY_BYTES, Identity, rank_key
+from kvstage.hw.transport.bandwidth import PROBE_SLOT_S
 from kvstage.shared.runtime import rank_name
 
 # connections the rendezvous closes before their CURVE handshake, none completed, before
@@ -94,7 +94,7 @@ class RankInfo:
 
     @property
     def identity(self) -> Identity:
-        """What a peer connects its control plane to (hw/keys.py)."""
+        """What a peer connects its control plane to (hw/control/keys.py)."""
         return Identity(self.name, self.incarnation, bytes.fromhex(self.key))
 
     def to_json(self) -> dict[str, Any]:
@@ -585,7 +585,7 @@ class RendezvousServer:
             str, tuple[int, int]
         ] = {}  # rank -> (rooms ended, rooms of its workload), as it said
         self._warn = Throttled(log, first=20)
-        # the bandwidth probe (hw/bandwidth.py): this many slots of `probe_slot_s` before
+        # the bandwidth probe (hw/transport/bandwidth.py): this many slots of `probe_slot_s` before
         # t0, one per (prefill, decode) pair; 0: no probe
         self.probe_slots = probe_slots
         self.probe_slot_s = PROBE_SLOT_S

@@ -1,6 +1,6 @@
 """Scheduling classes of a rank's threads: the rank loop and its ZMQ I/O threads above
 everything else (LoopPriority), the write path below them and above the gathers, scatters
-and fills (WritePriority). Used by hw/rank.py while its loop runs; measured in
+and fills (WritePriority). Used by hw/rank/process.py while its loop runs; measured in
 benchmarks/hw_loop.py and benchmarks/hw_transfer.py.
 """
 

@@ -1,6 +1,6 @@
 """Mooncake adapter: P2PHANDSHAKE (no etcd), protocol "tcp" on CPU, "rdma" when asked.
 
-Thin on purpose: envelope, validation, waiting and counters live in hw/transport.py.
+Thin on purpose: envelope, validation, waiting and counters live in hw/transport/base.py.
 
 Posting and completion. ``batch_transfer_async_write`` submits the whole batch to the
 engine and returns at once, so a write is really posted when write() returns. Its
@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstage.hw.placement import ENGINE_LOG_LEVELS
-from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
-from kvstage.hw.transport_used import mooncake_used
+from kvstage.hw.transport.base import LaneBatch, PeerInfo, TransferError, Transport
+from kvstage.hw.transport.placement import ENGINE_LOG_LEVELS
+from kvstage.hw.transport.used import mooncake_used
 
 # batch_transfer_async_write answers 0 when it could not submit (e.g. the peer did not
 # answer the handshake); the C++ code can also return (uint64)-1. Neither is a batch.
@@ -84,7 +84,7 @@ class MooncakeTransport(Transport):
                 f"{protocol!r}, device {device_name!r}): initialize returned {rc}"
             )
         # Asked for RDMA without an HCA, the engine initializes anyway and serves TCP:
-        # fail closed, naming what it found (hw/transport_used.py)
+        # fail closed, naming what it found (hw/transport/used.py)
         self._used = mooncake_used(protocol, self._engine.get_local_topology())
         if protocol == "rdma" and not self._used["hcas"]:
             raise TransferError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstage.hw.kvpool import KVPool, PoolDesc
+from kvstage.hw.rank.kvpool import KVPool, PoolDesc
 from kvstage.shared.layout import Geometry, StagingLayout
 
 # Widest integer dtype per element width: copying 8-byte words instead of bytes lets

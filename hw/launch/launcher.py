@@ -5,7 +5,7 @@ whole run within `poll` time, with a message naming the rank and the tail of its
 log, and every other process is terminated — nothing is left behind. Ranks it did
 not start (`spawn=False`, `kvstage hw --no-spawn`) are watched through the rendezvous:
 every rank says it is alive every RANK_BEAT_S, and one silent for RANK_SILENT_S is
-down (hw/rendezvous.py); a spawned rank that goes silent is killed (it may be hung, not
+down (hw/control/rendezvous.py); a spawned rank that goes silent is killed (it may be hung, not
 dead: it must not write on).
 
 A down rank is gone, and fails the run naming it, unless it rejoins in time: a
@@ -23,7 +23,7 @@ launcher fails the run and terminates every rank; a SIGKILL takes them down thro
 the parent-death signal each spawned rank is given (Linux), and each rank also checks
 once per loop turn that its launcher is still there (`check_launcher`).
 
-Each run has its own secret (hw/control.py): the launcher draws it, hands it to the
+Each run has its own secret (hw/control/plane.py): the launcher draws it, hands it to the
 ranks it spawns in their environment (never on a command line) and writes it, 0600,
 to `<run dir>/run.secret` for ranks started elsewhere (`kvstage hw-rank --secret-file`).
 """
@@ -44,19 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstage.hw.affinity import LOCAL_SLOT_ENV
-from kvstage.hw.control import (
+from kvstage.hw.control.plane import (
     SECRET_ENV,
     new_secret,
     rank_name,
     run_secret,
     write_secret_file,
 )
-from kvstage.hw.forkserver import ForkedProcess, rank_start, start_rank
-from kvstage.hw.placement import engine_env, launch_addresses, quiet_engines
-from kvstage.hw.rendezvous import RANK_SILENT_S, RendezvousServer
+from kvstage.hw.control.rendezvous import RANK_SILENT_S, RendezvousServer
+from kvstage.hw.launch.forkserver import ForkedProcess, rank_start, start_rank
+from kvstage.hw.transport.affinity import LOCAL_SLOT_ENV
+from kvstage.hw.transport.placement import engine_env, launch_addresses, quiet_engines
 
-log = logging.getLogger("kvstage.hw.launch")
+log = logging.getLogger("kvstage.hw.launch.launcher")
 
 LAUNCHER_PID_ENV = "KVSTAGE_LAUNCHER_PID"  # set for the ranks a launcher spawns
 SECRET_FILE = "run.secret"
@@ -78,7 +78,7 @@ class LaunchResult:
     # ranks that died (or went silent) and rejoined: rank, incarnation, first_room, after
     rejoined: list[dict[str, Any]] = field(default_factory=list)
     # CPU time of the ranks the fork server started (not this process's children, so not
-    # in its os.times()), as the fork server measured each at its exit (hw/forkserver.py)
+    # in its os.times()), as the fork server measured each at its exit (hw/launch/forkserver.py)
     forked_cpu_s: float = 0.0
 
     @property
@@ -164,8 +164,8 @@ def launch(
     `host`: the rendezvous' and the spawned ranks' addresses (placement.launch_addresses).
     `rejoin_grace_s`: how long a dead prefill rank may take to rejoin (started again by
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
-    `probe_slots`: slots of the bandwidth probe before the first room (hw/bandwidth.py).
-    `on_affinity(rank -> its NIC, GPU, NUMA node)`: once every rank registered (hw/affinity.py).
+    `probe_slots`: slots of the bandwidth probe before the first room (hw/transport/bandwidth.py).
+    `on_affinity(rank -> its NIC, GPU, NUMA node)`: once every rank registered (hw/transport/affinity.py).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -267,7 +267,7 @@ def _rank_command(
         *(rank_wrapper or []),
         sys.executable,
         "-m",
-        "kvstage.hw.rank_main",
+        "kvstage.hw.rank.main",
         str(scenario_path),
         "--role",
         role,
@@ -286,7 +286,7 @@ def _rank_command(
 class _Ranks:
     """The rank processes this launcher started, and their logs (`<name>.log`; a rank
     started again: `<name>-restartN.log`). Forked from the fork server where it can
-    (hw/forkserver.py, $KVSTAGE_RANK_START), spawned otherwise."""
+    (hw/launch/forkserver.py, $KVSTAGE_RANK_START), spawned otherwise."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
@@ -434,7 +434,7 @@ def _rank_env(host: str, device: str | None, secret: bytes) -> dict[str, str]:
     quiet_engines(env)
     # UCX (under NIXL) listens on every network device's address unless told
     # otherwise: keep it, and Mooncake's TCP data path, on the ranks' address
-    # (UCX_NET_DEVICES each rank sets itself, for its own NIC: hw/affinity.py)
+    # (UCX_NET_DEVICES each rank sets itself, for its own NIC: hw/transport/affinity.py)
     env.update({k: v for k, v in engine_env(host, device, env).items() if k != "UCX_NET_DEVICES"})
     env[SECRET_ENV] = secret.hex()
     env[LAUNCHER_PID_ENV] = str(os.getpid())

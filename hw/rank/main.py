@@ -1,7 +1,7 @@
-"""Entry point of one rank process: `python -m kvstage.hw.rank_main ...` (also `kvstage hw-rank`).
+"""Entry point of one rank process: `python -m kvstage.hw.rank.main ...` (also `kvstage hw-rank`).
 
 Started again (same role and rank, the run's scenario, secret and rendezvous) while its
-run goes on, a prefill rank rejoins it as a new incarnation (hw/rank.py); the launcher
+run goes on, a prefill rank rejoins it as a new incarnation (hw/rank/process.py); the launcher
 must allow it (`kvstage hw --rejoin-grace S`) once it has noticed the rank gone."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvstage.hw.rank_main",
+        prog="kvstage.hw.rank.main",
         description="Run one prefill or decode rank of a kvstage hardware-mode run. Start one per "
         "rank (srun, torchrun or mpirun can place them on different nodes); they find each other "
         "through the rendezvous that `kvstage hw` (or `kvstage hw --no-spawn`) runs.",
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         parser.error(
             f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}"
         )
-    from kvstage.hw.affinity import choose_for_rank
-    from kvstage.hw.control import SECRET_ENV, RunSecretError, read_secret_file, run_secret
-    from kvstage.hw.launch import watch_launcher
-    from kvstage.hw.placement import (
+    from kvstage.hw.control.plane import SECRET_ENV, RunSecretError, read_secret_file, run_secret
+    from kvstage.hw.launch.launcher import watch_launcher
+    from kvstage.hw.transport.affinity import choose_for_rank
+    from kvstage.hw.transport.placement import (
         PlacementError,
         default_host,
         engine_env,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         rank_device,
         rendezvous_address,
     )
-    from kvstage.hw.transport_used import ucx_log_env
+    from kvstage.hw.transport.used import ucx_log_env
     from kvstage.shared.scenario import ScenarioError, load_scenario
 
     watch_launcher()  # first: a launcher that dies from here on takes this rank along
@@ -167,10 +167,10 @@ def _run_rank(
 ) -> int:
     """Make the rank, run it, and say how it ended: 0 done, 1 failed, 2 could not start
     (one line: a bad scenario, an engine that cannot give what was asked), 3 launcher gone."""
-    from kvstage.hw.launch import LauncherGone
-    from kvstage.hw.rank import RankError, make_rank
-    from kvstage.hw.rendezvous import RendezvousError
-    from kvstage.hw.transport import TransferError
+    from kvstage.hw.control.rendezvous import RendezvousError
+    from kvstage.hw.launch.launcher import LauncherGone
+    from kvstage.hw.rank.process import RankError, make_rank
+    from kvstage.hw.transport.base import TransferError
     from kvstage.shared.scenario import ScenarioError
 
     try:

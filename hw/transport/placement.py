@@ -4,7 +4,7 @@ Placement. Every rank binds its control socket on one routable address and adver
 that same address; the transfer engines are told the same: Mooncake's local server name
 and MC_TCP_BIND_ADDRESS, and UCX (under NIXL) UCX_NET_DEVICES = the interface that holds
 the address (`lo` on loopback) on a host without RDMA devices, or the rank's rail NIC
-(hw/affinity.py: `mlx5_N:1` for RDMA; Mooncake gets its device name). A variable the
+(hw/transport/affinity.py: `mlx5_N:1` for RDMA; Mooncake gets its device name). A variable the
 user set is never overridden.
 
 Identity. `kvstage hw-rank` without --role/--rank takes them from the launcher of the
@@ -25,8 +25,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstage.hw.affinity import RANK_NIC_ENV, Affinity
-from kvstage.hw.transport_used import rdma_devices
+from kvstage.hw.transport.affinity import RANK_NIC_ENV, Affinity
+from kvstage.hw.transport.used import rdma_devices
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915
@@ -129,7 +129,7 @@ def engine_env(
 ) -> dict[str, str]:
     """Variables that keep the transfer engines on `host` (only those not already set).
 
-    With this rank's `affinity` (hw/affinity.py): UCX_NET_DEVICES is its NIC
+    With this rank's `affinity` (hw/transport/affinity.py): UCX_NET_DEVICES is its NIC
     (`mlx5_N:PORT` for an RDMA NIC) and Mooncake's device name is that NIC
     (RANK_NIC_ENV, read by transport_options). Without one, UCX_NET_DEVICES names the IP
     interface of `host` only on a host without RDMA devices (`rdma`: default this
@@ -156,7 +156,7 @@ def transport_options(hardware: Any, backend: str, host: str) -> dict[str, Any]:
     if backend == "mooncake":
         return {
             "protocol": hardware.mooncake_protocol,
-            # the scenario's device stands; else this rank's rail NIC (hw/affinity.py)
+            # the scenario's device stands; else this rank's rail NIC (hw/transport/affinity.py)
             "device_name": hardware.mooncake_device
             or (os.environ.get(RANK_NIC_ENV, "") if hardware.mooncake_protocol == "rdma" else ""),
             "host": host,

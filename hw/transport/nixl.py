@@ -1,6 +1,6 @@
 """NIXL adapter: UCX backend, DRAM segments on cpu, VRAM on cuda.
 
-Thin on purpose: envelope, validation, waiting and counters live in hw/transport.py.
+Thin on purpose: envelope, validation, waiting and counters live in hw/transport/base.py.
 Metadata is shipped by the caller (no NIXL listen thread), after registration, so the
 peer never sees a snapshot that lacks our memory.
 """
@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstage.hw.placement import ENGINE_LOG_LEVELS
-from kvstage.hw.transport import LaneBatch, PeerInfo, TransferError, Transport
-from kvstage.hw.transport_used import UCX_LOG_ENV, read_ucx_log
+from kvstage.hw.transport.base import LaneBatch, PeerInfo, TransferError, Transport
+from kvstage.hw.transport.placement import ENGINE_LOG_LEVELS
+from kvstage.hw.transport.used import UCX_LOG_ENV, read_ucx_log
 
 _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -117,7 +117,7 @@ class NixlTransport(Transport):
 
     def used(self) -> dict[str, Any]:
         """UCX's protocol choices for this process's writes, from the UCX log the rank
-        asked for (hw/rank_main.py sets UCX_PROTO_INFO and UCX_LOG_FILE before NIXL loads)."""
+        asked for (hw/rank/main.py sets UCX_PROTO_INFO and UCX_LOG_FILE before NIXL loads)."""
         path = os.environ.get(UCX_LOG_ENV)
         return read_ucx_log(Path(path) if path else None)
 

@@ -2,7 +2,7 @@
 
 Most of a rank's start-up is its imports (`import torch` alone took 2.4 s a process on
 the test host), paid again by every rank of every run. The launcher instead starts one
-fork server per process (`python -m kvstage.hw.forkserver FD`, started on first use and
+fork server per process (`python -m kvstage.hw.launch.forkserver FD`, started on first use and
 kept for later runs): it imports torch, numpy, pyzmq and the ranks' own modules, starts
 no engine and no thread, and forks a rank on request. NIXL/UCX and Mooncake are first
 imported, and every engine initialised, in the forked rank, as in a spawned one.
@@ -56,18 +56,18 @@ from typing import Any
 RANK_START_ENV = "KVSTAGE_RANK_START"
 RANK_START_CHOICES = ("fork", "spawn")
 # What the fork server imports before it forks: everything a rank imports that starts no
-# thread and no engine (hw/transport.py imports NIXL and Mooncake only when a rank makes
+# thread and no engine (hw/transport/base.py imports NIXL and Mooncake only when a rank makes
 # its transport). torch first: it is most of the time.
 PRELOAD = (
     "torch",
     "numpy",
     "zmq",
-    "kvstage.hw.rank_main",
-    "kvstage.hw.rank",
-    "kvstage.hw.prefill_rank",
-    "kvstage.hw.decode_rank",
-    "kvstage.hw.nixl_transport",
-    "kvstage.hw.mooncake_transport",
+    "kvstage.hw.rank.main",
+    "kvstage.hw.rank.process",
+    "kvstage.hw.rank.prefill",
+    "kvstage.hw.rank.decode",
+    "kvstage.hw.transport.nixl",
+    "kvstage.hw.transport.mooncake",
 )
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
@@ -171,7 +171,7 @@ class ForkServer:
         """Start a fork server and wait until it has imported `preload` (ForkServerError
         if it cannot, naming why)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "kvstage.hw.forkserver", str(theirs.fileno()), *preload]
+        cmd = [sys.executable, "-m", "kvstage.hw.launch.forkserver", str(theirs.fileno()), *preload]
         try:
             proc = subprocess.Popen(
                 cmd,
@@ -476,7 +476,7 @@ def _finish(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstage.hw.forkserver FD MODULE...`: serve on socket FD once MODULEs are
+    """`python -m kvstage.hw.launch.forkserver FD MODULE...`: serve on socket FD once MODULEs are
     imported."""
     args = sys.argv[1:] if argv is None else argv
     sock = socket.socket(fileno=int(args[0]))

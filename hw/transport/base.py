@@ -2,7 +2,7 @@
 
 One abstract class, :class:`Transport`, moves bytes from this process's registered
 memory into a peer's registered memory with one-sided WRITEs. The engine adapters
-(``hw/nixl_transport.py``, ``hw/mooncake_transport.py``) only translate between this
+(``hw/transport/nixl.py``, ``hw/transport/mooncake.py``) only translate between this
 interface and their engine's calls; everything that would otherwise be written twice
 lives here, once:
 
@@ -39,9 +39,9 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from kvstage.hw.jobcpu import JobCpu
+    from kvstage.hw.transport.jobcpu import JobCpu
 
-log = logging.getLogger("kvstage.hw.transport")
+log = logging.getLogger("kvstage.hw.transport.base")
 
 __all__ = [
     "BACKENDS",
@@ -246,7 +246,7 @@ class Transport(abc.ABC):
     #: post through ``_on_lane`` do.
     signals_completion: ClassVar[bool] = False
     #: False when an engine thread may spin (never block): then it must not be raised
-    #: above the rank's other threads (hw/priority.py WritePriority)
+    #: above the rank's other threads (hw/rank/priority.py WritePriority)
     engine_threads_block: bool = True
     #: False when a lane's engine call busy-waits for its batch (same reason)
     lanes_block: ClassVar[bool] = True
@@ -281,13 +281,13 @@ class Transport(abc.ABC):
         #: `signals_completion`; must be thread-safe and quick
         self.on_complete: Callable[[], None] | None = None
         self._lanes: dict[str, queue.SimpleQueue] = {}  # peer -> FIFO of (batch, run)
-        #: the rank's job CPU totals (hw/jobcpu.py): an adapter whose lane copies the bytes
+        #: the rank's job CPU totals (hw/transport/jobcpu.py): an adapter whose lane copies the bytes
         #: itself (NIXL's CMA) counts each batch there as a "write" job
         self.job_cpu: JobCpu | None = None
         #: called on each lane thread as it starts (the rank sets its scheduling class)
         self.on_lane_start: Callable[[], None] | None = None
         #: a context each batch runs in on its lane (the rank: its scheduling class while
-        #: the engine copies, hw/priority.py WritePriority.lane_batch)
+        #: the engine copies, hw/rank/priority.py WritePriority.lane_batch)
         self.lane_guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -426,7 +426,7 @@ class Transport(abc.ABC):
         return region
 
     def used(self) -> dict[str, Any]:
-        """What this engine chose to move the bytes (hw/transport_used.py), for the report."""
+        """What this engine chose to move the bytes (hw/transport/used.py), for the report."""
         return {"source": "not recorded by this engine"}
 
     def metadata(self) -> bytes:
@@ -652,8 +652,8 @@ class Transport(abc.ABC):
 #: backend name -> (adapter module, class). Adapters import their engine lazily, so
 #: importing them is cheap and never fails for a missing engine.
 BACKENDS: dict[str, tuple[str, str]] = {
-    "mooncake": ("kvstage.hw.mooncake_transport", "MooncakeTransport"),
-    "nixl": ("kvstage.hw.nixl_transport", "NixlTransport"),
+    "mooncake": ("kvstage.hw.transport.mooncake", "MooncakeTransport"),
+    "nixl": ("kvstage.hw.transport.nixl", "NixlTransport"),
 }
 
 

@@ -6,11 +6,11 @@ rank is finished; this process keeps the wall clock, delivers arrivals, messages
 completions to it, and carries out its actions for real: protocol messages over ZMQ,
 bulk writes and slice-path descriptor lists through NIXL or Mooncake, forwards
 (pattern fills), gathers and scatters as torch kernels, and bit-exact verification.
-`PrefillRank` (hw/prefill_rank.py) and `DecodeRank` (hw/decode_rank.py) hold what
+`PrefillRank` (hw/rank/prefill.py) and `DecodeRank` (hw/rank/decode.py) hold what
 differs by role.
 
 Single-threaded by design: only the loop touches the runtime. Heavy work runs on worker
-threads (fills, gathers, scatters, verification) and transfer lanes (hw/transport.py);
+threads (fills, gathers, scatters, verification) and transfer lanes (hw/transport/base.py);
 each sets the control plane's waker when it finishes, so the loop blocks on its socket
 and that waker together instead of polling (only NIXL writes left in flight by
 transfer() are polled, every BUSY_POLL_S).
@@ -47,16 +47,16 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvstage.hw import affinity
-from kvstage.hw.control import LOOP_STATS_ENV, ControlPlane, rank_name
-from kvstage.hw.jobcpu import JobCpu
-from kvstage.hw.kvpool import KVPool
-from kvstage.hw.launch import check_launcher
-from kvstage.hw.nic import counter_delta, read_counters
-from kvstage.hw.placement import transport_options
-from kvstage.hw.priority import LoopPriority, WritePriority, thread_ids
-from kvstage.hw.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
-from kvstage.hw.transport import make_transport
+from kvstage.hw.control.plane import LOOP_STATS_ENV, ControlPlane, rank_name
+from kvstage.hw.control.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
+from kvstage.hw.launch.launcher import check_launcher
+from kvstage.hw.rank.kvpool import KVPool
+from kvstage.hw.rank.priority import LoopPriority, WritePriority, thread_ids
+from kvstage.hw.transport import affinity
+from kvstage.hw.transport.base import make_transport
+from kvstage.hw.transport.jobcpu import JobCpu
+from kvstage.hw.transport.nic import counter_delta, read_counters
+from kvstage.hw.transport.placement import transport_options
 from kvstage.shared.admission import admit, context_limits
 from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import hardware_sessions
@@ -80,7 +80,7 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TRACE_FIELDS, TraceRecord
 from kvstage.shared.workload import generate_requests
 
-log = logging.getLogger("kvstage.hw.rank")
+log = logging.getLogger("kvstage.hw.rank.process")
 
 # Poll interval while transfers that signal no completion (NIXL) are in flight; all
 # other executor work wakes the loop when it finishes (ControlPlane.waker).
@@ -92,7 +92,7 @@ IDLE_POLL_S = 0.05
 SWITCH_INTERVAL_S = float(os.environ.get("KVSTAGE_SWITCH_INTERVAL_US", "500")) * 1e-6
 # KVSTAGE_LOOP_STATS=DIR: each rank writes its LoopClock figures to DIR/<rank>.json and
 # its control plane's stamps, with one ("h", time) per message as the loop starts handling
-# it, to DIR/<rank>.msgs (benchmarks/hw_loop.py reads them). LOOP_STATS_ENV: hw/control.py.
+# it, to DIR/<rank>.msgs (benchmarks/hw_loop.py reads them). LOOP_STATS_ENV: hw/control/plane.py.
 # What a finished rank tells the rendezvous it may be silent for while its report goes out.
 REPORT_QUIET_S = 120.0
 
@@ -286,7 +286,7 @@ class RankProcess:
         return {}
 
     def _probe(self, probe: dict[str, float]) -> dict[str, Any]:
-        """The bandwidth probe before t0 (hw/bandwidth.py): only prefill ranks write."""
+        """The bandwidth probe before t0 (hw/transport/bandwidth.py): only prefill ranks write."""
         return {}
 
     def _still_held(self) -> list[str]:
@@ -315,7 +315,10 @@ class RankProcess:
             self.control.address,
             self.transport.agent_name,
             self.transport.metadata(),
-            {**self._rank_extra(), "affinity": affinity.current()},  # its NIC (hw/affinity.py)
+            {
+                **self._rank_extra(),
+                "affinity": affinity.current(),
+            },  # its NIC (hw/transport/affinity.py)
             self.control.incarnation,
             self.control.identity.public.hex(),
         )
@@ -576,10 +579,10 @@ class RankProcess:
                 "loop_sched": self.loop_clock.sched,  # the loop thread's scheduling class
                 "lane_sched": self.loop_clock.lane_sched,  # the write lanes' class (WritePriority)
                 "engine_sched": self.loop_clock.engine_sched,  # the transfer engine's threads' class
-                "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/jobcpu.py)
-                "transport_used": self.transport.used(),  # what the engine chose (hw/transport_used.py)
-                "affinity": affinity.current(),  # its GPU, NUMA node and NIC (hw/affinity.py)
-                "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/bandwidth.py)
+                "job_cpu": self.job_cpu.to_wire(),  # CPU of fills, gathers, scatters, lane copies (hw/transport/jobcpu.py)
+                "transport_used": self.transport.used(),  # what the engine chose (hw/transport/used.py)
+                "affinity": affinity.current(),  # its GPU, NUMA node and NIC (hw/transport/affinity.py)
+                "ceiling": self.ceiling,  # prefill: each decode peer's raw write ceiling (hw/transport/bandwidth.py)
                 # bytes each NIC of this rank's host (its network namespace) moved while it ran
                 "nic": counter_delta(self.nic_before, read_counters())
                 if self.nic_before is not None
@@ -597,8 +600,8 @@ class RankProcess:
 
 def make_rank(scenario: Scenario, role: str, rank: int, rendezvous: str, **kw) -> RankProcess:
     """The rank process of `role` (prefill or decode)."""
-    from kvstage.hw.decode_rank import DecodeRank
-    from kvstage.hw.prefill_rank import PrefillRank
+    from kvstage.hw.rank.decode import DecodeRank
+    from kvstage.hw.rank.prefill import PrefillRank
 
     classes = {"prefill": PrefillRank, "decode": DecodeRank}
     if role not in classes:

@@ -3,7 +3,7 @@
 With transfer.verify_writes = "mac" (the default) or "checksum", a scatter first copies
 its staging region out of the ring (registered memory, which the engines can write at
 any time), checks each writer block of the copy against the tag its writer sent in
-CHUNK_READY (hw/writemac.py), and scatters the copy only if every block matches: bytes
+CHUNK_READY (hw/rank/writemac.py), and scatters the copy only if every block matches: bytes
 that came any other way never reach the KV cache, and the room fails. On the slice
 path (and for OVERSIZED chunks) each writer block is checked in the KV pages it landed
 in (CheckSlice) before its chunk counts as complete."""
@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from kvstage.hw.control import rank_name
-from kvstage.hw.kernels import gather, scatter, wait_for_stream
-from kvstage.hw.kvpool import verify
-from kvstage.hw.rank import RankProcess
-from kvstage.hw.rendezvous import RankInfo
-from kvstage.hw.writemac import block_tag, tag_key
+from kvstage.hw.control.plane import rank_name
+from kvstage.hw.control.rendezvous import RankInfo
+from kvstage.hw.rank.kernels import gather, scatter, wait_for_stream
+from kvstage.hw.rank.kvpool import verify
+from kvstage.hw.rank.process import RankProcess
+from kvstage.hw.rank.writemac import block_tag, tag_key
 from kvstage.shared.events import CheckSlice, Scatter, ScatterDone, SliceChecked, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
 
-log = logging.getLogger("kvstage.hw.rank")
+log = logging.getLogger("kvstage.hw.rank.process")
 
 
 class DecodeRank(RankProcess):

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from kvstage.hw.keys import CHECKSUM_MASK, block_checksum, write_key
-from kvstage.hw.keys import _hkdf as hkdf
+from kvstage.hw.control.keys import CHECKSUM_MASK, block_checksum, write_key
+from kvstage.hw.control.keys import _hkdf as hkdf
 
 KINDS = ("none", "checksum", "mac")
 _MAC = b"kvstage write mac v1"

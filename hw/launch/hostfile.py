@@ -10,7 +10,7 @@ ranks fill nodes from the first, and the decode ranks start on the node after th
 last prefill one, so every KV byte crosses the network, as between a prefill and a
 decode instance in a PD deployment.
 
-    python -m kvstage.hw.hostfile RUN_DIR/scenario.toml > hostfile
+    python -m kvstage.hw.launch.hostfile RUN_DIR/scenario.toml > hostfile
 
 reads the job's nodes (`scontrol show hostnames $SLURM_JOB_NODELIST`) and task slots
 per node ($SLURM_NTASKS_PER_NODE, else the first count of $SLURM_TASKS_PER_NODE) and
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from kvstage.hw.placement import PlacementError
+from kvstage.hw.transport.placement import PlacementError
 
 __all__ = ["split_hosts", "slots_per_node", "main"]
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvstage.hw.hostfile SCENARIO.toml", file=sys.stderr)
+        print("usage: python -m kvstage.hw.launch.hostfile SCENARIO.toml", file=sys.stderr)
         return 2
     try:
         s = load_scenario(args[0])

@@ -13,14 +13,20 @@ from typing import Any
 
 import torch
 
-from kvstage.hw.bandwidth import GB, PROBE_MIN_BYTES, PROBE_WRITES, probe_bytes, probe_pairs
-from kvstage.hw.control import rank_name
-from kvstage.hw.kernels import gather, slice_ops, wait_for_stream
-from kvstage.hw.kvpool import PoolDesc, fill_pattern
-from kvstage.hw.rank import BUSY_POLL_S, IDLE_POLL_S, RankProcess
-from kvstage.hw.rendezvous import RankInfo
-from kvstage.hw.transport import TransferError, XferHandle
-from kvstage.hw.writemac import block_tag, tag_key
+from kvstage.hw.control.plane import rank_name
+from kvstage.hw.control.rendezvous import RankInfo
+from kvstage.hw.rank.kernels import gather, slice_ops, wait_for_stream
+from kvstage.hw.rank.kvpool import PoolDesc, fill_pattern
+from kvstage.hw.rank.process import BUSY_POLL_S, IDLE_POLL_S, RankProcess
+from kvstage.hw.rank.writemac import block_tag, tag_key
+from kvstage.hw.transport.bandwidth import (
+    GB,
+    PROBE_MIN_BYTES,
+    PROBE_WRITES,
+    probe_bytes,
+    probe_pairs,
+)
+from kvstage.hw.transport.base import TransferError, XferHandle
 from kvstage.shared.events import (
     Forward,
     ForwardDone,
@@ -162,7 +168,7 @@ class PrefillRank(RankProcess):
         self.gathers: deque[tuple[Future, Gather]] = deque()
         # transfer.verify_writes ("mac", "checksum"; "none": off): each written block's
         # tag, computed over a private copy before any peer can reach the bytes, carried
-        # by its WriteDone into CHUNK_READY (hw/writemac.py)
+        # by its WriteDone into CHUNK_READY (hw/rank/writemac.py)
         self.verify_writes = scenario.transfer.verify_writes
         self.checksums: dict[tuple[int, int, int], int] = {}  # (room, chunk, d) -> tag
 
@@ -191,7 +197,7 @@ class PrefillRank(RankProcess):
     def _probe(self, probe: dict[str, float]) -> dict[str, Any]:
         """Each decode peer's raw write ceiling, in this rank's slots of the probe: a small
         warm-up write (connection set-up), then PROBE_WRITES writes of one large block
-        into the peer's staging ring, unused before t0 (hw/bandwidth.py), from a buffer of
+        into the peer's staging ring, unused before t0 (hw/transport/bandwidth.py), from a buffer of
         its own (the send buffer is sized for chunks, often far smaller than a ceiling
         write needs)."""
         out: dict[str, Any] = {}

@@ -4,7 +4,7 @@ Each check returns one line saying what is wrong and what is allowed, or None; t
 launcher refuses the run (exit 2) on the first problem, before the run directory, the
 secret or any process exists. What a rank can only learn where it runs (its GPU, its
 host's RDMA devices, a rendezvous that does not answer) it checks itself and says in
-one line the same way (hw/rank_main.py).
+one line the same way (hw/rank/main.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstage.hw.bandwidth import probe_bytes
-from kvstage.hw.transport_used import no_rdma_here, rdma_asked
+from kvstage.hw.transport.bandwidth import probe_bytes
+from kvstage.hw.transport.used import no_rdma_here, rdma_asked
 
 MIB = 1 << 20
 # What one rank process holds besides its pools: the interpreter with torch 2.13 (CPU),
@@ -50,9 +50,9 @@ def port_problem(bind: str, port: int) -> str | None:
 
 def rank_bytes(scenario: Any, role: str, rank: int) -> int:
     """What one rank allocates: its KV pool, the decode's staging ring or the prefill's
-    send buffer (as hw/rank.py, hw/decode_rank.py, hw/prefill_rank.py size them), and
+    send buffer (as hw/rank/process.py, hw/rank/decode.py, hw/rank/prefill.py size them), and
     RANK_BASE_BYTES."""
-    from kvstage.hw.prefill_rank import SEND_BUFFER_CHUNKS
+    from kvstage.hw.rank.prefill import SEND_BUFFER_CHUNKS
     from kvstage.shared.cluster import hardware_sessions
     from kvstage.shared.pages import kv_pool_pages
     from kvstage.shared.workload import generate_requests
@@ -66,7 +66,7 @@ def rank_bytes(scenario: Any, role: str, rank: int) -> int:
     total = pages * g.block_bytes(g.page_size, heads) + RANK_BASE_BYTES
     if role == "decode":
         return total + max(1, scenario.pool_bytes)
-    # the bandwidth probe's source buffer (hw/prefill_rank.py _probe), when one runs
+    # the bandwidth probe's source buffer (hw/rank/prefill.py _probe), when one runs
     total += probe_bytes(scenario.pool_bytes)
     targets = sessions.all_targets(rank)
     local = sessions.local(role, rank)

@@ -1,0 +1,1 @@
+"""The control plane: the run secret, keys, signed frames and the rendezvous."""

@@ -1,0 +1,1 @@
+"""Starting a run: the launcher, the fork server, SLURM hostfiles, the run's environment and its merged reports."""
