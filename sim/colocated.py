@@ -48,12 +48,19 @@ Routing: round-robin (request i to instance i mod N) or, for every other router,
 least-outstanding (fewest requests routed and not yet finished; ties to the lowest
 index): there is no staging ring to be aware of.
 
+Scaling (kvstage/explore/autoscale.py drives it): `run(control, interval)` calls
+control(engine, now) every `interval` simulated seconds while requests remain;
+`add_instance` starts one that takes requests after a start-up delay, `drain_instance`
+stops routing to the serving instance with the fewest requests, which goes (`lives`)
+when its last one finishes. Requests route only to serving instances.
+
 Left out: preemption (admission reserves the output's KV up front, so none is needed),
 speculative decoding, CUDA-graph padding, the retraction SGLang does on KV pressure.
 
 The result is per-request records in `kvstage.metrics.rooms.room_latencies` terms
 (`arrival`, `admitted`, `forward_start`, `forward_end`, `done`, `first_token`,
-`last_token`, `generate_start`, `generate_end`, `output_tokens`, `itls`), so a plan takes the same figures
+`last_token`, `generate_start`, `generate_end`, `output_tokens`, `itls`; and the
+`instance` it was routed to), so a plan takes the same figures
 (`kvstage.metrics.steady`) from a colocated run as from a disaggregated one.
 """
 
@@ -61,8 +68,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -155,6 +164,9 @@ def mixed_step_s(
 # --------------------------------------------------------------------------- the engine
 
 
+Control = Callable[["_Engine", float], None]
+
+
 @dataclass(slots=True)
 class _Req:
     req: Request
@@ -181,6 +193,12 @@ class _Instance:
     step_ends: list[float] = field(default_factory=list)  # when each forward ended
     # the step in flight: its prompt pieces (request, tokens), the decode batch it carries
     pieces: list[tuple[_Req, int]] = field(default_factory=list)
+    # scaling (`_Engine.add_instance`, `drain_instance`): asked for at `started`, takes
+    # requests from `ready` on, none once draining, gone at `stopped` (its last finished)
+    started: float = 0.0
+    ready: float = 0.0
+    draining: bool = False
+    stopped: float | None = None
 
 
 @dataclass
@@ -197,6 +215,8 @@ class ColocatedResult:
     peak_batch: int
     rooms_failed: int = 0
     failed_reason: str = ""
+    # per instance: (asked for, taking requests from, gone at) in simulated seconds
+    lives: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def utilization(self) -> float:
@@ -224,26 +244,60 @@ class _Engine:
         self.requests = requests
         self.why = ""
 
-    def run(self) -> float:
+    def run(self, control: Control | None = None, interval: float = math.inf) -> float:
+        """Serve every request; with `control`, call control(engine, now) every
+        `interval` simulated seconds while requests remain (it may add or drain
+        instances)."""
         pending = deque(self.requests)
-        now = 0.0
+        now, tick = 0.0, interval if control is not None else math.inf
         while pending or self.events:
-            next_step = self.events[0][0] if self.events else float("inf")
-            if pending and pending[0].arrival_s + self.delay <= next_step:
+            next_step = self.events[0][0] if self.events else math.inf
+            next_arrival = pending[0].arrival_s + self.delay if pending else math.inf
+            if tick <= min(next_step, next_arrival) and pending:
+                now = tick
+                control(self, now)  # type: ignore[misc]
+                tick += interval
+                continue
+            if next_arrival <= next_step:
                 r = pending.popleft()
-                now = r.arrival_s + self.delay
+                now = next_arrival
                 self._arrive(r, now)
                 continue
             now, _, i = heapq.heappop(self.events)
             self._stepped(self.instances[i], now)
         return now
 
+    def serving(self, now: float) -> list[_Instance]:
+        """The instances that take new requests now."""
+        return [x for x in self.instances if x.ready <= now and not x.draining]
+
+    def add_instance(self, now: float, startup_s: float) -> None:
+        """One more instance, taking requests `startup_s` from now."""
+        mem = self.model.memory
+        blocks = max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))
+        inst = _Instance(len(self.instances), PrefixCache(blocks), started=now)
+        inst.ready = now + startup_s
+        self.instances.append(inst)
+
+    def drain_instance(self, now: float) -> bool:
+        """Stop routing to the serving instance with the fewest requests; it goes once
+        they finish. False when one or none serves."""
+        live = self.serving(now)
+        if len(live) <= 1:
+            return False
+        inst = min(live, key=lambda x: (x.outstanding, -x.index))
+        inst.draining = True
+        if not inst.outstanding:
+            inst.stopped = now
+        return True
+
     def _arrive(self, r: Request, now: float) -> None:
         self.rooms[r.room] = {"arrival": r.arrival_s}
+        live = self.serving(now) or [min(self.instances, key=lambda x: x.ready)]
         inst = (
-            self.instances[r.room % len(self.instances)]
+            live[r.room % len(live)]
             if self.rr
-            else min(self.instances, key=lambda x: (x.outstanding, x.index))
+            else min(live, key=lambda x: (x.outstanding, x.index))
         )
         need = r.prompt_tokens + r.output_tokens
         if need > self.model.capacity_tokens:
@@ -255,6 +309,7 @@ class _Engine:
             )
             return
         inst.outstanding += 1
+        self.rooms[r.room]["instance"] = float(inst.index)
         inst.waiting.append(_Req(r, now))
         if not inst.stepping:
             self._step(inst, now)
@@ -310,7 +365,7 @@ class _Engine:
                 inst.batch -= 1
                 inst.kv_tokens -= kv_end
                 inst.reserved -= reserved
-                inst.outstanding -= 1
+                self._left(inst, now)
                 self._finished(inst, room, now)
         for q, take in inst.pieces:
             q.computed += take
@@ -325,14 +380,14 @@ class _Engine:
         info.update(forward_end=now, done=now, first_token=now, last_token=now)
         if r.output_tokens <= 0:
             inst.reserved -= q.kv
-            inst.outstanding -= 1
+            self._left(inst, now)
             return
         # the prefill's forward made the first token; N - 1 decode steps make the rest
         info.update(generate_start=now, generate_end=now, output_tokens=float(r.output_tokens))
         info["itls"] = []  # type: ignore[assignment]
         if r.output_tokens == 1:
             inst.reserved -= q.kv
-            inst.outstanding -= 1
+            self._left(inst, now)
             return
         heapq.heappush(
             inst.finishing,
@@ -340,6 +395,12 @@ class _Engine:
         )
         inst.batch += 1
         inst.kv_tokens += r.prompt_tokens
+
+    def _left(self, inst: _Instance, now: float) -> None:
+        """A request of `inst` is over; a draining instance with none left stops."""
+        inst.outstanding -= 1
+        if inst.draining and not inst.outstanding:
+            inst.stopped = now
 
     def _finished(self, inst: _Instance, room: int, now: float) -> None:
         """A room's last token: its end and its inter-token gaps (every step since its
@@ -353,15 +414,20 @@ class _Engine:
 
 
 def simulate_colocated(
-    scenario: Scenario, requests: list[Request] | None = None
+    scenario: Scenario,
+    requests: list[Request] | None = None,
+    *,
+    control: Control | None = None,
+    interval: float = math.inf,
 ) -> ColocatedResult:
     """Simulate `scenario` served colocated (make it with `colocated_scenario`): its
     workload (`generate_requests`, or `requests`) on `cluster.decode_instances`
-    instances of TP `decode.tp`."""
+    instances of TP `decode.tp`; `control(engine, now)` every `interval` simulated
+    seconds may add or drain instances (kvstage/explore/autoscale.py)."""
     wall = time.perf_counter()
     reqs = generate_requests(scenario) if requests is None else requests
     engine = _Engine(scenario, reqs)
-    end = engine.run()
+    end = engine.run(control, interval)
     return ColocatedResult(
         scenario=scenario,
         requests=reqs,
@@ -373,4 +439,7 @@ def simulate_colocated(
         peak_batch=engine.peak,
         rooms_failed=engine.failed,
         failed_reason=engine.why,
+        lives=[
+            (x.started, x.ready, end if x.stopped is None else x.stopped) for x in engine.instances
+        ],
     )
