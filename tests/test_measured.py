@@ -256,3 +256,14 @@ def test_an_older_vllm_benchmark_serving_result_reads_without_send_times(tmp_pat
     assert per["ttft_s"] == pytest.approx([0.1, 0.25, 0.1])
     assert per["e2e_s"] == pytest.approx([0.2, 0.35, 0.1])  # TTFT + the gaps
     assert per["tpot_s"] == pytest.approx([0.05, 0.05])
+
+
+def test_check_says_a_measured_run_has_no_protocol_trace(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstage.cli.main import app
+
+    for name in ("vllm_bench_detailed.json", "aiperf_profile_export_aiperf.json"):
+        run = write_measured_run(read_measured(DATA / name), tmp_path / name)
+        res = CliRunner().invoke(app, ["check", str(run)])
+        assert res.exit_code == 2 and "is a measured run" in res.output, res.output

@@ -364,6 +364,14 @@ def check(
         mode, records = read_records(run)
     except FileNotFoundError as exc:
         _fail(str(exc))
+    summary_file = run / "summary.json" if run.is_dir() else None
+    if not mode and summary_file is not None and summary_file.exists():
+        mode = json.loads(summary_file.read_text()).get("mode", "")  # an empty trace
+    if mode == "measured":
+        _fail(
+            f"{run} is a measured run (kvstage import): a client's or server's figures, no "
+            "transfer-path trace whose invariants could be checked"
+        )
     if path is None:
         resolved = run / "scenario.toml" if run.is_dir() else None
         if resolved is None or not resolved.exists():
