@@ -21,21 +21,30 @@ What the engines do (docs/reference.md, "Requests an engine refuses"):
   (the decode's: transferred prompt plus output when generation is modeled; the
   prefill's: the whole prompt) outnumber a rank's KV pool, which otherwise would wait
   for pages forever.
+
+And one rank's admission after that (`RankAdmission`): the requests that reached it
+wait in arrival order until their KV pages fit its pool, the first that does not fit
+holding the rest; a prefill matches each, as it is admitted, against its instance's
+prefix cache. The pool's and the cache's sizes come from outside (the driver: the
+serving model's numbers, or hardware mode's pool), so the rank runtime that uses it
+(shared/runtime.py) imports neither the serving model nor the workload generator.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstage.shared.pages import decode_room_pages, prefill_room_pages
-from kvstage.shared.workload import Request
+from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
+from kvstage.shared.request import Request
+from kvstage.shared.serving.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
-__all__ = ["Limits", "admit", "context_limits", "refusal"]
+__all__ = ["Limits", "RankAdmission", "admit", "context_limits", "refusal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +109,80 @@ def context_limits(scenario: Scenario) -> Limits:
     """What an instance admits when its KV pools hold any one request (hardware mode
     sizes them so, shared/pages.py `kv_pool_pages`): the model's context length only."""
     return Limits(page_size=scenario.decode.page_size, context_tokens=scenario.model.context_tokens)
+
+
+class RankAdmission:
+    """One rank's admission queue, its KV pages and (prefill) its prefix cache."""
+
+    def __init__(
+        self,
+        role: str,
+        page_size: int,
+        *,
+        kv_pages: int | None = None,
+        cache_blocks: int = 0,
+        output_in_pages: bool = False,
+    ) -> None:
+        """`kv_pages`: the rank's KV pool (None: not modeled, every room fits);
+        `cache_blocks`: the prefix cache's capacity (a prefill's; 0: caches nothing);
+        `output_in_pages`: a decode's pages also hold the output (generation)."""
+        self.role = role
+        self.page_size = page_size
+        self.output_in_pages = output_in_pages
+        self.pages = PageAllocator(kv_pages) if kv_pages is not None else None
+        self.waiting: deque[Request] = deque()  # arrived, waiting for pages
+        self.prefix_cache = PrefixCache(cache_blocks) if role == "prefill" else None
+
+    def pages_needed(self, req: Request) -> int:
+        """The KV pages a room holds here from admission on."""
+        pages_of = prefill_room_pages if self.role == "prefill" else decode_room_pages
+        n = pages_of(req, self.page_size)
+        if self.output_in_pages:  # the output tokens' KV grows into pages taken now
+            n += -(-req.output_tokens // self.page_size)
+        return n
+
+    def take(self) -> tuple[Request, int, int] | None:
+        """The first waiting request, its first page and its page count, once its pages
+        fit now; None while none waits or the first does not fit (it holds the rest)."""
+        if not self.waiting:
+            return None
+        req = self.waiting[0]
+        n = self.pages_needed(req)
+        first = 0
+        if n and self.pages is not None:
+            try:
+                first = self.pages.alloc(n)
+            except PoolFullError:
+                return None
+        self.waiting.popleft()
+        return req, first, n
+
+    def cached_tokens(self, req: Request) -> int:
+        """A prefill: the prompt tokens its prefix cache holds, the request's blocks
+        inserted as most recently used (shared/serving/prefix_cache.py)."""
+        assert self.prefix_cache is not None
+        return self.prefix_cache.admit(req.hash_ids, req.prompt_tokens)
+
+    def free(self, first_page: int, num_pages: int) -> None:
+        if self.pages is not None and num_pages:
+            self.pages.free(first_page, num_pages)
+
+    @property
+    def free_pages(self) -> int:
+        """Free KV pages (0 when the pool is not modeled)."""
+        return self.pages.free_pages if self.pages is not None else 0
+
+    def holding(self, some) -> str | None:
+        """What waits here, in words (`some` writes a few room ids), or None."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        pool = (
+            f", {self.pages.free_pages} of {self.pages.num_pages} free"
+            if self.pages is not None
+            else ""
+        )
+        return (
+            f"rooms {some(r.room for r in self.waiting)} waiting for KV pages (room "
+            f"{head.room} first, needing {self.pages_needed(head)}{pool})"
+        )

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from kvstage.shared.layout import HeadSlice
 from kvstage.shared.protocol import Message
+from kvstage.shared.request import Request
 from kvstage.shared.trace import TraceRecord
-from kvstage.shared.workload import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 
 from kvstage.shared.layout import Geometry, LayoutError, room_pages
-from kvstage.shared.workload import Request
+from kvstage.shared.request import Request
 
 
 class PoolFullError(RuntimeError):

@@ -6,7 +6,10 @@ and a hardware rank process both wrap each rank's `PrefillMachine` or
 runtime decides, identically in both modes:
 
 - arrivals: a request becomes OpenRoom when its pages fit (the decode opens it on
-  arrival; the prefill when the forward of its first chunk starts);
+  arrival; the prefill when the forward of its first chunk starts); the queue, the
+  pages and the prefix cache are its admission part (shared/admission.py
+  `RankAdmission`), sized by the driver: the runtime reads no file and imports neither
+  the serving model nor the workload generator;
 - the order of prefill forwards: requests in arrival order, chunks in order, one at
   a time (`Forward` actions, which the driver runs in the order given);
 - the fault plan of this rank, drawn from the scenario seed and this rank's identity
@@ -30,9 +33,10 @@ and trace.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kvstage.shared.admission import RankAdmission
 from kvstage.shared.capability import Capabilities
 from kvstage.shared.cluster import Sessions
 from kvstage.shared.decode import DecodeMachine
@@ -70,13 +74,15 @@ from kvstage.shared.events import (
 from kvstage.shared.faults import FaultPlan
 from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.machine import LocalProtocolError, ProtocolConfig
-from kvstage.shared.pages import PageAllocator, PoolFullError, decode_room_pages, prefill_room_pages
+from kvstage.shared.pages import decode_room_pages
 from kvstage.shared.prefill import PrefillMachine
 from kvstage.shared.protocol import MESSAGE_TYPES, StagingRsp
-from kvstage.shared.scenario import Scenario
-from kvstage.shared.serving.prefix_cache import PrefixCache, cache_blocks, cached_in_chunk
+from kvstage.shared.request import Request
+from kvstage.shared.serving.prefix_cache import PrefixCache, cached_in_chunk
 from kvstage.shared.trace import TraceRecord
-from kvstage.shared.workload import Request, generate_requests
+
+if TYPE_CHECKING:  # a loaded scenario is handed in: no loader, no serving model here
+    from kvstage.shared.scenario import Scenario
 
 ROLES = ("prefill", "decode")
 # peer messages that name a room
@@ -236,8 +242,9 @@ class RankRuntime:
         role: str,
         rank: int,
         *,
-        requests: list[Request] | None = None,
+        requests: list[Request],
         kv_pages: int | None = None,
+        cache_blocks: int = 0,
         verify: bool = False,
         sessions: Sessions | None = None,
         generate: bool = False,
@@ -264,10 +271,9 @@ class RankRuntime:
             self.machine = DecodeMachine(
                 rank, g, scenario.pool_bytes, self.config, self.sessions, capabilities
             )
-        requests = requests if requests is not None else generate_requests(scenario)
         self.scenario = scenario
         # what a restarted incarnation is built from
-        self._given = (requests, kv_pages, verify, generate, check_writes)
+        self._given = (requests, kv_pages, cache_blocks, verify, generate, check_writes)
         # A restarted incarnation (first_room given: `restarted`) serves the rooms from
         # first_room on; the rooms before it were its lost predecessor's.
         self.first_room = first_room
@@ -314,15 +320,19 @@ class RankRuntime:
         self._timers: list[_Timer] = []
         self._seq = 0
         self._owed = _Owed()
-        self._pages = PageAllocator(kv_pages) if kv_pages is not None else None
-        self._waiting: deque[Request] = deque()  # arrived, waiting for pages
+        # arrivals wait for KV pages; a prefill's prefix cache: sizes from the driver
+        self.admission = RankAdmission(
+            role,
+            g.page_size,
+            kv_pages=kv_pages,
+            cache_blocks=cache_blocks,
+            output_in_pages=self.generate,
+        )
         self._memory: dict[int, _RoomMemory] = {}
         # rooms the machine released before they were admitted here (failed by a peer
         # first): when they are admitted, the machine never touches their memory
         self._released_unadmitted: set[int] = set()
         self._last_arrived = -1  # the newest room that arrived here (room ids follow arrival order)
-        # prefill: the instance's prefix cache (shared/serving/prefix_cache.py), fresh each incarnation
-        self.prefix_cache = PrefixCache(cache_blocks(scenario)) if role == "prefill" else None
 
     def restart(self, incarnation: int, first_room: int, now: float) -> None:
         """Become this rank's next incarnation, started again at `now` after it died:
@@ -334,13 +344,14 @@ class RankRuntime:
         incarnation's work that comes in later names a room before `first_room` and
         is dropped, and a message about one is dropped as foreign, as a new process
         would. (Hardware mode builds the new incarnation's runtime with `first_room`.)"""
-        requests, kv_pages, verify, generate, check_writes = self._given
+        requests, kv_pages, cache_blocks, verify, generate, check_writes = self._given
         self.__init__(
             self.scenario,
             self.role,
             self.rank,
             requests=requests,
             kv_pages=kv_pages,
+            cache_blocks=cache_blocks,
             verify=verify,
             sessions=self.sessions,
             generate=generate,
@@ -368,7 +379,7 @@ class RankRuntime:
             and self.machine.settled
             and not self._owed
             and not self._timers
-            and not self._waiting
+            and not self.admission.waiting
             and not self._held
             and not self._memory
         )
@@ -385,9 +396,14 @@ class RankRuntime:
         return len(self._open_rooms)
 
     @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """A prefill's prefix cache (fresh each incarnation); None on a decode rank."""
+        return self.admission.prefix_cache
+
+    @property
     def free_kv_pages(self) -> int:
         """Free KV pages (0 when the rank does not model its KV pool)."""
-        return self._pages.free_pages if self._pages is not None else 0
+        return self.admission.free_pages
 
     def holding(self) -> str:
         """What keeps this rank from being settled, in words (for a rank that never ends)."""
@@ -399,17 +415,9 @@ class RankRuntime:
             parts.append(f"completions owed {_some(self._owed.counts)}")
         if self._timers:
             parts.append(f"{len(self._timers)} timer(s), next at {min(self._timers).due:.2f}s")
-        if self._waiting:
-            head = self._waiting[0]
-            pool = (
-                f", {self._pages.free_pages} of {self._pages.num_pages} free"
-                if self._pages is not None
-                else ""
-            )
-            parts.append(
-                f"rooms {_some(r.room for r in self._waiting)} waiting for KV pages (room "
-                f"{head.room} first, needing {self._pages_needed(head)}{pool})"
-            )
+        waiting = self.admission.holding(_some)
+        if waiting:
+            parts.append(waiting)
         if self._held:
             parts.append(f"{len(self._held)} event(s) held for a late session")
         if self._memory:
@@ -683,9 +691,10 @@ class RankRuntime:
             self._last_arrived = ev.request.room
         if self.first_room is not None and ev.request.room < self.first_room:
             return  # the lost incarnation's room
-        self._waiting.append(ev.request)
+        waiting = self.admission.waiting
+        waiting.append(ev.request)
         self._admit(now, out)
-        if self.role == "decode" and self._waiting and self._waiting[-1] is ev.request:
+        if self.role == "decode" and waiting and waiting[-1] is ev.request:
             # its pages do not fit yet: the arrival is on record, admission waits
             out.append(
                 Record(TraceRecord(self.role, self.rank, "arrive", now, now, room=ev.request.room))
@@ -694,16 +703,8 @@ class RankRuntime:
     def _admit(self, now: float, out: list[Action]) -> None:
         """Open (decode) or schedule the forwards of (prefill) waiting rooms, in arrival
         order, while their pages fit; the first that does not fit holds the rest."""
-        while self._waiting:
-            req = self._waiting[0]
-            n = self._pages_needed(req)
-            first = 0
-            if n and self._pages is not None:
-                try:
-                    first = self._pages.alloc(n)
-                except PoolFullError:
-                    return
-            self._waiting.popleft()
+        while (taken := self.admission.take()) is not None:
+            req, first, n = taken
             self._memory[req.room] = _RoomMemory(req, first, n)
             if self.role == "decode":
                 self._open_decode(req, first, now, out)
@@ -713,15 +714,6 @@ class RankRuntime:
                 self._released_unadmitted.discard(req.room)
                 self._memory[req.room].released = True
                 self._maybe_free(req.room, now, out)
-
-    def _pages_needed(self, req: Request) -> int:
-        """The KV pages a room holds here from admission on."""
-        page_size = self.geometry.page_size
-        pages_of = prefill_room_pages if self.role == "prefill" else decode_room_pages
-        n = pages_of(req, page_size)
-        if self.generate:  # the output tokens' KV grows into pages taken now
-            n += -(-req.output_tokens // page_size)
-        return n
 
     def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
         self._feed(
@@ -738,8 +730,7 @@ class RankRuntime:
         except LayoutError:
             chunks = []  # the machine fails the room at open, with the reason
         mem = self._memory[req.room]
-        assert self.prefix_cache is not None
-        cached = self.prefix_cache.admit(req.hash_ids, req.prompt_tokens)
+        cached = self.admission.cached_tokens(req)
         if not chunks:  # nothing to compute: the room only opens
             mem.forwards, mem.open_only = 1, True
             self._owed.add(("forward", req.room, 0))
@@ -793,9 +784,9 @@ class RankRuntime:
         if mem is None or not mem.released or mem.forwards > 0 or mem.verifying or mem.generating:
             return
         del self._memory[room]
-        if self._pages is not None and mem.num_pages:
-            self._pages.free(mem.first_page, mem.num_pages)
-            if self._waiting:
+        if self.admission.pages is not None and mem.num_pages:
+            self.admission.free(mem.first_page, mem.num_pages)
+            if self.admission.waiting:
                 self._admit(now, out)
 
     # --- held deliveries ---------------------------------------------------------------------------

@@ -8,9 +8,10 @@ names one: a CSV (a name ending in .csv) with the header
 arrival_s,prompt_tokens[,prefix_tokens][,output_tokens] and one row per request, or a
 Mooncake trace (JSON Lines, a name ending in .jsonl: timestamp in ms, input_length,
 output_length, hash_ids) (the formats and
-their reader, `read_trace`, are shared/scenario/trace_csv.py and trace_mooncake.py;
-loading a scenario already reads it once, so a bad trace is refused when the
-scenario loads, not in the middle of a run).
+their reader, `read_trace`, are shared/scenario/trace_csv.py and trace_mooncake.py).
+The trace is read once, when the scenario loads: a bad trace is refused then, and its
+rows stay with the scenario (`WorkloadConfig.rows`), so drawing the requests again
+reads no file.
 
 Processes (`workload.arrival`), all starting with a request at t = 0:
 - fixed:   request i at i / rate_per_s.
@@ -48,25 +49,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
+from kvstage.shared.request import Request
 from kvstage.shared.scenario import Scenario, WorkloadConfig
 from kvstage.shared.scenario.trace_csv import TraceRow, read_trace
 from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
 
 __all__ = ["Request", "TraceRow", "generate_requests", "read_trace", "trace_rows"]
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request: its room id, when it arrives, and how much KV it needs moved."""
-
-    room: int
-    arrival_s: float
-    prompt_tokens: int
-    prefix_tokens: int
-    output_tokens: int = 0  # tokens to generate, from a trace that says (0: not known)
-    hash_ids: tuple[int, ...] = ()  # the prompt's 512-token blocks, from a Mooncake trace
 
 
 def _arrivals(w: WorkloadConfig, n: int, rng: random.Random) -> list[float]:
@@ -91,6 +80,16 @@ def _prompt(w: WorkloadConfig, rng: random.Random) -> int:
     return w.prompt_tokens
 
 
+def _rows(w: WorkloadConfig) -> list[TraceRow]:
+    """The trace's rows as the scenario's loader read them ([] without a trace); a
+    scenario built some other way reads its trace here, once."""
+    if not w.uses_trace:
+        return []
+    if w.rows is None:
+        w.keep_rows(read_trace(w.trace))
+    return w.rows
+
+
 def generate_requests(scenario: Scenario) -> list[Request]:
     """The scenario's requests, sorted by arrival, rooms numbered 0..n-1.
 
@@ -104,7 +103,7 @@ def generate_requests(scenario: Scenario) -> list[Request]:
     arrival_rng = random.Random(master.getrandbits(64))
     prompt_rng = random.Random(master.getrandbits(64))
 
-    rows = read_trace(w.trace) if w.uses_trace else []
+    rows = _rows(w)
     if w.arrival == "trace":
         rows = rows if w.requests is None else rows[: w.requests]
         n = len(rows)
@@ -141,5 +140,5 @@ def trace_rows(scenario: Scenario) -> tuple[int, int] | None:
     w = scenario.workload
     if w.arrival != "trace" or not w.trace:
         return None
-    total = len(read_trace(w.trace))
+    total = len(_rows(w))
     return (total if w.requests is None else min(w.requests, total)), total

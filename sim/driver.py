@@ -61,7 +61,7 @@ from kvstage.shared.runtime import (
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.serving.gpus import efficiency, side_gpu
-from kvstage.shared.serving.memory import side_memory
+from kvstage.shared.serving.memory import cache_blocks, side_memory
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests
 from kvstage.sim.cluster import LiveLoads, cluster_nics
@@ -160,33 +160,7 @@ class Simulation:
         # others are None here and never simulated
         self.fold = Fold(self) if scenario.cluster.fold else None
         fold = self.fold
-        # each rank gets its instance's rooms (a runtime filtering every request of a
-        # large cluster would cost ranks x requests)
-        mine = _by_instance(workload, ss)
-        pi = shard[0] if shard is not None else range(ss.prefill_instances)
-        di = shard[1] if shard is not None else range(ss.decode_instances)
-        self.prefill = [
-            RankRuntime(
-                scenario, "prefill", r, requests=mine["prefill", r // g.prefill_tp], sessions=ss
-            )
-            if r // g.prefill_tp in pi and (fold is None or fold.simulated("prefill", r))
-            else None
-            for r in range(ss.prefill_ranks)
-        ]
-        self.decode = [
-            RankRuntime(
-                scenario,
-                "decode",
-                d,
-                requests=mine["decode", d // g.decode_tp],
-                sessions=ss,
-                generate=generate,
-                kv_pages=self.decode_model.capacity_pages,
-            )
-            if d // g.decode_tp in di and (fold is None or fold.simulated("decode", d))
-            else None
-            for d in range(ss.decode_ranks)
-        ]
+        self._build_ranks(workload, generate)
         decode_per_instance = g.decode_tp if fold is None else len(g.targets(0))
         self.batches = DecodeBatches(
             self, self.decode_model, decode_per_instance, ss.decode_instances
@@ -220,6 +194,31 @@ class Simulation:
             self.group_forwards = [GroupForward(self, ranks) for _ in range(ss.prefill_instances)]
             if self.engine is not None:  # [engine]: its scheduler loops (sim/engine_host.py)
                 self.group_forwards = self.engine.forwards(ranks)
+
+    def _build_ranks(self, workload: list[Request], generate: bool) -> None:
+        """Each rank's runtime, None for a rank of another shard or one a fold stands
+        for; each gets its instance's rooms (a runtime filtering every request of a
+        large cluster would cost ranks x requests)."""
+        s, g, ss, fold, shard = self.scenario, self.geometry, self.sessions, self.fold, self.shard
+        mine = _by_instance(workload, ss)
+        pi = shard[0] if shard is not None else range(ss.prefill_instances)
+        di = shard[1] if shard is not None else range(ss.decode_instances)
+
+        def runtime(role: str, rank: int, tp: int, instances, **kw) -> RankRuntime | None:
+            if rank // tp not in instances or (fold is not None and not fold.simulated(role, rank)):
+                return None
+            return RankRuntime(s, role, rank, requests=mine[role, rank // tp], sessions=ss, **kw)
+
+        blocks = cache_blocks(s)  # each prefill instance's prefix cache
+        self.prefill = [
+            runtime("prefill", r, g.prefill_tp, pi, cache_blocks=blocks)
+            for r in range(ss.prefill_ranks)
+        ]
+        pages = self.decode_model.capacity_pages
+        self.decode = [
+            runtime("decode", d, g.decode_tp, di, generate=generate, kv_pages=pages)
+            for d in range(ss.decode_ranks)
+        ]
 
     def _admit(self, generate: bool) -> list[Request]:
         """The requests the ranks get up front (a static router's; a load-aware one hands

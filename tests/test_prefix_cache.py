@@ -12,13 +12,8 @@ import pytest
 from kvstage.metrics.rooms import room_latencies
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import load_scenario
-from kvstage.shared.serving.memory import side_memory
-from kvstage.shared.serving.prefix_cache import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    cache_blocks,
-    cached_in_chunk,
-)
+from kvstage.shared.serving.memory import cache_blocks, side_memory
+from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS, PrefixCache, cached_in_chunk
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import Simulation
 

@@ -29,4 +29,4 @@ def test_room_failed_by_a_peer_before_it_arrives_frees_its_pages_on_arrival():
     rt.handle(Arrive(req), 1.0)
     rt.handle(Tick(), 1.0 + rt.config.abort_grace_s + 1)
     assert rt.settled, rt.holding()
-    assert rt._pages.free_pages == 64  # every page back
+    assert rt.free_kv_pages == 64  # every page back

@@ -377,12 +377,37 @@ def test_missing_trace(tmp_path: Path) -> None:
     # The loader already refuses a scenario naming a missing trace.
     with pytest.raises(ScenarioError, match="workload.trace"):
         scenario(tmp_path, arrival="trace", trace="gone.csv")
-    # And the generator says so if it disappears after loading.
+    # The trace is read once, at load: its rows stay with the scenario, so the requests
+    # are drawn again, the same, after the file is gone.
     path = write_trace(tmp_path)
     s = scenario(tmp_path, arrival="trace", trace="trace.csv")
+    before = generate_requests(s)
     path.unlink()
-    with pytest.raises(ScenarioError, match="trace.csv"):
+    assert generate_requests(s) == before and trace_rows(s) == (4, 4)
+
+
+def test_the_trace_is_read_once_at_load(tmp_path: Path, monkeypatch) -> None:
+    """Loading reads the trace; drawing the requests (five times in one simulation:
+    the driver, the summary, the bottleneck...) reads it no more."""
+    import kvstage.shared.scenario.loading as loading
+    import kvstage.shared.workload as workload
+
+    reads: list[str] = []
+    real = loading.read_trace
+
+    def counting(path):
+        reads.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(loading, "read_trace", counting)
+    monkeypatch.setattr(workload, "read_trace", counting)
+    write_trace(tmp_path)
+    s = scenario(tmp_path, arrival="trace", trace="trace.csv")
+    assert len(reads) == 1
+    for _ in range(5):
         generate_requests(s)
+    trace_rows(s)
+    assert len(reads) == 1
 
 
 # --------------------------------------------------------------------------- scaled

@@ -77,6 +77,7 @@ from kvstage.shared.pages import kv_pool_pages
 from kvstage.shared.protocol import Heartbeat
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.memory import cache_blocks
 from kvstage.shared.trace import TRACE_FIELDS, TraceRecord
 from kvstage.shared.workload import generate_requests
 
@@ -186,8 +187,7 @@ class RankProcess:
         self.device = device or scenario.hardware.device
         self.verify_mode = verify_mode or scenario.hardware.verify
         # the rooms routed to this rank's instance: its workload, and what its KV pool holds
-        # (less those an engine refuses at admission, shared/admission.py)
-        served = admit(requests, context_limits(scenario))[0]
+        served = admit(requests, context_limits(scenario))[0]  # less refusals (shared/admission.py)
         self.mine = mine = [r for r in served if self.sessions.serves(self.role, rank, r.room)]
         self.pages = pages = kv_pool_pages(g, self.role, mine, scenario.hardware.kv_pool_mb << 20)
         self.runtime = RankRuntime(
@@ -196,6 +196,7 @@ class RankProcess:
             rank,
             requests=mine,
             kv_pages=pages,
+            cache_blocks=cache_blocks(scenario),
             verify=self.verify_mode != "off",
             sessions=self.sessions,
             check_writes=scenario.transfer.verify_writes != "none",
@@ -378,6 +379,7 @@ class RankProcess:
             self.rank,
             requests=self.mine,
             kv_pages=self.pages,
+            cache_blocks=cache_blocks(self.s),
             verify=self.verify_mode != "off",
             sessions=self.sessions,
             check_writes=self.s.transfer.verify_writes != "none",

@@ -52,12 +52,13 @@ def scenario_from_dict(
 
 
 def _check_trace(scenario: Scenario, source: str | None) -> None:
-    """Read the workload's trace CSV once, so that a bad one is a load error."""
+    """Read the workload's trace once, so that a bad one is a load error; the scenario
+    keeps its rows (`WorkloadConfig.rows`): nothing reads the file again."""
     w = scenario.workload
     if not w.uses_trace:
         return
     try:
-        read_trace(w.trace)
+        w.keep_rows(read_trace(w.trace))
     except ScenarioError as exc:
         prefix = f"{source}: " if source else ""
         raise ScenarioError(f"{prefix}workload.trace: {exc}", "workload.trace") from None

@@ -474,6 +474,19 @@ class WorkloadConfig(_Table):
             data = {**data, "trace": str(p.resolve())}
         return data
 
+    # the trace's rows (shared/scenario/trace_csv.py TraceRow), read once when the
+    # scenario loads (loading.py `keep_rows`); None until then
+    _rows: list[Any] | None = PrivateAttr(default=None)
+
+    @property
+    def rows(self) -> list[Any] | None:
+        """The trace's rows as the loader read them; None when not (yet) read."""
+        return self._rows
+
+    def keep_rows(self, rows: list[Any]) -> None:
+        """The loader hands over the rows it read, so nothing reads the file again."""
+        self._rows = rows
+
     @property
     def uses_trace(self) -> bool:
         """Whether the requests read a trace file: whenever one is named (what the

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from kvstage.shared.layout import DTYPE_BYTES
 from kvstage.shared.serving.gpus import Gpu, side_gpu
+from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import Scenario
@@ -34,6 +35,7 @@ __all__ = [
     "ACTIVATION_TENSORS",
     "GIB",
     "SideMemory",
+    "cache_blocks",
     "expert_split",
     "memory_problem",
     "side_memory",
@@ -152,3 +154,10 @@ def memory_problem(s: Scenario) -> tuple[str, str] | None:
         if problem:
             return side, problem
     return None
+
+
+def cache_blocks(scenario: Scenario) -> int:
+    """The prefix cache's capacity in blocks on one prefill GPU of `scenario`
+    (shared/serving/prefix_cache.py): its KV memory over one block's KV on a rank."""
+    mem = side_memory(scenario, "prefill")
+    return max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))

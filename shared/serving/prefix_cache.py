@@ -25,8 +25,10 @@ Inserting at admission, not when the forward ends, is exact here: an instance ru
 forwards one at a time in arrival order (sim/forward.py), so a later room's forward
 starts after the earlier room computed the blocks it reuses.
 
-Capacity, in blocks, is the prefill GPU's KV memory (`side_memory(s, "prefill")`:
-memory x utilization - weights - activations) over one block's KV on a rank
+Capacity, in blocks, is the prefill GPU's KV memory (shared/serving/memory.py
+`cache_blocks`: memory x utilization - weights - activations) over one block's KV on a
+rank; the runtime is given it (this module imports nothing of the serving model, so the
+rank runtime can keep a cache without it)
 ([A] the whole KV budget holds the cache: the rooms in flight take their KV from the
 same pool in SGLang, which this does not subtract).
 
@@ -40,14 +42,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvstage.shared.serving.memory import side_memory
-
-if TYPE_CHECKING:
-    from kvstage.shared.scenario import Scenario
-
-__all__ = ["BLOCK_TOKENS", "PrefixCache", "PrefixStats", "cache_blocks", "cached_in_chunk"]
+__all__ = ["BLOCK_TOKENS", "PrefixCache", "PrefixStats", "cached_in_chunk"]
 
 # [C] Mooncake trace format: one hash id per 512 tokens of the prompt
 BLOCK_TOKENS = 512
@@ -110,12 +106,6 @@ class PrefixCache:
                 self._blocks.popitem(last=False)
                 self.stats.evicted_blocks += 1
         return cached
-
-
-def cache_blocks(scenario: Scenario) -> int:
-    """The prefix cache's capacity in blocks on one prefill GPU of `scenario`."""
-    mem = side_memory(scenario, "prefill")
-    return max(0, int(mem.kv_bytes // (mem.kv_bytes_per_token * BLOCK_TOKENS)))
 
 
 def cached_in_chunk(cached_tokens: int, token_start: int, tokens: int) -> int:
