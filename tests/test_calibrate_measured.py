@@ -125,3 +125,30 @@ def test_the_cli_writes_a_profile_a_scenario_names(tmp_path):
     # nothing to fit: one line, exit 2
     bad = CliRunner().invoke(app, [*args[:3], "--from", str(tmp_path / "nothing")])
     assert bad.exit_code == 2
+
+
+def test_ttft_under_load_replays_a_clients_requests_through_the_simulation(tmp_path):
+    """A simulated run's requests, as a client with send times would record them, replayed
+    by `ttft_under_load` with the same model: every TTFT comes back (error 0), so the
+    replay keeps the load and matches requests in order of arrival; a slower model
+    (half the decode HBM share, the same load) misses by a measurable amount."""
+    from kvstage.calibrate.serving import ttft_under_load
+    from kvstage.calibrate.serving_points import LoadedRequest
+    from kvstage.metrics.rooms import request_figures, room_latencies
+    from kvstage.sim.driver import simulate
+
+    sets = ['workload.prompt="fixed"', "workload.prompt_tokens=4096", "workload.requests=12",
+            "workload.output_tokens=24", "workload.rate_per_s=6", "decode.max_running_requests=2"]  # fmt: skip
+    s = load_scenario(P8D2, sets)
+    res = simulate(s)
+    by_room = {r.room: r for r in res.requests}
+    rooms = room_latencies(res.records)
+    reqs = [
+        LoadedRequest(by_room[k].arrival_s, 4096, 24, request_figures(rooms[k])["ttft_s"])
+        for k in sorted(rooms)
+    ]
+    cluster = ["decode.max_running_requests=2"]  # the cluster; the load comes from the client
+    fit = ttft_under_load(P8D2, reqs, cluster, tmp_path)
+    assert fit.held_out == 12 and fit.held_out_mape == pytest.approx(0.0, abs=1e-9)
+    slow = ttft_under_load(P8D2, reqs, [*cluster, "decode.hbm_efficiency=0.4"], tmp_path)
+    assert slow.held_out_mape > 0.01

@@ -303,3 +303,43 @@ def profile_text(fits: list[PointsFit], sources: list[str], scenario: Path) -> s
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries]
     return "\n".join(lines) + "\n"
+
+
+LOAD_REPLAY_MAX = 2000  # requests of one run replayed to score TTFT under its load
+
+
+def ttft_under_load(path: Path, requests: list, overrides: list[str], workdir: Path) -> PointsFit:
+    """TTFT against load: a client run's finished requests (sorted by send time) written
+    as a Mooncake trace, simulated with the fitted `overrides`, each request's TTFT
+    against the measured one (matched by order of arrival). Nothing is fitted here: all
+    its points are held out; the error is the mean absolute relative error."""
+    import json
+
+    from kvstage.metrics.rooms import request_figures, room_latencies
+    from kvstage.sim.driver import simulate
+
+    reqs = sorted(requests, key=lambda r: r.arrival_s)[:LOAD_REPLAY_MAX]
+    t0 = reqs[0].arrival_s
+    trace = workdir / "measured-load.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": (r.arrival_s - t0) * 1e3,
+                    "input_length": max(1, r.prompt_tokens),
+                    "output_length": r.output_tokens,
+                }
+            )
+            + "\n"
+            for r in reqs
+        )
+    )
+    sets = [*overrides, f'workload.trace="{trace}"', 'workload.arrival="trace"']
+    sets += ['workload.prompt="trace"', f"workload.requests={len(reqs)}"]
+    rooms = room_latencies(simulate(load_scenario(path, sets)).records)
+    pairs = []
+    for i, r in enumerate(reqs):
+        figs = request_figures(rooms.get(i, {}))
+        if figs is not None and r.ttft_s > 0:
+            pairs.append((r.ttft_s, figs["ttft_s"]))
+    return PointsFit({}, 0, len(pairs), _mape(pairs), "TTFT under the measured load (simulated)")

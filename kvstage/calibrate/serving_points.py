@@ -11,7 +11,10 @@ model to, taken from measured run directories (`kvstage import`, docs/workflow.m
   straight on); so the previous batch's forward took new tokens / throughput of this
   line. Only a PD prefill server's log (no decode steps between) gives these;
 - requests that found the system idle (no earlier request still streaming when they
-  arrived), from a client's per-request file: their TTFT against their prompt.
+  arrived), from a client's per-request file: their TTFT against their prompt;
+- every finished request of a client's file that has send times (vllm's
+  `start_times`, AIPerf's `request_start_ns`): the load it met, replayed through the
+  simulation with the fitted model to score TTFT against load.
 
 Each kind of file identifies what its points vary: decode steps the HBM share and the
 per-step cost, prefill forwards the prefill MFU, idle requests the per-request cost
@@ -48,11 +51,22 @@ class RequestPoint:
     ttft_s: float
 
 
+@dataclass(frozen=True)
+class LoadedRequest:
+    """A request of a client's run with its send time: the load it met is the run's."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+
+
 @dataclass
 class Points:
     decode: list[DecodePoint] = field(default_factory=list)
     prefill: list[PrefillPoint] = field(default_factory=list)
     requests: list[RequestPoint] = field(default_factory=list)
+    loaded: list[list[LoadedRequest]] = field(default_factory=list)  # one list per run
     notes: list[str] = field(default_factory=list)
 
 
@@ -80,6 +94,15 @@ def _idle_requests(run: Run, out: Points) -> None:
         for info in rooms.values()
         if (figs := request_figures(info)) is not None and info.get("prompt_tokens")
     )
+    if len(done) > 1 and len({a for a, *_ in done}) > 1:  # send times: a load to replay
+        out.loaded.append(
+            [
+                LoadedRequest(
+                    a, int(i["prompt_tokens"]), int(i.get("output_tokens", 0)), f["ttft_s"]
+                )
+                for a, _, i, f in done
+            ]
+        )
     busy_until = float("-inf")
     for arrival, last, info, figs in done:
         if arrival >= busy_until:

@@ -3,6 +3,7 @@ fit (kvstage/calibrate/serving.py); calibrate.py hands its options here."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -66,6 +67,7 @@ def fit_from_runs_command(path: Path, runs: list[Path], profile: Path | None) ->
         fit_prefill_points,
         fit_request_points,
         profile_text,
+        ttft_under_load,
     )
     from kvstage.calibrate.serving_points import points_from_runs
     from kvstage.run.rundir import RunError, load_run
@@ -85,9 +87,12 @@ def fit_from_runs_command(path: Path, runs: list[Path], profile: Path | None) ->
             fits.append(fit_decode_points(path, pts.decode))
         if pts.prefill:
             fits.append(fit_prefill_points(path, pts.prefill))
+        sets = [f"{k}={v}" for f in fits for k, v in f.values.items()]
         if pts.requests:
-            sets = [f"{k}={v}" for f in fits for k, v in f.values.items()]
             fits.append(fit_request_points(path, pts.requests, sets))
+        with tempfile.TemporaryDirectory() as tmp:
+            for reqs in pts.loaded:
+                fits.append(ttft_under_load(path, reqs, sets, Path(tmp)))
     except (ServingFitError, ScenarioError) as exc:
         fail(str(exc))
     if not fits:
@@ -98,11 +103,12 @@ def fit_from_runs_command(path: Path, runs: list[Path], profile: Path | None) ->
     for f in fits:
         err = "-" if f.held_out_mape is None else f"{f.held_out_mape:.1%}"
         values = ", ".join(f"{k} = {v:.4g}" for k, v in f.values.items())
-        console.print(
-            f"{f.what}: {values} ({f.fitted} points; held-out error {err} over {f.held_out})",
-            highlight=False,
-            markup=False,
+        line = (
+            f"{f.what}: {values} ({f.fitted} points; held-out error {err} over {f.held_out})"
+            if f.values
+            else f"{f.what}: error {err} over {f.held_out} requests, with the fit above"
         )
+        console.print(line, highlight=False, markup=False)
     if profile is not None:
         profile.parent.mkdir(parents=True, exist_ok=True)
         profile.write_text(profile_text(fits, [str(r) for r in runs], path))
