@@ -138,3 +138,10 @@ def test_a_table_that_fits_stays_a_table_and_one_too_wide_prints_plain():
     lines = narrow.export_text().splitlines()
     assert lines[:2] == ["t", "a-rather-long-model-name-1"]
     assert all(len(line) <= 40 for line in lines) and "…" not in "".join(lines)
+
+
+def test_sim_scaled_applies_the_scale_down(tmp_path):
+    """`--scaled` applies [hardware.scale_down] (the flag once shadowed the function)."""
+    res = kvstage("sim", "scenarios/llama3-8b-p4-d2.toml", "--scaled", "--out", str(tmp_path / "r"))
+    assert res.returncode == 0, res.stderr
+    assert "requests done / failed: 8 / 0 of 8" in " ".join(res.stdout.split())

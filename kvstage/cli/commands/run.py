@@ -13,6 +13,7 @@ from rich.console import Console
 from kvstage.cli.errors import fail
 from kvstage.shared.machine import TransferPath
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario
+from kvstage.shared.scenario import scaled as scale_down  # `scaled` is a flag here
 
 console = Console()
 
@@ -92,7 +93,7 @@ def sim(
         # the same scale-down `kvstage hw` applies, so the two runs compare
         if not s.hardware.scale_down.enabled:
             s = _load(scenario, list(set_ or []) + ["hardware.scale_down.enabled=true"], seed)
-        s = scaled(s)
+        s = scale_down(s)
     code = run_simulation(s, out=out, trace_format=trace_format, progress=progress, console=console)
     raise typer.Exit(code)
 
@@ -202,7 +203,7 @@ def hw(
     s = _load(scenario, sets, seed)
     if scaled and not s.hardware.scale_down.enabled:
         s = _load(scenario, sets + ["hardware.scale_down.enabled=true"], seed)
-    s = scaled(s)
+    s = scale_down(s)
     from kvstage.shared.cluster import hardware_sessions
 
     try:  # every rank computes the routes itself: only a static router can run
