@@ -330,7 +330,17 @@ class _Engine:
             inst.prefilling.append(q)
 
     def _step(self, inst: _Instance, now: float) -> None:
-        self._admit(inst, now)
+        if inst.waiting:
+            self._admit(inst, now)
+        if not inst.prefilling:  # the common step: decode only
+            inst.pieces = []
+            if not inst.batch:
+                inst.stepping = False
+                return
+            inst.stepping = True
+            self.peak = max(self.peak, inst.batch)
+            self._schedule(inst, now, self.model.step_time_s(inst.kv_tokens, inst.batch))
+            return
         left = self.budget - inst.batch
         pieces: list[tuple[_Req, int]] = []
         for q in inst.prefilling:
@@ -350,6 +360,9 @@ class _Engine:
         dt = mixed_step_s(
             self.s, self.model, inst.batch, inst.kv_tokens, [(t, q.computed) for q, t in pieces]
         )
+        self._schedule(inst, now, dt)
+
+    def _schedule(self, inst: _Instance, now: float, dt: float) -> None:
         inst.busy_s += dt
         self.steps += 1
         self.order += 1
@@ -367,11 +380,12 @@ class _Engine:
                 inst.reserved -= reserved
                 self._left(inst, now)
                 self._finished(inst, room, now)
-        for q, take in inst.pieces:
-            q.computed += take
-            if q.computed >= q.req.prompt_tokens:
-                self._prefilled(inst, q, now)
-        inst.prefilling = [q for q in inst.prefilling if q.computed < q.req.prompt_tokens]
+        if inst.pieces:
+            for q, take in inst.pieces:
+                q.computed += take
+                if q.computed >= q.req.prompt_tokens:
+                    self._prefilled(inst, q, now)
+            inst.prefilling = [q for q in inst.prefilling if q.computed < q.req.prompt_tokens]
         self._step(inst, now)
 
     def _prefilled(self, inst: _Instance, q: _Req, now: float) -> None:

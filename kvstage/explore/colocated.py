@@ -85,6 +85,17 @@ def _layout_problem(base: Scenario, tp: int, ep: int, n: int) -> str | None:
     return None
 
 
+def prefill_overload(s: Scenario) -> str | None:
+    """Why the colocated instances cannot keep up with the prompts alone, else None: the
+    offered prompt tokens/s against their prefill capacity at full chunks
+    (kvstage/explore/screen.py). A lower bound on the load: decode steps and smaller
+    chunks mixed into them only take more of the GPUs' time."""
+    from kvstage.explore.screen import PREFILL, capacity, overload
+
+    stage = capacity(s).get(PREFILL)
+    return None if stage is None else overload({PREFILL: stage})
+
+
 def colocated_candidates(
     base: Scenario,
     tps: Sequence[int],
@@ -92,10 +103,11 @@ def colocated_candidates(
     chunks: Sequence[int],
     max_gpus: int | None,
     eps: Sequence[int] = (1,),
+    screen: bool = True,
 ) -> ColocatedCandidates:
     """Every (instances, TP, EP, chunk) of the grid on `base`'s decode GPU; those whose
-    weights or one chunk do not fit a GPU, whose EP does not apply, or above `max_gpus`,
-    skipped with why."""
+    weights or one chunk do not fit a GPU, whose EP does not apply, above `max_gpus`, or
+    (`screen`) whose prompts alone overload the instances, skipped with why."""
     from kvstage.sim.colocated import colocated_problem, colocated_scenario
 
     out = ColocatedCandidates({}, {})
@@ -115,11 +127,14 @@ def colocated_candidates(
                     why = _layout_problem(base, tp, ep, n) or colocated_problem(s)
                     if why is None and max_gpus is not None and n * tp > max_gpus:
                         why = f"{n * tp} GPUs: over the plan's {max_gpus}"
+                    one = colocated_scenario(s, tp, n, ep)
+                    if why is None and screen:
+                        why = prefill_overload(one)
                     if why is not None:
                         out.skipped.append(_row(settings, "skipped", reason=why))
                         continue
                     index = len(out.settings)
-                    out.scenarios[index] = colocated_scenario(s, tp, n, ep)
+                    out.scenarios[index] = one
                     out.settings[index] = settings
     return out
 
@@ -331,7 +346,9 @@ def parse_instances(text: str) -> list[int]:
     return out
 
 
-def colocated_from_plan(cands: Any, instances: str, max_gpus: int | None) -> ColocatedCandidates:
+def colocated_from_plan(
+    cands: Any, instances: str, max_gpus: int | None, screen: bool = True
+) -> ColocatedCandidates:
     """The colocated candidates of a disaggregated plan's grid (`plan_candidates`): its
     prefill and decode TPs and chunk sizes, `instances`, on its first configuration's
     scenario, up to `max_gpus` or the largest GPU count of the disaggregated grid."""
@@ -345,4 +362,6 @@ def colocated_from_plan(cands: Any, instances: str, max_gpus: int | None) -> Col
         rows = [p.settings for p in cands.points] + list(cands.skipped)
         max_gpus = max(gpus_of(r) for r in rows)
     base = cands.points[0].scenario
-    return colocated_candidates(base, tps, parse_instances(instances), chunks, max_gpus, eps)
+    return colocated_candidates(
+        base, tps, parse_instances(instances), chunks, max_gpus, eps, screen
+    )

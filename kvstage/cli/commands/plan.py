@@ -502,7 +502,9 @@ def plan(
             decode_ep,
         )
         cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
-        colo = colocated_from_plan(cands, colocated_instances, max_gpus) if colocated else None
+        colo = (
+            colocated_from_plan(cands, colocated_instances, max_gpus, screen) if colocated else None
+        )
     except ExploreError as exc:  # PlanError, SweepError, --ray, --gpu-hour-cost
         _fail(str(exc))
     where = f"Ray ({ray})" if ray else f"up to {workers or os.cpu_count()} local processes"
