@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvstage.analysis.admission_report import admission_warnings
+from kvstage.analysis.workload_report import admission_warnings, trace_overrides
 from kvstage.run.simrun import run_simulation
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.admission import Limits, admit, refusal
@@ -141,3 +141,15 @@ def test_a_stalled_simulation_ends_in_one_line_naming_what_waits(monkeypatch, tm
     code = run_simulation(s, out=tmp_path / "run", progress=False, console=console)
     out = console.export_text(styles=False).strip().splitlines()
     assert code == 1 and len(out) == 1 and out[0].startswith("error: the simulation stalled")
+
+
+def test_validate_notes_the_parts_of_a_trace_the_scenario_replaces(tmp_path: Path):
+    trace = write_trace(tmp_path, [1000, 2000])
+    # the flagship sets its own arrivals and prompts
+    notes = trace_overrides(load_scenario(FLAGSHIP, [f'workload.trace="{trace}"']))
+    assert [n.split(" replaces")[0] for n in notes] == [
+        "note: workload.arrival = 'poisson'",
+        "note: workload.prompt = 'lognormal'",
+    ]
+    sets = [f'workload.trace="{trace}"', 'workload.arrival="trace"', 'workload.prompt="trace"']
+    assert trace_overrides(load_scenario(FLAGSHIP, sets)) == []

@@ -191,6 +191,8 @@ def _cluster_table(s: Scenario) -> Table:
         t.add_row(
             f"decode step, one request of {prompt} tokens", f"{step * 1e3:,.2f} ms (TPOT alone)"
         )
+    elif out is None and s.workload.trace:
+        t.add_row("decode generation", "the trace rows' output lengths, where they give one")
     else:
         t.add_row("decode generation", "not modeled (workload.output_tokens = 0)")
     return t

@@ -62,9 +62,9 @@ def validate(scenario: ScenarioArg, set_: SetOpt = None) -> None:
     console.print(s.to_toml(), highlight=False, markup=False)
     console.rule("derived layout")
     layout_report(s, console)
-    from kvstage.analysis.admission_report import admission_warnings
+    from kvstage.analysis.workload_report import workload_notes
 
-    for line in admission_warnings(s):
+    for line in workload_notes(s):
         console.print(line, markup=False, highlight=False)
 
 

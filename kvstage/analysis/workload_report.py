@@ -1,6 +1,7 @@
-"""What `kvstage validate` warns about a scenario's workload before anything runs: the
-requests an engine would refuse at admission (shared/admission.py), and the prompt
-lengths it could draw beyond the model's context though this seed drew none."""
+"""What `kvstage validate` says about a scenario's workload before anything runs: the
+requests an engine would refuse at admission (shared/admission.py), the prompt lengths
+it could draw beyond the model's context though this seed drew none, and the parts of
+a named trace the scenario overrides (shared/workload.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import generate_requests
 from kvstage.sim.driver import engine_limits
 
-__all__ = ["admission_warnings"]
+__all__ = ["admission_warnings", "trace_overrides", "workload_notes"]
 
 
 def _longest_drawable(scenario: Scenario) -> int | None:
@@ -43,3 +44,26 @@ def admission_warnings(scenario: Scenario) -> list[str]:
             "requests would be rejected at admission (none with this seed)"
         )
     return lines
+
+
+def trace_overrides(scenario: Scenario) -> list[str]:
+    """A note per part of a named trace the scenario replaces with its own ([] when
+    the trace supplies everything it has)."""
+    w = scenario.workload
+    if not w.trace:
+        return []
+    parts = []
+    if w.arrival != "trace":
+        parts.append(f"workload.arrival = {w.arrival!r} replaces the trace's arrivals")
+    if w.prompt != "trace":
+        parts.append(
+            f"workload.prompt = {w.prompt!r} replaces the trace's prompt lengths and hash ids"
+        )
+    if w.output_tokens is not None:
+        parts.append(f"workload.output_tokens = {w.output_tokens} replaces its output lengths")
+    return [f'note: {part} (set it to "trace", or leave it out, to replay them)' for part in parts]
+
+
+def workload_notes(scenario: Scenario) -> list[str]:
+    """Everything `kvstage validate` prints about the workload, warnings first."""
+    return admission_warnings(scenario) + trace_overrides(scenario)
