@@ -187,35 +187,34 @@ for _name in ("deepseek-v2", "deepseek-v3", "kimi-k2"):
         PRESETS[_name], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512
     )
 
-# max_position_embeddings from the same config.json files, i.e.
-# https://huggingface.co/<source>/blob/main/config.json for each preset's `source`
-# (llama-3-405b: meta-llama/Llama-3.1-405B; opt-13b: facebook/opt-13b). Llama 3 has an
-# 8k context, Llama 3.1 and 3.2 128k; SGLang and vLLM take this as the context length
-# unless --context-length / --max-model-len says otherwise ([model] context_tokens).
+# max_position_embeddings from the same config.json files (https:// + the URL beside
+# each). Llama 3 has an 8k context, Llama 3.1 and 3.2 128k; SGLang and vLLM take this as
+# the context length unless --context-length / --max-model-len says otherwise
+# ([model] context_tokens).
 _CONTEXT: dict[str, int] = {
-    "llama-2-7b": 4096,
-    "llama-3-8b": 8192,
-    "llama-3.1-8b": 131072,
-    "llama-3-70b": 8192,
-    "llama-3.1-70b": 131072,
-    "llama-3-405b": 131072,
-    "llama-3.1-405b": 131072,
-    "llama-3.2-1b": 131072,
-    "llama-3.2-3b": 131072,
-    "mistral-7b": 32768,
-    "mixtral-8x7b": 32768,
-    "mixtral-8x22b": 65536,
-    "qwen2.5-0.5b": 32768,
-    "qwen2.5-7b": 131072,
-    "qwen2.5-14b": 131072,
-    "qwen2.5-32b": 131072,
-    "qwen2.5-72b": 131072,
-    "qwen3-30b-a3b": 40960,
-    "qwen3-235b-a22b": 40960,
-    "deepseek-v2": 163840,
-    "deepseek-v3": 163840,
-    "kimi-k2": 131072,
-    "opt-13b": 2048,
+    "llama-2-7b": 4096,  # huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json
+    "llama-3-8b": 8192,  # huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
+    "llama-3.1-8b": 131072,  # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
+    "llama-3-70b": 8192,  # huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json
+    "llama-3.1-70b": 131072,  # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
+    "llama-3-405b": 131072,  # huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json
+    "llama-3.1-405b": 131072,  # huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json
+    "llama-3.2-1b": 131072,  # huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
+    "llama-3.2-3b": 131072,  # huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json
+    "mistral-7b": 32768,  # huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json
+    "mixtral-8x7b": 32768,  # huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
+    "mixtral-8x22b": 65536,  # huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json
+    "qwen2.5-0.5b": 32768,  # huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
+    "qwen2.5-7b": 131072,  # huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
+    "qwen2.5-14b": 131072,  # huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json
+    "qwen2.5-32b": 131072,  # huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
+    "qwen2.5-72b": 131072,  # huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
+    "qwen3-30b-a3b": 40960,  # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+    "qwen3-235b-a22b": 40960,  # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
+    "deepseek-v2": 163840,  # huggingface.co/deepseek-ai/DeepSeek-V2/blob/main/config.json
+    "deepseek-v3": 163840,  # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json
+    "opt-13b": 2048,  # huggingface.co/facebook/opt-13b/blob/main/config.json
+    "kimi-k2": 131072,  # huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/config.json
 }
 for _name, _ctx in _CONTEXT.items():
     PRESETS[_name] = replace(PRESETS[_name], context_tokens=_ctx)
