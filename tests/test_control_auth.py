@@ -462,16 +462,32 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             raw.setsockopt(zmq.LINGER, 0)
             curve_client(raw, secret)
             raw.connect(f"tcp://{server.address}")
-            mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7), b"")
+            mac = FrameMac(rank_key(secret, TO_LAUNCHER, "tool-x", 7), b"")
             query = mac.sign(
-                [b"prefill0", frame_header(7, 1), json.dumps({"kind": "query"}).encode()]
+                [b"tool-x", frame_header(7, 1), json.dumps({"kind": "query"}).encode()]
             )
             raw.send_multipart(query)
             assert raw.poll(5000)
             raw.recv_multipart()  # the table, once
             raw.send_multipart(query)
-            _until(lambda: "replayed message: signed for prefill0" in server.refusals[-1])
+            _until(lambda: "replayed message: signed for tool-x" in server.refusals[-1])
+            # a query signed for a rank of the run from another connection is refused before
+            # that rank's replay state is touched (issue 39: else it raised prefill0's floor)
+            mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7), b"")
+            raw.send_multipart(
+                mac.sign(
+                    [
+                        b"prefill0",
+                        frame_header(7, 2**64 - 1),
+                        json.dumps({"kind": "query"}).encode(),
+                    ]
+                )
+            )
+            _until(lambda: "not prefill0's registered one" in server.refusals[-1])
             raw.close()
+            prefill0 = next(c for c in clients if c.name == "prefill0")
+            table, _ = prefill0.query(5)  # prefill0 itself is still heard
+            assert sorted(table) == ["decode0", "prefill0"]
             # a report for a rank from a connection other than its own is refused
             assert "registered no rank" in _refused(
                 server, stranger, {"kind": "report", "role": "decode", "rank": 0}

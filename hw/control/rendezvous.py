@@ -12,6 +12,11 @@ speaks for, and a message sent again (replayed) is refused. A rank's hello also
 carries its control plane's public key (`RankInfo.key`), from which its peers derive
 the keys of their frames to and from it (hw/control/keys.py).
 
+Who is in the run (registrations, incarnations, beats, down and gone, rejoins, the
+report barrier, each name's replay floor) is a pure machine, hw/control/membership.py;
+`RendezvousServer` holds the ROUTER socket, CURVE and the MACs around it, and hands the
+machine each authenticated message with the time.
+
 During the run each rank says it is alive every RANK_BEAT_S: the launcher's failure
 detector for ranks it did not start (`kvstage hw --no-spawn`). A prefill rank that
 died may register again under a newer incarnation and rejoin the run
@@ -21,23 +26,21 @@ incarnation serves them).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import os
-import re
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstage.hw.control.keys import MAX_NAME_BYTES, PUBLIC_KEY_BYTES, Identity, rank_key
+from kvstage.hw.control.keys import MAX_NAME_BYTES, rank_key
+from kvstage.hw.control.membership import MAX_SPEAKERS, Membership, RankInfo
 from kvstage.hw.control.plane import (
     MAX_RENDEZVOUS_BYTES,
     SECRET_ENV,
@@ -52,8 +55,6 @@ from kvstage.hw.control.plane import (
     log,
     run_secret,
 )
-from kvstage.hw.transport.bandwidth import PROBE_SLOT_S
-from kvstage.shared.runtime import rank_name
 
 # connections the rendezvous closes before their CURVE handshake, none completed, before
 # a rank concludes that its run secret is not the launcher's (ZMQ reconnects every
@@ -61,99 +62,9 @@ from kvstage.shared.runtime import rank_name
 REFUSED_HANDSHAKES = 3
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode(), validate=True)
-
-
 # a rank waiting for an answer says so after this long, then again every so often
 WAIT_NOTE_S = 5.0
 WAIT_NOTE_EVERY_S = 15.0
-
-_CONTROL_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}")
-_PUBLIC_KEY = re.compile(f"[0-9a-f]{{{2 * PUBLIC_KEY_BYTES}}}")
-
-
-@dataclass
-class RankInfo:
-    role: str
-    rank: int
-    control: str  # tcp://host:port of the rank's PULL socket
-    agent: str  # transfer engine agent / session name
-    metadata: bytes  # transfer metadata (registered regions)
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. KV pool / ring descriptors
-    incarnation: int = 0  # its control plane's incarnation (ControlPlane.incarnation)
-    key: str = ""  # its control plane's X25519 public key, hex (ControlPlane.identity)
-
-    @property
-    def name(self) -> str:
-        return rank_name(self.role, self.rank)
-
-    @property
-    def identity(self) -> Identity:
-        """What a peer connects its control plane to (hw/control/keys.py)."""
-        return Identity(self.name, self.incarnation, bytes.fromhex(self.key))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "rank": self.rank,
-            "control": self.control,
-            "agent": self.agent,
-            "metadata": _b64(self.metadata),
-            "extra": self.extra,
-            "incarnation": self.incarnation,
-            "key": self.key,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RankInfo:
-        return cls(
-            d["role"],
-            int(d["rank"]),
-            d["control"],
-            d["agent"],
-            _unb64(d["metadata"]),
-            d.get("extra", {}),
-            int(d.get("incarnation", 0)),
-            str(d.get("key", "")),
-        )
-
-    @classmethod
-    def from_hello(cls, d: dict[str, Any]) -> RankInfo:
-        """A hello's RankInfo, every field checked; ValueError naming the first bad one."""
-        for key, kind in (
-            ("role", str),
-            ("rank", int),
-            ("control", str),
-            ("agent", str),
-            ("metadata", str),
-        ):
-            if key not in d:
-                raise ValueError(f"no {key!r}")
-            if not isinstance(d[key], kind) or isinstance(d[key], bool):
-                raise ValueError(f"{key!r} is {type(d[key]).__name__}, not {kind.__name__}")
-        if d["role"] not in ("prefill", "decode") or d["rank"] < 0:
-            raise ValueError(f"no such rank: role {d['role']!r}, rank {d['rank']}")
-        if not _CONTROL_ADDRESS.fullmatch(d["control"]):
-            raise ValueError(f"'control' {d['control'][:80]!r} is not tcp://HOST:PORT")
-        if not isinstance(d.get("extra", {}), dict):
-            raise ValueError("'extra' is not an object")
-        inc = d.get("incarnation", 0)
-        if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 1 << 63:
-            raise ValueError(f"'incarnation' {str(inc)[:40]!r} is not an int in [0, 2**63)")
-        key = d.get("key")
-        if not isinstance(key, str) or not _PUBLIC_KEY.fullmatch(key):
-            raise ValueError(
-                f"'key' {str(key)[:80]!r} is not a public key ({2 * PUBLIC_KEY_BYTES} hex digits)"
-            )
-        try:
-            return cls.from_json(d)
-        except binascii.Error as exc:
-            raise ValueError(f"'metadata' is not base64: {exc}") from None
 
 
 class RendezvousError(RuntimeError):
@@ -166,11 +77,6 @@ class RendezvousRetry(RendezvousError):
 
 # how often a hello refused for now is sent again (RendezvousClient.hello)
 RETRY_S = 0.5
-# rank names whose last (incarnation, sequence) the rendezvous keeps (replay state): only
-# authenticated messages make entries, so this bounds what a flood of names can take
-MAX_SPEAKERS = 4096
-
-
 # What the rendezvous tells a registered rank unasked (RendezvousClient.notices).
 NOTICES = frozenset({"rejoin"})
 # A registered rank says it is alive this often; one silent for RANK_SILENT_S is down
@@ -178,10 +84,6 @@ NOTICES = frozenset({"rejoin"})
 # detectors fail its rooms first, with their reason).
 RANK_BEAT_S = 0.5
 RANK_SILENT_S = 5.0
-# How long a rejoin waits for the decode ranks' answers before it goes on without them.
-REJOIN_ACK_S = 10.0
-# The longest a rank may announce it will be quiet (alive quiet_s: building its report).
-MAX_QUIET_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -481,29 +383,6 @@ class RendezvousClient:
         self.sock.close(linger=1000)
 
 
-@dataclass
-class _Down:
-    """A registered rank that died or went silent during the run, until it rejoins or
-    its grace ends (then it is gone)."""
-
-    why: str
-    since: float  # time.monotonic()
-    deadline: float
-
-
-@dataclass
-class _Rejoin:
-    """A restarted rank's re-registration: its decode peers are asked which room the
-    new incarnation serves from; it gets its table once all answered (or the wait ends)."""
-
-    ident: bytes
-    info: RankInfo
-    asked: set[str]
-    deadline: float
-    after: str  # what happened to the incarnation it replaces
-    answers: dict[str, int | None] = field(default_factory=dict)
-
-
 class RendezvousServer:
     """The launcher's side: collects hellos and reports of `expected` ranks.
 
@@ -546,10 +425,8 @@ class RendezvousServer:
     ) -> None:
         secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
-        # (name, incarnation) -> the key its messages are signed with; name -> the newest
-        # (incarnation, sequence) it sent (replay state)
+        # (name, incarnation) -> the key its messages are signed with
         self._keys: dict[tuple[str, int], FrameMac] = {}
-        self._last: dict[str, tuple[int, int]] = {}
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -560,59 +437,52 @@ class RendezvousServer:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"{advertise or host}:{port}"  # what ranks connect to
-        self.expected = set(expected)
-        self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
-        self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
-        self.gone: dict[str, str] = {}  # ranks that died during the run for good -> why
-        self.down: dict[str, _Down] = {}  # ranks dead or silent, within their grace
-        self.registered: dict[bytes, str] = {}  # connection identity -> the rank it registered
-        self.refusals: list[str] = []
-        self.started = False
-        self.t0: float | None = None
-        self.silent_s = silent_s
-        self.rejoin_grace_s = rejoin_grace_s
-        self.grace_s: dict[str, float] = dict(
-            grace_s or {}
-        )  # per rank, instead of the default grace
-        self.last_heard: dict[str, float] = {}  # rank -> time.monotonic() of its last message
-        self._quiet_until: dict[str, float] = {}  # rank -> silent until then, as it announced
-        self.rejoins: list[dict[str, Any]] = []
-        self._rejoining: dict[str, _Rejoin] = {}
-        self.events: list[
-            str
-        ] = []  # what happened to ranks (down, gone, rejoined), for the launcher to print
-        self.rooms: dict[
-            str, tuple[int, int]
-        ] = {}  # rank -> (rooms ended, rooms of its workload), as it said
-        self._warn = Throttled(log, first=20)
-        # the bandwidth probe (hw/transport/bandwidth.py): this many slots of `probe_slot_s` before
-        # t0, one per (prefill, decode) pair; 0: no probe
-        self.probe_slots = probe_slots
-        self.probe_slot_s = PROBE_SLOT_S
-
-    def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
-        try:
-            self.sock.send_multipart(
-                [ident, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK
-            )
-        except zmq.ZMQError:
-            pass  # the peer is gone: nothing to tell
-
-    def _refuse(self, ident: bytes, reason: str, answer: bool = True, retry: bool = False) -> None:
-        """Refuse a message: logged and kept; answered "refused" unless `answer` is False
-        (a message a rank sends without waiting for an answer: it would take a
-        "refused" for the answer to its next request). `retry`: refused for now only."""
-        self.refusals = [*self.refusals[-99:], reason]
-        self._warn.warn(
-            "refused", "rendezvous: refused a message from connection %s: %s", ident.hex(), reason
+        # who is in the run, and what each rank said: the pure machine (membership.py)
+        self.members = Membership(
+            expected,
+            silent_s=silent_s,
+            rejoin_grace_s=rejoin_grace_s,
+            grace_s=grace_s,
+            probe_slots=probe_slots,
         )
-        if answer:
-            self._send(ident, {"kind": "refused", "reason": reason, "retry": retry})
+        self._warn = Throttled(log, first=20)
 
-    def _signed(self, frames: list[bytes]) -> tuple[str, int, bytes] | str:
-        """(the name and incarnation a message is signed for, its JSON) when its MAC is
-        right for them and it is newer than the last message signed for that name; else
-        why it is refused."""
+    # the membership's state, as the launcher and tools read it
+    expected = property(lambda self: self.members.expected)
+    hellos = property(lambda self: self.members.hellos)
+    reports = property(lambda self: self.members.reports)
+    gone = property(lambda self: self.members.gone)
+    down = property(lambda self: self.members.down)
+    registered = property(lambda self: self.members.registered)
+    refusals = property(lambda self: self.members.refusals)
+    started = property(lambda self: self.members.started)
+    t0 = property(lambda self: self.members.t0)
+    rejoins = property(lambda self: self.members.rejoins)
+    rooms = property(lambda self: self.members.rooms)
+    all_reported = property(lambda self: self.members.all_reported)
+    headline = staticmethod(Membership.headline)
+
+    def _flush(self) -> None:
+        """Sign and send what the membership said; log what it refused."""
+        for conn, reason in self.members.take_refused():
+            self._warn.warn(
+                "refused",
+                "rendezvous: refused a message from connection %s: %s",
+                conn.hex(),
+                reason,
+            )
+        for conn, msg in self.members.take_sends():
+            try:
+                self.sock.send_multipart(
+                    [conn, *self._down.sign([json.dumps(msg).encode()])], zmq.NOBLOCK
+                )
+            except zmq.ZMQError:
+                pass  # the peer is gone: nothing to tell
+
+    def _signed(self, frames: list[bytes]) -> tuple[str, int, int, bytes] | str:
+        """(the name and incarnation a message is signed for, its number, its JSON) when
+        its MAC is right for them; else why it is refused. Whether that signer may speak
+        here, and whether the message is new, the membership decides."""
         if len(frames) != 4 or len(frames[1]) != 16 or not 0 < len(frames[0]) <= MAX_NAME_BYTES:
             return "unauthenticated message (no MAC, or not this run's secret)"
         name = bytes(frames[0]).decode(errors="replace")
@@ -627,22 +497,11 @@ class RendezvousServer:
             if len(self._keys) >= MAX_SPEAKERS:
                 self._keys.pop(next(iter(self._keys)))
             self._keys[(name, inc)] = mac
-        last = self._last.get(name)
-        if last is not None and (inc, seq) <= last:
-            return (
-                f"replayed message: signed for {name[:40]} incarnation {inc} number {seq}, not "
-                f"newer than its last ({last[0]} number {last[1]}): sent again, or from an "
-                f"earlier incarnation"
-            )
-        if last is None and len(self._last) >= MAX_SPEAKERS:
-            self._last.pop(next(iter(self._last)))
-        self._last[name] = (inc, seq)
-        return name, inc, body[2]
+        return name, inc, seq, body[2]
 
     def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
-        """Handle what arrived; once all hellos are in, answer them with the table. Then
-        tend the ranks: silent ones go down, down ones past their grace are gone,
-        rejoins whose peers answered complete."""
+        """Handle what arrived; then let the membership start the run once every rank is
+        in, and tend the ranks (Membership.tick)."""
         if self.sock.poll(int(timeout_s * 1000)):
             while True:
                 try:
@@ -652,303 +511,45 @@ class RendezvousServer:
                 try:
                     self._handle(parts[0], parts[1:])
                 except Exception as exc:  # a stray peer must not take the launcher down
-                    self._refuse(
+                    self.members.refuse(
                         parts[0], f"could not handle the message: {type(exc).__name__}: {exc}"
                     )
-        if not self.started and set(self.hellos) == self.expected:
-            self.started = True
-            probe_s = self.probe_slots * self.probe_slot_s
-            self.t0 = time.time() + start_delay_s + probe_s
-            now = time.monotonic()
-            self.last_heard = dict.fromkeys(self.hellos, now)
-            table = [info.to_json() for _, info in self.hellos.values()]
-            msg: dict[str, Any] = {"kind": "table", "ranks": table, "t0": self.t0}
-            if self.probe_slots:
-                msg["probe"] = {"start": self.t0 - probe_s, "slot_s": self.probe_slot_s}
-            for ident, _ in self.hellos.values():
-                self._send(ident, msg)
-        if self.started:
-            self._tend(time.monotonic())
+        self.members.tick(time.monotonic(), time.time(), start_delay_s)
+        self._flush()
 
-    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+    def _handle(self, conn: bytes, frames: list[bytes]) -> None:
         if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
-            return self._refuse(
-                ident, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
+            return self.members.refuse(
+                conn, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
             )
         signed = self._signed(frames)
         if isinstance(signed, str):
-            return self._refuse(ident, signed)
-        signer, incarnation, raw = signed
+            return self.members.refuse(conn, signed)
+        signer, incarnation, seq, raw = signed
         try:
             msg = json.loads(raw)
         except ValueError as exc:
-            return self._refuse(ident, f"malformed message: {exc}")
-        kind = msg.get("kind") if isinstance(msg, dict) else None
-        name = self.registered.get(ident)
-        if name is not None and kind != "hello":
-            hello = self.hellos[name][1]
-            if (signer, incarnation) != (name, hello.incarnation):
-                return self._refuse(
-                    ident,
-                    f"{str(kind)[:40]} signed for {signer[:40]} incarnation {incarnation} from "
-                    f"the connection of {name} incarnation {hello.incarnation}: a rank speaks "
-                    f"only for itself",
-                    answer=kind not in ("alive", "rejoin_ack"),
-                )
-            self.last_heard[name] = time.monotonic()  # any message is a sign of life
-        if kind == "alive":
-            if name is None:  # e.g. a replaced incarnation's old connection
-                return self._refuse(
-                    ident, "alive from a connection that registered no rank", answer=False
-                )
-            quiet = msg.get("quiet_s")
-            if isinstance(quiet, (int, float)) and not isinstance(quiet, bool) and quiet > 0:
-                self._quiet_until[name] = time.monotonic() + min(float(quiet), MAX_QUIET_S)
-            rooms = msg.get(
-                "rooms"
-            )  # progress only: a bad value is ignored, never trusted for anything else
-            if (
-                isinstance(rooms, list)
-                and len(rooms) == 2
-                and all(type(v) is int for v in rooms)
-                and 0 <= rooms[0] <= rooms[1]
-            ):
-                self.rooms[name] = (rooms[0], rooms[1])
-            return None
-        if kind == "hello":
-            return self._hello(ident, msg, signer, incarnation)
-        if kind == "report":
-            return self._report(ident, msg)
-        if kind == "rejoin_ack":
-            return self._rejoin_ack(ident, msg)
-        if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
-            return self._send(ident, {"kind": "clock", "t1": msg.get("t1"), "t2": time.time()})
-        if kind == "query":
-            table = [info.to_json() for _, info in self.hellos.values()]
-            return self._send(
-                ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoins": self.rejoins}
-            )
-        return self._refuse(
-            ident,
-            f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock, "
-            f"alive, rejoin_ack)",
-        )
-
-    def _hello(self, ident: bytes, msg: dict[str, Any], signer: str, incarnation: int) -> None:
-        try:
-            info = RankInfo.from_hello(msg)
-        except ValueError as exc:
-            return self._refuse(ident, f"bad hello: {exc}")
-        name = info.name
-        if name not in self.expected:
-            return self._refuse(
-                ident,
-                f"{name} is not part of this run (expected: {', '.join(sorted(self.expected))})",
-            )
-        if (signer, incarnation) != (name, info.incarnation):
-            return self._refuse(
-                ident,
-                f"a hello for {name} incarnation {info.incarnation} signed for {signer[:40]} "
-                f"incarnation {incarnation}: a rank registers only itself",
-            )
-        if ident in self.registered:
-            return self._refuse(
-                ident, f"this connection already registered {self.registered[ident]}"
-            )
-        if name in self.hellos:
-            if self.started and info.role == "prefill":
-                return self._rejoin(ident, info)
-            why = "" if not self.started else " (only a prefill rank can rejoin a run)"
-            return self._refuse(ident, f"{name} is already registered{why}")
-        self.hellos[name] = (ident, info)
-        self.registered[ident] = name
-
-    # --- rejoin --------------------------------------------------------------------
-    def _rejoin(self, ident: bytes, info: RankInfo) -> None:
-        name = info.name
-        old_ident, old = self.hellos[name]
-        if name in self.reports:
-            return self._refuse(
-                ident, f"{name} is already registered and finished: nothing to rejoin"
-            )
-        if name in self.gone:
-            return self._refuse(
-                ident,
-                f"{name} is already registered and was declared gone, too late to rejoin: "
-                f"{self.gone[name][:200]}",
-            )
-        if info.incarnation <= old.incarnation:
-            return self._refuse(
-                ident,
-                f"{name} is already registered as incarnation {old.incarnation}; a rejoin "
-                f"needs a newer one, not {info.incarnation} (a replayed hello, or a clock behind)",
-            )
-        if name not in self.down:
-            # never a second registration of a live rank (a secret holder taking it over):
-            # a restart of a rank nobody saw die yet waits until it goes silent
-            return self._refuse(
-                ident,
-                f"{name} is registered and live (incarnation {old.incarnation}): a new "
-                f"incarnation may register once it is down",
-                retry=True,
-            )
-        after = self.down.pop(name).why
-        self.registered.pop(old_ident, None)
-        self.hellos[name] = (ident, info)
-        self.registered[ident] = name
-        asked = {
-            n
-            for n, (_, i) in self.hellos.items()
-            if i.role == "decode" and n not in self.gone and n not in self.down
-        }
-        self._rejoining[name] = _Rejoin(ident, info, asked, time.monotonic() + REJOIN_ACK_S, after)
-        self.events.append(
-            f"rank {name} registered again as incarnation {info.incarnation}: asking "
-            f"{', '.join(sorted(asked)) or 'no decode rank'} which rooms it serves"
-        )
-        notice = {"kind": "rejoin", "rank": info.to_json()}
-        for n in sorted(asked):  # asked only once the rejoin is recorded (as everywhere here)
-            self._send(self.hellos[n][0], notice)
-
-    def _rejoin_ack(self, ident: bytes, msg: dict[str, Any]) -> None:
-        name = self.registered.get(ident)
-        target, inc, first = msg.get("rank"), msg.get("incarnation"), msg.get("first_room")
-        pending = self._rejoining.get(target) if isinstance(target, str) else None
-        if (
-            name is None
-            or pending is None
-            or pending.info.incarnation != inc
-            or name not in pending.asked
-            or not (
-                first is None
-                or (isinstance(first, int) and not isinstance(first, bool) and first >= 0)
-            )
-        ):
-            return self._refuse(
-                ident,
-                f"rejoin_ack from {name or 'a connection that registered no rank'} for "
-                f"{str(target)[:40]} incarnation {str(inc)[:24]}: no such rejoin asked of it",
-                answer=False,
-            )
-        pending.answers[name] = first
-
-    def _tend(self, now: float) -> None:
-        for name, r in list(self._rejoining.items()):
-            r.asked -= set(self.gone) | set(self.down)
-            if r.asked <= set(r.answers) or now >= r.deadline:
-                self._rejoined(name, r, now)
-        if self.silent_s is not None:
-            for name in self.hellos:
-                if (
-                    name in self.reports
-                    or name in self.gone
-                    or name in self.down
-                    or name in self._rejoining
-                ):
-                    continue
-                silent = now - self.last_heard.get(name, now)
-                if silent > self.silent_s and now >= self._quiet_until.get(name, 0.0):
-                    self.mark_down(
-                        name,
-                        f"rank {name} stopped answering the rendezvous (nothing from it for "
-                        f"{silent:.1f}s): dead, hung or cut off",
-                    )
-        for name, d in list(self.down.items()):
-            if now >= d.deadline:
-                del self.down[name]
-                self.gone[name] = d.why
-                self.events.append(
-                    f"rank {name} is gone{' (it did not rejoin in time)' if d.deadline > d.since else ''}"
-                )
-
-    def _rejoined(self, name: str, r: _Rejoin, now: float) -> None:
-        del self._rejoining[name]
-        answers = [v for v in r.answers.values() if v is not None]
-        first = min(answers) if answers else None
-        silent = sorted(r.asked - set(r.answers))
-        table = [info.to_json() for _, info in self.hellos.values()]
-        rejoin = {
-            "incarnation": r.info.incarnation,
-            "first_room": first,
-            "answered": sorted(r.answers),
-            "silent": silent,
-        }
-        # Record first, answer last: the rank's hello returns as soon as the table arrives,
-        # and whoever reads `rejoins` next (a query, the launcher) must find the rejoin.
-        self.last_heard[name] = now
-        self.rejoins.append(
-            {
-                "rank": name,
-                "incarnation": r.info.incarnation,
-                "first_room": first,
-                "after": self.headline(r.after),
-            }
-        )
-        self.events.append(
-            f"rank {name} rejoined the run as incarnation {r.info.incarnation}, serving rooms "
-            f"{'from ' + str(first) if first is not None else 'none'}"
-            f"{' (no answer from ' + ', '.join(silent) + ')' if silent else ''}"
-        )
-        self._send(r.ident, {"kind": "table", "ranks": table, "t0": self.t0, "rejoin": rejoin})
+            return self.members.refuse(conn, f"malformed message: {exc}")
+        self.members.message(conn, signer, incarnation, seq, msg, time.monotonic(), time.time())
+        return None
 
     def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
-        """`name` died or went silent during the run (`why` says how): down, and gone
-        once its grace is over unless it rejoins first. False if it had finished, or
-        was down or gone already."""
-        if name in self.reports or name in self.gone or name in self.down:
-            return False
-        if grace_s is None:
-            default = self.rejoin_grace_s if name.startswith("prefill") else 0.0
-            grace_s = self.grace_s.get(name, default)
-        now = time.monotonic()
-        self._rejoining.pop(name, None)  # a rank that dies while rejoining rejoins no more
-        self.down[name] = _Down(why, now, now + max(0.0, grace_s))
-        self.events.append(
-            f"rank {name} is down: {self.headline(why)}"
-            + (f"; it may rejoin within {grace_s:.0f}s" if grace_s > 0 else "")
-        )
-        if grace_s <= 0:
-            del self.down[name]
-            self.gone[name] = why
-        return True
-
-    @staticmethod
-    def headline(why: str) -> str:
-        """A reason's first line, without the log tail a launcher appends."""
-        return why.splitlines()[0].split("; its log ")[0] if why else why
+        """`name` died or went silent during the run (Membership.mark_down)."""
+        down = self.members.mark_down(name, why, time.monotonic(), grace_s)
+        self._flush()
+        return down
 
     def take_events(self) -> list[str]:
-        out, self.events = self.events, []
-        return out
-
-    def _report(self, ident: bytes, msg: dict[str, Any]) -> None:
-        name = self.registered.get(ident)
-        if name is None:
-            return self._refuse(ident, "report from a connection that registered no rank")
-        try:
-            claimed = rank_name(msg["role"], int(msg["rank"]))
-        except (KeyError, TypeError, ValueError):
-            claimed = None
-        if claimed != name:
-            return self._refuse(ident, f"report for {claimed} from the connection of {name}")
-        if name in self.reports:
-            return self._refuse(ident, f"{name} has already reported")
-        self.reports[name] = (ident, msg)
-        self.down.pop(name, None)  # a rank thought silent that finished after all
-
-    @property
-    def all_reported(self) -> bool:
-        """Every rank reported, or is gone (died during the run and did not rejoin)."""
-        return set(self.reports) | set(self.gone) == self.expected
+        return self.members.take_events()
 
     def release(self) -> None:
         """Tell every reported rank that it may exit."""
-        for ident, _ in self.reports.values():
-            self._send(ident, {"kind": "bye"})
+        self.members.release()
+        self._flush()
 
     def abort(self, reason: str) -> None:
-        for ident, _ in list(self.hellos.values()):
-            self._send(ident, {"kind": "abort", "reason": reason})
+        self.members.abort(reason)
+        self._flush()
 
     def close(self) -> None:
         self.sock.close(linger=500)
