@@ -225,8 +225,8 @@ class Simulation:
         them out on arrival): not those the engines refuse before any work (a prompt
         beyond the model's context, KV no rank's pool can ever hold), which never reach
         a rank and are kept in `rejected`; the run goes on without them."""
-        limits = engine_limits(self.scenario, generate, self.decode_model.capacity_pages)
-        admitted, self.rejected = admit(self.requests, limits)
+        self.limits = engine_limits(self.scenario, generate, self.decode_model.capacity_pages)
+        admitted, self.rejected = admit(self.requests, self.limits)
         return admitted if self.router.static else []
 
     # --- models ---------------------------------------------------------------------

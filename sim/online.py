@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvstage.shared.admission import refusal
 from kvstage.shared.cluster import cluster_sessions
-from kvstage.shared.pages import decode_room_pages
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import Request
 from kvstage.sim.driver import SimResult, Simulation, gc_paused
@@ -31,7 +31,7 @@ __all__ = ["OnlineSimulation", "RequestRefused"]
 
 
 class RequestRefused(ValueError):
-    """A request this cluster can never serve (its KV does not fit an instance)."""
+    """A request this cluster refuses at admission; the message says why."""
 
 
 class OnlineSimulation(Simulation):
@@ -45,8 +45,6 @@ class OnlineSimulation(Simulation):
         self._started = time.perf_counter()
         self._produced: dict[int, int] = {}  # room -> tokens produced so far
         self.batches.on_tokens = self._tokens
-        # the pages the largest request may take (every instance is alike)
-        self._kv_pages = self.decode_model.capacity_pages
         self._start_runtimes()
 
     # --- what the server calls -----------------------------------------------------
@@ -61,8 +59,9 @@ class OnlineSimulation(Simulation):
                 self.env.run(until=until)
 
     def inject(self, prompt_tokens: int, output_tokens: int) -> int:
-        """A request arrives now; returns its room. Raises `RequestRefused` when its KV
-        can never fit a decode instance (it would wait for pages forever)."""
+        """A request arrives now; returns its room. Raises `RequestRefused` when an engine
+        refuses it at admission, as the offline run would (shared/admission.py: beyond
+        the model's context, or KV that can never fit a rank's pool)."""
         s = self.scenario
         page = s.decode.page_size
         cap = s.workload.max_prompt_tokens
@@ -70,12 +69,9 @@ class OnlineSimulation(Simulation):
         prefix = min(s.decode.prefix_tokens, prompt // page * page)
         room = len(self.requests)
         req = Request(room, self.env.now, prompt, prefix, output_tokens)
-        need = decode_room_pages(req, page) + -(-output_tokens // page)
-        if need > self._kv_pages:
-            raise RequestRefused(
-                f"{prompt} prompt + {output_tokens} output tokens need {need} KV pages of "
-                f"{page} tokens; a decode instance holds {self._kv_pages}"
-            )
+        why = refusal(req, self.limits)  # what the offline run rejects (shared/admission.py)
+        if why is not None:
+            raise RequestRefused(why)
         self.requests.append(req)
         self._arrivals_left += 1
         if self.loads is None:  # a static route, decided by arrival index as offline

@@ -57,6 +57,17 @@ def test_a_request_whose_kv_can_never_fit_is_refused_with_the_limit():
     s = load_scenario(P8D2, SMALL)
     sim, _ = _online(s)
     capacity = sim.decode_model.capacity_pages
-    with pytest.raises(RequestRefused, match=rf"a decode instance holds {capacity}"):
+    with pytest.raises(RequestRefused, match=rf"a decode rank's KV pool \({capacity} pages\)"):
         sim.inject(capacity * s.decode.page_size * 2, 10)
     assert sim.requests == []  # nothing half-injected
+
+
+def test_a_request_beyond_the_context_is_refused_as_offline():
+    s = load_scenario(P8D2, [*SMALL, "model.context_tokens=4096"])
+    sim, _ = _online(s)
+    with pytest.raises(RequestRefused, match=r"context: the prompt \(4096 tokens\)"):
+        sim.inject(4096, 10)
+    with pytest.raises(RequestRefused, match=r"context: prompt \+ output \(4000 \+ 96 tokens\)"):
+        sim.inject(4000, 96)
+    assert sim.requests == []
+    assert sim.inject(4000, 95) == 0
