@@ -46,8 +46,10 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    ([A] mid-generation KV 4,096 + 768 per request), MTP speculative decoding with
    1 step and 2 draft tokens (accept length 1.8-1.9) except where said: output tokens/s
    per GPU at batch per GPU 48 (714), 32 (675), 12 (423, 2 steps / 3 draft tokens,
-   accept 2.4-2.7), 8 (278; EP32: 293), 32 on EP32 (585), 1 (43). [A] 4 NICs of 400
-   Gb/s per node (the post's table): 2 GPUs per NIC. Tolerance 30%: medians of 100
+   accept 2.4-2.7), 8 (278; EP32: 293), 32 on EP32 (585), 1 (43). Simulated with
+   `decode.speculative` (method "mtp", those draft tokens, [A] the middle of each
+   acceptance range: 1.85, 2.55). [A] 4 NICs of 400 Gb/s per node (the post's table):
+   2 GPUs per NIC. Tolerance 30%: medians of 100
    log samples, an accept length given as a range and EPLB at ">70%" balance.
 6. TensorRT-LLM issue #5929 (https://github.com/NVIDIA/TensorRT-LLM/issues/5929):
    DeepSeek-R1 FP8 on 8 H200, TP8 (EP None), trtllm-serve v0.21.0rc2, LLMPerf P50:
@@ -255,10 +257,12 @@ def ant_prefill() -> float:
     return 8192 / prefill_forward(s, 4096, prompts=2).total_s
 
 
-def ant_decode(batch: int, ep: int = 16) -> Callable[[], float]:
+def ant_decode(batch: int, ep: int = 16, draft: int = 2) -> Callable[[], float]:
     """Output tokens/s per H20 GPU of a decode step of `batch` requests a GPU, DP
-    attention with EP `ep` over nodes of 8, 2 GPUs a NIC (no speculative decoding:
-    the model has none yet)."""
+    attention with EP `ep` over nodes of 8, 2 GPUs a NIC, MTP with `draft` draft tokens
+    (`draft - 1` steps) at the post's acceptance length, the middle of its range: 1.85
+    (1.8-1.9) with 2 draft tokens, 2.55 (2.4-2.7) with 3."""
+    accept = {2: 1.85, 3: 2.55}[draft]
 
     def run() -> float:
         s = deepseek(
@@ -266,8 +270,11 @@ def ant_decode(batch: int, ep: int = 16) -> Callable[[], float]:
             f"decode.ep={ep}",
             f"decode.max_running_requests={max(batch, 1)}",
             "links.gpus_per_nic=2",
+            'decode.speculative.method="mtp"',
+            f"decode.speculative.draft_tokens={draft}",
+            f"decode.speculative.accept_length={accept}",
         )
-        return batch / decode_step(s, batch, batch * (4096 + 768)).total_s
+        return batch * accept / decode_step(s, batch, batch * (4096 + 768)).total_s
 
     return run
 
@@ -293,16 +300,17 @@ _TBO = (
     "part of it (27-35% more prefill throughput in the same post)"
 )
 _MTP = (
-    "MTP speculative decoding (accept length ~1.85 with 2 draft tokens, ~2.5 with 3): "
-    "the published tokens/s counts accepted tokens, the model one token a step"
+    "MTP's draft and verify (a one-layer draft head, draft_tokens queries a request), "
+    "EPLB's imbalance (>70% balance) and the post's single-batch overlap"
 )
 _STEP = (
-    "a small-batch decode step: the fixed 1 ms engine cost a step, and reads and "
-    "compute assumed to overlap perfectly"
+    "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "
+    "step overhead ([A] 1 ms for every engine) and the all-reduce latency by link"
 )
 _PREFILL = (
-    "one MFU curve for every GPU and dtype (level from Llama 3 training), the "
-    "embedding and LM head charged on every prompt token"
+    "the prefill's matmuls at this GPU, dtype and shape: a GPU's own GEMM table exists "
+    "for H100/H200/H20 at FP8 only, and a TP8 MoE layer's ~50 rows per expert are "
+    "priced from DeepGEMM's dense-shape rates"
 )
 ROWS = [
     Row("LMSYS DeepSeek-V3 prefill, 1K prompts", "prefill", 57674, "tok/s/node", LMSYS,
@@ -344,7 +352,7 @@ ROWS = [
     Row("Ant DeepSeek-R1 H20 decode EP16, B32", "decode", 675, "tok/s/GPU", ANT,
         ant_decode(32), 0.30, _MTP),
     Row("Ant DeepSeek-R1 H20 decode EP16, B12", "decode", 423, "tok/s/GPU", ANT,
-        ant_decode(12), 0.30, _MTP),
+        ant_decode(12, draft=3), 0.30, _MTP),
     Row("Ant DeepSeek-R1 H20 decode EP16, B8", "decode", 278, "tok/s/GPU", ANT,
         ant_decode(8), 0.30, _MTP),
     Row("Ant DeepSeek-R1 H20 decode EP32, B8", "decode", 293, "tok/s/GPU", ANT,

@@ -5,7 +5,9 @@ runtime hands out a `Generate` after its RoomDone). It joins at a step boundary 
 there is a slot; that moment is its first token at the client: as in SGLang's PD
 decode, the prefill samples the first token and ships it with the KV, and the decode
 streams it when the request enters its running batch (docs/metrics.md). It then gets
-one token per step, N - 1 steps for N output tokens, and leaves after its last one,
+one token per step, N - 1 steps for N output tokens (with speculative decoding,
+`decode.speculative.accept_length` tokens a step on average: ceil((N - 1) / accept_length)
+steps), and leaves after its last one,
 when every rank hears `GenerateDone` (with the time it joined) and frees the room's
 pages. Each step is traced as a `decode_step` row at the instance's first simulated
 rank (`requests`: the batch), whose lengths are the rooms' inter-token gaps. A step's
@@ -23,6 +25,7 @@ run with large batches stays cheap.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,15 +44,15 @@ __all__ = ["DecodeBatches"]
 @dataclass(slots=True)
 class _Batch:
     steps: int = 0  # steps taken so far
-    kv_tokens: int = 0  # KV of every room in the batch, in tokens
+    kv_tokens: float = 0.0  # KV of every room in the batch, in tokens
     size: int = 0
     stepping: bool = False
     rank: int = -1  # the instance's first simulated decode rank (its step rows' rank)
     step_start: float = 0.0
     # (tokens to generate, room, context tokens, ranks, joined at)
     joining: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
-    # (finish step, room, KV tokens at the end, ranks, joined at)
-    finishing: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
+    # (finish step, room, KV tokens added while in the batch, ranks, joined at)
+    finishing: list[tuple[int, int, float, list[RankRuntime], float]] = field(default_factory=list)
 
 
 class DecodeBatches:
@@ -63,6 +66,7 @@ class DecodeBatches:
         self._ready: dict[int, list[RankRuntime]] = {}  # room -> ranks whose KV is in
         self._abandoned: set[int] = set()  # rooms that failed at a rank of their instance
         self.peak_batch = 0  # the most rooms any instance ran in one step
+        self.per_step = model.scenario.decode.tokens_per_step  # tokens a room gains a step
         # called at the end of every step with the rooms that got a token in it and the
         # time (sim/online.py streams them); None in an offline run
         self.on_tokens: Callable[[list[int], float], None] | None = None
@@ -99,10 +103,12 @@ class DecodeBatches:
                 for rt in ranks:
                     self.sim._deliver(rt, GenerateDone(room, now))
                 continue
-            # its first token (from the prefill) is out now; N - 1 steps follow
-            heapq.heappush(
-                batch.finishing, (batch.steps + tokens - 1, room, context + tokens - 1, ranks, now)
-            )
+            # its first token (from the prefill) is out now; N - 1 tokens follow, one a
+            # step or accept_length a step (decode.speculative)
+            left = tokens - 1
+            steps = math.ceil(left / self.per_step) if self.per_step != 1.0 else left
+            added = context + steps * self.per_step  # what this room adds to kv_tokens
+            heapq.heappush(batch.finishing, (batch.steps + steps, room, added, ranks, now))
             batch.kv_tokens += context
             batch.size += 1
         del batch.joining[:room_for]  # the rest wait for a slot
@@ -129,11 +135,11 @@ class DecodeBatches:
         batch.steps += 1
         if self.on_tokens is not None:
             self.on_tokens([f[1] for f in batch.finishing], self.sim.env.now)
-        batch.kv_tokens += batch.size  # every room's KV grew by one token
+        batch.kv_tokens += batch.size * self.per_step  # every room's KV grew
         while batch.finishing and batch.finishing[0][0] <= batch.steps:
-            _, room, kv_at_end, ranks, joined = heapq.heappop(batch.finishing)
+            _, room, added, ranks, joined = heapq.heappop(batch.finishing)
             batch.size -= 1
-            batch.kv_tokens -= kv_at_end  # the context it joined with plus its tokens
+            batch.kv_tokens -= added  # the context it joined with plus its tokens
             for rt in ranks:
                 self.sim._deliver(rt, GenerateDone(room, joined))
         self._step(batch)

@@ -178,10 +178,14 @@ def test_defaults_and_derived_numbers(tmp_path: Path) -> None:
     from kvstage.shared.serving.compute import prefill_forward
 
     f = prefill_forward(s, 8192)
-    assert f.linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / (989e12 * 0.4))
+    # issue 35: the embedding is a lookup and the LM head runs on the last token only
+    # (vocab 128,256 x hidden 4,096, untied: both within the 8e9)
+    table = 128256 * 4096
+    flops = 2 * ((8e9 - 2 * table) * 8192 + table) / 4
+    assert f.linear_s == pytest.approx(flops / (989e12 * 0.4))
     assert prefill_forward_s(s, 8192) == pytest.approx(f.total_s) and f.total_s > f.linear_s
     s1 = scenario_from_dict(minimal(prefill={"tflops": 400.0}))
-    assert prefill_forward(s1, 8192).linear_s == pytest.approx(2 * 8e9 * 8192 / 4 / 400e12)
+    assert prefill_forward(s1, 8192).linear_s == pytest.approx(flops / 400e12)
     s2 = scenario_from_dict(minimal(prefill={"tokens_per_s": 1000.0}))
     assert prefill_forward_s(s2, 500) == pytest.approx(0.5)
     r = s.links.resolved()

@@ -102,7 +102,8 @@ def capacity(scenario: Scenario) -> Capacity:
     target = s.slo.tpot_s
     if target is not None and load["output_tokens"]:
         context = load["computed_tokens"] + load["output_tokens"] / 2
-        cap = batch_within(model, context, target) / target * c.decode_instances
+        per_step = target * s.decode.tokens_per_step  # decode.speculative: tokens a step
+        cap = batch_within(model, context, per_step) / target * c.decode_instances
         offered = rate * load["output_tokens"]
         out[DECODE] = _stage(
             offered,

@@ -217,7 +217,9 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
         }
     target = s.slo.tpot_s
     if target is not None and rate is not None:
-        fit = batch_within(model, context, target)
+        # a step yields tokens_per_step tokens a request (decode.speculative): the TPOT
+        # target allows a step that many times as long
+        fit = batch_within(model, context, target * s.decode.tokens_per_step)
         capacity = fit / target * s.cluster.decode_instances  # output tokens/s at the target
         offered = rate * load["output_tokens"]
         out |= {

@@ -174,7 +174,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                         )
                 else:
                     ann = field.annotation
-                    sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+                    sub = _table_type(ann)
                     if last and _is_str_field(ann) and not isinstance(value, str):
                         value = raw.strip()
                     if not last and sub is None and get_origin(ann) is dict:
@@ -202,6 +202,17 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                     )
                 node = child
     return out
+
+
+def _table_type(ann: Any) -> type[BaseModel] | None:
+    """The table class of a field: the annotation itself, or the table of an optional
+    table (`X | None`, e.g. decode.speculative); None for a value or a mapping."""
+    if get_origin(ann) is dict:
+        return None
+    for t in (ann, *get_args(ann)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

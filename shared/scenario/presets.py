@@ -41,6 +41,10 @@ class ModelPreset:
     # config.json max_position_embeddings: the longest sequence (prompt + output) the
     # engines serve by default (SGLang's context_len, vLLM's max_model_len); 0: unknown
     context_tokens: int = 0
+    # config.json: vocab_size, and tie_word_embeddings (the LM head is the embedding
+    # matrix, counted once in params_b); 0: unknown (every parameter is a matmul's)
+    vocab_size: int = 0
+    tied_embeddings: bool = False
 
     @property
     def latent_dim(self) -> int | None:
@@ -218,3 +222,33 @@ _CONTEXT: dict[str, int] = {
 }
 for _name, _ctx in _CONTEXT.items():
     PRESETS[_name] = replace(PRESETS[_name], context_tokens=_ctx)
+# vocab_size and tie_word_embeddings from the same config.json files (`source`); the
+# embedding is a lookup and the LM head a matmul of the last token of each sequence in
+# a prefill (shared/serving/compute.py), so their parameters leave the per-token FLOPs.
+_VOCAB: dict[str, tuple[int, bool]] = {
+    "llama-2-7b": (32000, False),
+    "llama-3-8b": (128256, False),
+    "llama-3.1-8b": (128256, False),
+    "llama-3-70b": (128256, False),
+    "llama-3.1-70b": (128256, False),
+    "llama-3-405b": (128256, False),
+    "llama-3.1-405b": (128256, False),
+    "llama-3.2-1b": (128256, True),
+    "llama-3.2-3b": (128256, True),
+    "mistral-7b": (32000, False),
+    "mixtral-8x7b": (32000, False),
+    "mixtral-8x22b": (32000, False),
+    "qwen2.5-0.5b": (151936, True),
+    "qwen2.5-7b": (152064, False),
+    "qwen2.5-14b": (152064, False),
+    "qwen2.5-32b": (152064, False),
+    "qwen2.5-72b": (152064, False),
+    "qwen3-30b-a3b": (151936, False),
+    "qwen3-235b-a22b": (151936, False),
+    "deepseek-v2": (102400, False),
+    "deepseek-v3": (129280, False),
+    "kimi-k2": (163840, False),
+    "opt-13b": (50272, True),
+}
+for _name, (_v, _tied) in _VOCAB.items():
+    PRESETS[_name] = replace(PRESETS[_name], vocab_size=_v, tied_embeddings=_tied)

@@ -49,6 +49,7 @@ from kvstage.shared.scenario.toml_out import dumps_toml
 from kvstage.shared.serving.gpus import (
     DEFAULT_GPU,
     GPUS,
+    Gpu,
     gpu_names,
 )
 from kvstage.shared.serving.memory import memory_problem
@@ -62,6 +63,7 @@ __all__ = [
     "PrefillConfig",
     "ScaleDown",
     "Scenario",
+    "SpeculativeConfig",
     "TransferConfig",
     "WorkloadConfig",
 ]
@@ -104,6 +106,11 @@ class ModelConfig(_Table):
     # --context-length / --max-model-len set): a longer request is refused at admission
     # (shared/admission.py); absent: no limit
     context_tokens: PosInt | None = None
+    # the vocabulary (0: unknown, every parameter a matmul's) and whether the LM head
+    # is the embedding matrix (counted once in params_b): the embedding is a lookup and
+    # a prefill runs the LM head on each sequence's last token only
+    vocab_size: NonNegInt = 0
+    tied_embeddings: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -126,6 +133,8 @@ class ModelConfig(_Table):
             base["active_params_b"] = p.active_params_b  # not with an explicit params_b
         if p.hidden_size:
             base |= {"hidden_size": p.hidden_size, "attention_heads": p.attention_heads}
+        if p.vocab_size:
+            base |= {"vocab_size": p.vocab_size, "tied_embeddings": p.tied_embeddings}
         if p.experts:
             base |= {"experts": p.experts, "experts_per_token": p.experts_per_token}
         if p.context_tokens:
@@ -170,6 +179,13 @@ class ModelConfig(_Table):
                 f"{self.latent_dim} (or leave both out)",
             )
         return self
+
+    @property
+    def vocab_params_b(self) -> tuple[float, float]:
+        """(embedding, LM head) parameters in billions, within params_b: vocab x hidden
+        each, the head 0 when tied (the embedding matrix serves both)."""
+        table = self.vocab_size * self.hidden / 1e9
+        return table, 0.0 if self.tied_embeddings else table
 
     @property
     def flops_params_b(self) -> float:
@@ -255,12 +271,6 @@ def _mla_geometry(data: Any) -> Any:
     return {"kv_heads": 1, "head_dim": width, **data}
 
 
-def _known_gpu(v: str) -> str:
-    if v not in GPUS:
-        raise ValueError(f"unknown GPU {v!r}; allowed: {gpu_names()} (kvstage presets lists them)")
-    return v
-
-
 Utilization = Annotated[float, Field(gt=0, le=1)]
 # Expert parallelism (shared/serving/compute.py): the GPUs one expert group spans. 1: every
 # expert split over the TP group (as TP alone); tp: each GPU of the group holds
@@ -298,12 +308,78 @@ class PrefillConfig(_Table):
         1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
     )
 
-    _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+class GpuTable(_Table):
+    """[gpus.NAME]: a GPU of the user's own, named by `prefill.gpu` / `decode.gpu` like a
+    catalogue entry (shared/serving/gpus.py). Every number is the datasheet's, dense
+    (no sparsity); `source` says where they come from (a datasheet URL, a measurement).
+    The achieved shares of it are the defaults' (`Efficiency`), as for any GPU without
+    a kernel table of its own."""
+
+    memory_gib: PosFloat
+    hbm_gbs: PosFloat  # GB/s
+    bf16_tflops: PosFloat  # dense
+    fp8_tflops: PosFloat | None = None  # dense; absent: no FP8 tensor cores
+    scaleup_gbs: PosFloat  # per direction per GPU
+    scaleup: Annotated[str, Field(min_length=1)]  # "NVLink ...", "PCIe ...": the latency
+    allreduce_latency_us: PosFloat | None = None  # 2 GPUs; absent: by the link's kind
+    source: Annotated[str, Field(min_length=1)]
+
+    def gpu(self, name: str) -> Gpu:
+        lat = self.allreduce_latency_us
+        return Gpu(
+            name,
+            self.memory_gib,
+            self.hbm_gbs,
+            self.bf16_tflops,
+            self.fp8_tflops,
+            self.scaleup_gbs,
+            self.scaleup,
+            self.source,
+            None if lat is None else lat * 1e-6,
+        )
+
+
+class SpeculativeConfig(_Table):
+    """[decode.speculative]: speculative decoding with a one-layer draft head.
+
+    Each step a draft head proposes tokens in `steps` small forwards, then the model
+    verifies `draft_tokens` tokens per request in one forward, and a request gains
+    `accept_length` tokens on average (the verified bonus token included). "mtp" is
+    DeepSeek-V3's multi-token-prediction module, one transformer block sharing the
+    embedding and output head ([P] DeepSeek-V3 technical report, section 2.2,
+    https://arxiv.org/abs/2412.19437); "eagle" is an EAGLE draft head, one decoder layer
+    over the target's features ([P] https://arxiv.org/abs/2401.15077). SGLang runs both
+    as `--speculative-algorithm NEXTN / EAGLE` with `--speculative-num-steps`,
+    `--speculative-num-draft-tokens` ([C] sglang/srt/server_args.py). The acceptance
+    length is the workload's (a measured figure): kvstage does not predict it.
+    """
+
+    method: Literal["mtp", "eagle"]
+    draft_tokens: Annotated[int, Field(ge=2, le=64)]
+    accept_length: Annotated[float, Field(ge=1.0, le=64.0)]
+    steps: Annotated[int, Field(ge=1, le=64)] | None = None  # absent: draft_tokens - 1
+
+    @model_validator(mode="after")
+    def _accept_within_draft(self) -> SpeculativeConfig:
+        if self.accept_length > self.draft_tokens:
+            raise _FieldProblem(
+                {"accept_length": self.accept_length, "draft_tokens": self.draft_tokens},
+                "accept_length (tokens gained per step) cannot exceed draft_tokens "
+                f"(tokens verified per step); at most {self.draft_tokens}",
+            )
+        return self
+
+    @property
+    def draft_steps(self) -> int:
+        """Draft forwards per step (a chain of draft_tokens - 1 when not given)."""
+        return self.steps if self.steps is not None else self.draft_tokens - 1
 
 
 class DecodeConfig(_Table):
@@ -326,9 +402,14 @@ class DecodeConfig(_Table):
     ep: ExpertParallel = (
         1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
     )
+    speculative: SpeculativeConfig | None = None  # absent: one token per request a step
 
-    _gpu = field_validator("gpu")(classmethod(lambda cls, v: _known_gpu(v)))
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request gains per decode step: the acceptance length, or 1."""
+        return self.speculative.accept_length if self.speculative else 1.0
 
     @field_validator("page_size")
     @classmethod
@@ -641,6 +722,7 @@ class Scenario(_Table):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    gpus: dict[str, GpuTable] = Field(default_factory=dict)  # the user's own GPUs
 
     _base_dir: Path | None = PrivateAttr(default=None)
 
@@ -660,6 +742,14 @@ class Scenario(_Table):
         base_dir = (info.context or {}).get("base_dir")
         self._base_dir = Path(base_dir) if base_dir is not None else None
         _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
+        for side, cfg in (("prefill", self.prefill), ("decode", self.decode)):
+            if cfg.gpu not in GPUS and cfg.gpu not in self.gpus:
+                own = f"; [gpus.NAME] tables: {', '.join(self.gpus)}" if self.gpus else ""
+                raise _FieldProblem(
+                    {f"{side}.gpu": cfg.gpu},
+                    f"unknown GPU; allowed: {gpu_names()}{own} (kvstage presets lists "
+                    "them; a GPU of your own goes in a [gpus.NAME] table)",
+                )
         if self.cluster.fold:
             problem = fold_problem(self)
             if problem:

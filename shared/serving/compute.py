@@ -8,17 +8,23 @@ scenario's overrides).
 
 Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV:
 
-- linear FLOPs 2 x active params x c, split over the TP group; the dense layers'
-  matmuls have c rows, a MoE layer's have the tokens each expert receives (the group's
-  tokens x k / E), each at the GPU's peak for the weight dtype x MFU(rows);
+- linear FLOPs 2 x active params x c, split over the TP group, less the embedding (a
+  lookup, no FLOPs) and the LM head, which multiplies each sequence's last token only
+  (2 x vocab x hidden per prompt in the forward; the model's vocab_size and
+  tied_embeddings); the dense layers' matmuls have c rows, a MoE layer's have the
+  tokens each expert receives (the group's tokens x k / E), each at the GPU's peak for
+  the weight dtype x the share a matmul of that many rows reaches there
+  (`Efficiency.gemm_share`: the GPU's own kernel table where one was published, else
+  the default curve; `prefill.mfu` one figure for all);
 - attention FLOPs, quadratic in the context: per query token, per head, per key,
   2 x (d_qk + d_v): 4 x layers x heads x head_dim x c x (p + c/2) / tp for MHA/GQA;
   MLA prefill runs in its MHA form (d_qk = qk_nope + qk_rope = 192, d_v = 128 in
   DeepSeek-V3) [C] SGLang's DeepseekV2 attention, forward_normal; at the BF16 peak x
-  `attention_mfu`;
+  `attention_mfu`, x `attention_fp8_gain` with an FP8 KV cache on a GPU with FP8
+  tensor cores (FP8 attention);
 - two TP all-reduces per layer of c x hidden x 2 B (bf16 activations), ring
-  2 (n-1)/n of it over the scale-up link x `allreduce`, plus `allreduce_latency_s`
-  each; with DP attention (ep > tp) only the attention's one, the MoE's replaced by:
+  2 (n-1)/n of it over the scale-up link x `allreduce`, plus the link's latency for
+  the group (shared/serving/kernels.py: NVLink or PCIe, growing with the GPUs); with DP attention (ep > tp) only the attention's one, the MoE's replaced by:
 - the expert-parallel all-to-all (ep > tp): per token per MoE layer the k expert
   copies of the hidden state go out (dispatch, FP8, 1 B per element) and come back
   (combine, BF16, 2 B) [P] DeepSeek-V3 technical report, section 3.3
@@ -27,24 +33,38 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   (DeepEP's normal kernels forward over NVLink inside the node [C]
   https://github.com/deepseek-ai/DeepEP README), the NIC numbers from the links
   profile. Experts sit uniformly over the group; the all-to-all does not overlap
-  compute (SGLang's two-batch overlap, which hides part of it, is left out).
+  compute (SGLang's two-batch overlap, which hides part of it, is left out);
+- the kernels' fixed costs: layers x kernels per layer x `kernel_launch_s`
+  (shared/serving/kernels.py).
 
-Decode step of a batch of B requests holding K tokens of KV in all:
-max(bytes read / (HBM x decode_hbm), FLOPs / (peak x decode_mfu)) + step overhead + the
-TP all-reduces + the all-to-all. Bytes read: the weights the step touches (dense: all
-of this GPU's; MoE: the dense part plus the expected distinct experts the group's
-tokens pick, E (1 - (1 - k/E)^tokens) per layer, of this GPU's share) plus the KV of
-the batch. FLOPs: as in prefill with one token per request; MLA decodes in its
-absorbed form (d_qk = kv_lora_rank + qk_rope = 576, d_v = kv_lora_rank = 512)
-[C] https://github.com/deepseek-ai/FlashMLA.
+Decode step of a batch of B requests holding K tokens of KV in all. Its kernels run one
+after another, each overlapping its own reads and FLOPs (a roofline per kernel, not
+one for the whole step: the weight matmuls cannot hide the attention's KV reads):
+max(weights read / (HBM x decode_hbm), matmul FLOPs / (peak x plateau)) +
+max(KV read / (HBM x decode_hbm), attention FLOPs / attention rate) + the kernels'
+fixed costs + step overhead + the TP all-reduces + the all-to-all. Weights read: those
+the step touches less the embedding (a lookup; dense: all of this GPU's; MoE: the
+dense part plus the expected distinct experts the group's tokens pick,
+E (1 - (1 - k/E)^tokens) per layer, of this GPU's share). FLOPs: as in prefill with one
+token per request, every token a sequence's last (the LM head on each); the plateau is
+the GPU's own table's large-matmul share where there is one, else `decode_mfu`; MLA
+decodes in its absorbed form (d_qk = kv_lora_rank + qk_rope = 576, d_v = kv_lora_rank
+= 512) [C] https://github.com/deepseek-ai/FlashMLA.
+
+With `decode.speculative` a step verifies draft_tokens queries per request in one
+forward (B x draft_tokens rows through the matmuls, each query attending to its
+request's KV, the weights and the KV read once) after `steps` forwards of a one-layer
+draft head over the batch (one layer's share of the weights plus the LM head each);
+the simulator credits each request accept_length tokens a step.
 
 Expert sizes come from params_b, active_params_b, experts and experts_per_token:
 P = D + E e, A = D + k e, so e = (P - A) / (E - k) and D = A - k e. Every layer is
 counted as a MoE layer ([A] DeepSeek-V3's first 3 of 61 are dense: the all-to-all is
 ~5% high there).
 
-Left out: expert load imbalance (EPLB), pipeline parallelism, speculative decoding,
-compute-communication overlap, KV-cache quantization scales.
+Left out: expert load imbalance (EPLB), pipeline parallelism,
+compute-communication overlap (two-batch overlap), KV-cache quantization scales, a
+per-layer latency of DeepEP's dispatch and combine (they are costed on bandwidth).
 """
 
 from __future__ import annotations
@@ -55,6 +75,7 @@ from typing import TYPE_CHECKING
 
 from kvstage.shared.layout import DTYPE_BYTES
 from kvstage.shared.serving.gpus import efficiency, side_gpu
+from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
 
 if TYPE_CHECKING:
@@ -73,6 +94,7 @@ __all__ = [
     "efficiency_figures",
     "prefill_forward",
     "prefill_forward_s",
+    "vocab_params",
 ]
 
 ACT_BYTES = 2  # [A] activations in BF16 (all-reduce payload, combine)
@@ -94,16 +116,21 @@ class Forward:
     allreduce_s: float
     alltoall_s: float
     mfu: float  # of the dense matmuls
+    fixed_s: float = 0.0  # the kernels' fixed costs (shared/serving/kernels.py)
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.attention_s + self.allreduce_s + self.alltoall_s
+        return self.linear_s + self.attention_s + self.allreduce_s + self.alltoall_s + self.fixed_s
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
-    """One decode step on one GPU: the memory and compute times it is the max of, and
-    the parts it adds to that."""
+    """One decode step on one GPU. Its kernels run one after another, each reading and
+    computing at once: the weight matmuls take the longer of their reads and their
+    FLOPs (`linear_s`), the attention the longer of the KV's reads and its FLOPs
+    (`kv_memory_s`, `attention_s`); to those the kernels' fixed costs, a speculative
+    step's draft, the engine's overhead and the communication add. `memory_s` and
+    `compute_s` are the step's reads and FLOPs over all its kernels (what bounds it)."""
 
     weight_bytes: float
     kv_bytes: float
@@ -114,11 +141,19 @@ class DecodeStep:
     allreduce_s: float
     alltoall_s: float
     mfu: float
+    linear_s: float = 0.0
+    kv_memory_s: float = 0.0
+    attention_s: float = 0.0
+    fixed_s: float = 0.0
+    draft_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return (
-            max(self.memory_s, self.compute_s)
+            self.linear_s
+            + max(self.kv_memory_s, self.attention_s)
+            + self.fixed_s
+            + self.draft_s
             + self.overhead_s
             + self.allreduce_s
             + self.alltoall_s
@@ -134,6 +169,13 @@ def distinct_experts(experts: int, per_token: int, tokens: float) -> float:
     if not experts or tokens <= 0:
         return 0.0
     return experts * (1.0 - (1.0 - per_token / experts) ** tokens)
+
+
+def vocab_params(s: Scenario) -> tuple[float, float, float]:
+    """(embedding, LM head, vocab x hidden), in parameters: the first two as params_b
+    counts them (the head 0 when tied), the third what the head multiplies a token by."""
+    embed, head = s.model.vocab_params_b
+    return embed * 1e9, head * 1e9, float(s.model.vocab_size * s.model.hidden)
 
 
 def _cfg(s: Scenario, side: str):
@@ -177,7 +219,8 @@ def allreduce_s(s: Scenario, side: str, tokens: float) -> float:
     per_layer = 1 if _dp_attention(s, side) else 2
     n = per_layer * s.model.layers
     nbytes = tokens * s.model.hidden * ACT_BYTES * 2 * (tp - 1) / tp
-    return n * (nbytes / (side_gpu(s, side).scaleup_Bps * eff.allreduce) + eff.allreduce_latency_s)
+    latency = allreduce_latency_s(s, side, tp)
+    return n * (nbytes / (side_gpu(s, side).scaleup_Bps * eff.allreduce) + latency)
 
 
 def _nic_Bps(s: Scenario) -> float:
@@ -209,25 +252,39 @@ def alltoall_s(s: Scenario, side: str, tokens: float) -> float:
 
 
 def _linear_s(
-    s: Scenario, side: str, tokens: float, flat: float | None = None
+    s: Scenario, side: str, tokens: float, sequences: float | None = None, flat: float | None = None
 ) -> tuple[float, float, float]:
     """(linear FLOPs on this GPU, their time, the dense matmuls' MFU) of a forward of
-    `tokens` tokens of this instance; `flat`: one MFU for every matmul (decode)."""
+    `tokens` tokens of this instance in `sequences` sequences (all: every token is a
+    sequence's last, as in decode); `flat`: one MFU for every matmul (decode).
+
+    The embedding is a lookup, no FLOPs; the LM head multiplies each sequence's last
+    token only (an engine computes the logits it samples from)."""
     cfg, m = _cfg(s, side), s.model
     eff = efficiency(s)
     dense, e = expert_split(s)
+    embed, head, table = vocab_params(s)
+    seqs = tokens if sequences is None else sequences
     group_tokens = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
     expert_rows = group_tokens * m.experts_per_token / m.experts if m.experts else tokens
-    d_flops = 2.0 * dense * tokens / cfg.tp
+    d_flops = 2.0 * ((dense - embed - head) * tokens + table * seqs) / cfg.tp
     x_flops = 2.0 * m.experts_per_token * e * tokens / cfg.tp
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:  # prefill.tflops: sustained FLOP/s outright
         return d_flops + x_flops, (d_flops + x_flops) / (tflops * 1e12), math.nan
-    peak = side_gpu(s, side).peak_flops(m.weight_dtype)
-    mfu = flat or eff.mfu(round(tokens))
+    gpu = side_gpu(s, side)
+    peak = gpu.peak_flops(m.weight_dtype)
+    given = getattr(cfg, "mfu", None)  # prefill.mfu: one MFU for every matmul
+
+    def share(rows: float) -> float:
+        if flat or given:
+            return flat or given
+        return eff.gemm_share(gpu.name, m.weight_dtype, max(1, round(rows)))
+
+    mfu = share(tokens)
     t = d_flops / (peak * mfu)
     if x_flops:
-        t += x_flops / (peak * (flat or eff.mfu(max(1, round(expert_rows)))))
+        t += x_flops / (peak * share(expert_rows))
     return d_flops + x_flops, t, mfu
 
 
@@ -236,7 +293,11 @@ def _attention_s(s: Scenario, side: str, flops: float) -> float:
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:
         return flops / (tflops * 1e12)
-    return flops / (side_gpu(s, side).peak_flops("bf16") * efficiency(s).attention_mfu)
+    eff, gpu = efficiency(s), side_gpu(s, side)
+    rate = gpu.peak_flops("bf16") * eff.attention_mfu
+    if s.model.kv_dtype == "fp8" and gpu.fp8_tflops is not None:  # FP8 attention
+        rate *= eff.attention_fp8_gain
+    return flops / rate
 
 
 def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int = 1) -> Forward:
@@ -244,7 +305,7 @@ def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int 
     each after `context` tokens already in its prompt's KV."""
     tp = s.prefill.tp
     total = tokens * prompts
-    lin_flops, lin_s, mfu = _linear_s(s, "prefill", total)
+    lin_flops, lin_s, mfu = _linear_s(s, "prefill", total, prompts)
     # each query token i of a chunk attends to context + i + 1 keys: c (p + (c + 1) / 2)
     keys = prompts * tokens * (context + (tokens + 1) / 2)
     att_flops = attention_flops(s, total, keys, decode=False) / tp
@@ -256,6 +317,7 @@ def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int 
         allreduce_s=allreduce_s(s, "prefill", total),
         alltoall_s=alltoall_s(s, "prefill", total),
         mfu=mfu,
+        fixed_s=kernel_floor_s(s),
     )
 
 
@@ -284,37 +346,78 @@ def chunk_forward_s(
     return prefill_forward_s(s, computed, page_start * page_size + cached_tokens)
 
 
-def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
-    """One decode step on one decode GPU: `batch` requests (one new token each) holding
-    `kv_tokens` tokens of KV in all (this instance's)."""
-    m, cfg, eff = s.model, s.decode, efficiency(s)
-    gpu = side_gpu(s, "decode")
+def _weights_read(s: Scenario, tokens: float) -> float:
+    """Bytes of weights one decode GPU reads in a forward of `tokens` tokens: the dense
+    part less the embedding (a lookup of a few rows), plus the distinct experts the
+    group's tokens pick of this GPU's share."""
+    m, cfg = s.model, s.decode
     per = DTYPE_BYTES[m.weight_dtype]
     dense, e = expert_split(s)
-    weights = dense / cfg.tp * per
+    embed, _, _ = vocab_params(s)
+    weights = (dense - embed) / cfg.tp * per
     if m.experts and e:
         here = m.experts / max(cfg.tp, cfg.ep)  # experts (or expert slices) on this GPU
-        group = batch * max(1, cfg.ep // cfg.tp) if _dp_attention(s, "decode") else batch
+        group = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, "decode") else tokens
         touched = distinct_experts(m.experts, m.experts_per_token, group) / m.experts
         weights += here * touched * e * per
+    return weights
+
+
+def _draft_s(s: Scenario, batch: int, weights: float, hbm: float, plateau: float) -> float:
+    """A speculative step's draft: `steps` forwards of a one-layer draft head (MTP, EAGLE)
+    over the batch, each one layer's share of the weights the step reads plus the LM
+    head, its FLOPs, its kernels and its all-reduces ([A] the draft layer is one of the
+    target's layers; its own attention over the KV is left out, 1 / layers of the step's)."""
+    spec, m, cfg, eff = s.decode.speculative, s.model, s.decode, efficiency(s)
+    if spec is None or batch <= 0:
+        return 0.0
+    gpu = side_gpu(s, "decode")
+    embed, head, table = vocab_params(s)
+    per = DTYPE_BYTES[m.weight_dtype]
+    head_bytes = table * per / cfg.tp
+    layer_bytes = max(0.0, weights - head_bytes) / m.layers + head_bytes
+    body = m.flops_params_b * 1e9 - embed - head
+    flops = 2.0 * batch * (body / m.layers + table) / cfg.tp
+    one = max(layer_bytes / hbm, flops / (gpu.peak_flops(m.weight_dtype) * plateau))
+    one += (kernels_per_layer(s) + 2) * eff.kernel_launch_s  # + norm and head
+    one += 2 * allreduce_latency_s(s, "decode", cfg.tp) + alltoall_s(s, "decode", batch) / m.layers
+    return spec.draft_steps * one
+
+
+def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
+    """One decode step on one decode GPU: `batch` requests holding `kv_tokens` tokens of
+    KV in all (this instance's). Each request adds one token, or with
+    `decode.speculative` verifies `draft_tokens` (every query attending to its request's
+    KV) after the draft head proposed them."""
+    m, cfg, eff = s.model, s.decode, efficiency(s)
+    gpu = side_gpu(s, "decode")
+    q = cfg.speculative.draft_tokens if cfg.speculative else 1
+    rows = batch * q
+    weights = _weights_read(s, rows)
     kv = kv_tokens * side_memory(s, "decode").kv_bytes_per_token
-    memory_s = (weights + kv) / (gpu.hbm_Bps * eff.decode_hbm)
-    compute_s, flops, mfu = 0.0, 0.0, eff.decode_mfu
+    hbm = gpu.hbm_Bps * eff.decode_hbm
+    plateau = eff.gemm_plateau(gpu.name, m.weight_dtype)
+    lin_s = att_s = flops = 0.0
     if batch > 0:
-        flops, compute_s, mfu = _linear_s(s, "decode", batch, eff.decode_mfu)
-        att = attention_flops(s, batch, kv_tokens, decode=True) / cfg.tp
+        flops, lin_s, _ = _linear_s(s, "decode", rows, flat=plateau)
+        att = attention_flops(s, rows, kv_tokens * q, decode=True) / cfg.tp
         flops += att
-        compute_s += _attention_s(s, "decode", att)
+        att_s = _attention_s(s, "decode", att)
     return DecodeStep(
         weight_bytes=weights,
         kv_bytes=kv,
         flops=flops,
-        memory_s=memory_s,
-        compute_s=compute_s,
+        memory_s=(weights + kv) / hbm,
+        compute_s=lin_s + att_s,
         overhead_s=eff.step_overhead_s,
-        allreduce_s=allreduce_s(s, "decode", batch) if batch > 0 else 0.0,
-        alltoall_s=alltoall_s(s, "decode", batch),
-        mfu=mfu,
+        allreduce_s=allreduce_s(s, "decode", rows) if batch > 0 else 0.0,
+        alltoall_s=alltoall_s(s, "decode", rows),
+        mfu=plateau,
+        linear_s=max(weights / hbm, lin_s) if batch > 0 else weights / hbm,
+        kv_memory_s=kv / hbm,
+        attention_s=att_s,
+        fixed_s=kernel_floor_s(s),
+        draft_s=_draft_s(s, batch, weights, hbm, plateau),
     )
 
 
@@ -334,10 +437,12 @@ def efficiency_figures(s: Scenario) -> dict[str, object]:
         "decode_tp": d.tp,
         "decode_ep": d.ep,
         "chunk_tokens": chunk,
-        "prefill_mfu_at_chunk": eff.mfu(chunk),
+        "prefill_mfu_at_chunk": (
+            p.mfu if p.mfu is not None else eff.gemm_share(p.gpu, s.model.weight_dtype, chunk)
+        ),
         "attention_mfu": eff.attention_mfu,
         "decode_hbm_efficiency": eff.decode_hbm,
-        "decode_mfu": eff.decode_mfu,
+        "decode_mfu": eff.gemm_plateau(d.gpu, s.model.weight_dtype),
         "step_overhead_ms": eff.step_overhead_s * 1e3,
         "allreduce_efficiency": eff.allreduce,
     }

@@ -6,11 +6,12 @@ of the weights and the activations), over the KV bytes one token takes on this r
 Admission waits until a room's pages (transferred prompt plus its output tokens) fit.
 
 A generation step of the continuous batch (at most `decode.max_running_requests`
-requests) takes what shared/serving/compute.py `decode_step` says: the larger of the bytes
-it reads (the weights it touches, all of a dense model's, the experts the batch picks
-of a MoE model's, plus the batch's KV) over HBM x decode_hbm and its FLOPs over peak
-x MFU, plus the per-step overhead, the TP all-reduces and any expert all-to-all.
-Every request in the batch gets one token per step.
+requests) takes what shared/serving/compute.py `decode_step` says: its kernels one after
+another, the weight matmuls the longer of their reads and FLOPs, the attention the
+longer of the batch's KV reads and its FLOPs, plus the kernels' fixed costs, a
+speculative step's draft, the per-step overhead, the TP all-reduces and any expert
+all-to-all. Every request in the batch gets one token per step (accept_length with
+`decode.speculative`, sim/decode_batch.py).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class DecodeModel:
         self.page_size = g.page_size
         self.capacity_tokens: int = mem.kv_tokens
         self.max_batch: int = s.decode.max_running_requests
-        # per batch size: (memory s, its slope per KV token, compute s, its slope, the rest);
-        # both times are linear in the KV (bytes read, attention FLOPs), so two points
-        # of decode_step give them exactly and a step costs two multiplies
+        # per batch size: (KV read s, its slope per KV token, attention s, its slope, the
+        # rest); the attention's two times are linear in the KV (bytes read, FLOPs) and
+        # nothing else grows with it, so two points of decode_step give them exactly and
+        # a step costs two multiplies
         self._lines: dict[int, tuple[float, float, float, float, float]] = {}
 
     @property
@@ -62,9 +64,9 @@ class DecodeModel:
         line = self._lines.get(batch)
         if line is None:
             a, b = decode_step(self.scenario, batch, 0), decode_step(self.scenario, batch, _KV)
-            rest = a.overhead_s + a.allreduce_s + a.alltoall_s
-            line = (a.memory_s, (b.memory_s - a.memory_s) / _KV, a.compute_s, 0.0, rest)
-            line = (*line[:3], (b.compute_s - a.compute_s) / _KV, rest)
+            rest = a.total_s - max(a.kv_memory_s, a.attention_s)  # none of it grows with KV
+            dm = (b.kv_memory_s - a.kv_memory_s) / _KV
+            line = (a.kv_memory_s, dm, a.attention_s, (b.attention_s - a.attention_s) / _KV, rest)
             self._lines[batch] = line
         m0, dm, c0, dc, rest = line
         return max(m0 + dm * batch_kv_tokens, c0 + dc * batch_kv_tokens) + rest

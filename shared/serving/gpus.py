@@ -50,6 +50,9 @@ class Gpu:
     scaleup_gbs: float  # per direction per GPU: NVLink / Infinity Fabric, or PCIe
     scaleup: str  # what that link is
     source: str
+    # one all-reduce's latency over 2 GPUs (a user's own GPU may give it); None: the
+    # link's (shared/serving/kernels.py, by whether `scaleup` is PCIe)
+    allreduce_latency_s: float | None = None
 
     @property
     def hbm_Bps(self) -> float:
@@ -104,11 +107,37 @@ GPUS: dict[str, Gpu] = {
         "mi300x", 192, 5300, 1307.4, 2614.9, 448, "Infinity Fabric", "AMD MI300X datasheet"
     ),
 }
+_GB200 = "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (the NVL72 rack's figures / 72)"
+_ANT = "https://lmsys.org/blog/2025-09-26-sglang-ant-group/ (the post's H20 / H800 table)"
+GPUS |= {
+    # [P] H800 SXM (the H100's compute, NVLink cut to 400 GB/s): 80 GB, 3,352 GB/s,
+    # BF16 989 / FP8 1,979 TFLOPS, NVLink 400 GB/s total = 200 per direction (_ANT).
+    "h800": Gpu("h800", 80, 3352, 989, 1979, 200, "NVLink 4 (400 GB/s)", _ANT),
+    # [P] H20 with 141 GB of HBM3e (the H20's compute and NVLink; no public NVIDIA
+    # datasheet): 141 GB as sold (https://www.apetops-us.com/help/ai-293-h20-different-
+    # memory-versions-a-deep-analysis-of-performance-differences-and-large-model-
+    # adaptability); [A] the H200's HBM3e bandwidth, 4.8 TB/s (the same 141 GB stacks).
+    "h20-141g": Gpu(
+        "h20-141g", 141, 4800, 148, 296, 450, "NVLink 4", "H20 141 GB (reported); HBM [A] H200's"
+    ),
+    # [D] NVIDIA L40 datasheet: 48 GB GDDR6, 864 GB/s, BF16 181 / FP8 362 TFLOPS dense
+    # (362 / 724 with sparsity), PCIe Gen4 x16, no NVLink
+    # (https://www.nvidia.com/en-us/data-center/l40/).
+    "l40": Gpu("l40", 48, 864, 181, 362, 32, "PCIe Gen4 x16", "NVIDIA L40 datasheet"),
+    # [D] GB200 NVL72, per Blackwell GPU: 13.4 TB of HBM3e and 576 TB/s over 72 GPUs =
+    # 186 GB and 8 TB/s; FP8 720 / BF16 360 PFLOPS with sparsity over 72 = 5 / 2.5 dense;
+    # NVLink 5 130 TB/s over 72 = 1.8 TB/s = 900 GB/s per direction (_GB200).
+    "gb200": Gpu("gb200", 186, 8000, 2500, 5000, 900, "NVLink 5", _GB200),
+}
 DEFAULT_GPU = "h100-sxm"
 
 
 def gpu_names() -> str:
     return ", ".join(GPUS)
+
+
+# [P] DeepGEMM on H800 (see Efficiency.gemm_tables): 272, 489, 1,054 of 1,979 TFLOP/s
+_HOPPER_FP8 = ((64, 272 / 1979), (128, 489 / 1979), (4096, 1054 / 1979))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +156,34 @@ class Efficiency:
     https://arxiv.org/abs/2407.21783, Table 4): 0.40 at 4,096 tokens and beyond (a
     large forward loses to norms, activations and launches what a training step
     does), so 0.40 x 0.26 = 0.10 at 64 and 0.40 x 0.46 = 0.19 at 128. [A] The same
-    table for FP8 weights, against the FP8 peak. Not fitted to any serving row that
+    table for FP8 weights, against the FP8 peak, where `gemm_tables` has no table of
+    the GPU's own. Not fitted to any serving row that
     benchmarks/published_serving.py checks.
     attention_mfu: the share of peak BF16 FLOP/s the attention kernels reach (QK^T and
     AV, on the activations' BF16). [P] FlashAttention-3 forward on H100 SXM, head dim
     128: about 500-740 TFLOP/s from 1K to 16K tokens (https://arxiv.org/abs/2407.08608,
     Fig. 5), and FlashMLA's decode 580 TFLOP/s on H800
     (https://github.com/deepseek-ai/FlashMLA): 0.5 of the 989.
+    gemm_tables: per (GPU, weight dtype), where a kernel benchmark of that GPU and
+    dtype was published, the share of the dtype's peak a GEMM of M rows reaches; it
+    replaces `prefill_mfu` there, in prefill and in a compute-bound decode step alike.
+    [P] h100-sxm / h200 at FP8: DeepGEMM's own rates on H800 (the H100's SMs and FP8
+    peak) over the six DeepSeek-V3 shapes, mean 272 / 489 / 1,054 TFLOP/s at M = 64 /
+    128 / 4,096 (the table `prefill_mfu` takes its shape from): 0.137, 0.247, 0.533 of
+    1,979. [P] h20 at FP8: DeepGEMM's masked grouped GEMM on H20, 32 groups of 64 rows,
+    N = 4,096, K = 7,168: 248 TFLOP/s, 0.84 of its 296
+    (https://github.com/deepseek-ai/DeepGEMM/issues/114): a compute-poor GPU's GEMMs
+    reach most of its peak already at 64 rows. BF16 and the other GPUs keep
+    `prefill_mfu` (no per-GPU GEMM table found).
     decode_mfu: the share of peak FLOP/s a decode step's matmuls reach when the step
-    is compute bound: the plateau of `prefill_mfu`, 0.40 ([P] as there). Not the
-    small-M points: DeepGEMM's M = 64 and 128 rows run at 1.5-2.7 TB/s, memory bound,
-    and the decode step's bytes-read term already charges that.
+    is compute bound, on a GPU and dtype without a table of its own: the plateau of
+    `prefill_mfu`, 0.40 ([P] as there). Not the small-M points: DeepGEMM's M = 64 and
+    128 rows run at 1.5-2.7 TB/s, memory bound, and the decode step's bytes-read term
+    already charges that.
+    attention_fp8_gain: how much faster attention runs on FP8 Q/K/V (an FP8 KV cache on
+    a GPU with FP8 tensor cores) than on BF16. [P] FlashAttention-3 on H100: up to 740
+    TFLOP/s in FP16, close to 1.2 PFLOP/s in FP8 (https://arxiv.org/abs/2407.08608,
+    abstract): 1,200 / 740 = 1.62.
     decode_hbm: the share of HBM bandwidth a decode step's reads reach. [P] decode
     attention kernels reach 80-90% of peak bandwidth
     (https://flashinfer.ai/2024/02/02/introduce-flashinfer.html); [A] the GEMVs of the
@@ -152,45 +198,73 @@ class Efficiency:
     all-reduce moves 2 (n-1)/n of the data per GPU and reaches most of NVLink's
     bandwidth for MB-sized messages (https://github.com/NVIDIA/nccl-tests,
     doc/PERFORMANCE.md defines the bus bandwidth this is a share of).
-    allreduce_latency_s: the fixed cost of one all-reduce. [P] about 6 us for 2 GPUs
-    and more for 8 on an HGX H100 with NCCL 2.20 and CUDA graphs
-    (https://github.com/NVIDIA/nccl/issues/1259): 10 us.
+    The latency of one all-reduce is the interconnect's, by group size
+    (shared/serving/kernels.py `allreduce_latency_s`).
     copy_hbm: the share of HBM bandwidth a gather or scatter copy kernel reaches. [A]
     80-90% (the figure kvstage's profiles carried): 0.85.
-    kernel_launch_s: the fixed cost of one copy kernel. [A] 5 us, CUDA launch plus a
-    small kernel's ramp (the figure kvstage's profiles carried).
+    kernel_launch_s: the fixed cost of one kernel (a copy kernel; each kernel of a
+    forward, shared/serving/kernels.py). [A] 5 us, CUDA launch plus a small kernel's
+    ramp (the figure kvstage's profiles carried).
     """
 
     prefill_mfu: tuple[tuple[int, float], ...] = ((64, 0.10), (128, 0.19), (4096, 0.40))
+    gemm_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
+        ("h100-sxm", "fp8", _HOPPER_FP8),
+        ("h200", "fp8", _HOPPER_FP8),
+        ("h20", "fp8", ((64, 0.84),)),
+    )
     attention_mfu: float = 0.5
+    attention_fp8_gain: float = 1200 / 740
     decode_mfu: float = 0.40
     decode_hbm: float = 0.8
     step_overhead_s: float = 1e-3
     allreduce: float = 0.8
-    allreduce_latency_s: float = 10e-6
     copy_hbm: float = 0.85
     kernel_launch_s: float = 5e-6
 
     def mfu(self, tokens: int) -> float:
-        """MFU of a matmul of `tokens` rows (log2-interpolated; prefill and decode alike)."""
-        pts = self.prefill_mfu
-        xs = [t for t, _ in pts]
-        if tokens <= xs[0]:
-            return pts[0][1]
-        if tokens >= xs[-1]:
-            return pts[-1][1]
-        i = bisect.bisect_right(xs, tokens)
-        (t0, m0), (t1, m1) = pts[i - 1], pts[i]
-        f = (math.log2(tokens) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
-        return m0 + f * (m1 - m0)
+        """MFU of a matmul of `tokens` rows by the default table (`prefill_mfu`)."""
+        return _interpolate(self.prefill_mfu, tokens)
+
+    def gemm_share(self, gpu: str, dtype: str, rows: int) -> float:
+        """The share of `dtype`'s peak on `gpu` a matmul of `rows` rows reaches: the
+        GPU's own table where there is one, else the default."""
+        for name, dt, pts in self.gemm_tables:
+            if name == gpu and dt == dtype:
+                return _interpolate(pts, rows)
+        return self.mfu(rows)
+
+    def gemm_plateau(self, gpu: str, dtype: str) -> float:
+        """The share a large matmul reaches (a compute-bound decode step's matmuls):
+        the GPU's own table's, else `decode_mfu`."""
+        for name, dt, pts in self.gemm_tables:
+            if name == gpu and dt == dtype:
+                return pts[-1][1]
+        return self.decode_mfu
+
+
+def _interpolate(pts: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """log2-interpolated between the points, flat beyond them."""
+    xs = [t for t, _ in pts]
+    if tokens <= xs[0]:
+        return pts[0][1]
+    if tokens >= xs[-1]:
+        return pts[-1][1]
+    i = bisect.bisect_right(xs, tokens)
+    (t0, m0), (t1, m1) = pts[i - 1], pts[i]
+    f = (math.log2(tokens) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+    return m0 + f * (m1 - m0)
 
 
 DEFAULT_EFFICIENCY = Efficiency()
 
 
 def side_gpu(s: Scenario, side: str) -> Gpu:
-    """The catalogue GPU of `side` ("prefill" or "decode") of scenario `s`."""
-    return GPUS[s.prefill.gpu if side == "prefill" else s.decode.gpu]
+    """The GPU of `side` ("prefill" or "decode") of scenario `s`: the catalogue's, or
+    the scenario's own [gpus.NAME] table."""
+    name = s.prefill.gpu if side == "prefill" else s.decode.gpu
+    own = s.gpus.get(name)
+    return own.gpu(name) if own is not None else GPUS[name]
 
 
 def efficiency(s: Scenario) -> Efficiency:
