@@ -31,7 +31,7 @@ import torch
 from conftest import require_engine
 from test_hw import write_scenario
 
-from kvstage.hw.control.plane.plane import read_secret_file
+from kvstage.hw.control.plane import read_secret_file
 from kvstage.hw.control.plane.rendezvous import RendezvousClient
 from kvstage.hw.launch.launcher.launcher import launch
 from kvstage.hw.transport.base.base import _unpack_metadata, make_transport
