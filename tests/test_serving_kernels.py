@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.shared.scenario import load_scenario
+from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.serving.compute import decode_step, prefill_forward
 from kvstage.shared.serving.kernels import (
     allreduce_latency_s,
@@ -95,3 +95,24 @@ def test_a_speculative_step_costs_draft_plus_verify():
     # at a large batch the verify's FLOPs dominate: speculation no longer pays
     big_p, big_q = decode_step(plain, 256, 256 * 2000), decode_step(spec, 256, 256 * 2000)
     assert big_q.total_s / 2.5 > 0.5 * big_p.total_s
+
+
+def test_four_bit_weights_carry_their_scales_and_run_where_the_gpu_can():
+    """int4 (GPTQ / AWQ, group 128: FP16 scale + 4-bit zero) and fp4 (NVFP4, an FP8 scale
+    per 16): bytes per weight with the scales; int4 multiplies at the BF16 rate, fp4 at
+    the native FP4 rate on Blackwell and at FP8's on Hopper."""
+    from kvstage.shared.serving.gpus import GPUS
+
+    int4 = load("model.weight_dtype=int4")
+    assert int4.model.weight_bytes == pytest.approx(8e9 * (4 + 20 / 128) / 8)
+    fp4 = load("model.weight_dtype=fp4")
+    assert fp4.model.weight_bytes == pytest.approx(8e9 * 4.5 / 8)
+    assert GPUS["h100-sxm"].peak_flops("int4") == 989e12
+    assert GPUS["h100-sxm"].peak_flops("fp4") == 1979e12
+    assert GPUS["b200"].peak_flops("fp4") == 9000e12
+    assert GPUS["a100-80g"].peak_flops("fp4") == 312e12  # no FP8 either: BF16
+    # a decode step at batch 1 reads about a quarter of the BF16 bytes
+    bf16 = decode_step(load(), 1, 1000)
+    assert decode_step(int4, 1, 1000).weight_bytes < 0.27 * bf16.weight_bytes
+    with pytest.raises(ScenarioError, match="weight_dtype"):
+        load("model.weight_dtype=int3")

@@ -49,6 +49,7 @@ from kvstage.shared.scenario.toml_out import dumps_toml
 from kvstage.shared.serving.gpus import (
     DEFAULT_GPU,
     GPUS,
+    WEIGHT_BYTES,
     Gpu,
     gpu_names,
 )
@@ -70,6 +71,8 @@ __all__ = [
 
 
 Dtype = Literal["bf16", "fp16", "fp32", "fp8"]
+# weights may also be 4-bit: int4 (GPTQ / AWQ, group-scaled) or fp4 (NVFP4); the KV not
+WeightDtype = Literal["bf16", "fp16", "fp32", "fp8", "int4", "fp4"]
 
 
 class ModelConfig(_Table):
@@ -93,7 +96,7 @@ class ModelConfig(_Table):
     active_params_b: PosFloat | None = None
     # the weights' dtype (memory, bytes a decode step reads, the matmul rate) and the KV
     # cache's (what is transferred); `dtype = X` is the old spelling of both = X
-    weight_dtype: Dtype = "bf16"
+    weight_dtype: WeightDtype = "bf16"
     kv_dtype: Dtype = "bf16"
     # the transformer's width and query heads (attention FLOPs, all-reduce bytes,
     # activations); absent: attention_heads = kv_heads, hidden_size = heads x head_dim
@@ -205,7 +208,7 @@ class ModelConfig(_Table):
     @property
     def weight_bytes(self) -> float:
         """Bytes of all the weights (every expert) at weight_dtype."""
-        return self.params_b * 1e9 * DTYPE_BYTES[self.weight_dtype]
+        return self.params_b * 1e9 * WEIGHT_BYTES[self.weight_dtype]
 
     @property
     def mla_widths(self) -> tuple[int, int, int, int] | None:

@@ -73,8 +73,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstage.shared.layout import DTYPE_BYTES
-from kvstage.shared.serving.gpus import efficiency, side_gpu
+from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
 
@@ -351,7 +350,7 @@ def _weights_read(s: Scenario, tokens: float) -> float:
     part less the embedding (a lookup of a few rows), plus the distinct experts the
     group's tokens pick of this GPU's share."""
     m, cfg = s.model, s.decode
-    per = DTYPE_BYTES[m.weight_dtype]
+    per = WEIGHT_BYTES[m.weight_dtype]
     dense, e = expert_split(s)
     embed, _, _ = vocab_params(s)
     weights = (dense - embed) / cfg.tp * per
@@ -373,7 +372,7 @@ def _draft_s(s: Scenario, batch: int, weights: float, hbm: float, plateau: float
         return 0.0
     gpu = side_gpu(s, "decode")
     embed, head, table = vocab_params(s)
-    per = DTYPE_BYTES[m.weight_dtype]
+    per = WEIGHT_BYTES[m.weight_dtype]
     head_bytes = table * per / cfg.tp
     layer_bytes = max(0.0, weights - head_bytes) / m.layers + head_bytes
     body = m.flops_params_b * 1e9 - embed - head

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "DEFAULT_GPU",
     "GPUS",
+    "WEIGHT_BYTES",
     "Efficiency",
     "Gpu",
     "efficiency",
@@ -53,6 +54,7 @@ class Gpu:
     # one all-reduce's latency over 2 GPUs (a user's own GPU may give it); None: the
     # link's (shared/serving/kernels.py, by whether `scaleup` is PCIe)
     allreduce_latency_s: float | None = None
+    fp4_tflops: float | None = None  # dense; None: no native FP4 tensor cores
 
     @property
     def hbm_Bps(self) -> float:
@@ -60,8 +62,13 @@ class Gpu:
 
     def peak_flops(self, dtype: str) -> float:
         """Dense FLOP/s of a matmul whose weights are `dtype` (fp8: the fp8 rate where
-        there is one; fp32 at the bf16 rate would overstate it, so half of it)."""
-        if dtype == "fp8" and self.fp8_tflops is not None:
+        there is one; fp32 at the bf16 rate would overstate it, so half of it). fp4: the
+        native FP4 rate (Blackwell), else the weights are dequantized to FP8 where the GPU
+        has it (W4A8), else BF16; int4 (GPTQ / AWQ, W4A16): dequantized to BF16 inside the
+        GEMM, the BF16 rate ([C] Marlin's kernel, https://github.com/IST-DASLab/marlin)."""
+        if dtype == "fp4" and self.fp4_tflops is not None:
+            return self.fp4_tflops * 1e12
+        if dtype in ("fp8", "fp4") and self.fp8_tflops is not None:
             return self.fp8_tflops * 1e12
         if dtype == "fp32":
             return self.bf16_tflops * 1e12 / 2
@@ -91,7 +98,10 @@ GPUS: dict[str, Gpu] = {
     # [D] HGX B200: 180 GB HBM3e and 8 TB/s per GPU, BF16 2.25 / FP8 4.5 PFLOPS dense
     # per GPU (18 / 36 for 8 GPUs, half the sparse figures), NVLink 5 1.8 TB/s total
     # (https://www.nvidia.com/en-us/data-center/hgx/).
-    "b200": Gpu("b200", 180, 8000, 2250, 4500, 900, "NVLink 5", "NVIDIA HGX B200 datasheet"),
+    # FP4 9 PFLOPS dense per GPU (72 for 8 with sparsity, halved)
+    "b200": Gpu(
+        "b200", 180, 8000, 2250, 4500, 900, "NVLink 5", "NVIDIA HGX B200 datasheet", None, 9000
+    ),
     # [D] NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 / FP8 733 TFLOPS dense
     # (733 / 1,466 with sparsity), PCIe Gen4 x16, no NVLink
     # (https://www.nvidia.com/en-us/data-center/l40s/).
@@ -126,10 +136,27 @@ GPUS |= {
     "l40": Gpu("l40", 48, 864, 181, 362, 32, "PCIe Gen4 x16", "NVIDIA L40 datasheet"),
     # [D] GB200 NVL72, per Blackwell GPU: 13.4 TB of HBM3e and 576 TB/s over 72 GPUs =
     # 186 GB and 8 TB/s; FP8 720 / BF16 360 PFLOPS with sparsity over 72 = 5 / 2.5 dense;
-    # NVLink 5 130 TB/s over 72 = 1.8 TB/s = 900 GB/s per direction (_GB200).
-    "gb200": Gpu("gb200", 186, 8000, 2500, 5000, 900, "NVLink 5", _GB200),
+    # NVLink 5 130 TB/s over 72 = 1.8 TB/s = 900 GB/s per direction; FP4 1,440 PFLOPS
+    # with sparsity over 72 = 10 dense (_GB200).
+    "gb200": Gpu("gb200", 186, 8000, 2500, 5000, 900, "NVLink 5", _GB200, None, 10000),
 }
 DEFAULT_GPU = "h100-sxm"
+
+# Bytes per weight by `model.weight_dtype`, the quantization scales included:
+# - int4 (GPTQ / AWQ): 4 bits plus an FP16 scale and a 4-bit zero point per group of 128
+#   weights ([C] AutoAWQ and GPTQ's default group size, q_group_size = 128):
+#   (4 + 20 / 128) / 8 bytes;
+# - fp4 (NVFP4): 4 bits plus one FP8 (E4M3) scale per block of 16 ([P] NVIDIA,
+#   https://developer.nvidia.com/blog/introducing-nvfp4-for-efficient-and-accurate-low-precision-inference/):
+#   (4 + 8 / 16) / 8 bytes.
+WEIGHT_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int4": (4 + 20 / 128) / 8,
+    "fp4": (4 + 8 / 16) / 8,
+}
 
 
 def gpu_names() -> str:

@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstage.shared.layout import DTYPE_BYTES
-from kvstage.shared.serving.gpus import Gpu, side_gpu
+from kvstage.shared.serving.gpus import WEIGHT_BYTES, Gpu, side_gpu
 from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
 
 if TYPE_CHECKING:
@@ -118,7 +117,7 @@ def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
     over max(tp, ep) GPUs (ep > tp: the expert group spans several instances)."""
     cfg = s.prefill if side == "prefill" else s.decode
     dense, e = expert_split(s)
-    per = DTYPE_BYTES[s.model.weight_dtype]
+    per = WEIGHT_BYTES[s.model.weight_dtype]
     experts = s.model.experts * e
     return (dense / cfg.tp + experts / max(cfg.tp, cfg.ep)) * per
 
