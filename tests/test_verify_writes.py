@@ -32,10 +32,10 @@ from conftest import require_engine
 from test_hw import write_scenario
 
 from kvstage.hw.control.plane import read_secret_file
-from kvstage.hw.control.plane.rendezvous import RendezvousClient
-from kvstage.hw.launch.launcher.launcher import launch
-from kvstage.hw.transport.base.base import _unpack_metadata, make_transport
-from kvstage.hw.transport.base.placement import transport_options
+from kvstage.hw.control.rendezvous import RendezvousClient
+from kvstage.hw.launch.launcher import launch
+from kvstage.hw.transport.base import _unpack_metadata, make_transport
+from kvstage.hw.transport.placement import transport_options
 from kvstage.shared.invariants import check_records
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
