@@ -84,13 +84,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstage.shared.serving.compute import prefill_forward_s
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvstage.metrics.rooms import percentiles, request_breakdown, room_latencies  # noqa: E402
 from kvstage.shared.scenario import load_scenario  # noqa: E402
+from kvstage.shared.serving.capacity import prompt_forward_s  # noqa: E402
 from kvstage.sim.shard import simulate_scenario  # noqa: E402
 
 SCENARIO = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
@@ -129,7 +128,7 @@ def prefill_capacity_rps(instances: int) -> float:
     """Requests per second the prefill instances compute at the trace's mean prompt."""
     s = load_scenario(SCENARIO)
     mean_prompt = min(MAX_PROMPT, MEDIAN_PROMPT * math.exp(0.6**2 / 2))
-    return instances / prefill_forward_s(s, int(mean_prompt))
+    return instances / prompt_forward_s(s, int(mean_prompt))
 
 
 def run(

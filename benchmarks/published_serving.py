@@ -6,7 +6,10 @@ after) and the source. Per class (prefill throughput, decode throughput, TTFT, T
 ITL, goodput) the median ratio and the share of rows within tolerance. The model's
 defaults (shared/serving/gpus.py `Efficiency`) are sourced from kernel and training
 measurements, never fitted to this table: a row that misses says why, from the
-mechanism it leaves out.
+mechanism it leaves out. A prefill throughput row is the prefill capacity the simulator
+realizes (shared/serving/capacity.py `prefill_capacity`, which bottleneck and the plan's
+screen report too): one prompt a forward, where SGLang packs prompts up to
+chunked_prefill_size into one.
 
 Sources and setups ([A] marks what the source does not say and the row assumes):
 
@@ -75,7 +78,9 @@ from pathlib import Path
 
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario, load_scenario
-from kvstage.shared.serving.compute import decode_step, prefill_forward, prefill_forward_s
+from kvstage.shared.serving.capacity import prefill_capacity, prompt_forward_s, scenario_gpus
+from kvstage.shared.serving.compute import decode_step, prefill_forward
+from kvstage.shared.workload import Request
 from kvstage.sim.driver import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,11 +142,17 @@ def deepseek(*extra: str) -> Scenario:
     )
 
 
+def _node_prefill(s: Scenario, prompt: int, gpus: int) -> float:
+    """Input tokens/s of a node of `gpus` GPUs on prompts of `prompt` tokens: the
+    prefill capacity the simulator realizes (shared/serving/capacity.py, one prompt a
+    forward), over the GPUs of one instance."""
+    one = Request(room=0, arrival_s=0.0, prompt_tokens=prompt, prefix_tokens=0)
+    return prefill_capacity(s, [one]) * gpus / scenario_gpus(s)[0]
+
+
 def lmsys_prefill(prompt: int) -> Callable[[], float]:
     def run() -> float:
-        s = deepseek()
-        f = prefill_forward(s, prompt, 0, prompts=16384 // prompt)  # one GPU's forward
-        return 8 * 16384 / f.total_s  # per node of 8 GPUs
+        return _node_prefill(deepseek(), prompt, 8)  # per node of 8 GPUs
 
     return run
 
@@ -163,7 +174,7 @@ def nim(prompt: int, what: str) -> Callable[[], float]:
             "decode.tp=2",
         )
         if what == "ttft":
-            return prefill_forward_s(s, prompt) * 1e3
+            return prompt_forward_s(s, prompt) * 1e3
         return decode_step(s, 1, prompt + 250).total_s * 1e3  # mid-generation KV
 
     return run
@@ -251,10 +262,10 @@ def vllm_latency(preset: str, gpu: str, tp: int) -> Callable[[], float]:
 
 
 def ant_prefill() -> float:
-    """Input tokens/s of one H20 node: TP8, two 4,096-token prompts a forward."""
+    """Input tokens/s of one H20 node: TP8, 4,096-token prompts."""
     s = deepseek("prefill.gpu=h20", "prefill.tp=8", "prefill.ep=1",
                  "prefill.chunked_prefill_size=8192")  # fmt: skip
-    return 8192 / prefill_forward(s, 4096, prompts=2).total_s
+    return _node_prefill(s, 4096, 8)
 
 
 def ant_decode(batch: int, ep: int = 16, draft: int = 2) -> Callable[[], float]:
@@ -307,6 +318,10 @@ _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "
     "step overhead ([A] 1 ms for every engine) and the all-reduce latency by link"
 )
+_PACK = (
+    "the simulator forwards one prompt at a time, SGLang 16,384 tokens of prompts at once "
+    "(a larger forward's matmuls run at a higher MFU); " + _TBO
+)
 _PREFILL = (
     "the prefill's matmuls at this GPU, dtype and shape: a GPU's own GEMM table exists "
     "for H100/H200/H20 at FP8 only, and a TP8 MoE layer's ~50 rows per expert are "
@@ -314,11 +329,11 @@ _PREFILL = (
 )
 ROWS = [
     Row("LMSYS DeepSeek-V3 prefill, 1K prompts", "prefill", 57674, "tok/s/node", LMSYS,
-        lmsys_prefill(1024), 0.25, _TBO, True),
+        lmsys_prefill(1024), 0.25, _PACK, True),
     Row("LMSYS DeepSeek-V3 prefill, 2K prompts", "prefill", 54543, "tok/s/node", LMSYS,
-        lmsys_prefill(2048), 0.25, _TBO, True),
+        lmsys_prefill(2048), 0.25, _PACK, True),
     Row("LMSYS DeepSeek-V3 prefill, 4K prompts", "prefill", 50302, "tok/s/node", LMSYS,
-        lmsys_prefill(4096), 0.25, _TBO, True),
+        lmsys_prefill(4096), 0.25, _PACK, True),
     Row("LMSYS DeepSeek-V3 decode, B256, 2K KV", "decode", 22282, "tok/s/node", LMSYS,
         lmsys_decode, 0.25, _TBO, True),
     Row("NIM Llama-3.3-70B FP8 TP2 TTFT, 5K in", "ttft", 406.77, "ms", NIM,
@@ -346,7 +361,7 @@ ROWS = [
     Row("vLLM Mixtral-8x7B A100 TP2, B8 32/128", "tpot", 3643.84 / 128, "ms/token",
         VLLM_A100, vllm_latency("mixtral-8x7b", "a100-80g", 2), 0.20, _STEP),
     Row("Ant DeepSeek-R1 H20 prefill TP8, 4K", "prefill", 16500, "tok/s/node", ANT,
-        ant_prefill, 0.25, _PREFILL),
+        ant_prefill, 0.25, _PREFILL + "; two prompts a forward in SGLang, one in the simulator"),
     Row("Ant DeepSeek-R1 H20 decode EP16, B48", "decode", 714, "tok/s/GPU", ANT,
         ant_decode(48), 0.30, _MTP),
     Row("Ant DeepSeek-R1 H20 decode EP16, B32", "decode", 675, "tok/s/GPU", ANT,

@@ -10,10 +10,16 @@ import pytest
 
 from kvstage.explore.sweep import STATUS_OK
 from kvstage.explore.sweep_target import parse_target, why_unmet
-from kvstage.metrics.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, nic_counts, ttft_parts
+from kvstage.metrics.bottleneck import DECODE, KV, NIC, PREFILL, QUEUE, RING, ttft_parts
 from kvstage.metrics.rooms import room_latencies
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import load_scenario
+from kvstage.shared.serving.capacity import (
+    nic_counts,
+    prefill_capacity,
+    prefill_work,
+    prompt_forward_s,
+)
 from kvstage.shared.serving.compute import prefill_forward_s
 from kvstage.shared.serving.decode_model import GIB, DecodeModel
 from kvstage.sim.driver import simulate
@@ -42,7 +48,9 @@ def test_prefill_far_above_its_capacity_is_prefill_compute():
     s, summary = verdict("workload.rate_per_s=4", "workload.prompt_tokens=32768")
     b = summary["bottleneck"]
     assert (b["stage"], b["reason"]) == (PREFILL, "overloaded")
-    capacity = 8192 / prefill_forward_s(s, 8192)
+    # the simulator's forwards of one 32k prompt: four 8k chunks, each after the ones before
+    seconds = sum(prefill_forward_s(s, 8192, p) for p in range(0, 32768, 8192))
+    capacity = 32768 / seconds
     assert b["stages"][PREFILL]["capacity_tokens_per_s"] == pytest.approx(capacity)
     assert b["stages"][PREFILL]["utilization"] == pytest.approx(4 * 32768 / capacity)
     assert b["offered"]["prompt_tokens_per_s"] == pytest.approx(4 * 32768)
@@ -57,9 +65,34 @@ def test_a_light_load_names_the_largest_share_of_ttft():
     assert (b["stage"], b["reason"]) == (PREFILL, "largest share of TTFT")
     assert b["stages"][PREFILL]["utilization"] < 1
     assert b["stages"][PREFILL]["ttft_share"] > 0.9  # the forward is the TTFT
-    assert b["stages"][PREFILL]["forward_per_request_s"] == pytest.approx(
-        prefill_forward_s(s, 32768)
+    seconds = sum(prefill_forward_s(s, 8192, p) for p in range(0, 32768, 8192))
+    assert b["stages"][PREFILL]["forward_per_request_s"] == pytest.approx(seconds)
+
+
+def test_prefill_capacity_is_the_simulators():
+    """The capacity's forward time of each request is what the simulated run took to
+    forward it (no queueing at this rate): mixed prompts, a decode prefix, one chunk
+    not a whole number of pages."""
+    s = load_scenario(
+        P8D2,
+        [
+            'workload.prompt="uniform"',
+            "workload.prompt_min=100",
+            "workload.prompt_max=20000",
+            'workload.arrival="fixed"',
+            "workload.rate_per_s=0.05",
+            "workload.requests=6",
+            "decode.prefix_tokens=64",
+            "prefill.chunked_prefill_size=8200",
+        ],
     )
+    res = simulate(s)
+    rooms = room_latencies(res.records)
+    for r in res.requests:
+        took = rooms[r.room]["forward_end"] - rooms[r.room]["forward_start"]
+        assert took == pytest.approx(prompt_forward_s(s, r.prompt_tokens, r.prefix_tokens))
+    tokens, seconds = prefill_work(s, res.requests)
+    assert prefill_capacity(s, res.requests) == pytest.approx(tokens / seconds)
 
 
 def test_a_tiny_kv_capacity_is_decode_kv_capacity():

@@ -8,6 +8,7 @@ from rich.table import Table
 from kvstage.fmt import MIB
 from kvstage.shared.layout import owned_heads, room_pages
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.capacity import scenario_gpus
 from kvstage.tables import print_table
 
 
@@ -163,7 +164,7 @@ def _cluster_table(s: Scenario) -> Table:
     t = Table(title="cluster and decode side", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
-    gpus = c.prefill_instances * g.prefill_tp + c.decode_instances * g.decode_tp
+    gpus = sum(scenario_gpus(s))
     t.add_row(
         "instances",
         f"{c.prefill_instances} prefill x TP{g.prefill_tp} + "

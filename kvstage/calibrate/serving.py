@@ -6,8 +6,8 @@ length) and one decode step time (at a batch and a context per request), find th
 `prefill.mfu` and `decode.hbm_efficiency` under which shared/serving/compute.py reproduces
 them, the rest of the scenario (GPUs, TP, EP, model, links) as given:
 
-- prefill: the prompt's chunks (chunked_prefill_size, each after the ones before) at
-  one flat MFU m; throughput rises with m, so bisect m in (0, 1];
+- prefill: the prompt's chunks as the simulator forwards them (whole pages, each after
+  the ones before: shared/serving/capacity.py `prompt_forward_s`) at one flat MFU m; throughput rises with m, so bisect m in (0, 1];
 - decode: the step at batch B with B x context tokens of KV; it falls as the HBM share
   h rises until the step is compute bound, so bisect h in (0, 1]. A step no HBM share
   explains (faster than the datasheet's HBM allows, or slower only through FLOPs) is
@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.scenario import load_scenario
 from kvstage.shared.scenario.loading import SERVING_PROFILE_KEYS
+from kvstage.shared.serving.capacity import prompt_forward_s
 from kvstage.shared.serving.compute import decode_step, prefill_forward_s
 
 __all__ = ["ServingFit", "ServingFitError", "fit_decode_hbm", "fit_prefill_mfu", "fit_serving"]
@@ -49,11 +50,6 @@ class ServingFit:
         return out
 
 
-def _prompt_time_s(s: Scenario, prompt: int) -> float:
-    chunk = s.prefill.chunked_prefill_size
-    return sum(prefill_forward_s(s, min(chunk, prompt - p), p) for p in range(0, prompt, chunk))
-
-
 def _bisect(f, lo: float, hi: float) -> float:
     """The x in [lo, hi] where the increasing f crosses 0."""
     for _ in range(_STEPS):
@@ -78,7 +74,7 @@ def fit_prefill_mfu(path: Path, tokens_per_s: float, prompt_tokens: int) -> floa
 
     def speed(m: float) -> float:
         s = load_scenario(path, [f"prefill.mfu={m}"])
-        return prompt_tokens / _prompt_time_s(s, prompt_tokens)
+        return prompt_tokens / prompt_forward_s(s, prompt_tokens)
 
     top = speed(1.0)
     if tokens_per_s > top:
@@ -271,9 +267,9 @@ def fit_request_points(path: Path, points: list, overrides: list[str]) -> Points
     if not train:
         raise ServingFitError("no request that found the system idle in the runs")
     s = load_scenario(path, overrides)
-    rest = sorted(p.ttft_s - _prompt_time_s(s, p.prompt_tokens) for p in train)
+    rest = sorted(p.ttft_s - prompt_forward_s(s, p.prompt_tokens) for p in train)
     cost = rest[len(rest) // 2] if len(rest) % 2 else sum(rest[len(rest) // 2 - 1 :][:2]) / 2
-    score = [(p.ttft_s, cost + _prompt_time_s(s, p.prompt_tokens)) for p in held]
+    score = [(p.ttft_s, cost + prompt_forward_s(s, p.prompt_tokens)) for p in held]
     return PointsFit({"request_ms": cost * 1e3}, len(train), len(held), _mape(score), "idle TTFT")
 
 

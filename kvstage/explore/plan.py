@@ -73,11 +73,13 @@ from kvstage.explore.sweep import (
     plan_points,
     write_json,
 )
+from kvstage.fmt import csv_cell, num, secs, share
 from kvstage.metrics.steady import QUANTILES, SLO_FIGURES, quantile_name
 from kvstage.shared.scenario import DecodeConfig
 from kvstage.shared.scenario.cluster_table import ClusterConfig
 from kvstage.shared.scenario.schema import PrefillConfig, TransferConfig
 from kvstage.shared.scenario.slo_table import SLO_METRICS
+from kvstage.shared.serving.capacity import gpus
 
 __all__ = [
     "DEFAULT_ATTAINMENT",
@@ -204,11 +206,9 @@ class PlanError(ExploreError):
 
 
 def gpus_of(settings: dict[str, Any]) -> int:
-    """GPUs of a configuration: instances x TP on both sides."""
-    return (
-        settings["cluster.prefill_instances"] * settings["prefill.tp"]
-        + settings["cluster.decode_instances"] * settings["decode.tp"]
-    )
+    """GPUs of a configuration's settings, both sides (shared/serving/capacity.py `gpus`)."""
+    keys = ("cluster.prefill_instances", "prefill.tp", "cluster.decode_instances", "decode.tp")
+    return sum(gpus(*(settings[k] for k in keys)))
 
 
 # --------------------------------------------------------------------------- candidates
@@ -686,11 +686,11 @@ def verdict(result: PlanResult) -> str:
     if w is not None:
         return (
             f"winner: {w['gpus']} GPUs, {shape(w)}: attainment "
-            f"{_interval_text(w, 'slo_attainment', _pct)}, goodput "
-            f"{_interval_text(w, 'goodput_rps', _num)} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
-            f"TTFT {q} {_interval_text(w, f'ttft_s.{q}', _secs)}, "
-            f"TPOT {q} {_interval_text(w, f'tpot_s.{q}', _secs)}, "
-            f"ITL {q} {_secs(w.get(f'itl_s.{q}'))}; "
+            f"{_interval_text(w, 'slo_attainment', share)}, goodput "
+            f"{_interval_text(w, 'goodput_rps', num)} req/s ({w['goodput_per_gpu_rps']:.3g} per GPU), "
+            f"TTFT {q} {_interval_text(w, f'ttft_s.{q}', secs)}, "
+            f"TPOT {q} {_interval_text(w, f'tpot_s.{q}', secs)}, "
+            f"ITL {q} {secs(w.get(f'itl_s.{q}'))}; "
             f"bottleneck: {w['bottleneck']} ({w['bottleneck_why']})"
         )
     b = result.best
@@ -727,27 +727,7 @@ def warnings(result: PlanResult) -> list[str]:
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
-
-
-def _secs(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
 # --------------------------------------------------------------------------- files
-
-
-def _csv_cell(v: Any) -> Any:
-    if v is None:
-        return ""
-    return ("true" if v else "false") if isinstance(v, bool) else v
 
 
 def _public(row: dict[str, Any] | None, cols: Sequence[str]) -> dict[str, Any] | None:
@@ -779,7 +759,7 @@ def write_plan(result: PlanResult, out_dir: Path, meta: dict[str, Any]) -> dict[
         w = csv.writer(fh)
         w.writerow(cols)
         for row in rows:
-            w.writerow([_csv_cell(row[c]) for c in cols])
+            w.writerow([csv_cell(row[c]) for c in cols])
     doc = {
         **meta,
         "slo": result.targets,

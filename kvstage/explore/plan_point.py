@@ -40,12 +40,12 @@ def run_plan_point(scenario: Scenario, attainment: float) -> dict[str, Any]:
         from kvstage.metrics.rooms import room_latencies, summarize
         from kvstage.metrics.steady import steady_figures
         from kvstage.run.summary import capacity_figures
+        from kvstage.shared.serving.capacity import scenario_gpus
         from kvstage.sim.shard import simulate_scenario
 
         result = simulate_scenario(scenario)
         rooms = room_latencies(result.records)
-        c = scenario.cluster
-        gpus = c.prefill_instances * scenario.prefill.tp + c.decode_instances * scenario.decode.tp
+        gpus = sum(scenario_gpus(scenario))
         row = steady_figures(rooms, result.requests, scenario.slo.targets(), attainment, gpus=gpus)
         summary = summarize(
             result.records,

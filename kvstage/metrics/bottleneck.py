@@ -3,21 +3,19 @@
 Pure functions of the scenario, its requests, the per-room spans of the trace
 (`kvstage.metrics.rooms.room_latencies`) and the trace metrics (`summarize`).
 
-Offered load: requests per second over the arrival span ((n - 1) / (last arrival -
-first arrival); none when every request arrives at once), times the mean computed
-prompt (prompt less the decode's cached prefix), output tokens and KV bytes moved.
+The offered load and the capacities of prefill compute, decode compute and the NIC
+are shared/serving/capacity.py's (the plan's screen and the benchmarks take the same);
+each stage has a utilization (offered / capacity) where a capacity exists:
 
-Each stage has a utilization (offered / capacity) where a capacity exists:
-
-* prefill compute: tokens/s of one instance (`prefill_forward_s`) x instances;
+* prefill compute: computed prompt tokens/s offered over what the prefill instances
+  forward, the simulator's chunks of the workload's prompts (`prefill_capacity`);
 * NIC: KV bytes per request (measured payload per finished request) and work requests
-  per request over the NICs of the tighter side (bandwidth and message rate; ranks
-  rail-aligned on nodes as in sim/cluster.py);
+  per request over the NICs of the tighter side (`nic_stage`: bandwidth and message
+  rate);
 * decode KV capacity: the KV the load keeps resident, rate x mean(tokens x time
   resident: admitted -> last token), over `DecodeModel.capacity_tokens` x instances;
 * decode compute: output tokens/s offered over what the decode instances generate at
-  the TPOT target (the largest batch, at most `decode.max_running_requests`, whose
-  step, `DecodeModel.step_time_s` (shared/serving/compute.py), fits it).
+  the TPOT target (`decode_capacity`).
 
 * staging ring: the bytes the load keeps in each decode rank's ring over what the
   ring can hold at once. A chunk's region (its writer blocks back to back, the same
@@ -54,15 +52,24 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvstage.fmt import share
 from kvstage.metrics.rooms import percentiles
-from kvstage.shared.serving.compute import prefill_forward_s
+from kvstage.shared.serving.capacity import (
+    decode_stage,
+    nic_capacity,
+    nic_stage,
+    offered_load,
+    prefill_capacity,
+    prefill_stage,
+    prefill_work,
+)
 from kvstage.shared.serving.decode_model import DecodeModel
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["STAGES", "bottleneck", "nic_counts", "offered_load", "ttft_parts"]
+__all__ = ["STAGES", "bottleneck", "ttft_parts"]
 
 PREFILL, QUEUE, NIC, RING, KV, DECODE = STAGES = (
     "prefill compute",
@@ -73,24 +80,6 @@ PREFILL, QUEUE, NIC, RING, KV, DECODE = STAGES = (
     "decode compute",
 )
 GIB = 1 << 30
-
-
-def offered_load(requests: Sequence[Request]) -> dict[str, Any]:
-    """Offered rate (None when the arrivals span no time) and mean tokens per request."""
-    n = len(requests)
-    arrivals = [r.arrival_s for r in requests]
-    span = (max(arrivals) - min(arrivals)) if n else 0.0
-
-    def mean(xs: list[int]) -> float:
-        return sum(xs) / n if n else 0.0
-
-    return {
-        "requests": n,
-        "requests_per_s": (n - 1) / span if n > 1 and span > 0 else None,
-        "prompt_tokens": mean([r.prompt_tokens for r in requests]),
-        "computed_tokens": mean([max(0, r.prompt_tokens - r.prefix_tokens) for r in requests]),
-        "output_tokens": mean([r.output_tokens for r in requests]),
-    }
 
 
 def ttft_parts(info: dict[str, float]) -> dict[str, float] | None:
@@ -110,65 +99,45 @@ def ttft_parts(info: dict[str, float]) -> dict[str, float] | None:
     }
 
 
-def nic_counts(scenario: Scenario) -> tuple[int, int]:
-    """(prefill-side, decode-side) NICs: ranks packed on nodes, rail-aligned (sim/cluster.py)."""
-    c, links = scenario.cluster, scenario.links.resolved()
-    gpn = c.gpus_per_node
-    nics = c.nics_per_node or max(1, gpn // links.gpus_per_nic)
-
-    def count(ranks: int) -> int:
-        if links.placement == "intra":
-            return ranks
-        return len({(r // gpn, (r % gpn) * nics // gpn) for r in range(ranks)})
-
-    return count(c.prefill_instances * scenario.prefill.tp), count(
-        c.decode_instances * scenario.decode.tp
-    )
-
-
 def _util(offered: float, capacity: float) -> float | None:
     return offered / capacity if capacity > 0 else None
 
 
-def _prefill(s: Scenario, load: dict, rate: float | None) -> dict[str, Any]:
-    chunk = s.prefill.chunked_prefill_size
-    per_instance = chunk / prefill_forward_s(s, chunk)
-    capacity = per_instance * s.cluster.prefill_instances
+def _prefill(
+    s: Scenario, requests: Sequence[Request], load: dict, rate: float | None
+) -> dict[str, Any]:
+    _, seconds = prefill_work(s, requests)
+    capacity = prefill_capacity(s, requests)
     out: dict[str, Any] = {
         "capacity_tokens_per_s": capacity,
-        "forward_per_request_s": prefill_forward_s(s, round(load["computed_tokens"])),
+        "forward_per_request_s": seconds / len(requests) if requests else 0.0,
     }
     if rate is not None:
-        offered = rate * load["computed_tokens"]
-        out |= {"offered_tokens_per_s": offered, "utilization": _util(offered, capacity)}
-        out["why"] = (
-            f"{rate:.2f} req/s x {load['computed_tokens']:,.0f} prompt tokens = {offered:,.0f} tokens/s "
-            f"offered vs {capacity:,.0f} tokens/s of prefill compute ({s.cluster.prefill_instances} "
-            f"instance(s) of TP{s.prefill.tp})"
-        )
+        stage = prefill_stage(s, requests, load)
+        out |= {
+            "offered_tokens_per_s": stage.offered,
+            "utilization": _util(stage.offered, capacity),
+            "why": stage.why,
+        }
     return out
 
 
 def _nic(s: Scenario, summary: dict, rate: float | None) -> dict[str, Any]:
-    link = s.links.resolved().link
     done = summary.get("requests_done") or 0
     per_request = summary.get("payload_bytes", 0) / done if done else 0.0
     wrs = (summary.get("transfer_requests") or {}).get("per_request", 0.0)
-    nics = min(nic_counts(s))
+    nics, capacity = nic_capacity(s)
     out: dict[str, Any] = {
         "bytes_per_request": per_request,
         "nics": nics,
-        "capacity_bytes_per_s": nics * link.bandwidth_bytes_s,
+        "capacity_bytes_per_s": capacity,
     }
     if rate is not None and per_request:
-        util = _util(rate * per_request, nics * link.bandwidth_bytes_s)
-        if math.isfinite(link.message_rate) and wrs:
-            util = max(util or 0.0, rate * wrs / (nics * link.message_rate))
-        out |= {"offered_bytes_per_s": rate * per_request, "utilization": util}
-        out["why"] = (
-            f"{rate:.2f} req/s x {per_request / GIB:,.2f} GiB of KV = {rate * per_request / 1e9:,.1f} GB/s "
-            f"offered vs {nics} NIC(s) x {link.bandwidth_bytes_s / 1e9:,.1f} GB/s on the tighter side"
-        )
+        stage = nic_stage(s, rate, per_request, wrs)
+        util = _util(stage.offered, capacity)
+        if util is not None:
+            util = max(util, stage.other)
+        out |= {"offered_bytes_per_s": stage.offered, "utilization": util, "why": stage.why}
     return out
 
 
@@ -217,38 +186,16 @@ def _decode_compute(s: Scenario, load: dict, rooms: dict, rate: float | None) ->
         }
     target = s.slo.tpot_s
     if target is not None and rate is not None:
-        # a step yields tokens_per_step tokens a request (decode.speculative): the TPOT
-        # target allows a step that many times as long
-        fit = batch_within(model, context, target * s.decode.tokens_per_step)
-        capacity = fit / target * s.cluster.decode_instances  # output tokens/s at the target
-        offered = rate * load["output_tokens"]
+        stage = decode_stage(s, load, model)
         out |= {
-            "offered_tokens_per_s": offered,
-            "capacity_tokens_per_s": capacity,
-            "utilization": _util(offered, capacity),
+            "offered_tokens_per_s": stage.offered,
+            "capacity_tokens_per_s": stage.capacity,
+            "utilization": _util(stage.offered, stage.capacity),
         }
-        if capacity <= 0:  # one request's step alone takes longer than the target
+        if stage.capacity <= 0:  # one request's step alone takes longer than the target
             out["infeasible"] = True
-        out["why"] = (
-            f"{offered:,.0f} output tokens/s offered vs {capacity:,.0f} tokens/s the decode instances "
-            f"generate within TPOT {target * 1e3:g} ms (a step of one request with no KV is "
-            f"{model.step_time_s(0) * 1e3:.2f} ms)"
-        )
+        out["why"] = stage.why
     return out
-
-
-def batch_within(model: DecodeModel, context: float, target: float) -> int:
-    """The largest batch (at most decode.max_running_requests) whose step, each request
-    holding `context` tokens of KV, fits `target` seconds; 0 when not even one does.
-    The step time grows with the batch (more KV, more FLOPs), so bisect."""
-    lo, hi = 0, model.max_batch
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if model.step_time_s(mid * context, mid) <= target:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _ring(
@@ -319,7 +266,7 @@ def _verdict(
         return (
             stage,
             "overloaded",
-            f"{stage}: {stages[stage].get('why', '')}: {_pct(u)} of capacity",
+            f"{stage}: {stages[stage].get('why', '')}: {share(u)} of capacity",
         )
     tpot = (summary.get("tpot_s") or {}).get("p90")
     if s.slo.tpot_s is not None and tpot is not None and tpot > s.slo.tpot_s:
@@ -330,7 +277,7 @@ def _verdict(
         )
     stage = max(shares, key=shares.get)
     ttft = summary.get("ttft_s") or {}
-    tail = f"; highest utilization: {top} {_pct(utils[top])}" if top else ""
+    tail = f"; highest utilization: {top} {share(utils[top])}" if top else ""
     return (
         stage,
         "largest share of TTFT",
@@ -338,10 +285,6 @@ def _verdict(
             f"{stage} holds {shares[stage]:.0%} of TTFT (mean TTFT {ttft.get('mean', math.nan):.3f} s){tail}"
         ),
     )
-
-
-def _pct(u: float) -> str:
-    return "infinite" if math.isinf(u) else f"{u:.0%}"
 
 
 def bottleneck(
@@ -355,7 +298,7 @@ def bottleneck(
     load = offered_load(requests)
     rate = load["requests_per_s"]
     stages = {
-        PREFILL: _prefill(scenario, load, rate),
+        PREFILL: _prefill(scenario, requests, load, rate),
         QUEUE: {"queueing_s": _p(summary, "queueing_s")},
         NIC: _nic(scenario, summary, rate),
         RING: _ring(scenario, requests, rooms, summary, rate),
@@ -363,8 +306,8 @@ def bottleneck(
         DECODE: _decode_compute(scenario, load, rooms, rate),
     }
     shares = _shares(rooms)
-    for k, share in shares.items():
-        stages[k]["ttft_share"] = share
+    for k, part in shares.items():
+        stages[k]["ttft_share"] = part
     stage, reason, explanation = _verdict(stages, shares, summary, scenario)
     return {
         "stage": stage,

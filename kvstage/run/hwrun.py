@@ -33,6 +33,7 @@ from kvstage.shared.cluster import hardware_sessions
 from kvstage.shared.invariants import check_records
 from kvstage.shared.runtime import RankResult, merge_failures, rank_name
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.capacity import scenario_gpus
 from kvstage.shared.workload import generate_requests
 
 
@@ -91,7 +92,7 @@ def launch_run(
     (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
     `ceiling`: measure each pair's raw write ceiling before the first room (hw/transport/bandwidth.py);
     `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered."""
-    hw, g, c = scenario.hardware, scenario.geometry(), scenario.cluster
+    hw = scenario.hardware
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
     write_environment(
@@ -106,8 +107,7 @@ def launch_run(
     probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
     result = launch(
         scenario_path,
-        c.prefill_instances * g.prefill_tp,
-        c.decode_instances * g.decode_tp,
+        *scenario_gpus(scenario),
         Path(run_dir) / "logs",
         backend=hw.backend,
         device=hw.device,

@@ -16,6 +16,7 @@ from kvstage.metrics.rooms import room_latencies, slo_figures, summarize
 from kvstage.run.expect import group_failures
 from kvstage.shared.runtime import RankResult, merge_failures, sum_counts
 from kvstage.shared.scenario import Scenario
+from kvstage.shared.serving.capacity import scenario_gpus
 from kvstage.shared.serving.compute import efficiency_figures
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import Request, generate_requests, trace_rows
@@ -113,9 +114,7 @@ def capacity_figures(
     targets or models the decode side (output tokens, KV capacity), or `always`.
     Without either, nothing: summaries of such runs stay as they were."""
     targets = scenario.slo.targets()
-    c = scenario.cluster
-    gpus = c.prefill_instances * scenario.prefill.tp + c.decode_instances * scenario.decode.tp
-    out = slo_figures(rooms, targets, requests=requests, gpus=gpus)
+    out = slo_figures(rooms, targets, requests=requests, gpus=sum(scenario_gpus(scenario)))
     decode_side = "tpot_s" in summary or scenario.decode.gpu_memory_gib is not None
     if targets or decode_side or always:
         verdict = bottleneck(
