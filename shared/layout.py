@@ -264,6 +264,14 @@ class Geometry:
     def grid_pages(self) -> int:
         return grid_pages(self.page_size, self.chunked_prefill_size)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of a full chunk: chunked_prefill_size rounded down to whole pages, the
+        one reading of it everywhere ([C] SGLang's PrefillAdder truncates a chunk to
+        rem_chunk_tokens // page_size * page_size, python/sglang/srt/managers/
+        schedule_policy.py, and schedules none below a page)."""
+        return self.grid_pages * self.page_size
+
     def writers(self, decode_rank: int) -> list[int]:
         if self.attention == "mla":
             return mla_writers_of(decode_rank, self.prefill_tp, self.decode_tp)

@@ -218,7 +218,7 @@ class EngineForward(GroupForward):
         self.threads = threads
         p = host.p
         budget = p.batch_tokens
-        self.budget = sim.scenario.prefill.chunked_prefill_size if budget is None else budget
+        self.budget = sim.scenario.geometry().chunk_tokens if budget is None else budget
         self.limit = 2 if p.overlap else 1  # batches launched and not yet done
         self._pending: deque[tuple[tuple[int, int], Forward]] = deque()
         self._launching = False

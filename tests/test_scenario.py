@@ -729,3 +729,35 @@ def test_intra_placement_uses_intra_numbers() -> None:
     s = scenario_from_dict(minimal(links={"placement": "intra"}))
     r = s.links.resolved()
     assert r.link == r.intra and r.link.bandwidth_bytes_s == pytest.approx(3000e9 / 8)
+
+
+# --------------------------------------------------------------------------- chunk reading
+
+
+def test_chunked_prefill_size_is_read_in_whole_pages_everywhere():
+    """8,200 tokens with 16-token pages chunks as 8,192 do: the protocol's chunks, the
+    prefill's activations, the run's serving figures and the prefill capacity."""
+    from kvstage.shared.serving.capacity import prompt_forward_s
+    from kvstage.shared.serving.compute import efficiency_figures
+    from kvstage.shared.serving.memory import side_memory
+
+    path = REPO / "scenarios" / "llama3-70b-p8-d2.toml"
+    odd = load_scenario(path, ["prefill.chunked_prefill_size=8200"])
+    whole = load_scenario(path, ["prefill.chunked_prefill_size=8192"])
+    assert odd.geometry().chunk_tokens == whole.geometry().chunk_tokens == 8192
+    assert side_memory(odd, "prefill") == side_memory(whole, "prefill")
+    assert efficiency_figures(odd) == efficiency_figures(whole)
+    assert efficiency_figures(odd)["chunk_tokens"] == 8192
+    assert prompt_forward_s(odd, 30000) == prompt_forward_s(whole, 30000)
+
+
+@pytest.mark.parametrize(
+    "key", ["prefill.chunked_prefill_size", "hardware.scale_down.chunked_prefill_size"]
+)
+def test_a_chunk_below_one_page_is_refused_in_one_line(key):
+    path = REPO / "scenarios" / "llama3-70b-p8-d2.toml"
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(path, [f"{key}=8", "decode.page_size=16"])
+    msg = str(err.value)
+    assert f"{key} = 8" in msg and "decode.page_size = 16" in msg
+    assert "allowed: >= one page, 16 tokens" in msg and "\n" not in msg

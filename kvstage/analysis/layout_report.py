@@ -130,7 +130,7 @@ def layout_report(s: Scenario, console: Console) -> None:
     )
     sizes.add_row(
         "chunk grid",
-        f"{g.grid_pages} pages x {g.page_size} tokens = {g.grid_pages * g.page_size} tokens",
+        f"{g.grid_pages} pages x {g.page_size} tokens = {g.chunk_tokens} tokens",
     )
     sizes.add_row("staging bytes per full chunk per decode rank", f"{chunk:,} B ({_mib(chunk)})")
     sizes.add_row("staging pool per decode rank", f"{s.pool_bytes:,} B ({_mib(s.pool_bytes)})")

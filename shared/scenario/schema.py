@@ -753,6 +753,7 @@ class Scenario(_Table):
                     f"unknown GPU; allowed: {gpu_names()}{own} (kvstage presets lists "
                     "them; a GPU of your own goes in a [gpus.NAME] table)",
                 )
+        _check_chunk(self)
         if self.cluster.fold:
             problem = fold_problem(self)
             if problem:
@@ -844,6 +845,22 @@ def _check_tp_mapping(prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
         raise _FieldProblem(fields, str(exc)) from None
 
 
+def _check_chunk(s: Scenario) -> None:
+    """A chunk is whole pages: chunked_prefill_size is read rounded down to them
+    (Geometry.chunk_tokens), so it must hold one at least."""
+    page = s.decode.page_size
+    for key, cps in (
+        ("prefill.chunked_prefill_size", s.prefill.chunked_prefill_size),
+        ("hardware.scale_down.chunked_prefill_size", s.hardware.scale_down.chunked_prefill_size),
+    ):
+        if cps is not None and cps < page:
+            raise _FieldProblem(
+                {key: cps, "decode.page_size": page},
+                f"a chunk is whole pages (chunked_prefill_size is rounded down to them, as "
+                f"SGLang does); allowed: >= one page, {page} tokens",
+            )
+
+
 def _check_expert_parallel(s: Scenario) -> None:
     for side, cfg in (("prefill", s.prefill), ("decode", s.decode)):
         if cfg.ep > 1 and cfg.ep > max(1, s.model.experts):
@@ -879,7 +896,7 @@ def _check_pool(geo: Geometry, pool_bytes: int, fields: dict[str, Any]) -> None:
     need = geo.chunk_bytes()
     if pool_bytes >= need:
         return
-    tokens = geo.grid_pages * geo.page_size
+    tokens = geo.chunk_tokens
     heads = need // (2 * geo.layers * tokens * geo.head_dim * geo.dtype_bytes)
     raise _FieldProblem(
         fields,

@@ -426,7 +426,7 @@ def decode_step_s(s: Scenario, batch: int, kv_tokens: float) -> float:
 
 def efficiency_figures(s: Scenario) -> dict[str, object]:
     """The GPUs and the efficiencies a run's model used (summary.json `serving_model`)."""
-    eff, chunk = efficiency(s), s.prefill.chunked_prefill_size
+    eff, chunk = efficiency(s), s.geometry().chunk_tokens
     p, d = s.prefill, s.decode
     out: dict[str, object] = {
         "prefill_gpu": p.gpu,

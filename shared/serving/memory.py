@@ -131,8 +131,8 @@ def side_memory(s: Scenario, side: str) -> SideMemory:
     memory = gpu.memory_gib * GIB
     if side == "decode" and s.decode.gpu_memory_gib is not None:
         memory = s.decode.gpu_memory_gib * GIB
-    tokens = s.prefill.chunked_prefill_size if side == "prefill" else s.decode.max_running_requests
-    chunk = g.grid_pages * g.page_size
+    chunk = g.chunk_tokens
+    tokens = chunk if side == "prefill" else s.decode.max_running_requests
     return SideMemory(
         side=side,
         gpu=gpu,
