@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from kvstage.analysis import figures
 from kvstage.analysis.compare import PHASE_KEYS, compare_runs, room_metrics
-from kvstage.fmt import MIB, ms, pct
+from kvstage.fmt import MIB, fixed, ms, pct
 from kvstage.metrics.rooms import percentiles, ring_figures, summarize
 from kvstage.run.conditions import describe, loaded_warnings
 from kvstage.run.rundir import Run, load_run
@@ -96,14 +96,6 @@ def _gbs(gbit_s):
     return gbit_s / 8 if isinstance(gbit_s, (int, float)) else gbit_s
 
 
-def _num(x, unit: str = "", digits: int = 2) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    if isinstance(x, int):
-        return f"{x:,}{unit}"
-    return f"{x:,.{digits}f}{unit}"
-
-
 def _table(
     rows: Iterable[Sequence], header: Sequence[str] | None = None, num_cols: Iterable[int] = ()
 ) -> str:
@@ -148,15 +140,15 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
             f"{ms(ttft.get('p50'))} / {ms(ttft.get('p90'))} / {ms(ttft.get('p99'))}",
         ),
         ("payload", f"{(s.get('payload_bytes') or 0) / (1 << 30):,.2f} GiB"),
-        ("throughput", f"{_num(_gbs(s.get('throughput_gbps')))} GB/s"),
+        ("throughput", f"{fixed(_gbs(s.get('throughput_gbps')))} GB/s"),
         *_ring_rows(run, s),
         (
             "watermark stall total / p99 / chunks",
-            f"{_num(stall.get('total'), ' s', 4)} / {ms(stall.get('p99'))} / {stall.get('chunks', '-')}",
+            f"{fixed(stall.get('total'), ' s', 4)} / {ms(stall.get('p99'))} / {stall.get('chunks', '-')}",
         ),
         (
             "transfer requests total / per request",
-            f"{_num(tr.get('total'))} / {_num(tr.get('per_request'), '', 1)}",
+            f"{fixed(tr.get('total'))} / {fixed(tr.get('per_request'), '', 1)}",
         ),
     ]
     for key, label in (
@@ -175,9 +167,9 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
             rows.append(
                 (
                     label,
-                    _num(v, "", 3)
+                    fixed(v, "", 3)
                     if isinstance(v, float)
-                    else _num(v)
+                    else fixed(v)
                     if isinstance(v, int)
                     else str(v),
                 )
@@ -230,7 +222,7 @@ def _scenario_rows(run: Run) -> list[tuple[str, str]]:
         ),
         (
             "links",
-            f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {_num(_gbs(links.get('inter_bandwidth_gbps')))} GB/s inter-node",
+            f"{links.get('profile', 'custom')}, {links.get('placement', '?')}: {fixed(_gbs(links.get('inter_bandwidth_gbps')))} GB/s inter-node",
         ),
         (
             "workload",
@@ -408,8 +400,8 @@ def _compare_section(k: int, result: dict, figure: _Figures) -> str:
         ph_rows.append(
             (
                 ph["label"],
-                _num(ph["a"]["total_s"], " s", 4),
-                _num(ph["b"]["total_s"], " s", 4),
+                fixed(ph["a"]["total_s"], " s", 4),
+                fixed(ph["b"]["total_s"], " s", 4),
                 ms(ph["a"]["mean_s"]),
                 ms(ph["b"]["mean_s"]),
             )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,7 @@ __all__ = [
     "fit_latency_bandwidth",
     "fit_line",
     "fit_per_request",
+    "fit_table",
     "median_of",
 ]
 
@@ -75,6 +76,14 @@ class CopyFit(NamedTuple):
     bandwidth_Bps: float
     r2: float
     residuals: list[float]
+
+
+def fit_table(f: LineFit | LinearFit | PerRequestFit | CopyFit) -> dict[str, Any]:
+    """A fit as the calibration sidecar writes it: every field by its name, the
+    residuals as `residuals_rel` (they are relative)."""
+    out: dict[str, Any] = f._asdict()
+    out["residuals_rel"] = out.pop("residuals")
+    return out
 
 
 def _as_points(x: Sequence[float], y: Sequence[float], what: str) -> tuple[np.ndarray, np.ndarray]:

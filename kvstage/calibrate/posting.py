@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvstage.calibrate.fit import LineFit, fit_line, median_of
+from kvstage.calibrate.fit import LineFit, fit_line, fit_table, median_of
 
 __all__ = ["Overlap", "PostingFit", "fit_posting", "overlap"]
 
@@ -109,16 +109,7 @@ class PostingFit:
         """The sidecar's [fit.posting]."""
 
         def line(f: LineFit | None) -> dict[str, Any] | None:
-            return (
-                None
-                if f is None
-                else {
-                    "intercept_s": f.intercept_s,
-                    "slope_s": f.slope_s,
-                    "r2": f.r2,
-                    "residuals_rel": f.residuals,
-                }
-            )
+            return None if f is None else fit_table(f)
 
         return {
             "model": "posted(n) = per_batch + n * per_request; done(n) - posted(n) = a + n / message_rate",

@@ -65,6 +65,7 @@ from kvstage.calibrate.fit import (
     fit_copy,
     fit_latency_bandwidth,
     fit_per_request,
+    fit_table,
     median_of,
 )
 from kvstage.calibrate.inrun import CPU_FIELDS, FACTORS, fit_profile, loop_is_realtime
@@ -263,30 +264,10 @@ class Calibration:
     def fit_table(self) -> dict[str, Any]:
         """The [fit] part of the sidecar: every fit with its R^2 and residuals."""
 
-        def lin(f: LinearFit) -> dict[str, Any]:
-            return {
-                "latency_s": f.latency_s,
-                "bandwidth_Bps": f.bandwidth_Bps,
-                "r2": f.r2,
-                "residuals_rel": f.residuals,
-            }
-
-        def cp(f: CopyFit) -> dict[str, Any]:
-            return {
-                "launch_s": f.launch_s,
-                "bandwidth_Bps": f.bandwidth_Bps,
-                "r2": f.r2,
-                "residuals_rel": f.residuals,
-            }
-
         return {
-            "write": {**lin(self.write), "model": "t = latency + bytes / bandwidth (one op)"},
+            "write": {**fit_table(self.write), "model": "t = latency + bytes / bandwidth (one op)"},
             "per_request": {
-                "per_request_s": self.per_request.per_request_s,
-                "intercept_s": self.per_request.intercept_s,
-                "slope_s": self.per_request.slope_s,
-                "r2": self.per_request.r2,
-                "residuals_rel": self.per_request.residuals,
+                **fit_table(self.per_request),
                 "model": "t(n) = intercept + n * slope; per_request = slope - op_bytes / bandwidth",
             },
             "per_request_points": self._per_request_points(),
@@ -299,21 +280,24 @@ class Calibration:
                 "one_way_s": self.control_rtt_s / 2,
                 "pings": len(self.raw["control"]["rtt_s"]),
             },
-            "gather": {**cp(self.gather), "model": "t = launch + bytes / bandwidth (4 of 4 heads)"},
+            "gather": {
+                **fit_table(self.gather),
+                "model": "t = launch + bytes / bandwidth (4 of 4 heads)",
+            },
             "gather_sub": {
-                **cp(self.gather_sub),
+                **fit_table(self.gather_sub),
                 "model": "t = launch + bytes / bandwidth (2 of 4 heads)",
             },
             "scatter": {
-                **cp(self.scatter),
+                **fit_table(self.scatter),
                 "model": "t = W * launch + bytes / bandwidth (W = 2 blocks)",
             },
             "copy": {
-                **cp(self.copy),
+                **fit_table(self.copy),
                 "model": "gather + scatter together; mem_bandwidth = 2 * bandwidth",
             },
             "fill": {
-                **lin(self.fill),
+                **fit_table(self.fill),
                 "bytes_per_token": self.fill_bytes_per_token,
                 "model": "hw prefill forward (fill_pattern): t = latency + KV bytes / bandwidth",
             },

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import math
 import os
 import re
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstage.explore.executor import STATUS_ERROR, Executor, ExploreError, error_row
-from kvstage.fmt import MIB, json_text
+from kvstage.fmt import MIB, csv_cell, json_text
 from kvstage.shared.scenario import (
     PRESETS,
     Scenario,
@@ -446,16 +445,6 @@ def write_json(path: Path, obj: Any) -> Path:
     return path
 
 
-def _csv_cell(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, list | dict):
-        return json.dumps(v)
-    return v
-
-
 def write_tables(result: SweepResult, out_dir: Path) -> dict[str, Path]:
     """sweep.csv and sweep.parquet: one row per point, columns as `result.columns`."""
     import pyarrow as pa
@@ -467,7 +456,7 @@ def write_tables(result: SweepResult, out_dir: Path) -> dict[str, Path]:
         w = csv.writer(fh)
         w.writerow(result.columns)
         for row in result.rows:
-            w.writerow([_csv_cell(row[c]) for c in result.columns])
+            w.writerow([csv_cell(row[c]) for c in result.columns])
     arrays = {}
     for c in result.columns:
         col = [row[c] for row in result.rows]

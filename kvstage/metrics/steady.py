@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstage.fmt import quantile
 from kvstage.metrics.rooms import meets, request_figures
 
 if TYPE_CHECKING:
@@ -124,16 +125,6 @@ def steady_window(rooms: dict[int, dict[str, float]]) -> Window:
     return Window(kept[0][0], kept[-1][0], tuple(r for _, r in kept), cut, n - end)
 
 
-def _quantile(sorted_xs: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default)."""
-    if not sorted_xs:
-        return math.nan
-    pos = min(max(q, 0.0), 1.0) * (len(sorted_xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
-
-
 def _batches(values: Sequence[float]) -> list[list[float]]:
     k = min(BATCHES, len(values))
     size = len(values) / k if k else 0
@@ -167,7 +158,7 @@ def quantile_interval(values: Sequence[float], q: float) -> tuple[float, float, 
     xs = sorted(values)
     if not xs:
         return math.nan, math.nan, math.nan
-    est = _quantile(xs, q)
+    est = quantile(xs, q)
     n_eff = len(xs) / _inflation([1.0 if v <= est else 0.0 for v in values])
     half = Z95 * math.sqrt(q * (1 - q) / n_eff) if n_eff > 0 else 1.0
     lo_rank = math.floor((q - half) * len(xs))
@@ -204,7 +195,7 @@ def steady_figures(
         values = [f[key] for _, f in figs if f and key in f]
         xs = sorted(values)
         for q in QUANTILES:
-            out[f"{key}.{quantile_name(q)}"] = _finite(_quantile(xs, q))
+            out[f"{key}.{quantile_name(q)}"] = _finite(quantile(xs, q))
         est, lo, hi = quantile_interval(values, attainment)
         out[f"{key}.{qname}"] = _finite(est)
         out[f"{key}.{qname}_lo"] = _finite(lo)
@@ -212,7 +203,7 @@ def steady_figures(
 
     itls = sorted(gap for room in w.rooms for gap in rooms[room].get("itls", ()))
     for q in {*QUANTILES, attainment}:  # every gap of the window's requests, pooled
-        out[f"itl_s.{quantile_name(q)}"] = _finite(_quantile(itls, q))
+        out[f"itl_s.{quantile_name(q)}"] = _finite(quantile(itls, q))
     hits = [float(meets(f, targets)) for _, f in figs]
     n = len(hits)
     rate = (n - 1) / w.span_s if n > 1 and w.span_s > 0 else 0.0

@@ -3,22 +3,20 @@ can name, in a table each (the numbers behind them and where they come from)."""
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvstage.fmt import num
 from kvstage.tables import print_table
 
 console = Console()
 
 
-def _num(x: float | None, unit: str = "", scale: float = 1.0) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x * scale:,.4g}{unit}"
+_num = partial(num, spec=",.4g")  # the catalogue's figures, four digits
 
 
 def presets_table() -> Table:

@@ -16,6 +16,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstage.cli.errors import fail as _fail
+from kvstage.cli.options import ProgressOpt, RayOpt, SetOpt, WorkersOpt
+from kvstage.fmt import num, secs
 from kvstage.tables import print_table
 
 console = Console()
@@ -24,16 +26,6 @@ ListOpt = Annotated[
     str | None,
     typer.Option(metavar="V1,V2,...", help="Values to search, comma separated (defaults below)."),
 ]
-
-
-def _num(x: Any, fmt: str = "{:.3g}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _secs(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
 
 
 def _skipped_table(groups: list[dict[str, Any]]) -> Table:
@@ -86,14 +78,14 @@ def _front_table(result: Any) -> Table:
             f"{r['cluster.decode_instances']} x TP{r['decode.tp']}{_ep(r, 'decode.ep')}",
             f"{r['decode.staging_pool_mb']:g}",
             str(r["gpus"]),
-            _num(r["slo_attainment"], "{:.0%}"),
-            _num(r["goodput_per_gpu_rps"]),
-            _secs(r[f"ttft_s.{q}"]),
-            f"{_secs(r.get(f'ttft_s.{q}_lo'))} .. {_secs(r.get(f'ttft_s.{q}_hi'))}",
-            _secs(r[f"tpot_s.{q}"]),
-            _secs(r.get(f"itl_s.{q}")),
+            num(r["slo_attainment"], spec=".0%"),
+            num(r["goodput_per_gpu_rps"]),
+            secs(r[f"ttft_s.{q}"]),
+            f"{secs(r.get(f'ttft_s.{q}_lo'))} .. {secs(r.get(f'ttft_s.{q}_hi'))}",
+            secs(r[f"tpot_s.{q}"]),
+            secs(r.get(f"itl_s.{q}")),
             *(
-                (_num(r.get("cost_per_m_input_tokens")), _num(r.get("cost_per_m_output_tokens")))
+                (num(r.get("cost_per_m_input_tokens")), num(r.get("cost_per_m_output_tokens")))
                 if costs
                 else ()
             ),
@@ -128,10 +120,10 @@ def _colocated_table(result: Any) -> Table:
             f"{r['colocated.instances']} x TP{r['colocated.tp']}{_ep(r, 'colocated.ep')}",
             str(r["prefill.chunked_prefill_size"]),
             str(g),
-            _num(r["slo_attainment"], "{:.0%}"),
-            _num(r["goodput_per_gpu_rps"]),
-            _secs(r.get(f"ttft_s.{q}")),
-            _secs(r.get(f"tpot_s.{q}")),
+            num(r["slo_attainment"], spec=".0%"),
+            num(r["goodput_per_gpu_rps"]),
+            secs(r.get(f"ttft_s.{q}")),
+            secs(r.get(f"tpot_s.{q}")),
             "[bold green]best[/]"
             if r["best"]
             else ("meets" if r["meets"] else "[yellow]misses[/]"),
@@ -215,7 +207,7 @@ def _print_intro(
     from kvstage.explore.plan import skip_reasons
 
     gpus = sorted({_gpus(p.settings) for p in cands.points})
-    slo = ", ".join(f"{k} <= {_secs(v)}" for k, v in cands.targets.items())
+    slo = ", ".join(f"{k} <= {secs(v)}" for k, v in cands.targets.items())
     console.print(
         f"plan [bold]{escape(str(scenario))}[/]: {len(cands.points) + len(cands.skipped)} configurations, "
         f"{len(cands.skipped)} skipped, {len(cands.points)} to search over {len(gpus)} GPU counts "
@@ -326,13 +318,7 @@ def plan(
         Path,
         typer.Argument(help="Scenario TOML file with an [slo] table (see scenarios/README.md)."),
     ],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set",
-            help="Override a scenario field, e.g. --set workload.rate_per_s=4 (repeatable).",
-        ),
-    ] = None,
+    set_: SetOpt = None,
     prefill_tp: ListOpt = None,
     decode_tp: ListOpt = None,
     prefill_instances: ListOpt = None,
@@ -435,24 +421,12 @@ def plan(
         bool,
         typer.Option(help="Simulate every candidate on the whole workload (--search exhaustive)."),
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."
-        ),
-    ] = None,
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            metavar="ADDRESS",
-            help='Run on Ray: "local" starts a private instance here; else a cluster address.',
-        ),
-    ] = None,
+    workers: WorkersOpt = None,
+    ray: RayOpt = None,
     out: Annotated[
         Path | None, typer.Option(help="Output directory (default runs/SCENARIO-plan-TIME/).")
     ] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    progress: ProgressOpt = True,
 ) -> None:
     """Search prefill TP, decode TP, instance counts, staging pool, chunk, router and
     transfer path for the fewest GPUs that meet the scenario's [slo] targets at its

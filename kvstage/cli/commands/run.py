@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from kvstage.cli.errors import fail
+from kvstage.cli.options import ProgressOpt, ScenarioArg, SetOpt
 from kvstage.shared.machine import TransferPath
 from kvstage.shared.scenario import Scenario, ScenarioError, load_scenario
 from kvstage.shared.scenario import scaled as scale_down  # `scaled` is a flag here
@@ -23,15 +24,6 @@ Verify = Literal["full", "sample", "off"]
 TraceFormat = Literal["parquet", "jsonl"]
 Role = Literal["prefill", "decode"]
 DEVICE_METAVAR = "[cpu|cuda|cuda:N]"  # cuda:N is open-ended: checked by the scenario schema
-
-ScenarioArg = Annotated[Path, typer.Argument(help="Scenario TOML file (see scenarios/README.md).")]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set",
-        help="Override a scenario field, e.g. --set decode.staging_pool_mb=512 (repeatable).",
-    ),
-]
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -81,7 +73,7 @@ def sim(
     scaled: Annotated[
         bool, typer.Option(help="Apply [hardware.scale_down] (to compare with a hw run).")
     ] = False,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    progress: ProgressOpt = True,
 ) -> None:
     """Simulate the scenario's whole workload in simulated time (SimPy), through the
     same shared state machines the hardware mode runs. Writes trace, resolved scenario

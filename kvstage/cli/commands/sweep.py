@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstage.cli.errors import fail as _fail
+from kvstage.cli.options import ProgressOpt, RayOpt, SetOpt, WorkersOpt
 from kvstage.tables import print_table
 
 console = Console()
@@ -159,27 +160,9 @@ def sweep(
             ),
         ),
     ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set",
-            help="Override a field at every point, e.g. --set workload.requests=64 (repeatable).",
-        ),
-    ] = None,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            help="Parallel simulations: local processes, or CPUs of --ray local (default: all CPUs)."
-        ),
-    ] = None,
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            metavar="ADDRESS",
-            help='Run the points on Ray: "local" starts a private instance here; else a cluster address (host:port, auto, ray://...).',
-        ),
-    ] = None,
+    set_: SetOpt = None,
+    workers: WorkersOpt = None,
+    ray: RayOpt = None,
     target: Annotated[
         str | None,
         typer.Option(
@@ -203,7 +186,7 @@ def sweep(
         ),
     ] = False,
     plots: Annotated[bool, typer.Option(help="Write the PNG plots.")] = True,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    progress: ProgressOpt = True,
 ) -> None:
     """Simulate every combination of the --vary values (on top of the scenario and its
     --set overrides) in parallel, and write one row per point -- the varied keys, the
