@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvstage.cli.errors import fail as _fail
+from kvstage.cli.options import SetOpt
 
 console = Console()
 
@@ -29,9 +30,7 @@ def _capacity(requests: list, profile: tuple[float, ...], fixed: int) -> float:
 
 def autoscale(
     scenario: Annotated[Path, typer.Argument(help="Scenario TOML file with an [slo] table.")],
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a scenario field (repeatable).")
-    ] = None,
+    set_: SetOpt = None,
     tp: Annotated[int, typer.Option(help="TP of each (colocated) instance.")] = 1,
     profile: Annotated[
         str,
