@@ -36,32 +36,33 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import wait as wait_connections
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvstage.hw.probes.harness import (
+    CalibrationError,
+    ProgressFn,
+    child_setup,
+    expect,
+    reap,
+    tail,
+    usable_cores,
+)
+
 __all__ = [
     "KERNEL_GEOMETRY",
-    "CalibrationError",
     "CalibrationPlan",
     "Extra",
-    "ProgressFn",
     "measure",
-    "usable_cores",
 ]
 
 KIB = 1 << 10
 MIB = 1 << 20
 
-ProgressFn = Callable[[str, int, int], None]
 # One extra measurement: a name for its raw points, and a module-level function that
 # takes a progress callback and returns them (it runs in the sender process).
 Extra = tuple[str, Callable[[ProgressFn], dict[str, Any]]]
-
-
-class CalibrationError(RuntimeError):
-    """A measurement could not be taken (engine missing, child failed or hung)."""
 
 
 # =========================================================================== plan
@@ -129,41 +130,6 @@ KERNEL_GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
 # =========================================================================== children
 
 
-def _redirect_output(log_path: str) -> None:
-    """Send this child's stdout/stderr (engine chatter) to a log, away from the progress bar."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _child_setup(log_path: str, place: Any = None, role: str = "") -> None:
-    from kvstage.hw.transport.placement import quiet_engines
-
-    _redirect_output(log_path)
-    if place is not None:  # its host: a network namespace and address (hw/probes/hosts.py)
-        place.enter(role)
-    quiet_engines(os.environ)
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    import torch
-
-    # Like hw/rank/main.py: ranks run one intra-op thread each.
-    torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
-
-
-def _expect(conn: Any, kind: str, timeout_s: float) -> tuple:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not conn.poll(left):
-            raise TimeoutError(f"no {kind!r} from the parent within {timeout_s:.0f} s")
-        msg = conn.recv()
-        if msg[0] == kind:
-            return msg
-        if msg[0] == "abort":
-            raise CalibrationError(f"parent aborted: {msg[1]}")
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -185,7 +151,7 @@ def _receiver_main(
     backend: str, device: str, plan: CalibrationPlan, conn: Any, log_path: str, place: Any = None
 ) -> None:
     try:
-        _child_setup(log_path, place, "receiver")
+        child_setup(log_path, place, "receiver")
         import torch
 
         from kvstage.hw.control.plane import ControlPlane
@@ -199,7 +165,7 @@ def _receiver_main(
         conn.send(("metadata", transport.agent_name, transport.metadata()))
         cp = ControlPlane(place.address) if place is not None else ControlPlane()
         conn.send(("control", cp.address, cp.identity))
-        _, peer_addr, peer = _expect(conn, "control", plan.step_timeout_s * 3)
+        _, peer_addr, peer = expect(conn, "control", plan.step_timeout_s * 3)
         cp.connect("ping", peer_addr, peer)
         # Echo every message back until the pinger's Abort (bounded).
         deadline = time.monotonic() + plan.step_timeout_s
@@ -214,7 +180,7 @@ def _receiver_main(
         # While the sender runs its kernels, this process only waits on the pipe: the CPU
         # it still burns is the engine's own threads (e.g. a busy-polling progress thread).
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        _expect(conn, "bye", plan.step_timeout_s * 3)
+        expect(conn, "bye", plan.step_timeout_s * 3)
         wall = time.perf_counter() - wall0
         conn.send(("result", "idle_cpu", {"cpu_s": time.process_time() - cpu0, "wall_s": wall}))
         cp.close()
@@ -341,7 +307,7 @@ def _measure_control(plan: CalibrationPlan, conn: Any, place: Any = None) -> dic
 
     cp = ControlPlane(place.address) if place is not None else ControlPlane()
     conn.send(("control", cp.address, cp.identity))
-    _, echo_addr, echo = _expect(conn, "control", plan.step_timeout_s)
+    _, echo_addr, echo = expect(conn, "control", plan.step_timeout_s)
     cp.connect("echo", echo_addr, echo)
     timeout = min(10.0, plan.step_timeout_s)
     rtts: list[float] = []
@@ -507,7 +473,7 @@ def _sender_main(
     place: Any = None,
 ) -> None:
     try:
-        _child_setup(log_path, place, "sender")
+        child_setup(log_path, place, "sender")
         import torch
 
         from kvstage.hw.transport.base import make_transport
@@ -522,7 +488,7 @@ def _sender_main(
             generator=torch.Generator().manual_seed(5),
         ).to(device)
         local = transport.register(src)
-        _, peer, metadata = _expect(conn, "metadata", plan.step_timeout_s * 3)
+        _, peer, metadata = expect(conn, "metadata", plan.step_timeout_s * 3)
         transport.add_peer(peer, metadata)
         remote = transport.peer(peer).regions[0]
         conn.send(
@@ -551,14 +517,6 @@ def _sender_main(
 
 
 # =========================================================================== parent
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    try:
-        text = Path(path).read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return "\n".join("    " + line for line in text[-lines:])
 
 
 @dataclass
@@ -655,7 +613,7 @@ class _Children:
             if name not in self.finished and not proc.is_alive() and not self.conns[name].poll():
                 raise CalibrationError(
                     f"the {name} process died (exit code {proc.exitcode}) while waiting for "
-                    f"{self.waiting_for}; its log {self.logs[name]}:\n{_tail(self.logs[name])}"
+                    f"{self.waiting_for}; its log {self.logs[name]}:\n{tail(self.logs[name])}"
                 )
 
     def _receive(self, name: str) -> tuple:
@@ -664,11 +622,11 @@ class _Children:
         except EOFError:
             raise CalibrationError(
                 f"the {name} process closed its pipe while waiting for {self.waiting_for}; "
-                f"its log:\n{_tail(self.logs[name])}"
+                f"its log:\n{tail(self.logs[name])}"
             ) from None
         if msg[0] == "error":
             raise CalibrationError(
-                f"the {name} process failed:\n{msg[1]}\nlog tail:\n{_tail(self.logs[name])}"
+                f"the {name} process failed:\n{msg[1]}\nlog tail:\n{tail(self.logs[name])}"
             )
         return msg
 
@@ -698,13 +656,7 @@ class _Children:
                 pass
 
     def reap(self) -> None:
-        for proc in self.procs.values():
-            proc.join(10.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for c in self.conns.values():
-            c.close()
+        reap(self.procs.values(), self.conns)
 
 
 def measure(
@@ -741,11 +693,3 @@ def measure(
     raw["elapsed_s"] = time.monotonic() - start
     raw["host_cores"] = usable_cores()
     return raw
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (CPU affinity where known)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1

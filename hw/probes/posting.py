@@ -40,12 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from kvstage.hw.probes.engine import (
+from kvstage.hw.probes.harness import (
     CalibrationError,
     ProgressFn,
-    _child_setup,
-    _expect,
-    _tail,
+    child_setup,
+    expect,
+    reap,
+    tail,
     usable_cores,
 )
 
@@ -194,7 +195,7 @@ class _Poster:
 
 def _receiver(backend: str, plan: PostingPlan, conn: Any, log: str) -> None:
     try:
-        _child_setup(log)
+        child_setup(log)
         import torch
 
         from kvstage.hw.transport.base import make_transport
@@ -202,7 +203,7 @@ def _receiver(backend: str, plan: PostingPlan, conn: Any, log: str) -> None:
         t = make_transport(backend, f"kvstage-post-recv-{os.getpid()}", "cpu")
         t.register(torch.zeros(plan.buffer_bytes, dtype=torch.uint8))
         conn.send(("metadata", t.agent_name, t.metadata()))
-        _expect(conn, "bye", plan.timeout_s * 20)
+        expect(conn, "bye", plan.timeout_s * 20)
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -275,12 +276,12 @@ def _at(start: float, p: _Poster, n: int) -> tuple[float, float]:
 
 def _sender(backend: str, plan: PostingPlan, conn: Any, log: str, role: str) -> None:
     try:
-        _child_setup(log)
-        _, peer, metadata = _expect(conn, "metadata", plan.timeout_s * 3)
+        child_setup(log)
+        _, peer, metadata = expect(conn, "metadata", plan.timeout_s * 3)
         p = _Poster(backend, f"kvstage-post-{role}-{os.getpid()}", plan, metadata, peer)
         conn.send(("ready",))
         while True:
-            msg = _expect(conn, "run", plan.timeout_s * 20)
+            msg = expect(conn, "run", plan.timeout_s * 20)
             step = msg[1]
             if step == "sweep":
                 conn.send(("result", "sweep", _sweep(p, plan, conn)))
@@ -335,7 +336,7 @@ class _Run:
             ):
                 if not self.procs[name].is_alive():
                     raise CalibrationError(
-                        f"posting probe: {name} died; log:\n{_tail(self.logs[name])}"
+                        f"posting probe: {name} died; log:\n{tail(self.logs[name])}"
                     )
                 if time.monotonic() > deadline:
                     raise CalibrationError(
@@ -347,7 +348,7 @@ class _Run:
                 msg = conn.recv()
             except EOFError:
                 raise CalibrationError(
-                    f"posting probe: {name} closed its pipe; log:\n{_tail(self.logs[name])}"
+                    f"posting probe: {name} closed its pipe; log:\n{tail(self.logs[name])}"
                 ) from None
             if msg[0] == "error":
                 raise CalibrationError(f"posting probe: {name} failed:\n{msg[1]}")
@@ -359,18 +360,8 @@ class _Run:
                 return msg
 
     def reap(self) -> None:
-        for name, conn in self.conns.items():
-            try:
-                conn.send(("bye",) if name == "receiver" else ("run", "stop"))
-            except (OSError, ValueError):
-                pass
-        for proc in self.procs.values():
-            proc.join(10.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for conn in self.conns.values():
-            conn.close()
+        goodbye = {n: ("bye",) if n == "receiver" else ("run", "stop") for n in self.conns}
+        reap(self.procs.values(), self.conns, goodbye)
 
 
 def measure_posting(backend: str, plan: PostingPlan | None = None,

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvstage.calibrate.inrun import CAL_SCENARIO, CAL_SMALL, copy_bytes_mean, kind_means
 from kvstage.hw.probes import engine as probe
-from kvstage.hw.probes.engine import CalibrationPlan, ProgressFn
+from kvstage.hw.probes.engine import CalibrationPlan
+from kvstage.hw.probes.harness import ProgressFn
 from kvstage.hw.probes.hosts import ProbeHost, inter_host
 from kvstage.hw.probes.posting import PostingPlan, measure_posting
 

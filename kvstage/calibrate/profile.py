@@ -71,14 +71,8 @@ from kvstage.calibrate.fit import (
 from kvstage.calibrate.inrun import CPU_FIELDS, FACTORS, fit_profile, loop_is_realtime
 from kvstage.calibrate.measure import measure, rank_loop_constants
 from kvstage.calibrate.posting import PostingFit, fit_posting
-from kvstage.hw.probes.engine import (
-    KIB,
-    MIB,
-    CalibrationError,
-    CalibrationPlan,
-    ProgressFn,
-    usable_cores,
-)
+from kvstage.hw.probes.engine import KIB, MIB, CalibrationPlan
+from kvstage.hw.probes.harness import CalibrationError, ProgressFn, usable_cores
 
 __all__ = [
     "ENGINE_WRITE_THREADS",
