@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping
 
 from kvstage.hw.transport.placement import PlacementError
+from kvstage.shared.serving.capacity import scenario_gpus
 
 __all__ = ["split_hosts", "slots_per_node", "main"]
 
@@ -83,13 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         s = load_scenario(args[0])
-        g, c = s.geometry(), s.cluster
-        hosts = split_hosts(
-            _job_nodes(os.environ),
-            slots_per_node(os.environ),
-            c.prefill_instances * g.prefill_tp,
-            c.decode_instances * g.decode_tp,
-        )
+        hosts = split_hosts(_job_nodes(os.environ), slots_per_node(os.environ), *scenario_gpus(s))
     except (PlacementError, ScenarioError, OSError) as e:
         print(f"kvstage.sbatch: {e}", file=sys.stderr)
         return 2

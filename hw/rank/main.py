@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     )
     from kvstage.hw.transport.used import ucx_log_env
     from kvstage.shared.scenario import ScenarioError, load_scenario
+    from kvstage.shared.serving.capacity import scenario_gpus
 
     watch_launcher()  # first: a launcher that dies from here on takes this rank along
     who = (
@@ -112,13 +113,10 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         return 2
     try:
         scenario = load_scenario(args.scenario, overrides=args.sets)
-        g = scenario.geometry()
-        c = scenario.cluster  # ranks of every instance: instance * TP + local rank
         me = identity(
             args.role,
             args.rank,
-            c.prefill_instances * g.prefill_tp,
-            c.decode_instances * g.decode_tp,
+            *scenario_gpus(scenario),  # ranks of every instance: instance * TP + local rank
         )
         rendezvous = rendezvous_address(args.rendezvous)
         device = rank_device(args.device or scenario.hardware.device, me.local_rank)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstage.hw.transport.bandwidth import probe_bytes
 from kvstage.hw.transport.used import no_rdma_here, rdma_asked
+from kvstage.shared.serving.capacity import scenario_gpus
 
 MIB = 1 << 20
 # What one rank process holds besides its pools: the interpreter with torch 2.13 (CPU),
@@ -120,9 +121,8 @@ def launch_problem(
     scenario: Any, *, spawn: bool, bind: str, port: int, device_problem: Callable[[str], str | None]
 ) -> str | None:
     """The first reason `kvstage hw` must not start, or None."""
-    g, c = scenario.geometry(), scenario.cluster
-    ranks = [("prefill", r) for r in range(c.prefill_instances * g.prefill_tp)]
-    ranks += [("decode", r) for r in range(c.decode_instances * g.decode_tp)]
+    prefill, decode = scenario_gpus(scenario)
+    ranks = [("prefill", r) for r in range(prefill)] + [("decode", r) for r in range(decode)]
     checks = [
         lambda: port_problem(bind, port),
         lambda: device_problem(scenario.hardware.device) if spawn else None,

@@ -154,10 +154,11 @@ def run_colocated_point(scenario: Scenario, attainment: float) -> dict[str, Any]
     """Simulate one colocated configuration; its steady-state row (or status "error")."""
     try:
         from kvstage.metrics.steady import steady_figures
+        from kvstage.shared.serving.capacity import scenario_gpus
         from kvstage.sim.colocated import simulate_colocated
 
         r = simulate_colocated(scenario)
-        gpus = scenario.cluster.decode_instances * scenario.decode.tp
+        gpus = scenario_gpus(scenario)[1]  # colocated: the decode side's instances serve it all
         row = steady_figures(r.rooms, r.requests, scenario.slo.targets(), attainment, gpus=gpus)
         util = r.utilization
         row |= {

@@ -66,9 +66,8 @@ def _restarts(scenario: Scenario) -> dict[str, list[float]]:
 
 def _missing_ranks(scenario: Scenario, ranks: list[RankResult]) -> set[tuple[str, int]]:
     """(role, rank) of every rank of the run that sent no report."""
-    g, c = scenario.geometry(), scenario.cluster
-    expected = {("prefill", p) for p in range(c.prefill_instances * g.prefill_tp)}
-    expected |= {("decode", d) for d in range(c.decode_instances * g.decode_tp)}
+    prefill, decode = scenario_gpus(scenario)
+    expected = {("prefill", p) for p in range(prefill)} | {("decode", d) for d in range(decode)}
     return expected - {(r.role, r.rank) for r in ranks}
 
 
