@@ -179,7 +179,8 @@ def _mape(pairs: list[tuple[float, float]]) -> float | None:
 
 def fit_decode_points(path: Path, points: list) -> PointsFit:
     """decode.hbm_efficiency and decode.step_overhead_ms from decode steps (batch, KV,
-    step time): a memory-bound step is overhead + bytes / (HBM x h) + collectives, a line
+    step time): a memory-bound step is overhead + bytes / (HBM x h) + the kernels' fixed
+    costs, a draft's and the collectives (the model's own, taken off first), a line
     in the step's bytes-at-full-HBM time (kvstage.calibrate.fit.fit_line, relative
     weights): its intercept the overhead, its slope 1 / h. Compute-bound steps say
     nothing of h and are left out."""
@@ -196,7 +197,7 @@ def fit_decode_points(path: Path, points: list) -> PointsFit:
         )
     line = fit_line(
         [d.memory_s for _, d in train],
-        [p.step_s - d.allreduce_s - d.alltoall_s for p, d in train],
+        [p.step_s - d.allreduce_s - d.alltoall_s - d.fixed_s - d.draft_s for p, d in train],
         what="decode steps",
     )
     if not line.slope_s > 0:
