@@ -25,8 +25,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.kvstage-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "[setup] installing kvstage with extras sim, hw-cpu, dev, export (torch==2.13.0 CPU build)"
+    echo "[setup] installing kvstage with extras sim, hw-cpu, dev, export, bench-client (torch==2.13.0 CPU build)"
     "$VENV/bin/pip" install -q --disable-pip-version-check \
-        "torch==2.13.0" -e ".[sim,hw-cpu,dev,export]"
+        "torch==2.13.0" -e ".[sim,hw-cpu,dev,export,bench-client]"
     touch "$stamp"
 fi

@@ -16,7 +16,7 @@ from kvstage.run.rundir import make_run_dir
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.workload import trace_rows
-from kvstage.sim.driver import Stalled
+from kvstage.sim.driver import SimResult, Stalled
 from kvstage.sim.shard import simulate_scenario
 
 
@@ -28,6 +28,11 @@ def simulate(scenario: Scenario, progress: Callable[[int, int], None] | None = N
     result = simulate_scenario(scenario, progress=progress)
     summary = simulation_summary(scenario, result)
     summary["conditions"] = conditions.measure(before)
+    return run_result(scenario, result, summary)
+
+
+def run_result(scenario: Scenario, result: SimResult, summary: dict) -> RunResult:
+    """A simulation's RunResult, with its summary.json dict."""
     return RunResult(
         scenario,
         "sim",
