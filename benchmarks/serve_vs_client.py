@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from kvstage.fmt import quantile
-from kvstage.serve.agreement import differences, pair, read_aiperf, read_served
+from kvstage.measured.aiperf import read_records
+from kvstage.serve.agreement import client_view, differences, pair, read_served
 from kvstage.serve.tokenizer import HUB_REPO
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +123,7 @@ def replay_on(url: str, run_dir: Path, workdir: Path, requests: int, gap_ms: flo
     served = run_dir / "served.jsonl"
     before = len(read_served(served))
     export = run_aiperf(url, run_dir, trace, workdir / "aiperf")
-    return pair(read_aiperf(export), read_served(served)[before:])
+    return pair(read_records(export).requests, read_served(served)[before:])
 
 
 def _row(name: str, xs: list[float]) -> str:
@@ -154,7 +155,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
     print("metric  quantile: AIPerf / kvstage (ms)")
     for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-        theirs = sorted(v for c, _ in pairs for v in _values(getattr(c, m)))
+        theirs = sorted(v for c, _ in pairs for v in _values(client_view(c)[m]))
         ours = sorted(v for _, row in pairs for v in _values(row[m]))
         cells = [
             f"p{round(q * 100)} {quantile(theirs, q) * 1e3:7.1f} / {quantile(ours, q) * 1e3:7.1f}"

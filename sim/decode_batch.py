@@ -67,8 +67,9 @@ class DecodeBatches:
         self._abandoned: set[int] = set()  # rooms that failed at a rank of their instance
         self.peak_batch = 0  # the most rooms any instance ran in one step
         self.per_step = model.scenario.decode.tokens_per_step  # tokens a room gains a step
-        # called at the end of every step with the rooms that got a token in it and the
-        # time (sim/online.py streams them); None in an offline run
+        # called with the rooms that got a token and the time: at each step's end, and
+        # as rooms join (their first token, the prefill's) (sim/online.py streams
+        # them); None in an offline run
         self.on_tokens: Callable[[list[int], float], None] | None = None
 
     def submit(self, rt: RankRuntime, g: Generate, now: float) -> None:
@@ -96,6 +97,8 @@ class DecodeBatches:
     def _step(self, batch: _Batch) -> None:
         room_for = max(0, self.model.max_batch - batch.size)
         now = self.sim.env.now
+        if self.on_tokens is not None and batch.joining[:room_for]:
+            self.on_tokens([j[1] for j in batch.joining[:room_for]], now)
         for tokens, room, context, ranks, _ready in batch.joining[:room_for]:
             if batch.rank < 0:
                 batch.rank = min(rt.rank for rt in ranks)

@@ -7,10 +7,12 @@ now), and `advance` moves the clock forward, handling every event due on the way
 caller owns the clock (kvstage/serve/ paces it against the wall clock); nothing here
 knows about wall time or I/O.
 
-Generation is always modeled (a request brings its own output length), and each decode
-step's tokens go to `on_tokens(room, k, time)`: token k (1-based) of the room was
-produced at that simulated time, one per step the room spends in its instance's
-continuous batch (sim/decode_batch.py). A request with no output tokens produces none.
+Generation is always modeled (a request brings its own output length), and each token
+goes to `on_tokens(room, k, time)`: token k (1-based) of the room reached the client at
+that simulated time: the first as the room joins its decode instance's continuous
+batch (the prefill's token, streamed by the decode), then one per step, or with
+speculative decoding the step's accepted tokens at once (sim/decode_batch.py,
+docs/metrics.md).
 
 The run never ends on its own: the server may always receive another request, so the
 count of arrivals still to come stays above zero until `close`.
@@ -18,6 +20,7 @@ count of arrivals still to come stays above zero until `close`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -44,6 +47,7 @@ class OnlineSimulation(Simulation):
         self._emit = on_tokens
         self._started = time.perf_counter()
         self._produced: dict[int, int] = {}  # room -> tokens produced so far
+        self._steps: dict[int, int] = {}  # room -> decode steps it took
         self.batches.on_tokens = self._tokens
         self._start_runtimes()
 
@@ -64,8 +68,7 @@ class OnlineSimulation(Simulation):
         the model's context, or KV that can never fit a rank's pool)."""
         s = self.scenario
         page = s.decode.page_size
-        cap = s.workload.max_prompt_tokens
-        prompt = max(1, prompt_tokens if cap is None else min(prompt_tokens, cap))
+        prompt = max(1, prompt_tokens)
         prefix = min(s.decode.prefix_tokens, prompt // page * page)
         room = len(self.requests)
         req = Request(room, self.env.now, prompt, prefix, output_tokens)
@@ -102,8 +105,18 @@ class OnlineSimulation(Simulation):
 
     # --- internals -----------------------------------------------------------------
     def _tokens(self, rooms: list[int], now: float) -> None:
-        produced, emit = self._produced, self._emit
+        """The rooms' tokens that reached the client now: the first as a room joins, then
+        per step one, or with speculative decoding (`decode.tokens_per_step` p) as many
+        as bring the room to 1 + floor(steps * p), its last step to all N."""
+        steps, p, emit = self._steps, self.batches.per_step, self._emit
         for room in rooms:
-            k = produced[room] + 1
-            produced[room] = k
-            emit(room, k, now)
+            n = self.requests[room].output_tokens
+            done = self._produced[room]
+            if done == 0:  # it joins: the prefill's token
+                target = 1
+            else:
+                steps[room] = steps.get(room, 0) + 1
+                target = 1 + steps[room] if p == 1.0 else 1 + math.floor(steps[room] * p + 1e-9)
+            for k in range(done + 1, min(n, target) + 1):
+                emit(room, k, now)
+            self._produced[room] = min(n, target)

@@ -114,7 +114,7 @@ def test_chat_streams_the_role_first_and_a_whole_answer_has_usage():
         ("/v1/completions", {"max_tokens": 2}, 400, "prompt is missing"),
         ("/v1/completions", {"model": "other", "prompt": "x", "max_tokens": 2}, 404, "served: 'm'"),
         ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, 400, "non-empty list"),
-        ("/v1/completions", {"prompt": "x " * 10**6, "max_tokens": 2}, 400, "KV pages"),
+        ("/v1/completions", {"prompt": "x " * 10**6, "max_tokens": 2}, 400, "context: the prompt"),
     ],
 )
 def test_bad_requests_get_one_message_naming_the_field(path, body, status, message):
@@ -138,15 +138,16 @@ def test_models_and_health_answer():
 
 
 # --- a real client (AIPerf, the bench-client extra) against `kvstage serve` ------------------
-# The tolerances bound the client's timing noise as measured on this project's loaded
-# 2-core hosts (docs/results/2026-12-03-serve-vs-aiperf.md: at a load average of 10 to
-# 15 the medians were TTFT +38 to +74 ms, TPOT -1.1 to 0.0 ms, ITL -5.6 to +0.1 ms),
-# with room; they apply to medians over a run's requests (TTFT, TPOT) and gaps (ITL)
-# of the client's figure minus kvstage's simulated one. A systematic error of the
-# server (a token a step late, a step too many) is far outside them.
-TTFT_MEDIAN_TOL_S = 0.15  # TTFT also holds the request's way in (client, loopback, HTTP)
-TPOT_MEDIAN_TOL_S = 0.005
-ITL_MEDIAN_TOL_S = 0.01
+# What the test holds, on this project's loaded 2-core hosts
+# (docs/results/2026-12-03-serve-vs-aiperf.md): the counts exactly; no token at the
+# client before its simulated time; the client reads the token times the server sent
+# (median of client minus as sent, per request for TPOT and per gap for ITL: within
+# 0.3 ms at load 10 to 15); and what the server streamed is kvstage's own figures of
+# its trace. How far what was sent is from the simulated times is the server's lag,
+# recorded per token (served.jsonl `sent_late_s`) and reported, not bounded here: on a
+# host at a load of 20 to 30 it reaches tens of ms to a second (TPOT -20 ms, TTFT
+# +0.9 s in the median), which says nothing about kvstage's model.
+SENT_MEDIAN_TOL_S = 0.005
 CLOCK_S = 0.001  # two processes' readings of one monotonic clock
 
 
@@ -170,6 +171,17 @@ def served(tmp_path_factory):
     assert proc.returncode == 0, out[-3000:]  # the run ended clean: no invariant broke
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["serve"]["unfinished_at_stop"] == 0
+    # what the server streamed is kvstage's own figures of its trace (metrics/rooms.py)
+    from kvstage.metrics.rooms import request_figures, room_latencies
+    from kvstage.run.tracefile import read_records
+
+    rooms = room_latencies(read_records(run_dir)[1])
+    rows = [json.loads(line) for line in (run_dir / "served.jsonl").read_text().splitlines()]
+    assert rows and len(rows) == summary["serve"]["requests"]
+    for row in rows:
+        figures = request_figures(rooms[row["room"]])
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            assert row[key] == pytest.approx(figures[key], abs=1e-9), (row["room"], key)
 
 
 def test_aiperf_measures_what_kvstage_simulated(served, tmp_path):
@@ -186,6 +198,5 @@ def test_aiperf_measures_what_kvstage_simulated(served, tmp_path):
         assert client.ttft_s >= row["ttft_s"] - CLOCK_S
         assert client.e2e_s >= row["e2e_s"] - CLOCK_S
     d = differences(pairs)
-    assert quantile(sorted(d["ttft_s"]["vs_sim"]), 0.5) <= TTFT_MEDIAN_TOL_S, d["ttft_s"]
-    assert abs(quantile(sorted(d["tpot_s"]["vs_sim"]), 0.5)) <= TPOT_MEDIAN_TOL_S, d["tpot_s"]
-    assert abs(quantile(sorted(d["itl_s"]["vs_sim"]), 0.5)) <= ITL_MEDIAN_TOL_S
+    for m in ("tpot_s", "itl_s"):
+        assert abs(quantile(sorted(d[m]["vs_sent"]), 0.5)) <= SENT_MEDIAN_TOL_S, (m, d[m])
