@@ -75,6 +75,12 @@ def stop_server(proc, timeout_s: float = 120.0) -> str:
 
 
 AIPERF = Path(sys.executable).parent / "aiperf"  # the bench-client extra's
+SLOW_HOST_WAITS = (
+    "REGISTRATION_TIMEOUT",
+    "START_TIMEOUT",
+    "PROFILE_START_TIMEOUT",
+    "COMMAND_RESPONSE_TIMEOUT",
+)
 
 
 def run_aiperf(url: str, run_dir: Path, trace: Path, out: Path, timeout_s: float = 600.0):
@@ -93,6 +99,10 @@ def run_aiperf(url: str, run_dir: Path, trace: Path, out: Path, timeout_s: float
         "--no-server-metrics", "--no-gpu-telemetry",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_CACHE": str(run_dir / "hf-cache"), "HF_HUB_OFFLINE": "1"}
+    # AIPerf's own start-up waits (30 s to register its services, 60 s to start) are
+    # too short on a loaded 2-core host (seen: "Some services failed to register within
+    # timeout" at a load average of 30); its environment variables lengthen them
+    env.update({f"AIPERF_SERVICE_{k}": str(timeout_s) for k in SLOW_HOST_WAITS})
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"aiperf exited {r.returncode}:\n{(r.stdout + r.stderr)[-4000:]}")

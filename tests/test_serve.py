@@ -184,6 +184,7 @@ def served(tmp_path_factory):
             assert row[key] == pytest.approx(figures[key], abs=1e-9), (row["room"], key)
 
 
+@pytest.mark.timeout(1200)  # AIPerf starts some ten processes: minutes on a loaded 2-core host
 def test_aiperf_measures_what_kvstage_simulated(served, tmp_path):
     from kvstage.fmt import quantile
     from kvstage.serve.agreement import differences

@@ -14,7 +14,17 @@ import typer
 
 # `kvstage --help` order: one run, then looking at runs, calibrating, the catalogue,
 # and the many-run commands.
-MODULES = ("run", "serve", "analysis", "measured", "calibrate", "catalog", "plan", "autoscale", "sweep")
+MODULES = (
+    "run",
+    "serve",
+    "analysis",
+    "measured",
+    "calibrate",
+    "catalog",
+    "plan",
+    "autoscale",
+    "sweep",
+)
 
 
 def register_all(app: typer.Typer) -> None:
