@@ -80,7 +80,8 @@ def refusal(req: Request, limits: Limits) -> str | None:
         if pages > limits.decode_pages:
             return (
                 f"KV pool: the request's KV ({pages} pages of {page} tokens) is larger than "
-                f"a decode rank's KV pool ({limits.decode_pages} pages)"
+                f"a decode rank's KV pool ({limits.decode_pages} pages): "
+                f"{pages * page} tokens of KV against {limits.decode_pages * page}"
             )
     if limits.prefill_pages is not None:
         pages = prefill_room_pages(req, page)

@@ -78,6 +78,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstage.shared.admission import Limits, refusal
 from kvstage.shared.serving.compute import (
     allreduce_s,
     alltoall_s,
@@ -277,6 +278,13 @@ class _Engine:
         self.delay = preset.request_us * 1e-6 if preset is not None else 0.0
         self.requests = requests
         self.why = ""
+        # the instance's whole KV memory holds a room's prompt and output
+        self.limits = Limits(
+            page_size=self.model.page_size,
+            context_tokens=s.model.context_tokens,
+            decode_pages=self.model.capacity_pages,
+            output_in_pages=True,
+        )
 
     def run(self, control: Control | None = None, interval: float = math.inf) -> float:
         """Serve every request; with `control`, call control(engine, now) every
@@ -333,14 +341,11 @@ class _Engine:
             if self.rr
             else min(live, key=lambda x: (x.outstanding, x.index))
         )
-        need = r.prompt_tokens + r.output_tokens
-        if need > self.model.capacity_tokens:
+        why = refusal(r, self.limits)  # what an engine refuses (shared/admission.py)
+        if why is not None:
             self.rooms[r.room]["failed"] = 1.0
             self.failed += 1
-            self.why = (
-                f"room {r.room}: {need} tokens of KV > {self.model.capacity_tokens} the "
-                "instance holds"
-            )
+            self.why = f"room {r.room}: {why}"
             return
         inst.outstanding += 1
         self.rooms[r.room]["instance"] = float(inst.index)

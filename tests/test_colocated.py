@@ -138,11 +138,19 @@ def test_requests_run_in_arrival_order_on_one_instance(loaded):
 
 
 def test_a_request_larger_than_the_kv_pool_fails_with_why():
-    s = _colocated(8, 1, "decode.tp=8", "decode.gpu_memory_gib=40")
+    # a context longer than the pool, so that the pool, not the context, refuses it
+    s = _colocated(8, 1, "decode.tp=8", "decode.gpu_memory_gib=40", "model.context_tokens=4194304")
     cap = DecodeModel(s).capacity_tokens
     req = Request(room=0, arrival_s=0.0, prompt_tokens=cap, prefix_tokens=0, output_tokens=10)
     r = simulate_colocated(s, [req])
     assert r.rooms_failed == 1 and "tokens of KV" in r.failed_reason
+
+
+def test_a_prompt_beyond_the_context_is_refused_as_in_the_disaggregated_run():
+    s = _colocated(8, 1, "model.context_tokens=8192")
+    req = Request(room=0, arrival_s=0.0, prompt_tokens=8192, prefix_tokens=0, output_tokens=10)
+    r = simulate_colocated(s, [req])
+    assert r.rooms_failed == 1 and "context length (8192 tokens)" in r.failed_reason
 
 
 def test_a_model_that_does_not_fit_is_named():
