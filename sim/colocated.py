@@ -33,19 +33,8 @@ prompts being prefilled, mixed into the same forward:
   streaming; shared/scenario/engines.py) delays its arrival at the scheduler, as the
   disaggregated simulation delays its room.
 
-A step's time (`mixed_step_s`): with no prompt in it, the decode step of
-`DecodeModel.step_time_s` (shared/serving/compute.py `decode_step`); with no decode, the
-prefill forward of its chunks (shared/serving/compute.py: linear FLOPs over all the chunks'
-tokens at the MFU of that many rows, attention per chunk over its context, TP
-all-reduces, expert all-to-all, the kernels' fixed costs), as a prefill instance
-computes them; mixed, one forward that reads the weights once: its weight matmuls
-max(the decode's weight reads over HBM, the decode's matmul FLOP time plus the
-chunks'), then the decode's attention (the longer of its KV reads and its FLOPs) and
-the chunks' attention, plus one forward's kernels, the decode's draft (speculative
-decoding), its step overhead and both parts' all-reduces and all-to-all. A chunk mixed
-into a compute-bound step makes it longer by exactly the chunk's compute and
-communication; into a memory-bound one by less (the chunk's matmuls hide the weight
-read).
+A step's time: shared/serving/mixed.py `mixed_step_s` (one forward of the running
+decodes and the prompt chunks the token budget admits).
 
 Routing: round-robin (request i to instance i mod N) or, for every other router,
 least-outstanding (fewest requests routed and not yet finished; ties to the lowest
@@ -79,14 +68,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstage.shared.admission import Limits, refusal
-from kvstage.shared.serving.compute import (
-    allreduce_s,
-    alltoall_s,
-    attention_flops,
-    prefill_forward,
-    vocab_params,
-)
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.mixed import mixed_step_s
 from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
 from kvstage.shared.workload import Request, generate_requests
 
@@ -96,8 +79,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ColocatedResult",
     "colocated_scenario",
-    "mixed_step_s",
-    "prefill_step_s",
     "simulate_colocated",
 ]
 
@@ -127,73 +108,6 @@ def colocated_problem(scenario: Scenario) -> str | None:
     from kvstage.shared.serving.memory import side_memory
 
     return side_memory(scenario, "decode").problem() or None
-
-
-# --------------------------------------------------------------------------- step time
-
-
-def _pieces(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float, float, float]:
-    """(matmul s, attention s, communication s, kernels' fixed s) of a forward of prompt
-    chunks `pieces` (tokens computed, context before them): linear FLOPs over all their
-    tokens at the MFU of that many rows (the LM head on each piece's last token),
-    attention per chunk, the TP all-reduces and expert all-to-all of the tokens, and
-    the forward's kernels (shared/serving/kernels.py). One piece alone:
-    shared/serving/compute.py `prefill_forward` exactly."""
-    total = sum(t for t, _ in pieces)
-    if len(pieces) == 1:
-        f = prefill_forward(s, pieces[0][0], pieces[0][1])
-        return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s, f.fixed_s
-    f = prefill_forward(s, total, 0)
-    keys = sum(t * (c + (t + 1) / 2) for t, c in pieces)
-    att = attention_flops(s, total, keys, decode=False) / s.prefill.tp
-    per_flop = f.attention_s / f.attention_flops if f.attention_flops else 0.0
-    per_linear = f.linear_s / f.linear_flops if f.linear_flops else 0.0
-    table = vocab_params(s)[2]  # one more LM head row per further piece
-    linear = f.linear_s + 2.0 * table * (len(pieces) - 1) / s.prefill.tp * per_linear
-    comm = allreduce_s(s, "prefill", total) + alltoall_s(s, "prefill", total)
-    return linear, att * per_flop, comm, f.fixed_s
-
-
-def prefill_step_s(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float]:
-    """(compute seconds, fixed seconds) of a forward of prompt chunks `pieces` alone: the
-    matmuls and attention (compute); the communication and the kernels' fixed costs
-    (fixed). `prefill.tokens_per_s` overrides the whole forward."""
-    total = sum(t for t, _ in pieces)
-    if total <= 0:
-        return 0.0, 0.0
-    if s.prefill.tokens_per_s is not None:
-        return total / s.prefill.tokens_per_s, 0.0
-    linear, attention, comm, kernels = _pieces(s, pieces)
-    return linear + attention, comm + kernels
-
-
-def mixed_step_s(
-    s: Scenario, model: DecodeModel, batch: int, kv_tokens: float, pieces: list[tuple[int, int]]
-) -> float:
-    """One forward of an instance: `batch` decoding requests holding `kv_tokens` of KV
-    and prompt chunks `pieces` (see the module docstring)."""
-    if not pieces:
-        return model.step_time_s(kv_tokens, batch) if batch else 0.0
-    compute, fixed = prefill_step_s(s, pieces)
-    if not batch:
-        return compute + fixed
-    d = model.step(kv_tokens, batch)
-    if s.prefill.tokens_per_s is not None:
-        linear, attention, comm = compute, 0.0, 0.0
-    else:
-        linear, attention, comm, _ = _pieces(s, pieces)
-    reads, matmuls = d.memory_s - d.kv_memory_s, d.compute_s - d.attention_s
-    return (
-        max(reads, matmuls + linear)  # the weight matmuls read the weights once
-        + max(d.kv_memory_s, d.attention_s)
-        + attention
-        + d.fixed_s  # one forward's kernels
-        + d.draft_s
-        + d.overhead_s
-        + d.allreduce_s
-        + d.alltoall_s
-        + comm
-    )
 
 
 # --------------------------------------------------------------------------- the engine

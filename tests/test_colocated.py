@@ -16,11 +16,11 @@ from kvstage.shared.scenario import load_scenario
 from kvstage.shared.scenario.engines import ENGINE_PRESETS
 from kvstage.shared.serving.compute import prefill_forward, prefill_forward_s
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.mixed import mixed_step_s
 from kvstage.shared.workload import Request
 from kvstage.sim.colocated import (
     colocated_problem,
     colocated_scenario,
-    mixed_step_s,
     simulate_colocated,
 )
 
