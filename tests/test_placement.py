@@ -15,12 +15,12 @@ import pytest
 
 from kvstage.hw.control.plane import new_secret
 from kvstage.hw.control.rendezvous import RendezvousClient, RendezvousServer
+from kvstage.hw.transport.affinity import interface_of
 from kvstage.hw.transport.placement import (
     Identity,
     PlacementError,
     engine_env,
     identity,
-    interface_of,
     rank_device,
     rendezvous_address,
     role_of,

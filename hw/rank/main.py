@@ -160,6 +160,18 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
             ucx_log.unlink(missing_ok=True)  # read into the report; nothing left behind
 
 
+def make_rank(scenario, role: str, rank: int, rendezvous: str, **kw):
+    """The rank process of `role` (prefill or decode): the one place a role picks its class."""
+    from kvstage.hw.rank.decode import DecodeRank
+    from kvstage.hw.rank.prefill import PrefillRank
+    from kvstage.hw.rank.process import RankError
+
+    classes = {"prefill": PrefillRank, "decode": DecodeRank}
+    if role not in classes:
+        raise RankError(f"role {role!r} not allowed (allowed: prefill, decode)")
+    return classes[role](scenario, rank, rendezvous, **kw)
+
+
 def _run_rank(
     args: argparse.Namespace, scenario, rendezvous: str, device: str, host: str, clock_skew_s: float
 ) -> int:
@@ -167,7 +179,7 @@ def _run_rank(
     (one line: a bad scenario, an engine that cannot give what was asked), 3 launcher gone."""
     from kvstage.hw.control.rendezvous import RendezvousError
     from kvstage.hw.launch.launcher import LauncherGone
-    from kvstage.hw.rank.process import RankError, make_rank
+    from kvstage.hw.rank.process import RankError
     from kvstage.hw.transport.base import TransferError
     from kvstage.shared.scenario import ScenarioError
 

@@ -598,14 +598,3 @@ class RankProcess:
         )
         report.update(self._report_extra())
         return report
-
-
-def make_rank(scenario: Scenario, role: str, rank: int, rendezvous: str, **kw) -> RankProcess:
-    """The rank process of `role` (prefill or decode)."""
-    from kvstage.hw.rank.decode import DecodeRank
-    from kvstage.hw.rank.prefill import PrefillRank
-
-    classes = {"prefill": PrefillRank, "decode": DecodeRank}
-    if role not in classes:
-        raise RankError(f"role {role!r} not allowed (allowed: prefill, decode)")
-    return classes[role](scenario, rank, rendezvous, **kw)

@@ -35,9 +35,13 @@ hardware.mooncake_device) stands, and the record says so.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
 import re
 import shutil
+import socket
+import struct
 import subprocess
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -53,6 +57,31 @@ RANK_NIC_ENV = "KVSTAGE_RANK_NIC"
 NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0300", "0x0302")  # PCI class: VGA-compatible, 3D controller
 BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address (linux/sockios.h)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 `address` here, or None."""
+    if is_loopback(address):
+        return "lo"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
 
 
 def _read(path: Path) -> str | None:
@@ -353,8 +382,6 @@ def rank_affinity(
 ) -> Affinity:
     """This rank's NIC and GPU (see the module docstring). `host_iface`: the interface
     holding `host` (default: looked up here). ValueError for a bad user map."""
-    from kvstage.hw.transport.placement import interface_of, is_loopback
-
     env = os.environ if env is None else env
     if local_rank is None and env.get(LOCAL_SLOT_ENV, "").isdigit():
         local_rank = int(env[LOCAL_SLOT_ENV])

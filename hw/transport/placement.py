@@ -16,48 +16,20 @@ MASTER_ADDR:MASTER_PORT. Device "cuda" means cuda:LOCAL_RANK.
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
 import os
 import socket
-import struct
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstage.hw.transport.affinity import RANK_NIC_ENV, Affinity
+from kvstage.hw.transport.affinity import RANK_NIC_ENV, Affinity, interface_of, is_loopback
 from kvstage.hw.transport.used import rdma_devices
 
 LOOPBACK = "127.0.0.1"
-_SIOCGIFADDR = 0x8915
 
 
 class PlacementError(ValueError):
     """The environment does not say who this rank is, or says it inconsistently."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the network interface that holds IPv4 `address` here, or None."""
-    if is_loopback(address):
-        return "lo"
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on this interface
-        if socket.inet_ntoa(raw[20:24]) == address:
-            return name
-    return None
 
 
 def route_source(peer: str, port: int = 9) -> str | None:
