@@ -221,7 +221,7 @@ def test_progress_log_quarters_and_minutes():
         (["--gpu-hour-cost", "h200=cheap"], ["--gpu-hour-cost", "h200='cheap'", ">= 0"]),
         (["--gpu-hour-cost", "h200"], ["--gpu-hour-cost", "NAME=PRICE"]),
         (["--search", "random"], ["--search", "halving"]),
-        (["--export", "trtllm"], ["--export", "sglang, vllm, lws"]),
+        (["--export", "trtllm"], ["--export", "sglang, vllm, lws", "dynamo-vllm", "llm-d"]),
         (["--router", "fastest"], ["--router", "round-robin"]),
         (["--path", "carrier-pigeon"], ["--path", "staging"]),
         (["--chunk", "0"], ["--chunk"]),

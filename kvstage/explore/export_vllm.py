@@ -44,7 +44,9 @@ __all__ = [
     "KV_CONNECTORS",
     "KV_TRANSFER_FIELDS",
     "kv_transfer_config",
+    "one_node",
     "vllm_commands",
+    "vllm_engine_flags",
     "vllm_flags",
 ]
 
@@ -65,37 +67,29 @@ KV_TRANSFER_FIELDS = (
 )
 
 
-def kv_transfer_config(s: Scenario) -> dict[str, object]:
-    """The `--kv-transfer-config` object of either side."""
+def kv_transfer_config(s: Scenario, target: str = "vllm") -> dict[str, object]:
+    """The `--kv-transfer-config` object of either side (`target` names the export in
+    the message when the backend has no connector)."""
     connector = KV_CONNECTORS.get(s.hardware.backend)
     if connector is None:
         raise ExportError(
-            f"--export vllm: vLLM has no connector for the {s.hardware.backend} backend "
+            f"--export {target}: vLLM has no connector for the {s.hardware.backend} backend "
             f"(its registry: SharedStorageConnector, P2pNcclConnector, LMCacheConnectorV1, "
             f'NixlConnector, MultiConnector); use hardware.backend = "nixl"'
         )
     return {"kv_connector": connector, "kv_role": "kv_both"}
 
 
-def vllm_flags(s: Scenario, side: str) -> list[str]:
-    """`vllm serve` arguments of one side."""
+def vllm_engine_flags(s: Scenario, side: str) -> list[str]:
+    """The EngineArgs flags of one side (parallelism, memory, page, batch), the same
+    under `vllm serve`, Dynamo's `dynamo.vllm` and llm-d's `vllmServe` command."""
     cfg = getattr(s, side)
-    if max(cfg.tp, cfg.ep) > s.cluster.gpus_per_node:
-        raise ExportError(
-            f"--export vllm: {side} TP{cfg.tp} spans nodes of {s.cluster.gpus_per_node} GPUs; "
-            "multi-node vLLM needs a Ray cluster, which this export does not set up"
-        )
     if cfg.ep > cfg.tp:
         raise ExportError(
-            f"--export vllm: {side} ep {cfg.ep} > tp {cfg.tp} (DP attention) is not exported "
-            "for vLLM"
+            f"{side} ep {cfg.ep} > tp {cfg.tp} (DP attention) is not exported for vLLM"
         )
-    flags = ["serve", _model(s), "--tensor-parallel-size", str(cfg.tp)]
-    if cfg.ep > 1:
-        flags.append("--enable-expert-parallel")
+    flags = ["--enable-expert-parallel"] if cfg.ep > 1 else []
     flags += [
-        "--kv-transfer-config",
-        json.dumps(kv_transfer_config(s), separators=(",", ":")),
         "--gpu-memory-utilization",
         f"{cfg.memory_utilization:g}",
         "--block-size",
@@ -106,6 +100,32 @@ def vllm_flags(s: Scenario, side: str) -> list[str]:
     else:
         flags += ["--max-num-seqs", str(s.decode.max_running_requests)]
     return flags
+
+
+RAY = "multi-node vLLM needs a Ray cluster, which this export does not set up"
+
+
+def one_node(s: Scenario, side: str, target: str, why: str = RAY) -> None:
+    """Refuse a side whose TP spans nodes, saying `why`."""
+    cfg = getattr(s, side)
+    if max(cfg.tp, cfg.ep) > s.cluster.gpus_per_node:
+        raise ExportError(
+            f"--export {target}: {side} TP{cfg.tp} spans nodes of "
+            f"{s.cluster.gpus_per_node} GPUs; {why}"
+        )
+
+
+def vllm_flags(s: Scenario, side: str) -> list[str]:
+    """`vllm serve` arguments of one side."""
+    one_node(s, side, "vllm")
+    try:
+        engine = vllm_engine_flags(s, side)
+    except ExportError as exc:
+        raise ExportError(f"--export vllm: {exc}") from None
+    config = json.dumps(kv_transfer_config(s), separators=(",", ":"))
+    tp = str(getattr(s, side).tp)
+    return ["serve", _model(s), "--tensor-parallel-size", tp, "--kv-transfer-config", config,
+            *engine]  # fmt: skip
 
 
 def vllm_commands(s: Scenario) -> str:

@@ -169,15 +169,18 @@ def _log_line(text: str) -> None:
     console.print(escape(text), highlight=False, soft_wrap=True)
 
 
-EXPORTS = ("sglang", "vllm", "lws")
+EXPORTS = ("sglang", "vllm", "lws", "dynamo-sglang", "dynamo-vllm", "llm-d")
 
 
 def _print_export(result: Any, cands: Any, target: str) -> None:
     """The winner as `target`: SGLang launch lines and the router's
-    (kvstage/explore/export.py), vLLM serve lines (export_vllm.py) or LeaderWorkerSet
-    manifests (export_k8s.py)."""
+    (kvstage/explore/export.py), vLLM serve lines (export_vllm.py), LeaderWorkerSet
+    manifests (export_k8s.py), a Dynamo graph (export_dynamo.py) or llm-d Helm values
+    (export_llmd.py)."""
     from kvstage.explore.export import ExportError, sglang_commands
+    from kvstage.explore.export_dynamo import dynamo_yaml
     from kvstage.explore.export_k8s import lws_yaml
+    from kvstage.explore.export_llmd import llmd_yaml
     from kvstage.explore.export_vllm import vllm_commands
     from kvstage.explore.plan import KEYS
 
@@ -186,7 +189,14 @@ def _print_export(result: Any, cands: Any, target: str) -> None:
         console.print(f"[yellow]--export {target}: no winner to export[/]")
         return
     point = next(p for p in cands.points if all(p.settings[k] == w[k] for k in KEYS))
-    make = {"sglang": sglang_commands, "vllm": vllm_commands, "lws": lws_yaml}[target]
+    make = {
+        "sglang": sglang_commands,
+        "vllm": vllm_commands,
+        "lws": lws_yaml,
+        "dynamo-sglang": lambda s: dynamo_yaml(s, "sglang"),
+        "dynamo-vllm": lambda s: dynamo_yaml(s, "vllm"),
+        "llm-d": llmd_yaml,
+    }[target]
     try:
         text = make(point.scenario)
     except ExportError as exc:
@@ -390,8 +400,9 @@ def plan(
         typer.Option(
             metavar="TARGET",
             help="Print the winner for a deployment: sglang (launch lines, multi-node flags, "
-            "the router in PD mode), vllm (serve lines with --kv-transfer-config) or lws "
-            "(Kubernetes LeaderWorkerSet manifests).",
+            "the router in PD mode), vllm (serve lines with --kv-transfer-config), lws "
+            "(Kubernetes LeaderWorkerSet manifests), dynamo-sglang / dynamo-vllm (a Dynamo "
+            "DynamoGraphDeployment) or llm-d (llm-d ModelService Helm values).",
         ),
     ] = None,
     max_gpus: Annotated[
