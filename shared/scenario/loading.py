@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
 from kvstage.shared.scenario.trace_csv import read_trace
+from kvstage.shared.serving.kernel_table import kernel_table
 
 __all__ = [
     "apply_overrides",
@@ -48,7 +49,19 @@ def scenario_from_dict(
     except ValidationError as exc:
         raise _explain(exc, source, Scenario) from None
     _check_trace(scenario, source)
+    _check_kernels(scenario, source)
     return scenario
+
+
+def _check_kernels(scenario: Scenario, source: str | None) -> None:
+    """Read the kernel table once (serving.kernels), so that a bad one is a load error."""
+    if scenario.serving.kernels is None:
+        return
+    try:
+        scenario.serving.keep_table(kernel_table(scenario))
+    except ScenarioError as exc:
+        prefix = f"{source}: " if source else ""
+        raise ScenarioError(f"{prefix}serving.kernels: {exc}", "serving.kernels") from None
 
 
 def _check_trace(scenario: Scenario, source: str | None) -> None:
@@ -102,10 +115,20 @@ def _merge_serving_profile(p: Path, data: dict[str, Any]) -> None:
     """`[serving] profile = "FILE"` (relative to the scenario): the profile's fitted keys
     under the scenario's own (the scenario's win); the [serving] table goes, so the
     resolved scenario holds the values and loads without the profile."""
-    table = data.pop("serving")
-    if not isinstance(table, dict) or set(table) != {"profile"}:
-        raise ScenarioError(f'{p}: [serving] takes one key, profile = "FILE"')
-    prof = p.parent / str(table["profile"])
+    table = data.get("serving")
+    if not isinstance(table, dict) or not set(table) <= {"profile", "kernels"}:
+        raise ScenarioError(
+            f'{p}: [serving] takes profile = "FILE" (a serving profile) and kernels = '
+            '"FILE.csv" (a kernel table)'
+        )
+    if "profile" not in table:
+        return
+    table = dict(table)
+    prof = p.parent / str(table.pop("profile"))
+    if table:
+        data["serving"] = table
+    else:
+        del data["serving"]
     try:
         with prof.open("rb") as fh:
             fitted = tomllib.load(fh)

@@ -64,6 +64,7 @@ __all__ = [
     "PrefillConfig",
     "ScaleDown",
     "Scenario",
+    "ServingConfig",
     "SpeculativeConfig",
     "TransferConfig",
     "WorkloadConfig",
@@ -490,6 +491,15 @@ class LinksConfig(_ProfileNumbers):
 GENERATED_REQUESTS = 16
 
 
+def _anchored(path: str, info: ValidationInfo) -> str:
+    """`path` made absolute, a relative one against the scenario file's directory."""
+    p = Path(path).expanduser()
+    base_dir = (info.context or {}).get("base_dir")
+    if not p.is_absolute() and base_dir is not None:
+        p = Path(base_dir) / p
+    return str(p.resolve())
+
+
 class WorkloadConfig(_Table):
     """[workload]: how many requests, when they arrive and how long their prompts are.
 
@@ -551,11 +561,7 @@ class WorkloadConfig(_Table):
         # A relative trace path means relative to the scenario file, so the resolved
         # scenario (and its run-directory copy) holds an absolute path.
         if isinstance(data.get("trace"), str) and data["trace"]:
-            base_dir = (info.context or {}).get("base_dir")
-            p = Path(data["trace"]).expanduser()
-            if not p.is_absolute() and base_dir is not None:
-                p = Path(base_dir) / p
-            data = {**data, "trace": str(p.resolve())}
+            data = {**data, "trace": _anchored(data["trace"], info)}
         return data
 
     # the trace's rows (shared/scenario/trace_csv.py TraceRow), read once when the
@@ -653,6 +659,36 @@ class HardwareConfig(_Table):
         raise ValueError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {v!r}")
 
 
+class ServingConfig(_Table):
+    """[serving]: `kernels`, a measured per-op table of the user's GPUs (a CSV,
+    shared/serving/kernel_table.py) that overrides the default kernel efficiencies for
+    the (GPU, dtype) pairs it names; relative to the scenario file. (`profile`, a
+    serving profile, is merged into [prefill] / [decode] when the file is read.)"""
+
+    kernels: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _anchor_kernels(cls, data: Any, info: ValidationInfo) -> Any:
+        # relative to the scenario file, so the resolved scenario holds an absolute path;
+        # "" (an override clearing it) is none
+        if isinstance(data, dict) and data.get("kernels") == "":
+            data = {**data, "kernels": None}
+        if isinstance(data, dict) and isinstance(data.get("kernels"), str) and data["kernels"]:
+            data = {**data, "kernels": _anchored(data["kernels"], info)}
+        return data
+
+    # the table as the loader read it (loading.py); None until then
+    _table: Any = PrivateAttr(default=None)
+
+    @property
+    def table(self) -> Any:
+        return self._table
+
+    def keep_table(self, table: Any) -> None:
+        self._table = table
+
+
 class EngineConfig(_Table):
     """[engine]: the serving engine whose prefill host the simulator models
     (shared/scenario/engines.py, sim/engine_host.py), with the GPU model
@@ -705,6 +741,7 @@ _OPTIONAL_TABLES = (
     "expect",
     "cluster",
     "slo",
+    "serving",
 )
 
 
@@ -725,6 +762,7 @@ class Scenario(_Table):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     gpus: dict[str, GpuTable] = Field(default_factory=dict)  # the user's own GPUs
 
     _base_dir: Path | None = PrivateAttr(default=None)

@@ -1,6 +1,7 @@
 """The serving model: what a GPU does with a scenario's requests.
 
     gpus.py          the GPU catalogue (datasheets) and the achieved efficiencies
+    kernel_table.py  a measured per-op table ([serving] kernels) over the efficiencies
     compute.py       the time of a prefill forward and a decode step on one GPU
     memory.py        memory per GPU on each side: weights, activations, KV
     decode_model.py  a decode instance's KV capacity and step time

@@ -287,16 +287,14 @@ def _linear_s(
     return d_flops + x_flops, t, mfu
 
 
-def _attention_s(s: Scenario, side: str, flops: float) -> float:
+def _attention_s(s: Scenario, side: str, flops: float, keys: float) -> float:
+    """Seconds of `flops` attention FLOPs whose queries attend to `keys` keys each (the
+    mean): at `Efficiency.attention_rate` (a kernel table's, or the default share)."""
     cfg = _cfg(s, side)
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:
         return flops / (tflops * 1e12)
-    eff, gpu = efficiency(s), side_gpu(s, side)
-    rate = gpu.peak_flops("bf16") * eff.attention_mfu
-    if s.model.kv_dtype == "fp8" and gpu.fp8_tflops is not None:  # FP8 attention
-        rate *= eff.attention_fp8_gain
-    return flops / rate
+    return flops / efficiency(s).attention_rate(side_gpu(s, side), s.model.kv_dtype, keys)
 
 
 def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int = 1) -> Forward:
@@ -312,7 +310,7 @@ def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int 
         linear_flops=lin_flops,
         attention_flops=att_flops,
         linear_s=lin_s,
-        attention_s=_attention_s(s, "prefill", att_flops),
+        attention_s=_attention_s(s, "prefill", att_flops, context + (tokens + 1) / 2),
         allreduce_s=allreduce_s(s, "prefill", total),
         alltoall_s=alltoall_s(s, "prefill", total),
         mfu=mfu,
@@ -401,7 +399,7 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         flops, lin_s, _ = _linear_s(s, "decode", rows, flat=plateau)
         att = attention_flops(s, rows, kv_tokens * q, decode=True) / cfg.tp
         flops += att
-        att_s = _attention_s(s, "decode", att)
+        att_s = _attention_s(s, "decode", att, kv_tokens / batch)
     return DecodeStep(
         weight_bytes=weights,
         kv_bytes=kv,

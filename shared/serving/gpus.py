@@ -240,6 +240,9 @@ class Efficiency:
         ("h200", "fp8", _HOPPER_FP8),
         ("h20", "fp8", ((64, 0.84),)),
     )
+    # per (GPU, KV dtype): the share of the BF16 peak attention reaches by keys per
+    # query, from a user's kernel table (shared/serving/kernel_table.py); none by default
+    attention_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = ()
     attention_mfu: float = 0.5
     attention_fp8_gain: float = 1200 / 740
     decode_mfu: float = 0.40
@@ -268,6 +271,19 @@ class Efficiency:
             if name == gpu and dt == dtype:
                 return pts[-1][1]
         return self.decode_mfu
+
+    def attention_rate(self, gpu: Gpu, kv_dtype: str, keys: float) -> float:
+        """FLOP/s of attention on `gpu` with a `kv_dtype` KV cache, each query attending
+        to `keys` keys: the kernel table's where it has (GPU, dtype), else the BF16 peak
+        x `attention_mfu` (x `attention_fp8_gain` for an FP8 KV on a GPU with FP8
+        tensor cores: FP8 attention)."""
+        fp8 = kv_dtype == "fp8" and gpu.fp8_tflops is not None
+        dtype = "fp8" if fp8 else "bf16"
+        for name, dt, pts in self.attention_tables:
+            if name == gpu.name and dt == dtype:
+                return gpu.peak_flops("bf16") * _interpolate(pts, max(1, round(keys)))
+        rate = gpu.peak_flops("bf16") * self.attention_mfu
+        return rate * self.attention_fp8_gain if fp8 else rate
 
 
 def _interpolate(pts: tuple[tuple[int, float], ...], tokens: int) -> float:
@@ -303,4 +319,11 @@ def efficiency(s: Scenario) -> Efficiency:
         changes["decode_hbm"] = s.decode.hbm_efficiency
     if s.decode.step_overhead_ms is not None:
         changes["step_overhead_s"] = s.decode.step_overhead_ms / 1e3
+    if s.serving.kernels is not None:
+        # local import: kernel_table reads the catalogue in this module
+        from kvstage.shared.serving.kernel_table import kernel_table
+
+        table = kernel_table(s)
+        changes["gemm_tables"] = table.gemm + DEFAULT_EFFICIENCY.gemm_tables
+        changes["attention_tables"] = table.attention
     return replace(DEFAULT_EFFICIENCY, **changes) if changes else DEFAULT_EFFICIENCY
