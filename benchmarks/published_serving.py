@@ -19,12 +19,17 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    50,302 tokens/s per node at 1K / 2K / 4K prompts. Decode on 9 nodes, EP72, batch
    256 per GPU with 2,000 tokens of KV each: 22,282 tokens/s per node. Each phase was
    measured with the other given unlimited resources, so the prefill forward and the
-   decode step alone are compared. Tolerance 25% (issue 22's target).
+   decode step alone are compared. Decode as the post's reproduction runs it, DeepEP
+   low-latency kernels and two-batch overlap ([C] `--deepep-mode low_latency
+   --enable-two-batch-overlap`, https://github.com/sgl-project/sglang/issues/6017; both
+   rows added to the setup with the model's two-batch overlap, 2026-12-03). Tolerance
+   25% (issue 22's target).
 2. NVIDIA NIM, Llama-3.3-70B FP8 on 2 H100 80GB, TP2, concurrency 1
    (https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance, version 1.8.0):
    5,000 input tokens: TTFT 406.77 ms, ITL 18.58 ms; 500 input / 2,000 output: TTFT
    47.77 ms, ITL 18.91 ms. At concurrency 1 TTFT is one prefill forward and ITL one
    decode step of one request, [A] mid-generation KV (input + 250). [A] KV in BF16.
+   [A] NIM runs this model on TensorRT-LLM (`decode.engine = "trtllm"`).
    Tolerance 25%: one client, AIPerf means.
 3. DistServe (https://arxiv.org/abs/2401.09670, Figure 1): OPT-13B on A100 80GB, input
    512 / output 64, P90 TTFT <= 0.4 s and P90 TPOT <= 0.04 s: 2 prefill + 1 decode GPUs
@@ -36,7 +41,8 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    .../builds/9523 on A100-SXM4-80GB): `benchmark_latency`, a fixed batch of 8
    prompts of 32 tokens, 128 output tokens each, mean end-to-end latency of the batch:
    Llama-3.1-8B TP1, Llama-3-70B TP4, Mixtral-8x7B TP2, [A] BF16 weights and KV (the
-   models' dtype; the page names no quantization). The batch is one prefill forward of
+   models' dtype; the page names no quantization), [A] vLLM's V1 engine (the default
+   since vLLM 0.8; `decode.engine = "vllm-v1"`). The batch is one prefill forward of
    8 x 32 tokens and 127 decode steps of 8 requests whose KV grows from 33 to 159
    tokens; the row is that latency / 128, in ms per output token. Tolerance 20%: a
    fixed synthetic batch, mean of repeated runs (median and P99 within 1% of it).
@@ -56,7 +62,8 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    log samples, an accept length given as a range and EPLB at ">70%" balance.
 6. TensorRT-LLM issue #5929 (https://github.com/NVIDIA/TensorRT-LLM/issues/5929):
    DeepSeek-R1 FP8 on 8 H200, TP8 (EP None), trtllm-serve v0.21.0rc2, LLMPerf P50:
-   batch 1, 1,600 in / 600 out: ITL 13.78 ms, TTFT 164.63 ms; batch 1, 8,192 in: ITL
+   (`decode.engine = "trtllm"`), batch 1, 1,600 in / 600 out: ITL 13.78 ms, TTFT
+   164.63 ms; batch 1, 8,192 in: ITL
    14.53 ms, TTFT 515.83 ms; batch 8, 1,600 in: ITL 18.18 ms. [A] no speculative
    decoding (the issue configures none), [A] BF16 KV, [A] mid-generation KV (input +
    300). Tolerance 25%: P50s of one client.
@@ -138,6 +145,7 @@ def deepseek(*extra: str) -> Scenario:
         "decode.tp=1",
         "decode.ep=72",
         "decode.max_running_requests=256",
+        'decode.engine="sglang"',
         *extra,
     )
 
@@ -158,7 +166,7 @@ def lmsys_prefill(prompt: int) -> Callable[[], float]:
 
 
 def lmsys_decode() -> float:
-    step = decode_step(deepseek(), 256, 256 * 2000)
+    step = decode_step(deepseek("decode.two_batch_overlap=true"), 256, 256 * 2000)
     return 8 * 256 / step.total_s
 
 
@@ -172,6 +180,7 @@ def nim(prompt: int, what: str) -> Callable[[], float]:
             "model.weight_dtype=fp8",
             "prefill.tp=2",
             "decode.tp=2",
+            'decode.engine="trtllm"',
         )
         if what == "ttft":
             return prompt_forward_s(s, prompt) * 1e3
@@ -252,6 +261,7 @@ def vllm_latency(preset: str, gpu: str, tp: int) -> Callable[[], float]:
             f"decode.gpu={gpu}",
             f"prefill.tp={tp}",
             f"decode.tp={tp}",
+            'decode.engine="vllm-v1"',
         )
         return batch_latency_per_token(s, 8, 32, 128)
 
@@ -296,7 +306,7 @@ def ant_decode(batch: int, ep: int = 16, draft: int = 2) -> Callable[[], float]:
 def trt(prompt: int, batch: int, what: str) -> Callable[[], float]:
     def run() -> float:
         s = deepseek("prefill.gpu=h200", "decode.gpu=h200", "prefill.tp=8", "prefill.ep=1",
-                     "decode.tp=8", "decode.ep=1")  # fmt: skip
+                     "decode.tp=8", "decode.ep=1", 'decode.engine="trtllm"')  # fmt: skip
         if what == "ttft":
             return prefill_forward(s, prompt).total_s * 1e3
         return decode_step(s, batch, batch * (prompt + 300)).total_s * 1e3
@@ -310,13 +320,19 @@ _TBO = (
     "the model adds the all-to-all to the compute; SGLang's two-batch overlap hides "
     "part of it (27-35% more prefill throughput in the same post)"
 )
+_TBO_DECODE = (
+    "two-batch overlap hides DeepEP's low-latency all-to-all (65 ms of the 110 ms step "
+    "without it) under the other half's compute as if every rank were equally loaded; "
+    "the post's EPLB leaves imbalance (the slowest rank sets the step) that the model "
+    "leaves out"
+)
 _MTP = (
     "MTP's draft and verify (a one-layer draft head, draft_tokens queries a request), "
     "EPLB's imbalance (>70% balance) and the post's single-batch overlap"
 )
 _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "
-    "step overhead ([A] 1 ms for every engine) and the all-reduce latency by link"
+    "host work a step (shared/serving/engine_step.py) and the all-reduce latency by link"
 )
 _PACK = (
     "the simulator forwards one prompt at a time, SGLang 16,384 tokens of prompts at once "
@@ -335,7 +351,7 @@ ROWS = [
     Row("LMSYS DeepSeek-V3 prefill, 4K prompts", "prefill", 50302, "tok/s/node", LMSYS,
         lmsys_prefill(4096), 0.25, _PACK, True),
     Row("LMSYS DeepSeek-V3 decode, B256, 2K KV", "decode", 22282, "tok/s/node", LMSYS,
-        lmsys_decode, 0.25, _TBO, True),
+        lmsys_decode, 0.25, _TBO_DECODE, True),
     Row("NIM Llama-3.3-70B FP8 TP2 TTFT, 5K in", "ttft", 406.77, "ms", NIM,
         nim(5000, "ttft"), 0.25, nim_why(5000)),
     Row("NIM Llama-3.3-70B FP8 TP2 ITL, 5K in", "tpot", 18.58, "ms", NIM,

@@ -37,7 +37,7 @@ def test_accept_length_beyond_draft_tokens_is_refused_with_both_named() -> None:
 
 
 def test_method_and_required_fields_are_checked() -> None:
-    with pytest.raises(ScenarioError, match="'mtp' or 'eagle'"):
+    with pytest.raises(ScenarioError, match="'mtp', 'eagle' or 'ngram'"):
         load_scenario(BASE, ['decode.speculative.method="medusa"', *MTP[1:]])
     with pytest.raises(ScenarioError, match="accept_length: missing"):
         load_scenario(BASE, MTP[:2])

@@ -361,11 +361,15 @@ class SpeculativeConfig(_Table):
     https://arxiv.org/abs/2412.19437); "eagle" is an EAGLE draft head, one decoder layer
     over the target's features ([P] https://arxiv.org/abs/2401.15077). SGLang runs both
     as `--speculative-algorithm NEXTN / EAGLE` with `--speculative-num-steps`,
-    `--speculative-num-draft-tokens` ([C] sglang/srt/server_args.py). The acceptance
-    length is the workload's (a measured figure): kvstage does not predict it.
+    `--speculative-num-draft-tokens` ([C] sglang/srt/server_args.py). "ngram" drafts by
+    matching the request's last tokens against n-grams of its prompt and output, on the
+    host, with no draft forward on the GPU ([C] vLLM's `speculative_config` method
+    "ngram", prompt-lookup decoding; SGLang's `--speculative-algorithm NGRAM`): its steps
+    cost nothing on the GPU, only the verify. The acceptance length is the workload's (a
+    measured figure): kvstage does not predict it.
     """
 
-    method: Literal["mtp", "eagle"]
+    method: Literal["mtp", "eagle", "ngram"]
     draft_tokens: Annotated[int, Field(ge=2, le=64)]
     accept_length: Annotated[float, Field(ge=1.0, le=64.0)]
     steps: Annotated[int, Field(ge=1, le=64)] | None = None  # absent: draft_tokens - 1
@@ -407,6 +411,16 @@ class DecodeConfig(_Table):
         1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
     )
     speculative: SpeculativeConfig | None = None  # absent: one token per request a step
+    # the engine whose host work a step pays (shared/serving/engine_step.py); absent: the
+    # [engine] preset's family, else the default per-step overhead
+    engine: Literal["sglang", "trtllm", "vllm-v1", "vllm-v0"] | None = None
+    # expert-parallel all-to-all kernels (ep > tp): DeepEP's low-latency or normal mode
+    # (shared/serving/compute.py `alltoall_s`); SGLang's `--deepep-mode auto` takes
+    # low_latency for decode
+    deepep_mode: Literal["low_latency", "normal"] = "low_latency"
+    # two micro-batches, one's all-to-all under the other's compute ([C] SGLang's
+    # --enable-two-batch-overlap; shared/serving/compute.py `decode_step`)
+    two_batch_overlap: bool = False
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 

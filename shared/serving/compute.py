@@ -33,7 +33,7 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   (DeepEP's normal kernels forward over NVLink inside the node [C]
   https://github.com/deepseek-ai/DeepEP README), the NIC numbers from the links
   profile. Experts sit uniformly over the group; the all-to-all does not overlap
-  compute (SGLang's two-batch overlap, which hides part of it, is left out);
+  compute in prefill (SGLang's two-batch overlap there is left out);
 - the kernels' fixed costs: layers x kernels per layer x `kernel_launch_s`
   (shared/serving/kernels.py).
 
@@ -62,9 +62,14 @@ P = D + E e, A = D + k e, so e = (P - A) / (E - k) and D = A - k e. Every layer 
 counted as a MoE layer ([A] DeepSeek-V3's first 3 of 61 are dense: the all-to-all is
 ~5% high there).
 
-Left out: expert load imbalance (EPLB), pipeline parallelism,
-compute-communication overlap (two-batch overlap), KV-cache quantization scales, a
-per-layer latency of DeepEP's dispatch and combine (they are costed on bandwidth).
+In a decode step the all-to-all is DeepEP's low-latency kernels by default
+(shared/serving/deepep.py, `decode.deepep_mode`), and `decode.two_batch_overlap` runs
+the step as two micro-batches, one's communication under the other's compute
+(`_two_batch_step`). The engine's host work a step (shared/serving/engine_step.py) adds
+to the GPU's time, or runs under it where the engine overlaps it.
+
+Left out: expert load imbalance (EPLB), pipeline parallelism, two-batch overlap in
+prefill, KV-cache quantization scales.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstage.shared.serving.deepep import low_latency_layer_s, nic_Bps
+from kvstage.shared.serving.engine_step import engine_step
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
@@ -145,18 +152,35 @@ class DecodeStep:
     attention_s: float = 0.0
     fixed_s: float = 0.0
     draft_s: float = 0.0
+    # the engine's host work (overhead_s) runs under the GPU's (shared/serving/engine_step.py)
+    host_overlapped: bool = False
+    # two-batch overlap: the part of the micro-batches' communication and compute that
+    # ran at once (the parts above are the two micro-batches' sums)
+    overlap_s: float = 0.0
 
     @property
-    def total_s(self) -> float:
+    def gpu_s(self) -> float:
+        """The GPU's time: its kernels and communication, the engine's host work apart."""
         return (
             self.linear_s
             + max(self.kv_memory_s, self.attention_s)
             + self.fixed_s
             + self.draft_s
-            + self.overhead_s
             + self.allreduce_s
             + self.alltoall_s
+            - self.overlap_s
         )
+
+    def with_host(self, gpu_s: float) -> float:
+        """A step whose GPU work takes `gpu_s`, with the engine's host work: under it
+        (an overlap scheduler) or after it."""
+        if self.host_overlapped:
+            return max(gpu_s, self.overhead_s)
+        return gpu_s + self.overhead_s
+
+    @property
+    def total_s(self) -> float:
+        return self.with_host(self.gpu_s)
 
 
 # --------------------------------------------------------------------------- model shape
@@ -222,29 +246,35 @@ def allreduce_s(s: Scenario, side: str, tokens: float) -> float:
     return n * (nbytes / (side_gpu(s, side).scaleup_Bps * eff.allreduce) + latency)
 
 
-def _nic_Bps(s: Scenario) -> float:
-    """One GPU's share of the NIC between nodes (the links profile's inter link)."""
-    r = s.links.resolved()
-    link = r.inter or r.link
-    return link.bandwidth_bytes_s / max(1, r.gpus_per_nic)
-
-
 def alltoall_s(s: Scenario, side: str, tokens: float) -> float:
     """Expert-parallel dispatch + combine of `tokens` tokens on one GPU (ep > tp), every
-    layer: k copies of the hidden state, FP8 out and BF16 back; NVLink inside the node,
-    the NIC once per other node the token has experts on."""
+    layer (`alltoall_parts`)."""
+    return sum(alltoall_parts(s, side, tokens))
+
+
+def alltoall_parts(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
+    """(dispatch, combine) of `tokens` tokens on one GPU (ep > tp) over all layers: k
+    copies of the hidden state, FP8 out and BF16 back. DeepEP's normal kernels (prefill;
+    decode with `decode.deepep_mode = "normal"`): NVLink inside the node, the NIC once
+    per other node the token has experts on, on bandwidth. Its low-latency kernels
+    (decode's default): shared/serving/deepep.py."""
     if not _dp_attention(s, side):
-        return 0.0
+        return 0.0, 0.0
     m, ep = s.model, _cfg(s, side).ep
+    scale = side_gpu(s, side).scaleup_Bps * efficiency(s).allreduce
+    if side == "decode" and s.decode.deepep_mode == "low_latency":  # its own table's ratio
+        d, c = low_latency_layer_s(s, ep, tokens, side_gpu(s, side).scaleup_Bps)
+        return m.layers * d, m.layers * c
     k = m.experts_per_token
     gpn = min(ep, s.cluster.gpus_per_node)
     nodes = math.ceil(ep / gpn)
     per_copy = m.hidden * (DISPATCH_BYTES + COMBINE_BYTES)
     nvlink_copies = k * (gpn - 1) / ep
     other_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** k) if nodes > 1 else 0.0
-    scale = side_gpu(s, side).scaleup_Bps * efficiency(s).allreduce
-    per_token = nvlink_copies * per_copy / scale + other_nodes * per_copy / _nic_Bps(s)
-    return tokens * m.layers * per_token
+    per_token = nvlink_copies * per_copy / scale + other_nodes * per_copy / nic_Bps(s)
+    total = tokens * m.layers * per_token
+    share = DISPATCH_BYTES / (DISPATCH_BYTES + COMBINE_BYTES)  # the bytes each way
+    return total * share, total * (1 - share)
 
 
 # --------------------------------------------------------------------------- prefill
@@ -366,7 +396,7 @@ def _draft_s(s: Scenario, batch: int, weights: float, hbm: float, plateau: float
     head, its FLOPs, its kernels and its all-reduces ([A] the draft layer is one of the
     target's layers; its own attention over the KV is left out, 1 / layers of the step's)."""
     spec, m, cfg, eff = s.decode.speculative, s.model, s.decode, efficiency(s)
-    if spec is None or batch <= 0:
+    if spec is None or batch <= 0 or spec.method == "ngram":  # ngram drafts on the host
         return 0.0
     gpu = side_gpu(s, "decode")
     embed, head, table = vocab_params(s)
@@ -385,9 +415,46 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
     """One decode step on one decode GPU: `batch` requests holding `kv_tokens` tokens of
     KV in all (this instance's). Each request adds one token, or with
     `decode.speculative` verifies `draft_tokens` (every query attending to its request's
-    KV) after the draft head proposed them."""
+    KV) after the draft head proposed them. With `decode.two_batch_overlap` (and an
+    all-to-all to hide) the batch runs as two micro-batches (`_two_batch_step`)."""
+    if s.decode.two_batch_overlap and batch >= 2 and _dp_attention(s, "decode"):
+        return _two_batch_step(s, batch, kv_tokens)
+    return _one_batch_step(s, batch, kv_tokens)
+
+
+def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
+    """Two-batch overlap ([C] SGLang's --enable-two-batch-overlap, two_batch_overlap.py,
+    and DeepEP's README figure of it): the batch split in two halves; in every layer one
+    half's attention runs while the other's combine is in flight, and one half's MLP
+    while the other's dispatch is. A layer of the pair takes, per half,
+    max(attention, combine) + max(MLP, dispatch): never less than the two halves'
+    compute, nor their communication. Each half reads the weights it touches again and
+    pays its own kernels (half of their fixed cost counted with the attention, half
+    with the MLP; [A] the draft, if any, with the MLP)."""
+    halves = (batch // 2, batch - batch // 2)
+    parts = [_one_batch_step(s, h, kv_tokens * h / batch) for h in halves]
+    q = s.decode.speculative.draft_tokens if s.decode.speculative else 1
+    took = 0.0
+    for h, p in zip(halves, parts, strict=True):
+        dispatch, combine = alltoall_parts(s, "decode", h * q)
+        attention = max(p.kv_memory_s, p.attention_s) + p.fixed_s / 2 + p.allreduce_s
+        mlp = p.linear_s + p.fixed_s / 2 + p.draft_s
+        took += max(attention, combine) + max(mlp, dispatch)
+    a, b = parts
+    summed = ("weight_bytes", "kv_bytes", "flops", "memory_s", "compute_s", "allreduce_s",
+              "alltoall_s", "linear_s", "kv_memory_s", "attention_s", "fixed_s", "draft_s")  # fmt: skip
+    return DecodeStep(
+        **{name: getattr(a, name) + getattr(b, name) for name in summed},
+        overhead_s=a.overhead_s,
+        mfu=a.mfu,
+        host_overlapped=a.host_overlapped,
+        overlap_s=a.gpu_s + b.gpu_s - took,
+    )
+
+
+def _one_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
     m, cfg, eff = s.model, s.decode, efficiency(s)
-    gpu = side_gpu(s, "decode")
+    gpu, host = side_gpu(s, "decode"), engine_step(s)
     q = cfg.speculative.draft_tokens if cfg.speculative else 1
     rows = batch * q
     weights = _weights_read(s, rows)
@@ -406,7 +473,7 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         flops=flops,
         memory_s=(weights + kv) / hbm,
         compute_s=lin_s + att_s,
-        overhead_s=eff.step_overhead_s,
+        overhead_s=host.host_s,
         allreduce_s=allreduce_s(s, "decode", rows) if batch > 0 else 0.0,
         alltoall_s=alltoall_s(s, "decode", rows),
         mfu=plateau,
@@ -415,6 +482,7 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         attention_s=att_s,
         fixed_s=kernel_floor_s(s),
         draft_s=_draft_s(s, batch, weights, hbm, plateau),
+        host_overlapped=host.overlapped,
     )
 
 
@@ -440,7 +508,9 @@ def efficiency_figures(s: Scenario) -> dict[str, object]:
         "attention_mfu": eff.attention_mfu,
         "decode_hbm_efficiency": eff.decode_hbm,
         "decode_mfu": eff.gemm_plateau(d.gpu, s.model.weight_dtype),
-        "step_overhead_ms": eff.step_overhead_s * 1e3,
+        "step_overhead_ms": engine_step(s).host_s * 1e3,
+        "step_overhead_hidden": engine_step(s).overlapped,
+        "decode_engine": engine_step(s).engine,
         "allreduce_efficiency": eff.allreduce,
     }
     if p.tokens_per_s is not None:
@@ -471,4 +541,7 @@ def describe_efficiency(fig: dict) -> tuple[str, str]:
         f": {fig['decode_hbm_efficiency']:.0%} of HBM, MFU {fig['decode_mfu']:.0%}, "
         f"{fig['step_overhead_ms']:g} ms a step"
     )
+    if fig.get("decode_engine"):
+        hidden = ", under the GPU's" if fig.get("step_overhead_hidden") else ""
+        d += f" ({fig['decode_engine']}'s host work{hidden})"
     return p, d

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.compute import decode_step
+from kvstage.shared.serving.engine_step import engine_step
 from kvstage.shared.serving.gpus import efficiency, side_gpu
 from kvstage.shared.serving.memory import GIB, side_memory
 
@@ -41,7 +42,7 @@ class DecodeModel:
         self.weight_bytes = mem.weight_bytes  # held (a MoE step may read fewer)
         eff = efficiency(s)
         self.hbm_Bps = side_gpu(s, "decode").hbm_Bps * eff.decode_hbm
-        self.step_overhead_s = eff.step_overhead_s
+        self.step_overhead_s = engine_step(s).host_s
         self.page_size = g.page_size
         self.capacity_tokens: int = mem.kv_tokens
         self.max_batch: int = s.decode.max_running_requests
@@ -50,6 +51,7 @@ class DecodeModel:
         # nothing else grows with it, so two points of decode_step give them exactly and
         # a step costs two multiplies
         self._lines: dict[int, tuple[float, float, float, float, float]] = {}
+        self._host: dict[int, DecodeStep] = {}
 
     @property
     def capacity_pages(self) -> int:
@@ -61,15 +63,19 @@ class DecodeModel:
 
     def step_time_s(self, batch_kv_tokens: float, batch: int = 1) -> float:
         """One step of `batch` requests holding `batch_kv_tokens` tokens of KV in all."""
+        if self.scenario.decode.two_batch_overlap:  # its overlap is not linear in the KV
+            return decode_step(self.scenario, batch, batch_kv_tokens).total_s
         line = self._lines.get(batch)
         if line is None:
             a, b = decode_step(self.scenario, batch, 0), decode_step(self.scenario, batch, _KV)
-            rest = a.total_s - max(a.kv_memory_s, a.attention_s)  # none of it grows with KV
+            rest = a.gpu_s - max(a.kv_memory_s, a.attention_s)  # none of it grows with KV
             dm = (b.kv_memory_s - a.kv_memory_s) / _KV
             line = (a.kv_memory_s, dm, a.attention_s, (b.attention_s - a.attention_s) / _KV, rest)
             self._lines[batch] = line
+            self._host[batch] = a
         m0, dm, c0, dc, rest = line
-        return max(m0 + dm * batch_kv_tokens, c0 + dc * batch_kv_tokens) + rest
+        gpu_s = max(m0 + dm * batch_kv_tokens, c0 + dc * batch_kv_tokens) + rest
+        return self._host[batch].with_host(gpu_s)  # the engine's host work, under or after
 
 
 _KV = 1 << 20  # the second point of each line (any KV count would do)

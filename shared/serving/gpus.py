@@ -216,7 +216,8 @@ class Efficiency:
     (https://flashinfer.ai/2024/02/02/introduce-flashinfer.html); [A] the GEMVs of the
     weights about as much: 0.8.
     step_overhead_s: CPU time per decode step the GPU does not hide (scheduling,
-    sampling, launches under CUDA graphs). [A] 1 ms: SGLang's overlap scheduler hides
+    sampling, launches under CUDA graphs) where no engine is named (`decode.engine`,
+    or the `[engine]` preset; shared/serving/engine_step.py has each engine's). [A] 1 ms: SGLang's overlap scheduler hides
     most of it (https://lmsys.org/blog/2024-12-04-sglang-v0-4/, "zero-overhead batch
     scheduler"); what remains is the order of a millisecond. It replaces the 5 us x
     layers of kernel launches kvstage charged before.

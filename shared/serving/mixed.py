@@ -87,14 +87,14 @@ def mixed_step_s(
     else:
         linear, attention, comm, _ = _pieces(s, pieces)
     reads, matmuls = d.memory_s - d.kv_memory_s, d.compute_s - d.attention_s
-    return (
+    return d.with_host(  # the engine's host work, under the GPU's or after it
         max(reads, matmuls + linear)  # the weight matmuls read the weights once
         + max(d.kv_memory_s, d.attention_s)
         + attention
         + d.fixed_s  # one forward's kernels
         + d.draft_s
-        + d.overhead_s
         + d.allreduce_s
         + d.alltoall_s
+        - d.overlap_s
         + comm
     )

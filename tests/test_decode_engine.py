@@ -1,0 +1,106 @@
+"""Issue 35, the decode side as engines run it: the engine's host work per step
+(`decode.engine`), DeepEP's low-latency all-to-all (`decode.deepep_mode`), two-batch
+overlap (`decode.two_batch_overlap`) and n-gram drafts (`decode.speculative`).
+
+Expected figures are computed here from the published numbers the docstrings name, not
+read from the code under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.serving.compute import alltoall_parts, decode_step
+from kvstage.shared.serving.decode_model import DecodeModel
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
+
+# DeepSeek-V3 FP8 decode on H100 nodes of 8: TP1 x EP16, DP attention
+DSV3 = [
+    'transfer.path="slice"',
+    "model.preset=deepseek-v3",
+    "model.weight_dtype=fp8",
+    "prefill.tp=1",
+    "prefill.ep=16",
+    "decode.tp=1",
+    "decode.ep=16",
+]
+
+
+def test_an_overlapping_engine_hides_its_host_work_and_a_synchronous_one_adds_it():
+    gpu_only = decode_step(load_scenario(BASE, ["decode.step_overhead_ms=0"]), 8, 8 * 1000)
+    sglang = decode_step(load_scenario(BASE, ['decode.engine="sglang"']), 8, 8 * 1000)
+    v0 = decode_step(load_scenario(BASE, ['decode.engine="vllm-v0"']), 8, 8 * 1000)
+    assert gpu_only.total_s > 0.31e-3  # a real step is longer than SGLang's host work
+    assert sglang.total_s == pytest.approx(gpu_only.total_s)  # [P] 0.31 ms, overlapped
+    assert v0.total_s == pytest.approx(gpu_only.total_s + 4e-3)  # [P] 4 ms, not hidden
+    # no engine: the default 1 ms, added; step_overhead_ms overrides any engine, added
+    plain = decode_step(load_scenario(BASE), 8, 8 * 1000)
+    assert plain.total_s == pytest.approx(gpu_only.total_s + 1e-3)
+    fit = load_scenario(BASE, ['decode.engine="sglang"', "decode.step_overhead_ms=2"])
+    assert decode_step(fit, 8, 8 * 1000).total_s == pytest.approx(gpu_only.total_s + 2e-3)
+
+
+def test_the_engine_preset_names_the_decode_engine_and_the_model_agrees_with_the_step():
+    s = load_scenario(BASE, ['engine.preset="vllm-nixl"'])
+    step = decode_step(s, 4, 4 * 500)
+    assert step.overhead_s == pytest.approx(0.16e-3) and not step.host_overlapped
+    m = DecodeModel(load_scenario(BASE, ['engine.preset="sglang-nixl"']))
+    for batch, kv in ((1, 100), (16, 16 * 3000)):
+        assert m.step_time_s(kv, batch) == pytest.approx(m.step(kv, batch).total_s)
+
+
+def test_an_unknown_engine_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(BASE, ['decode.engine="tgi"'])
+    assert "decode.engine" in str(e.value) and "'vllm-v1'" in str(e.value)
+
+
+def test_low_latency_all_to_all_reproduces_deepeps_table_on_its_own_setup():
+    """DeepEP README: H800, one 50 GB/s NIC a GPU, 128 tokens, hidden 7,168, top-8, EP16:
+    dispatch 118 us, combine 195 us. On H800 nodes whose NIC gives each GPU 50 GB/s, the
+    same 128 tokens of DeepSeek-V3 (hidden 7,168, top-8) cost that a layer."""
+    s = load_scenario(
+        BASE, [*DSV3, "decode.gpu=h800", "links.inter_bandwidth_gbps=400", "links.gpus_per_nic=1"]
+    )
+    d, c = alltoall_parts(s, "decode", 128)
+    assert d / 61 == pytest.approx(118e-6) and c / 61 == pytest.approx(195e-6)
+    # fewer tokens cost less, but never less than a link latency per kernel
+    d1, c1 = alltoall_parts(s, "decode", 1)
+    assert d1 < d and d1 / 61 >= s.links.resolved().inter.latency_s
+    # normal mode is the bandwidth model: FP8 out, BF16 back, a third and two thirds
+    n = load_scenario(BASE, [*DSV3, 'decode.deepep_mode="normal"'])
+    nd, nc = alltoall_parts(n, "decode", 128)
+    assert nc == pytest.approx(2 * nd)
+
+
+def test_two_batch_overlap_hides_communication_but_never_beats_compute_or_comm():
+    plain = load_scenario(BASE, DSV3)
+    tbo = load_scenario(BASE, [*DSV3, "decode.two_batch_overlap=true"])
+    for batch in (8, 64, 256):
+        kv = batch * 2000
+        one, two = decode_step(plain, batch, kv), decode_step(tbo, batch, kv)
+        comm = two.alltoall_s
+        compute = two.gpu_s + two.overlap_s - comm  # the two halves' compute
+        assert two.gpu_s >= max(comm, compute) - 1e-12
+        assert compute >= one.gpu_s - one.alltoall_s  # the weights are read twice
+        assert two.overlap_s > 0
+        assert DecodeModel(tbo).step_time_s(kv, batch) == pytest.approx(two.total_s)
+    # with nothing to hide (no expert parallelism) the option changes nothing
+    dense = load_scenario(BASE, ["decode.two_batch_overlap=true"])
+    assert decode_step(dense, 64, 64 * 1000).total_s == pytest.approx(
+        decode_step(load_scenario(BASE), 64, 64 * 1000).total_s
+    )
+
+
+def test_ngram_drafts_cost_no_gpu_forward_but_the_verify_is_paid():
+    sets = ["decode.speculative.draft_tokens=4", "decode.speculative.accept_length=2"]
+    ngram = decode_step(load_scenario(BASE, ['decode.speculative.method="ngram"', *sets]), 8, 8000)
+    eagle = decode_step(load_scenario(BASE, ['decode.speculative.method="eagle"', *sets]), 8, 8000)
+    none = decode_step(load_scenario(BASE), 8, 8000)
+    assert ngram.draft_s == 0 and eagle.draft_s > 0
+    assert ngram.flops == pytest.approx(eagle.flops) and ngram.flops > 3.9 * none.flops
+    assert none.total_s < ngram.total_s < eagle.total_s
