@@ -1,15 +1,19 @@
 """`kvstage plan --export`: each target checked by what consumes it where that installs
 here -- the SGLang router's own argument parser (PyPI sglang-router), the Kubernetes
-client's models for the pod templates -- and against the field lists read from the
-tools' code where it does not (vLLM: its CUDA torch; SGLang's server: its GPU stack;
-the LeaderWorkerSet CRD: Go types), kvstage/explore/export*.py citing them."""
+client's models for the pod templates -- and where it does not, against what was read
+in the tools' code: vLLM's KVTransferConfig as a JSON schema (tests/data/schemas/;
+vLLM needs its CUDA torch), the LeaderWorkerSet CRD's field lists (Go types); SGLang's
+server (its GPU stack) by scripts/check_exports.py. kvstage/explore/export*.py cite
+them."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+from pathlib import Path
 
+import jsonschema
 import kubernetes.client as k8s
 import pytest
 import yaml
@@ -19,6 +23,24 @@ from kvstage.explore.export import ExportError, node_count, servers, sglang_rout
 from kvstage.explore.export_k8s import lws_manifests, lws_yaml
 from kvstage.explore.export_vllm import KV_TRANSFER_FIELDS, kv_transfer_config, vllm_commands
 from kvstage.shared.scenario import load_scenario
+
+SCHEMAS = Path(__file__).parent / "data" / "schemas"
+
+
+def _validator(name: str) -> jsonschema.protocols.Validator:
+    """The validator of a schema in tests/data/schemas/ (each cites what it was written
+    from), the schema itself checked against its draft's metaschema first."""
+    schema = json.loads((SCHEMAS / name).read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def _errors(validator, doc) -> list[str]:
+    return [e.message for e in validator.iter_errors(doc)]
+
+
+KV_SCHEMA = _validator("vllm-kv-transfer-config.schema.json")
 
 
 def _scenario(*sets: str, path: str = "scenarios/llama3-70b-p8-d2.toml"):
@@ -77,18 +99,29 @@ def test_multi_node_lines_carry_the_rendezvous():
 # --------------------------------------------------------------------------- vLLM
 
 
-def test_vllm_kv_transfer_config_has_only_vllm_fields():
+def test_vllm_kv_transfer_config_validates_against_vllms_config():
     s = _scenario("hardware.backend=nixl")
     text = vllm_commands(s)
     configs = [json.loads(m) for m in re.findall(r"'(\{.*?\})'", text)]
     assert len(configs) == 2 and all(c == kv_transfer_config(s) for c in configs)
     for c in configs:
-        assert set(c) <= set(KV_TRANSFER_FIELDS)
-        assert c["kv_role"] in ("kv_producer", "kv_consumer", "kv_both")
+        assert _errors(KV_SCHEMA, c) == []
         assert c["kv_connector"] == "NixlConnector"
     lines = [shlex.split(x) for x in text.splitlines() if x.startswith("vllm")]
     assert lines[0][lines[0].index("--tensor-parallel-size") + 1] == "8"
     assert lines[1][lines[1].index("--max-num-seqs") + 1] == str(s.decode.max_running_requests)
+
+
+def test_the_kv_transfer_schema_refuses_what_vllm_refuses():
+    assert set(KV_SCHEMA.schema["properties"]) == set(KV_TRANSFER_FIELDS)
+    errors = " | ".join(
+        _errors(KV_SCHEMA, {"kv_connector": "NixlConnector"})  # no role: __post_init__
+        + _errors(KV_SCHEMA, {"kv_connector": "NixlConnector", "kv_role": "kv_sender"})
+        + _errors(KV_SCHEMA, {"kv_role": "kv_both", "kv_port": "5600", "kv_conector": "x"})
+    )
+    for word in ("'kv_role' is a required property", "'kv_sender' is not one of",
+                 "'5600' is not of type 'integer'", "'kv_conector' was unexpected"):  # fmt: skip
+        assert word in errors, errors
 
 
 def test_vllm_refuses_what_it_cannot_express():

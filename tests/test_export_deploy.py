@@ -7,34 +7,18 @@ consumer refuses."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
-from test_export import _build, _scenario, _scenario_ds
+from test_export import KV_SCHEMA, _build, _errors, _scenario, _scenario_ds, _validator
 
 from kvstage.explore.export import ExportError, node_count, servers, sglang_flags
 from kvstage.explore.export_dynamo import dynamo_graph, dynamo_yaml
 from kvstage.explore.export_llmd import CHART_KEYS, llmd_values, llmd_yaml
 from kvstage.explore.export_vllm import kv_transfer_config
 
-SCHEMAS = Path(__file__).parent / "data" / "schemas"
-
-
-def _validator(name: str) -> jsonschema.protocols.Validator:
-    schema = json.loads((SCHEMAS / name).read_text())
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
-    return cls(schema)
-
-
 DGD = _validator("dynamographdeployment.schema.json")
 LLMD = _validator("llm-d-modelservice-values.schema.json")
-
-
-def _errors(validator, doc) -> list[str]:
-    return [e.message for e in validator.iter_errors(doc)]
 
 
 # --------------------------------------------------------------------------- Dynamo
@@ -137,7 +121,8 @@ def test_llmd_values_validate_against_the_chart_schema():
         container = _build({k: v for k, v in c.items() if k not in CHART_KEYS}, "V1Container")
         assert container.ports[0].container_port == port
         args = c["args"]
-        assert json.loads(args[args.index("--kv-transfer-config") + 1]) == kv_transfer_config(s)
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == kv_transfer_config(s) and _errors(KV_SCHEMA, config) == []
         # the chart's vllmServe adds the TP flag from parallelism.tensor
         assert "--tensor-parallel-size" not in args
 

@@ -3,8 +3,12 @@
 One `vllm serve` line per side, each instance a server, the KV transfer configured by
 `--kv-transfer-config` JSON. The names are vLLM's own, read in its code (vLLM does
 not install here without a CUDA torch: PyPI vllm pins torch==2.14.0, the CUDA build,
-against the project's CPU torch 2.13.0, so the tests check against these field lists,
-not vLLM's parser):
+against the project's CPU torch 2.13.0; its sdist needs torch to build even its
+metadata). vLLM parses `--kv-transfer-config` with pydantic's TypeAdapter over
+KVTransferConfig ([C] vllm/config/utils.py, the `config` decorator), so the tests
+validate the JSON against tests/data/schemas/vllm-kv-transfer-config.schema.json,
+written from that class: its fields and types, the kv_role values, and its
+__post_init__ rule that a kv_connector needs a kv_role:
 
 * `KVTransferConfig` ([C] vllm-project/vllm vllm/config/kv_transfer.py at
   007c643b4abb7a79e69ef2b343b3dc80eb643c0d): fields kv_connector, engine_id,
