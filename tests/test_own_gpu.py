@@ -69,3 +69,13 @@ def test_an_unknown_gpu_names_the_catalogue_and_the_own_tables(tmp_path):
     msg = str(e.value)
     assert 'decode.gpu = "other": unknown GPU' in msg
     assert "h100-sxm" in msg and "[gpus.NAME] tables: mygpu" in msg
+
+
+def test_an_own_gpu_may_have_fp4_tensor_cores_or_refuse_fp4_without_cuda(tmp_path):
+    path = write(tmp_path, OWN)
+    native = load_scenario(path, ["gpus.mygpu.fp4_tflops=1600", "model.weight_dtype=fp4"])
+    assert side_gpu(native, "decode").peak_flops("fp4") == 1600e12
+    emulated = load_scenario(path, ["model.weight_dtype=fp4"])  # W4A16: the BF16 rate
+    assert side_gpu(emulated, "decode").peak_flops("fp4") == 400e12
+    with pytest.raises(ScenarioError, match='prefill.gpu = "mygpu".*FP4 tensor cores'):
+        load_scenario(path, ["gpus.mygpu.cuda=false", "model.weight_dtype=fp4"])

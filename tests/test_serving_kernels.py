@@ -100,7 +100,8 @@ def test_a_speculative_step_costs_draft_plus_verify():
 def test_four_bit_weights_carry_their_scales_and_run_where_the_gpu_can():
     """int4 (GPTQ / AWQ, group 128: FP16 scale + 4-bit zero) and fp4 (NVFP4, an FP8 scale
     per 16): bytes per weight with the scales; int4 multiplies at the BF16 rate, fp4 at
-    the native FP4 rate on Blackwell and at FP8's on Hopper."""
+    the native FP4 rate on Blackwell and, weight-only through CUDA's FP4 Marlin kernel,
+    at BF16's elsewhere; a GPU with neither (ROCm) is refused."""
     from kvstage.shared.serving.gpus import GPUS
 
     int4 = load("model.weight_dtype=int4")
@@ -108,9 +109,11 @@ def test_four_bit_weights_carry_their_scales_and_run_where_the_gpu_can():
     fp4 = load("model.weight_dtype=fp4")
     assert fp4.model.weight_bytes == pytest.approx(8e9 * 4.5 / 8)
     assert GPUS["h100-sxm"].peak_flops("int4") == 989e12
-    assert GPUS["h100-sxm"].peak_flops("fp4") == 1979e12
+    assert GPUS["h100-sxm"].peak_flops("fp4") == 989e12  # W4A16: BF16 activations
     assert GPUS["b200"].peak_flops("fp4") == 9000e12
-    assert GPUS["a100-80g"].peak_flops("fp4") == 312e12  # no FP8 either: BF16
+    assert GPUS["a100-80g"].peak_flops("fp4") == 312e12
+    with pytest.raises(ScenarioError, match="FP4 weights run natively"):
+        load("model.weight_dtype=fp4", "decode.gpu=mi300x")
     # a decode step at batch 1 reads about a quarter of the BF16 bytes
     bf16 = decode_step(load(), 1, 1000)
     assert decode_step(int4, 1, 1000).weight_bytes < 0.27 * bf16.weight_bytes

@@ -333,6 +333,8 @@ class GpuTable(_Table):
     scaleup_gbs: PosFloat  # per direction per GPU
     scaleup: Annotated[str, Field(min_length=1)]  # "NVLink ...", "PCIe ...": the latency
     allreduce_latency_us: PosFloat | None = None  # 2 GPUs; absent: by the link's kind
+    fp4_tflops: PosFloat | None = None  # dense; absent: no FP4 tensor cores
+    cuda: bool = True  # runs CUDA kernels (false: ROCm; FP4 weights need one or the other)
     source: Annotated[str, Field(min_length=1)]
 
     def gpu(self, name: str) -> Gpu:
@@ -347,7 +349,24 @@ class GpuTable(_Table):
             self.scaleup,
             self.source,
             None if lat is None else lat * 1e-6,
+            self.fp4_tflops,
+            self.cuda,
         )
+
+
+def _check_fp4(s: Scenario) -> None:
+    """FP4 weights need FP4 tensor cores or CUDA's FP4 Marlin fallback (W4A16)."""
+    if s.model.weight_dtype != "fp4":
+        return
+    for side, cfg in (("prefill", s.prefill), ("decode", s.decode)):
+        own = s.gpus.get(cfg.gpu)
+        gpu = own.gpu(cfg.gpu) if own is not None else GPUS[cfg.gpu]
+        if gpu.fp4_tflops is None and not gpu.cuda:
+            raise _FieldProblem(
+                {"model.weight_dtype": "fp4", f"{side}.gpu": cfg.gpu},
+                "FP4 weights run natively on FP4 tensor cores (b200, gb200) or as W4A16 "
+                "through CUDA's FP4 Marlin kernel; this GPU has neither (use fp8 or int4)",
+            )
 
 
 class SpeculativeConfig(_Table):
@@ -805,6 +824,7 @@ class Scenario(_Table):
                     f"unknown GPU; allowed: {gpu_names()}{own} (kvstage presets lists "
                     "them; a GPU of your own goes in a [gpus.NAME] table)",
                 )
+        _check_fp4(self)
         _check_chunk(self)
         if self.cluster.fold:
             problem = fold_problem(self)

@@ -55,6 +55,8 @@ class Gpu:
     # link's (shared/serving/kernels.py, by whether `scaleup` is PCIe)
     allreduce_latency_s: float | None = None
     fp4_tflops: float | None = None  # dense; None: no native FP4 tensor cores
+    # runs CUDA kernels (the FP4 Marlin fallback needs them; False: AMD's ROCm)
+    cuda: bool = True
 
     @property
     def hbm_Bps(self) -> float:
@@ -62,13 +64,21 @@ class Gpu:
 
     def peak_flops(self, dtype: str) -> float:
         """Dense FLOP/s of a matmul whose weights are `dtype` (fp8: the fp8 rate where
-        there is one; fp32 at the bf16 rate would overstate it, so half of it). fp4: the
-        native FP4 rate (Blackwell), else the weights are dequantized to FP8 where the GPU
-        has it (W4A8), else BF16; int4 (GPTQ / AWQ, W4A16): dequantized to BF16 inside the
-        GEMM, the BF16 rate ([C] Marlin's kernel, https://github.com/IST-DASLab/marlin)."""
+        there is one; fp32 at the bf16 rate would overstate it, so half of it).
+
+        int4 (GPTQ / AWQ, W4A16): dequantized to BF16 inside the GEMM, at the BF16 rate;
+        the dequantization costs no time of its own: [P] Marlin runs the INT4 x FP16
+        matmul at "close to ideal (4x)" speed-up over FP16 up to batch 16-32 (the reads
+        bound it) and dequantizes under the tensor-core work above that
+        (https://github.com/IST-DASLab/marlin, README).
+        fp4 (NVFP4): the native FP4 rate where the GPU has FP4 tensor cores (B200,
+        GB200); elsewhere emulated as weight-only W4A16, dequantized to BF16 in the FP4
+        Marlin kernel, at the BF16 rate ([C] vLLM marlin_utils_fp4.py and SGLang's
+        `is_fp4_marlin_supported`: CUDA SM >= 7.5, not ROCm; a GPU without CUDA is
+        refused, shared/scenario/schema.py)."""
         if dtype == "fp4" and self.fp4_tflops is not None:
             return self.fp4_tflops * 1e12
-        if dtype in ("fp8", "fp4") and self.fp8_tflops is not None:
+        if dtype == "fp8" and self.fp8_tflops is not None:
             return self.fp8_tflops * 1e12
         if dtype == "fp32":
             return self.bf16_tflops * 1e12 / 2
@@ -114,7 +124,15 @@ GPUS: dict[str, Gpu] = {
     # dense, 7 Infinity Fabric links of 128 GB/s (bidirectional) = 448 GB/s per direction
     # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html).
     "mi300x": Gpu(
-        "mi300x", 192, 5300, 1307.4, 2614.9, 448, "Infinity Fabric", "AMD MI300X datasheet"
+        "mi300x",
+        192,
+        5300,
+        1307.4,
+        2614.9,
+        448,
+        "Infinity Fabric",
+        "AMD MI300X datasheet",
+        cuda=False,
     ),
 }
 _GB200 = "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (the NVL72 rack's figures / 72)"
