@@ -10,6 +10,7 @@ that rail, of whichever instance, shares that NIC through the fair fabric.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Sequence
 from dataclasses import replace
 
@@ -116,6 +117,13 @@ class LiveLoads:
             role: [router.key(role, x) for x in loads] for role, loads in self._loads.items()
         }
         self._dirty: set[RankRuntime] = set()
+        # instances that take no new request (an autoscaler's: starting up, draining,
+        # not asked for; kvstage/explore/autoscale_disagg.py); empty: all take them
+        self.closed: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+
+    def outstanding(self, role: str) -> list[int]:
+        """Each instance of `role`'s rooms routed to it and not ended there."""
+        return [g[0].outstanding if g else 0 for g in self._groups[role]]
 
     def touch(self, rt: RankRuntime) -> None:
         """`rt` handled an event or got a room: its instance's load may have moved."""
@@ -135,7 +143,21 @@ class LiveLoads:
                 self._router.key("prefill", replace(load, cached_blocks=_cached(g, request)))
                 for g, load in zip(self._groups["prefill"], self._loads["prefill"], strict=True)
             ]
-        return least(prefill), least(self._keys["decode"])
+        decode = self._keys["decode"]
+        if self.closed["prefill"] or self.closed["decode"]:
+            prefill, decode = (
+                _open(prefill, self.closed["prefill"]),
+                _open(decode, self.closed["decode"]),
+            )
+        return least(prefill), least(decode)
+
+
+CLOSED = (math.inf,)  # a key above every instance's: a closed instance is never least
+
+
+def _open(keys: list, closed: set[int]) -> list:
+    """`keys` with the closed instances' keys raised above every open one's."""
+    return [CLOSED if i in closed else k for i, k in enumerate(keys)]
 
 
 def _cached(group: Sequence[RankRuntime], request: Request) -> int:

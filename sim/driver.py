@@ -17,6 +17,7 @@ run is a deterministic function of scenario and seed.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -133,15 +134,21 @@ class Simulation:
         shard: tuple[frozenset[int], frozenset[int]] | None = None,
         workload: tuple[list[Request], Sessions, Router] | None = None,
         generate: bool | None = None,
+        control: Callable[[Simulation, float], None] | None = None,
+        interval: float = math.inf,
     ) -> None:
         """`shard`: (prefill instances, decode instances) of one independent group
         (sim/shard.py): only its ranks and its rooms are simulated. `workload`: the
         scenario's requests, sessions and router when the caller has them already (every
         group of a sharded run shares them; static routes are only read). `generate`:
         whether the decode side generates tokens (None: when a request has output
-        tokens; sim/online.py says True, its requests coming later)."""
+        tokens; sim/online.py says True, its requests coming later). `control`: called
+        as control(simulation, now) every `interval` simulated seconds while requests
+        are still to arrive (an autoscaler: it opens and closes instances to routing
+        through `loads.closed`, kvstage/explore/autoscale_disagg.py)."""
         self.scenario = scenario
         self.shard = shard
+        self.control, self.interval = control, interval
         self.geometry = g = scenario.geometry()
         self.env = simpy.Environment()
         self.config = protocol_config(scenario)
@@ -571,11 +578,20 @@ class Simulation:
         )
         if self.requests:
             self._schedule_arrival(0)
+            if self.control is not None:
+                self.env.process(self._control_loop())
         self._start_runtimes()
         if self.requests:
             with gc_paused():
                 self._run_to_the_end()
         return self.result(wall)
+
+    def _control_loop(self):
+        """control(self, now) every `interval` while requests are still to arrive (its
+        pending timeout does not hold the run open: the run ends on `_all_done`)."""
+        while self._arrivals_left:
+            yield self.env.timeout(self.interval)
+            self.control(self, self.env.now)  # type: ignore[misc]
 
     def result(self, wall: float) -> SimResult:
         """The run's result once it ended (`wall`: perf_counter() when it started)."""

@@ -25,8 +25,8 @@ finishes), and only after `cooldown_s` without a scale-up, so a brief dip does n
 shed capacity it needs again.
 
 What it serves with: the colocated engine (kvstage/sim/colocated.py), whose instances
-can come and go on its clock; the disaggregated simulation runs a fixed cluster, so an
-autoscaled prefill / decode split is not modeled here.
+can come and go on its clock. Prefill and decode scaled apart on the disaggregated
+simulation: kvstage/explore/autoscale_disagg.py.
 
 Output (`run_day`): per interval the instances asked for and serving, the arrival
 rate, the waiting requests, and the SLO attainment of the requests that arrived in it;
@@ -48,7 +48,14 @@ if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
     from kvstage.shared.workload import Request
 
-__all__ = ["DAY_PROFILE", "Planner", "parse_profile", "run_day", "warp_arrivals"]
+__all__ = [
+    "DAY_PROFILE",
+    "Planner",
+    "attainment_by_interval",
+    "parse_profile",
+    "run_day",
+    "warp_arrivals",
+]
 
 # [A] a diurnal shape for illustration, by the hour from midnight: a night trough at a
 # fifth of the peak, a morning ramp, a daytime plateau and an evening peak. Not fitted
@@ -151,7 +158,7 @@ class Planner:
         )
 
 
-def _attainment_by_interval(
+def attainment_by_interval(
     rooms: dict[int, dict[str, float]], targets: dict[str, float], interval: float, n: int
 ) -> list[float | None]:
     from kvstage.metrics.rooms import meets, request_figures
@@ -190,7 +197,7 @@ def run_day(
     r = simulate_colocated(s, requests, control=planner, interval=planner.interval_s)
     targets = scenario.slo.targets()
     n = max(1, len(planner.timeline))
-    by = _attainment_by_interval(r.rooms, targets, planner.interval_s, n)
+    by = attainment_by_interval(r.rooms, targets, planner.interval_s, n)
     for row, att in zip(planner.timeline, by, strict=False):
         row["slo_attainment"] = att
     met = sum(meets(request_figures(i), targets) for i in r.rooms.values())
@@ -209,7 +216,9 @@ def run_day(
 
 
 def day_figure(day: dict[str, Any], title: str) -> Any:
-    """Instances (asked for, serving), the arrival rate and SLO attainment over time."""
+    """Instances (asked for, serving) against the fixed plan -- per side when the day is
+    disaggregated (kvstage/explore/autoscale_disagg.py) -- the arrival rate, and SLO
+    attainment over time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,21 +227,35 @@ def day_figure(day: dict[str, Any], title: str) -> Any:
     tl = day["timeline"]
     hours = [x["t_s"] / 3600 for x in tl]
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    a.step(hours, [x["instances"] for x in tl], where="post", label="instances (asked for)")
-    a.step(hours, [x["serving"] for x in tl], where="post", label="serving")
-    a.axhline(day["fixed_instances"], color="grey", ls="--", label="fixed plan")
+    fixed = day["fixed_instances"]
+    split = isinstance(fixed, dict)
+    series = (
+        [
+            (f"{n}_", f"{n} ", fixed[n], c)
+            for n, c in (("prefill", "tab:blue"), ("decode", "tab:green"))
+        ]
+        if split
+        else [("", "", fixed, "tab:blue")]
+    )
+    for key, label, plan, color in series:
+        a.step(hours, [x[f"{key}instances"] for x in tl], where="post", color=color,
+               label=f"{label}instances (asked for)")  # fmt: skip
+        a.step(hours, [x[f"{key}serving"] for x in tl], where="post", color=color, ls=":",
+               label=f"{label}serving")  # fmt: skip
+        a.axhline(plan, color=color, ls="--", alpha=0.5, label=f"{label}fixed plan")
     a.set_ylabel("instances")
     r = a.twinx()
     r.plot(hours, [x["rate_rps"] for x in tl], color="tab:red", alpha=0.5, lw=1)
     r.set_ylabel("arrivals / s", color="tab:red")
-    a.legend(loc="upper left", fontsize=8)
+    a.legend(loc="upper left", fontsize=7, ncol=2 if split else 1)
     b.plot(hours, [x.get("slo_attainment") for x in tl], marker=".", lw=1)
     b.set_ylim(0, 1.05)
     b.set_ylabel("SLO attainment")
     b.set_xlabel("hours")
     a.set_title(
-        f"{title}: {day['gpu_hours']:.1f} GPU-hours autoscaled vs "
-        f"{day['fixed_gpu_hours']:.1f} fixed; attainment {day['slo_attainment']:.1%}"
+        f"{title}{', disaggregated' if split else ''}: {day['gpu_hours']:.1f} GPU-hours "
+        f"autoscaled vs {day['fixed_gpu_hours']:.1f} fixed; attainment "
+        f"{day['slo_attainment']:.1%}"
     )
     fig.tight_layout()
     return fig
