@@ -132,6 +132,7 @@ def test_presets_and_profiles_commands():
         "qwen3-235b-a22b",
         "mixtral-8x7b",
         "huggingface.co/Qwen/Qwen2.5-72B",
+        'decode.engine = "vllm-v0"',  # each decode engine's host work a step
     ):
         assert name in res.output
     res = CliRunner().invoke(app, ["profiles"], env=WIDE)

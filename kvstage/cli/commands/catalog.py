@@ -91,6 +91,7 @@ def gpus_table() -> Table:
 
 def efficiency_table() -> Table:
     """The achieved-efficiency defaults (gpus.Efficiency) and the fields that override them."""
+    from kvstage.shared.serving.engine_step import DECODE_ENGINES
     from kvstage.shared.serving.gpus import DEFAULT_EFFICIENCY as e
 
     t = Table(
@@ -103,8 +104,14 @@ def efficiency_table() -> Table:
     t.add_row("prefill MFU by forward tokens", mfu, "prefill.mfu, prefill.tflops")
     t.add_row("decode share of HBM bandwidth", f"{e.decode_hbm:.0%}", "decode.hbm_efficiency")
     t.add_row(
-        "decode per-step overhead", f"{e.step_overhead_s * 1e3:g} ms", "decode.step_overhead_ms"
+        "decode per-step overhead (no engine named)",
+        f"{e.step_overhead_s * 1e3:g} ms",
+        "decode.step_overhead_ms",
     )
+    for name, eng in DECODE_ENGINES.items():
+        hidden = "under the GPU's step" if eng.overlapped else "after the GPU's step"
+        t.add_row(f"decode host work a step, {name}", f"{eng.host_s * 1e3:g} ms, {hidden}",
+                  f'decode.engine = "{name}"')  # fmt: skip
     t.add_row("TP all-reduce share of the scale-up link", f"{e.allreduce:.0%}", "-")
     t.add_row(
         "copy kernels (gather, scatter) share of HBM",
