@@ -68,6 +68,29 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    decoding (the issue configures none), [A] BF16 KV, [A] mid-generation KV (input +
    300). Tolerance 25%: P50s of one client.
 
+7. NVIDIA DLI "Sizing LLM inference systems" NIM set, as republished in
+   https://github.com/wbing520/ai-performance-engineering (code/ch10_inference/
+   inference_gpu_cluster_sizing/dataset/nim.csv, commit 0e25b2e): NIM with TensorRT-LLM
+   engines, GenAI-Perf means, Llama 3 8B (A100 TP1/TP2 FP16; H100 TP1/TP2 FP16 and FP8)
+   and Llama 3 70B (A100 TP4 FP16, TP8 BF16; H100 TP4/TP8 FP16 and FP8). Every row at
+   concurrency 1 with a prefill-dominated prompt: TTFT at 2,000 input tokens (the mean
+   of its two rows, 200 and 2,000 output tokens: TTFT does not depend on the output) and
+   at 7,000. Simulated: the prompt's prefill forwards (one request, no queue). [A] KV
+   in the activations' 16 bits; [A] FP8 rows are FP8 weights. The 200-token rows are
+   left out before running: their 9-25 ms TTFT is mostly the serving stack's request
+   path (HTTP, tokenization, streaming), which a forward does not price. Tolerance 25%,
+   as for the NIM rows of source 2.
+8. NVIDIA DLI TensorRT-LLM 0.9.0 set, the same repository (code/ch11_inference/
+   inference_gpu_cluster_sizing/dataset/trt_llm_0_9_0_dli.csv, commit 5a4d0c3): "1st
+   Token Latency" of a static batch of 8 prompts of 2,048 tokens (output 128), fake
+   weights: Llama 2 7B TP1 (H100 FP8 and Mixed, H200 FP8, A100 Mixed, L40S FP8, L40
+   FP8), Llama 2 70B TP4 (the same six) and Mixtral 8x7B TP2 Mixed (H100, H200, A100),
+   as input tokens/s of the instance (16,384 / latency). Simulated: one forward of the
+   8 prompts packed (`prefill_forward(..., prompts=8)`). [A] the context phase of the
+   batch is one forward; [A] "Mixed" is FP16 weights and activations; [A] Llama 2 70B
+   is Llama 3 70B's shape with a 32,000-token vocabulary and 68.98 B parameters.
+   Tolerance 25%. Chosen with source 7 before either was run.
+
     .venv/bin/python benchmarks/published_serving.py          # the table (~1 min)
     .venv/bin/python benchmarks/published_serving.py --quick  # without the DistServe search
 
@@ -403,6 +426,120 @@ ROWS = [
     Row("TRT-LLM DeepSeek-R1 H200 TP8 ITL, B8 1600", "tpot", 18.18, "ms", TRT,
         trt(1600, 8, "itl"), 0.25, _STEP),
 ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- NVIDIA DLI sets
+
+_DLI_REPO = "https://github.com/wbing520/ai-performance-engineering/blob/"
+DLI_NIM = _DLI_REPO + "0e25b2e/code/ch10_inference/inference_gpu_cluster_sizing/dataset/nim.csv"
+DLI_TRT = (
+    _DLI_REPO + "5a4d0c3/code/ch11_inference/inference_gpu_cluster_sizing/dataset/"
+    "trt_llm_0_9_0_dli.csv"
+)
+# [A] the sets' precisions: "Mixed" and fp16 are FP16 weights and activations; KV in the
+# activations' 16 bits, as in the NIM rows above
+_DTYPE = {"fp8": "fp8", "fp16": "fp16", "bf16": "bf16", "mixed": "fp16"}
+# Llama 2 70B: Llama 3 70B's layers, heads and GQA with a 32,000-token vocabulary and
+# 68.98 B parameters (config.json of meta-llama/Llama-2-70b-hf)
+_LLAMA2_70B = ("model.preset=llama-3-70b", "model.vocab_size=32000", "model.params_b=68.98")
+_DLI_MODELS = {
+    "llama3-8b": ("model.preset=llama-3-8b",),
+    "llama3-70b": ("model.preset=llama-3-70b",),
+    "llama2-7b": ("model.preset=llama-2-7b",),
+    "llama2-70b": _LLAMA2_70B,
+    "mixtral": ("model.preset=mixtral-8x7b",),
+}
+
+
+def _dli(model: str, gpu: str, tp: int, precision: str) -> Scenario:
+    return _load(
+        *_DLI_MODELS[model],
+        f"model.weight_dtype={_DTYPE[precision]}",
+        f"prefill.gpu={gpu}",
+        f"decode.gpu={gpu}",
+        f"prefill.tp={tp}",
+        f"decode.tp={tp}",
+    )
+
+
+def dli_ttft(model: str, gpu: str, tp: int, precision: str, prompt: int) -> Callable[[], float]:
+    """NIM at concurrency 1: TTFT is the prompt's prefill forwards (ms)."""
+    return lambda: prompt_forward_s(_dli(model, gpu, tp, precision), prompt) * 1e3
+
+
+def dli_prefill(model: str, gpu: str, tp: int, precision: str) -> Callable[[], float]:
+    """TRT-LLM 0.9 static batch of 8 prompts of 2,048 tokens: one forward of the batch,
+    input tokens/s of the instance."""
+
+    def run() -> float:
+        f = prefill_forward(_dli(model, gpu, tp, precision), 2048, prompts=8)
+        return 8 * 2048 / f.total_s
+
+    return run
+
+
+_NIM_TTFT = (
+    "a TensorRT-LLM engine's prefill at this GPU, dtype and TP against kvstage's default "
+    "kernel efficiencies; TTFT also holds the serving stack's request path (HTTP, "
+    "tokenization, the first streamed chunk), which the forward alone leaves out"
+)
+_TRT_BATCH = (
+    "a TensorRT-LLM 0.9 context phase of 8 x 2,048 tokens at this GPU, dtype and TP "
+    "against kvstage's default kernel efficiencies (a GPU without a GEMM table of its "
+    "own takes the H800 FP8 curve's shape at Llama 3 training MFU)"
+)
+# (model, GPU, TP, precision, TTFT ms at 2,000 tokens (the mean of its two rows), at 7,000)
+_NIM_SET = (
+    ("llama3-8b", "a100-80g", 1, "fp16", (149.78 + 145.68) / 2, 556.55),
+    ("llama3-8b", "a100-80g", 2, "fp16", (91.38 + 89.32) / 2, 319.86),
+    ("llama3-8b", "h100-sxm", 1, "fp16", (53.86 + 51.66) / 2, 203.52),
+    ("llama3-8b", "h100-sxm", 1, "fp8", (36.48 + 34.68) / 2, 129.52),
+    ("llama3-8b", "h100-sxm", 2, "fp16", (39.35 + 37.80) / 2, 127.21),
+    ("llama3-8b", "h100-sxm", 2, "fp8", (31.40 + 29.88) / 2, 97.21),
+    ("llama3-70b", "a100-80g", 4, "fp16", (411.04 + 397.37) / 2, 1357.23),
+    ("llama3-70b", "a100-80g", 8, "bf16", (274.12 + 261.86) / 2, 841.92),
+    ("llama3-70b", "h100-sxm", 4, "fp16", (163.53 + 160.77) / 2, 550.42),
+    ("llama3-70b", "h100-sxm", 4, "fp8", (115.18 + 112.00) / 2, 380.47),
+    ("llama3-70b", "h100-sxm", 8, "fp16", (112.97 + 111.48) / 2, 333.59),
+    ("llama3-70b", "h100-sxm", 8, "fp8", (94.01 + 93.15) / 2, 279.27),
+)
+# (model, GPU, TP, precision, first-token latency ms of 8 x 2,048 tokens)
+_TRT_SET = (
+    ("llama2-7b", "h100-sxm", 1, "fp8", 224.28),
+    ("llama2-7b", "h100-sxm", 1, "mixed", 391.31),
+    ("llama2-7b", "h200", 1, "fp8", 225.14),
+    ("llama2-7b", "a100-80g", 1, "mixed", 983.94),
+    ("llama2-7b", "l40s", 1, "fp8", 637.26),
+    ("llama2-7b", "l40", 1, "fp8", 1085.01),
+    ("llama2-70b", "h100-sxm", 4, "fp8", 744.79),
+    ("llama2-70b", "h100-sxm", 4, "mixed", 1109.21),
+    ("llama2-70b", "h200", 4, "fp8", 728.98),
+    ("llama2-70b", "a100-80g", 4, "mixed", 2617.8),
+    ("llama2-70b", "l40s", 4, "fp8", 5200.25),
+    ("llama2-70b", "l40", 4, "fp8", 6387.55),
+    ("mixtral", "h100-sxm", 2, "mixed", 682.13),
+    ("mixtral", "h200", 2, "mixed", 684.12),
+    ("mixtral", "a100-80g", 2, "mixed", 1224.09),
+)
+
+
+def dli_rows() -> list[Row]:
+    """The two NVIDIA DLI sets' rows (sources 7 and 8 of the module docstring)."""
+    rows = []
+    for model, gpu, tp, prec, at2k, at7k in _NIM_SET:
+        for prompt, ms in ((2000, at2k), (7000, at7k)):
+            name = f"NIM {model} {gpu} TP{tp} {prec} TTFT, {prompt}"
+            fn = dli_ttft(model, gpu, tp, prec, prompt)
+            rows.append(Row(name, "ttft", ms, "ms", DLI_NIM, fn, 0.25, _NIM_TTFT))
+    for model, gpu, tp, prec, ms in _TRT_SET:
+        name = f"TRT 0.9 {model} {gpu} TP{tp} {prec} B8x2048"
+        fn = dli_prefill(model, gpu, tp, prec)
+        pub = 8 * 2048 / (ms / 1e3)
+        rows.append(Row(name, "prefill", pub, "tok/s/inst", DLI_TRT, fn, 0.25, _TRT_BATCH))
+    return rows
+
+
+ROWS += dli_rows()
 
 
 def _within(r: Row, ratio: float) -> bool:
