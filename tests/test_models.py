@@ -13,7 +13,7 @@ from kvstage.analysis.layout_report import duplicate_share
 from kvstage.cli.main import app
 from kvstage.shared.scenario import ScenarioError, load_scenario, scaled
 from kvstage.shared.scenario.presets import PRESETS
-from kvstage.shared.serving.compute import prefill_forward_s
+from kvstage.shared.serving.compute import prefill_forward, prefill_forward_s
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 WIDE = {"COLUMNS": "300"}
@@ -57,21 +57,27 @@ def test_moe_forward_uses_active_parameters():
     e = (46.7e9 - 12.9e9) / 6
     d = 12.9e9 - 2 * e
     peak, tp, c = 989e12, 4, 8192
-    # dense rows 8192: MFU 0.40; expert rows 8192 x 2 / 8 = 2048, log2 between the
-    # 128 (0.19) and 4096 (0.40) points: 0.19 + 0.8 x 0.21 = 0.358
+    # dense rows 8192: the H100's BF16 table (cuBLAS, vLLM PR 23939), halfway in log2
+    # between M = 4,096 (711.45 TFLOP/s) and 16,384 (714.78); the grouped expert
+    # matmuls keep the default curve: rows 8192 x 2 / 8 = 2048, log2 between the 128
+    # (0.19) and 4096 (0.40) points: 0.19 + 0.8 x 0.21 = 0.358
     # issue 35: the embedding (vocab 32,000 x 4,096) is a lookup, the LM head (as
     # many) runs on the chunk's last token; 32 layers x 14 kernels (10 + 4 for the
     # routed experts) x 5 us; an all-reduce of 4 GPUs over NVLink: 6 + 3.95 x 2 us
     table = 32000 * 4096
     dense_flops = 2 * ((d - 2 * table) * c + table) / tp
-    linear = dense_flops / (peak * 0.40) + 2 * 2 * e * c / tp / (peak * 0.358)
+    dense_mfu = (711.45 + 714.78) / 2 / 989
+    linear = dense_flops / (peak * dense_mfu) + 2 * 2 * e * c / tp / (peak * 0.358)
     attention = 4 * 32 * 32 * 128 * c * (c + 1) / 2 / tp / (peak * 0.5)
     allreduce = 2 * 32 * (c * 4096 * 2 * 2 * 3 / 4 / (450e9 * 0.8) + 13.9e-6)
     fixed = 32 * 14 * 5e-6
     total = linear + attention + allreduce + fixed
     assert prefill_forward_s(moe, 8192) == pytest.approx(total, rel=1e-3)
-    # every expert's FLOPs as active: the linear part grows, the rest is the same
-    assert prefill_forward_s(dense, 8192) > 2.5 * prefill_forward_s(moe, 8192)
+    # every expert's FLOPs as active: the linear FLOPs grow 3.6x (46.7 / 12.9), all of
+    # them dense matmuls now (a higher MFU than the grouped ones), the rest the same
+    fd, fm = prefill_forward(dense, 8192), prefill_forward(moe, 8192)
+    assert fd.linear_flops > 3.5 * fm.linear_flops
+    assert fd.total_s > 1.5 * fm.total_s
     # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
     assert load().model.flops_params_b == 8.0
     assert load("model.preset=mixtral-8x7b", "model.params_b=40").model.flops_params_b == 40

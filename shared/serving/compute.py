@@ -305,15 +305,15 @@ def _linear_s(
     peak = gpu.peak_flops(m.weight_dtype)
     given = getattr(cfg, "mfu", None)  # prefill.mfu: one MFU for every matmul
 
-    def share(rows: float) -> float:
+    def share(rows: float, grouped: bool = False) -> float:
         if flat or given:
             return flat or given
-        return eff.gemm_share(gpu.name, m.weight_dtype, max(1, round(rows)))
+        return eff.gemm_share(gpu.name, m.weight_dtype, max(1, round(rows)), grouped)
 
     mfu = share(tokens)
     t = d_flops / (peak * mfu)
     if x_flops:
-        t += x_flops / (peak * share(expert_rows))
+        t += x_flops / (peak * share(expert_rows, grouped=True))
     return d_flops + x_flops, t, mfu
 
 

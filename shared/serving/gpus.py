@@ -183,6 +183,10 @@ def gpu_names() -> str:
 
 # [P] DeepGEMM on H800 (see Efficiency.gemm_tables): 272, 489, 1,054 of 1,979 TFLOP/s
 _HOPPER_FP8 = ((64, 272 / 1979), (128, 489 / 1979), (4096, 1054 / 1979))
+# [P] torch BF16 matmul (cuBLAS) on H100 80GB HBM3, DeepSeek-V3's N = 2,112, K = 7,168:
+# 50.5, 559.0, 711.4, 714.8 TFLOP/s at M = 16, 512, 4,096, 16,384 of 989
+# (https://github.com/vllm-project/vllm/pull/23939, the benchmark's torch-bf16 column)
+_HOPPER_BF16 = ((16, 50.48 / 989), (512, 558.99 / 989), (4096, 711.45 / 989), (16384, 714.78 / 989))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +222,14 @@ class Efficiency:
     1,979. [P] h20 at FP8: DeepGEMM's masked grouped GEMM on H20, 32 groups of 64 rows,
     N = 4,096, K = 7,168: 248 TFLOP/s, 0.84 of its 296
     (https://github.com/deepseek-ai/DeepGEMM/issues/114): a compute-poor GPU's GEMMs
-    reach most of its peak already at 64 rows. BF16 and the other GPUs keep
-    `prefill_mfu` (no per-GPU GEMM table found).
+    reach most of its peak already at 64 rows. [P] h100-sxm / h200 at BF16 (and FP16,
+    the same tensor-core rate): torch's BF16 matmul (cuBLAS) on H100 80GB HBM3 at
+    DeepSeek-V3's N = 2,112, K = 7,168, 50.5 / 559 / 711 / 715 TFLOP/s at M = 16 / 512 /
+    4,096 / 16,384 (https://github.com/vllm-project/vllm/pull/23939): 0.051, 0.565,
+    0.719, 0.723 of 989 (the H200 has the H100's SMs); measured on a dense GEMM, so
+    `dense_gemm_tables`: a MoE layer's grouped GEMMs keep `prefill_mfu` (no grouped BF16
+    rate found). The other GPUs and dtypes keep `prefill_mfu` (no per-GPU GEMM table
+    found).
     decode_mfu: the share of peak FLOP/s a decode step's matmuls reach when the step
     is compute bound, on a GPU and dtype without a table of its own: the plateau of
     `prefill_mfu`, 0.40 ([P] as there). Not the small-M points: DeepGEMM's M = 64 and
@@ -259,6 +269,12 @@ class Efficiency:
         ("h200", "fp8", _HOPPER_FP8),
         ("h20", "fp8", ((64, 0.84),)),
     )
+    # tables measured on dense GEMMs only: the grouped (MoE) GEMMs keep `gemm_tables` or
+    # the default curve, a grouped kernel's rate not being a dense one's
+    dense_gemm_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
+        ("h100-sxm", "bf16", _HOPPER_BF16),
+        ("h200", "bf16", _HOPPER_BF16),
+    )
     # per (GPU, KV dtype): the share of the BF16 peak attention reaches by keys per
     # query, from a user's kernel table (shared/serving/kernel_table.py); none by default
     attention_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = ()
@@ -275,21 +291,30 @@ class Efficiency:
         """MFU of a matmul of `tokens` rows by the default table (`prefill_mfu`)."""
         return _interpolate(self.prefill_mfu, tokens)
 
-    def gemm_share(self, gpu: str, dtype: str, rows: int) -> float:
+    def gemm_table(
+        self, gpu: str, dtype: str, grouped: bool = False
+    ) -> tuple[tuple[int, float], ...] | None:
+        """The GPU's own table for `dtype` (FP16 takes BF16's where it has none of its
+        own: the same tensor-core rate), or None; a grouped (MoE) GEMM skips the tables
+        measured on dense GEMMs only."""
+        tables = self.gemm_tables if grouped else self.gemm_tables + self.dense_gemm_tables
+        for want in (dtype, "bf16") if dtype == "fp16" else (dtype,):
+            for name, dt, pts in tables:
+                if name == gpu and dt == want:
+                    return pts
+        return None
+
+    def gemm_share(self, gpu: str, dtype: str, rows: int, grouped: bool = False) -> float:
         """The share of `dtype`'s peak on `gpu` a matmul of `rows` rows reaches: the
         GPU's own table where there is one, else the default."""
-        for name, dt, pts in self.gemm_tables:
-            if name == gpu and dt == dtype:
-                return _interpolate(pts, rows)
-        return self.mfu(rows)
+        pts = self.gemm_table(gpu, dtype, grouped)
+        return self.mfu(rows) if pts is None else _interpolate(pts, rows)
 
     def gemm_plateau(self, gpu: str, dtype: str) -> float:
         """The share a large matmul reaches (a compute-bound decode step's matmuls):
         the GPU's own table's, else `decode_mfu`."""
-        for name, dt, pts in self.gemm_tables:
-            if name == gpu and dt == dtype:
-                return pts[-1][1]
-        return self.decode_mfu
+        pts = self.gemm_table(gpu, dtype)
+        return self.decode_mfu if pts is None else pts[-1][1]
 
     def attention_rate(self, gpu: Gpu, kv_dtype: str, keys: float) -> float:
         """FLOP/s of attention on `gpu` with a `kv_dtype` KV cache, each query attending
