@@ -10,9 +10,12 @@ without its dependencies:
     .venv/bin/python scripts/check_exports.py /tmp/sgl
 
 For the flagship, a multi-node (prefill TP16) and a DP-attention (DeepSeek-V3, decode
-EP16 over TP8) scenario it parses both sides' lines (placeholders filled in) and checks
-that every flag lands in the ServerArgs field it is meant for; it prints one line per
-side and exits 1 on a mismatch. 2026-12-03, sglang 0.5.23: every line parsed.
+EP16 over TP8) scenario it parses both sides' lines (placeholders filled in), and the
+Dynamo graph's worker args (`--export dynamo-sglang`: SGLang's flags under
+`dynamo.sglang`, which adds ServerArgs.add_cli_args to its parser) with the rendezvous
+Dynamo's operator adds, and checks that every flag lands in the ServerArgs field it is
+meant for (a multi-node server's nnodes included); it prints one line per side and
+form, and exits 1 on a mismatch. 2026-12-03, sglang 0.5.23: every line parsed.
 """
 
 from __future__ import annotations
@@ -36,11 +39,30 @@ FILL = {
 }
 
 
+def _lines(s, side: str) -> list[tuple[str, list[str]]]:
+    """(what, SGLang server flags) of one side: the launch line, and the Dynamo
+    graph's worker args after `-m dynamo.sglang` with the rendezvous Dynamo's operator
+    adds to a multi-node worker (backend_sglang.go getMultinodeFlags: `--dist-init-addr
+    LEADER:PORT --nnodes K --node-rank R`)."""
+    from kvstage.explore.export import multinode_flags, node_count
+    from kvstage.explore.export_dynamo import dynamo_graph
+
+    nodes = node_count(s, side)
+    _, flags = sglang_flags(s, side)
+    launch = flags + multinode_flags(nodes, "$NODE_RANK", f"${side.upper()}_HEAD:5000")
+    worker = dynamo_graph(s, "sglang")["spec"]["services"][side]
+    args = worker["extraPodSpec"]["mainContainer"]["args"]
+    assert args[:2] == ["-m", "dynamo.sglang"], args[:2]
+    count = worker.get("multinode", {"nodeCount": 1})["nodeCount"]
+    dynamo = args[2:] + multinode_flags(count, "0", "10.0.0.3:29500")
+    return [("launch", launch), ("dynamo", dynamo)]
+
+
 def main() -> int:
     sys.path.insert(0, sys.argv[1])
     from sglang.srt.server_args import ServerArgs
 
-    from kvstage.explore.export import multinode_flags, node_count
+    from kvstage.explore.export import node_count
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -48,11 +70,6 @@ def main() -> int:
     for path, sets in CASES:
         s = load_scenario(path, sets)
         for side in ("prefill", "decode"):
-            _, flags = sglang_flags(s, side)
-            flags += multinode_flags(
-                node_count(s, side), "$NODE_RANK", f"${side.upper()}_HEAD:5000"
-            )
-            args = parser.parse_args([FILL.get(w, w) for w in flags])
             cfg = getattr(s, side)
             want = {
                 "disaggregation_mode": side,
@@ -63,12 +80,14 @@ def main() -> int:
                 "ep_size": cfg.ep,
                 "attn_dp_size": max(1, cfg.ep // cfg.tp),
             }
-            got = {k: getattr(args, k) for k in want}
-            ok = got == want
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} {path} {side}: {shlex.join(flags)}")
-            if not ok:
-                print(f"    want {want}\n    got  {got}")
+            for what, flags in _lines(s, side):
+                args = parser.parse_args([FILL.get(w, w) for w in flags])
+                got = {k: getattr(args, k) for k in want}
+                ok = got == want
+                bad += not ok
+                print(f"{'ok ' if ok else 'BAD'} {path} {side} ({what}): {shlex.join(flags)}")
+                if not ok:
+                    print(f"    want {want}\n    got  {got}")
     return 1 if bad else 0
 
 
