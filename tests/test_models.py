@@ -146,3 +146,24 @@ def test_presets_and_profiles_commands():
     for name in ("rdma-400g", "tcp-25g", "nvlink", "loopback-cpu"):
         assert name in res.output
     assert "cannot load" not in res.output
+
+
+def test_a_short_moe_prefill_streams_its_expert_weights():
+    """A prefill matmul is no faster than reading its weights once: 16 tokens of Mixtral
+    on one H200 pick nearly every expert (E (1 - (1 - k/E)^16) = 7.92 of 8), whose bytes
+    take longer than their few rows' FLOPs; 8,192 tokens are FLOP-bound again."""
+    from kvstage.shared.serving.compute import weight_bytes
+
+    s = load("model.preset=mixtral-8x7b", "prefill.gpu=h200", "prefill.tp=1", "decode.gpu=h200")
+    hbm = 4.8e12 * 0.8  # the H200's HBM at decode_hbm
+    dense, experts = weight_bytes(s, "prefill", 16)
+    assert experts == pytest.approx(8 * (1 - 0.75**16) * (46.7e9 - 12.9e9) / 6 * 2)
+    short = prefill_forward(s, 16)
+    # the dense matmuls at 16 rows: FLOPs at the H200's BF16 table (0.051 below 16 rows)
+    table = 32000 * 4096
+    d = 12.9e9 - 2 * (46.7e9 - 12.9e9) / 6
+    dense_flop_s = 2 * ((d - 2 * table) * 16 + table) / (989e12 * 50.48 / 989)
+    assert short.linear_s == pytest.approx(max(dense / hbm, dense_flop_s) + experts / hbm)
+    long = prefill_forward(s, 8192)
+    dense, experts = weight_bytes(s, "prefill", 8192)
+    assert long.linear_s > 3 * (dense + experts) / hbm  # the FLOPs bind

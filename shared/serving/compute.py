@@ -15,7 +15,10 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   tokens each expert receives (the group's tokens x k / E), each at the GPU's peak for
   the weight dtype x the share a matmul of that many rows reaches there
   (`Efficiency.gemm_share`: the GPU's own kernel table where one was published, else
-  the default curve; `prefill.mfu` one figure for all);
+  the default curve; `prefill.mfu` one figure for all); and no faster than streaming
+  their weights once from HBM at `decode_hbm` (the dense part; the distinct experts
+  the tokens pick, every one of them read once however few rows it gets): a roofline
+  per matmul kind, so a short prompt on a MoE model is bound by its expert bytes;
 - attention FLOPs, quadratic in the context: per query token, per head, per key,
   2 x (d_qk + d_v): 4 x layers x heads x head_dim x c x (p + c/2) / tp for MHA/GQA;
   MLA prefill runs in its MHA form (d_qk = qk_nope + qk_rope = 192, d_v = 128 in
@@ -101,6 +104,7 @@ __all__ = [
     "prefill_forward",
     "prefill_forward_s",
     "vocab_params",
+    "weight_bytes",
 ]
 
 ACT_BYTES = 2  # [A] activations in BF16 (all-reduce payload, combine)
@@ -311,10 +315,14 @@ def _linear_s(
         return eff.gemm_share(gpu.name, m.weight_dtype, max(1, round(rows)), grouped)
 
     mfu = share(tokens)
-    t = d_flops / (peak * mfu)
-    if x_flops:
-        t += x_flops / (peak * share(expert_rows, grouped=True))
-    return d_flops + x_flops, t, mfu
+    t_dense = d_flops / (peak * mfu)
+    t_experts = x_flops / (peak * share(expert_rows, grouped=True)) if x_flops else 0.0
+    if flat is None:  # a roofline per matmul kind: no faster than streaming its weights
+        hbm = gpu.hbm_Bps * eff.decode_hbm
+        dense_bytes, expert_bytes = weight_bytes(s, side, tokens)
+        t_dense = max(t_dense, dense_bytes / hbm)
+        t_experts = max(t_experts, expert_bytes / hbm)
+    return d_flops + x_flops, t_dense + t_experts, mfu
 
 
 def _attention_s(s: Scenario, side: str, flops: float, keys: float) -> float:
@@ -373,21 +381,27 @@ def chunk_forward_s(
     return prefill_forward_s(s, computed, page_start * page_size + cached_tokens)
 
 
-def _weights_read(s: Scenario, tokens: float) -> float:
-    """Bytes of weights one decode GPU reads in a forward of `tokens` tokens: the dense
-    part less the embedding (a lookup of a few rows), plus the distinct experts the
-    group's tokens pick of this GPU's share."""
-    m, cfg = s.model, s.decode
+def weight_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
+    """(dense, expert) bytes of weights one GPU of `side` reads in a forward of `tokens`
+    tokens: the dense part less the embedding (a lookup of a few rows), and the distinct
+    experts the group's tokens pick of this GPU's share (every expert once per forward
+    at most: a matmul streams its weights once, whatever its rows)."""
+    m, cfg = s.model, _cfg(s, side)
     per = WEIGHT_BYTES[m.weight_dtype]
     dense, e = expert_split(s)
     embed, _, _ = vocab_params(s)
-    weights = (dense - embed) / cfg.tp * per
+    experts = 0.0
     if m.experts and e:
         here = m.experts / max(cfg.tp, cfg.ep)  # experts (or expert slices) on this GPU
-        group = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, "decode") else tokens
+        group = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
         touched = distinct_experts(m.experts, m.experts_per_token, group) / m.experts
-        weights += here * touched * e * per
-    return weights
+        experts = here * touched * e * per
+    return (dense - embed) / cfg.tp * per, experts
+
+
+def _weights_read(s: Scenario, tokens: float) -> float:
+    """Bytes of weights one decode GPU reads in a forward of `tokens` tokens."""
+    return sum(weight_bytes(s, "decode", tokens))
 
 
 def _draft_s(s: Scenario, batch: int, weights: float, hbm: float, plateau: float) -> float:
