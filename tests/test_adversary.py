@@ -25,6 +25,11 @@ them: tests/test_capabilities.py is the simulated twin, the same attacks under t
 names, without the nonces, and no MACs at all. What a rank that holds its own pair keys
 can still do is limited to its own rooms: it knows only its own nonces, and the
 write tag keeps its bytes out of other writers' blocks (tests/test_verify_writes.py).
+
+Registration (issue 39, item 1): a rank's name is bound to a credential only its process
+is handed (hw/control/credentials.py), so an impostor holding the secret that says
+hello as prefill0 and decode0 before the real ranks do (it registered first, 6 of 6
+tries, before) is refused every time, and the real ranks run every room.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ import time
 import pytest
 import zmq
 from conftest import require_engine
-from test_control_auth import assert_every_room_right
+from test_control_auth import _free_port, assert_every_room_right
 from test_hw import write_scenario
 
-from kvstage.hw.control.plane import ControlPlane, read_secret_file
-from kvstage.hw.control.rendezvous import RendezvousClient
+from kvstage.hw.control.membership import RankInfo
+from kvstage.hw.control.plane import ControlPlane, new_secret, read_secret_file
+from kvstage.hw.control.rendezvous import RendezvousClient, RendezvousError
 from kvstage.hw.launch.launcher import launch
 from kvstage.shared.layout import room_pages
 from kvstage.shared.protocol import (
@@ -124,6 +130,14 @@ def _attack(s, run_dir, address: str, sent: dict) -> None:
             cp.close()
 
 
+def _launch_p2_d1(run_dir, backend: str, **kw):
+    """The P2->D1 run of `run_dir/scenario.toml` on the CPU (`kw`: launch's)."""
+    return launch(
+        run_dir / "scenario.toml", 2, 1, run_dir / "logs", backend=backend, device="cpu",
+        timeout_s=300, **kw,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     require_engine(backend)
@@ -139,16 +153,7 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     def on_started(address, procs):
         threading.Thread(target=_attack, args=(s, run_dir, address, sent), daemon=True).start()
 
-    result = launch(
-        run_dir / "scenario.toml",
-        2,
-        1,
-        run_dir / "logs",
-        backend=backend,
-        device="cpu",
-        timeout_s=300,
-        on_started=on_started,
-    )
+    result = _launch_p2_d1(run_dir, backend, on_started=on_started)
     assert result.ok, result.errors
     assert sent["messages"] > 1000
     reports = result.reports
@@ -164,3 +169,59 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     assert_every_room_right(s, reports)
     assert reports["decode0"]["writes_rejected"] == 0
     assert reports["decode0"]["bytes_checksummed"] > 0
+
+
+def _impostor(secret: bytes, address: str, started: threading.Event, said: dict) -> None:
+    """Say hello as prefill0 and decode0, holding the run secret, again and again from
+    before the real ranks are up until the run started, then once more."""
+    client = RendezvousClient(address, secret=secret)
+    names = [("prefill", 0), ("decode", 0)]
+    try:
+        while True:
+            last = started.is_set()
+            for role, rank in names:
+                me = RankInfo(role, rank, "tcp://127.0.0.1:1", "impostor", b"m", key="ab" * 32)
+                try:
+                    client.hello(me, timeout_s=5)
+                    said["registered"].append(me.name)  # must never happen
+                except RendezvousError as exc:
+                    if "refused this rank:" in str(exc):  # not a timeout before it listens
+                        said["refused"].append((me.name, last, str(exc)))
+            if last:
+                return
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_the_run_secret_alone_registers_as_no_rank(tmp_path, backend):
+    """An impostor with the run secret says hello as prefill0 and decode0 from before
+    the real ranks start: refused each time, naming why; the real ranks register, and
+    every room is done with every byte right."""
+    require_engine(backend)
+    s = load_scenario(
+        write_scenario(tmp_path, 2, 1, 8, requests=20), overrides=[f"hardware.backend={backend}"]
+    )
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "scenario.toml").write_text(s.to_toml())
+    secret, port = new_secret(), _free_port()
+    started, said = threading.Event(), {"registered": [], "refused": []}
+    impostor = threading.Thread(
+        target=_impostor, args=(secret, f"127.0.0.1:{port}", started, said), daemon=True
+    )
+    impostor.start()  # before the launcher: its hellos wait for the rendezvous to listen
+    result = _launch_p2_d1(
+        run_dir, backend, secret=secret, port=port, on_started=lambda *_: started.set()
+    )
+    impostor.join(30)
+    assert result.ok, result.errors
+    assert said["registered"] == []
+    for name in ("prefill0", "decode0"):
+        refusals = [(after, why) for n, after, why in said["refused"] if n == name]
+        assert any(not after for after, _ in refusals)  # tried before the run started ...
+        assert any(after for after, _ in refusals)  # ... and after
+        assert all(
+            f"with the run secret but not {name}'s own credential" in why for _, why in refusals
+        ), refusals[:2]
+    assert_every_room_right(s, result.reports)

@@ -421,7 +421,9 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             tables: dict[str, tuple] = {}
 
             def register(role: str, rank: int) -> None:
-                client = RendezvousClient(server.address, secret=secret)
+                client = RendezvousClient(
+                    server.address, secret=secret, credential=server.credential(f"{role}{rank}")
+                )
                 clients.append(client)
                 me = RankInfo(
                     role,
@@ -450,13 +452,24 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             assert sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
             assert table["decode0"].control == "tcp://127.0.0.1:5000"
             assert "a rank registers only itself" in _refused(server, stranger, _hello("decode", 0))
+            # the run secret alone registers as no rank (issue 39: it was first come,
+            # first served); a second holder of the rank's credential is a duplicate,
+            # refused, and named with the rank registered
             impostor = RendezvousClient(
                 server.address, secret=secret, name="decode0", incarnation=5
             )
             clients.append(impostor)
-            assert "already registered" in _refused(
+            assert "not decode0's own credential" in _refused(
                 server, impostor, _hello("decode", 0, incarnation=5)
             )
+            assert not server.duplicates
+            impostor.speak_as("decode0", 5, server.credential("decode0"))
+            why = _refused(server, impostor, _hello("decode", 0, incarnation=5))
+            assert "decode0 is already registered" in why
+            assert "control tcp://127.0.0.1:5000, incarnation 0" in why  # the one registered
+            assert "control tcp://127.0.0.1:1, incarnation 5" in why  # the claim refused
+            assert why.count("from 127.0.0.1 (") == 2  # where each connected from
+            assert server.duplicates and "decode0 claimed twice" in server.duplicates[0]
             # a message captured and sent again is refused: a replayed query tells nothing
             raw = zmq.Context.instance().socket(zmq.DEALER)
             raw.setsockopt(zmq.LINGER, 0)
@@ -472,18 +485,23 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
             raw.send_multipart(query)
             _until(lambda: "replayed message: signed for tool-x" in server.refusals[-1])
             # a query signed for a rank of the run from another connection is refused before
-            # that rank's replay state is touched (issue 39: else it raised prefill0's floor)
-            mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7), b"")
-            raw.send_multipart(
-                mac.sign(
-                    [
-                        b"prefill0",
-                        frame_header(7, 2**64 - 1),
-                        json.dumps({"kind": "query"}).encode(),
-                    ]
+            # that rank's replay state is touched (issue 39: else it raised prefill0's floor),
+            # with the run secret alone or with the rank's credential
+            for cred, why in (
+                (b"", "not prefill0's own credential"),
+                (server.credential("prefill0"), "not prefill0's registered one"),
+            ):
+                mac = FrameMac(rank_key(secret, TO_LAUNCHER, "prefill0", 7, cred), b"")
+                raw.send_multipart(
+                    mac.sign(
+                        [
+                            b"prefill0",
+                            frame_header(7, 2**64 - 1),
+                            json.dumps({"kind": "query"}).encode(),
+                        ]
+                    )
                 )
-            )
-            _until(lambda: "not prefill0's registered one" in server.refusals[-1])
+                _until(lambda why=why: why in server.refusals[-1])
             raw.close()
             prefill0 = next(c for c in clients if c.name == "prefill0")
             table, _ = prefill0.query(5)  # prefill0 itself is still heard

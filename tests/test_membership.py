@@ -28,10 +28,11 @@ class Run:
         self.seq: dict[str, int] = {}
         self.sent: list[tuple[bytes, dict]] = []
 
-    def say(self, conn: bytes, signer: str, msg: dict, incarnation: int = 100, seq=None):
+    def say(self, conn: bytes, signer: str, msg: dict, incarnation: int = 100, seq=None, **kw):
+        """`kw`: proven (with the signer's credential; default yes), origin."""
         if seq is None:
             seq = self.seq[signer] = self.seq.get(signer, 0) + 1
-        self.m.message(conn, signer, incarnation, seq, msg, self.now, 5e8 + self.now)
+        self.m.message(conn, signer, incarnation, seq, msg, self.now, 5e8 + self.now, **kw)
         return self.out()
 
     def tick(self, dt: float = 0.0):
@@ -97,6 +98,53 @@ def test_who_may_speak_for_a_rank_is_asked_before_its_replay_floor_moves():
                            "rejoins": []})  # fmt: skip
     assert run.say(P0, "prefill0", {"kind": "report", "role": "prefill", "rank": 0}) == []
     assert "prefill0" in run.m.reports
+
+
+def test_the_run_secret_alone_registers_as_no_rank_and_moves_nothing():
+    """Issue 39: registration was first come, first served for any holder of run.secret.
+    Unproven (the run secret, not the rank's credential), no message signed for a rank
+    of the run is taken, before or after it registers, and none moves its floor."""
+    run = Run()
+    for kind in ("hello", "query", "alive", "report"):
+        msg = hello("prefill", 0, 2**63 - 1) if kind == "hello" else {"kind": kind}
+        run.say(STRANGER, "prefill0", msg, 2**63 - 1, 2**64 - 1, proven=False)
+        assert "with the run secret but not prefill0's own credential" in run.m.refusals[-1]
+    assert not run.m.hellos and not run.m.registered
+    run.register((P0, "prefill0", 0), (D0, "decode0", 0))  # number 1 is new: nothing moved
+    assert run.m.hellos["prefill0"][0] == P0
+    why = refused(run.say(NEW, "prefill0", hello("prefill", 0, 200), 200, proven=False))
+    assert "not prefill0's own credential" in why and not run.m.duplicates
+    # a tool's own name needs no credential
+    (answer,) = run.say(STRANGER, "tool-1", {"kind": "query"}, proven=False)
+    assert answer[1]["kind"] == "table"
+
+
+def test_a_second_claim_of_a_registered_name_names_both_claimants():
+    """Two processes proving one rank's credential (a key file read by another process
+    of the run's user): refused, kept in `duplicates` for the launcher to fail the run,
+    and both named: where each came from, its control address, incarnation and key."""
+    run = Run()
+    run.say(P0, "prefill0", hello("prefill", 0), origin="10.0.0.1")
+    impostor = {**hello("prefill", 0, 300), "control": "tcp://10.0.0.9:7000", "key": "ef" * 32}
+    why = refused(run.say(STRANGER, "prefill0", impostor, 300, origin="10.0.0.9"))
+    assert "prefill0 is already registered" in why
+    assert "registered: connection " + P0.hex()[:16] + " from 10.0.0.1 (control" in why
+    assert "from 10.0.0.1 (control tcp://127.0.0.1:6000, incarnation 100, key cdcdcd" in why
+    assert "refused: connection " + STRANGER.hex()[:16] + " from 10.0.0.9 (control " in why
+    assert "tcp://10.0.0.9:7000, incarnation 300, key efefef" in why
+    (claim,) = run.m.duplicates
+    assert claim in why and claim in run.m.events
+    assert run.m.hellos["prefill0"][0] == P0  # the first claimant keeps it
+    # once the run started: a decode rank claimed again is a duplicate too; a prefill
+    # rank's newer incarnation is a restart the launcher has not seen yet (retried), and
+    # its refusal names both as well
+    run.say(D0, "decode0", hello("decode", 0))
+    run.tick()
+    why = refused(run.say(NEW, "decode0", hello("decode", 0, 200), 200, origin="10.0.0.9"))
+    assert "only a prefill rank can rejoin" in why and len(run.m.duplicates) == 2
+    sent = run.say(NEW, "prefill0", hello("prefill", 0, 400), 400, origin="10.0.0.2")
+    assert sent[0][1]["retry"] is True and "from 10.0.0.2 (control" in refused(sent)
+    assert len(run.m.duplicates) == 2
 
 
 def test_a_message_sent_again_is_refused_and_a_rank_speaks_only_for_itself():

@@ -225,7 +225,12 @@ def _info(role: str, rank: int, incarnation: int) -> RankInfo:
 def _register(
     server: RendezvousServer, secret: bytes, infos: list[RankInfo]
 ) -> dict[str, RendezvousClient]:
-    clients = {i.name: RendezvousClient(server.address, secret=secret) for i in infos}
+    clients = {
+        i.name: RendezvousClient(
+            server.address, secret=secret, credential=server.credential(i.name)
+        )
+        for i in infos
+    }
     threads = [threading.Thread(target=clients[i.name].hello, args=(i, 20)) for i in infos]
     for t in threads:
         t.start()
@@ -245,7 +250,9 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
             clients += ranks.values()
             # the restarted prefill0 registers again under a newer incarnation: refused
             # while the one registered is live (its hello asks again) ...
-            new = RendezvousClient(server.address, secret=secret)
+            new = RendezvousClient(
+                server.address, secret=secret, credential=server.credential("prefill0")
+            )
             clients.append(new)
             got: dict = {}
             hello = threading.Thread(
@@ -283,13 +290,13 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
             stranger = RendezvousClient(server.address, secret=secret)
             clients.append(stranger)
             assert stranger.rejoins(5) == server.rejoins
-            # everything else stays refused
+            # everything else stays refused, even with the rank's credential
             for info, why in [
                 (_info("prefill", 0, 150), "replayed message: signed for prefill0 incarnation 150"),
                 (_info("decode", 0, 300), "only a prefill rank can rejoin"),
                 (_info("prefill", 0, 250), "registered and live"),
             ]:
-                stranger.speak_as(info.name, info.incarnation)
+                stranger.speak_as(info.name, info.incarnation, server.credential(info.name))
                 stranger.send({"kind": "hello", **info.to_json()})
                 with pytest.raises(RendezvousError, match=why):
                     stranger.recv(5, "the refusal")
@@ -300,7 +307,7 @@ def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
             # a rank declared gone (its grace over) cannot come back
             on_server(lambda: server.mark_down("prefill0", "rank prefill0 died", grace_s=0))
             assert server.gone == {"prefill0": "rank prefill0 died"}
-            stranger.speak_as("prefill0", 400)
+            stranger.speak_as("prefill0", 400, server.credential("prefill0"))
             stranger.send({"kind": "hello", **_info("prefill", 0, 400).to_json()})
             with pytest.raises(RendezvousError, match="declared gone, too late to rejoin"):
                 stranger.recv(5, "the refusal")

@@ -31,8 +31,10 @@ xxhash: those are not MACs (a CRC is linear, so a writer of known data can fix u
 change it makes whatever the key).
 
 The rendezvous cannot use pair keys (a rank knows its address, not a key): a rank's
-messages to it are signed with `rank_key`, HKDF of the run secret over the rank's name
-and incarnation, and carry a sequence number (hw/control/rendezvous.py refuses replays).
+messages to it are signed with `rank_key`, HKDF of the rank's own credential
+(hw/control/credentials.py), salted with the run secret, over the rank's name and
+incarnation, and carry a sequence number (hw/control/rendezvous.py refuses replays).
+The run secret alone signs only for names outside the run (a tool's own).
 """
 
 from __future__ import annotations
@@ -103,10 +105,15 @@ class KeyPair:
         return _hkdf(secret, _PAIR + sender.label() + receiver.label(), shared)
 
 
-def rank_key(secret: bytes, direction: bytes, name: str, incarnation: int) -> bytes:
-    """The key of rendezvous messages of rank `name`'s `incarnation` in `direction`."""
+def rank_key(
+    secret: bytes, direction: bytes, name: str, incarnation: int, credential: bytes = b""
+) -> bytes:
+    """The key of rendezvous messages of rank `name`'s `incarnation` in `direction`:
+    under the run secret and, for a rank of the run, its own `credential`
+    (hw/control/credentials.py; a tool that holds only the run secret signs for its own
+    name with none)."""
     info = _RANK + _field(direction) + _field(name.encode()) + incarnation.to_bytes(8, "big")
-    return _hkdf(secret, info, b"")
+    return _hkdf(secret, info, credential)
 
 
 def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:

@@ -10,12 +10,18 @@ ranks goes to `events`, refusals to `refusals`. No socket, no clock, no log: eve
 ordering of messages and time is a unit test (tests/test_membership.py).
 
 Who may speak for a name is decided before anything of that name's state is touched:
-a rank of this run speaks for itself from the connection it registered on, under the
+a message signed for a rank of this run must prove that rank's own credential
+(hw/control/credentials.py: `proven`; the run secret alone proves nothing about a
+name); a rank speaks for itself from the connection it registered on, under the
 incarnation it registered, and from any other connection only to register (a hello).
 Other messages signed for a rank's name are refused without moving its replay floor
 (else three `query`s signed for it with the largest sequence number would make every
 later message of the real rank look replayed), and a hello moves the floor only when it
-is taken (a registration, or a rejoin begun).
+is taken (a registration, or a rejoin begun). A second claim of a registered name
+that is no rejoin (before the run started, or of a decode rank) means two processes hold
+that rank's credential: it is refused, and kept in `duplicates` (the launcher fails the
+run with it), naming both claimants: where each connected from, its control address,
+incarnation and key.
 """
 
 from __future__ import annotations
@@ -201,6 +207,8 @@ class Membership:
         self._last: dict[str, tuple[int, int]] = {}  # name -> newest (incarnation, seq)
         self._sends: list[tuple[bytes, dict[str, Any]]] = []
         self._refused: list[tuple[bytes, str]] = []
+        self.origins: dict[bytes, str] = {}  # a registered connection -> where it came from
+        self.duplicates: list[str] = []  # second claims of a registered name, both named
 
     # --- out --------------------------------------------------------------------------
     def take_sends(self) -> list[tuple[bytes, dict[str, Any]]]:
@@ -236,11 +244,16 @@ class Membership:
         msg: Any,
         now: float,
         wall: float,
+        *,
+        proven: bool = True,
+        origin: str = "",
     ) -> None:
-        """An authenticated message, signed for `signer`'s `incarnation`, number `seq`."""
+        """An authenticated message, signed for `signer`'s `incarnation`, number `seq`;
+        `proven`: with the signer's own credential (not the run secret alone); `origin`:
+        the address it came from (for the log, and a duplicate's claimants)."""
         kind = msg.get("kind") if isinstance(msg, dict) else None
         answer = kind not in UNANSWERED
-        why = self._who_may_speak(conn, signer, incarnation, seq, kind)
+        why = self._who_may_speak(conn, signer, incarnation, seq, kind, proven)
         if why is None:
             why = self._replayed(signer, incarnation, seq)
         if why is not None:
@@ -253,7 +266,7 @@ class Membership:
         if kind == "alive":
             return self._alive(conn, name, msg, now)
         if kind == "hello":
-            return self._hello(conn, msg, signer, incarnation, seq, now)
+            return self._hello(conn, msg, signer, incarnation, seq, now, origin)
         if kind == "report":
             return self._report(conn, msg)
         if kind == "rejoin_ack":
@@ -272,10 +285,16 @@ class Membership:
         )
 
     def _who_may_speak(
-        self, conn: bytes, signer: str, incarnation: int, seq: int, kind: Any
+        self, conn: bytes, signer: str, incarnation: int, seq: int, kind: Any, proven: bool
     ) -> str | None:
         """Why this connection may not speak for `signer` (None: it may). Asked before
         anything of the signer's state is touched."""
+        if signer in self.expected and not proven:
+            return (
+                f"{str(kind)[:40]} signed for {signer} incarnation {incarnation} with the run "
+                f"secret but not {signer}'s own credential: holding run.secret does not make a "
+                f"process a rank (a rank's credential comes from whoever started it)"
+            )
         name = self.registered.get(conn)
         if name is not None and kind != "hello":
             registered = self.hellos[name][1].incarnation
@@ -345,7 +364,14 @@ class Membership:
             self._tend(now)
 
     def _hello(
-        self, conn: bytes, msg: dict[str, Any], signer: str, incarnation: int, seq: int, now: float
+        self,
+        conn: bytes,
+        msg: dict[str, Any],
+        signer: str,
+        incarnation: int,
+        seq: int,
+        now: float,
+        origin: str = "",
     ) -> None:
         try:
             info = RankInfo.from_hello(msg)
@@ -367,15 +393,34 @@ class Membership:
             return self.refuse(conn, f"this connection already registered {self.registered[conn]}")
         if name in self.hellos:
             if self.started and info.role == "prefill":
-                return self._rejoin(conn, info, seq, now)
+                return self._rejoin(conn, info, seq, now, origin)
             why = "" if not self.started else " (only a prefill rank can rejoin a run)"
-            return self.refuse(conn, f"{name} is already registered{why}")
+            claim = f"{name} claimed twice{why}: {self.claimants(name, conn, info, origin)}"
+            self.duplicates.append(claim)
+            self.events.append(claim)
+            return self.refuse(conn, f"{name} is already registered{why}; {claim}")
         self.hellos[name] = (conn, info)
         self.registered[conn] = name
+        self.origins[conn] = origin
         self._floor(signer, incarnation, seq)
 
+    def claimants(self, name: str, conn: bytes, info: RankInfo, origin: str) -> str:
+        """Both claimants of `name`, as truthfully as the rendezvous knows them."""
+        held_conn, held = self.hellos[name]
+
+        def who(c: bytes, i: RankInfo, at: str) -> str:
+            return (
+                f"connection {c.hex()[:16]} from {at or 'an unknown address'} (control "
+                f"{i.control}, incarnation {i.incarnation}, key {i.key[:16]})"
+            )
+
+        return (
+            f"registered: {who(held_conn, held, self.origins.get(held_conn, ''))}; "
+            f"refused: {who(conn, info, origin)}; both proved {name}'s credential"
+        )
+
     # --- rejoin --------------------------------------------------------------------
-    def _rejoin(self, conn: bytes, info: RankInfo, seq: int, now: float) -> None:
+    def _rejoin(self, conn: bytes, info: RankInfo, seq: int, now: float, origin: str) -> None:
         name = info.name
         old_conn, old = self.hellos[name]
         if name in self.reports:
@@ -400,14 +445,17 @@ class Membership:
             return self.refuse(
                 conn,
                 f"{name} is registered and live (incarnation {old.incarnation}): a new "
-                f"incarnation may register once it is down",
+                f"incarnation may register once it is down ("
+                f"{self.claimants(name, conn, info, origin)})",
                 retry=True,
             )
         after = self.down.pop(name).why
         self._floor(name, info.incarnation, seq)
         self.registered.pop(old_conn, None)
+        self.origins.pop(old_conn, None)
         self.hellos[name] = (conn, info)
         self.registered[conn] = name
+        self.origins[conn] = origin
         asked = {
             n
             for n, (_, i) in self.hellos.items()

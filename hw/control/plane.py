@@ -100,16 +100,16 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def parse_secret(text: str, where: str) -> bytes:
+def parse_secret(text: str, where: str, what: str = "run secret") -> bytes:
     try:
         secret = bytes.fromhex(text.strip())
     except ValueError:
         raise RunSecretError(
-            f"{where}: not a run secret (expected {2 * SECRET_BYTES} hex digits)"
+            f"{where}: not a {what} (expected {2 * SECRET_BYTES} hex digits)"
         ) from None
     if len(secret) < MIN_SECRET_BYTES:
         raise RunSecretError(
-            f"{where}: a run secret of {len(secret)} bytes is too short "
+            f"{where}: a {what} of {len(secret)} bytes is too short "
             f"(at least {MIN_SECRET_BYTES}; kvstage hw draws {SECRET_BYTES})"
         )
     return secret
@@ -132,30 +132,27 @@ def run_secret(secret: bytes | None = None) -> bytes:
     return parse_secret(text, f"${SECRET_ENV}")
 
 
-def read_secret_file(path: str | Path) -> bytes:
-    """The run secret in `path`, which only its owner may read: a secret that others on
-    the host can read authenticates nobody (RunSecretError, naming the mode and the fix)."""
+def read_secret_file(path: str | Path, what: str = "run secret") -> bytes:
+    """The run secret (or another key: `what`) in `path`, which only its owner may read:
+    a secret that others on the host can read authenticates nobody (RunSecretError,
+    naming the mode and the fix)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        raise RunSecretError(
-            f"cannot read the run secret file {path}: {exc.strerror or exc}"
-        ) from None
+        raise RunSecretError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
     try:
         mode = os.fstat(fd).st_mode
         if mode & 0o077:
             raise RunSecretError(
-                f"the run secret file {path} can be read by others (mode {mode & 0o777:04o}); "
+                f"the {what} file {path} can be read by others (mode {mode & 0o777:04o}); "
                 f"allowed: readable by its owner only (chmod 600 {path})"
             )
         text = os.read(fd, 4096).decode(errors="replace")
     except OSError as exc:
-        raise RunSecretError(
-            f"cannot read the run secret file {path}: {exc.strerror or exc}"
-        ) from None
+        raise RunSecretError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    return parse_secret(text, str(path))
+    return parse_secret(text, str(path), what)
 
 
 def write_secret_file(path: Path, secret: bytes) -> None:

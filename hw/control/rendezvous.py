@@ -7,8 +7,11 @@ start time. At the end every rank sends its report and waits for the go to exit,
 so no process disappears while a peer might still write to it. Every message is
 authenticated with the run's secret (hw/control/plane.py): a rank's messages carry its
 name, incarnation and a sequence number and are signed with that rank's own key
-(hw/control/keys.py `rank_key`), so a hello, report or beat can only be signed for the rank it
-speaks for, and a message sent again (replayed) is refused. A rank's hello also
+(hw/control/keys.py `rank_key`), derived from the run secret *and* the rank's own
+credential (hw/control/credentials.py), which the rendezvous's master key derives and
+whoever starts the rank hands to that process alone: a hello, report or beat can only be
+signed for the rank it speaks for by that rank, and a message sent again (replayed) is
+refused. A rank's hello also
 carries its control plane's public key (`RankInfo.key`), from which its peers derive
 the keys of their frames to and from it (hw/control/keys.py).
 
@@ -39,6 +42,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvstage.hw.control.credentials import Credentials
 from kvstage.hw.control.keys import MAX_NAME_BYTES, rank_key
 from kvstage.hw.control.membership import MAX_SPEAKERS, Membership, RankInfo
 from kvstage.hw.control.plane import (
@@ -111,7 +115,9 @@ class ClockOffset:
 class RendezvousClient:
     """A rank's side of the rendezvous (a DEALER socket).
 
-    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET). `watch`, if given, is
+    `secret`: the run secret (default: $KVSTAGE_RUN_SECRET); `credential`: the rank's own
+    (hw/control/credentials.py), what its `hello` and later messages are signed with
+    (without one a client speaks only as a tool). `watch`, if given, is
     called at least twice a second while waiting for an answer (a rank's check that
     its launcher is alive).
 
@@ -133,8 +139,10 @@ class RendezvousClient:
         watch: Callable[[], None] | None = None,
         name: str | None = None,
         incarnation: int | None = None,
+        credential: bytes = b"",
     ) -> None:
         secret = self._secret = run_secret(secret)
+        self._credential = credential
         self._down = FrameMac(secret, TO_RANK)
         self.speak_as(
             name or f"tool-{os.getpid()}-{secrets.token_hex(4)}",
@@ -164,10 +172,12 @@ class RendezvousClient:
         # told, while an answer is long in coming, that this rank still waits (a rank's log)
         self.on_wait: Callable[[str], None] | None = None
 
-    def speak_as(self, name: str, incarnation: int) -> None:
-        """Sign every message from now on for rank `name`'s `incarnation`."""
+    def speak_as(self, name: str, incarnation: int, credential: bytes = b"") -> None:
+        """Sign every message from now on for rank `name`'s `incarnation`, with
+        `credential` (a rank's own; none: a tool's name)."""
         self.name, self.incarnation = name, incarnation
-        self._up = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, incarnation), b"")
+        key = rank_key(self._secret, TO_LAUNCHER, name, incarnation, credential)
+        self._up = FrameMac(key, b"")
 
     def send(self, msg: dict[str, Any], block: bool = True) -> None:
         """One authenticated JSON message to the rendezvous. `block=False`: dropped if
@@ -316,7 +326,7 @@ class RendezvousClient:
         first room this incarnation serves, None: none). A rank registered and still
         live under this name is not replaced: the hello is sent again every RETRY_S
         until the rendezvous saw that one go down (or `timeout_s` passed)."""
-        self.speak_as(me.name, me.incarnation)
+        self.speak_as(me.name, me.incarnation, self._credential)
         deadline = time.monotonic() + timeout_s
         while True:
             self.send({"kind": "hello", **me.to_json()})
@@ -407,7 +417,13 @@ class RendezvousServer:
     table with `rejoin: {incarnation, first_room}`, first_room the smallest answer (None
     when no decode rank answered: it serves nothing). Everything else stays refused: a
     decode rank registering again, an incarnation not newer than the registered one,
-    a rank already gone or finished. `rejoins` lists the completed rejoins."""
+    a rank already gone or finished. `rejoins` lists the completed rejoins.
+
+    Credentials: the server draws the run's master key (`credentials`, never sent) and
+    checks every message signed for a rank of the run against that rank's credential
+    (`credential(name)`: for whoever starts the rank to hand it to that process alone);
+    one signed with the run secret alone reaches the membership unproven and is refused
+    there, naming why. A second claim of a registered name is in `duplicates`."""
 
     def __init__(
         self,
@@ -425,6 +441,7 @@ class RendezvousServer:
     ) -> None:
         secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
+        self.credentials = Credentials()
         # (name, incarnation) -> the key its messages are signed with
         self._keys: dict[tuple[str, int], FrameMac] = {}
         self.ctx = ctx or zmq.Context.instance()
@@ -460,6 +477,7 @@ class RendezvousServer:
     rejoins = property(lambda self: self.members.rejoins)
     rooms = property(lambda self: self.members.rooms)
     all_reported = property(lambda self: self.members.all_reported)
+    duplicates = property(lambda self: self.members.duplicates)
     headline = staticmethod(Membership.headline)
 
     def _flush(self) -> None:
@@ -479,25 +497,42 @@ class RendezvousServer:
             except zmq.ZMQError:
                 pass  # the peer is gone: nothing to tell
 
-    def _signed(self, frames: list[bytes]) -> tuple[str, int, int, bytes] | str:
-        """(the name and incarnation a message is signed for, its number, its JSON) when
-        its MAC is right for them; else why it is refused. Whether that signer may speak
-        here, and whether the message is new, the membership decides."""
+    def credential(self, name: str) -> bytes:
+        """Rank `name`'s credential, for whoever starts it to hand to it alone."""
+        return self.credentials.of(name)
+
+    def _verify(self, name: str, inc: int, frames: list[bytes]) -> list[bytes] | None:
+        """The frames of a message signed for `name`'s `inc` without their MAC, or None:
+        checked with its credential for a rank of the run, with the run secret alone
+        for any other name (a tool's). Keys are kept only once a message proved them."""
+        mac = self._keys.get((name, inc))
+        if mac is None:
+            cred = self.credentials.of(name) if name in self.members.expected else b""
+            mac = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, inc, cred), b"")
+        body = mac.verify(frames)
+        if body is not None and (name, inc) not in self._keys:
+            if len(self._keys) >= MAX_SPEAKERS:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[(name, inc)] = mac
+        return body
+
+    def _signed(self, frames: list[bytes]) -> tuple[str, int, int, bytes, bool] | str:
+        """(the name and incarnation a message is signed for, its number, its JSON,
+        whether it proved that name's credential) when its MAC is right for them; else
+        why it is refused. Whether that signer may speak here, and whether the message
+        is new, the membership decides."""
         if len(frames) != 4 or len(frames[1]) != 16 or not 0 < len(frames[0]) <= MAX_NAME_BYTES:
             return "unauthenticated message (no MAC, or not this run's secret)"
         name = bytes(frames[0]).decode(errors="replace")
         inc, seq = int.from_bytes(frames[1][:8], "big"), int.from_bytes(frames[1][8:], "big")
-        mac = self._keys.get((name, inc))
-        if mac is None:
-            mac = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, inc), b"")
-        body = mac.verify(frames)
-        if body is None:
-            return "unauthenticated message (no MAC, or not this run's secret)"
-        if (name, inc) not in self._keys:
-            if len(self._keys) >= MAX_SPEAKERS:
-                self._keys.pop(next(iter(self._keys)))
-            self._keys[(name, inc)] = mac
-        return name, inc, seq, body[2]
+        body = self._verify(name, inc, frames)
+        if body is not None:
+            return name, inc, seq, body[2], True
+        if name in self.members.expected:  # signed with the run secret alone? say so
+            bare = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, inc), b"").verify(frames)
+            if bare is not None:
+                return name, inc, seq, bare[2], False
+        return "unauthenticated message (no MAC, or not this run's secret)"
 
     def poll(self, timeout_s: float, start_delay_s: float = 0.5) -> None:
         """Handle what arrived; then let the membership start the run once every rank is
@@ -505,11 +540,13 @@ class RendezvousServer:
         if self.sock.poll(int(timeout_s * 1000)):
             while True:
                 try:
-                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                origin = _peer_address(frames[-1])
+                parts = [f.bytes for f in frames]
                 try:
-                    self._handle(parts[0], parts[1:])
+                    self._handle(parts[0], parts[1:], origin)
                 except Exception as exc:  # a stray peer must not take the launcher down
                     self.members.refuse(
                         parts[0], f"could not handle the message: {type(exc).__name__}: {exc}"
@@ -517,7 +554,7 @@ class RendezvousServer:
         self.members.tick(time.monotonic(), time.time(), start_delay_s)
         self._flush()
 
-    def _handle(self, conn: bytes, frames: list[bytes]) -> None:
+    def _handle(self, conn: bytes, frames: list[bytes], origin: str = "") -> None:
         if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
             return self.members.refuse(
                 conn, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
@@ -525,12 +562,22 @@ class RendezvousServer:
         signed = self._signed(frames)
         if isinstance(signed, str):
             return self.members.refuse(conn, signed)
-        signer, incarnation, seq, raw = signed
+        signer, incarnation, seq, raw, proven = signed
         try:
             msg = json.loads(raw)
         except ValueError as exc:
             return self.members.refuse(conn, f"malformed message: {exc}")
-        self.members.message(conn, signer, incarnation, seq, msg, time.monotonic(), time.time())
+        self.members.message(
+            conn,
+            signer,
+            incarnation,
+            seq,
+            msg,
+            time.monotonic(),
+            time.time(),
+            proven=proven,
+            origin=origin,
+        )
         return None
 
     def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
@@ -553,3 +600,11 @@ class RendezvousServer:
 
     def close(self) -> None:
         self.sock.close(linger=500)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The TCP address a message came from (ZMQ's Peer-Address), "" if unknown."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return ""

@@ -27,7 +27,13 @@ however it died) the fork server sends SIGTERM to every rank it forked and exits
 where it cannot (not Linux, a wrapped command, a fork server that failed to start);
 `spawn` always spawns (a new interpreter per rank, as before the fork server).
 
-Messages on the socket are length-prefixed JSON: a request {"argv", "env", "cwd", "log"};
+A rank's credential (hw/control/credentials.py) travels in its request, on the socket
+between the launcher and its fork server (never in argv or the environment), and reaches
+the forked rank as the launcher hands it to a spawned one: a pipe it alone inherits,
+named by $KVSTAGE_RANK_KEY_FD.
+
+Messages on the socket are length-prefixed JSON: a request {"argv", "env", "cwd", "log",
+"key"};
 the answer {"pid"} or {"refused": why}; later, when a rank ends, {"exit": pid, "code",
 "cpu_s"}.
 """
@@ -201,13 +207,17 @@ class ForkServer:
         ours.settimeout(None)
         return cls(proc, ours, os.environ.get("PYTHONPATH"))
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess:
-        """Fork a rank running `argv` (see `forkable`), output appended to `log`.
-        ForkServerError if the fork server refuses or is gone."""
+    def fork(
+        self, argv: list[str], env: dict[str, str], log: Path, credential: bytes = b""
+    ) -> ForkedProcess:
+        """Fork a rank running `argv` (see `forkable`), output appended to `log`, handed
+        `credential` (if any). ForkServerError if the fork server refuses or is gone."""
         with self.lock:
             if self.closed:
                 raise ForkServerError("the fork server is closed")
             request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
+            if credential:
+                request["key"] = credential.hex()
             try:
                 _send(self.sock, request)
                 while True:
@@ -306,9 +316,9 @@ def shared_server() -> ForkServer:
 
 
 def start_rank(
-    cmd: list[str], env: dict[str, str], log: Path, warn=None
+    cmd: list[str], env: dict[str, str], log: Path, warn=None, credential: bytes = b""
 ) -> subprocess.Popen | ForkedProcess | None:
-    """A forked rank running `cmd` with `env`, its output appended to `log`, when ranks
+    """A forked rank running `cmd` with `env` and `credential`, its output appended to `log`, when ranks
     start by fork (`rank_start(env)`) and `cmd` is forkable; None when it must be
     spawned (`warn(why)` is told why the fork server could not)."""
     if rank_start(env) != "fork" or not forkable(cmd):
@@ -317,7 +327,7 @@ def start_rank(
         server = shared_server()
         if env.get("PYTHONPATH") != server.pythonpath:
             return None  # its imports would come from elsewhere
-        return server.fork(cmd, env, log)
+        return server.fork(cmd, env, log, credential)
     except ForkServerError as exc:
         if warn is not None:
             warn(f"{exc}; the rank is spawned instead")
@@ -412,6 +422,10 @@ class _Zygote:
             os.chdir(req["cwd"])
             os.environ.clear()
             os.environ.update(req["env"])
+            if req.get("key"):  # as a spawned rank gets it: a pipe of its own
+                from kvstage.hw.control.credentials import KEY_FD_ENV, credential_pipe
+
+                os.environ[KEY_FD_ENV] = str(credential_pipe(bytes.fromhex(req.pop("key"))))
             code = _run(req["argv"])
         except SystemExit as exc:
             code = _exit_code(exc.code)

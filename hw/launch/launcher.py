@@ -26,6 +26,12 @@ once per loop turn that its launcher is still there (`check_launcher`).
 Each run has its own secret (hw/control/plane.py): the launcher draws it, hands it to the
 ranks it spawns in their environment (never on a command line) and writes it, 0600,
 to `<run dir>/run.secret` for ranks started elsewhere (`kvstage hw-rank --secret-file`).
+The secret lets a process talk to the run, not be one of its ranks: each rank also gets
+its own credential (hw/control/credentials.py), which the rendezvous derives from a master
+key it never writes. A rank the launcher starts inherits it on a pipe; for ranks started
+elsewhere (`spawn=False`), and for prefill ranks that may be started again by hand
+(`rejoin_grace_s`), it is written to `<run dir>/keys/<name>.key` (0600). Two processes
+claiming one rank fail the run, naming both.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.hw.control.credentials import KEY_FD_ENV, credential_pipe, write_key_files
 from kvstage.hw.control.plane import (
     SECRET_ENV,
     new_secret,
@@ -174,7 +181,6 @@ def launch(
     bind, advertise, host = launch_addresses(host, bind, advertise)
     log_dir.mkdir(parents=True, exist_ok=True)
     secret_path = log_dir.parent / SECRET_FILE
-    write_secret_file(secret_path, secret)
     restarts = {name: list(delays) for name, delays in (restarts or {}).items()} if spawn else {}
     server = RendezvousServer(
         names,
@@ -187,7 +193,11 @@ def launch(
         grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
         probe_slots=probe_slots,
     )
-    ranks = _Ranks(log_dir, _rank_env(host, device, secret))
+    # key files first: a task that waits for run.secret finds its key file with it
+    by_hand = [n for n in names if not spawn or (rejoin_grace_s > 0 and n.startswith("prefill"))]
+    write_key_files(log_dir.parent, server.credentials, by_hand)
+    write_secret_file(secret_path, secret)
+    ranks = _Ranks(log_dir, _rank_env(host, device, secret), server.credential)
     procs, logs = ranks.procs, ranks.logs
     start = time.monotonic()
     errors: list[str] = []
@@ -201,7 +211,8 @@ def launch(
         if not spawn:
             print(
                 f"rendezvous at {server.address}: start every rank with `kvstage hw-rank ... --rendezvous "
-                f"{server.address} --secret-file {secret_path}`",
+                f"{server.address} --secret-file {secret_path}` (each reads its credential, "
+                f"{secret_path.parent}/keys/ROLERANK.key)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -288,9 +299,12 @@ class _Ranks:
     started again: `<name>-restartN.log`). Forked from the fork server where it can
     (hw/launch/forkserver.py, $KVSTAGE_RANK_START), spawned otherwise."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, log_dir: Path, env: dict[str, str], credential: Callable[[str], bytes]
+    ) -> None:
         self.log_dir = log_dir
         self.env = env
+        self.credential = credential  # rank name -> its credential, handed to it alone
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.forked: list[ForkedProcess] = []
         self.logs: dict[str, Path] = {}
@@ -304,19 +318,25 @@ class _Ranks:
         self.logs[name] = self.log_dir / (log or f"{name}.log")
         with self.logs[name].open("w") as fh:
             env = {**self.env, LOCAL_SLOT_ENV: str(slot)}
-            forked = start_rank(cmd, env, self.logs[name], warn=_say_once)
+            key = self.credential(name)
+            forked = start_rank(cmd, env, self.logs[name], warn=_say_once, credential=key)
             if forked is not None:
                 self.procs[name] = forked
                 self.forked.append(forked)
                 return
-            self.procs[name] = subprocess.Popen(
-                cmd,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_launcher(),
-            )
+            fd = credential_pipe(key)  # inherited by this rank alone, and closed here
+            try:
+                self.procs[name] = subprocess.Popen(
+                    cmd,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env={**env, KEY_FD_ENV: str(fd)},
+                    pass_fds=(fd,),
+                    start_new_session=True,
+                    preexec_fn=_die_with_launcher(),
+                )
+            finally:
+                os.close(fd)
 
     def forked_cpu_s(self) -> float:
         return sum(p.cpu_s or 0.0 for p in self.forked)
@@ -420,6 +440,8 @@ def _until_all_reported(
                     os.killpg(proc.pid, signal.SIGKILL)
         for event in server.take_events():
             print(f"launcher: {event}", file=sys.stderr, flush=True)
+        if server.duplicates:  # two processes hold one rank's credential: trust nothing
+            raise LaunchError(f"rank credential used twice: {server.duplicates[0]}")
         if time.monotonic() - start > timeout_s:
             missing = sorted(server.expected - set(server.reports) - set(server.gone))
             stage = "register" if not server.started else "finish"

@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "$KVSTAGE_RUN_SECRET, hex); a rank without one does not start",
     )
     p.add_argument(
+        "--key-file",
+        default=None,
+        help="this rank's credential (RUN_DIR/keys/ROLERANK.key, written by `kvstage hw "
+        "--no-spawn`; default: the descriptor $KVSTAGE_RANK_KEY_FD a launcher hands it, else "
+        "the key file of this rank next to --secret-file); without one the rank cannot register",
+    )
+    p.add_argument(
         "--rendezvous-timeout",
         default=60.0,
         type=float,
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         parser.error(
             f"--rendezvous-timeout must be more than 0 seconds, not {args.rendezvous_timeout}"
         )
+    from kvstage.hw.control.credentials import CredentialError, read_credential
     from kvstage.hw.control.plane import SECRET_ENV, RunSecretError, read_secret_file, run_secret
     from kvstage.hw.launch.launcher import watch_launcher
     from kvstage.hw.transport.affinity import choose_for_rank
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
         )
         rendezvous = rendezvous_address(args.rendezvous)
         device = rank_device(args.device or scenario.hardware.device, me.local_rank)
-    except (ScenarioError, PlacementError, ValueError) as exc:
+        credential = read_credential(f"{me.role}{me.rank}", args.key_file, args.secret_file)
+    except (ScenarioError, PlacementError, ValueError, CredentialError) as exc:
         print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     args.role, args.rank = me.role, me.rank
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None, *, clock_skew_s: float = 0.0) -> int:
     # oversubscription that would stall every rank's event loop.
     torch.set_num_threads(int(os.environ.get("KVSTAGE_TORCH_THREADS", "1")))
     try:
-        return _run_rank(args, scenario, rendezvous, device, host, clock_skew_s)
+        return _run_rank(args, scenario, rendezvous, device, host, clock_skew_s, credential)
     finally:
         if ucx_log is not None:
             ucx_log.unlink(missing_ok=True)  # read into the report; nothing left behind
@@ -173,7 +182,13 @@ def make_rank(scenario, role: str, rank: int, rendezvous: str, **kw):
 
 
 def _run_rank(
-    args: argparse.Namespace, scenario, rendezvous: str, device: str, host: str, clock_skew_s: float
+    args: argparse.Namespace,
+    scenario,
+    rendezvous: str,
+    device: str,
+    host: str,
+    clock_skew_s: float,
+    credential: bytes,
 ) -> int:
     """Make the rank, run it, and say how it ended: 0 done, 1 failed, 2 could not start
     (one line: a bad scenario, an engine that cannot give what was asked), 3 launcher gone."""
@@ -193,6 +208,7 @@ def _run_rank(
             device=device,
             host=host,
             clock_skew_s=clock_skew_s,
+            credential=credential,
         )
     except (ScenarioError, RankError, TransferError, ValueError) as exc:
         print(f"{args.role}{args.rank}: error: {exc}", file=sys.stderr)

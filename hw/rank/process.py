@@ -169,8 +169,9 @@ class RankProcess:
         verify_mode: str | None = None,
         host: str = "127.0.0.1",
         clock_skew_s: float = 0.0,
+        credential: bytes = b"",
     ) -> None:
-        self.s = scenario
+        self.s, self.credential = scenario, credential
         self.rank = rank
         self.name = rank_name(self.role, rank)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -300,7 +301,9 @@ class RankProcess:
     ) -> dict[str, Any]:
         """Register, run, report. `register_at` (epoch s): not before then (a rank the
         launcher started again after its fault killed it waits for its restart time)."""
-        client = self.client = RendezvousClient(self.rendezvous_address, watch=check_launcher)
+        client = self.client = RendezvousClient(
+            self.rendezvous_address, watch=check_launcher, credential=self.credential
+        )
         client.on_wait = lambda note: print(f"{self.name}: {note}", file=sys.stderr, flush=True)
         while register_at is not None and time.time() < register_at:
             check_launcher()

@@ -298,6 +298,12 @@ def hw_rank(
             help="The run's secret: RUN_DIR/run.secret, written by `kvstage hw` (default: $KVSTAGE_RUN_SECRET)."
         ),
     ] = None,
+    key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="This rank's credential: RUN_DIR/keys/ROLERANK.key, written by `kvstage hw --no-spawn` (default: the key file of this rank next to --secret-file)."
+        ),
+    ] = None,
     nic_map: Annotated[
         str | None,
         typer.Option(
@@ -333,6 +339,8 @@ def hw_rank(
         argv += ["--device", device]
     if secret_file:
         argv += ["--secret-file", str(secret_file)]
+    if key_file:
+        argv += ["--key-file", str(key_file)]
     argv += ["--rendezvous-timeout", str(rendezvous_timeout)]
     raise typer.Exit(rank_main(argv))
 
