@@ -187,6 +187,13 @@ _HOPPER_FP8 = ((64, 272 / 1979), (128, 489 / 1979), (4096, 1054 / 1979))
 # 50.5, 559.0, 711.4, 714.8 TFLOP/s at M = 16, 512, 4,096, 16,384 of 989
 # (https://github.com/vllm-project/vllm/pull/23939, the benchmark's torch-bf16 column)
 _HOPPER_BF16 = ((16, 50.48 / 989), (512, 558.99 / 989), (4096, 711.45 / 989), (16384, 714.78 / 989))
+# [P] Maximum Achievable Matmul FLOPS, BF16, the best shape a brute-force search found
+# (https://github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+# Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312 TFLOP/s (CUDA 12.1),
+# MI300X 781.9 (ROCm 6.2) of our 1,307.4; the plateau only, so [A] the default curve's
+# shape below it (`Efficiency.prefill_mfu`: 0.25 and 0.475 of the plateau at 64 and 128)
+_A100_BF16 = ((64, 0.25 * 267.9 / 312), (128, 0.475 * 267.9 / 312), (4096, 267.9 / 312))
+_MI300X_BF16 = ((64, 0.25 * 781.9 / 1307.4), (128, 0.475 * 781.9 / 1307.4), (4096, 781.9 / 1307.4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +235,12 @@ class Efficiency:
     4,096 / 16,384 (https://github.com/vllm-project/vllm/pull/23939): 0.051, 0.565,
     0.719, 0.723 of 989 (the H200 has the H100's SMs); measured on a dense GEMM, so
     `dense_gemm_tables`: a MoE layer's grouped GEMMs keep `prefill_mfu` (no grouped BF16
-    rate found). The other GPUs and dtypes keep `prefill_mfu` (no per-GPU GEMM table
-    found).
+    rate found). [P] a100-80g and mi300x at BF16: the Maximum Achievable Matmul FLOPS
+    of stas00/ml-engineering (the best shape of a brute-force search: 267.9 of 312, 781.9
+    of 1,307.4), a plateau under which [A] `prefill_mfu`'s shape; a best shape's rate, so
+    ~10% above a serving shape's where both are known (H100: 80% against vLLM's 72%);
+    dense GEMMs only. The other GPUs and dtypes keep `prefill_mfu` (no per-GPU GEMM
+    table found).
     decode_mfu: the share of peak FLOP/s a decode step's matmuls reach when the step
     is compute bound, on a GPU and dtype without a table of its own: the plateau of
     `prefill_mfu`, 0.40 ([P] as there). Not the small-M points: DeepGEMM's M = 64 and
@@ -274,6 +285,8 @@ class Efficiency:
     dense_gemm_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
         ("h100-sxm", "bf16", _HOPPER_BF16),
         ("h200", "bf16", _HOPPER_BF16),
+        ("a100-80g", "bf16", _A100_BF16),
+        ("mi300x", "bf16", _MI300X_BF16),
     )
     # per (GPU, KV dtype): the share of the BF16 peak attention reaches by keys per
     # query, from a user's kernel table (shared/serving/kernel_table.py); none by default
