@@ -133,3 +133,18 @@ def test_a_serving_profile_and_a_kernel_table_go_together(tmp_path):
     assert s.prefill.mfu == 0.3  # prefill.mfu (one figure for all) wins over a table
     assert s.serving.kernels == str((tmp_path / "k.csv").resolve())
     assert prefill_forward(s, 4096).mfu == 0.3
+
+
+def test_a_run_records_the_table_it_used(tmp_path):
+    from kvstage.run.summary import simulation_summary
+    from kvstage.sim.driver import simulate
+
+    s = scenario(
+        tmp_path,
+        "gemm,a100-80g,bf16,4096,4096,4096,800,probe\n",
+        "workload.requests=2",
+        'transfer.path="slice"',
+    )
+    fig = simulation_summary(s, simulate(s))["serving_model"]
+    assert fig["kernel_table"] == str((tmp_path / "k.csv").resolve())
+    assert fig["prefill_mfu_at_chunk"] == pytest.approx(rate(4096, 4096, 4096, 800) / 312e12)

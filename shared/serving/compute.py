@@ -527,6 +527,8 @@ def efficiency_figures(s: Scenario) -> dict[str, object]:
         "decode_engine": engine_step(s).engine,
         "allreduce_efficiency": eff.allreduce,
     }
+    if s.serving.kernels is not None:
+        out["kernel_table"] = s.serving.kernels  # [serving] kernels: measured, over the defaults
     if p.tokens_per_s is not None:
         out["prefill_tokens_per_s"] = p.tokens_per_s  # overrides the FLOP model
     elif p.tflops is not None:
