@@ -22,7 +22,10 @@ Per engine, the host time per step and whether it overlaps:
   sample, process the previous batch; no TensorRT-LLM figure was found).
 - vllm-v1: 0.16 ms, not hidden: [P] the gap between two decode steps left with V1's
   asynchronous scheduling, 150-170 us at batch 256 (https://github.com/vllm-project/vllm/
-  pull/11133; 5-6 ms before it).
+  pull/11133; 5-6 ms before it). [C] vLLM turns asynchronous scheduling on by default
+  where nothing incompatible is set (vllm/config/scheduler.py `async_scheduling: bool |
+  None = None`, resolved to True in vllm/config/vllm.py); an older V1 without it left
+  the 5-6 ms gap: name vllm-v0's figure, or `decode.step_overhead_ms`, for one.
 - vllm-v0: 4 ms, not hidden: [P] the GPU bubble of every decode step in vLLM v0's
   profile, about 4 ms (https://github.com/vllm-project/vllm/issues/6854, the
   multi-step scheduling RFC: "5-13 ms of GPU bubble", each profiled one "about 4ms").
