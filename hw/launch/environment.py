@@ -15,10 +15,12 @@ Everything is read, never guessed: what cannot be read is said as such ("absent"
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import re
+import runpy
 import shutil
 import socket
 import subprocess
@@ -74,14 +76,29 @@ def versions() -> dict[str, str]:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
-    try:
-        import torch
-
-        out["torch_cuda"] = str(torch.version.cuda or "none (CPU build)")
-    except ImportError:
-        pass
+    cuda = torch_cuda()
+    if cuda is not None:
+        out["torch_cuda"] = cuda or "none (CPU build)"
     out["ucx"] = ucx_version()
     return out
+
+
+def torch_cuda() -> str | None:
+    """The CUDA version torch was built with ("" for a CPU build; None without torch),
+    from its build record (torch/version.py, the `cuda` that torch.version reads),
+    without importing torch (2.4 s: every launcher of a run asks)."""
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].version.cuda or "")
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        record = runpy.run_path(str(Path(spec.origin).parent / "version.py"))
+    except (OSError, SyntaxError, ImportError):  # not laid out as torch's wheels are
+        import torch
+
+        return str(torch.version.cuda or "")
+    return str(record.get("cuda") or "")
 
 
 def ucx_version() -> str:
@@ -89,12 +106,10 @@ def ucx_version() -> str:
     it is unknown."""
     import ctypes
 
-    try:
-        import nixl
-
-        base = Path(nixl.__file__).resolve().parent.parent
-    except ImportError:
+    spec = importlib.util.find_spec("nixl")  # found, not imported (it imports torch)
+    if spec is None or spec.origin is None:
         return "absent: nixl not installed"
+    base = Path(spec.origin).resolve().parent.parent
     found = []
     for lib in sorted(base.glob("nixl*.libs/**/libucp*.so*")):
         try:

@@ -15,7 +15,13 @@ from kvstage.hw.transport.jobcpu import merge as merge_job_cpu
 from kvstage.shared.scenario import Scenario
 from kvstage.shared.trace import TraceRecord
 
-__all__ = ["clock_tolerance", "device_problem", "hardware_figures", "merge_records"]
+__all__ = [
+    "clock_tolerance",
+    "cuda_devices",
+    "device_problem",
+    "hardware_figures",
+    "merge_records",
+]
 
 
 def device_problem(device: str) -> str | None:
@@ -23,6 +29,11 @@ def device_problem(device: str) -> str | None:
     spawned, instead of every rank failing on its own."""
     if not device.startswith("cuda"):
         return None
+    cpu_build = _cpu_only_torch()
+    if cpu_build is not None:  # known without importing torch (2.4 s)
+        return (
+            f"hardware.device = {device!r} but torch sees no CUDA device here (torch {cpu_build})"
+        )
     import torch
 
     if not torch.cuda.is_available():
@@ -31,6 +42,29 @@ def device_problem(device: str) -> str | None:
     if index >= torch.cuda.device_count():
         return f"hardware.device = {device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices torch sees here (0 for a CPU-only build, told without
+    importing torch)."""
+    if _cpu_only_torch() is not None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cpu_only_torch() -> str | None:
+    """The version of the installed torch where its package says it is a CPU-only build
+    (the `+cpu` local version of PyTorch's CPU wheels, torch==2.13.0 here), read from its
+    metadata without importing it; None otherwise (torch is asked)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torch")
+    except PackageNotFoundError:
+        return None
+    return found if found.endswith("+cpu") else None
 
 
 def merge_records(reports: dict[str, dict]) -> list[TraceRecord]:

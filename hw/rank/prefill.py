@@ -17,6 +17,7 @@ from kvstage.hw.control.plane import rank_name
 from kvstage.hw.control.rendezvous import RankInfo
 from kvstage.hw.rank.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.rank.kvpool import PoolDesc, fill_pattern
+from kvstage.hw.rank.preflight import SEND_BUFFER_CHUNKS
 from kvstage.hw.rank.process import BUSY_POLL_S, IDLE_POLL_S, RankProcess
 from kvstage.hw.rank.writemac import block_tag, tag_key
 from kvstage.hw.transport.bandwidth import (
@@ -38,10 +39,6 @@ from kvstage.shared.events import (
     WriteDone,
 )
 from kvstage.shared.serving.compute import chunk_forward_s
-
-# Gathered blocks in flight per decode rank this rank writes to: the send buffer
-# holds this many full chunks' blocks for each.
-SEND_BUFFER_CHUNKS = 4
 
 # Niceness added to the forward thread on a CPU device. There the forward's fill stands in
 # for GPU compute, which on real hardware takes no CPU from the transfer engine; at equal

@@ -23,6 +23,9 @@ MIB = 1 << 20
 # What one rank process holds besides its pools: the interpreter with torch 2.13 (CPU),
 # nixl 1.5.1 and mooncake 0.3.13 imported, peak RSS measured here (2026-12-02): 261 MiB.
 RANK_BASE_BYTES = 256 * MIB
+# Gathered blocks in flight per decode rank a prefill rank writes to: its send buffer
+# holds this many full chunks' blocks for each (hw/rank/prefill.py sizes it so).
+SEND_BUFFER_CHUNKS = 4
 # Host memory the launcher leaves for everything else (the launcher itself, page cache
 # the engines need, other processes): a kvstage assumption, not a measurement.
 HOST_RESERVE_BYTES = 512 * MIB
@@ -53,7 +56,6 @@ def rank_bytes(scenario: Any, role: str, rank: int) -> int:
     """What one rank allocates: its KV pool, the decode's staging ring or the prefill's
     send buffer (as hw/rank/process.py, hw/rank/decode.py, hw/rank/prefill.py size them), and
     RANK_BASE_BYTES."""
-    from kvstage.hw.rank.prefill import SEND_BUFFER_CHUNKS
     from kvstage.shared.cluster import hardware_sessions
     from kvstage.shared.pages import kv_pool_pages
     from kvstage.shared.workload import generate_requests

@@ -25,13 +25,11 @@ def _check_device(device: str) -> None:
     """One line and exit 2 for a device not allowed or not here, before any work."""
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail(f"--device {device!r} not allowed (allowed: cpu, cuda, cuda:N)")
-    from kvstage.hw.launch.merge import device_problem
+    from kvstage.hw.launch.merge import cuda_devices, device_problem
 
     problem = device_problem(device)  # no GPU: one line, exit 2, before any process starts
     if problem:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n = cuda_devices()
         allowed = f"cpu, cuda:0..cuda:{n - 1}" if n else "cpu"
         fail(f"--device {device}: {problem.split(' but ', 1)[-1]}; allowed here: {allowed}")
 

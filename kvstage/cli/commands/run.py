@@ -185,6 +185,7 @@ def hw(
     machine move real KV bytes with NIXL or Mooncake, the decode verifies every byte, and
     the same trace and summary as the simulation are written. Exits 1 if a rank failed,
     a byte was wrong, staging leaked or an invariant broke."""
+    _nic_map(nic_map)  # first: a flag checked alone, before the scenario loads
     from kvstage.hw.launch.merge import device_problem
     from kvstage.run.hwrun import run_hardware
 
@@ -226,7 +227,6 @@ def hw(
             _fail(f"--secret-file: {exc}")
     if host:
         os.environ["KVSTAGE_HOST"] = host  # the launcher's default bind address
-    _nic_map(nic_map)
     code, _ = run_hardware(
         s,
         out=out,
