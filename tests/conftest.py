@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,18 @@ def require_engine(backend: str) -> None:
     if IN_CI:
         pytest.fail(f"{backend} must be importable in CI: {why}")
     pytest.skip(f"{backend} engine not importable here: {why}")
+
+
+def start_by_hand(cmd: list[str], log: Path):
+    """A rank a test starts by hand (`python -m kvstage.hw.rank.main ...`, what `kvstage
+    hw-rank` runs), its output appended to `log`: forked from this process's fork server
+    (hw/launch/forkserver.py, torch already imported) as the launcher forks its ranks, or
+    spawned where it would be ($KVSTAGE_RANK_START=spawn, a fork server that cannot start).
+    A subprocess.Popen or a ForkedProcess: pid, poll, wait, kill."""
+    from kvstage.hw.launch.forkserver import start_rank
+
+    forked = start_rank(cmd, dict(os.environ), log)
+    if forked is not None:
+        return forked
+    with log.open("a") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

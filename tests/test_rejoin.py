@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import require_engine
+from conftest import require_engine, start_by_hand
 from test_control_auth import _free_port, _push, serving
 from test_hw import run, write_scenario
 
@@ -429,13 +429,11 @@ def _restart_and_replay(
         box["error"] = repr(exc)
 
 
-def _start(run_dir: Path, address: str, backend: str, register_at: float) -> subprocess.Popen:
-    with (run_dir / "prefill1-by-hand.log").open("w") as log:
-        return subprocess.Popen(
-            _rank_cmd(run_dir, address, backend, "prefill", 1, "--register-at", f"{register_at}"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+def _start(run_dir: Path, address: str, backend: str, register_at: float):
+    return start_by_hand(
+        _rank_cmd(run_dir, address, backend, "prefill", 1, "--register-at", f"{register_at}"),
+        run_dir / "prefill1-by-hand.log",
+    )
 
 
 def _assert_rejoined(run_dir: Path, box: dict) -> None:
@@ -534,7 +532,7 @@ class _NoSpawnRun:
         self.tmp_path, self.backend = tmp_path, backend
         self.run_dir, port = tmp_path / "run", _free_port()
         self.address = f"127.0.0.1:{port}"
-        self.ranks: dict[str, subprocess.Popen] = {}
+        self.ranks: dict = {}  # subprocess.Popen or ForkedProcess (start_by_hand)
         self.launcher = subprocess.Popen(
             [
                 sys.executable,
@@ -563,12 +561,10 @@ class _NoSpawnRun:
             lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60
         )
         for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
-            with (self.tmp_path / f"{role}{rank}.log").open("w") as log:
-                self.ranks[f"{role}{rank}"] = subprocess.Popen(
-                    _rank_cmd(run_dir, self.address, self.backend, role, rank),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+            self.ranks[f"{role}{rank}"] = start_by_hand(
+                _rank_cmd(run_dir, self.address, self.backend, role, rank),
+                self.tmp_path / f"{role}{rank}.log",
+            )
         client = RendezvousClient(self.address, secret=read_secret_file(run_dir / "run.secret"))
         t0 = _until(lambda: client.query(10)[1], 120)
         client.close()

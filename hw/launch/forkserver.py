@@ -136,7 +136,7 @@ def _recv(sock: socket.socket) -> dict[str, Any] | None:
 
 class ForkedProcess:
     """A rank the fork server forked, as the launcher sees it: the part of
-    subprocess.Popen the launcher uses (pid, returncode, poll, wait)."""
+    subprocess.Popen the launcher uses (pid, returncode, poll, wait, kill)."""
 
     def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
         self.server = server
@@ -149,6 +149,12 @@ class ForkedProcess:
         if self.returncode is None:
             self.server.pump(0.0)
         return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the rank if it has not ended (its exit comes in as any other)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

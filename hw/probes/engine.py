@@ -1,7 +1,7 @@
 """The hardware probe of `kvstage calibrate`: measure this machine's engine.
 
-Two real processes (multiprocessing "spawn", talking to the parent over Pipes) measure
-what the simulator's profile numbers stand for, on the real engine, and hand back the
+Two real processes (hw/probes/harness.py start_child, talking to the parent over Pipes)
+measure what the simulator's profile numbers stand for, on the real engine, and hand back the
 raw points (`measure`); fitting them and writing the profile is the application's
 part (kvstage/calibrate/profile.py).
 
@@ -27,7 +27,6 @@ Every wait here is bounded; a child that dies or hangs fails the measurement
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -45,7 +44,9 @@ from kvstage.hw.probes.harness import (
     ProgressFn,
     child_setup,
     expect,
+    probe_context,
     reap,
+    start_child,
     tail,
     usable_cores,
 )
@@ -545,7 +546,7 @@ class _Children:
         os.environ.setdefault(
             SECRET_ENV, new_secret().hex()
         )  # the children's control planes share it
-        ctx = mp.get_context("spawn")
+        ctx = probe_context()
         logdir = tempfile.mkdtemp(prefix="kvstage-calibrate-")
         logs = {
             "receiver": os.path.join(logdir, "receiver.log"),
@@ -553,37 +554,19 @@ class _Children:
         }
         r_parent, r_child = ctx.Pipe()
         s_parent, s_child = ctx.Pipe()
+        receiver_args = (backend, device, plan, r_child, logs["receiver"])
+        sender_args = (backend, device, plan, s_child, logs["sender"], tuple(extras))
         procs = {
-            "receiver": ctx.Process(
-                target=_receiver_main,
-                args=(
-                    backend,
-                    device,
-                    plan,
-                    r_child,
-                    logs["receiver"],
-                    (hosts or {}).get("receiver"),
-                ),
-                daemon=True,
-                name="kvstage-cal-recv",
+            "receiver": start_child(
+                ctx,
+                _receiver_main,
+                (*receiver_args, (hosts or {}).get("receiver")),
+                "kvstage-cal-recv",
             ),
-            "sender": ctx.Process(
-                target=_sender_main,
-                args=(
-                    backend,
-                    device,
-                    plan,
-                    s_child,
-                    logs["sender"],
-                    tuple(extras),
-                    (hosts or {}).get("sender"),
-                ),
-                daemon=True,
-                name="kvstage-cal-send",
+            "sender": start_child(
+                ctx, _sender_main, (*sender_args, (hosts or {}).get("sender")), "kvstage-cal-send"
             ),
         }
-        for proc in procs.values():
-            proc.start()
         r_child.close()
         s_child.close()
         return cls(procs, {"receiver": r_parent, "sender": s_parent}, logs, logdir)

@@ -1,17 +1,26 @@
-"""What every probe of `kvstage calibrate` shares: its measuring processes' set-up, the
-parent's waits on them, and one reaper.
+"""What every probe of `kvstage calibrate` shares: its measuring processes' start and
+set-up, the parent's waits on them, and one reaper.
 
 A probe (hw/probes/engine.py, hw/probes/posting.py) starts real processes
-(multiprocessing "spawn"), talks to them over Pipes and hands back raw points. Each
-child sends its engine's chatter to a log (`child_setup`) and waits for the parent's
-next word with a bound (`expect`); the parent, when it is done or failed, asks each
-child to stop and reaps it (`reap`): every wait bounded, a child that hangs killed,
-nothing left behind. A child that dies or hangs fails the measurement
-(`CalibrationError`) with the tail of its log (`tail`).
+(`start_child`), talks to them over Pipes and hands back raw points. Each child sends
+its engine's chatter to a log (`child_setup`) and waits for the parent's next word with
+a bound (`expect`); the parent, when it is done or failed, asks each child to stop and
+reaps it (`reap`): every wait bounded, a child that hangs killed, nothing left behind.
+A child that dies or hangs fails the measurement (`CalibrationError`) with the tail of
+its log (`tail`).
+
+The children start as the ranks of a run do (hw/launch/forkserver.py): forked from a
+process that imported torch and numpy once (multiprocessing's "forkserver", started on
+the first probe and kept for the next), not each a new interpreter that imports them
+again (2.4 s for torch alone). A forked child runs with the environment and working
+directory the parent has when it starts the child, as a spawned one would; no engine is
+loaded before the fork. `$KVSTAGE_RANK_START=spawn`, or a system without the fork
+server, spawns them ("spawn").
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +32,9 @@ __all__ = [
     "ProgressFn",
     "child_setup",
     "expect",
+    "probe_context",
     "reap",
+    "start_child",
     "tail",
     "usable_cores",
 ]
@@ -36,6 +47,57 @@ REAP_KILL_JOIN_S = 5.0
 
 class CalibrationError(RuntimeError):
     """A measurement could not be taken (engine missing, child failed or hung)."""
+
+
+# What the fork server imports before it forks a measuring process: what every child
+# imports first that starts no engine (the probes import NIXL and Mooncake in the child).
+PROBE_PRELOAD = (
+    "torch",
+    "numpy",
+    "kvstage.hw.probes.harness",
+    "kvstage.hw.probes.engine",
+    "kvstage.hw.probes.posting",
+    "kvstage.hw.transport.placement",
+    "kvstage.hw.transport.used",
+)
+
+
+def probe_context() -> Any:
+    """The multiprocessing context the probes start their children with: "forkserver"
+    with PROBE_PRELOAD (see the module doc), or "spawn" where ranks are spawned
+    ($KVSTAGE_RANK_START, hw/launch/forkserver.py) or the system has no fork server."""
+    from kvstage.hw.launch.forkserver import rank_start
+
+    if rank_start() != "fork" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PROBE_PRELOAD))  # used when the fork server starts
+    return ctx
+
+
+def start_child(ctx: Any, target: Callable[..., None], args: tuple, name: str) -> Any:
+    """Start a measuring process (daemon) running `target(*args)` in this process's
+    current environment and working directory, however `ctx` starts it."""
+    proc = ctx.Process(
+        target=_in_parents_place,
+        args=(dict(os.environ), os.getcwd(), target, args),
+        daemon=True,
+        name=name,
+    )
+    proc.start()
+    return proc
+
+
+def _in_parents_place(
+    env: dict[str, str], cwd: str, target: Callable[..., None], args: tuple
+) -> None:
+    """In the child: the parent's environment and directory of when it started the child
+    (a forked child would otherwise have the fork server's), then the probe."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
 
 
 def usable_cores() -> int:

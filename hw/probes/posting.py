@@ -1,7 +1,7 @@
 """The posting probe of `kvstage calibrate`: what a transfer request costs the rank that
 posts it, whether two batches posted at once serialise, and the small-write message rate.
 
-Three processes (multiprocessing "spawn", Pipes to the parent): a receiver that only
+Three processes (hw/probes/harness.py start_child, Pipes to the parent): a receiver that only
 registers memory, and two senders A and B, each one rank with its own engine. The
 engine is called directly (NIXL agent, Mooncake TransferEngine: the adapters' own
 objects, so registration and metadata are hardware mode's), because what is measured
@@ -27,7 +27,6 @@ Every time is seconds from the batch's start. Fitting is kvstage/calibrate/posti
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -45,7 +44,9 @@ from kvstage.hw.probes.harness import (
     ProgressFn,
     child_setup,
     expect,
+    probe_context,
     reap,
+    start_child,
     tail,
     usable_cores,
 )
@@ -308,7 +309,7 @@ class _Run:
     """The three processes and the parent's ends of their pipes."""
 
     def __init__(self, backend: str, plan: PostingPlan) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = probe_context()
         self.plan = plan
         self.logdir = tempfile.mkdtemp(prefix="kvstage-posting-")
         self.logs = {n: os.path.join(self.logdir, f"{n}.log") for n in ("receiver", "A", "B")}
@@ -320,10 +321,7 @@ class _Run:
                 target, args = _receiver, (backend, plan, child, self.logs[name])
             else:
                 target, args = _sender, (backend, plan, child, self.logs[name], name)
-            self.procs[name] = ctx.Process(
-                target=target, args=args, daemon=True, name=f"kvstage-post-{name}"
-            )
-            self.procs[name].start()
+            self.procs[name] = start_child(ctx, target, args, f"kvstage-post-{name}")
             child.close()
             self.conns[name] = parent
 
