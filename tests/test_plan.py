@@ -28,13 +28,13 @@ from kvstage.explore.plan import (
     PlanError,
     PlanResult,
     beats,
-    gpus_of,
     judge,
     pareto_front,
     plan_candidates,
     run_plan,
     skip_reasons,
 )
+from kvstage.explore.plan_point import gpus_of
 
 SCENARIO = """
 [model]

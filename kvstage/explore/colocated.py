@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstage.explore.executor import Executor, ExploreError, error_row
+from kvstage.explore.plan_point import figure_columns, gpus_of
 from kvstage.explore.sweep import STATUS_ERROR, STATUS_OK
 
 if TYPE_CHECKING:
@@ -310,8 +311,6 @@ def compare(
 
 def write_colocated_csv(rows: Sequence[dict[str, Any]], out_dir: Path, attainment: float) -> Path:
     """colocated.csv: every colocated configuration, simulated, skipped or not run."""
-    from kvstage.explore.plan import figure_columns
-
     cols = (
         *COLOCATED_KEYS,
         "gpus",
@@ -353,8 +352,6 @@ def colocated_from_plan(
     """The colocated candidates of a disaggregated plan's grid (`plan_candidates`): its
     prefill and decode TPs and chunk sizes, `instances`, on its first configuration's
     scenario, up to `max_gpus` or the largest GPU count of the disaggregated grid."""
-    from kvstage.explore.plan import gpus_of
-
     values = {v.key: list(v.values) for v in cands.varies}
     tps = [*values["prefill.tp"], *values["decode.tp"]]
     eps = [*values["prefill.ep"], *values["decode.ep"]]

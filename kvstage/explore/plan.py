@@ -60,7 +60,7 @@ from kvstage.explore.costs import COST_COLUMNS, add_costs
 from kvstage.explore.executor import Executor, ExploreError
 from kvstage.explore.figures import front_figure, shape
 from kvstage.explore.halving import first_length, schedule, successive_halving
-from kvstage.explore.plan_point import run_plan_point
+from kvstage.explore.plan_point import figure_columns, gpus_of, run_plan_point
 from kvstage.explore.screen import capacity, overload, workload_load
 from kvstage.explore.sweep import (
     STATUS_ERROR,
@@ -74,12 +74,11 @@ from kvstage.explore.sweep import (
     write_json,
 )
 from kvstage.fmt import csv_cell, num, secs, share
-from kvstage.metrics.steady import QUANTILES, SLO_FIGURES, quantile_name
+from kvstage.metrics.steady import quantile_name
 from kvstage.shared.scenario import DecodeConfig
 from kvstage.shared.scenario.cluster_table import ClusterConfig
 from kvstage.shared.scenario.schema import PrefillConfig, TransferConfig
 from kvstage.shared.scenario.slo_table import SLO_METRICS
-from kvstage.shared.serving.capacity import gpus
 
 __all__ = [
     "DEFAULT_ATTAINMENT",
@@ -89,8 +88,6 @@ __all__ = [
     "PlanResult",
     "beats",
     "columns",
-    "figure_columns",
-    "gpus_of",
     "judge",
     "pareto_front",
     "plan_candidates",
@@ -143,43 +140,6 @@ BUSY_WARNING = 0.85
 MIN_TAIL = 10
 
 
-def figure_columns(attainment: float) -> tuple[str, ...]:
-    """Per simulated point, the figures kept: the steady window, attainment and goodput
-    with their intervals, p50 / p90 / p99 of TTFT, TPOT and end to end and the target
-    quantile (`quantile_name(attainment)`) with its interval, ITL (every gap) at those
-    quantiles, tokens per GPU, the busiest stage."""
-    q = quantile_name(attainment)
-    lat = []
-    for key in SLO_FIGURES:
-        names = [f"{key}.{quantile_name(x)}" for x in QUANTILES]
-        if f"{key}.{q}" not in names:
-            names.append(f"{key}.{q}")
-        lat += [*names, f"{key}.{q}_lo", f"{key}.{q}_hi"]
-    itl = [f"itl_s.{quantile_name(x)}" for x in QUANTILES]  # every gap pooled: no interval
-    lat += itl if f"itl_s.{q}" in itl else [*itl, f"itl_s.{q}"]
-    return (
-        "requests",
-        "window_requests",
-        "warmup_requests",
-        "drain_requests",
-        "slo_attainment",
-        "slo_attainment_lo",
-        "slo_attainment_hi",
-        "goodput_rps",
-        "goodput_rps_lo",
-        "goodput_rps_hi",
-        "goodput_per_gpu_rps",
-        "offered_load_rps",
-        *lat,
-        "input_tokens_per_gpu_s",
-        "output_tokens_per_gpu_s",
-        "tokens_per_user_s",
-        "requests_failed",
-        "busiest_stage",
-        "busiest_utilization",
-    )
-
-
 def columns(attainment: float) -> tuple[str, ...]:
     """plan.csv's columns."""
     return (
@@ -203,12 +163,6 @@ def columns(attainment: float) -> tuple[str, ...]:
 
 class PlanError(ExploreError):
     """Bad plan input: one line for a human (the CLI exits 2)."""
-
-
-def gpus_of(settings: dict[str, Any]) -> int:
-    """GPUs of a configuration's settings, both sides (shared/serving/capacity.py `gpus`)."""
-    keys = ("cluster.prefill_instances", "prefill.tp", "cluster.decode_instances", "decode.tp")
-    return sum(gpus(*(settings[k] for k in keys)))
 
 
 # --------------------------------------------------------------------------- candidates

@@ -14,11 +14,56 @@ from typing import TYPE_CHECKING, Any
 
 from kvstage.explore.executor import error_row
 from kvstage.explore.sweep import STATUS_OK
+from kvstage.metrics.steady import QUANTILES, SLO_FIGURES, quantile_name
+from kvstage.shared.serving.capacity import gpus
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
-__all__ = ["busiest_stage", "run_plan_point"]
+__all__ = ["busiest_stage", "figure_columns", "gpus_of", "run_plan_point"]
+
+
+def gpus_of(settings: dict[str, Any]) -> int:
+    """GPUs of a configuration's settings, both sides (shared/serving/capacity.py `gpus`)."""
+    keys = ("cluster.prefill_instances", "prefill.tp", "cluster.decode_instances", "decode.tp")
+    return sum(gpus(*(settings[k] for k in keys)))
+
+
+def figure_columns(attainment: float) -> tuple[str, ...]:
+    """Per simulated point, the figures kept: the steady window, attainment and goodput
+    with their intervals, p50 / p90 / p99 of TTFT, TPOT and end to end and the target
+    quantile (`quantile_name(attainment)`) with its interval, ITL (every gap) at those
+    quantiles, tokens per GPU, the busiest stage."""
+    q = quantile_name(attainment)
+    lat = []
+    for key in SLO_FIGURES:
+        names = [f"{key}.{quantile_name(x)}" for x in QUANTILES]
+        if f"{key}.{q}" not in names:
+            names.append(f"{key}.{q}")
+        lat += [*names, f"{key}.{q}_lo", f"{key}.{q}_hi"]
+    itl = [f"itl_s.{quantile_name(x)}" for x in QUANTILES]  # every gap pooled: no interval
+    lat += itl if f"itl_s.{q}" in itl else [*itl, f"itl_s.{q}"]
+    return (
+        "requests",
+        "window_requests",
+        "warmup_requests",
+        "drain_requests",
+        "slo_attainment",
+        "slo_attainment_lo",
+        "slo_attainment_hi",
+        "goodput_rps",
+        "goodput_rps_lo",
+        "goodput_rps_hi",
+        "goodput_per_gpu_rps",
+        "offered_load_rps",
+        *lat,
+        "input_tokens_per_gpu_s",
+        "output_tokens_per_gpu_s",
+        "tokens_per_user_s",
+        "requests_failed",
+        "busiest_stage",
+        "busiest_utilization",
+    )
 
 
 def busiest_stage(verdict: dict[str, Any]) -> tuple[str | None, float | None]:

@@ -242,7 +242,7 @@ def _print_intro(
 
 
 def _gpus(settings: dict[str, Any]) -> int:
-    from kvstage.explore.plan import gpus_of
+    from kvstage.explore.plan_point import gpus_of
 
     return gpus_of(settings)
 
