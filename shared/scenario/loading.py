@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from kvstage.shared.scenario.errors import ScenarioError, _explain, _fmt_value
 from kvstage.shared.scenario.schema import Scenario
 from kvstage.shared.scenario.trace_csv import read_trace
-from kvstage.shared.serving.kernel_table import kernel_table
+from kvstage.shared.serving.kernel_table import KernelTableError, kernel_table
 
 __all__ = [
     "apply_overrides",
@@ -59,7 +59,7 @@ def _check_kernels(scenario: Scenario, source: str | None) -> None:
         return
     try:
         scenario.serving.keep_table(kernel_table(scenario))
-    except ScenarioError as exc:
+    except KernelTableError as exc:
         prefix = f"{source}: " if source else ""
         raise ScenarioError(f"{prefix}serving.kernels: {exc}", "serving.kernels") from None
 

@@ -377,10 +377,13 @@ def efficiency(s: Scenario) -> Efficiency:
     if s.decode.step_overhead_ms is not None:
         changes["step_overhead_s"] = s.decode.step_overhead_ms / 1e3
     if s.serving.kernels is not None:
-        # local import: kernel_table reads the catalogue in this module
-        from kvstage.shared.serving.kernel_table import kernel_table
-
-        table = kernel_table(s)
+        # the table the loader read (shared/scenario/loading.py, kernel_table.py)
+        table = s.serving.table
+        if table is None:
+            raise ValueError(
+                f"serving.kernels = {s.serving.kernels!r} was not read: a scenario with a "
+                "kernel table comes from load_scenario or scenario_from_dict"
+            )
         changes["gemm_tables"] = table.gemm + DEFAULT_EFFICIENCY.gemm_tables
         changes["attention_tables"] = table.attention
     return replace(DEFAULT_EFFICIENCY, **changes) if changes else DEFAULT_EFFICIENCY

@@ -29,7 +29,7 @@ BF16 peak (FP8 rows: the FP8 attention rate, which then replaces `attention_fp8_
 x the BF16 one), interpolated in log2(N) (the keys), averaged at equal N.
 
 Any problem (a missing file, a missing column, an unknown op, GPU or dtype, a number
-that is not positive, an empty source) is one ScenarioError `FILE:LINE: what is wrong;
+that is not positive, an empty source) is one KernelTableError `FILE:LINE: what is wrong;
 what is allowed`.
 """
 
@@ -42,17 +42,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstage.shared.scenario.errors import ScenarioError
 from kvstage.shared.serving.gpus import GPUS, WEIGHT_BYTES, Gpu
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
-__all__ = ["COLUMNS", "KernelTable", "kernel_table", "read_kernel_table"]
+__all__ = ["COLUMNS", "KernelTable", "KernelTableError", "kernel_table", "read_kernel_table"]
 
 COLUMNS = ("op", "gpu", "dtype", "M", "N", "K", "time_us", "source")
 OPS = ("gemm", "attention")
 ATTENTION_DTYPES = ("bf16", "fp8")
+
+
+class KernelTableError(ValueError):
+    """A bad kernel table: one line, `FILE:LINE: what is wrong; what is allowed` (the
+    scenario loader raises it as a ScenarioError naming serving.kernels)."""
+
 
 Curve = tuple[tuple[int, float], ...]
 
@@ -88,7 +93,7 @@ def _positive(p: Path, line: int, row: dict[str, str], col: str, kind: type) -> 
         value = None
     if value is None or not value > 0:
         what = "a whole number" if kind is int else "a number"
-        raise ScenarioError(f"{p}:{line}: {col} = {raw!r}: must be {what} > 0")
+        raise KernelTableError(f"{p}:{line}: {col} = {raw!r}: must be {what} > 0")
     return float(value)
 
 
@@ -98,22 +103,26 @@ def _row(
     """(op, gpu, dtype, x, share) of one row; x: M (gemm) or N (attention)."""
     op, name, dtype = (row.get(c, "").strip() for c in ("op", "gpu", "dtype"))
     if op not in OPS:
-        raise ScenarioError(f"{p}:{line}: op = {op!r}; allowed: {', '.join(OPS)}")
+        raise KernelTableError(f"{p}:{line}: op = {op!r}; allowed: {', '.join(OPS)}")
     gpu = gpus(name)
     if gpu is None:
-        raise ScenarioError(f"{p}:{line}: gpu = {name!r} is no known GPU; allowed: {allowed}")
+        raise KernelTableError(f"{p}:{line}: gpu = {name!r} is no known GPU; allowed: {allowed}")
     dtypes = tuple(WEIGHT_BYTES) if op == "gemm" else ATTENTION_DTYPES
     if dtype not in dtypes:
-        raise ScenarioError(f"{p}:{line}: dtype = {dtype!r} for {op}; allowed: {', '.join(dtypes)}")
+        raise KernelTableError(
+            f"{p}:{line}: dtype = {dtype!r} for {op}; allowed: {', '.join(dtypes)}"
+        )
     m = _positive(p, line, row, "M", int)
     n = _positive(p, line, row, "N", int)
     k = _positive(p, line, row, "K", int)
     t = _positive(p, line, row, "time_us", float) * 1e-6
     if not (row.get("source") or "").strip():
-        raise ScenarioError(f"{p}:{line}: source is empty; say where the time comes from")
+        raise KernelTableError(f"{p}:{line}: source is empty; say where the time comes from")
     peak = gpu.peak_flops(dtype if op == "gemm" else "bf16")
     if op == "attention" and dtype == "fp8" and gpu.fp8_tflops is None:
-        raise ScenarioError(f"{p}:{line}: fp8 attention on {name}, which has no FP8 tensor cores")
+        raise KernelTableError(
+            f"{p}:{line}: fp8 attention on {name}, which has no FP8 tensor cores"
+        )
     share = 2.0 * m * n * k / t / peak
     return op, name, dtype, int(m if op == "gemm" else n), share
 
@@ -121,7 +130,7 @@ def _row(
 def _parse(p: Path, rows: Iterable[dict[str, str]], header: list[str], gpus, allowed: str):
     missing = [c for c in COLUMNS if c not in header]
     if missing:
-        raise ScenarioError(
+        raise KernelTableError(
             f"{p}:1: the header lacks {', '.join(missing)}; a kernel table's columns: "
             f"{', '.join(COLUMNS)}"
         )
@@ -134,7 +143,7 @@ def _parse(p: Path, rows: Iterable[dict[str, str]], header: list[str], gpus, all
         points[op][(name, dtype)][x].append(share)
         count += 1
     if not count:
-        raise ScenarioError(f"{p}: no rows; a kernel table needs at least one")
+        raise KernelTableError(f"{p}: no rows; a kernel table needs at least one")
     return _curves(points["gemm"]), _curves(points["attention"])
 
 
@@ -147,9 +156,9 @@ def read_kernel_table(
     try:
         fh = p.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such kernel table (serving.kernels)") from None
+        raise KernelTableError(f"{p}: no such kernel table (serving.kernels)") from None
     except OSError as exc:
-        raise ScenarioError(f"{p}: cannot read the kernel table: {exc}") from None
+        raise KernelTableError(f"{p}: cannot read the kernel table: {exc}") from None
     with fh:
         reader = csv.DictReader(fh)
         try:
@@ -158,9 +167,9 @@ def read_kernel_table(
             rows = ((reader.line_num, r) for r in reader)
             gemm, attention = _parse(p, rows, header, gpus, allowed)
         except csv.Error as exc:
-            raise ScenarioError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
+            raise KernelTableError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
         except UnicodeDecodeError as exc:
-            raise ScenarioError(f"{p}: not UTF-8 text: {exc}") from None
+            raise KernelTableError(f"{p}: not UTF-8 text: {exc}") from None
     return KernelTable(str(p), gemm, attention)
 
 
