@@ -11,6 +11,10 @@ realizes (shared/serving/capacity.py `prefill_capacity`, which bottleneck and th
 screen report too): one prompt a forward, where SGLang packs prompts up to
 chunked_prefill_size into one.
 
+Every TTFT row is a client's (docs/metrics.md): the serving stack's request path (HTTP,
+tokenization, the first streamed chunk: SGLang's measured 6.6 ms, shared/scenario/
+engines.py, [A] for the other servers too) plus the prompt's forwards.
+
 Sources and setups ([A] marks what the source does not say and the row assumes):
 
 1. LMSYS, DeepSeek-V3 on 96 H100 (https://lmsys.org/blog/2025-05-05-large-scale-ep/):
@@ -27,8 +31,8 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
 2. NVIDIA NIM, Llama-3.3-70B FP8 on 2 H100 80GB, TP2, concurrency 1
    (https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance, version 1.8.0):
    5,000 input tokens: TTFT 406.77 ms, ITL 18.58 ms; 500 input / 2,000 output: TTFT
-   47.77 ms, ITL 18.91 ms. At concurrency 1 TTFT is one prefill forward and ITL one
-   decode step of one request, [A] mid-generation KV (input + 250). [A] KV in BF16.
+   47.77 ms, ITL 18.91 ms. At concurrency 1 TTFT is the request path plus one prefill
+   forward (`client_ttft_ms`) and ITL one decode step of one request, [A] mid-generation KV (input + 250). [A] KV in BF16.
    [A] NIM runs this model on TensorRT-LLM (`decode.engine = "trtllm"`).
    Tolerance 25%: one client, AIPerf means.
 3. DistServe (https://arxiv.org/abs/2401.09670, Figure 1): OPT-13B on A100 80GB, input
@@ -75,7 +79,8 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    and Llama 3 70B (A100 TP4 FP16, TP8 BF16; H100 TP4/TP8 FP16 and FP8). Every row at
    concurrency 1 with a prefill-dominated prompt: TTFT at 2,000 input tokens (the mean
    of its two rows, 200 and 2,000 output tokens: TTFT does not depend on the output) and
-   at 7,000. Simulated: the prompt's prefill forwards (one request, no queue). [A] KV
+   at 7,000. Simulated: the request path and the prompt's prefill forwards (one
+   request, no queue; `client_ttft_ms`). [A] KV
    in the activations' 16 bits; [A] FP8 rows are FP8 weights. The 200-token rows are
    left out before running: their 9-25 ms TTFT is mostly the serving stack's request
    path (HTTP, tokenization, streaming), which a forward does not price. Tolerance 25%,
@@ -108,6 +113,7 @@ from pathlib import Path
 
 from kvstage.run.summary import simulation_summary
 from kvstage.shared.scenario import Scenario, load_scenario
+from kvstage.shared.scenario.engines import ENGINE_PRESETS
 from kvstage.shared.serving.capacity import prefill_capacity, prompt_forward_s, scenario_gpus
 from kvstage.shared.serving.compute import decode_step, prefill_forward
 from kvstage.shared.workload import Request
@@ -149,6 +155,19 @@ class Row:
 
 def _load(*sets: str) -> Scenario:
     return load_scenario(BASE, ['transfer.path="slice"', *sets])
+
+
+# [P] a serving stack's request path outside the forward (HTTP, chat template and
+# tokenization, the first streamed chunk), SGLang's measured per-request figure
+# (shared/scenario/engines.py `request_us`); [A] the same for NIM's and TensorRT-LLM's
+# OpenAI-compatible servers, whose own is not published apart
+REQUEST_S = ENGINE_PRESETS["sglang-nixl"].request_us * 1e-6
+
+
+def client_ttft_ms(forward_s: float) -> float:
+    """A client's TTFT at concurrency 1 (docs/metrics.md: from sending the request to
+    the first token received): the request path plus the prompt's forwards, ms."""
+    return (REQUEST_S + forward_s) * 1e3
 
 
 # --------------------------------------------------------------------------- LMSYS, 96 H100
@@ -206,7 +225,7 @@ def nim(prompt: int, what: str) -> Callable[[], float]:
             'decode.engine="trtllm"',
         )
         if what == "ttft":
-            return prompt_forward_s(s, prompt) * 1e3
+            return client_ttft_ms(prompt_forward_s(s, prompt))
         return decode_step(s, 1, prompt + 250).total_s * 1e3  # mid-generation KV
 
     return run
@@ -331,7 +350,7 @@ def trt(prompt: int, batch: int, what: str) -> Callable[[], float]:
         s = deepseek("prefill.gpu=h200", "decode.gpu=h200", "prefill.tp=8", "prefill.ep=1",
                      "decode.tp=8", "decode.ep=1", 'decode.engine="trtllm"')  # fmt: skip
         if what == "ttft":
-            return prefill_forward(s, prompt).total_s * 1e3
+            return client_ttft_ms(prefill_forward(s, prompt).total_s)
         return decode_step(s, batch, batch * (prompt + 300)).total_s * 1e3
 
     return run
@@ -479,7 +498,7 @@ def _dli(model: str, gpu: str, tp: int, precision: str) -> Scenario:
 
 def dli_ttft(model: str, gpu: str, tp: int, precision: str, prompt: int) -> Callable[[], float]:
     """NIM at concurrency 1: TTFT is the prompt's prefill forwards (ms)."""
-    return lambda: prompt_forward_s(_dli(model, gpu, tp, precision), prompt) * 1e3
+    return lambda: client_ttft_ms(prompt_forward_s(_dli(model, gpu, tp, precision), prompt))
 
 
 def dli_prefill(model: str, gpu: str, tp: int, precision: str) -> Callable[[], float]:
