@@ -20,15 +20,36 @@ room to finish (SGLang's --max-running-requests, vLLM's max_num_seqs).
 Cost per step is O(1) plus O(log n) per room that finishes: the batch keeps its KV
 total incrementally and its rooms in a heap by the step they finish at, so a long
 run with large batches stays cheap.
+
+Steps in one event (`jump`). Between two moments that change a batch -- a room joins
+(at the step boundary after every rank handed it out) or one finishes (known since it
+joined) -- the batch's size is fixed and its KV grows by size x tokens_per_step a step,
+so each step's time is known beforehand. The batch plans the steps up to its next
+finish (`_plan`: each step's end, the same sums in the same order as the step-by-step
+loop makes them, so the same floats), puts one event at the last end, and keeps each
+step's row when it is due; a room handed out meanwhile cuts the plan at the first
+boundary at or after now (`_cut`), where it joins as before. Rows keep their place
+among every other record: the driver calls `flush(now)` before it keeps a record,
+which keeps the planned rows that ended before now. A record at the very instant a
+step ends is taken to come first (the step-by-step order of two events at one time
+depends on when each was scheduled). With `on_tokens` (an online run streams each
+step's tokens) the batch steps one event a step, as it does with `jump = False`
+(tests/test_decode_jump.py compares the two record for record).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import count
 from typing import TYPE_CHECKING
+
+import simpy
+from simpy.events import NORMAL
 
 from kvstage.shared.events import Generate, GenerateDone
 from kvstage.shared.runtime import RankRuntime
@@ -53,6 +74,12 @@ class _Batch:
     joining: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
     # (finish step, room, KV tokens added while in the batch, ranks, joined at)
     finishing: list[tuple[int, int, float, list[RankRuntime], float]] = field(default_factory=list)
+    # the plan (steps in one event): each planned step's end, the rows kept so far, the
+    # plan's number (rows due from an older plan are stale) and its event's (likewise)
+    ends: list[float] = field(default_factory=list)
+    kept: int = 0
+    plan: int = 0
+    event: int = 0
 
 
 class DecodeBatches:
@@ -71,6 +98,11 @@ class DecodeBatches:
         # as rooms join (their first token, the prefill's) (sim/online.py streams
         # them); None in an offline run
         self.on_tokens: Callable[[list[int], float], None] | None = None
+        self.jump = True  # steps in one event while nothing changes (module docstring)
+        # every plan's next row due: (end, order, batch, plan, row); `due` the earliest
+        self._rows: list[tuple[float, int, _Batch, int, int]] = []
+        self._order = count()
+        self.due = math.inf
 
     def submit(self, rt: RankRuntime, g: Generate, now: float) -> None:
         if g.room in self._abandoned:  # failed at another rank: nothing to generate
@@ -85,6 +117,8 @@ class DecodeBatches:
         batch.joining.append((g.output_tokens, g.room, g.context_tokens, ranks, now))
         if not batch.stepping:
             self._step(batch)
+        elif batch.ends and len(batch.joining) <= self.model.max_batch - batch.size:
+            self._cut(batch, now)  # it joins at the next boundary: the plan ends there
 
     def room_failed(self, rt: RankRuntime, room: int) -> None:
         """A decode rank failed the room: ranks that already hold its KV stop waiting."""
@@ -120,8 +154,11 @@ class DecodeBatches:
             return
         batch.stepping = True
         self.peak_batch = max(self.peak_batch, batch.size)
-        step = self.model.step_time_s(batch.kv_tokens, batch.size)
         batch.step_start = now
+        if self.jump and self.on_tokens is None:
+            self._plan(batch, now)
+            return
+        step = self.model.step_time_s(batch.kv_tokens, batch.size)
         self.sim._at(step, self._stepped, batch)
 
     def _stepped(self, batch: _Batch, _ev=None) -> None:
@@ -139,10 +176,92 @@ class DecodeBatches:
         if self.on_tokens is not None:
             self.on_tokens([f[1] for f in batch.finishing], self.sim.env.now)
         batch.kv_tokens += batch.size * self.per_step  # every room's KV grew
+        self._leave(batch)
+        self._step(batch)
+
+    def _leave(self, batch: _Batch) -> None:
+        """The rooms whose last step this was leave the batch."""
         while batch.finishing and batch.finishing[0][0] <= batch.steps:
             _, room, added, ranks, joined = heapq.heappop(batch.finishing)
             batch.size -= 1
             batch.kv_tokens -= added  # the context it joined with plus its tokens
             for rt in ranks:
                 self.sim._deliver(rt, GenerateDone(room, joined))
+
+    # --- steps in one event (module docstring) ---------------------------------------
+    def _plan(self, batch: _Batch, now: float) -> None:
+        """Plan the steps up to the batch's next finish and schedule the last one's end."""
+        size, step_time_s = batch.size, self.model.step_time_s
+        inc = size * self.per_step
+        kv, t, ends = batch.kv_tokens, now, []
+        for _ in range(batch.finishing[0][0] - batch.steps):
+            t += step_time_s(kv, size)  # added to the step's start as SimPy adds a delay
+            ends.append(t)
+            kv += inc
+        batch.ends, batch.kept = ends, 0
+        batch.plan += 1
+        self._due_row(batch)
+        self._schedule(batch, ends[-1])
+
+    def _schedule(self, batch: _Batch, at: float) -> None:
+        """The plan's event at `at` exactly (as `env.schedule` queues one; a Timeout would
+        add a delay to now, rounding), superseding any earlier one of the batch."""
+        batch.event += 1
+        env = self.sim.env
+        ev = simpy.Event(env)
+        ev._ok, ev._value = True, None  # triggered, as a Timeout is
+        ev.callbacks.append(partial(self._planned, batch, batch.event))
+        heapq.heappush(env._queue, (at, NORMAL, next(env._eid), ev))
+
+    def _cut(self, batch: _Batch, now: float) -> None:
+        """A room waits to join: the plan ends at the first step boundary at or after now."""
+        j = bisect_left(batch.ends, now) + 1
+        if j < len(batch.ends):
+            del batch.ends[j:]
+            self._schedule(batch, batch.ends[-1])
+
+    def _due_row(self, batch: _Batch) -> None:
+        if batch.kept < len(batch.ends):
+            end = batch.ends[batch.kept]
+            heapq.heappush(self._rows, (end, next(self._order), batch, batch.plan, batch.kept))
+            self.due = min(self.due, end)
+
+    def _keep_row(self, batch: _Batch) -> None:
+        """The batch's next planned step as its `decode_step` row."""
+        i = batch.kept
+        start = batch.step_start if i == 0 else batch.ends[i - 1]
+        self.sim.records.append(
+            TraceRecord(
+                "decode", batch.rank, "decode_step", start, batch.ends[i], requests=batch.size
+            )
+        )
+        batch.kept = i + 1
+        self._due_row(batch)
+
+    def flush(self, now: float) -> None:
+        """Keep every planned row that ended before `now`, in time order (the driver calls
+        this before keeping a record)."""
+        rows = self._rows
+        while rows and rows[0][0] < now:
+            _, _, batch, plan, i = heapq.heappop(rows)
+            if plan == batch.plan and i == batch.kept and i < len(batch.ends):
+                self._keep_row(batch)
+        self.due = rows[0][0] if rows else math.inf
+
+    def _planned(self, batch: _Batch, event: int, _ev=None) -> None:
+        """The plan's last step ended: its rows, then what the step-by-step loop does at
+        that step's end (the finishing rooms leave, the waiting join)."""
+        if event != batch.event:
+            return  # a plan cut short: its new end has its own event
+        self.flush(self.sim.env.now)  # rows of every batch that ended before now
+        while batch.kept < len(batch.ends):  # this one's, to its last
+            self._keep_row(batch)
+        k = len(batch.ends)
+        inc = batch.size * self.per_step
+        for _ in range(k):
+            batch.kv_tokens += inc  # as each step adds it (the same float sums)
+        batch.steps += k
+        batch.ends, batch.kept = [], 0
+        batch.plan += 1  # its rows still queued are stale
+        self._leave(batch)
         self._step(batch)

@@ -189,7 +189,7 @@ class Simulation:
         self._settled: set[RankRuntime] = set()  # runtimes settled after their last event
         self._all_done = self.env.event()
         self._tick_at: dict[RankRuntime, float] = {}  # runtime -> earliest Tick scheduled for it
-        self._keep_record = self.records.append
+        self._keep_record = self._keep
         self._observe = self.checker.observe if self.checker is not None else None
         self._build_hardware()
         # how events reach a runtime: directly (GPU model) or through its rank loop
@@ -306,6 +306,13 @@ class Simulation:
     # as a trailing, ignored `_ev` argument.
     def _at(self, delay: float, fn: Callable, *args) -> None:
         self.env.timeout(delay).callbacks.append(partial(fn, *args))
+
+    def _keep(self, record: TraceRecord) -> None:
+        """Keep a record, after the decode steps planned to end before now
+        (sim/decode_batch.py: a batch's steps between two changes are one event)."""
+        if self.batches.due < self.env._now:
+            self.batches.flush(self.env._now)
+        self.records.append(record)
 
     def _feed(self, rt: RankRuntime, event, _ev=None) -> None:
         now = self.env.now
