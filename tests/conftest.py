@@ -37,3 +37,38 @@ def start_by_hand(cmd: list[str], log: Path):
         return forked
     with log.open("a") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+# --- scheduling: scripts/test.sh runs the suite on pytest-xdist workers --------------------
+# (`-n N --dist loadgroup --no-loadscope-reorder`: one test at a time to whichever worker is
+# free, in the order below, except that tests of one xdist_group run on one worker, one after
+# the other). Nothing here changes what a test asserts.
+_SHARED_SCOPES = ("module", "package", "session")
+
+
+def _module_fixture_group(item: pytest.Item) -> str | None:
+    """The module's name where the test uses a fixture of module scope or wider that its
+    own module defines: the module's tests then run on one worker and the fixture is made
+    once, not once per worker (a conftest's session fixtures are cheap and excepted)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    module = getattr(item, "module", None)
+    for name in info.names_closure:
+        for fixdef in info.name2fixturedefs.get(name, ()):
+            if fixdef.scope in _SHARED_SCOPES and module is not None:
+                if getattr(fixdef.func, "__module__", None) == module.__name__:
+                    return module.__name__
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _module_fixture_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # an xdist worker (a serial run keeps the files' order)
+        # Longest first (the `slow` mark), so that no long test starts last and runs alone
+        # at the end; the order is otherwise the collection's (a stable sort).
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -139,6 +139,7 @@ def _launch_p2_d1(run_dir, backend: str, **kw):
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+@pytest.mark.slow
 def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     require_engine(backend)
     s = load_scenario(

@@ -191,6 +191,7 @@ def test_table_and_nvidia_smi_bus_ids(sysfs: Path) -> None:
     assert rdma_rate_gbs("200 Gb/sec (4X HDR)") == 25.0 and rdma_rate_gbs("") is None
 
 
+@pytest.mark.slow
 def test_bad_nic_map_at_the_cli_is_one_line(tmp_path: Path) -> None:
     scenario = Path(__file__).parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
     done = subprocess.run(

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 
+import pytest
 from conftest import require_engine
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
@@ -83,6 +84,7 @@ def test_the_verdict_names_the_lowest_pair():
     assert verdict([], 0.5)[0] is False
 
 
+@pytest.mark.slow
 def test_kvstage_hw_reports_pairs_against_their_ceiling_and_exits_by_the_verdict(tmp_path):
     require_engine("nixl")
     scenario = write_scenario(tmp_path, 2, 1, 8, requests=3)

@@ -149,6 +149,7 @@ def test_cli_registers_calibrate_and_refuses_bad_input() -> None:
 @pytest.mark.hw
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+@pytest.mark.slow
 def test_quick_calibration_writes_a_profile_that_loads_and_simulates(
     backend: str, tmp_path: Path
 ) -> None:
@@ -242,6 +243,8 @@ def test_where_each_number_was_measured() -> None:
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.xdist_group("netns")  # with tests/test_netns.py: one two-namespace run at a time
 def test_calibration_across_two_namespaces_records_inter_host(
     tmp_path: Path,
     two_namespaces,  # noqa: F811 (the fixture imported from test_netns)
@@ -425,6 +428,7 @@ def test_copy_op_from_two_runs_of_different_copy_sizes():
     assert copy_op_from_runs((1.0001e-3, big), (1e-3, small)) == COPY_OP_MAX_S
 
 
+@pytest.mark.slow
 def test_inrun_fit_finds_the_copy_op_of_a_simulated_pair_of_runs():
     """fit_profile with the CAL_SMALL run: copies simulated with a known fixed part are
     fitted back to that part (corrected against the simulated small run: the closed form
@@ -528,6 +532,7 @@ def test_cpu_factors_from_the_ranks_job_cpu():
 
 
 @pytest.mark.parametrize("what", [[], ["--descriptors"]], ids=["profile", "descriptors"])
+@pytest.mark.slow
 def test_calibrate_on_cuda_without_a_gpu_is_one_line_exit_2(tmp_path, what) -> None:
     """No CUDA device: the command says so in one line before any process starts (exit 2,
     no traceback, no profile written), the descriptor probe too."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvstage.cli.errors import one_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +80,7 @@ def test_help_lists_the_choices_of_enum_flags():
     assert "parquet|jsonl" in " ".join(kvstage("sim", "--help").stdout.split())
 
 
+@pytest.mark.slow
 def test_everyday_output_fits_80_columns_off_a_terminal(tmp_path):
     """Tables, help and notes wrap to 80 columns in a log or a pipe: nothing a reader
     of a CI log must scroll sideways for."""

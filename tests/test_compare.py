@@ -291,6 +291,7 @@ def test_hw_vs_sim_lists_only_fields_that_matter(runs, tmp_path):
     assert res["scenario_diff_note"] == ""
 
 
+@pytest.mark.slow
 def test_loaded_host_is_warned_of(runs, tmp_path):
     hw = as_hw(runs["staging"], tmp_path / "hw", conditions=LOADED)
     res = compare_runs(runs["staging"], hw)

@@ -694,6 +694,7 @@ def _wait_registered(
 @pytest.mark.hw
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+@pytest.mark.slow
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
     require_engine("nixl")
     f = write_scenario(tmp_path, 2, 1, 8, requests=400)  # 20 s of arrivals: killed mid-run
@@ -739,6 +740,7 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
 
 
 @pytest.mark.hw
+@pytest.mark.slow
 def test_kvstage_hw_takes_its_secret_from_a_file(tmp_path):
     """`kvstage hw --secret-file F` runs with that secret (the ranks of the run use it:
     RUN_DIR/run.secret holds it) instead of drawing one; a file it cannot read is one

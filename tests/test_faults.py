@@ -51,6 +51,7 @@ def _random_faults(s) -> bool:
 @pytest.mark.hw
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", FAULTS, ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_fault_scenario_same_faults_same_outcome_in_both_modes(tmp_path, path):
     """One fault semantics: the simulation and a hardware run (NIXL) of the same fault
     scenario inject the same faults on the same ranks and reach the same [expect]."""

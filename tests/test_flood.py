@@ -147,6 +147,7 @@ def _flood(run_dir, address: str, procs: dict, sent: dict, rss: dict) -> None:
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+@pytest.mark.slow
 def test_a_flood_is_refused_before_it_is_buffered(tmp_path, backend):
     require_engine(backend)
     s = load_scenario(

@@ -259,6 +259,7 @@ def test_lost_and_duplicated_messages_on_real_engines(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["fork", "spawn"])
+@pytest.mark.slow
 def test_ranks_start_by_fork_or_by_spawn_as_set(tmp_path, monkeypatch, how):
     """$KVSTAGE_RANK_START: ranks forked from the fork server (the default) or spawned
     as new interpreters; the run is the same, and forked ranks' CPU time is the run's

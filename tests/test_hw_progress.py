@@ -71,6 +71,7 @@ def test_on_a_terminal_it_is_a_live_bar():
 
 @pytest.mark.hw
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_hardware_run_reports_its_progress(tmp_path):
     """Real ranks beat to the rendezvous with their room counts: the launcher's log shows them."""
     from kvstage.run.hwrun import run_hardware

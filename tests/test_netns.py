@@ -35,7 +35,7 @@ from kvstage.shared.layout import room_pages
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
 
-pytestmark = [pytest.mark.hw, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.hw, pytest.mark.timeout(300), pytest.mark.xdist_group("netns")]
 
 ADDR_A, ADDR_B = "10.77.0.1", "10.77.0.2"
 PORT = 29555
@@ -115,6 +115,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 @pytest.mark.parametrize("P, D", [(4, 2), (2, 4)])
+@pytest.mark.slow
 def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, P, D):
     require_engine(backend)
     ns_a, ns_b, veth_a = namespaces

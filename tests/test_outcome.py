@@ -319,6 +319,7 @@ def test_good_trace_validates_and_simulates(tmp_path):
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_hw_failed_room_without_expect_exits_1_with_the_reason(tmp_path):
     require_engine("nixl")
     path = without_expect(ABORT, tmp_path)

@@ -319,6 +319,7 @@ def test_bad_option_names_the_option(scenario, tmp_path):
     assert res.exit_code == 2 and "--decode-tp" in res.output, res.output
 
 
+@pytest.mark.slow
 def test_ray_gives_the_same_answer(scenario, cands, result):
     try:
         import ray  # noqa: F401

@@ -75,6 +75,7 @@ def test_screened_configurations_are_counted_by_reason_in_the_files(scenario, tm
     assert any("overloaded" in g["reason"] for g in doc["skipped"])
 
 
+@pytest.mark.slow
 def test_successive_halving_gives_the_exhaustive_winner(tmp_path):
     # 900 Poisson requests: windows of 200, 600, then the whole 900 for the survivors
     path = tmp_path / "halving.toml"

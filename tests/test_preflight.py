@@ -59,6 +59,7 @@ def test_asking_for_rdma_where_there_is_none_is_one_line(tmp_path):
     assert 'hardware.mooncake_protocol = "rdma" but this host has no RDMA device' in line
 
 
+@pytest.mark.slow
 def test_pools_that_do_not_fit_the_host_are_refused_before_a_rank_starts(tmp_path):
     scenario = write_scenario(tmp_path, 2, 1, 8, requests=2)
     s = load_scenario(scenario)
@@ -81,6 +82,7 @@ def test_pools_that_do_not_fit_the_host_are_refused_before_a_rank_starts(tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_a_rank_with_no_rendezvous_says_it_waits_then_gives_up_in_one_line(tmp_path):
     scenario = write_scenario(tmp_path, 1, 1, 8, requests=2)
     secret = tmp_path / "run.secret"

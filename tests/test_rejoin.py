@@ -485,6 +485,7 @@ def _assert_rejoined(run_dir: Path, box: dict) -> None:
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
     """`kvstage hw` (NIXL, P2->D1, --rejoin-grace): prefill1 SIGKILLed 1.5 s into the run
     and started again by hand (its replacement starts up beforehand, so a slow start
@@ -573,6 +574,7 @@ class _NoSpawnRun:
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp_path):
     """`kvstage hw --no-spawn` (Mooncake, P2->D1): every rank started by hand (`hw-rank`);
     prefill1 SIGKILLed and its replacement, started beforehand, tries to register 0.5 s
@@ -614,6 +616,7 @@ def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_no_spawn_launcher_notices_a_dead_rank_within_seconds(tmp_path):
     """`kvstage hw --no-spawn`, ranks started by hand, prefill1 SIGKILLed and not
     restarted: the launcher, which cannot see the process, notices it is silent and ends

@@ -149,6 +149,7 @@ def _assert_every_byte_right(run_dir: Path) -> int:
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sbatch_p2_d1_every_byte_verified(tmp_path):
     require_engine("nixl")
     scenario = write_scenario(tmp_path, 2, 1, 8)
@@ -172,6 +173,7 @@ def test_sbatch_p2_d1_every_byte_verified(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_sbatch_wrong_task_count_fails_fast(tmp_path):
     """4 tasks for a P2->D1 scenario: every task refuses with one clear message, and the
     job ends (launcher terminated after GRACE_S) instead of waiting for its timeout."""
@@ -209,6 +211,7 @@ def test_sbatch_bad_scenario_starts_no_task(tmp_path):
 
 @pytest.mark.hw
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_torchrun_p2_d1_every_byte_verified(tmp_path):
     """README's torchrun command line, on one node: torchrun sets RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR and MASTER_PORT (its own store's port, so the rendezvous is

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvstage.shared.faults import MESSAGE_NAMES
 from kvstage.shared.scenario import load_scenario
 from kvstage.sim.driver import Simulation
@@ -12,6 +14,7 @@ BASE = Path(__file__).resolve().parents[1] / "scenarios" / "faults" / "drop-rsp-
 N = 10_000
 
 
+@pytest.mark.slow
 def test_soak_10k_requests_one_percent_of_each_message_fault():
     types = ", ".join(f"{name} = 0.01" for name in MESSAGE_NAMES.values())
     sets = [f"workload.requests={N}", "workload.rate_per_s=40", "transfer.room_timeout_s=2"]

@@ -119,6 +119,7 @@ def test_two_by_two_sweep_rows_and_target(local_sweep):
             assert a["metric_value"] < 1.0
 
 
+@pytest.mark.slow
 def test_ray_gives_the_same_rows(local_sweep, ray_session):
     ray_result = run_sweep(
         SCENARIO, [parse_vary(v) for v in VARY], SETS, workers=2, ray_address="local"

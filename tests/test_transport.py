@@ -264,6 +264,7 @@ def workers() -> Any:
 @pytest.mark.hw
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.slow
 def test_two_processes_every_byte_lands(backend: str, workers: _Workers) -> None:
     receiver, sender = workers.get()  # start the children first: they boot while we probe
     _require_engine(backend)

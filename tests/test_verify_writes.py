@@ -209,6 +209,7 @@ def test_an_insiders_write_at_other_rooms_offsets_is_never_scattered(tmp_path, b
     _assert_rejected_not_scattered(s, result, stats)
 
 
+@pytest.mark.slow
 def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     s, result, stats = _run(tmp_path, "mooncake", _raw_mooncake)
     _assert_rejected_not_scattered(s, result, stats)
