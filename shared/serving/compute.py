@@ -26,8 +26,11 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   `attention_mfu`, x `attention_fp8_gain` with an FP8 KV cache on a GPU with FP8
   tensor cores (FP8 attention);
 - two TP all-reduces per layer of c x hidden x 2 B (bf16 activations), ring
-  2 (n-1)/n of it over the scale-up link x `allreduce`, plus the link's latency for
-  the group (shared/serving/kernels.py: NVLink or PCIe, growing with the GPUs); with DP attention (ep > tp) only the attention's one, the MoE's replaced by:
+  2 (n-1)/n of it over the scale-up link: up to 8 MiB the engines' custom all-reduce
+  at `allreduce` of the link plus the group's latency (shared/serving/kernels.py:
+  NVLink or PCIe, growing with the GPUs), above it NCCL at its published bus
+  bandwidth for that size and group (shared/serving/allreduce.py), not overlapped
+  with compute; with DP attention (ep > tp) only the attention's one, the MoE's replaced by:
 - the expert-parallel all-to-all (ep > tp): per token per MoE layer the k expert
   copies of the hidden state go out (dispatch, FP8, 1 B per element) and come back
   (combine, BF16, 2 B) [P] DeepSeek-V3 technical report, section 3.3
@@ -81,6 +84,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstage.shared.serving.allreduce import allreduce_one_s
 from kvstage.shared.serving.deepep import low_latency_layer_s, nic_Bps
 from kvstage.shared.serving.engine_step import engine_step
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
@@ -237,17 +241,14 @@ def attention_flops(s: Scenario, tokens: float, context_sum: float, decode: bool
 
 def allreduce_s(s: Scenario, side: str, tokens: float) -> float:
     """The TP all-reduces of one forward of `tokens` tokens: 2 per layer (1 with DP
-    attention, whose MoE half is an all-to-all), ring 2 (n-1)/n of tokens x hidden x 2 B
-    over the scale-up link, plus the fixed latency of each."""
+    attention, whose MoE half is an all-to-all), each of tokens x hidden x 2 B
+    (shared/serving/allreduce.py: by message size and world size)."""
     tp = _cfg(s, side).tp
     if tp == 1:
         return 0.0
-    eff = efficiency(s)
     per_layer = 1 if _dp_attention(s, side) else 2
     n = per_layer * s.model.layers
-    nbytes = tokens * s.model.hidden * ACT_BYTES * 2 * (tp - 1) / tp
-    latency = allreduce_latency_s(s, side, tp)
-    return n * (nbytes / (side_gpu(s, side).scaleup_Bps * eff.allreduce) + latency)
+    return n * allreduce_one_s(s, side, tokens * s.model.hidden * ACT_BYTES, tp)
 
 
 def alltoall_s(s: Scenario, side: str, tokens: float) -> float:
