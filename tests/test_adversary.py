@@ -16,8 +16,13 @@ under the real names, for every room of the run:
 - and the implausible ones (rounds far off, regions outside the pool, chunks off the
   grid, foreign rooms).
 
+Since issue 39 (item 4) the forgers do not even get a connection: a rank's inbox admits
+only its peers' keys from the rank table (hw/control/zap.py), and the forgers' planes
+have keys of their own. The MACs beneath hold for a rank of the table that forges
+(tests/test_control_auth.py, a key the inbox admits).
+
 Asserted: every room done, 0 bytes wrong, no invariant violated, no honest frame
-dropped as a replay, the forgeries counted as unauthenticated at every rank, and no
+dropped as a replay, the forgers' connections refused at every rank, and no
 honest write rejected by the write tag (transfer.verify_writes = "mac", the default;
 tests/test_verify_writes.py has the writes it rejects). Both
 engines. Below the MACs, the core's capabilities (shared/capability.py) hold without
@@ -34,13 +39,14 @@ tries, before) is refused every time, and the real ranks run every room.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import pytest
 import zmq
 from conftest import require_engine
-from test_control_auth import _free_port, assert_every_room_right
+from test_control_auth import _free_port, _push, assert_every_room_right
 from test_hw import write_scenario
 
 from kvstage.hw.control.membership import RankInfo
@@ -56,6 +62,7 @@ from kvstage.shared.protocol import (
     StagingRsp,
     Watermark,
     WriterDone,
+    encode,
 )
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import generate_requests
@@ -112,6 +119,13 @@ def _attack(s, run_dir, address: str, sent: dict) -> None:
     client.close()
     # one control plane per name it speaks under: the real ranks' names, its own keys
     planes = {name: ControlPlane(secret=secret, name=name) for name in table}
+    # a connection per (speaker, rank) with a CURVE key of its own (no rank's of the table)
+    pushes = {
+        (speaker, to): _push(table[to].control, secret)
+        for speaker in table
+        for to in table
+        if to != speaker
+    }
     try:
         for speaker, cp in planes.items():
             for name, info in table.items():
@@ -120,12 +134,14 @@ def _attack(s, run_dir, address: str, sent: dict) -> None:
         for i in range(40):
             for (speaker, to), msgs in _forgeries(s, i).items():
                 for msg in msgs:
-                    planes[speaker].send(to, msg)
-                    sent["messages"] += 1
+                    sent["messages"] += 1  # tried; refused at the handshake, it queues here
+                    with contextlib.suppress(zmq.Again):
+                        frames = planes[speaker].seal(to, encode(msg))
+                        pushes[(speaker, to)].send_multipart(frames, zmq.NOBLOCK)
             time.sleep(0.03)
-    except zmq.ZMQError:
-        pass  # the run ended first
     finally:
+        for sock in pushes.values():
+            sock.close(linger=0)
         for cp in planes.values():
             cp.close()
 
@@ -158,12 +174,15 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     assert result.ok, result.errors
     assert sent["messages"] > 1000
     reports = result.reports
-    # every forgery that reached a rank failed its MAC there: none reached the core, and
-    # no honest frame was taken for a replay
-    assert all(r["unauthenticated"] > 0 for r in reports.values()), {
-        n: r["unauthenticated"] for n, r in reports.items()
+    # every forger was refused its connection at every rank (its key is no peer's), so
+    # no forgery reached a MAC check, let alone the core; no honest frame was dropped
+    assert all(r["refused_connections"] > 0 for r in reports.values()), {
+        n: r["refused_connections"] for n, r in reports.items()
     }
-    assert all(r["replayed"] == 0 and r["misattributed"] == 0 for r in reports.values())
+    assert all(
+        r["unauthenticated"] == 0 and r["replayed"] == 0 and r["misattributed"] == 0
+        for r in reports.values()
+    )
     assert all(r["dropped"] == 0 for r in reports.values()), {
         n: r["dropped"] for n, r in reports.items()
     }

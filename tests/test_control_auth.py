@@ -7,6 +7,7 @@ transfers and verify every byte.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ import zmq
 from conftest import require_engine
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
+from zmq.utils import z85
 
 from kvstage.hw.control.keys import rank_key
 from kvstage.hw.control.plane import (
@@ -47,6 +49,7 @@ from kvstage.hw.control.rendezvous import (
     RendezvousError,
     RendezvousServer,
 )
+from kvstage.hw.control.zap import MAX_CONNECTIONS_PER_KEY
 from kvstage.hw.launch.launcher import launch
 from kvstage.hw.rank.main import main as rank_main
 from kvstage.shared.invariants import check_records
@@ -57,13 +60,19 @@ from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import generate_requests
 
 
-def _push(address: str, secret: bytes | None = None) -> zmq.Socket:
+def _push(
+    address: str, secret: bytes | None = None, admitted_by: ControlPlane | None = None
+) -> zmq.Socket:
     """A plain PUSH to `address`; with `secret`, a CURVE client holding the run secret
-    (and no pair key)."""
+    (and no pair key), with a key of its own that `admitted_by`'s inbox admits (as it
+    admits its peers': a compromised rank of its table) or, without, admits nobody."""
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
     if secret is not None:
-        curve_client(sock, secret)
+        public, private = (z85.decode(k) for k in zmq.curve_keypair())
+        if admitted_by is not None:
+            admitted_by.gate.admit(public)
+        curve_client(sock, secret, (public, private))
     sock.connect(address)
     return sock
 
@@ -84,16 +93,17 @@ def _pair(a: ControlPlane, b: ControlPlane, a_calls_b: str = "inbox") -> None:
 
 def test_control_plane_drops_what_it_cannot_authenticate():
     """A process without the run secret gets no connection (CURVE): nothing it sends
-    arrives, however big. One that holds the secret but no pair key is dropped and
-    counted: no MAC or a wrong one (unauthenticated), too many frames (oversize); a frame
-    over ZMQ's bound cuts its connection before its bytes are buffered."""
+    arrives, however big. One that holds the secret, with a key of the table but no
+    pair key (a compromised rank), is dropped and counted: no MAC or a wrong one
+    (unauthenticated), too many frames (oversize); a frame over ZMQ's bound cuts its
+    connection before its bytes are buffered."""
     secret = new_secret()
     inbox = ControlPlane(secret=secret, name="inbox")
     honest = ControlPlane(secret=secret, name="honest")
     other_run = ControlPlane(secret=new_secret(), name="other")
     stranger = _push(inbox.address)
-    holder = _push(inbox.address, secret)
-    again = _push(inbox.address, secret)
+    holder = _push(inbox.address, secret, admitted_by=inbox)
+    again = _push(inbox.address, secret, admitted_by=inbox)
     try:
         _pair(honest, inbox)
         _pair(other_run, inbox)  # its key pair is known, its run secret is not this run's
@@ -122,6 +132,7 @@ def test_control_plane_drops_what_it_cannot_authenticate():
             "misattributed": 0,
             "oversize": 1,
             "replayed": 0,
+            "refused_connections": 0,
         }
         # a frame list signed for this pair that does not decode is malformed, as before
         again.send_multipart(honest.seal("inbox", [b"KVS?", b"junk"]))
@@ -131,6 +142,49 @@ def test_control_plane_drops_what_it_cannot_authenticate():
         for sock in (stranger, holder, again):
             sock.close(linger=0)
         for cp in (inbox, honest, other_run):
+            cp.close()
+
+
+def test_an_inbox_admits_only_its_peers_keys_and_few_connections_of_each():
+    """ZAP (hw/control/zap.py): a holder of the run secret whose key is no peer's gets no
+    connection, however many it opens; a peer that connects before the inbox knows its
+    key waits (its handshake held) and gets through once it is known; a peer's key gets
+    MAX_CONNECTIONS_PER_KEY connections, a sender never more."""
+    secret = new_secret()
+    inbox = ControlPlane(secret=secret, name="decode0")
+    early = ControlPlane(secret=secret, name="prefill0")
+    wm = Watermark(round=1, tail=2, prefill_rank=0, decode_rank=0)
+    socks = []
+    try:
+        early.connect("inbox", inbox.address, inbox.identity)
+        early.send("inbox", wm)  # before the inbox read the table that names it: held
+        inbox.connect("prefill0", early.address, early.identity)
+        assert _receive_until(inbox, lambda got: got) == [wm]
+        inbox.gate.seal()
+        strangers = [_push(inbox.address, secret) for _ in range(64)]
+        socks += strangers
+        for sock in strangers:
+            with contextlib.suppress(zmq.Again):  # queued here at most: never delivered
+                sock.send_multipart([b"x" * 1024] * 8, zmq.NOBLOCK)
+        assert _receive_until(inbox, lambda _: inbox.gate.refused >= 64) == []
+        # (a refused client may try again: each try is refused and counted)
+        assert inbox.counters()["refused_connections"] >= 64 and inbox.received == 1
+        refused = inbox.gate.refused
+        # one key of the table, many connections: MAX_CONNECTIONS_PER_KEY of them
+        public, private = (z85.decode(k) for k in zmq.curve_keypair())
+        inbox.gate.admit(public)
+        for _ in range(MAX_CONNECTIONS_PER_KEY + 2):
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            curve_client(sock, secret, (public, private))
+            sock.connect(inbox.address)
+            socks.append(sock)
+        assert _receive_until(inbox, lambda _: inbox.gate.refused >= refused + 2) == []
+        assert inbox.gate.connections[public] == MAX_CONNECTIONS_PER_KEY
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        for cp in (inbox, early):
             cp.close()
 
 
@@ -146,23 +200,27 @@ def test_a_frame_proves_its_sender_and_its_receiver():
     # a secret holder that says it is prefill0 (its own key pair: not prefill0's)
     impostor = ControlPlane(secret=secret, name="prefill0", role="prefill")
     planes = (decode0, decode1, prefill0, prefill1, impostor)
-    raw0, raw1 = _push(decode0.address, secret), _push(decode1.address, secret)
+    # and one that relays captured frames with a key the decodes admit (a compromised rank)
+    raw0 = _push(decode0.address, secret, admitted_by=decode0)
+    raw1 = _push(decode1.address, secret, admitted_by=decode1)
     try:
         for d in (decode0, decode1):
             for p in (prefill0, prefill1):
                 p.connect(d.name, d.address, d.identity)
                 d.connect(p.name, p.address, p.identity)
+            d.gate.seal()  # every peer known: a key of no peer is refused at once
         impostor.connect("decode0", decode0.address, decode0.identity)
         ready = ChunkReady(
             room=3, chunk=0, page_start=0, num_pages=4, prefill_rank=0, writer=0, decode_rank=0
         )
-        impostor.send("decode0", ready)
+        impostor.send("decode0", ready)  # its key is no peer's: no connection (ZAP)
         # a frame prefill0 signed for decode1, sent to decode0 instead
         for_decode1 = dataclasses.replace(ready, decode_rank=1)
         to_decode1 = prefill0.seal("decode1", encode(for_decode1))
         raw0.send_multipart(to_decode1)
-        assert _receive_until(decode0, lambda _: decode0.unauthenticated >= 2) == []
-        assert decode0.unauthenticated == 2
+        assert _receive_until(decode0, lambda _: decode0.unauthenticated >= 1) == []
+        assert _receive_until(decode0, lambda _: decode0.gate.refused >= 1) == []
+        assert decode0.unauthenticated == 1 and decode0.counters()["refused_connections"] == 1
         raw1.send_multipart(to_decode1)  # where it was meant to go it counts (once)
         raw1.send_multipart(to_decode1)
         assert _receive_until(decode1, lambda _: decode1.replayed >= 1) == [for_decode1]
@@ -188,7 +246,7 @@ def test_a_captured_frame_sent_again_is_dropped_as_replayed():
     secret = new_secret()
     inbox = ControlPlane(secret=secret, name="decode0")
     honest = ControlPlane(secret=secret, name="prefill0")
-    raw = _push(inbox.address, secret)
+    raw = _push(inbox.address, secret, admitted_by=inbox)
     try:
         _pair(honest, inbox)
         wm = [Watermark(round=1, tail=t, prefill_rank=0, decode_rank=0) for t in range(4)]
@@ -226,7 +284,7 @@ def test_once_a_restart_is_known_the_old_incarnation_is_dropped_before_the_new_o
         assert new.incarnation > old.incarnation
         inbox.connect("prefill1", new.address, new.identity)  # what a rejoin notice does
         old.send("inbox", wm[1])  # a late frame of the old process, newer than its last
-        raw = _push(inbox.address, secret)
+        raw = _push(inbox.address, secret, admitted_by=inbox)
         raw.send_multipart(old.seal("inbox", encode(wm[2]), seq=1 << 40))  # any sequence number
         assert _receive_until(inbox, lambda _: inbox.replayed >= 2) == []
         assert inbox.replayed == 2

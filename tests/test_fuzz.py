@@ -9,6 +9,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_harness import World
+from zmq.utils import z85
 
 from kvstage.hw.control.plane import ControlPlane, curve_client, new_secret
 from kvstage.shared.invariants import check_records
@@ -103,7 +104,10 @@ def plane():
 def test_control_plane_drops_malformed_frames_and_keeps_good_ones(plane):
     cp, peer, ctx = plane
     push = ctx.socket(zmq.PUSH)
-    curve_client(push, SECRET)  # a holder of the run secret gets a connection
+    # a holder of the run secret with a key the plane admits (a rank of its table)
+    public, private = (z85.decode(k) for k in zmq.curve_keypair())
+    cp.gate.admit(public)
+    curve_client(push, SECRET, (public, private))
     push.connect(cp.address)
     rng = random.Random(0)
     good = [StagingReq(1, 0, 4, 0, 0), Watermark(2, 10, 0, 0)]

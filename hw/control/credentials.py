@@ -73,7 +73,10 @@ def key_file(run_dir: Path, name: str) -> Path:
 
 
 def write_key_files(run_dir: Path, credentials: Credentials, names: list[str]) -> None:
-    """One owner-only key file per rank name in `run_dir/keys` (a 0700 directory)."""
+    """One owner-only key file per rank name in `run_dir/keys` (a 0700 directory); no
+    directory when there are no names."""
+    if not names:
+        return
     keys = run_dir / KEYS_DIR
     keys.mkdir(mode=0o700, exist_ok=True)
     os.chmod(keys, 0o700)  # whatever the umask, or an older directory's mode

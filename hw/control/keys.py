@@ -93,6 +93,11 @@ class KeyPair:
         self._private = X25519PrivateKey.generate()
         self.public = self._private.public_key().public_bytes_raw()
 
+    def curve(self) -> tuple[bytes, bytes]:
+        """(public, secret) raw keys of this pair as a CURVE client's (its sockets
+        connect with the key its peers know from the rank table: hw/control/zap.py)."""
+        return self.public, self._private.private_bytes_raw()
+
     def pair_key(self, secret: bytes, sender: Identity, receiver: Identity) -> bytes:
         """The key of frames from `sender` to `receiver`, one of which holds this pair."""
         if sender.public == self.public:

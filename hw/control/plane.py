@@ -16,7 +16,9 @@ per run, over both identities, incarnations included), so its MAC proves which r
 sent it and to whom; a rendezvous message's key is bound to its rank, incarnation and
 direction. Below the MACs, every connection is a ZMQ CURVE one whose server key is
 derived from the run secret (`curve_server`, `curve_client`): a process without the
-secret never gets a connection, so nothing it sends is buffered. A frame list that is
+secret never gets a connection, so nothing it sends is buffered; a rank's inbox admits
+only the CURVE keys of its peers in the rank table, a few connections each (ZAP:
+hw/control/zap.py), so a holder of the secret that is no rank gets none either. A frame list that is
 too big is dropped before anything looks into it (ZMQ `MAXMSGSIZE` on each frame's
 header first, before its bytes are buffered, then the frame count and size); one from no known peer, or whose
 MAC is missing or wrong, is dropped before it is decoded; an authenticated message
@@ -42,6 +44,7 @@ from typing import Any
 import zmq
 
 from kvstage.hw.control.keys import MAX_NAME_BYTES, Identity, KeyPair, curve_server_keys
+from kvstage.hw.control.zap import Gate, ZapHandler
 from kvstage.shared.protocol import Message, ProtocolError, decode, encode
 from kvstage.shared.runtime import rank_name  # noqa: F401 - re-exported (launcher, ranks)
 
@@ -87,10 +90,12 @@ def curve_server(sock: zmq.Socket, secret: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, private)
 
 
-def curve_client(sock: zmq.Socket, secret: bytes) -> None:
+def curve_client(sock: zmq.Socket, secret: bytes, keys: tuple[bytes, bytes] | None = None) -> None:
     """Make `sock`, before it connects, a CURVE client of the run's listening sockets
-    (its own key pair drawn fresh: the server accepts any holder of the run secret)."""
-    public, private = zmq.curve_keypair()
+    with key pair `keys` (raw public, secret: a control plane's own, which a rank's
+    inbox admits only from the ranks of its table, hw/control/zap.py); none: drawn
+    fresh (the rendezvous accepts any holder of the run secret)."""
+    public, private = keys if keys is not None else zmq.curve_keypair()
     sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_keys(secret)[0])
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, private)
@@ -324,6 +329,9 @@ class ControlPlane:
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)
         self.inbox.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
+        # only the keys of the peers this plane connects to get a connection (ZAP)
+        self.gate = Gate()
+        ZapHandler.of(self.ctx).guard(self.inbox, self.gate)
         curve_server(self.inbox, self._secret)
         port = self.inbox.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
@@ -386,10 +394,11 @@ class ControlPlane:
         self._macs[peer] = self._pair_mac(me, identity)
         self._pair_keys[peer] = self._keys.pair_key(self._secret, me, identity)
         self._pair_keys_in[peer] = self._keys.pair_key(self._secret, identity, me)
+        self.gate.admit(identity.public)  # its connections to this inbox, from now on
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_CONTROL_FRAME)  # nothing comes back on a PUSH
-        curve_client(sock, self._secret)
+        curve_client(sock, self._secret, self._keys.curve())
         sock.connect(address)
         self._out[peer] = sock
 
@@ -552,10 +561,13 @@ class ControlPlane:
             "misattributed": self.misattributed,
             "oversize": self.oversize,
             "replayed": self.replayed,
+            # handshakes of no peer's key (ZAP): refused, or held now (hw/control/zap.py)
+            "refused_connections": self.gate.refused + ZapHandler.of(self.ctx).holding(self.gate),
         }
 
     def close(self) -> None:
         for sock in self._out.values():
             sock.close(linger=500)
+        ZapHandler.of(self.ctx).release(self.inbox)
         self.inbox.close(linger=0)
         self.waker.close()

@@ -124,6 +124,8 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         "replayed_messages": total(
             "replayed"
         ),  # authenticated but not newer than their sender's last
+        # control connections refused at the handshake: a client key of no peer (ZAP)
+        "refused_connections": total("refused_connections"),
         "clocks": _clocks(by_rank),
         "clock_tolerance_s": clock_tolerance(by_rank),
         # each rank's loop scheduling class (hw/rank/priority.py LoopPriority): "rr:10", or

@@ -342,6 +342,7 @@ class RankProcess:
             self._rejoin(client.rejoin)
         self.peers = table
         self._connect_peers(table)
+        self.control.gate.seal()  # every peer's key admitted: any other is refused at once
         if client.probe is not None and client.rejoin is None:  # a rejoin finds the rings in use
             self.ceiling = self._probe(client.probe)
         self.nic_before = read_counters()
