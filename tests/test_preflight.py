@@ -13,6 +13,7 @@ import pytest
 from test_hw import write_scenario
 from test_outcome import kvstage_cmd
 
+from kvstage.hw.control.credentials import Credentials, key_file, write_key_files
 from kvstage.hw.control.plane import new_secret, write_secret_file
 from kvstage.hw.rank.preflight import MIB, memory_problem, port_problem, rank_bytes
 from kvstage.hw.transport.used import rdma_devices
@@ -87,6 +88,8 @@ def test_a_rank_with_no_rendezvous_says_it_waits_then_gives_up_in_one_line(tmp_p
     scenario = write_scenario(tmp_path, 1, 1, 8, requests=2)
     secret = tmp_path / "run.secret"
     write_secret_file(secret, new_secret())
+    # the rank's own credential, as `kvstage hw --no-spawn` writes one per rank
+    write_key_files(tmp_path, Credentials(), ["decode0"])
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -104,6 +107,8 @@ def test_a_rank_with_no_rendezvous_says_it_waits_then_gives_up_in_one_line(tmp_p
             f"127.0.0.1:{port}",
             "--secret-file",
             str(secret),
+            "--key-file",
+            str(key_file(tmp_path, "decode0")),
             "--rendezvous-timeout",
             "6",
         ],
