@@ -45,7 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -108,6 +110,16 @@ def write_trace(path: Path, rate: float, hours: float, seed: int) -> int:
     return n
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its ended child processes (the
+    plan's worker pool, counted once it has shut down)."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -121,8 +133,9 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
     from kvstage.explore.progress import ProgressLog
 
     name = "method" if method else "exhaustive"
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu()
     cands = plan_candidates(path, GRID, max_gpus=max_gpus, screen=method)
+    candidates_s = time.perf_counter() - t0  # loading every configuration, the screen
     search = "halving" if method else "exhaustive"
     jobs, work = planned_work(cands, 0.9, search)
     log = ProgressLog(jobs, work, lambda s: print(f"  {s}", flush=True), what=name)
@@ -134,6 +147,7 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
         on_point=lambda row: log.advance(row.get("requests") or 0),
     )
     wall = time.perf_counter() - t0  # screening (reading the trace) included
+    cpu = tuple(b - a for a, b in zip(cpu0, _cpu(), strict=True))  # the pool has exited
     w = result.winner
     return {
         "search": search,
@@ -143,6 +157,8 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
         "requests_simulated": sum(r for _, r in result.rungs),
         "rungs": result.rungs,
         "wall_s": wall,
+        "candidates_s": candidates_s,
+        "cpu_s": {"this_process": cpu[0], "workers": cpu[1]},
         "winner": None if w is None else shape(w),
         "winner_gpus": None if w is None else w["gpus"],
         "winner_figures": None
@@ -196,6 +212,8 @@ def main() -> int:
            "slo": {"ttft_s": args.ttft, "tpot_s": args.tpot}, "workers": args.workers,
            "uptime_before": uptime()}  # fmt: skip
     print(f"uptime before: {out['uptime_before']}")
+    print(f"simulations on {args.workers} local worker process(es) (--workers) on a machine "
+          f"of {os.cpu_count()} cores; the wall times below are of all of them together")  # fmt: skip
     if args.method_result is not None:
         plans = {"method": json.loads(args.method_result.read_text()) | {"reused": True}}
     else:
@@ -211,7 +229,14 @@ def main() -> int:
     print(f"uptime after: {out['uptime_after']}")
     print(f"method: {m['configurations']} configurations, {m['screened_out']} screened out, "
           f"{m['simulations']} simulations of {m['requests_simulated']:,} requests in "
-          f"{m['wall_s']:.0f} s; winner {m['winner']}")  # fmt: skip
+          f"{m['wall_s']:.0f} s ({m.get('candidates_s', 0):.0f} s of it loading and screening the "
+          f"configurations); winner {m['winner']}")  # fmt: skip
+    c = m.get("cpu_s")
+    if c is not None:  # what the load took away: the CPU the plan used
+        print(f"method CPU: {c['this_process']:.0f} s in this process (loading, screening, "
+              f"ranking) + {c['workers']:.0f} s in the {args.workers} workers; on {args.workers} "
+              f"idle cores about {c['this_process'] + c['workers'] / args.workers:.0f} s of "
+              "wall time")  # fmt: skip
     ok = m["wall_s"] <= 600 and m["winner"] is not None
     if "exhaustive" in plans:
         e = plans["exhaustive"]

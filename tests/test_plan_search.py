@@ -264,3 +264,49 @@ def test_loaded_stays_out_of_simulation_tables(scenario):
     summary["conditions"] = {"cores": 2, "other_cpu_share": 0.6}
     assert summary["mode"] == "sim" and "LOADED" not in _table(summary)
     assert "LOADED" in _table({**summary, "mode": "hw"})
+
+
+def test_one_instance_prefill_work_is_shared_across_instance_counts():
+    """The screen computes one prefill instance's work on the workload once per scenario
+    up to its instance counts (kvstage/explore/screen.py): the counts do not enter it,
+    and the screen's prefill stage is the one computed afresh."""
+    from kvstage.explore.screen import _workload
+    from kvstage.shared.scenario import load_scenario
+    from kvstage.shared.serving.capacity import prefill_stage, prefill_work
+
+    base = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p1-d4.toml"
+    sets = ["workload.requests=40", "slo.ttft_s=1", 'workload.prompt="uniform"']
+    works, stages = set(), []
+    for p, d in ((1, 1), (2, 3), (4, 2)):
+        s = load_scenario(
+            base, [*sets, f"cluster.prefill_instances={p}", f"cluster.decode_instances={d}"]
+        )
+        requests, load = _workload(s)
+        works.add(prefill_work(s, requests))
+        fresh = prefill_stage(s, requests, load)
+        stages.append((capacity(s)["prefill compute"]["capacity"], fresh.capacity))
+    assert len(works) == 1  # the counts do not enter one instance's work
+    for screened, fresh in stages:
+        assert screened == fresh > 0
+    assert stages[1][0] == pytest.approx(2 * stages[0][0])
+
+
+def test_a_short_window_of_a_trace_carries_only_its_rows(tmp_path):
+    """A halving rung's scenario replays a trace's first rows: only those go with it to
+    its worker, and its requests are the whole scenario's first ones."""
+    import pickle
+
+    from kvstage.explore.plan import _shortened
+    from kvstage.shared.scenario import load_scenario
+    from kvstage.shared.workload import generate_requests
+
+    rows = [{"timestamp": 100 * i, "input_length": 300 + 7 * i} for i in range(50)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "s.toml"
+    path.write_text(SCENARIO + SLO)
+    trace = ['workload.arrival="trace"', 'workload.trace="t.jsonl"', 'workload.prompt="trace"']
+    s = load_scenario(path, trace)
+    short = _shortened(s, 12)
+    assert len(short.workload.rows) == 12 and len(s.workload.rows) == 50
+    assert len(pickle.dumps(short)) < len(pickle.dumps(s))
+    assert generate_requests(short) == generate_requests(s)[:12]

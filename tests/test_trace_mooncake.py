@@ -175,3 +175,20 @@ def test_wrong_trace_type_and_old_name_are_one_line_exit_2(tmp_path, line, needl
     assert len(res.output.strip().splitlines()) == 1, res.output
     for needle in needles:
         assert needle in res.output, res.output
+
+
+def test_a_trace_read_again_is_the_same_rows_and_a_rewritten_one_is_read_anew(tmp_path):
+    """read_trace keeps the rows of a file by its bytes (a plan loads one scenario per
+    configuration): the same bytes give equal rows in a list of their own; other bytes
+    of the same length at the same path, written at once, are read again."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(jsonl(GOOD))
+    first, again = read_trace(path), read_trace(path)
+    assert again == first and again is not first
+    again.clear()  # a caller's list is its own
+    assert read_trace(path) == first
+    path.write_text(jsonl(GOOD).replace('"input_length": 200', '"input_length": 300'))
+    assert [r.prompt_tokens for r in read_trace(path)] == [300, 700, 150]
+    path.write_text("not json\n")
+    with pytest.raises(ScenarioError, match="not JSON"):
+        read_trace(path)

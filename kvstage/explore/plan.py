@@ -363,8 +363,13 @@ def _next_batch(levels: list[list[Point]], start: int, workers: int, found: bool
 
 
 def _shortened(scenario: Any, requests: int) -> Any:
-    """The scenario on its first `requests` requests (a trace's first rows)."""
+    """The scenario on its first `requests` requests (a trace's first rows). Arrivals
+    from a trace replay its first `requests` rows and nothing else of it, so only those
+    go with the copy to its worker (the whole hour of plan_speed's trace pickled to
+    each short run cost about a second at each end)."""
     w = scenario.workload.model_copy(update={"requests": requests})
+    if w.arrival == "trace" and w.rows is not None:
+        w.keep_rows(w.rows[:requests])
     return scenario.model_copy(update={"workload": w})
 
 

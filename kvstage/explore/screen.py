@@ -20,7 +20,11 @@ that is overloaded on average is skipped, never one that is merely busy (a busy 
 is simulated; the plan warns when the winner runs above 85%).
 
 The offered load is `offered_load` of the scenario's requests (the whole workload:
-rate over the arrival span), generated once per distinct workload.
+rate over the arrival span), generated once per distinct workload. The prefill's work
+on them (`prefill_work`: every prompt's forwards on one instance) is computed once per
+workload and scenario up to its instance counts: one instance's forwards do not depend
+on how many there are (shared/serving/compute.py reads no count), and a plan's grid
+varies the counts most.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kvstage.shared.serving.capacity import (
     nic_stage,
     offered_load,
     prefill_stage,
+    prefill_work,
 )
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.workload import Request, generate_requests
@@ -49,15 +54,29 @@ __all__ = ["SCREEN_LIMIT", "Capacity", "capacity", "overload", "screen", "worklo
 SCREEN_LIMIT = 1.0
 
 _WORKLOADS: dict[str, tuple[list[Request], dict[str, Any]]] = {}
+_PREFILL_WORK: dict[str, tuple[float, float]] = {}
+_COUNTS = {"cluster": {"prefill_instances", "decode_instances"}}  # what the work ignores
+
+
+def _workload_key(scenario: Scenario) -> str:
+    return f"{scenario.workload.model_dump_json()}|{scenario.decode.prefix_tokens}"
 
 
 def _workload(scenario: Scenario) -> tuple[list[Request], dict[str, Any]]:
     """The scenario's requests and their `offered_load` (cached per workload and prefix)."""
-    key = f"{scenario.workload.model_dump_json()}|{scenario.decode.prefix_tokens}"
+    key = _workload_key(scenario)
     if key not in _WORKLOADS:
         requests = generate_requests(scenario)
         _WORKLOADS[key] = requests, offered_load(requests)
     return _WORKLOADS[key]
+
+
+def _prefill_work(scenario: Scenario, requests: list[Request]) -> tuple[float, float]:
+    """`prefill_work` of the scenario's requests (cached: the module docstring)."""
+    key = f"{_workload_key(scenario)}|{scenario.model_dump_json(exclude=_COUNTS)}"
+    if key not in _PREFILL_WORK:
+        _PREFILL_WORK[key] = prefill_work(scenario, requests)
+    return _PREFILL_WORK[key]
 
 
 def workload_load(scenario: Scenario) -> dict[str, Any]:
@@ -87,7 +106,7 @@ def capacity(scenario: Scenario) -> Capacity:
     out: Capacity = {}
     if rate is None:  # every request at once: no rate to compare
         return out
-    out[PREFILL] = _row(prefill_stage(s, requests, load))
+    out[PREFILL] = _row(prefill_stage(s, requests, load, _prefill_work(s, requests)))
     model = DecodeModel(s)
     if s.slo.tpot_s is not None and load["output_tokens"]:
         out[DECODE] = _row(decode_stage(s, load, model))

@@ -24,6 +24,7 @@ column, the value given and what is allowed.
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,12 +148,21 @@ def _rows(reader: Any, p: Path) -> list[TraceRow]:
 TRACE_SUFFIXES = (".csv", ".jsonl")
 
 
+# The rows of the last files read, by path and content (a digest of the bytes): a plan
+# loads one scenario per configuration, each naming the same trace, and parsing a
+# 22,000-row Mooncake trace took about a second each time. A file whose bytes changed
+# is read again.
+_READ: dict[tuple[str, bytes], list[TraceRow]] = {}
+_READ_KEEP = 4  # files kept
+
+
 def read_trace(path: str | Path) -> list[TraceRow]:
     """Rows of a trace file: Mooncake JSON Lines when its name ends in `.jsonl`, a CSV
     when it ends in `.csv` (the format is this module's docstring).
 
     Any problem -- a name of another type, a missing or unreadable file, an empty one,
     a bad header, a bad row -- raises one ScenarioError naming the file and line.
+    The same bytes at the same path give the rows read before (a new list of them).
     """
     p = Path(path)
     suffix = p.suffix.lower()
@@ -161,6 +171,25 @@ def read_trace(path: str | Path) -> list[TraceRow]:
             f"{p}: a trace file of type {suffix or '(none)'!r}; allowed: a CSV ({_FORMAT}) "
             "ending in .csv, or a Mooncake trace (JSON Lines) ending in .jsonl"
         )
+    key = _content_key(p)
+    rows = _READ.get(key) if key is not None else None
+    if rows is None:
+        rows = _read(p, suffix)  # a missing or unreadable file: the reader says so
+        if key is not None and _content_key(p) == key:  # not rewritten while read
+            if len(_READ) >= _READ_KEEP:
+                del _READ[next(iter(_READ))]
+            _READ[key] = rows
+    return list(rows)
+
+
+def _content_key(p: Path) -> tuple[str, bytes] | None:
+    try:
+        return str(p), hashlib.blake2b(p.read_bytes(), digest_size=16).digest()
+    except OSError:
+        return None
+
+
+def _read(p: Path, suffix: str) -> list[TraceRow]:
     if suffix == ".jsonl":
         return read_mooncake(p)
     try:

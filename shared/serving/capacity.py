@@ -156,17 +156,24 @@ def prefill_work(s: Scenario, requests: Sequence[Request]) -> tuple[float, float
     return tokens, total
 
 
-def prefill_capacity(s: Scenario, requests: Sequence[Request]) -> float:
+def prefill_capacity(
+    s: Scenario, requests: Sequence[Request], work: tuple[float, float] | None = None
+) -> float:
     """Computed prompt tokens per second of the prefill instances on these requests
-    (0 when they compute nothing)."""
-    tokens, seconds = prefill_work(s, requests)
+    (0 when they compute nothing); `work`: their `prefill_work` when known."""
+    tokens, seconds = prefill_work(s, requests) if work is None else work
     return tokens / seconds * s.cluster.prefill_instances if seconds > 0 else 0.0
 
 
-def prefill_stage(s: Scenario, requests: Sequence[Request], load: dict[str, Any]) -> Stage:
+def prefill_stage(
+    s: Scenario,
+    requests: Sequence[Request],
+    load: dict[str, Any],
+    work: tuple[float, float] | None = None,
+) -> Stage:
     """Offered computed prompt tokens/s against `prefill_capacity` (needs a rate)."""
     rate, computed = load["requests_per_s"], load["computed_tokens"]
-    capacity = prefill_capacity(s, requests)
+    capacity = prefill_capacity(s, requests, work)
     offered = rate * computed
     why = (
         f"{rate:.2f} req/s x {computed:,.0f} prompt tokens = {offered:,.0f} tokens/s offered vs "
