@@ -10,6 +10,15 @@ import pytest
 
 IN_CI = os.environ.get("CI") == "true"
 
+# A pytest-xdist worker starts with COLUMNS=80 and LINES=24 in its environment (execnet
+# sets them), and a rich Console made at import time then keeps 80 columns for good: a
+# test that asks for a wide terminal (`env={"COLUMNS": ...}`) would get wrapped text on a
+# worker and whole lines in one process. A worker's environment is made the same as the
+# serial run's, before any kvstage module is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 
 def require_engine(backend: str) -> None:
     """Skip a hardware test when the engine cannot be imported — but never in CI,

@@ -261,6 +261,17 @@ def test_bad_trace_is_one_message_and_exit_2(tmp_path, command, case):
     assert_one_trace_error(invoke(command, str(path), *extra), path, needles, tmp_path / "run")
 
 
+def test_a_missing_trace_deep_in_the_tree_is_named_to_its_file_name(tmp_path):
+    """A value too long for one error line is shortened in its middle: the file name at
+    the end of a long path is what the user needs to see."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = write_case(deep, None)
+    res = invoke("validate", str(path))
+    assert res.exit_code == 2, res.output
+    assert "gone.csv" in res.output and "..." in res.output and "no such file" in res.output
+
+
 def assert_one_trace_error(res, path, needles, run_dir) -> None:
     """A bad trace file: exit 2, one error line naming the file and the field, no
     traceback, no run directory."""

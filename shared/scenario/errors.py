@@ -54,12 +54,13 @@ class _FieldProblem(ValueError):
 
 
 def _fmt_value(value: Any) -> str:
-    """A value as the user would write it in TOML (shortened when long)."""
+    """A value as the user would write it in TOML, shortened in the middle when long: a
+    long path keeps its file name, a long list its last items."""
     try:
         text = _toml_value(value)
     except TypeError:
         text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= 80 else text[:38] + "..." + text[-39:]
 
 
 def _join(loc: Sequence[Any]) -> str:
