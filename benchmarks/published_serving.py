@@ -388,7 +388,9 @@ _PREFILL = (
 # The issue's own six configurations (TTFT p50 at 1,600 and 8,192 tokens, batch 1) as
 # TTFT = a + b x prompt: H200 FP8 TP8 with EP none / 4 / 8: a = 79 / 77 / 69 ms, b = 53 /
 # 36 / 35 us a token; B200 FP4 TP8, EP none / 4 / 8: a = 104 / 104 / 106 ms, b = 35 /
-# 35 / 42 us. kvstage's H200 TP8 forward: a = 27 ms, b = 24 us.
+# 35 / 42 us. kvstage's H200 TP8 forward: a = 29 ms, b = 25 us a token (the q_a / kv_a
+# projection and the router whole on each GPU, shared/serving/sharding.py; b = 23 us
+# before it).
 _TRT_TTFT = (
     "TensorRT-LLM 0.21's PyTorch backend, two parts kvstage does not price: (1) a floor "
     "of 69-106 ms in every configuration of the issue whatever the GPU (B200 FP4 at 1,600 "

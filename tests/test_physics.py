@@ -176,15 +176,19 @@ def test_prefill_attention_is_quadratic_in_the_context():
 
 def test_a_moe_decode_step_reads_only_the_experts_it_picks():
     """DeepSeek-V3 fp8 on 8 H200 (TP8, experts split over TP): at batch 1 the step reads
-    A / 8 of weights (the dense part and 8 of 256 experts), at batch 256 nearly all."""
+    A / 8 of weights (the dense part and 8 of 256 experts; the replicated q_a / kv_a
+    projection and router whole), at batch 256 nearly all."""
     s = scenario("deepseek-v3", "h200", 8)
     one, full = decode_step(s, 1, 2000), decode_step(s, 256, 256 * 2000)
     # P = D + 256 e, A = D + 8 e: e = (671 - 37) / 248 = 2.556e9, D = 16.55e9
     e = (671e9 - 37e9) / 248
     d = 37e9 - 8 * e - 129280 * 7168  # the embedding is a lookup, not read whole
-    assert one.weight_bytes == pytest.approx((d + 8 * e) / 8)  # 1 B a weight
+    # on every rank whole: 7168 x (1536 + 512 + 64) (q_a / kv_a) + 7168 x 256 (router)
+    whole = 61 * 7168 * (1536 + 512 + 64 + 256)
+    dense = (d - whole) / 8 + whole
+    assert one.weight_bytes == pytest.approx(dense + e)  # 1 B a weight, 8 / 8 experts
     touched = 256 * (1 - (1 - 8 / 256) ** 256)  # expected distinct experts at batch 256
-    assert full.weight_bytes == pytest.approx((d + touched * e) / 8)
+    assert full.weight_bytes == pytest.approx(dense + touched * e / 8)
     assert touched > 250
     m = DecodeModel(s)
     assert m.step_time_s(2000, 1) < 0.5 * m.step_time_s(256 * 2000, 256)

@@ -38,6 +38,9 @@ class ModelPreset:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     kv_lora_rank: int = 0
+    # MLA only (config.json q_lora_rank): the query's low-rank width; its down
+    # projection is replicated on every TP rank (shared/serving/sharding.py)
+    q_lora_rank: int = 0
     # config.json max_position_embeddings: the longest sequence (prompt + output) the
     # engines serve by default (SGLang's context_len, vLLM's max_model_len); 0: unknown
     context_tokens: int = 0
@@ -185,10 +188,15 @@ for _name, (_h, _a, _e, _k) in _SHAPES.items():
     )
 
 # MLA dimensions from the same config.json files: qk_nope_head_dim 128 +
-# qk_rope_head_dim 64, v_head_dim 128, kv_lora_rank 512 in all three.
+# qk_rope_head_dim 64, v_head_dim 128, kv_lora_rank 512, q_lora_rank 1536 in all three.
 for _name in ("deepseek-v2", "deepseek-v3", "kimi-k2"):
     PRESETS[_name] = replace(
-        PRESETS[_name], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512
+        PRESETS[_name],
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
     )
 
 # max_position_embeddings from the same config.json files (https:// + the URL beside

@@ -221,6 +221,13 @@ class ModelConfig(_Table):
         return (p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim, p.kv_lora_rank)
 
     @property
+    def mla_q_lora_rank(self) -> int | None:
+        """The preset's q_lora_rank (the query's low-rank width), or None when the model
+        names no preset that gives it."""
+        p = PRESETS.get(self.preset or "")
+        return p.q_lora_rank or None if p is not None else None
+
+    @property
     def heads(self) -> int:
         """Query heads (attention FLOPs)."""
         return self.attention_heads or self.kv_heads

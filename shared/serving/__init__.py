@@ -4,6 +4,7 @@
     kernel_table.py  a measured per-op table ([serving] kernels) over the efficiencies
     compute.py       the time of a prefill forward and a decode step on one GPU
     memory.py        memory per GPU on each side: weights, activations, KV
+    sharding.py      what a TP group splits and what every rank holds whole
     decode_model.py  a decode instance's KV capacity and step time
     prefix_cache.py  the prefill instance's prefix cache (Mooncake hash ids, LRU)
 

@@ -8,7 +8,9 @@ scenario's overrides).
 
 Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV:
 
-- linear FLOPs 2 x active params x c, split over the TP group, less the embedding (a
+- linear FLOPs 2 x active params x c, split over the TP group but for the weights the
+  engines replicate on every rank (MLA's fused q_a / kv_a projection, the MoE router:
+  shared/serving/sharding.py, whole on each GPU), less the embedding (a
   lookup, no FLOPs) and the LM head, which multiplies each sequence's last token only
   (2 x vocab x hidden per prompt in the forward; the model's vocab_size and
   tied_embeddings); the dense layers' matmuls have c rows, a MoE layer's have the
@@ -49,7 +51,8 @@ one for the whole step: the weight matmuls cannot hide the attention's KV reads)
 max(weights read / (HBM x decode_hbm), matmul FLOPs / (peak x plateau)) +
 max(KV read / (HBM x decode_hbm), attention FLOPs / attention rate) + the kernels'
 fixed costs + step overhead + the TP all-reduces + the all-to-all. Weights read: those
-the step touches less the embedding (a lookup; dense: all of this GPU's; MoE: the
+the step touches less the embedding (a lookup; dense: all of this GPU's, the
+replicated ones whole (sharding.py); MoE: the
 dense part plus the expected distinct experts the group's tokens pick,
 E (1 - (1 - k/E)^tokens) per layer, of this GPU's share). FLOPs: as in prefill with one
 token per request, every token a sequence's last (the LM head on each); the plateau is
@@ -90,6 +93,7 @@ from kvstage.shared.serving.engine_step import engine_step
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
+from kvstage.shared.serving.sharding import per_rank_params
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -301,7 +305,8 @@ def _linear_s(
     seqs = tokens if sequences is None else sequences
     group_tokens = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
     expert_rows = group_tokens * m.experts_per_token / m.experts if m.experts else tokens
-    d_flops = 2.0 * ((dense - embed - head) * tokens + table * seqs) / cfg.tp
+    body = per_rank_params(s, dense - embed - head, cfg.tp)  # sharding.py: some whole
+    d_flops = 2.0 * (body * tokens + table * seqs / cfg.tp)
     x_flops = 2.0 * m.experts_per_token * e * tokens / cfg.tp
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:  # prefill.tflops: sustained FLOP/s outright
@@ -397,7 +402,7 @@ def weight_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
         group = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
         touched = distinct_experts(m.experts, m.experts_per_token, group) / m.experts
         experts = here * touched * e * per
-    return (dense - embed) / cfg.tp * per, experts
+    return per_rank_params(s, dense - embed, cfg.tp) * per, experts
 
 
 def _weights_read(s: Scenario, tokens: float) -> float:
@@ -418,8 +423,8 @@ def _draft_s(s: Scenario, batch: int, weights: float, hbm: float, plateau: float
     per = WEIGHT_BYTES[m.weight_dtype]
     head_bytes = table * per / cfg.tp
     layer_bytes = max(0.0, weights - head_bytes) / m.layers + head_bytes
-    body = m.flops_params_b * 1e9 - embed - head
-    flops = 2.0 * batch * (body / m.layers + table) / cfg.tp
+    body = per_rank_params(s, m.flops_params_b * 1e9 - embed - head, cfg.tp)
+    flops = 2.0 * batch * (body / m.layers + table / cfg.tp)
     one = max(layer_bytes / hbm, flops / (gpu.peak_flops(m.weight_dtype) * plateau))
     one += (kernels_per_layer(s) + 2) * eff.kernel_launch_s  # + norm and head
     one += 2 * allreduce_latency_s(s, "decode", cfg.tp) + alltoall_s(s, "decode", batch) / m.layers

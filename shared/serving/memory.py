@@ -5,8 +5,9 @@ memory (the engine's static share, like SGLang's mem_fraction_static; the rest i
 allocator's slack, CUDA graphs, NCCL buffers):
 
 - weights: every parameter (all experts of a MoE model) at `model.weight_dtype`:
-  the dense part divided over the TP group, the experts over max(tp, ep) GPUs
-  (`prefill.ep` / `decode.ep`; `weights_per_gpu_bytes`);
+  the dense part divided over the TP group but for what the engines replicate on every
+  rank (MLA's q_a / kv_a projection, the MoE router: shared/serving/sharding.py), the
+  experts over max(tp, ep) GPUs (`prefill.ep` / `decode.ep`; `weights_per_gpu_bytes`);
 - activations and workspace: the largest forward's tokens (a prefill chunk, a decode
   batch of `decode.max_running_requests`) x hidden size x ACTIVATION_TENSORS tensors
   at 2 bytes, held whole on every rank of the group (an upper bound: some are
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, Gpu, side_gpu
 from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
+from kvstage.shared.serving.sharding import per_rank_params
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario.schema import Scenario
@@ -113,13 +115,14 @@ def expert_split(s: Scenario) -> tuple[float, float]:
 
 
 def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
-    """Bytes of weights one GPU of `side` holds: the dense part over TP, the experts
-    over max(tp, ep) GPUs (ep > tp: the expert group spans several instances)."""
+    """Bytes of weights one GPU of `side` holds: the dense part over TP (less what every
+    rank holds whole, shared/serving/sharding.py), the experts over max(tp, ep) GPUs
+    (ep > tp: the expert group spans several instances)."""
     cfg = s.prefill if side == "prefill" else s.decode
     dense, e = expert_split(s)
     per = WEIGHT_BYTES[s.model.weight_dtype]
     experts = s.model.experts * e
-    return (dense / cfg.tp + experts / max(cfg.tp, cfg.ep)) * per
+    return (per_rank_params(s, dense, cfg.tp) + experts / max(cfg.tp, cfg.ep)) * per
 
 
 def side_memory(s: Scenario, side: str) -> SideMemory:
