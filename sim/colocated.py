@@ -36,6 +36,17 @@ prompts being prefilled, mixed into the same forward:
 A step's time: shared/serving/mixed.py `mixed_step_s` (one forward of the running
 decodes and the prompt chunks the token budget admits).
 
+Decode-only steps in one event (`jump`). While an instance has no prompt to prefill,
+its batch changes only when a room finishes (at a step known since it joined) or a
+request arrives (it is admitted at the next step boundary): between two such moments
+each step's time is known beforehand. `_plan` computes the steps up to the next finish
+or to the first step end at or after the next arrival at the scheduler (known: the
+arrivals are the workload's), whichever comes first -- the same `step_time_s` calls
+and the same sums, in the same order, as the step-by-step loop -- and puts one event
+at the last end; the ends between are the batch's steps for the inter-token gaps. No
+request can reach the instance inside a plan, so no plan is ever cut. `jump = False`
+steps one event a step (tests/test_colocated_jump.py compares the two).
+
 Routing: round-robin (request i to instance i mod N) or, for every other router,
 least-outstanding (fewest requests routed and not yet finished; ties to the lowest
 index): there is no staging ring to be aware of.
@@ -142,6 +153,8 @@ class _Instance:
     step_ends: list[float] = field(default_factory=list)  # when each forward ended
     # the step in flight: its prompt pieces (request, tokens), the decode batch it carries
     pieces: list[tuple[_Req, int]] = field(default_factory=list)
+    # decode-only steps in one event (`_Engine._plan`): the ends of the steps planned
+    planned: list[float] = field(default_factory=list)
     # scaling (`_Engine.add_instance`, `drain_instance`): asked for at `started`, takes
     # requests from `ready` on, none once draining, gone at `stopped` (its last finished)
     started: float = 0.0
@@ -192,6 +205,8 @@ class _Engine:
         self.delay = preset.request_us * 1e-6 if preset is not None else 0.0
         self.requests = requests
         self.why = ""
+        self.jump = True  # decode-only steps in one event (module docstring)
+        self.horizon = math.inf  # the next arrival at the scheduler (`run` keeps it)
         # the instance's whole KV memory holds a room's prompt and output
         self.limits = Limits(
             page_size=self.model.page_size,
@@ -217,8 +232,10 @@ class _Engine:
             if next_arrival <= next_step:
                 r = pending.popleft()
                 now = next_arrival
+                self.horizon = pending[0].arrival_s + self.delay if pending else math.inf
                 self._arrive(r, now)
                 continue
+            self.horizon = next_arrival
             now, _, i = heapq.heappop(self.events)
             self._stepped(self.instances[i], now)
         return now
@@ -292,6 +309,9 @@ class _Engine:
                 return
             inst.stepping = True
             self.peak = max(self.peak, inst.batch)
+            if self.jump:
+                self._plan(inst, now)
+                return
             self._schedule(inst, now, self.model.step_time_s(inst.kv_tokens, inst.batch))
             return
         left = self.budget - inst.batch
@@ -321,7 +341,32 @@ class _Engine:
         self.order += 1
         heapq.heappush(self.events, (now + dt, self.order, inst.index))
 
+    def _plan(self, inst: _Instance, now: float) -> None:
+        """Decode-only steps in one event: up to the batch's next finish, or to the first
+        step end at or after the next arrival, whichever comes first (module docstring).
+        Each step's time and end are the step-by-step loop's: the same calls, the same
+        sums in the same order."""
+        size, kv, t = inst.batch, inst.kv_tokens, now
+        step_time_s, horizon, ends = self.model.step_time_s, self.horizon, inst.planned
+        for _ in range(inst.finishing[0][0] - inst.steps):
+            dt = step_time_s(kv, size)
+            inst.busy_s += dt
+            t += dt  # as `_schedule` adds a step's time to its start
+            ends.append(t)
+            kv += size
+            if t >= horizon:
+                break
+        self.steps += len(ends)
+        self.order += 1
+        heapq.heappush(self.events, (t, self.order, inst.index))
+
     def _stepped(self, inst: _Instance, now: float) -> None:
+        if inst.planned:  # the planned steps before this one: nothing changed at their ends
+            k = len(inst.planned) - 1
+            inst.step_ends += inst.planned[:k]
+            inst.steps += k
+            inst.kv_tokens += k * inst.batch
+            inst.planned = []
         inst.step_ends.append(now)
         if inst.batch:
             inst.steps += 1
@@ -386,14 +431,17 @@ def simulate_colocated(
     *,
     control: Control | None = None,
     interval: float = math.inf,
+    jump: bool = True,
 ) -> ColocatedResult:
     """Simulate `scenario` served colocated (make it with `colocated_scenario`): its
     workload (`generate_requests`, or `requests`) on `cluster.decode_instances`
     instances of TP `decode.tp`; `control(engine, now)` every `interval` simulated
-    seconds may add or drain instances (kvstage/explore/autoscale.py)."""
+    seconds may add or drain instances (kvstage/explore/autoscale.py). `jump` False:
+    one event a decode step (tests/test_colocated_jump.py compares the two)."""
     wall = time.perf_counter()
     reqs = generate_requests(scenario) if requests is None else requests
     engine = _Engine(scenario, reqs)
+    engine.jump = jump
     end = engine.run(control, interval)
     return ColocatedResult(
         scenario=scenario,

@@ -106,14 +106,15 @@ def _util(offered: float, capacity: float) -> float | None:
 def _prefill(
     s: Scenario, requests: Sequence[Request], load: dict, rate: float | None
 ) -> dict[str, Any]:
-    _, seconds = prefill_work(s, requests)
-    capacity = prefill_capacity(s, requests)
+    work = prefill_work(s, requests)  # once: the capacity and the stage take it
+    seconds = work[1]
+    capacity = prefill_capacity(s, requests, work)
     out: dict[str, Any] = {
         "capacity_tokens_per_s": capacity,
         "forward_per_request_s": seconds / len(requests) if requests else 0.0,
     }
     if rate is not None:
-        stage = prefill_stage(s, requests, load)
+        stage = prefill_stage(s, requests, load, work)
         out |= {
             "offered_tokens_per_s": stage.offered,
             "utilization": _util(stage.offered, capacity),
