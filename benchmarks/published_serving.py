@@ -651,7 +651,9 @@ def _sim_attainment(series: AttainmentSeries, rate: float) -> float:
 
     n = series.requests(rate)
     with tempfile.TemporaryDirectory() as tmp:
-        s = _load(*series.sets, *SLO_8A, f'workload.trace="{_sharegpt(n, rate, Path(tmp))}"')
+        trace = _sharegpt(n, rate, Path(tmp))
+        s = _load(*series.sets, *SLO_8A, f'workload.trace="{trace}"', f"workload.requests={n}",
+                  'workload.arrival="trace"', 'workload.prompt="trace"')  # fmt: skip
         return simulation_summary(s, simulate(s))["slo_attainment"]
 
 
@@ -688,8 +690,17 @@ def simulated_goodput(series: AttainmentSeries) -> Callable[[], float]:
 # --decoding-max-batch-size 1024, no chunked prefill (a prompt of up to OPT's 2,048-token
 # context is one forward); one 8-GPU A100 SXM node, so the KV moves over NVLink 3, 300
 # GB/s per direction (the A100 datasheet) = 2,400 Gb/s; [A] KV in FP16 as the weights,
-# no decode engine named (kvstage's default host cost a step).
+# no decode engine named (kvstage's default host cost a step). [S] The decode pulls whole
+# 16-token blocks of the prefill's cache over CUDA IPC (distserve/worker.py
+# `migrate_blocks`), never a token's head slice apart: [A] kvstage's staging path (a
+# gather at the HBM rate, one contiguous NVLink write, a scatter) is the closest; its
+# slice path would post one write per token, layer and K/V for TP2 -> TP1 (106,240 for
+# a 1,328-token prompt: 160 ms at 1.5 us each), which DistServe never does. The pool
+# holds two 2,048-token chunks (1.6 GiB each), the scale-down section's one 512-token one.
 _DS_ENGINE = (
+    'transfer.path="staging"',
+    "decode.staging_pool_mb=4096",
+    "hardware.scale_down.staging_pool_mb=64",
     "model.preset=opt-13b",
     "model.weight_dtype=fp16",
     "model.kv_dtype=fp16",
