@@ -76,3 +76,23 @@ def test_class_summary_counts_medians_and_tolerances(bench):
     tpot = next(line for line in lines if line.startswith("TPOT"))
     assert "median 0.95x" in tpot and "outside" not in tpot
     assert "within tolerance 2/4 (50%" in lines[-1]
+
+
+def test_goodput_is_read_where_attainment_crosses_90_percent(bench):
+    assert bench.crossing([(1.0, 1.0), (2.0, 0.8)]) == pytest.approx(1.5)
+    assert bench.crossing([(1.0, 0.8), (2.0, 0.95)]) == pytest.approx(5 / 3)
+    assert bench.crossing([(1.0, 0.99), (2.0, 0.95)]) is None
+    # DistServe's measured runs (counted from its .exp files): 286 of 300 met the SLO at
+    # 6 req/s, 239 of 300 at 7.5: 90% is crossed at 6.51 req/s over 3 GPUs
+    assert bench.published_goodput(bench.DS_C21D11_300) == pytest.approx(6.5106 / 3, rel=1e-4)
+
+
+def test_sharegpt_replay_keeps_the_lengths_and_scales_the_arrivals(bench, tmp_path):
+    path = bench._sharegpt(300, 6.0, tmp_path)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "arrival_s,prompt_tokens,output_tokens"
+    rows = [line.split(",") for line in lines[1:]]
+    assert len(rows) == 300
+    assert float(rows[0][0]) == 0.0 and float(rows[-1][0]) == pytest.approx(50.0)
+    assert [int(r[1]) for r in rows[:3]] == [55, 829, 697]  # the artifact's first prompts
+    assert all(float(a[0]) <= float(b[0]) for a, b in zip(rows, rows[1:], strict=False))
