@@ -4,9 +4,11 @@ given by the test. No socket, no thread, no clock."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from kvstage.hw.control.membership import REJOIN_ACK_S, Membership, RankInfo
+from kvstage.hw.control.membership import MAX_SPEAKERS, REJOIN_ACK_S, Membership, RankInfo
 
 P0, P1, D0 = b"conn-p0", b"conn-p1", b"conn-d0"
 NEW, STRANGER = b"conn-new", b"conn-stranger"
@@ -334,3 +336,55 @@ def test_a_decode_rank_never_rejoins_and_acks_come_only_from_the_asked():
     ack = {"kind": "rejoin_ack", "rank": "prefill0", "incarnation": 999, "first_room": 1}
     assert run.say(D0, "decode0", ack) == []  # not answered, only refused
     assert "no such rejoin asked of it" in run.m.refusals[-1]
+
+
+def _parts(report: dict, size: int) -> list[dict]:
+    text = json.dumps(report)
+    n = -(-len(text) // size)
+    return [
+        {"kind": "report_part", "part": i, "parts": n, "text": text[i * size : (i + 1) * size]}
+        for i in range(n)
+    ]
+
+
+def test_a_report_in_parts_is_held_for_its_rank_alone_and_up_to_the_bound():
+    """Issue 39 item 4: a report too big for one message comes in parts, in order, on the
+    rank's own connection; what is held for a rank is bounded; a bad part drops its parts
+    and is refused, naming why, and the rank may send its report again."""
+    run = started(max_report_bytes=2000)
+    report = {"role": "decode", "rank": 0, "records": [[i, "x" * 10] for i in range(40)]}
+    parts = _parts(report, 200)
+    assert len(parts) > 3
+    # from a connection that registered no rank, signed as a tool: refused
+    assert "registered no rank" in refused(run.say(STRANGER, "tool-1", parts[0]))
+    # signed for decode0 from prefill0's connection: refused before decode0's state moves
+    assert "speaks only for itself" in refused(run.say(P0, "decode0", parts[0]))
+    # out of order: refused, parts dropped
+    assert run.say(D0, "decode0", parts[0]) == []
+    assert "parts come in order" in refused(run.say(D0, "decode0", parts[2]))
+    # over the bound: refused, naming it
+    big = _parts({**report, "pad": "y" * 3000}, 900)
+    for part in big[:2]:
+        assert run.say(D0, "decode0", part) == []
+    why = refused(run.say(D0, "decode0", big[2]))
+    assert "at most 2000 a rank" in why and "its parts dropped" in why
+    assert not run.m._parts and "decode0" not in run.m.reports
+    # not text
+    assert "'text' a string" in refused(run.say(D0, "decode0", {**parts[0], "text": 7}))
+    # the whole report, in order: taken as the rank's report
+    for part in parts:
+        assert run.say(D0, "decode0", part) == []
+    assert run.m.reports["decode0"][1] == report
+    assert "already reported" in refused(run.say(D0, "decode0", parts[0]))
+
+
+def test_a_flood_of_tool_names_never_evicts_a_ranks_replay_floor():
+    """Tools' replay floors are bounded (the oldest dropped); a rank's are kept apart."""
+    run = started()
+    assert run.say(P0, "prefill0", {"kind": "clock", "t1": 1.0}, seq=50)[0][1]["kind"] == "clock"
+    for i in range(MAX_SPEAKERS + 10):
+        run.say(STRANGER, f"tool-{i}", {"kind": "clock", "t1": 1.0}, seq=1)
+    assert len(run.m._tools) == MAX_SPEAKERS
+    assert "replayed message" in refused(
+        run.say(P0, "prefill0", {"kind": "clock", "t1": 1.0}, seq=50)
+    )

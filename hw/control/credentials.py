@@ -33,6 +33,7 @@ import secrets
 from pathlib import Path
 
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvstage.hw.control.plane import RunSecretError, read_secret_file, write_secret_file
@@ -41,6 +42,7 @@ CREDENTIAL_BYTES = 32
 KEY_FD_ENV = "KVSTAGE_RANK_KEY_FD"  # the number of the inherited descriptor to read it from
 KEYS_DIR = "keys"  # RUN_DIR/keys/<name>.key, for ranks the launcher does not start
 _LABEL = b"kvstage rank credential v1"
+_CURVE = b"kvstage rendezvous curve client v1"
 
 
 class CredentialError(RunSecretError):
@@ -66,6 +68,15 @@ class Credentials:
             )
             self._of[name] = hkdf.derive(b"")
         return self._of[name]
+
+
+def curve_keys(credential: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) raw Curve25519 keys a rank connects to the rendezvous with,
+    derived from its credential: the rendezvous knows every rank's public key before
+    any connects, and counts each rank's connections (hw/control/zap.py)."""
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_CURVE)
+    private = X25519PrivateKey.from_private_bytes(hkdf.derive(credential))
+    return private.public_key().public_bytes_raw(), private.private_bytes_raw()
 
 
 def key_file(run_dir: Path, name: str) -> Path:

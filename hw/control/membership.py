@@ -21,13 +21,19 @@ is taken (a registration, or a rejoin begun). A second claim of a registered nam
 that is no rejoin (before the run started, or of a decode rank) means two processes hold
 that rank's credential: it is refused, and kept in `duplicates` (the launcher fails the
 run with it), naming both claimants: where each connected from, its control address,
-incarnation and key.
+incarnation and key. The replay floors of the run's ranks are kept apart from tools'
+(bounded, the oldest dropped): no flood of tool names evicts a rank's.
+
+What one sender makes it hold is bounded: a report too big for one message comes in
+parts (`report_part`) on the rank's own connection, in order, held up to
+`max_report_bytes` for that rank (MAX_REPORT_BYTES); anything else is one message.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +42,15 @@ from kvstage.hw.control.keys import PUBLIC_KEY_BYTES, Identity
 from kvstage.hw.transport.bandwidth import PROBE_SLOT_S
 from kvstage.shared.runtime import rank_name
 
-# rank names whose last (incarnation, sequence) the rendezvous keeps (replay state): only
-# authenticated messages make entries, so this bounds what a flood of names can take
+# tools' names (outside the run) whose last (incarnation, sequence) the rendezvous keeps
+# (replay state): only authenticated messages make entries, so this bounds what a flood
+# of names can take. The ranks' own floors are kept apart: a tool's flood never evicts one.
 MAX_SPEAKERS = 4096
+# A report carries the rank's whole trace: it goes in parts (`report_part`, each within
+# the rendezvous's bound a message, hw/control/plane.py MAX_RENDEZVOUS_BYTES), which the
+# rendezvous holds for the registered rank that sends them (its own connection, its own
+# credential) up to this many bytes in all: the most one sender makes it hold.
+MAX_REPORT_BYTES = 512 << 20
 # How long a rejoin waits for the decode ranks' answers before it goes on without them.
 REJOIN_ACK_S = 10.0
 # The longest a rank may announce it will be quiet (alive quiet_s: building its report).
@@ -46,7 +58,7 @@ MAX_QUIET_S = 600.0
 # a message a rank sends without waiting for an answer: a refusal is not answered (it
 # would take the "refused" for the answer to its next request)
 UNANSWERED = frozenset({"alive", "rejoin_ack"})
-KINDS = ("hello", "report", "query", "clock", "alive", "rejoin_ack")
+KINDS = ("hello", "report", "report_part", "query", "clock", "alive", "rejoin_ack")
 
 
 def _b64(data: bytes) -> str:
@@ -181,6 +193,7 @@ class Membership:
         grace_s: dict[str, float] | None = None,
         probe_slots: int = 0,
         probe_slot_s: float = PROBE_SLOT_S,
+        max_report_bytes: int = MAX_REPORT_BYTES,
     ) -> None:
         self.expected = set(expected)
         self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
@@ -204,7 +217,13 @@ class Membership:
         # `probe_slot_s` before t0, one per (prefill, decode) pair; 0: no probe
         self.probe_slots = probe_slots
         self.probe_slot_s = probe_slot_s
-        self._last: dict[str, tuple[int, int]] = {}  # name -> newest (incarnation, seq)
+        self._last: dict[str, tuple[int, int]] = {}  # a rank -> newest (incarnation, seq)
+        self._tools: dict[str, tuple[int, int]] = {}  # a tool's name -> the same, bounded
+        # a registered rank's connection -> the parts of its report received so far
+        # (`report_part`), held up to `max_report_bytes` of text: the most one sender
+        # makes this hold
+        self.max_report_bytes = max_report_bytes
+        self._parts: dict[bytes, list[str]] = {}
         self._sends: list[tuple[bytes, dict[str, Any]]] = []
         self._refused: list[tuple[bytes, str]] = []
         self.origins: dict[bytes, str] = {}  # a registered connection -> where it came from
@@ -269,6 +288,8 @@ class Membership:
             return self._hello(conn, msg, signer, incarnation, seq, now, origin)
         if kind == "report":
             return self._report(conn, msg)
+        if kind == "report_part":
+            return self._report_part(conn, msg)
         if kind == "rejoin_ack":
             return self._rejoin_ack(conn, msg)
         if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
@@ -280,8 +301,7 @@ class Membership:
             )
         return self.refuse(
             conn,
-            f"unknown message kind {str(kind)[:40]!r} (allowed: hello, report, query, clock, "
-            f"alive, rejoin_ack)",
+            f"unknown message kind {str(kind)[:40]!r} (allowed: {', '.join(KINDS)})",
         )
 
     def _who_may_speak(
@@ -313,7 +333,7 @@ class Membership:
         return None
 
     def _replayed(self, signer: str, incarnation: int, seq: int) -> str | None:
-        last = self._last.get(signer)
+        last = (self._last if signer in self.expected else self._tools).get(signer)
         if last is not None and (incarnation, seq) <= last:
             return (
                 f"replayed message: signed for {signer[:40]} incarnation {incarnation} number "
@@ -323,9 +343,12 @@ class Membership:
         return None
 
     def _floor(self, signer: str, incarnation: int, seq: int) -> None:
-        if signer not in self._last and len(self._last) >= MAX_SPEAKERS:
-            self._last.pop(next(iter(self._last)))
-        self._last[signer] = (incarnation, seq)
+        if signer in self.expected:
+            self._last[signer] = (incarnation, seq)
+            return
+        if signer not in self._tools and len(self._tools) >= MAX_SPEAKERS:
+            self._tools.pop(next(iter(self._tools)))
+        self._tools[signer] = (incarnation, seq)
 
     def _alive(self, conn: bytes, name: str | None, msg: dict[str, Any], now: float) -> None:
         if name is None:  # e.g. a replaced incarnation's old connection
@@ -453,6 +476,7 @@ class Membership:
         self._floor(name, info.incarnation, seq)
         self.registered.pop(old_conn, None)
         self.origins.pop(old_conn, None)
+        self._parts.pop(old_conn, None)
         self.hellos[name] = (conn, info)
         self.registered[conn] = name
         self.origins[conn] = origin
@@ -591,6 +615,40 @@ class Membership:
             return self.refuse(conn, f"{name} has already reported")
         self.reports[name] = (conn, msg)
         self.down.pop(name, None)  # a rank thought silent that finished after all
+
+    def _report_part(self, conn: bytes, msg: dict[str, Any]) -> None:
+        """One part of a registered rank's report (RendezvousClient.send_report): parts
+        come in order on its own connection; the last one makes the report. Held up to
+        `max_report_bytes` for that rank; refused (and the parts so far dropped) when a
+        part is out of order, not text, or over that bound."""
+        name = self.registered.get(conn)
+        if name is None:
+            return self.refuse(conn, "report_part from a connection that registered no rank")
+        held = self._parts.pop(conn, [])
+        part, parts, text = msg.get("part"), msg.get("parts"), msg.get("text")
+        size = sum(map(len, held)) + (len(text) if isinstance(text, str) else 0)
+        why = None
+        if not (type(part) is int and type(parts) is int and isinstance(text, str)):
+            why = "'part' and 'parts' must be ints, 'text' a string"
+        elif part != len(held) or not 0 <= part < parts:
+            why = f"part {part} of {parts} after {len(held)} parts: parts come in order"
+        elif size > self.max_report_bytes:
+            why = f"{size} bytes of report: at most {self.max_report_bytes} a rank"
+        elif name in self.reports:
+            why = f"{name} has already reported"
+        if why is not None:
+            return self.refuse(conn, f"report_part from {name} refused, its parts dropped: {why}")
+        held.append(text)
+        if part + 1 < parts:
+            self._parts[conn] = held
+            return None
+        try:
+            report = json.loads("".join(held))
+        except ValueError as exc:
+            return self.refuse(conn, f"report of {name} in {parts} parts is not JSON: {exc}")
+        if not isinstance(report, dict):
+            return self.refuse(conn, f"report of {name} is {type(report).__name__}, not an object")
+        return self._report(conn, report)
 
     @property
     def all_reported(self) -> bool:

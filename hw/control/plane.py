@@ -66,8 +66,21 @@ MAX_CONTROL_BYTES = MAX_CONTROL_FRAMES * ZMQ_MAX_CONTROL_FRAME
 # zmq_setsockopt(3), made explicit): with the bounds above at most
 # 1,000 x 32 KiB = 32 MiB queued from peers that hold the run secret.
 CONTROL_RCVHWM = 1000
-# A report carries the rank's whole trace; a hello its transfer metadata.
-MAX_RENDEZVOUS_BYTES = 512 << 20
+# What a sender may make the rendezvous hold (docs/hardware-mode.md, "Bounded per
+# sender"). A message to it (a hello with its transfer metadata, a beat, a part of a
+# report) is at most 1 MiB, frames together: ZMQ cuts a connection off on the header of a
+# frame over it (MAXMSGSIZE), the rendezvous refuses a frame list over it unread. A
+# rank's hello measured 0.8-1.4 KB (P2->D1 on the CPU, NIXL 1.4 KB with 760 bytes of
+# metadata, Mooncake 0.8 KB; 2026-12-03, by spying on Membership._hello in a launch):
+# the bound leaves room for engine metadata of hundreds of regions.
+MAX_RENDEZVOUS_BYTES = 1 << 20
+# ZMQ's receive queue of the rendezvous, in messages per connection: at most
+# 4 x 1 MiB queued on one connection before the rendezvous reads it (a sender's
+# connections: hw/control/zap.py).
+RENDEZVOUS_RCVHWM = 4
+# What the rendezvous sends a rank (the table of every rank's metadata): the rank
+# trusts the address it was given, so only this bound.
+MAX_TABLE_BYTES = 512 << 20
 
 # KVSTAGE_LOOP_STATS=DIR (hw/rank/process.py): a control plane also stamps every frame it sends and
 # receives and every wake of its poll, for benchmarks/hw_loop.py's delivery breakdown.

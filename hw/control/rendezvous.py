@@ -42,11 +42,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstage.hw.control.credentials import Credentials
+from kvstage.hw.control.credentials import Credentials, curve_keys
 from kvstage.hw.control.keys import MAX_NAME_BYTES, rank_key
-from kvstage.hw.control.membership import MAX_SPEAKERS, Membership, RankInfo
+from kvstage.hw.control.membership import MAX_REPORT_BYTES, Membership, RankInfo
 from kvstage.hw.control.plane import (
     MAX_RENDEZVOUS_BYTES,
+    MAX_TABLE_BYTES,
+    RENDEZVOUS_RCVHWM,
     SECRET_ENV,
     TO_LAUNCHER,
     TO_RANK,
@@ -59,6 +61,7 @@ from kvstage.hw.control.plane import (
     log,
     run_secret,
 )
+from kvstage.hw.control.zap import Gate, ZapHandler
 
 # connections the rendezvous closes before their CURVE handshake, none completed, before
 # a rank concludes that its run secret is not the launcher's (ZMQ reconnects every
@@ -81,6 +84,13 @@ class RendezvousRetry(RendezvousError):
 
 # how often a hello refused for now is sent again (RendezvousClient.hello)
 RETRY_S = 0.5
+# Connections the rendezvous admits, all together over a run, of keys that are no rank's
+# (tools that hold only the run secret: tests, diagnostics; no rank needs one): one
+# sender, held to 16 x RENDEZVOUS_RCVHWM x MAX_RENDEZVOUS_BYTES = 64 MiB queued.
+MAX_TOOL_CONNECTIONS = 16
+# the characters of a report's JSON text in one `report_part`: escaped as a JSON string
+# (a quote or backslash takes 2 bytes) with its envelope, within MAX_RENDEZVOUS_BYTES
+REPORT_PART_CHARS = (MAX_RENDEZVOUS_BYTES - 4096) // 2
 # What the rendezvous tells a registered rank unasked (RendezvousClient.notices).
 NOTICES = frozenset({"rejoin"})
 # A registered rank says it is alive this often; one silent for RANK_SILENT_S is down
@@ -153,8 +163,10 @@ class RendezvousClient:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_BYTES)
-        curve_client(self.sock, secret)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_TABLE_BYTES)
+        # a rank connects with the key of its credential (the rendezvous counts its
+        # connections); a tool with a key of its own, drawn here
+        curve_client(self.sock, secret, curve_keys(credential) if credential else None)
         if not address.startswith("tcp://"):
             address = f"tcp://{address}"
         # connection events: a rendezvous that closes every connection before the CURVE
@@ -181,15 +193,51 @@ class RendezvousClient:
 
     def send(self, msg: dict[str, Any], block: bool = True) -> None:
         """One authenticated JSON message to the rendezvous. `block=False`: dropped if
-        it cannot go at once (a rendezvous that is gone must not stall a rank's loop)."""
+        it cannot go at once (a rendezvous that is gone must not stall a rank's loop).
+        RendezvousError, naming the bound, for one over MAX_RENDEZVOUS_BYTES (the
+        rendezvous would cut the connection off)."""
         self._seq += 1
-        frames = [self.name.encode(), frame_header(self.incarnation, self._seq)]
-        try:
-            self.sock.send_multipart(
-                self._up.sign([*frames, json.dumps(msg).encode()]), 0 if block else zmq.NOBLOCK
+        frames = self._up.sign(
+            [
+                self.name.encode(),
+                frame_header(self.incarnation, self._seq),
+                json.dumps(msg).encode(),
+            ]
+        )
+        if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
+            raise RendezvousError(
+                f"a {str(msg.get('kind'))[:40]} message of {frames_size(frames)} bytes is over "
+                f"the rendezvous's bound of {MAX_RENDEZVOUS_BYTES} bytes a message (a report "
+                f"goes in parts; a hello's transfer metadata must fit)"
             )
+        try:
+            self.sock.send_multipart(frames, 0 if block else zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+    def send_report(self, report: dict[str, Any]) -> None:
+        """`report` as one message if it fits, else in parts of at most
+        MAX_RENDEZVOUS_BYTES (`report_part`: a slice of its JSON text each, in order);
+        RendezvousError, naming the bound, for one over MAX_REPORT_BYTES."""
+        text = json.dumps(report)  # ASCII: as a JSON string each character takes <= 2 bytes
+        if len(text) > MAX_REPORT_BYTES:
+            raise RendezvousError(
+                f"a report of {len(text)} bytes is over the rendezvous's bound of "
+                f"{MAX_REPORT_BYTES} bytes a rank"
+            )
+        if len(text) + 4096 <= MAX_RENDEZVOUS_BYTES:
+            return self.send({"kind": "report", **report})
+        step = REPORT_PART_CHARS
+        parts = -(-len(text) // step)
+        for i in range(parts):
+            self.send(
+                {
+                    "kind": "report_part",
+                    "part": i,
+                    "parts": parts,
+                    "text": text[i * step : (i + 1) * step],
+                }
+            )
 
     def _check_handshakes(self) -> None:
         """RendezvousError once the rendezvous closed connections before their handshake
@@ -206,6 +254,12 @@ class RendezvousClient:
                 f"{self._refused_handshakes} times before its handshake: this rank cannot "
                 f"authenticate: this rank's run secret is not the launcher's (check "
                 f"--secret-file / ${SECRET_ENV})"
+                + (
+                    ""
+                    if self._credential
+                    else f", or, holding no rank's credential, it came after the "
+                    f"{MAX_TOOL_CONNECTIONS} connections the rendezvous admits of tools"
+                )
             )
 
     def _pump(self, timeout_ms: int) -> None:
@@ -359,7 +413,7 @@ class RendezvousClient:
         `serve` is called meanwhile, again and again (it should block for a few ms at
         most): a rank that finished still answers its peers, whose re-sent messages may
         wait for an acknowledgement only it can give."""
-        self.send({"kind": "report", **report})
+        self.send_report(report)
         if serve is None:
             self.recv(max(1.0, timeout_s), "the other ranks to finish")
             return
@@ -423,7 +477,14 @@ class RendezvousServer:
     checks every message signed for a rank of the run against that rank's credential
     (`credential(name)`: for whoever starts the rank to hand it to that process alone);
     one signed with the run secret alone reaches the membership unproven and is refused
-    there, naming why. A second claim of a registered name is in `duplicates`."""
+    there, naming why. A second claim of a registered name is in `duplicates`.
+
+    Bounded per sender (docs/hardware-mode.md): a message is at most
+    MAX_RENDEZVOUS_BYTES (ZMQ cuts off a connection on a bigger frame's header; a frame
+    list over it is refused unread), at most RENDEZVOUS_RCVHWM of them queued per
+    connection; a rank connects with the CURVE key of its credential, admitted a few times
+    (`gate`, hw/control/zap.py), and its report comes in parts held up to MAX_REPORT_BYTES
+    for it alone; keys of no rank (tools) share MAX_TOOL_CONNECTIONS connections."""
 
     def __init__(
         self,
@@ -442,13 +503,24 @@ class RendezvousServer:
         secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
         self.credentials = Credentials()
-        # (name, incarnation) -> the key its messages are signed with
-        self._keys: dict[tuple[str, int], FrameMac] = {}
+        # a rank of the run -> (incarnation, the key its messages are signed with): kept
+        # only once a message proved it, one per rank (a tool's key is derived each time)
+        self._keys: dict[str, tuple[int, FrameMac]] = {}
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_BYTES)
+        self.sock.setsockopt(zmq.RCVHWM, RENDEZVOUS_RCVHWM)
         curve_server(self.sock, secret)  # a stranger gets no connection: nothing buffered
+        # per sender: each rank's key (of its credential) a few connections, tools together
+        # MAX_TOOL_CONNECTIONS (hw/control/zap.py)
+        self.gate = Gate(others=MAX_TOOL_CONNECTIONS)
+        self._curve_keys = {name: curve_keys(self.credentials.of(name))[0] for name in expected}
+        for key in self._curve_keys.values():
+            self.gate.admit(key)
+        self.gate.seal()
+        self._granted: set[tuple[str, float]] = set()  # (rank, went down at): one more each
+        ZapHandler.of(self.ctx).guard(self.sock, self.gate)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -505,15 +577,16 @@ class RendezvousServer:
         """The frames of a message signed for `name`'s `inc` without their MAC, or None:
         checked with its credential for a rank of the run, with the run secret alone
         for any other name (a tool's). Keys are kept only once a message proved them."""
-        mac = self._keys.get((name, inc))
-        if mac is None:
-            cred = self.credentials.of(name) if name in self.members.expected else b""
+        rank = name in self.members.expected
+        known = self._keys.get(name)
+        if known is not None and known[0] == inc:
+            mac = known[1]
+        else:
+            cred = self.credentials.of(name) if rank else b""
             mac = FrameMac(rank_key(self._secret, TO_LAUNCHER, name, inc, cred), b"")
         body = mac.verify(frames)
-        if body is not None and (name, inc) not in self._keys:
-            if len(self._keys) >= MAX_SPEAKERS:
-                self._keys.pop(next(iter(self._keys)))
-            self._keys[(name, inc)] = mac
+        if body is not None and rank:
+            self._keys[name] = (inc, mac)
         return body
 
     def _signed(self, frames: list[bytes]) -> tuple[str, int, int, bytes, bool] | str:
@@ -552,12 +625,22 @@ class RendezvousServer:
                         parts[0], f"could not handle the message: {type(exc).__name__}: {exc}"
                     )
         self.members.tick(time.monotonic(), time.time(), start_delay_s)
+        self._grant()
         self._flush()
+
+    def _grant(self) -> None:
+        """A rank that went down may connect once more (its next incarnation)."""
+        for name, down in list(self.members.down.items()):
+            if (name, down.since) not in self._granted:
+                self._granted.add((name, down.since))
+                self.gate.grant(self._curve_keys[name])
 
     def _handle(self, conn: bytes, frames: list[bytes], origin: str = "") -> None:
         if frames_size(frames) > MAX_RENDEZVOUS_BYTES:
             return self.members.refuse(
-                conn, f"message of {frames_size(frames)} bytes (at most {MAX_RENDEZVOUS_BYTES})"
+                conn,
+                f"message of {frames_size(frames)} bytes: at most {MAX_RENDEZVOUS_BYTES} a "
+                f"message (a report goes in parts)",
             )
         signed = self._signed(frames)
         if isinstance(signed, str):
@@ -583,6 +666,7 @@ class RendezvousServer:
     def mark_down(self, name: str, why: str, grace_s: float | None = None) -> bool:
         """`name` died or went silent during the run (Membership.mark_down)."""
         down = self.members.mark_down(name, why, time.monotonic(), grace_s)
+        self._grant()
         self._flush()
         return down
 
@@ -599,6 +683,7 @@ class RendezvousServer:
         self._flush()
 
     def close(self) -> None:
+        ZapHandler.of(self.ctx).release(self.sock)
         self.sock.close(linger=500)
 
 

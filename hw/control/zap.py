@@ -14,9 +14,16 @@ connection breaks), so what one sender can have queued at a rank is bounded by t
 connections' RCVHWM x MAX_CONTROL_BYTES, however many connections it opens. A key
 that is no peer's is refused, counted (`Gate.refused`, a rank's `refused_connections`).
 
+The rendezvous's gate (hw/control/rendezvous.py) knows its senders from the start: each
+rank connects to it with a CURVE key derived from its own credential
+(hw/control/credentials.py `curve_keys`), admitted MAX_CONNECTIONS_PER_KEY times and once
+more each time that rank went down (`grant`: a restarted incarnation connects again);
+every other key (a tool that holds only the run secret) counts against one allowance
+shared by all of them (`others`): together they are one sender.
+
 One handler thread per ZMQ context (ZAP's endpoint is per context); each guarded
 socket has its own ZAP domain and `Gate`. A CURVE server of the context with no domain
-(the rendezvous) is admitted as before: the run secret alone.
+is admitted as before: the run secret alone.
 """
 
 from __future__ import annotations
@@ -37,11 +44,15 @@ _domains = itertools.count()
 
 
 class Gate:
-    """One inbox's admission: the peers' keys it admits, and how often each came."""
+    """One inbox's admission: the peers' keys it admits, and how often each came.
+    `others`: connections admitted, all together, of keys not admitted (0: none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, others: int = 0) -> None:
         self.keys: set[bytes] = set()
         self.connections: Counter[bytes] = Counter()
+        self.granted: Counter[bytes] = Counter()  # connections over the bound, per key
+        self.others = others
+        self.others_admitted = 0
         self.refused = 0
         self.sealed = False  # every peer's key is in: an unknown key is refused at once
         self.lock = threading.Lock()
@@ -58,18 +69,29 @@ class Gate:
         with self.lock:
             self.sealed = True
 
+    def grant(self, key: bytes) -> None:
+        """One more connection of `key` (its rank went down: its next incarnation)."""
+        with self.lock:
+            self.granted[bytes(key)] += 1
+
     def decide(self, key: bytes, final: bool) -> tuple[bool, str] | None:
         """(admitted, why) for a connection with client key `key`; None: not known yet,
         ask again (until `final` or sealed: then refused)."""
         with self.lock:
             if key not in self.keys:
+                if self.others_admitted < self.others:
+                    self.others_admitted += 1
+                    return True, "OK"
                 if not final and not self.sealed:
                     return None
                 self.refused += 1
+                if self.others:
+                    return False, f"keys of no rank: {self.others} connections in all, used"
                 return False, "not a key of the rank table"
-            if self.connections[key] >= MAX_CONNECTIONS_PER_KEY:
+            limit = MAX_CONNECTIONS_PER_KEY + self.granted[key]
+            if self.connections[key] >= limit:
                 self.refused += 1
-                return False, f"more than {MAX_CONNECTIONS_PER_KEY} connections of one key"
+                return False, f"more than {limit} connections of one key"
             self.connections[key] += 1
             return True, "OK"
 
