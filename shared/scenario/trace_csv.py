@@ -23,13 +23,13 @@ column, the value given and what is allowed.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvstage.shared.csv_file import read_csv_file
 from kvstage.shared.scenario.errors import ScenarioError
 from kvstage.shared.scenario.trace_mooncake import read_mooncake
 from kvstage.shared.scenario.trace_row import TraceRow
@@ -192,17 +192,6 @@ def _content_key(p: Path) -> tuple[str, bytes] | None:
 def _read(p: Path, suffix: str) -> list[TraceRow]:
     if suffix == ".jsonl":
         return read_mooncake(p)
-    try:
-        fh = p.open(newline="", encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such trace file (workload.trace)") from None
-    except OSError as exc:
-        raise ScenarioError(f"{p}: cannot read trace: {exc}") from None
-    with fh:
-        reader = csv.reader(fh)
-        try:
-            return _rows(reader, p)
-        except csv.Error as exc:
-            raise ScenarioError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ScenarioError(f"{p}: not UTF-8 text: {exc}") from None
+    return read_csv_file(
+        p, "trace file", "workload.trace", ScenarioError, lambda reader: _rows(reader, p)
+    )

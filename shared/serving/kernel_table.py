@@ -40,8 +40,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvstage.shared.csv_file import read_csv_file
 from kvstage.shared.serving.gpus import GPUS, WEIGHT_BYTES, Gpu
 
 if TYPE_CHECKING:
@@ -153,23 +154,16 @@ def read_kernel_table(
     """The kernel table at `path`; `gpus(name)` gives the Gpu a row's name means (None:
     unknown), `allowed` lists the names for the error message."""
     p = Path(path)
-    try:
-        fh = p.open(newline="", encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise KernelTableError(f"{p}: no such kernel table (serving.kernels)") from None
-    except OSError as exc:
-        raise KernelTableError(f"{p}: cannot read the kernel table: {exc}") from None
-    with fh:
-        reader = csv.DictReader(fh)
-        try:
-            header = [h.strip() for h in (reader.fieldnames or [])]
-            reader.fieldnames = header
-            rows = ((reader.line_num, r) for r in reader)
-            gemm, attention = _parse(p, rows, header, gpus, allowed)
-        except csv.Error as exc:
-            raise KernelTableError(f"{p}:{reader.line_num}: bad CSV: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise KernelTableError(f"{p}: not UTF-8 text: {exc}") from None
+
+    def parse(reader: csv.DictReader) -> tuple[Any, Any]:
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        reader.fieldnames = header
+        rows = ((reader.line_num, r) for r in reader)
+        return _parse(p, rows, header, gpus, allowed)
+
+    gemm, attention = read_csv_file(
+        p, "kernel table", "serving.kernels", KernelTableError, parse, dicts=True
+    )
     return KernelTable(str(p), gemm, attention)
 
 
