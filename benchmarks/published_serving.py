@@ -276,7 +276,9 @@ def nim_why(prompt: int) -> Callable[[float], str]:
 # default (0.8, FlashInfer's decode attention) describes newer kernels. Prefill needs no
 # override: kvstage's TP2 forward of 512 / 907 / 1,716 tokens is 40 / 64 / 107 ms against
 # the profile's 46 / 72 / 127.
-_DS_DECODE = ("decode.hbm_efficiency=0.64",)
+# [C] And its first token goes to the client from the prefill (distserve/engine.py: the
+# context stage's step output, before the KV migrates), not when the decode admits it.
+_DS_DECODE = ("decode.hbm_efficiency=0.64", 'decode.first_token="prefill"')
 
 
 def _p90s_met(rate: float, requests: int) -> bool:
@@ -433,13 +435,13 @@ _TRT_TTFT = (
     "run far below DeepGEMM's dense-shape rates the model prices them at. Checked and "
     "not the cause: expert weight bytes (21 ms at 1,600 tokens, under the FLOPs' 30)"
 )
-# Figure 1 binds at the decode GPU in the paper and in kvstage alike (TTFT P90 0.23 s at
-# kvstage's 19.6 req/s, TPOT P90 0.040 s).
+# Figure 1 binds at the decode GPU in the paper and in kvstage alike (TTFT P90 ~0.2 s at
+# kvstage's 19.3 req/s, TPOT P90 0.040 s).
 _FIG1 = (
     "the figure's engine is slower than the one DistServe profiled (_DS_DECODE): with "
     "that profile's decode step, 19.93 ms + 0.0385 ms a request + 0.627 us a KV token, "
     "43 requests of ~544 tokens take 36 ms a step, so one decode GPU holds a 40 ms TPOT "
-    "to ~20 req/s (kvstage: 19.6), where the figure's decode-only system stopped at 10 "
+    "to ~20 req/s (kvstage: 19.3), where the figure's decode-only system stopped at 10 "
     "(the paper's text); its prefill-only 5.6 req/s per GPU at a 0.4 s P90 TTFT likewise "
     "asks ~0.14 s a 512-token prompt, twice the profile's 65.6 ms (kvstage: 73). The "
     "paper does not say which engine the motivating figure ran"
@@ -777,18 +779,17 @@ DS_C21D12_100S = AttainmentSeries(
     None,
     (*_DS_ENGINE, *_C21, "decode.tp=1", "cluster.decode_instances=2"),
 )  # fmt: skip
-# Where the wait for decode memory lands: kvstage admits a request at the decode (its KV
-# pages granted) before its prefill, as SGLang's PD does (the prefill's bootstrap waits
-# for the decode's pre-allocation), so a full decode delays the first token (TTFT).
-# DistServe prefills first and streams the first token from the prefill ([C]
-# distserve/engine.py: the context stage's `_on_new_step_output_callback`); the KV waits
-# in the prefill's memory until the decode pulls it, and the wait lands in TPOT, which
-# Figure 8a's 0.1 s bound over ~186 output tokens absorbs.
+# What is left when the decode runs out of KV memory: kvstage's decode admits a room when
+# its pages fit and keeps it to the end; DistServe's allocates blocks as tokens grow and,
+# when they run out, swaps the newest request to CPU memory (--swap-space 16) and takes
+# swapped ones back first ([C] distserve/decoding_stage_scheduler.py,
+# `DecodingStageFCFSScheduler.get_next_batch`): more requests in the batch, and the
+# swapped ones' TPOT in seconds (the measured P90 TPOT at 6 req/s, 100 s: 576 ms).
 _DS_ADMISSION = (
-    "the wait for decode memory: kvstage admits at the decode before the prefill "
-    "(SGLang's order), so a full decode misses TTFT; DistServe prefills, streams the "
-    "first token from the prefill and keeps the KV there until the decode pulls it, so "
-    "the wait lands in TPOT (0.1 s over ~186 tokens absorbs seconds of it)"
+    "the decode under KV pressure: kvstage admits a room when its pages fit and keeps it; "
+    "DistServe allocates blocks as tokens grow and swaps the newest request to CPU when "
+    "they run out (decoding_stage_scheduler.py), more in the batch and seconds of TPOT "
+    "for the swapped ones"
 )
 _DS_PIPELINE = (
     "kvstage has no pipeline parallelism: the decode pipeline of 2 is two TP1 instances, "

@@ -35,6 +35,8 @@ PHASES: tuple[str, ...] = (
     # out; end: its last token); `requests` holds the tokens generated
     "decode_step",  # decode (simulated generation): one step of an instance's batch, at its
     # first rank; `requests` holds the batch size
+    "first_token",  # prefill (decode.first_token = "prefill"): the room's first token
+    # streamed to the client at its last forward's end; a measured client's, role "client"
 )
 
 

@@ -183,6 +183,7 @@ class Simulation:
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
         # room yet is settled, so the run cannot end before the last arrival
         self._arrivals_left = len(self.requests)
+        self._by_room: dict[int, Request] | None = None  # `request_of`, made when first asked
         self.records: list[TraceRecord] = []
         self.checker = InvariantChecker(self.config.path) if check else None
         self.progress = progress
@@ -496,6 +497,12 @@ class Simulation:
                 self.progress(self._ended, len(self.requests))
 
     # --- workload -----------------------------------------------------------------------
+    def request_of(self, room: int) -> Request:
+        """The request of `room` (rooms need not be the requests' indices in a shard)."""
+        if self._by_room is None:
+            self._by_room = {r.room: r for r in self.requests}
+        return self._by_room[room]
+
     def _arrive(self, index: int, req: Request, _ev=None) -> None:
         if req.room in self.rejected:  # refused at admission: no rank ever sees it
             self._arrivals_left -= 1

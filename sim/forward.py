@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.serving.compute import chunk_forward_s
+from kvstage.shared.trace import TraceRecord
 from kvstage.sim.gpu import SerialStream
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class _GroupChunk:
     started: bool = False  # chunk 0 only: the room opened
     done: bool = False
     delivered: int = 0
+    last: bool = False  # the room's last chunk, whose end streams the first token
 
 
 class GroupForward:
@@ -63,7 +65,7 @@ class GroupForward:
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
         sim = self.sim
         start = self.stream.free_at(now)
-        job = _GroupChunk(start)
+        job = _GroupChunk(start, last=self._streams_first(f))
         if f.chunk == 0:  # the room opens when its first chunk's forward starts
             sim._at(start - now, self._started, key)
         if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
@@ -76,6 +78,17 @@ class GroupForward:
         sim._at(end - now, self._done, key)
         return job
 
+    def _streams_first(self, f: Forward) -> bool:
+        """Whether this chunk's end streams the room's first token: decode.first_token is
+        "prefill" and it is the room's last chunk (the decode holds the prompt's pages
+        from `f.page_start`, the chunk's own, to the prompt's end)."""
+        sim = self.sim
+        if sim.scenario.decode.first_token != "prefill":
+            return False
+        req = sim.request_of(f.room)
+        g = sim.geometry
+        return f.page_start + f.num_pages >= -(-req.prompt_tokens // g.page_size)
+
     def _started(self, key: tuple[int, int], _ev=None) -> None:
         job = self._chunks[key]
         job.started = True
@@ -85,6 +98,12 @@ class GroupForward:
     def _done(self, key: tuple[int, int], _ev=None) -> None:
         job = self._chunks[key]
         job.done = True
+        if job.last and job.ranks:  # decode.first_token = "prefill": the token goes out now
+            now = self.sim.env.now
+            rank = job.ranks[0].rank
+            self.sim._keep_record(
+                TraceRecord("prefill", rank, "first_token", now, now, room=key[0], chunk=key[1])
+            )
         for rt in list(job.ranks):
             self._deliver_done(rt, key)
 

@@ -90,24 +90,26 @@ def test_one_request_alone_takes_one_step_per_token_with_its_kv_growing():
     assert per["ttft_s"][0] == pytest.approx(gen.start - res.requests[0].arrival_s, abs=1e-6)
 
 
+def one_slot_four(n: int, prompt: int) -> list[str]:
+    """Four prompts of `prompt` tokens at once, `n` output tokens each, one decode slot."""
+    return [
+        *FIXED,
+        "workload.requests=4",
+        f"workload.output_tokens={n}",
+        f"workload.prompt_tokens={prompt}",
+        'workload.arrival="fixed"',
+        "workload.rate_per_s=1000000",
+        "decode.max_running_requests=1",
+    ]
+
+
 def test_one_slot_four_prompts_tpot_is_the_step_and_ttft_includes_the_wait():
     """decode.max_running_requests = 1 and four prompts at once (the closed form of issue
     36): each request generates alone, so its TPOT is its own steps' mean (no wait in
     it) and every gap is one step; a request's first token comes when the one before
     it finished, so its TTFT holds the whole generations of those before it."""
     n, prompt = 40, 2048
-    s = load_scenario(
-        P8D2,
-        [
-            *FIXED,
-            "workload.requests=4",
-            f"workload.output_tokens={n}",
-            f"workload.prompt_tokens={prompt}",
-            'workload.arrival="fixed"',
-            "workload.rate_per_s=1000000",
-            "decode.max_running_requests=1",
-        ],
-    )
+    s = load_scenario(P8D2, one_slot_four(n, prompt))
     res = simulate(s)
     assert res.rooms_done == 4 and not res.violations
     m = DecodeModel(s)
@@ -132,6 +134,37 @@ def test_one_slot_four_prompts_tpot_is_the_step_and_ttft_includes_the_wait():
         info = rooms[room]
         parts = sum(info[b] - info[a] for a, b in BREAKDOWN.values())
         assert parts == pytest.approx(request_figures(info)["ttft_s"], abs=1e-9)
+
+
+def test_first_token_from_the_prefill_moves_the_slot_wait_from_ttft_to_tpot():
+    """decode.first_token = "prefill" (DistServe): the same run as above, but the client
+    gets each first token at its prompt's last forward end; the wait for the one decode
+    slot then sits between its first and second token. The last tokens do not move."""
+    n, prompt = 40, 2048
+    sets = one_slot_four(n, prompt)
+    by_decode = room_latencies(simulate(load_scenario(P8D2, sets)).records)
+    res = simulate(load_scenario(P8D2, [*sets, 'decode.first_token="prefill"']))
+    assert res.rooms_done == 4 and not res.violations
+    rooms = room_latencies(res.records)
+    streamed = [r for r in res.records if r.phase == "first_token"]
+    assert sorted(r.room for r in streamed) == sorted(rooms)  # one row a room, at a prefill
+    assert all(r.role == "prefill" for r in streamed)
+    waits = 0.0
+    for room, info in rooms.items():
+        figs = request_figures(info)
+        assert info["first_token"] == pytest.approx(info["forward_end"], abs=1e-12)
+        assert figs["ttft_s"] == pytest.approx(info["forward_end"] - info["arrival"], abs=1e-12)
+        assert info["last_token"] == pytest.approx(by_decode[room]["last_token"], abs=1e-12)
+        assert figs["tpot_s"] == pytest.approx(
+            (info["last_token"] - info["first_token"]) / (n - 1), rel=1e-12
+        )
+        # the gaps are the client's: the first holds the transfer and the slot wait
+        assert len(info["itls"]) == n - 1
+        assert sum(info["itls"]) == pytest.approx(info["last_token"] - info["first_token"])
+        assert info["itls"][1:] == pytest.approx(by_decode[room]["itls"][1:], rel=1e-9)
+        waits += info["generate_start"] - info["first_token"]
+        assert figs["ttft_s"] < request_figures(by_decode[room])["ttft_s"]
+    assert waits > 3 * sum(DecodeModel(res.scenario).step_time_s(prompt + i) for i in range(n - 1))
 
 
 def test_admission_waits_for_kv_pages_held_by_generating_rooms():

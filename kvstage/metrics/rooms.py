@@ -64,6 +64,8 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
     - `first_token` / `last_token`: when the client received its first and last
       token (docs/metrics.md): `generate_start` / `generate_end` when generation is
       modeled, else `done` (the decode streams the prefill's token once the KV is in);
+      with decode.first_token = "prefill", the first is `prefill_first`, the prefill's
+      `first_token` row at its last forward's end (DistServe streams it from there);
     - `itls`: (a list) its inter-token gaps, the `decode_step` rows of its instance
       between its first and last token (simulated generation), or the gaps between
       its `token` rows (a measured run);
@@ -117,6 +119,8 @@ def room_latencies(records: Iterable[TraceRecord]) -> dict[int, dict[str, float]
             info["generate_end"] = max(info.get("generate_end", -math.inf), r.end)
             info["output_tokens"] = r.requests
             gen_rank[r.room] = min(gen_rank.get(r.room, r.rank), r.rank)
+        elif r.phase == "first_token":  # the prefill streamed it (decode.first_token)
+            info["prefill_first"] = r.start
         elif r.phase == "compute" and r.role == "prefill":
             info["forward_start"] = min(info.get("forward_start", math.inf), r.start)
             info["forward_end"] = max(info.get("forward_end", -math.inf), r.end)
@@ -178,9 +182,13 @@ def _client_times(
         series = steps.get(gen_rank.get(room, -1))
         if series is None:
             continue
-        lo = bisect_right(ends[gen_rank[room]], info["first_token"])
+        # the decode's tokens: the steps that end after the room joined its batch
+        lo = bisect_right(ends[gen_rank[room]], info.get("generate_start", info["first_token"]))
         hi = bisect_right(ends[gen_rank[room]], info["last_token"])
-        info["itls"] = [gap for _, gap in series[lo:hi]]  # type: ignore[assignment]
+        itls = [gap for _, gap in series[lo:hi]]
+        if itls and "prefill_first" in info:  # the prefill's token, then the transfer and the
+            itls[0] += info["generate_start"] - info["prefill_first"]  # wait for a slot
+        info["itls"] = itls  # type: ignore[assignment]
 
 
 def _ring_holds(
@@ -258,7 +266,7 @@ def client_tokens(info: dict[str, float]) -> tuple[float, float]:
     if "client_first" in info:  # measured by the client itself
         return info["client_first"], info["client_last"]
     if "generate_end" in info:
-        return info["generate_start"], info["generate_end"]
+        return info.get("prefill_first", info["generate_start"]), info["generate_end"]
     return info["done"], info["done"]
 
 

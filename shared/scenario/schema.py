@@ -447,6 +447,12 @@ class DecodeConfig(_Table):
     # two micro-batches, one's all-to-all under the other's compute ([C] SGLang's
     # --enable-two-batch-overlap; shared/serving/compute.py `decode_step`)
     two_batch_overlap: bool = False
+    # which side streams a request's first token to the client: "decode" when the room
+    # joins the decode's batch ([C] SGLang's PD: the prefill samples it and ships it with
+    # the KV), "prefill" at the end of its last prefill forward ([C] DistServe,
+    # distserve/engine.py: the context stage's step output goes to the client), so a
+    # wait for the decode lands between the first and second tokens (TPOT), not in TTFT
+    first_token: Literal["decode", "prefill"] = "decode"
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
