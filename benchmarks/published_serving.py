@@ -107,8 +107,10 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    between the measured rates, per GPU. Simulated: the same requests (benchmarks/data/
    distserve_opt13b_sharegpt.csv) at the same rates, read the same way, the decode at
    the HBM share of DistServe's own engine profile (0.64, `_DS_DECODE`; kvstage's
-   default 0.8 is newer kernels'), the KV on the staging path. Tolerance 25%:
-   runs 1.5-2 req/s apart, one run each (attainment moves 15 points between two).
+   default 0.8 is newer kernels'), its first token streamed from the prefill
+   (`decode.first_token = "prefill"`, as DistServe does), the KV on the staging path.
+   Tolerance 25%: runs 1.5-2 req/s apart, one run each (attainment moves 15 points
+   between two).
 
     .venv/bin/python benchmarks/published_serving.py          # the table (~1 min)
     .venv/bin/python benchmarks/published_serving.py --quick  # without the goodput searches
