@@ -340,11 +340,16 @@ class Verify:
 @dataclass(frozen=True, slots=True)
 class Generate:
     """Decode: the room's KV is ready here; generate `output_tokens` tokens with the
-    instance's continuous batch (`context_tokens` of KV per token to start with)."""
+    instance's continuous batch (`context_tokens` of KV per token to start with). With
+    `local_tokens` (conditional disaggregation, `cluster.max_local_prefill_length`) the
+    KV is not here yet: the instance prefills the prompt's last `local_tokens` tokens
+    itself, in chunks mixed into its batch's steps, and the first token comes from the
+    step that computes the last chunk."""
 
     room: int
     output_tokens: int
     context_tokens: int
+    local_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

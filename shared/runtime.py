@@ -271,25 +271,20 @@ class RankRuntime:
             self.machine = DecodeMachine(
                 rank, g, scenario.pool_bytes, self.config, self.sessions, capabilities
             )
-        self.scenario = scenario
-        # what a restarted incarnation is built from
+        self.scenario = scenario  # below: what a restarted incarnation is built from
         self._given = (requests, kv_pages, cache_blocks, verify, generate, check_writes)
         # A restarted incarnation (first_room given: `restarted`) serves the rooms from
         # first_room on; the rooms before it were its lost predecessor's.
         self.first_room = first_room
         self.incarnation = incarnation
-        # the rooms routed to this rank's instance (all of them with one instance each)
-        self.requests = [
-            r
-            for r in requests
-            if self.sessions.serves(role, rank, r.room)
-            and (first_room is None or r.room >= first_room)
-        ]
+        self._cluster = scenario.cluster  # `local`: rooms no prefill rank serves
+        self.requests = self._served(requests)
         # Exact accounting: the rank is finished when each of these rooms ended, by id;
         # a message about any other room is dropped and counted, never progress.
         self._workload = {r.room for r in self.requests}
         self._open_rooms = set(self._workload)
         self.dropped = 0
+        self.local_done = 0  # rooms prefilled here (`local`) that ended
         self.verify = verify and role == "decode"
         # decode: model generation (a room's pages then also hold its output tokens and
         # stay taken until its last token); the simulator's decode model says how long
@@ -671,6 +666,11 @@ class RankRuntime:
             )
         )
         mem.generating = False
+        if self.local(mem.request):  # its KV was ready when its first token came out
+            self._open_rooms.discard(ev.room)
+            self.local_done += 1
+            done = TraceRecord(self.role, self.rank, "room_done", ev.start, ev.start, room=ev.room)
+            out.append(Record(done))
         self._maybe_free(ev.room, now, out)
 
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
@@ -706,7 +706,9 @@ class RankRuntime:
         while (taken := self.admission.take()) is not None:
             req, first, n = taken
             self._memory[req.room] = _RoomMemory(req, first, n)
-            if self.role == "decode":
+            if self.role == "decode" and self.local(req):
+                self._open_local(req, now, out)
+            elif self.role == "decode":
                 self._open_decode(req, first, now, out)
             else:
                 self._schedule_forwards(req, first, out)
@@ -714,6 +716,37 @@ class RankRuntime:
                 self._released_unadmitted.discard(req.room)
                 self._memory[req.room].released = True
                 self._maybe_free(req.room, now, out)
+
+    def _served(self, requests: list[Request]) -> list[Request]:
+        """The rooms routed to this rank's instance (all of them with one instance each),
+        from `first_room` on, less those its decode instance prefills (`local`) on a
+        prefill rank."""
+        first, prefill = self.first_room, self.role == "prefill"
+        return [
+            r
+            for r in requests
+            if self.sessions.serves(self.role, self.rank, r.room)
+            and (first is None or r.room >= first)
+            and not (prefill and self.local(r))
+        ]
+
+    def local(self, req: Request) -> bool:
+        """Whether the room's prompt is prefilled on its decode instance (conditional
+        disaggregation, `cluster.max_local_prefill_length`)."""
+        return self._cluster.prefills_locally(req.prompt_tokens, req.prefix_tokens)
+
+    def _open_local(self, req: Request, now: float, out: list[Action]) -> None:
+        """A room prefilled here: no writers, no transfer. Its pages are taken (the
+        prompt's KV is computed into them); the instance's batch prefills it and then
+        generates (`Generate.local_tokens`); at GenerateDone the room is done."""
+        mem = self._memory[req.room]
+        mem.released = mem.generating = True  # no machine holds the pages: the batch does
+        self._owed.add(("generate", req.room))
+        out.append(
+            Record(TraceRecord(self.role, self.rank, "room_open", now, now, room=req.room, chunk=0))
+        )
+        local = req.prompt_tokens - req.prefix_tokens
+        out.append(Generate(req.room, req.output_tokens, req.prompt_tokens, local))
 
     def _open_decode(self, req: Request, first: int, now: float, out: list[Action]) -> None:
         self._feed(

@@ -35,6 +35,17 @@ step ends is taken to come first (the step-by-step order of two events at one ti
 depends on when each was scheduled). With `on_tokens` (an online run streams each
 step's tokens) the batch steps one event a step, as it does with `jump = False`
 (tests/test_decode_jump.py compares the two record for record).
+
+Prompts prefilled here (conditional disaggregation, `cluster.max_local_prefill_length`:
+a `Generate` with `local_tokens`). Such a room takes a slot when one is free, as a
+room joining does, and holds it while its prompt is computed: each step spends the
+token budget (`prefill.chunked_prefill_size`) on the decoding rooms' tokens first and
+on the prompts in arrival order after, cut into chunks (SGLang's mixed chunk, vLLM's
+scheduler; kvstage/sim/colocated.py does the same), and takes `mixed_step_s`'s time
+for both (shared/serving/mixed.py, on a scenario whose prefill side is this side's TP
+and GPU). The step that computes a prompt's last chunk is its first token: it joins
+the batch at that boundary. While any prompt is in the steps, the batch steps one
+event a step; a step that only prefilled has no `decode_step` row.
 """
 
 from __future__ import annotations
@@ -54,7 +65,9 @@ from simpy.events import NORMAL
 from kvstage.shared.events import Generate, GenerateDone
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.mixed import mixed_step_s
 from kvstage.shared.trace import TraceRecord
+from kvstage.sim.colocated import colocated_scenario
 
 if TYPE_CHECKING:
     from kvstage.sim.driver import Simulation
@@ -70,8 +83,15 @@ class _Batch:
     stepping: bool = False
     rank: int = -1  # the instance's first simulated decode rank (its step rows' rank)
     step_start: float = 0.0
-    # (tokens to generate, room, context tokens, ranks, joined at)
-    joining: list[tuple[int, int, int, list[RankRuntime], float]] = field(default_factory=list)
+    # (tokens to generate, room, context tokens, ranks, handed out at, tokens to prefill here)
+    joining: list[tuple[int, int, int, list[RankRuntime], float, int]] = field(default_factory=list)
+    # conditional disaggregation: rooms prefilled here, each holding a slot:
+    # [(tokens, room, context, ranks, handed out at, local tokens), computed so far]
+    prefilling: list[list] = field(default_factory=list)
+    pieces: list[tuple[list, int]] = field(default_factory=list)  # the step's (room, tokens)
+    prefilled: list[tuple[int, int, int, list[RankRuntime], float, int]] = field(
+        default_factory=list
+    )  # their prompt computed at the last step's end: they join first
     # (finish step, room, KV tokens added while in the batch, ranks, joined at)
     finishing: list[tuple[int, int, float, list[RankRuntime], float]] = field(default_factory=list)
     # the plan (steps in one event): each planned step's end, the rows kept so far, the
@@ -99,6 +119,15 @@ class DecodeBatches:
         # them); None in an offline run
         self.on_tokens: Callable[[list[int], float], None] | None = None
         self.jump = True  # steps in one event while nothing changes (module docstring)
+        # conditional disaggregation: a local prompt's chunks are priced on this side's
+        # GPUs (the scenario with its prefill side set to the decode side's TP and GPU)
+        s = model.scenario
+        self._budget = s.prefill.chunked_prefill_size
+        self._local_s = (
+            colocated_scenario(s, s.decode.tp, s.cluster.decode_instances, s.decode.ep)
+            if s.cluster.max_local_prefill_length is not None
+            else s
+        )
         # every plan's next row due: (end, order, batch, plan, row); `due` the earliest
         self._rows: list[tuple[float, int, _Batch, int, int]] = []
         self._order = count()
@@ -114,11 +143,18 @@ class DecodeBatches:
             return
         del self._ready[g.room]
         batch = self._batches[rt.instance]
-        batch.joining.append((g.output_tokens, g.room, g.context_tokens, ranks, now))
+        entry = (g.output_tokens, g.room, g.context_tokens, ranks, now, g.local_tokens)
+        batch.joining.append(entry)
         if not batch.stepping:
             self._step(batch)
-        elif batch.ends and len(batch.joining) <= self.model.max_batch - batch.size:
+        elif batch.ends and len(batch.joining) <= self._free_slots(batch):
             self._cut(batch, now)  # it joins at the next boundary: the plan ends there
+
+    def _free_slots(self, batch: _Batch) -> int:
+        """Slots for rooms to join: the rooms prefilled here hold theirs already."""
+        return max(
+            0, self.model.max_batch - batch.size - len(batch.prefilling) - len(batch.prefilled)
+        )
 
     def room_failed(self, rt: RankRuntime, room: int) -> None:
         """A decode rank failed the room: ranks that already hold its KV stop waiting."""
@@ -129,11 +165,15 @@ class DecodeBatches:
             self.sim._deliver(other, GenerateDone(room, self.sim.env.now))
 
     def _step(self, batch: _Batch) -> None:
-        room_for = max(0, self.model.max_batch - batch.size)
+        room_for = self._free_slots(batch)
         now = self.sim.env.now
-        if self.on_tokens is not None and batch.joining[:room_for]:
-            self.on_tokens([j[1] for j in batch.joining[:room_for]], now)
-        for tokens, room, context, ranks, _ready in batch.joining[:room_for]:
+        taken, batch.joining = batch.joining[:room_for], batch.joining[room_for:]
+        joins = batch.prefilled + [j for j in taken if not j[5]]
+        batch.prefilled = []
+        batch.prefilling += [[j, j[2] - j[5]] for j in taken if j[5]]  # from its cached prefix
+        if self.on_tokens is not None and joins:
+            self.on_tokens([j[1] for j in joins], now)
+        for tokens, room, context, ranks, _ready, _local in joins:
             if batch.rank < 0:
                 batch.rank = min(rt.rank for rt in ranks)
             if tokens <= 1:  # its one token came with the KV: streamed as it joins, done
@@ -148,34 +188,58 @@ class DecodeBatches:
             heapq.heappush(batch.finishing, (batch.steps + steps, room, added, ranks, now))
             batch.kv_tokens += context
             batch.size += 1
-        del batch.joining[:room_for]  # the rest wait for a slot
-        if not batch.size:
+        if not batch.size and not batch.prefilling:
             batch.stepping = False
             return
         batch.stepping = True
         self.peak_batch = max(self.peak_batch, batch.size)
         batch.step_start = now
+        if batch.prefilling:  # prompt chunks in this step (conditional disaggregation)
+            self.sim._at(self._mixed_step_s(batch), self._stepped, batch)
+            return
         if self.jump and self.on_tokens is None:
             self._plan(batch, now)
             return
         step = self.model.step_time_s(batch.kv_tokens, batch.size)
         self.sim._at(step, self._stepped, batch)
 
+    def _mixed_step_s(self, batch: _Batch) -> float:
+        """The step's prompt chunks in the token budget the decodes leave (one token each,
+        counted first, as SGLang's mixed chunk and vLLM's scheduler do), oldest prompt
+        first, and the step's time with them (shared/serving/mixed.py)."""
+        left = self._budget - batch.size
+        batch.pieces = []
+        for p in batch.prefilling:
+            if left <= 0:
+                break
+            take = min(left, p[0][2] - p[1])
+            batch.pieces.append((p, take))
+            left -= take
+        pieces = [(take, p[1]) for p, take in batch.pieces]
+        return mixed_step_s(self._local_s, self.model, batch.size, batch.kv_tokens, pieces)
+
     def _stepped(self, batch: _Batch, _ev=None) -> None:
-        self.sim._keep_record(
-            TraceRecord(
-                "decode",
-                batch.rank,
-                "decode_step",
-                batch.step_start,
-                self.sim.env.now,
-                requests=batch.size,
+        if batch.size:  # a step that only prefilled has no decode row
+            self.sim._keep_record(
+                TraceRecord(
+                    "decode",
+                    batch.rank,
+                    "decode_step",
+                    batch.step_start,
+                    self.sim.env.now,
+                    requests=batch.size,
+                )
             )
-        )
         batch.steps += 1
         if self.on_tokens is not None:
             self.on_tokens([f[1] for f in batch.finishing], self.sim.env.now)
         batch.kv_tokens += batch.size * self.per_step  # every room's KV grew
+        if batch.pieces:
+            for p, take in batch.pieces:
+                p[1] += take
+            batch.prefilled += [p[0] for p in batch.prefilling if p[1] >= p[0][2]]
+            batch.prefilling = [p for p in batch.prefilling if p[1] < p[0][2]]
+            batch.pieces = []
         self._leave(batch)
         self._step(batch)
 

@@ -530,8 +530,14 @@ class Simulation:
         arrive = Arrive(req)
         for rt in decode:
             self._deliver(rt, arrive)
+        if self._local(req):  # prefilled on its decode instance: no prefill rank sees it
+            return
         for rt in prefill:  # queues the forwards; no loop turn of its own
             self._feed(rt, arrive)
+
+    def _local(self, req: Request) -> bool:
+        """Conditional disaggregation (`cluster.max_local_prefill_length`)."""
+        return self.scenario.cluster.prefills_locally(req.prompt_tokens, req.prefix_tokens)
 
     def _schedule_arrival(self, k: int) -> None:
         """Put the k-th arrival (in time order) on the event queue, as if every arrival
@@ -569,7 +575,7 @@ class Simulation:
         prefill = [rt for rt in self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp] if rt]
         decode = [rt for rt in self.decode[di * g.decode_tp : (di + 1) * g.decode_tp] if rt]
         if self.loads is not None:
-            for rt in (*prefill, *decode):
+            for rt in decode if self._local(req) else (*prefill, *decode):
                 rt.assign(req)
                 self.loads.touch(rt)
         return prefill, decode
@@ -625,7 +631,8 @@ class Simulation:
             sim_time_s=sim_time,
             wall_s=time.perf_counter() - wall,
             rooms_done=sum(
-                min(rt.machine.rooms_done for rt in group) for group in self._decode_groups()
+                min(rt.machine.rooms_done + rt.local_done for rt in group)
+                for group in self._decode_groups()
             ),
             rooms_failed=sum(
                 max(rt.machine.rooms_failed for rt in group) for group in self._decode_groups()

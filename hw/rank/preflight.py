@@ -119,6 +119,17 @@ def memory_problem(
     )
 
 
+def simulated_only(scenario: Any) -> str | None:
+    """What the scenario asks that only the simulator models, or None."""
+    if scenario.cluster.max_local_prefill_length is not None:
+        return (
+            "cluster.max_local_prefill_length: conditional disaggregation (prompts prefilled "
+            "on their decode instance) is simulated only; hardware mode moves every prompt's "
+            'KV: remove it or set it to "off" (kvstage sim runs it)'
+        )
+    return None
+
+
 def launch_problem(
     scenario: Any, *, spawn: bool, bind: str, port: int, device_problem: Callable[[str], str | None]
 ) -> str | None:
@@ -126,6 +137,7 @@ def launch_problem(
     prefill, decode = scenario_gpus(scenario)
     ranks = [("prefill", r) for r in range(prefill)] + [("decode", r) for r in range(decode)]
     checks = [
+        lambda: simulated_only(scenario),
         lambda: port_problem(bind, port),
         lambda: device_problem(scenario.hardware.device) if spawn else None,
         lambda: no_rdma_here(rdma_asked(scenario.hardware)) if spawn else None,

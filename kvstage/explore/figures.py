@@ -243,6 +243,8 @@ def shape(row: dict[str, Any]) -> str:
         text += f", router {row['cluster.router']}"
     if row.get("transfer.path") not in (None, "staging"):
         text += f", {row['transfer.path']} path"
+    if row.get("cluster.max_local_prefill_length") not in (None, "off"):
+        text += f", prompts <= {row['cluster.max_local_prefill_length']} prefilled on D"
     return text
 
 

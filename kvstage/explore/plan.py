@@ -3,9 +3,11 @@
 `kvstage plan SCENARIO` takes the scenario's model, links profile, workload (rate or
 trace) and [slo] targets, and searches a grid of cluster shapes -- prefill TP, decode
 TP, prefill and decode instance counts, staging pool per decode rank, chunked prefill
-size, router, transfer path and expert-parallel size per side (`KEYS`; the last six
-default to the scenario's own; an EP above the TP is DP attention, ep / tp instances
-sharing one expert group)
+size, router, transfer path, expert-parallel size per side and the longest prompt
+prefilled on its decode instance (conditional disaggregation,
+`cluster.max_local_prefill_length`; "off": none) (`KEYS`; the last seven default to
+the scenario's own; an EP above the TP is DP attention, ep / tp instances sharing one
+expert group)
 -- for the configuration with the fewest GPUs (instances x TP on both sides) whose SLO
 attainment over the steady window (`kvstage.metrics.steady`: share of requests that
 finished and met every target) reaches a threshold, 0.9 by default: "TTFT p90 < 2 s"
@@ -110,6 +112,7 @@ KEYS = {
     "transfer.path": "--path",
     "prefill.ep": "--prefill-ep",
     "decode.ep": "--decode-ep",
+    "cluster.max_local_prefill_length": "--max-local-prefill",
 }
 # The axes that default to the scenario's own value (None here), and where that
 # value's default lives when the scenario does not set it.
@@ -120,6 +123,7 @@ OWN_DEFAULT = {
     "transfer.path": (TransferConfig, "path"),
     "prefill.ep": (PrefillConfig, "ep"),
     "decode.ep": (DecodeConfig, "ep"),
+    "cluster.max_local_prefill_length": (ClusterConfig, "max_local_prefill_length"),
 }
 DEFAULT_GRID: dict[str, str | None] = {
     "prefill.tp": "1,2,4,8",
@@ -223,7 +227,8 @@ def plan_candidates(
     for key, (table, name) in OWN_DEFAULT.items():
         if specs.get(key) is None:
             section = data.get(key.split(".")[0]) or {}
-            specs[key] = str(section.get(name, table.model_fields[name].default))
+            own = section.get(name, table.model_fields[name].default)
+            specs[key] = "off" if own is None else str(own)  # None: the key's "off"
     try:
         varies = [parse_vary(f"{key}={specs[key]}") for key in KEYS]
         points = plan_points(path, varies, list(sets))

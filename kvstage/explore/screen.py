@@ -40,6 +40,7 @@ from kvstage.shared.serving.capacity import (
     offered_load,
     prefill_stage,
     prefill_work,
+    remote_requests,
 )
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.workload import Request, generate_requests
@@ -98,21 +99,34 @@ def _row(stage: Stage) -> dict[str, Any]:
     }
 
 
+def _remote(s: Scenario, requests: list[Request], load: dict[str, Any]):
+    """The requests a prefill instance serves and their load (`remote_requests`)."""
+    remote = remote_requests(s, requests)
+    return (requests, load) if remote is requests else (remote, offered_load(remote))
+
+
 def capacity(scenario: Scenario) -> Capacity:
-    """The stages' offered load, capacity and utilization, without simulating."""
+    """The stages' offered load, capacity and utilization, without simulating. With
+    conditional disaggregation the prefill and NIC stages carry the prompts prefilled on
+    a prefill instance only; the decode stage does not count the prompts it prefills
+    itself (a lower bound on its load: the screen skips nothing that could fit)."""
     s = scenario
     requests, load = _workload(s)
     rate = load["requests_per_s"]
     out: Capacity = {}
     if rate is None:  # every request at once: no rate to compare
         return out
-    out[PREFILL] = _row(prefill_stage(s, requests, load, _prefill_work(s, requests)))
+    remote, remote_load = _remote(s, requests, load)
+    if remote_load["requests_per_s"] is not None:
+        work = _prefill_work(s, remote)
+        out[PREFILL] = _row(prefill_stage(s, remote, remote_load, work))
     model = DecodeModel(s)
     if s.slo.tpot_s is not None and load["output_tokens"]:
         out[DECODE] = _row(decode_stage(s, load, model))
-    per_request = load["computed_tokens"] * model.kv_bytes_per_token * s.decode.tp
-    if per_request and s.links.resolved().link.bandwidth_bytes_s > 0:
-        out[NIC] = _row(nic_stage(s, rate, per_request))
+    per_request = remote_load["computed_tokens"] * model.kv_bytes_per_token * s.decode.tp
+    if per_request and remote_load["requests_per_s"] is not None:
+        if s.links.resolved().link.bandwidth_bytes_s > 0:
+            out[NIC] = _row(nic_stage(s, remote_load["requests_per_s"], per_request))
     return out
 
 

@@ -62,6 +62,7 @@ from kvstage.shared.serving.capacity import (
     prefill_capacity,
     prefill_stage,
     prefill_work,
+    remote_requests,
 )
 from kvstage.shared.serving.decode_model import DecodeModel
 
@@ -298,8 +299,10 @@ def bottleneck(
     stage's numbers and the TTFT shares. `summary`: the trace metrics (`summarize`)."""
     load = offered_load(requests)
     rate = load["requests_per_s"]
+    remote = remote_requests(scenario, requests)  # those a prefill instance serves
+    rload = load if remote is requests else offered_load(remote)
     stages = {
-        PREFILL: _prefill(scenario, requests, load, rate),
+        PREFILL: _prefill(scenario, remote, rload, rload["requests_per_s"]),
         QUEUE: {"queueing_s": _p(summary, "queueing_s")},
         NIC: _nic(scenario, summary, rate),
         RING: _ring(scenario, requests, rooms, summary, rate),

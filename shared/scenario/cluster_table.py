@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvstage.shared.scenario.fieldtypes import _Table
 
@@ -40,6 +40,14 @@ class ClusterConfig(_Table):
     so each group runs as a small simulation and their records are merged in time order.
     Same latencies; the cost per request no longer grows with the cluster. Refused with
     a load-aware router (it couples every instance) and with the host model.
+    max_local_prefill_length: conditional disaggregation (simulation only): a prompt
+    whose uncached tokens (its prompt less the decode's cached prefix) are at most this
+    many is prefilled on its decode instance, its chunks mixed into the decode batch's
+    steps, and moves no KV; longer ones go to a prefill instance. [C] Dynamo's
+    disaggregated router (ai-dynamo/dynamo lib/llm/src/disagg_router.rs
+    `prefill_remote`: remote when `prefill_length - prefix_hit_length >
+    max_local_prefill_length`). None or "off" (the default): every prompt is prefilled
+    on a prefill instance.
     """
 
     prefill_instances: Instances = 1
@@ -53,6 +61,21 @@ class ClusterConfig(_Table):
     fold: bool = False
     # simulate each independent group of instances on its own (sim/shard.py)
     shard: bool = False
+    # conditional disaggregation: prompts of at most this many uncached tokens are
+    # prefilled on their decode instance (None: none are)
+    max_local_prefill_length: int | None = None
+
+    @field_validator("max_local_prefill_length", mode="before")
+    @classmethod
+    def _local_tokens(cls, v: object) -> object:
+        if v is None or (isinstance(v, str) and v.strip().lower() == "off"):
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                "a whole number of tokens >= 0 (a prompt with at most that many uncached "
+                'tokens is prefilled on its decode instance) or "off"'
+            )
+        return v
 
     @model_validator(mode="after")
     def _nics_fit(self) -> ClusterConfig:
@@ -61,7 +84,17 @@ class ClusterConfig(_Table):
                 f"nics_per_node ({self.nics_per_node}) must be <= gpus_per_node "
                 f"({self.gpus_per_node}): a NIC serves one or more GPUs"
             )
+        if self.max_local_prefill_length is not None and (self.fold or self.shard):
+            raise ValueError(
+                "max_local_prefill_length (prompts prefilled on their decode instance) "
+                "cannot be combined with fold or shard: set one or the other"
+            )
         return self
+
+    def prefills_locally(self, prompt_tokens: int, prefix_tokens: int) -> bool:
+        """Whether a prompt is prefilled on its decode instance (the class docstring)."""
+        limit = self.max_local_prefill_length
+        return limit is not None and prompt_tokens - prefix_tokens <= limit
 
     @property
     def single(self) -> bool:

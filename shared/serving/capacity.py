@@ -66,6 +66,7 @@ __all__ = [
     "prefill_capacity",
     "prefill_work",
     "prompt_forward_s",
+    "remote_requests",
     "scenario_gpus",
 ]
 
@@ -141,6 +142,16 @@ def prompt_forward_s(
         cached = cached_in_chunk(cached_tokens, start, tokens)
         total += chunk_forward_s(s, tokens, cached, first + c.page_start, g.page_size)
     return total
+
+
+def remote_requests(s: Scenario, requests: Sequence[Request]) -> Sequence[Request]:
+    """The requests a prefill instance serves: with conditional disaggregation
+    (`cluster.max_local_prefill_length`) the prompts too long to prefill on the decode
+    side; else all of them (the same sequence)."""
+    if s.cluster.max_local_prefill_length is None:
+        return requests
+    local = s.cluster.prefills_locally
+    return [r for r in requests if not local(r.prompt_tokens, r.prefix_tokens)]
 
 
 def prefill_work(s: Scenario, requests: Sequence[Request]) -> tuple[float, float]:

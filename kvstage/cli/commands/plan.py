@@ -42,6 +42,12 @@ def _ep(row: dict[str, Any], key: str) -> str:
     return f" EP{row[key]}" if (row.get(key) or 1) > 1 else ""
 
 
+def _local(row: dict[str, Any]) -> str:
+    """Conditional disaggregation in the decode column: prompts it prefills itself."""
+    v = row.get("cluster.max_local_prefill_length")
+    return "" if v in (None, "off") else f", prefills <= {v}"
+
+
 def _front_table(result: Any) -> Table:
     q = result.qname
     costs = any(r.get("cost_per_hour") is not None for r in result.front)
@@ -75,7 +81,7 @@ def _front_table(result: Any) -> Table:
         util = r.get("busiest_utilization")
         t.add_row(
             f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}{_ep(r, 'prefill.ep')}",
-            f"{r['cluster.decode_instances']} x TP{r['decode.tp']}{_ep(r, 'decode.ep')}",
+            f"{r['cluster.decode_instances']} x TP{r['decode.tp']}{_ep(r, 'decode.ep')}{_local(r)}",
             f"{r['decode.staging_pool_mb']:g}",
             str(r["gpus"]),
             num(r["slo_attainment"], spec=".0%"),
@@ -374,6 +380,15 @@ def plan(
             help="Expert-parallel sizes of the decode side (decode.ep; default: the scenario's).",
         ),
     ] = None,
+    max_local_prefill: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...",
+            help="Conditional disaggregation: prompts of at most this many uncached tokens "
+            "prefilled on their decode instance (cluster.max_local_prefill_length; off: "
+            "none; default: the scenario's), e.g. off,512,2048.",
+        ),
+    ] = None,
     search: Annotated[
         str,
         typer.Option(
@@ -485,6 +500,7 @@ def plan(
             path,
             prefill_ep,
             decode_ep,
+            max_local_prefill,
         )
         cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
         colo = (
