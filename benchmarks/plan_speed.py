@@ -32,10 +32,18 @@ report an average input of 7,590 and output of 182 tokens for their trace), not
 fitted to it. The hash ids are consecutive per request (no cross-request reuse:
 kvstage does not model a prefill-side prefix cache).
 
-    .venv/bin/python benchmarks/plan_speed.py                      # both plans, ~25 min
-    .venv/bin/python benchmarks/plan_speed.py --reference bounded   # ~10 min
-    .venv/bin/python benchmarks/plan_speed.py --no-exhaustive       # the method only
+The method also searches colocated serving (`--colocated`, the default, as `kvstage
+plan` runs): its simulations are in the method's wall time and printed apart; the
+reference plans the disaggregated side alone (the colocated search is exact already:
+GPU counts smallest first, each in full).
+
+    .venv/bin/python benchmarks/plan_speed.py                      # both plans
+    .venv/bin/python benchmarks/plan_speed.py --reference bounded   # the winner check
+    .venv/bin/python benchmarks/plan_speed.py --reference none      # the method only
+    .venv/bin/python benchmarks/plan_speed.py --ttft 0.2            # a tighter TTFT target
     .venv/bin/python benchmarks/plan_speed.py --rate 6 --hours 0.1  # a quick look
+
+Measured figures: docs/results/2026-12-03-plan-speed.md.
 
 Results (JSON) go to --out (default runs/plan_speed/).
 """
@@ -127,7 +135,14 @@ def uptime() -> str:
         return "uptime unavailable"
 
 
-def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = None) -> dict:
+def plan_once(
+    path: Path, method: bool, workers: int, max_gpus: int | None = None, colocated: bool = False
+) -> dict:
+    from kvstage.explore.colocated import (
+        DEFAULT_COLOCATED_INSTANCES,
+        colocated_from_plan,
+        colocated_shape,
+    )
     from kvstage.explore.figures import shape
     from kvstage.explore.plan import plan_candidates, planned_work, run_plan
     from kvstage.explore.progress import ProgressLog
@@ -135,6 +150,11 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
     name = "method" if method else "exhaustive"
     t0, cpu0 = time.perf_counter(), _cpu()
     cands = plan_candidates(path, GRID, max_gpus=max_gpus, screen=method)
+    colo = (
+        colocated_from_plan(cands, DEFAULT_COLOCATED_INSTANCES, max_gpus, method)
+        if colocated
+        else None
+    )
     candidates_s = time.perf_counter() - t0  # loading every configuration, the screen
     search = "halving" if method else "exhaustive"
     jobs, work = planned_work(cands, 0.9, search)
@@ -145,10 +165,23 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
         workers=workers,
         search=search,
         on_point=lambda row: log.advance(row.get("requests") or 0),
+        colocated=colo,
     )
     wall = time.perf_counter() - t0  # screening (reading the trace) included
     cpu = tuple(b - a for a, b in zip(cpu0, _cpu(), strict=True))  # the pool has exited
     w = result.winner
+    ran = [r for r in result.colocated if r["status"] in ("ok", "error")]
+    colo_out = None
+    if colo is not None:
+        best = result.colocated_best
+        colo_out = {
+            "simulations": len(ran),
+            "requests_simulated": sum(r.get("requests") or 0 for r in ran),
+            "worker_s": sum(r.get("wall_s") or 0.0 for r in ran),  # each simulation's own
+            "best": None if best is None else colocated_shape(best),
+            "best_gpus": None if best is None else best["gpus"],
+            "comparison": (result.comparison or {}).get("text"),
+        }
     return {
         "search": search,
         "configurations": len(cands.points) + len(cands.skipped),
@@ -160,6 +193,7 @@ def plan_once(path: Path, method: bool, workers: int, max_gpus: int | None = Non
         "candidates_s": candidates_s,
         "cpu_s": {"this_process": cpu[0], "workers": cpu[1]},
         "winner": None if w is None else shape(w),
+        "colocated": colo_out,
         "winner_gpus": None if w is None else w["gpus"],
         "winner_figures": None
         if w is None
@@ -187,6 +221,13 @@ def main() -> int:
     ap.add_argument("--ttft", type=float, default=0.5, help="TTFT target, s (p90)")
     ap.add_argument("--tpot", type=float, default=0.015, help="TPOT target, s (p90)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--colocated",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the method also searches colocated serving, as `kvstage plan` does by default "
+        "(its time is in the method's; the reference is the disaggregated search alone)",
+    )
     ap.add_argument(
         "--reference",
         choices=("full", "bounded", "none"),
@@ -217,7 +258,7 @@ def main() -> int:
     if args.method_result is not None:
         plans = {"method": json.loads(args.method_result.read_text()) | {"reused": True}}
     else:
-        plans = {"method": plan_once(scenario, True, args.workers)}
+        plans = {"method": plan_once(scenario, True, args.workers, colocated=args.colocated)}
     print(f"method: {json.dumps(plans['method'])}", flush=True)
     if args.reference != "none":
         bound = plans["method"]["winner_gpus"] if args.reference == "bounded" else None
@@ -231,6 +272,11 @@ def main() -> int:
           f"{m['simulations']} simulations of {m['requests_simulated']:,} requests in "
           f"{m['wall_s']:.0f} s ({m.get('candidates_s', 0):.0f} s of it loading and screening the "
           f"configurations); winner {m['winner']}")  # fmt: skip
+    if m.get("colocated"):
+        co = m["colocated"]
+        print(f"of it the colocated search: {co['simulations']} simulations of "
+              f"{co['requests_simulated']:,} requests ({co['worker_s']:.0f} s of simulation); "
+              f"best {co['best']}; {co['comparison']}")  # fmt: skip
     c = m.get("cpu_s")
     if c is not None:  # what the load took away: the CPU the plan used
         print(f"method CPU: {c['this_process']:.0f} s in this process (loading, screening, "
