@@ -679,7 +679,10 @@ class RankRuntime:
     # --- arrivals, admission and forwards -------------------------------------------------------
     def assign(self, request: Request) -> None:
         """A room routed here when it arrived (a load-aware router): part of the
-        workload from now on. Call before the room's Arrive and any message about it."""
+        workload from now on. Call before the room's Arrive and any message about it. A
+        room its decode instance prefills (`local`) is no prefill rank's."""
+        if self.role == "prefill" and self.local(request):
+            return
         if request.room in self._workload:
             raise LocalProtocolError(f"room {request.room} assigned to {self.name} twice")
         self.requests.append(request)

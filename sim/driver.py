@@ -575,7 +575,7 @@ class Simulation:
         prefill = [rt for rt in self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp] if rt]
         decode = [rt for rt in self.decode[di * g.decode_tp : (di + 1) * g.decode_tp] if rt]
         if self.loads is not None:
-            for rt in decode if self._local(req) else (*prefill, *decode):
+            for rt in (*prefill, *decode):  # a local room is no prefill rank's (`assign`)
                 rt.assign(req)
                 self.loads.touch(rt)
         return prefill, decode

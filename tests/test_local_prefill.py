@@ -192,3 +192,22 @@ def test_the_plan_searches_it_and_refuses_a_bad_value(tmp_path):
     assert by["100000"]["busiest_stage"] != "prefill compute"
     assert shape(by["100000"]).endswith("prompts <= 100000 prefilled on D")
     assert "prefilled" not in shape(by["off"])
+
+
+def test_an_online_run_streams_a_local_rooms_tokens():
+    """`kvstage serve`'s simulation: requests injected while it runs; the short one is
+    prefilled on the decode side, every token streams, no prefill rank sees it."""
+    from kvstage.sim.online import OnlineSimulation
+
+    got: list[tuple[int, int, float]] = []
+    sets = ["decode.max_running_requests=4", f"{KEY}=1500"]
+    sim = OnlineSimulation(load_scenario(P8D2, sets), lambda *t: got.append(t))
+    sim.inject(2048, 5)
+    sim.advance(0.001)
+    sim.inject(1024, 3)
+    result = sim.close()
+    assert not result.violations and result.rooms_done == 2
+    assert sorted((room, k) for room, k, _ in got) == [(0, k) for k in range(1, 6)] + [
+        (1, k) for k in range(1, 4)
+    ]
+    assert {x.room for x in result.records if x.role == "prefill" and x.room >= 0} == {0}
