@@ -211,3 +211,21 @@ def test_an_online_run_streams_a_local_rooms_tokens():
         (1, k) for k in range(1, 4)
     ]
     assert {x.room for x in result.records if x.role == "prefill" and x.room >= 0} == {0}
+
+
+def test_an_export_of_a_winner_that_prefills_on_decode_says_it_is_not_carried(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstage.cli.main import app
+
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SCENARIO + TINY_SLO)
+    grid = ["--prefill-tp", "1", "--decode-tp", "2", "--prefill-instances", "1"]
+    grid += ["--decode-instances", "1", "--no-colocated", "--no-progress", "--workers", "1"]
+    grid += ["--no-screen", "--set", "slo.ttft_s=30", "--set", "slo.tpot_s=1"]
+    out = tmp_path / "plan"
+    args = ["plan", str(path), *grid, "--max-local-prefill", "100000", "--out", str(out)]
+    res = CliRunner().invoke(app, [*args, "--export", "sglang"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "sglang.launch_server" in res.output
+    assert "note: the winner prefills prompts of at most 100000 uncached tokens" in res.output

@@ -208,6 +208,14 @@ def _print_export(result: Any, cands: Any, target: str) -> None:
     except ExportError as exc:
         _fail(str(exc))
     console.print(escape(text), highlight=False, soft_wrap=True)
+    local = point.scenario.cluster.max_local_prefill_length
+    if local is not None:  # on stderr: the export itself may be piped into its tool
+        typer.echo(
+            f"note: the winner prefills prompts of at most {local} uncached tokens on its "
+            "decode instances (cluster.max_local_prefill_length); this export does not "
+            "carry that: set it in the router that decides where a prompt is prefilled",
+            err=True,
+        )
 
 
 _SEARCH_TEXT = {
