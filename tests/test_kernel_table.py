@@ -148,3 +148,25 @@ def test_a_run_records_the_table_it_used(tmp_path):
     fig = simulation_summary(s, simulate(s))["serving_model"]
     assert fig["kernel_table"] == str((tmp_path / "k.csv").resolve())
     assert fig["prefill_mfu_at_chunk"] == pytest.approx(rate(4096, 4096, 4096, 800) / 312e12)
+
+
+def test_a_table_is_read_once_per_file_and_again_when_it_changes(tmp_path):
+    """A plan loads one scenario per configuration, all naming the same table: the same
+    bytes give the table read before; other bytes, or other own GPUs its names may
+    mean, are read again."""
+    row = "gemm,a100-80g,bf16,4096,4096,4096,{us},probe\n"
+    first = scenario(tmp_path, row.format(us=100))
+    again = load_scenario(tmp_path / "s.toml", ["decode.tp=2"])
+    assert again.serving.table is first.serving.table  # not parsed again
+    (tmp_path / "k.csv").write_text(HEADER + row.format(us=200))  # the file changed
+    changed = load_scenario(tmp_path / "s.toml")
+    assert changed.serving.table is not first.serving.table
+    assert changed.serving.table != first.serving.table
+    assert prefill_forward(changed, 4096).linear_s > prefill_forward(first, 4096).linear_s
+    own = "[gpus.mine]\nmemory_gib = 80\nhbm_gbs = 2000\nbf16_tflops = 300\n"
+    own += 'scaleup_gbs = 300\nscaleup = "NVLink"\nsource = "test"\n'
+    p = tmp_path / "s.toml"
+    p.write_text(SCENARIO + own + '[serving]\nkernels = "k.csv"\n')
+    mine = load_scenario(p)
+    assert mine.serving.table is not changed.serving.table  # its own GPUs: read for it
+    assert mine.serving.table == changed.serving.table  # no row names "mine": the same rows

@@ -36,6 +36,8 @@ what is allowed`.
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -167,9 +169,26 @@ def read_kernel_table(
     return KernelTable(str(p), gemm, attention)
 
 
+# tables read, by path, a digest of the file's bytes and the scenario's own GPUs (a
+# row's GPU name may mean one of them): a plan loads one scenario per configuration,
+# all naming the same file
+_READ: dict[tuple[str, bytes, str], KernelTable] = {}
+_READ_KEEP = 4  # tables kept
+
+
+def _content_key(path: str, s: Scenario) -> tuple[str, bytes, str] | None:
+    try:
+        digest = hashlib.blake2b(Path(path).read_bytes(), digest_size=16).digest()
+    except OSError:
+        return None  # the reader names the problem
+    own = json.dumps({k: v.model_dump(mode="json") for k, v in s.gpus.items()}, sort_keys=True)
+    return path, digest, own
+
+
 def kernel_table(s: Scenario) -> KernelTable:
     """Scenario `s`'s kernel table (`serving.kernels`), read once and kept on the
-    scenario (the loader reads it at load, so a bad file fails there)."""
+    scenario (the loader reads it at load, so a bad file fails there); the same bytes
+    with the same own GPUs give the table read before (it is immutable)."""
     kept = s.serving.table
     if kept is not None:
         return kept
@@ -178,7 +197,14 @@ def kernel_table(s: Scenario) -> KernelTable:
         own = s.gpus.get(name)
         return own.gpu(name) if own is not None else GPUS.get(name)
 
-    allowed = ", ".join([*GPUS, *s.gpus])
-    table = read_kernel_table(s.serving.kernels, gpu, allowed)
+    path = str(s.serving.kernels)
+    key = _content_key(path, s)
+    table = _READ.get(key) if key is not None else None
+    if table is None:
+        table = read_kernel_table(path, gpu, ", ".join([*GPUS, *s.gpus]))
+        if key is not None and _content_key(path, s) == key:  # not rewritten while read
+            if len(_READ) >= _READ_KEEP:
+                del _READ[next(iter(_READ))]
+            _READ[key] = table
     s.serving.keep_table(table)
     return table
