@@ -122,6 +122,13 @@ class Sessions:
         local = self.geometry.writers(decode_rank % self.decode_tp)
         return [i * self.prefill_tp + p for i in range(self.prefill_instances) for p in local]
 
+    def peers(self, role: str, rank: int) -> list[tuple[str, int]]:
+        """The ranks a rank exchanges messages and bytes with, (role, rank): a prefill
+        rank's decode targets, a decode rank's writers (over every instance)."""
+        if role == "prefill":
+            return [("decode", d) for d in self.all_targets(rank)]
+        return [("prefill", p) for p in self.all_writers(rank)]
+
     def all_targets(self, prefill_rank: int) -> list[int]:
         """Every decode rank this prefill rank may write into, over all decode instances."""
         local = self.geometry.targets(prefill_rank % self.prefill_tp)

@@ -112,11 +112,10 @@ def _forged_for(s, room, i: int) -> dict[tuple[str, str], list]:
     return out
 
 
-def _attack(s, run_dir, address: str, sent: dict) -> None:
+def _attack(s, run_dir, table: dict, sent: dict) -> None:
+    """`table`: every rank's entry, from the launcher (no rank, and no holder of the
+    secret, gets it from the rendezvous: only its peers' entries)."""
     secret = read_secret_file(run_dir / "run.secret")
-    client = RendezvousClient(address, secret=secret)
-    table, _ = client.query(10)
-    client.close()
     # one control plane per name it speaks under: the real ranks' names, its own keys
     planes = {name: ControlPlane(secret=secret, name=name) for name in table}
     # a connection per (speaker, rank) with a CURVE key of its own (no rank's of the table)
@@ -167,10 +166,10 @@ def test_an_insider_with_the_secret_harms_no_room(tmp_path, backend):
     (run_dir / "scenario.toml").write_text(s.to_toml())
     sent = {"messages": 0}
 
-    def on_started(address, procs):
-        threading.Thread(target=_attack, args=(s, run_dir, address, sent), daemon=True).start()
+    def on_table(table, t0):
+        threading.Thread(target=_attack, args=(s, run_dir, table, sent), daemon=True).start()
 
-    result = _launch_p2_d1(run_dir, backend, on_started=on_started)
+    result = _launch_p2_d1(run_dir, backend, on_table=on_table)
     assert result.ok, result.errors
     assert sent["messages"] > 1000
     reports = result.reports

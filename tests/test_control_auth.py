@@ -505,10 +505,12 @@ def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
                 sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
                 for table, t0 in tables.values()
             )
-            # an authenticated query sees the table; a second hello for a registered rank is refused
+            # a tool's query sees every rank's incarnation and t0, no entry of the table
+            # (issue 39, least exposure); a registered rank's, its own and its peers'
             table, t0 = stranger.query(5)
-            assert sorted(table) == ["decode0", "prefill0"] and t0 == server.t0
-            assert table["decode0"].control == "tcp://127.0.0.1:5000"
+            assert table == {} and t0 == server.t0
+            assert stranger.incarnations(5) == {"prefill0": 0, "decode0": 0}
+            # a second hello for a registered rank is refused
             assert "a rank registers only itself" in _refused(server, stranger, _hello("decode", 0))
             # the run secret alone registers as no rank (issue 39: it was first come,
             # first served); a second holder of the rank's credential is a duplicate,
@@ -589,11 +591,8 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
     (run_dir / "scenario.toml").write_text(s.to_toml())
     sent = {"messages": 0, "ranks": []}
 
-    def forge(address: str) -> None:
-        # the test holds the run's secret (the file the launcher writes) to find the ranks
-        client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
-        table, t0 = client.query(10)
-        client.close()
+    def forge(table: dict, t0: float) -> None:
+        # the launcher's whole table (on_table), to find the ranks: no rank has it
         assert t0 is not None
         liar = ControlPlane(secret=new_secret())
         raws = {name: _push(info.control) for name, info in table.items()}
@@ -620,8 +619,8 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
         for sock in raws.values():
             sock.close()
 
-    def on_started(address, procs):
-        threading.Thread(target=forge, args=(address,), daemon=True).start()
+    def on_table(table, t0):
+        threading.Thread(target=forge, args=(table, t0), daemon=True).start()
 
     result = launch(
         run_dir / "scenario.toml",
@@ -631,7 +630,7 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
         backend="nixl",
         device="cpu",
         timeout_s=300,
-        on_started=on_started,
+        on_table=on_table,
     )
     assert result.ok, result.errors
     assert sent["ranks"] == ["decode0", "prefill0", "prefill1"] and sent["messages"] > 0

@@ -39,7 +39,6 @@ from kvstage.hw.control.plane import (
     curve_client,
     read_secret_file,
 )
-from kvstage.hw.control.rendezvous import RendezvousClient
 from kvstage.hw.launch.launcher import launch
 from kvstage.shared.scenario import load_scenario
 
@@ -114,11 +113,8 @@ def _holder(address: str, secret: bytes, until: float, sent: dict) -> None:
         sock.close()
 
 
-def _flood(run_dir, address: str, procs: dict, sent: dict, rss: dict) -> None:
+def _flood(run_dir, table: dict, address: str, procs: dict, sent: dict, rss: dict) -> None:
     secret = read_secret_file(run_dir / "run.secret")
-    client = RendezvousClient(address, secret=secret)  # only to learn the ports
-    table, _ = client.query(10)
-    client.close()
     pids = {name: proc.pid for name, proc in procs.items()} | {"launcher": os.getpid()}
     rss["before"] = {name: _rss_mib(pid) for name, pid in pids.items()}
     until = time.monotonic() + FLOOD_S
@@ -163,11 +159,12 @@ def test_a_flood_is_refused_before_it_is_buffered(tmp_path, backend):
     sent = {"stranger_bytes": 0, "cut_off": 0, "holder_messages": 0}
     rss: dict = {}
     done = threading.Event()
+    seen: dict = {}  # the whole table, to learn the ports (launch's on_table: no rank gets it)
 
     def on_started(address, procs):
         def run() -> None:
             try:
-                _flood(run_dir, address, procs, sent, rss)
+                _flood(run_dir, seen["table"], address, procs, sent, rss)
             finally:
                 done.set()
 
@@ -182,6 +179,7 @@ def test_a_flood_is_refused_before_it_is_buffered(tmp_path, backend):
         device="cpu",
         timeout_s=300,
         on_started=on_started,
+        on_table=lambda table, t0: seen.update(table=table),
     )
     assert done.wait(60)
     assert result.ok, result.errors

@@ -97,6 +97,7 @@ def test_who_may_speak_for_a_rank_is_asked_before_its_replay_floor_moves():
     assert "registered and live" in why
     (answer,) = run.say(P0, "prefill0", {"kind": "query"})
     assert answer == (P0, {"kind": "table", "ranks": answer[1]["ranks"], "t0": run.m.t0,
+                           "incarnations": {"prefill0": 100, "decode0": 100},
                            "rejoins": []})  # fmt: skip
     assert run.say(P0, "prefill0", {"kind": "report", "role": "prefill", "rank": 0}) == []
     assert "prefill0" in run.m.reports
@@ -388,3 +389,40 @@ def test_a_flood_of_tool_names_never_evicts_a_ranks_replay_floor():
     assert "replayed message" in refused(
         run.say(P0, "prefill0", {"kind": "clock", "t1": 1.0}, seq=50)
     )
+
+
+def test_each_rank_gets_only_its_peers_entries_and_a_tool_no_entry():
+    """Issue 39 item 3, least exposure: two pairs (prefill0 -> decode0, prefill1 ->
+    decode1). Each rank's table, its query and a rejoin's table hold its own entry and its
+    peers'; a rejoin asks only the rejoining rank's decode peers; a tool's query gets every
+    rank's incarnation, t0 and the rejoins, and no entry."""
+    P1_, D1 = b"conn-p1", b"conn-d1"
+    peers = {"prefill0": {"decode0"}, "prefill1": {"decode1"}}
+    peers |= {"decode0": {"prefill0"}, "decode1": {"prefill1"}}
+    run = Run(("prefill0", "prefill1", "decode0", "decode1"), peers=peers, rejoin_grace_s=30.0)
+    for conn, name, rank in ((P0, "prefill0", 0), (P1_, "prefill1", 1), (D0, "decode0", 0),
+                             (D1, "decode1", 1)):  # fmt: skip
+        run.say(conn, name, hello(name.rstrip("01"), rank))
+    tables = {
+        conn: sorted(e["role"] + str(e["rank"]) for e in msg["ranks"]) for conn, msg in run.tick()
+    }
+    assert tables == {
+        P0: ["decode0", "prefill0"],
+        P1_: ["decode1", "prefill1"],
+        D0: ["decode0", "prefill0"],
+        D1: ["decode1", "prefill1"],
+    }
+    ((_, mine),) = run.say(D1, "decode1", {"kind": "query"})
+    assert sorted(e["role"] + str(e["rank"]) for e in mine["ranks"]) == ["decode1", "prefill1"]
+    ((_, tool),) = run.say(STRANGER, "tool-1", {"kind": "query"})
+    assert tool["ranks"] == [] and tool["t0"] == run.m.t0
+    assert tool["incarnations"] == dict.fromkeys(peers, 100)
+    # prefill1 rejoins: only decode1 is asked, and its table is its view
+    run.m.mark_down("prefill1", "rank prefill1 died", run.now)
+    asked = run.say(NEW, "prefill1", hello("prefill", 1, incarnation=200), incarnation=200)
+    assert [(conn, msg["kind"]) for conn, msg in asked] == [(D1, "rejoin")]
+    run.say(D1, "decode1", {"kind": "rejoin_ack", "rank": "prefill1", "incarnation": 200,
+                            "first_room": 3})  # fmt: skip
+    ((conn, table),) = run.tick()
+    assert conn == NEW and table["rejoin"]["answered"] == ["decode1"]
+    assert sorted(e["role"] + str(e["rank"]) for e in table["ranks"]) == ["decode1", "prefill1"]

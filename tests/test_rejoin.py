@@ -14,6 +14,7 @@ every byte of every room that finished.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from kvstage.sim.driver import Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_RESTART = ROOT / "scenarios" / "faults" / "kill-restart-prefill.toml"
+TABLE_RANK = Path(__file__).parent / "helpers" / "table_rank.py"
 HOST_MODEL = [
     "links.host_model=cpu-loop",
     "links.host_cores=2",
@@ -396,8 +398,8 @@ def _restart_and_replay(
     ABORT of the workload's last room, which must change nothing."""
     try:
         secret = read_secret_file(run_dir / "run.secret")
-        client = RendezvousClient(address, secret=secret)
-        table, _ = client.query(30)
+        client = RendezvousClient(address, secret=secret)  # a tool: sees the rejoins
+        table = box["table"]  # the launcher's (on_table): no rank, no tool gets it whole
         old = table["prefill1"]
         if register_after_s < 0:  # started before the kill: it is ready when its time comes
             box["proc"] = _start(run_dir, address, backend, kill_at + -register_after_s)
@@ -516,7 +518,14 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
         ).start()
 
     try:
-        code, run_dir = run(tmp_path, "nixl", f, on_started=on_started, rejoin_grace_s=60)
+        code, run_dir = run(
+            tmp_path,
+            "nixl",
+            f,
+            on_started=on_started,
+            on_table=lambda table, t0: box.update(table=table),
+            rejoin_grace_s=60,
+        )
         assert box["proc"].wait(timeout=60) == 0  # the rank started by hand finished and exited
     finally:
         if "proc" in box and box["proc"].poll() is None:
@@ -565,10 +574,10 @@ class _NoSpawnRun:
             lambda: (run_dir / "run.secret").exists() and (run_dir / "scenario.toml").exists(), 60
         )
         for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
-            self.ranks[f"{role}{rank}"] = start_by_hand(
-                _rank_cmd(run_dir, self.address, self.backend, role, rank),
-                self.tmp_path / f"{role}{rank}.log",
-            )
+            cmd = _rank_cmd(run_dir, self.address, self.backend, role, rank)
+            if (role, rank) == ("prefill", 1):  # it writes down its table (its peers')
+                cmd = [sys.executable, str(TABLE_RANK), str(self.tmp_path / "table.json"), *cmd]
+            self.ranks[f"{role}{rank}"] = start_by_hand(cmd, self.tmp_path / f"{role}{rank}.log")
         client = RendezvousClient(self.address, secret=read_secret_file(run_dir / "run.secret"))
         t0 = _until(lambda: client.query(10)[1], 120)
         client.close()
@@ -594,6 +603,13 @@ def test_a_killed_prefill_rank_started_again_rejoins_a_no_spawn_run_mooncake(tmp
     run_dir, address, launcher, ranks = run.run_dir, run.address, run.launcher, run.ranks
     try:
         t0 = run.start_ranks()
+        # prefill1's own table: its entry and decode0's (no process gets the whole one)
+        seen = tmp_path / "table.json"
+        _until(seen.exists, 60)
+        box["table"] = {
+            n: RankInfo.from_json(d) for n, d in json.loads(seen.read_text())["ranks"].items()
+        }
+        assert sorted(box["table"]) == ["decode0", "prefill1"]
         victim = ranks["prefill1"]
         _restart_and_replay(
             run_dir,

@@ -31,8 +31,6 @@ import torch
 from conftest import require_engine
 from test_hw import write_scenario
 
-from kvstage.hw.control.plane import read_secret_file
-from kvstage.hw.control.rendezvous import RendezvousClient
 from kvstage.hw.launch.launcher import launch
 from kvstage.hw.transport.base import _unpack_metadata, make_transport
 from kvstage.hw.transport.placement import transport_options
@@ -54,27 +52,11 @@ def _scenario(tmp_path, backend: str, kind: str):
     return s
 
 
-def _target(run_dir, address: str):
-    """The decode rank's table entry and t0, once the run has both (the run secret reads
-    the table: where to write, not a key to write with)."""
-    client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
-    try:
-        while True:
-            table, t0 = client.query(10)
-            if t0 is not None and "decode0" in table:
-                return table["decode0"], t0
-            time.sleep(0.05)
-    finally:
-        client.close()
-
-
-def _entry(run_dir, address: str, name: str):
-    """Rank `name`'s table entry (as `_target`, once the run has the table)."""
-    client = RendezvousClient(address, secret=read_secret_file(run_dir / "run.secret"))
-    try:
-        return client.query(10)[0][name]
-    finally:
-        client.close()
+def _target(seen: tuple) -> tuple:
+    """The decode rank's table entry and t0 (`seen`: the whole table and t0, from the
+    launcher: where to write, not a key to write with)."""
+    table, t0 = seen
+    return table["decode0"], t0
 
 
 def _sweep(s, t0: float, write) -> int:
@@ -90,9 +72,9 @@ def _sweep(s, t0: float, write) -> int:
     return landed
 
 
-def _insider(s, run_dir, address: str, stats: dict) -> None:
+def _insider(s, run_dir, seen: tuple, stats: dict) -> None:
     """A secret holder's own transfer engine writing into the decode's ring."""
-    info, t0 = _target(run_dir, address)
+    info, t0 = _target(seen)
     backend = s.hardware.backend
     t = make_transport(
         backend, "kvstage-insider", "cpu", **transport_options(s.hardware, backend, "127.0.0.1")
@@ -113,11 +95,11 @@ def _insider(s, run_dir, address: str, stats: dict) -> None:
         t.close()
 
 
-def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
+def _raw_mooncake(s, run_dir, seen: tuple, stats: dict) -> None:
     """Mooncake's own engine, no kvstage code and no secret in the write path."""
     from mooncake.engine import TransferEngine
 
-    info, t0 = _target(run_dir, address)
+    info, t0 = _target(seen)
     session = _unpack_metadata(info.metadata)[1].decode()  # host:port, what `ss` shows
     ring = int(info.extra["ring_addr"])
     engine = TransferEngine()
@@ -141,7 +123,7 @@ def _raw_mooncake(s, run_dir, address: str, stats: dict) -> None:
         session, [junk.ctypes.data], [pool], [4096]
     )
     # nor is a prefill's KV pool (hw/rank/prefill.py, issue 39 item 3): a read is refused
-    prefill = _entry(run_dir, address, "prefill0")
+    prefill = seen[0]["prefill0"]
     stats["prefill_pool_read_rc"] = engine.batch_transfer_sync_read(
         _unpack_metadata(prefill.metadata)[1].decode(),
         [junk.ctypes.data],
@@ -160,8 +142,8 @@ def _run(tmp_path, backend: str, attack, kind: str = "mac") -> tuple:
     stats = {"writes": 0}
     threads = []
 
-    def on_started(address, procs):
-        th = threading.Thread(target=attack, args=(s, run_dir, address, stats), daemon=True)
+    def on_table(table, t0):
+        th = threading.Thread(target=attack, args=(s, run_dir, (table, t0), stats), daemon=True)
         th.start()
         threads.append(th)
 
@@ -173,7 +155,7 @@ def _run(tmp_path, backend: str, attack, kind: str = "mac") -> tuple:
         backend=backend,
         device="cpu",
         timeout_s=240,
-        on_started=on_started,
+        on_table=on_table,
     )
     for th in threads:
         th.join(30)

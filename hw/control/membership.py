@@ -194,8 +194,12 @@ class Membership:
         probe_slots: int = 0,
         probe_slot_s: float = PROBE_SLOT_S,
         max_report_bytes: int = MAX_REPORT_BYTES,
+        peers: dict[str, set[str]] | None = None,
     ) -> None:
         self.expected = set(expected)
+        # each rank -> the ranks whose table entries it gets (its own besides): the ranks it
+        # exchanges messages and bytes with (Sessions.peers); None: every rank
+        self.peers = {n: set((peers or {}).get(n, self.expected)) - {n} for n in self.expected}
         self.hellos: dict[str, tuple[bytes, RankInfo]] = {}
         self.reports: dict[str, tuple[bytes, dict[str, Any]]] = {}
         self.gone: dict[str, str] = {}  # ranks that died during the run for good -> why
@@ -294,15 +298,28 @@ class Membership:
             return self._rejoin_ack(conn, msg)
         if kind == "clock":  # a rank measuring its offset to this clock (any authenticated peer)
             return self._send(conn, {"kind": "clock", "t1": msg.get("t1"), "t2": wall})
-        if kind == "query":
-            table = [info.to_json() for _, info in self.hellos.values()]
+        if kind == "query":  # the entries of a registered rank's view; to others none
+            incarnations = {n: info.incarnation for n, (_, info) in self.hellos.items()}
             return self._send(
-                conn, {"kind": "table", "ranks": table, "t0": self.t0, "rejoins": self.rejoins}
+                conn,
+                {
+                    "kind": "table",
+                    "ranks": self.view(name) if name is not None else [],
+                    "incarnations": incarnations,
+                    "t0": self.t0,
+                    "rejoins": self.rejoins,
+                },
             )
         return self.refuse(
             conn,
             f"unknown message kind {str(kind)[:40]!r} (allowed: {', '.join(KINDS)})",
         )
+
+    def view(self, name: str) -> list[dict[str, Any]]:
+        """The table entries rank `name` gets: its own and its peers' (least exposure:
+        no rank learns the addresses, keys and memory of ranks it never talks to)."""
+        seen = self.peers.get(name, set()) | {name}
+        return [info.to_json() for n, (_, info) in self.hellos.items() if n in seen]
 
     def _who_may_speak(
         self, conn: bytes, signer: str, incarnation: int, seq: int, kind: Any, proven: bool
@@ -377,12 +394,11 @@ class Membership:
             probe_s = self.probe_slots * self.probe_slot_s
             self.t0 = wall + start_delay_s + probe_s
             self.last_heard = dict.fromkeys(self.hellos, now)
-            table = [info.to_json() for _, info in self.hellos.values()]
-            msg: dict[str, Any] = {"kind": "table", "ranks": table, "t0": self.t0}
+            msg: dict[str, Any] = {"kind": "table", "t0": self.t0}
             if self.probe_slots:
                 msg["probe"] = {"start": self.t0 - probe_s, "slot_s": self.probe_slot_s}
-            for conn, _ in self.hellos.values():
-                self._send(conn, msg)
+            for name, (conn, _) in self.hellos.items():
+                self._send(conn, {**msg, "ranks": self.view(name)})
         if self.started:
             self._tend(now)
 
@@ -483,7 +499,10 @@ class Membership:
         asked = {
             n
             for n, (_, i) in self.hellos.items()
-            if i.role == "decode" and n not in self.gone and n not in self.down
+            if i.role == "decode"
+            and n not in self.gone
+            and n not in self.down
+            and n in self.peers[name]
         }
         self._rejoining[name] = _Rejoin(conn, info, asked, now + REJOIN_ACK_S, after)
         self.events.append(
@@ -551,7 +570,7 @@ class Membership:
         answers = [v for v in r.answers.values() if v is not None]
         first = min(answers) if answers else None
         silent = sorted(r.asked - set(r.answers))
-        table = [info.to_json() for _, info in self.hellos.values()]
+        table = self.view(name)
         rejoin = {
             "incarnation": r.info.incarnation,
             "first_room": first,

@@ -428,18 +428,26 @@ class RendezvousClient:
         self.recv(1.0, "the other ranks to finish")
 
     def query(self, timeout_s: float) -> tuple[dict[str, RankInfo], float | None]:
-        """The ranks registered so far and the start time (None before every rank is in):
-        for tools that hold the run secret, e.g. to find a rank's control address."""
-        self.send({"kind": "query"})
-        reply = self.recv(timeout_s, "the rank table")
+        """The start time (None before every rank is in) and the table entries this
+        client may see: a registered rank's own and its peers' (Membership.view); none
+        for anyone else (a tool, a rank before its hello)."""
+        reply = self._query(timeout_s)
         return {
             RankInfo.from_json(d).name: RankInfo.from_json(d) for d in reply["ranks"]
         }, reply.get("t0")
 
+    def incarnations(self, timeout_s: float) -> dict[str, int]:
+        """The incarnation of every rank registered so far, by name (what a rank started
+        again needs before its hello, to take a newer one); told to any client."""
+        return {str(k): int(v) for k, v in self._query(timeout_s)["incarnations"].items()}
+
+    def _query(self, timeout_s: float) -> dict[str, Any]:
+        self.send({"kind": "query"})
+        return self.recv(timeout_s, "the rank table")
+
     def rejoins(self, timeout_s: float) -> list[dict[str, Any]]:
         """The rejoins the rendezvous completed so far (rank, incarnation, first_room, after)."""
-        self.send({"kind": "query"})
-        return list(self.recv(timeout_s, "the rank table").get("rejoins", []))
+        return list(self._query(timeout_s).get("rejoins", []))
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -479,6 +487,11 @@ class RendezvousServer:
     one signed with the run secret alone reaches the membership unproven and is refused
     there, naming why. A second claim of a registered name is in `duplicates`.
 
+    Least exposure: each rank gets the table entries of the ranks it exchanges messages
+    and bytes with (`peers`: name -> names; None: every rank) and its own; a query from
+    anyone else (a tool, a rank before its hello) gets every rank's incarnation, t0 and
+    the rejoins, no entry (Membership.view).
+
     Bounded per sender (docs/hardware-mode.md): a message is at most
     MAX_RENDEZVOUS_BYTES (ZMQ cuts off a connection on a bigger frame's header; a frame
     list over it is refused unread), at most RENDEZVOUS_RCVHWM of them queued per
@@ -499,6 +512,7 @@ class RendezvousServer:
         rejoin_grace_s: float = 0.0,
         grace_s: dict[str, float] | None = None,
         probe_slots: int = 0,
+        peers: dict[str, set[str]] | None = None,
     ) -> None:
         secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
@@ -533,6 +547,7 @@ class RendezvousServer:
             rejoin_grace_s=rejoin_grace_s,
             grace_s=grace_s,
             probe_slots=probe_slots,
+            peers=peers,
         )
         self._warn = Throttled(log, first=20)
 

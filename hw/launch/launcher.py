@@ -58,10 +58,12 @@ from kvstage.hw.control.plane import (
     run_secret,
     write_secret_file,
 )
-from kvstage.hw.control.rendezvous import RANK_SILENT_S, RendezvousServer
+from kvstage.hw.control.rendezvous import RANK_SILENT_S, RankInfo, RendezvousServer
 from kvstage.hw.launch.forkserver import ForkedProcess, rank_start, start_rank
 from kvstage.hw.transport.affinity import LOCAL_SLOT_ENV
 from kvstage.hw.transport.placement import engine_env, launch_addresses, quiet_engines
+from kvstage.shared.cluster import Sessions
+from kvstage.shared.scenario import load_scenario
 
 log = logging.getLogger("kvstage.hw.launch.launcher")
 
@@ -161,6 +163,7 @@ def launch(
     on_progress: Callable[[RunProgress], None] | None = None,
     probe_slots: int = 0,
     on_affinity: Callable[[dict[str, Any]], None] | None = None,
+    on_table: Callable[[dict[str, RankInfo], float], None] | None = None,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -173,6 +176,8 @@ def launch(
     hand). `restarts`: rank -> the delays after which it is spawned again (kill faults).
     `probe_slots`: slots of the bandwidth probe before the first room (hw/transport/bandwidth.py).
     `on_affinity(rank -> its NIC, GPU, NUMA node)`: once every rank registered (hw/transport/affinity.py).
+    `on_table(every rank's RankInfo by name, t0)`: once every rank registered, in this
+    process only (no rank gets the whole table: each gets its peers', table_peers).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -192,6 +197,7 @@ def launch(
         rejoin_grace_s=rejoin_grace_s,
         grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
         probe_slots=probe_slots,
+        peers=table_peers(scenario_path, prefill_tp, decode_tp),
     )
     # key files first: a task that waits for run.secret finds its key file with it
     by_hand = [n for n in names if not spawn or (rejoin_grace_s > 0 and n.startswith("prefill"))]
@@ -228,7 +234,7 @@ def launch(
             server,
             procs,
             logs,
-            _with_affinity(server, on_started, on_affinity),
+            _with_affinity(server, on_started, on_affinity, on_table),
             start,
             timeout_s,
             restarts,
@@ -251,17 +257,38 @@ def launch(
             stop.restore()
 
 
-def _with_affinity(server: RendezvousServer, on_started, on_affinity):
-    """`on_started`, preceded by `on_affinity` with what each rank's hello says of its NIC."""
-    if on_affinity is None:
+def _with_affinity(server: RendezvousServer, on_started, on_affinity, on_table=None):
+    """`on_started`, preceded by `on_affinity` with what each rank's hello says of its NIC
+    and `on_table` with the whole table and t0."""
+    if on_affinity is None and on_table is None:
         return on_started
 
     def started(address: str, procs: dict[str, subprocess.Popen]) -> None:
-        on_affinity({name: info.extra.get("affinity") for name, (_, info) in server.hellos.items()})
+        if on_affinity is not None:
+            on_affinity(
+                {name: info.extra.get("affinity") for name, (_, info) in server.hellos.items()}
+            )
+        if on_table is not None:
+            on_table({name: info for name, (_, info) in server.hellos.items()}, server.t0)
         if on_started is not None:
             on_started(address, procs)
 
     return started
+
+
+def table_peers(scenario_path: Path, prefill_tp: int, decode_tp: int) -> dict[str, set[str]] | None:
+    """Each rank's peers by name (Sessions.peers: the ranks it exchanges messages and
+    bytes with), whose table entries it gets from the rendezvous; None (every rank) when
+    the scenario's ranks are not these (its ranks then refuse to run, saying why)."""
+    s = load_scenario(scenario_path)
+    sessions = Sessions(s.geometry(), s.cluster.prefill_instances, s.cluster.decode_instances)
+    if (sessions.ranks("prefill"), sessions.ranks("decode")) != (prefill_tp, decode_tp):
+        return None
+    return {
+        rank_name(role, i): {rank_name(r, k) for r, k in sessions.peers(role, i)}
+        for role, count in (("prefill", prefill_tp), ("decode", decode_tp))
+        for i in range(count)
+    }
 
 
 def _rank_command(

@@ -310,9 +310,9 @@ class RankProcess:
             time.sleep(min(0.1, max(0.0, register_at - time.time())))
         # a rank registered under this name already (this is a restart): take a newer
         # incarnation than it, whatever this host's clock says
-        known, _ = client.query(rendezvous_timeout_s)
-        if self.name in known and known[self.name].incarnation >= self.control.incarnation:
-            self.control.renew_incarnation(known[self.name].incarnation + 1)
+        known = client.incarnations(rendezvous_timeout_s).get(self.name)
+        if known is not None and known >= self.control.incarnation:
+            self.control.renew_incarnation(known + 1)
         me = RankInfo(
             self.role,
             self.rank,
@@ -408,9 +408,7 @@ class RankProcess:
     # --- the loop ---------------------------------------------------------------------------
     def _peers(self) -> list[tuple[str, int]]:
         """The ranks this one exchanges messages with: (role, rank)."""
-        if self.role == "prefill":
-            return [("decode", d) for d in self.sessions.all_targets(self.rank)]
-        return [("prefill", p) for p in self.sessions.all_writers(self.rank)]
+        return self.sessions.peers(self.role, self.rank)
 
     def _heartbeat(self) -> None:
         now = self.now()

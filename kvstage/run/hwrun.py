@@ -84,13 +84,15 @@ def launch_run(
     rejoin_grace_s: float = 0.0,
     ceiling: bool = False,
     on_affinity: Callable[[dict], None] | None = None,
+    on_table: Callable[[dict, float], None] | None = None,
     **placement: str | None,
 ) -> RunResult:
     """Run `scenario` on real transfers, the ranks' logs and scenario.toml in `run_dir`
     (which must exist); prints nothing. `placement`: host, bind, advertise
     (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
     `ceiling`: measure each pair's raw write ceiling before the first room (hw/transport/bandwidth.py);
-    `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered."""
+    `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered;
+    `on_table`: the whole rank table and t0, then (launch's: no rank gets it whole)."""
     hw = scenario.hardware
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
@@ -120,6 +122,7 @@ def launch_run(
         on_progress=on_progress,
         probe_slots=probe_slots,
         on_affinity=on_affinity,
+        on_table=on_table,
         **placement,
     )
     records = merge_records(result.reports)
