@@ -399,14 +399,14 @@ _TBO = (
     "part of it (27-35% more prefill throughput in the same post)"
 )
 _TBO_DECODE = (
-    "two-batch overlap hides DeepEP's low-latency all-to-all (65 ms of the 110 ms step "
-    "without it) under the other half's compute as if every rank were equally loaded; "
-    "the post's EPLB leaves imbalance (the slowest rank sets the step) that the model "
-    "leaves out"
+    "two-batch overlap hides DeepEP's low-latency all-to-all (71 ms of the step, the "
+    "busiest EP rank's under EPLB, shared/serving/ep_balance.py) under the other half's "
+    "compute; the post's measured EPLB skew is its own, kvstage's TensorRT-LLM's"
 )
 _MTP = (
-    "MTP's draft and verify (a one-layer draft head, draft_tokens queries a request), "
-    "EPLB's imbalance (>70% balance) and the post's single-batch overlap"
+    "MTP's draft and verify (a one-layer draft head, draft_tokens queries a request) and "
+    "the post's single-batch overlap; EPLB's busiest rank priced from TensorRT-LLM's "
+    "measured skew (the post reports only '>70% balance')"
 )
 _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "

@@ -318,6 +318,9 @@ class PrefillConfig(_Table):
     ep: ExpertParallel = (
         1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
     )
+    # with ep > 1: EPLB's redundant experts even the ranks' loads out, or the routing's
+    # own skew stays (shared/serving/ep_balance.py: the busiest rank sets the layer)
+    eplb: bool = True
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
@@ -436,6 +439,9 @@ class DecodeConfig(_Table):
     ep: ExpertParallel = (
         1  # expert-parallel size (shared/serving/compute.py); 1: experts split by TP
     )
+    # with ep > 1: EPLB's redundant experts even the ranks' loads out, or the routing's
+    # own skew stays (shared/serving/ep_balance.py: the busiest rank sets the layer)
+    eplb: bool = True
     speculative: SpeculativeConfig | None = None  # absent: one token per request a step
     # the engine whose host work a step pays (shared/serving/engine_step.py); absent: the
     # [engine] preset's family, else the default per-step overhead

@@ -5,6 +5,8 @@
     compute.py       the time of a prefill forward and a decode step on one GPU
     memory.py        memory per GPU on each side: weights, activations, KV
     sharding.py      what a TP group splits and what every rank holds whole
+    deepep.py        DeepEP's low-latency all-to-all from its published table
+    ep_balance.py    expert-parallel load imbalance: the busiest rank sets the layer
     decode_model.py  a decode instance's KV capacity and step time
     prefix_cache.py  the prefill instance's prefix cache (Mooncake hash ids, LRU)
 

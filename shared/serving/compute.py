@@ -40,8 +40,13 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   scale-up link; a token crosses the NIC once per other node it has experts on
   (DeepEP's normal kernels forward over NVLink inside the node [C]
   https://github.com/deepseek-ai/DeepEP README), the NIC numbers from the links
-  profile. Experts sit uniformly over the group; the all-to-all does not overlap
-  compute in prefill (SGLang's two-batch overlap there is left out);
+  profile. The all-to-all does not overlap compute in prefill (SGLang's two-batch
+  overlap there is left out);
+- with experts placed by expert parallelism (ep > 1), the expert matmuls, the expert
+  weights read and the all-to-all are the busiest EP rank's: its copies are the mean x
+  `busiest_rank` (shared/serving/ep_balance.py: real routing's skew, with or without
+  EPLB, and the batch's randomness), its distinct experts 1 - (1 - k/E)^(tokens x
+  that), out of its share;
 - the kernels' fixed costs: layers x kernels per layer x `kernel_launch_s`
   (shared/serving/kernels.py).
 
@@ -77,8 +82,8 @@ the step as two micro-batches, one's communication under the other's compute
 (`_two_batch_step`). The engine's host work a step (shared/serving/engine_step.py) adds
 to the GPU's time, or runs under it where the engine overlaps it.
 
-Left out: expert load imbalance (EPLB), pipeline parallelism, two-batch overlap in
-prefill, KV-cache quantization scales.
+Left out: pipeline parallelism, two-batch overlap in prefill, KV-cache quantization
+scales.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ from typing import TYPE_CHECKING
 from kvstage.shared.serving.allreduce import allreduce_one_s
 from kvstage.shared.serving.deepep import low_latency_layer_s, nic_Bps
 from kvstage.shared.serving.engine_step import engine_step
+from kvstage.shared.serving.ep_balance import busiest_rank
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
@@ -270,10 +276,11 @@ def alltoall_parts(s: Scenario, side: str, tokens: float) -> tuple[float, float]
     if not _dp_attention(s, side):
         return 0.0, 0.0
     m, ep = s.model, _cfg(s, side).ep
+    busiest = busiest_rank(s, side, tokens)  # the layer waits for it (ep_balance.py)
     scale = side_gpu(s, side).scaleup_Bps * efficiency(s).allreduce
     if side == "decode" and s.decode.deepep_mode == "low_latency":  # its own table's ratio
         d, c = low_latency_layer_s(s, ep, tokens, side_gpu(s, side).scaleup_Bps)
-        return m.layers * d, m.layers * c
+        return m.layers * d * busiest, m.layers * c * busiest
     k = m.experts_per_token
     gpn = min(ep, s.cluster.gpus_per_node)
     nodes = math.ceil(ep / gpn)
@@ -281,7 +288,7 @@ def alltoall_parts(s: Scenario, side: str, tokens: float) -> tuple[float, float]
     nvlink_copies = k * (gpn - 1) / ep
     other_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** k) if nodes > 1 else 0.0
     per_token = nvlink_copies * per_copy / scale + other_nodes * per_copy / nic_Bps(s)
-    total = tokens * m.layers * per_token
+    total = tokens * m.layers * per_token * busiest
     share = DISPATCH_BYTES / (DISPATCH_BYTES + COMBINE_BYTES)  # the bytes each way
     return total * share, total * (1 - share)
 
@@ -323,6 +330,7 @@ def _linear_s(
     mfu = share(tokens)
     t_dense = d_flops / (peak * mfu)
     t_experts = x_flops / (peak * share(expert_rows, grouped=True)) if x_flops else 0.0
+    t_experts *= busiest_rank(s, side, tokens)  # the busiest EP rank's copies (ep_balance.py)
     if flat is None:  # a roofline per matmul kind: no faster than streaming its weights
         hbm = gpu.hbm_Bps * eff.decode_hbm
         dense_bytes, expert_bytes = weight_bytes(s, side, tokens)
@@ -401,6 +409,8 @@ def weight_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
         here = m.experts / max(cfg.tp, cfg.ep)  # experts (or expert slices) on this GPU
         group = tokens * max(1, cfg.ep // cfg.tp) if _dp_attention(s, side) else tokens
         touched = distinct_experts(m.experts, m.experts_per_token, group) / m.experts
+        # the busiest EP rank's copies pick (1 - (1 - k/E)^(tokens x busiest)) of its experts
+        touched = 1.0 - (1.0 - touched) ** busiest_rank(s, side, tokens)
         experts = here * touched * e * per
     return per_rank_params(s, dense - embed, cfg.tp) * per, experts
 

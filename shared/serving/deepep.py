@@ -23,11 +23,19 @@ to signalling and small messages). EP sizes between the table's rows take the ra
 the next one down (above 256, 256's). Each of the two kernels waits at least one
 one-way latency of the link its copies cross (the links profile's inter or intra
 `latency_us`): fewer tokens never take less.
+
+The table's benchmark routes its tokens uniformly at random ([C] DeepEP
+tests/test_low_latency.py: top-k of random scores), so its latencies already hold that
+routing's busiest rank (1,024 copies a rank: 4-6% over the mean,
+shared/serving/ep_balance.py); the ratio divides it out, and the caller multiplies the
+scenario's own busiest rank back in (compute.py `alltoall_parts`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from kvstage.shared.serving.ep_balance import imbalance
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -78,7 +86,8 @@ def low_latency_layer_s(
     s: Scenario, ep: int, tokens: float, scaleup_Bps: float
 ) -> tuple[float, float]:
     """(dispatch, combine) of one MoE layer for `tokens` tokens of one GPU in an EP group
-    of `ep`, over a scale-up link of `scaleup_Bps` a direction (see above)."""
+    of `ep`, over a scale-up link of `scaleup_Bps` a direction, with every rank at the
+    mean load (see above)."""
     if tokens <= 0:
         return 0.0, 0.0
     m = s.model
@@ -87,11 +96,12 @@ def low_latency_layer_s(
     r = s.links.resolved()
     floor = ((r.inter or r.link) if ep > gpn else (r.intra or r.link)).latency_s
     nic = nic_Bps(s)
+    table_busiest = 1.0 + imbalance(_TABLE_TOKENS * _TABLE_K, row_ep, 0.0)  # uniform routing
     parts = []
     for per, us in ((_DISPATCH_BYTES, d_us), (_COMBINE_BYTES, c_us)):
         ref = _ideal_s(_TABLE_TOKENS, _TABLE_HIDDEN, _TABLE_K, row_ep, _TABLE_GPN, per,
                        _TABLE_NVLINK_BPS, _TABLE_NIC_BPS)  # fmt: skip
-        ratio = us * 1e-6 / ref
+        ratio = us * 1e-6 / (ref * table_busiest)
         here = _ideal_s(tokens, m.hidden, m.experts_per_token, ep, gpn, per, scaleup_Bps, nic)
         parts.append(max(floor, here * ratio))
     return parts[0], parts[1]
