@@ -112,6 +112,25 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    Tolerance 25%: runs 1.5-2 req/s apart, one run each (attainment moves 15 points
    between two).
 
+Context attention, by the engine and release of each TTFT row (kvstage prices prefill
+attention at `Efficiency.attention_mfu`, 0.5 of the BF16 peak, whatever the engine):
+every TTFT row but DistServe's is TensorRT-LLM's (sources 2, 6 and 7: NIM 2024-25 and
+trtllm-serve 0.21; source 8's context phase too), which runs its own fused-attention
+kernels, not FlashAttention ([P] https://github.com/NVIDIA/TensorRT-LLM/issues/2238: the
+prebuilt cubins of cpp/tensorrt_llm/kernels/contextFusedMultiHeadAttention). On Hopper
+they are warp-specialized TMA + GMMA kernels, what FlashAttention-3 added, "since the
+first public release", and the maintainers measured them faster than FlashAttention-3
+in most cases, especially at long sequences ([P] issue #1947, 2024-10-15). Their class's
+published rate at the rows' prompt lengths, FlashAttention-3's causal forward at head dim
+128 on H100 SXM, is 521 / 579 / 602 TFLOP/s at 2K / 4K / 8K tokens (0.53-0.61 of the
+peak; FlashAttention-2 298 / 319 / 333, cuDNN 484 / 518 / 529: https://arxiv.org/abs/
+2407.08608, Fig. 5): at or above the 0.5 priced. On A100 (sm80, no TMA / GMMA) the same
+kernels are FlashAttention-2's kind ([A]), which reaches 50-73% of A100's peak
+(https://arxiv.org/abs/2307.08691). So no engine's kernel family is slower than what
+kvstage prices; what the NIM rows' slopes imply instead is in benchmarks/ttft_floor.py
+and docs/results/2026-12-03-published-serving-ttft.md. DistServe (sources 3, 9) ran its
+own 2023 prototype; source 4's rows are decode steps (8 x 32-token prompts).
+
     .venv/bin/python benchmarks/published_serving.py          # the table (~1 min)
     .venv/bin/python benchmarks/published_serving.py --quick  # without the goodput searches
 

@@ -5,6 +5,13 @@ forward's fixed part, b the forward's cost per token. Fitting both to the publis
 figures and to kvstage's tells which part a miss is in: a host-side floor kvstage does
 not price moves a; kernels or collectives priced too fast move b.
 
+Two reads of the slopes point at a mechanism. The rise from b (200 -> 2,000 tokens) to b2
+(2,000 -> 7,000) is where attention, quadratic in the prompt, shows: read as attention
+alone it gives the rate a GPU's attention would have to run at
+(`implied_attention_tflops`), to set beside the kernels' published rates. And between
+configurations that differ only in TP, b(TP hi) - b(TP lo) x lo / hi is what the larger
+group pays a token beyond dividing the work (`tp_cost`): the all-reduces, mostly.
+
 Published: NVIDIA DLI's NIM set (TensorRT-LLM engines, GenAI-Perf, concurrency 1; the
 mean TTFT over the output lengths at 200, 2,000 and 7,000 input tokens), as
 republished in github.com/wbing520/ai-performance-engineering (code/ch10_inference/
@@ -24,6 +31,7 @@ from pathlib import Path
 from kvstage.shared.scenario import Scenario, load_scenario
 from kvstage.shared.scenario.engines import ENGINE_PRESETS
 from kvstage.shared.serving.capacity import prompt_forward_s
+from kvstage.shared.serving.compute import attention_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
@@ -70,22 +78,83 @@ def client_ms(s: Scenario, prompt: int) -> float:
     return REQUEST_MS + prompt_forward_s(s, prompt) * 1e3
 
 
+def slopes() -> dict[tuple[str, str, int, str], tuple[float, float, float, float]]:
+    """Per NIM configuration (model, GPU, TP, dtype): b and b2 (us a token), published
+    and kvstage's: (pb, pb2, sb, sb2)."""
+    out = {}
+    for preset, gpu, tp, dtype, ttft in NIM:
+        s = _config(preset, gpu, tp, dtype)
+        pub = list(zip(PROMPTS, ttft, strict=True))
+        sim = [(p, client_ms(s, p)) for p in PROMPTS]
+        out[preset, gpu, tp, dtype] = (fit(pub)[1], fit(pub[1:])[1], fit(sim)[1], fit(sim[1:])[1])
+    return out
+
+
+def _config(preset: str, gpu: str, tp: int, dtype: str) -> Scenario:
+    return _load(f"model.preset={preset}", f"model.weight_dtype={dtype}", f"prefill.gpu={gpu}",
+                 f"decode.gpu={gpu}", f"prefill.tp={tp}", f"decode.tp={tp}")  # fmt: skip
+
+
+def implied_attention_tflops(s: Scenario, b: float, b2: float) -> float:
+    """The attention rate (TFLOP/s a GPU) a rise of the slope from b to b2 (us a token)
+    implies if the attention alone made it: TTFT = a + c n + q n^2 through the three
+    prompts gives q = (b2 - b) / (9,000 - 2,200) (the sums of the fits' end points), and
+    causal attention costs attention_flops(n, n^2 / 2) / tp = k n^2, so the rate is k / q.
+    Anything else that grows faster than the prompt (a GEMM slower at large M) is read as
+    attention too, and a rate faster than every kernel's says the slope is not attention's."""
+    q = (b2 - b) * 1e-6 / ((PROMPTS[1] + PROMPTS[2]) - (PROMPTS[0] + PROMPTS[1]))
+    k = attention_flops(s, 1, 0.5, decode=False) / s.prefill.tp
+    return k / q / 1e12 if q > 0 else float("inf")
+
+
 def nim_lines() -> list[str]:
     out = [f"NIM set ({NIM_CSV}): a ms and b us a token from 200 and 2,000 tokens, "
-           "b2 from 2,000 to 7,000; b/b2 ratio kvstage / published",
-           f"{'config':<28} {'published':>20}   {'kvstage':>20}   {'ratio b  b2':>11}",
-           f"{'':<28} {'a':>8} {'b':>5} {'b2':>5}   {'a':>8} {'b':>5} {'b2':>5}"]  # fmt: skip
+           "b2 from 2,000 to 7,000; b/b2 ratio kvstage / published; att: the attention "
+           "TFLOP/s a GPU the rise b -> b2 implies (`implied_attention_tflops`)",
+           f"{'config':<28} {'published':>26}   {'kvstage':>26}   {'ratio b  b2':>11}",
+           f"{'':<28} {'a':>8} {'b':>5} {'b2':>5} {'att':>5}   {'a':>8} {'b':>5} {'b2':>5} "
+           f"{'att':>5}"]  # fmt: skip
     for preset, gpu, tp, dtype, ttft in NIM:
-        s = _load(f"model.preset={preset}", f"model.weight_dtype={dtype}",
-                  f"prefill.gpu={gpu}", f"decode.gpu={gpu}", f"prefill.tp={tp}",
-                  f"decode.tp={tp}")  # fmt: skip
+        s = _config(preset, gpu, tp, dtype)
         pub = list(zip(PROMPTS, ttft, strict=True))
         sim = [(p, client_ms(s, p)) for p in PROMPTS]
         (pa, pb), (_, pb2) = fit(pub), fit(pub[1:])
         (sa, sb), (_, sb2) = fit(sim), fit(sim[1:])
+        pt, st = implied_attention_tflops(s, pb, pb2), implied_attention_tflops(s, sb, sb2)
         name = f"{preset} {gpu} TP{tp} {dtype}"
-        out.append(f"{name:<28} {pa:8.1f} {pb:5.1f} {pb2:5.1f}   {sa:8.1f} {sb:5.1f} {sb2:5.1f}"
-                   f"   {sb / pb:5.2f} {sb2 / pb2:5.2f}")  # fmt: skip
+        out.append(f"{name:<28} {pa:8.1f} {pb:5.1f} {pb2:5.1f} {pt:5.0f}   {sa:8.1f} {sb:5.1f} "
+                   f"{sb2:5.1f} {st:5.0f}   {sb / pb:5.2f} {sb2 / pb2:5.2f}")  # fmt: skip
+    return out
+
+
+# the NIM configurations that differ only in TP (model, GPU, dtype, TP lower, TP higher); the
+# A100 70B pair is FP16 at TP4 and BF16 at TP8, the same tensor-core rate
+TP_PAIRS = (
+    ("llama-3-8b", "a100-80g", "fp16", 1, 2),
+    ("llama-3-8b", "h100-sxm", "fp16", 1, 2),
+    ("llama-3-8b", "h100-sxm", "fp8", 1, 2),
+    ("llama-3-70b", "a100-80g", ("fp16", "bf16"), 4, 8),
+    ("llama-3-70b", "h100-sxm", "fp16", 4, 8),
+    ("llama-3-70b", "h100-sxm", "fp8", 4, 8),
+)
+
+
+def tp_cost(lo: float, hi: float, tp_lo: int, tp_hi: int) -> float:
+    """The per-token cost (us) the higher TP pays beyond dividing the lower TP's slope:
+    b(hi) - b(lo) x tp_lo / tp_hi (the collectives, and whatever else TP adds)."""
+    return hi - lo * tp_lo / tp_hi
+
+
+def tp_lines(b: dict[tuple[str, str, int, str], tuple[float, float, float, float]]) -> list[str]:
+    out = ["TP's own cost a token: b(TP hi) - b(TP lo) x lo / hi, us (b from 200 -> 2,000 "
+           "tokens, b2 from 2,000 -> 7,000)",
+           f"{'config':<34} {'published b':>11} {'b2':>5}   {'kvstage b':>9} {'b2':>5}"]  # fmt: skip
+    for preset, gpu, dtype, lo, hi in TP_PAIRS:
+        d_lo, d_hi = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        x, y = b[preset, gpu, lo, d_lo], b[preset, gpu, hi, d_hi]
+        cost = [tp_cost(x[i], y[i], lo, hi) for i in range(4)]
+        name = f"{preset} {gpu} {d_lo} TP{lo}->{hi}"
+        out.append(f"{name:<34} {cost[0]:11.1f} {cost[1]:5.1f}   {cost[2]:9.1f} {cost[3]:5.1f}")
     return out
 
 
@@ -100,7 +169,7 @@ def trt_lines() -> list[str]:
 
 def main() -> None:
     print(__doc__.splitlines()[0])
-    for line in nim_lines() + [""] + trt_lines():
+    for line in nim_lines() + [""] + tp_lines(slopes()) + [""] + trt_lines():
         print(line)
 
 

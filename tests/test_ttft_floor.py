@@ -53,3 +53,27 @@ def test_it_prints_every_configuration(mods, capsys):
     floor.main()
     out = capsys.readouterr().out
     assert out.count("TP") >= 13 and "published a = 79.4 ms" in out
+
+
+def test_tp_cost_is_what_dividing_the_work_leaves_out(mods):
+    floor, _ = mods
+    # TP1 at 20 us a token halves to 10 at TP2: a TP2 slope of 14 leaves 4 us of TP's own
+    assert floor.tp_cost(20.0, 14.0, 1, 2) == pytest.approx(4.0)
+    assert floor.tp_cost(60.0, 30.0, 4, 8) == pytest.approx(0.0)
+    # every pair names two configurations of the table
+    names = {(m, g, tp, d) for m, g, tp, d, _ in floor.NIM}
+    for model, gpu, dtype, lo, hi in floor.TP_PAIRS:
+        d_lo, d_hi = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        assert {(model, gpu, lo, d_lo), (model, gpu, hi, d_hi)} <= names
+
+
+def test_the_implied_attention_rate_inverts_a_quadratic(mods):
+    floor, table = mods
+    s = table._dli("llama3-8b", "h100-sxm", 1, "fp16")
+    k = floor.attention_flops(s, 1, 0.5, decode=False)  # FLOPs of n^2 causal attention
+    rate = 500e12  # TTFT = k n^2 / rate: the slopes between 200, 2,000 and 7,000 tokens
+    t = {n: k * n * n / rate * 1e3 for n in floor.PROMPTS}
+    b = (t[2000] - t[200]) / 1800 * 1e3
+    b2 = (t[7000] - t[2000]) / 5000 * 1e3
+    assert floor.implied_attention_tflops(s, b, b2) == pytest.approx(500.0)
+    assert floor.implied_attention_tflops(s, b, b) == float("inf")  # no rise: not attention
