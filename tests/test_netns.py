@@ -243,7 +243,7 @@ def test_ranks_in_two_namespaces_move_every_byte(tmp_path, namespaces, backend, 
     for d in range(D):
         assert abs(clocks[f"decode{d}"]["clock_offset_s"] + SKEW_S) < 0.05, clocks
     _, records = read_records(run_dir)
-    pairs = assert_causal(records)
+    pairs = assert_causal(records, clocks)
     # the KV bytes left namespace A through its veth (plus control traffic)
     assert tx >= expected, f"only {tx} bytes left {veth_a}, {expected} verified"
     # and each rank says so: its engine wrote over TCP (UCX on the veth; Mooncake's tcp)
