@@ -110,8 +110,11 @@ class CalibrationPlan:
             batch_reps=3,
             control_pings=200,
             kernel_pages=(1, 4, 16, 64),
-            kernel_reps=3,
-            fill_pages=(1, 4, 16),
+            # fills to 64 pages, 5 timed each: a small fill's time is mostly its fixed
+            # cost, so over 1-16 pages a busy host's noise (3 reps, beside other work
+            # on 2 cores) once hid the byte term and the fit found no slope
+            kernel_reps=5,
+            fill_pages=(1, 4, 16, 64),
             step_timeout_s=60.0,
             quick=True,
         )
