@@ -45,7 +45,10 @@ from kvstage.shared.scenario import load_scenario
 from kvstage.shared.trace import TraceRecord
 from kvstage.shared.workload import generate_requests
 
-pytestmark = [pytest.mark.hw, pytest.mark.timeout(300)]
+# alone: whether a sweep lands between a writer's write and the decode's copy of it is a
+# matter of timing; beside another test on 2 cores (pytest -n 2) it missed every room
+# of a run in 2 of 5 (nixl, mac), so these run after the parallel part, on their own
+pytestmark = [pytest.mark.hw, pytest.mark.timeout(300), pytest.mark.alone]
 
 REQUESTS = 40  # at 20 rooms/s (write_scenario): arrivals over 2 s
 LAST_ATTACKED = REQUESTS // 2  # the attack ends at this room's arrival
