@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
+from kvstage.shared.layout import room_pages
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.serving.compute import chunk_forward_s
 from kvstage.shared.trace import TraceRecord
@@ -87,7 +88,7 @@ class GroupForward:
             return False
         req = sim.request_of(f.room)
         g = sim.geometry
-        return f.page_start + f.num_pages >= -(-req.prompt_tokens // g.page_size)
+        return f.page_start + f.num_pages >= room_pages(req.prompt_tokens, 0, g.page_size)
 
     def _started(self, key: tuple[int, int], _ev=None) -> None:
         job = self._chunks[key]
