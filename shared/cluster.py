@@ -198,8 +198,28 @@ def least(keys: Sequence[tuple[int, ...]]) -> int:
     return min(range(len(keys)), key=keys.__getitem__)  # min keeps the first of equals
 
 
+def pipeline_problem(scenario: Scenario) -> str | None:
+    """Why the transfer of this scenario's KV cannot be run, or None: a prefill instance
+    of pipeline stages (`prefill.pp` > 1), each of whose TP ranks holds and would send
+    only its stage's layers, where the rank mapping (shared/layout.py `Geometry`) knows
+    TP ranks that hold every layer."""
+    pp = scenario.prefill.pp
+    if pp == 1:
+        return None
+    return (
+        f"prefill.pp = {pp}: each pipeline stage's TP ranks send only their own layers' KV, "
+        "and kvstage's transfer protocol (shared/layout.py) has no pipeline stages yet, so "
+        "neither the simulation nor hardware mode runs it; allowed: prefill.pp = 1 "
+        "(kvstage plan --prefill-pp screens pp > 1 on the serving model)"
+    )
+
+
 def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:
-    """The scenario's Sessions, with every route already decided when the router is static."""
+    """The scenario's Sessions, with every route already decided when the router is static
+    (ValueError: a scenario whose transfer the protocol cannot map, `pipeline_problem`)."""
+    problem = pipeline_problem(scenario)
+    if problem:
+        raise ValueError(problem)
     c = scenario.cluster
     sessions = Sessions(scenario.geometry(), c.prefill_instances, c.decode_instances)
     router = Router(c.router, c.prefill_instances, c.decode_instances)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstage.hw.transport.bandwidth import probe_bytes
 from kvstage.hw.transport.used import no_rdma_here, rdma_asked
+from kvstage.shared.cluster import pipeline_problem
 from kvstage.shared.serving.capacity import scenario_gpus
 
 MIB = 1 << 20
@@ -137,6 +138,7 @@ def launch_problem(
     prefill, decode = scenario_gpus(scenario)
     ranks = [("prefill", r) for r in range(prefill)] + [("decode", r) for r in range(decode)]
     checks = [
+        lambda: pipeline_problem(scenario),
         lambda: simulated_only(scenario),
         lambda: port_problem(bind, port),
         lambda: device_problem(scenario.hardware.device) if spawn else None,

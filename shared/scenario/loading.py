@@ -186,6 +186,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             where = f"[{'.'.join(parts[:i])}]" if i else "the top level"
             if cls is not None:
                 field = cls.model_fields.get(part)
+                refused = getattr(cls, "REFUSED_KEYS", {}).get(part)
+                if field is None and refused is not None:  # a key with its own reason
+                    raise ScenarioError(f"override {item!r}: {refused}", key)
                 if field is None:
                     if cls.model_config.get("extra") == "allow":
                         cls = None  # free-form table ([faults]): any key

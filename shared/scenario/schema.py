@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
@@ -290,6 +290,15 @@ Utilization = Annotated[float, Field(gt=0, le=1)]
 ExpertParallel = Annotated[int, Field(ge=1, le=4096)]
 
 
+# Pipeline-parallel stages (shared/serving/pipeline.py); at most one a layer
+PipelineSize = Annotated[int, Field(ge=1, le=256)]
+_NO_DECODE_PP = (
+    "pipeline parallelism is modelled on the prefill side only (prefill.pp); "
+    "kvstage's decode step has no pipeline stages, and SGLang's PD decode takes a PP size "
+    "only equal to the prefill's or 1 (disaggregation/common/conn.py); remove decode.pp"
+)
+
+
 def _check_ep_tp(cfg: Any) -> Any:
     if cfg.ep != 1 and cfg.ep % cfg.tp:
         raise _FieldProblem(
@@ -321,6 +330,11 @@ class PrefillConfig(_Table):
     # with ep > 1: EPLB's redundant experts even the ranks' loads out, or the routing's
     # own skew stays (shared/serving/ep_balance.py: the busiest rank sets the layer)
     eplb: bool = True
+    # pipeline-parallel stages of one instance, each of tp GPUs holding its share of the
+    # layers ([C] SGLang's --pp-size; shared/serving/pipeline.py). The serving model and
+    # `kvstage plan` take it; the transfer protocol does not (shared/cluster.py
+    # `pipeline_problem`: simulation and hardware mode refuse pp > 1)
+    pp: PipelineSize = 1
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
@@ -461,6 +475,15 @@ class DecodeConfig(_Table):
     first_token: Literal["decode", "prefill"] = "decode"
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
+    # keys refused with a reason of their own (an override names it too: loading.py)
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {"pp": _NO_DECODE_PP}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pipeline(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "pp" in data:
+            raise _FieldProblem({"pp": data["pp"]}, cls.REFUSED_KEYS["pp"])
+        return data
 
     @property
     def tokens_per_step(self) -> float:
@@ -870,6 +893,7 @@ class Scenario(_Table):
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         _check_expert_parallel(self)  # shared/serving/compute.py
+        _check_pipeline(self)
         _check_memory(self)
         return self
 
@@ -950,6 +974,15 @@ def _check_chunk(s: Scenario) -> None:
                 f"a chunk is whole pages (chunked_prefill_size is rounded down to them, as "
                 f"SGLang does); allowed: >= one page, {page} tokens",
             )
+
+
+def _check_pipeline(s: Scenario) -> None:
+    """Every pipeline stage holds one layer at least."""
+    if s.prefill.pp > s.model.layers:
+        raise _FieldProblem(
+            {"prefill.pp": s.prefill.pp, "model.layers": s.model.layers},
+            f"each pipeline stage holds one layer at least; allowed: 1..{s.model.layers}",
+        )
 
 
 def _check_expert_parallel(s: Scenario) -> None:

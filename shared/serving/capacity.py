@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.serving.compute import chunk_forward_s
 from kvstage.shared.serving.decode_model import DecodeModel
+from kvstage.shared.serving.pipeline import pipeline_latency_s, stage_step_s
 from kvstage.shared.serving.prefix_cache import cached_in_chunk
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ __all__ = [
     "prefill_capacity",
     "prefill_work",
     "prompt_forward_s",
+    "prompt_latency_s",
+    "prompt_steps",
     "remote_requests",
     "scenario_gpus",
 ]
@@ -90,16 +93,22 @@ class Stage:
 
 
 def gpus(
-    prefill_instances: int, prefill_tp: int, decode_instances: int, decode_tp: int
+    prefill_instances: int,
+    prefill_tp: int,
+    decode_instances: int,
+    decode_tp: int,
+    prefill_pp: int = 1,
 ) -> tuple[int, int]:
-    """(prefill, decode) GPUs of a configuration: one per rank, instances x TP a side."""
-    return prefill_instances * prefill_tp, decode_instances * decode_tp
+    """(prefill, decode) GPUs of a configuration: one per rank, instances x TP a side,
+    x the prefill's pipeline stages (`prefill.pp`). DP attention's instances are
+    instances here (an expert group of ep / tp of them)."""
+    return prefill_instances * prefill_tp * prefill_pp, decode_instances * decode_tp
 
 
 def scenario_gpus(s: Scenario) -> tuple[int, int]:
     """(prefill, decode) GPUs of scenario `s` (`gpus`)."""
     c = s.cluster
-    return gpus(c.prefill_instances, s.prefill.tp, c.decode_instances, s.decode.tp)
+    return gpus(c.prefill_instances, s.prefill.tp, c.decode_instances, s.decode.tp, s.prefill.pp)
 
 
 def offered_load(requests: Sequence[Request]) -> dict[str, Any]:
@@ -128,20 +137,43 @@ def prompt_forward_s(
 ) -> float:
     """Seconds of one prompt's forwards on its prefill instance, as the simulator runs
     them: the chunks (whole pages) after the decode's `prefix_tokens`, one after the
-    other, less the `cached_tokens` the prefill's prefix cache holds."""
+    other, less the `cached_tokens` the prefill's prefix cache holds. With pipeline
+    stages (`prefill.pp`) the seconds the instance spends on it with other prompts'
+    chunks in flight: one stage-step a chunk (shared/serving/pipeline.py)."""
+    total = 0.0
+    for step in prompt_steps(s, prompt_tokens, prefix_tokens, cached_tokens):
+        total += step
+    return total
+
+
+def prompt_latency_s(
+    s: Scenario, prompt_tokens: int, prefix_tokens: int = 0, cached_tokens: int = 0
+) -> float:
+    """Seconds from a prompt's first chunk starting to its last chunk's forward ending,
+    on an idle instance: its forwards one after the other, or through `prefill.pp`
+    stages, n + pp - 1 stage-steps (pipeline.py `pipeline_latency_s`)."""
+    steps = prompt_steps(s, prompt_tokens, prefix_tokens, cached_tokens)
+    return pipeline_latency_s(steps, s.prefill.pp)
+
+
+def prompt_steps(
+    s: Scenario, prompt_tokens: int, prefix_tokens: int = 0, cached_tokens: int = 0
+) -> list[float]:
+    """Each chunk's forward seconds (with pipeline stages: its stage-step), in order."""
     g = s.geometry()
     try:
         chunks = g.chunks(room_pages(prompt_tokens, prefix_tokens, g.page_size))
     except LayoutError:
-        return 0.0  # the room fails at open: nothing is forwarded
+        return []  # the room fails at open: nothing is forwarded
     first = prefix_tokens // g.page_size
-    total = 0.0
+    steps = []
     for c in chunks:
         tokens = c.num_pages * g.page_size
         start = (first + c.page_start) * g.page_size
         cached = cached_in_chunk(cached_tokens, start, tokens)
-        total += chunk_forward_s(s, tokens, cached, first + c.page_start, g.page_size)
-    return total
+        forward = chunk_forward_s(s, tokens, cached, first + c.page_start, g.page_size)
+        steps.append(stage_step_s(s, forward, tokens - cached))
+    return steps
 
 
 def remote_requests(s: Scenario, requests: Sequence[Request]) -> Sequence[Request]:
@@ -189,7 +221,7 @@ def prefill_stage(
     why = (
         f"{rate:.2f} req/s x {computed:,.0f} prompt tokens = {offered:,.0f} tokens/s offered vs "
         f"{capacity:,.0f} tokens/s of prefill compute ({s.cluster.prefill_instances} "
-        f"instance(s) of TP{s.prefill.tp})"
+        f"instance(s) of TP{s.prefill.tp}{f' PP{s.prefill.pp}' if s.prefill.pp > 1 else ''})"
     )
     return Stage(offered, capacity, s.cluster.prefill_instances, why)
 

@@ -82,8 +82,10 @@ the step as two micro-batches, one's communication under the other's compute
 (`_two_batch_step`). The engine's host work a step (shared/serving/engine_step.py) adds
 to the GPU's time, or runs under it where the engine overlaps it.
 
-Left out: pipeline parallelism, two-batch overlap in prefill, KV-cache quantization
-scales.
+Pipeline parallelism on the prefill side (`prefill.pp`) takes these forwards a stage's
+share at a time: shared/serving/pipeline.py.
+
+Left out: two-batch overlap in prefill, KV-cache quantization scales.
 """
 
 from __future__ import annotations

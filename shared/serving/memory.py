@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, Gpu, side_gpu
+from kvstage.shared.serving.pipeline import stage_layers, stage_weight_bytes
 from kvstage.shared.serving.prefix_cache import BLOCK_TOKENS
 from kvstage.shared.serving.sharding import per_rank_params
 
@@ -64,6 +65,7 @@ class SideMemory:
     activation_bytes: float
     kv_bytes_per_token: int  # on this rank
     min_kv_tokens: int  # one full chunk
+    pp: int = 1  # pipeline stages (prefill.pp): the numbers are the fullest stage's
 
     @property
     def usable_bytes(self) -> float:
@@ -80,7 +82,7 @@ class SideMemory:
 
     def problem(self) -> str | None:
         """One plain line when this side does not fit, else None."""
-        where = f"on {self.gpu.name} at TP{self.tp}"
+        where = f"on {self.gpu.name} at TP{self.tp}" + (f" PP{self.pp}" if self.pp > 1 else "")
         usable = f"{_gib(self.usable_bytes)} GiB usable {where}"
         if self.weight_bytes > self.usable_bytes:
             return f"{_gib(self.weight_bytes)} GiB of weights per GPU > {usable}"
@@ -122,6 +124,10 @@ def weights_per_gpu_bytes(s: Scenario, side: str) -> float:
     dense, e = expert_split(s)
     per = WEIGHT_BYTES[s.model.weight_dtype]
     experts = s.model.experts * e
+    if side == "prefill" and s.prefill.pp > 1:  # the fullest stage (shared/serving/pipeline.py)
+        embed, head = (x * 1e9 for x in s.model.vocab_params_b)
+        layer = per_rank_params(s, dense - embed - head, cfg.tp) + experts / max(cfg.tp, cfg.ep)
+        return stage_weight_bytes(s, layer * per, embed / cfg.tp * per, head / cfg.tp * per)
     return (per_rank_params(s, dense, cfg.tp) + experts / max(cfg.tp, cfg.ep)) * per
 
 
@@ -144,9 +150,19 @@ def side_memory(s: Scenario, side: str) -> SideMemory:
         utilization=cfg.memory_utilization,
         weight_bytes=weights_per_gpu_bytes(s, side),
         activation_bytes=tokens * m.hidden * 2 * ACTIVATION_TENSORS,
-        kv_bytes_per_token=g.block_bytes(1, heads),
+        kv_bytes_per_token=_kv_bytes_per_token(s, side, heads),
         min_kv_tokens=chunk,
+        pp=s.prefill.pp if side == "prefill" else 1,
     )
+
+
+def _kv_bytes_per_token(s: Scenario, side: str, heads: int) -> int:
+    """A token's KV on one GPU of `side`: its heads in every layer, or with prefill
+    pipeline stages in the fullest stage's layers (shared/serving/pipeline.py)."""
+    g = s.geometry()
+    if side == "prefill" and s.prefill.pp > 1:
+        return g.kv_factor * max(stage_layers(g.layers, s.prefill.pp)) * g.head_token_bytes(heads)
+    return g.block_bytes(1, heads)
 
 
 def memory_problem(s: Scenario) -> tuple[str, str] | None:
