@@ -9,8 +9,8 @@ without its dependencies:
         psutil pybase64 triton msgspec tqdm IPython traitlets
     .venv/bin/python scripts/check_exports.py /tmp/sgl
 
-For the flagship, a multi-node (prefill TP16) and a DP-attention (DeepSeek-V3, decode
-EP16 over TP8) scenario it parses both sides' lines (placeholders filled in), and the
+For the flagship, a multi-node (prefill TP16), a DP-attention (DeepSeek-V3, decode
+EP16 over TP8) and a pipeline (prefill TP8 PP2 over two nodes) scenario it parses both sides' lines (placeholders filled in), and the
 Dynamo graph's worker args (`--export dynamo-sglang`: SGLang's flags under
 `dynamo.sglang`, which adds ServerArgs.add_cli_args to its parser) with the rendezvous
 Dynamo's operator adds, and checks that every flag lands in the ServerArgs field it is
@@ -31,6 +31,7 @@ CASES = (
     ("scenarios/llama3-70b-p8-d2.toml", []),
     ("scenarios/llama3-70b-p16-d4.toml", []),
     ("scenarios/mla/deepseek-v3-p16-d8.toml", ["decode.ep=16", "cluster.decode_instances=2"]),
+    ("scenarios/llama3-70b-p8-d2.toml", ["prefill.tp=8", "prefill.pp=2"]),
 )
 FILL = {
     "$NODE_RANK": "0",
@@ -79,6 +80,7 @@ def main() -> int:
                 "nnodes": node_count(s, side),
                 "ep_size": cfg.ep,
                 "attn_dp_size": max(1, cfg.ep // cfg.tp),
+                "pp_size": s.prefill.pp if side == "prefill" else 1,
             }
             for what, flags in _lines(s, side):
                 args = parser.parse_args([FILL.get(w, w) for w in flags])

@@ -19,7 +19,13 @@ import pytest
 import yaml
 from sglang_router.launch_router import parse_router_args
 
-from kvstage.explore.export import ExportError, node_count, servers, sglang_router_command
+from kvstage.explore.export import (
+    ExportError,
+    node_count,
+    server_gpus,
+    servers,
+    sglang_router_command,
+)
 from kvstage.explore.export_k8s import lws_manifests, lws_yaml
 from kvstage.explore.export_vllm import KV_TRANSFER_FIELDS, kv_transfer_config, vllm_commands
 from kvstage.shared.scenario import load_scenario
@@ -96,6 +102,24 @@ def test_multi_node_lines_carry_the_rendezvous():
     assert "--nnodes" not in decode
 
 
+def test_prefill_pipeline_stages_carry_the_pp_size():
+    # Llama-3-70B prefill TP8 PP2: 16 GPUs a server over two nodes, SGLang's --pp-size
+    # (scripts/check_exports.py parses it with ServerArgs: pp_size 2)
+    s = _scenario("prefill.tp=8", "prefill.pp=2")
+    assert node_count(s, "prefill") == 2 and node_count(s, "decode") == 1
+    from kvstage.explore.export import sglang_commands
+
+    text = sglang_commands(s)
+    assert "prefill 1 x TP8 PP2" in text
+    lines = [x for x in text.splitlines() if "sglang.launch_server" in x]
+    prefill, decode = (shlex.split(x) for x in lines)
+    assert prefill[prefill.index("--pp-size") + 1] == "2" and "--pp-size" not in decode
+    assert prefill[prefill.index("--nnodes") + 1] == "2"
+    assert "--pp-size" not in shlex.split(sglang_commands(_scenario()).splitlines()[2])
+    with pytest.raises(ExportError, match="prefill pp 2 .* not exported for vLLM"):
+        vllm_commands(_scenario("hardware.backend=nixl", "prefill.tp=4", "prefill.pp=2"))
+
+
 # --------------------------------------------------------------------------- vLLM
 
 
@@ -163,8 +187,13 @@ def _build(data, kind: str):
     return cls(**{names[k]: _build(v, cls.openapi_types[names[k]]) for k, v in data.items()})
 
 
-def test_lws_manifests_are_leaderworkersets_of_valid_pod_templates():
-    s = _scenario("cluster.prefill_instances=2", path="scenarios/llama3-70b-p16-d4.toml")
+@pytest.mark.parametrize(
+    ("sets", "path"),
+    [(("cluster.prefill_instances=2",), "scenarios/llama3-70b-p16-d4.toml"),
+     (("prefill.tp=8", "prefill.pp=2"), "scenarios/llama3-70b-p8-d2.toml")],
+)  # fmt: skip
+def test_lws_manifests_are_leaderworkersets_of_valid_pod_templates(sets, path):
+    s = _scenario(*sets, path=path)
     docs = list(yaml.safe_load_all(lws_yaml(s)))
     assert docs == lws_manifests(s)
     for doc, side in zip(docs, ("prefill", "decode"), strict=True):
@@ -179,7 +208,7 @@ def test_lws_manifests_are_leaderworkersets_of_valid_pod_templates():
         pod = _build(lwt["workerTemplate"], "V1PodTemplateSpec")
         (c,) = pod.spec.containers
         gpus = int(c.resources.limits["nvidia.com/gpu"])
-        assert gpus * lwt["size"] == getattr(s, side).tp
+        assert gpus * lwt["size"] == server_gpus(s, side)  # tp (x pp on the prefill)
     prefill_args = docs[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][
         0
     ]["args"]

@@ -30,6 +30,7 @@ DYNAMO_CASES = [
      "scenarios/mla/deepseek-v3-p16-d8.toml"),
     ("vllm", ("hardware.backend=nixl",), "scenarios/llama3-70b-p8-d2.toml"),
     ("vllm", ("hardware.backend=nixl",), "scenarios/llama3-70b-p16-d4.toml"),
+    ("sglang", ("prefill.tp=8", "prefill.pp=2"), "scenarios/llama3-70b-p8-d2.toml"),
 ]  # fmt: skip
 
 
@@ -48,8 +49,9 @@ def test_dynamo_graphs_validate_against_the_crd_schema(framework, sets, path):
     for side in ("prefill", "decode"):
         svc, cfg, nodes = services[side], getattr(s, side), node_count(s, side)
         assert svc["subComponentType"] == side and svc["replicas"] == servers(s, side)
-        # the CRD: total GPUs = nodeCount x the GPU limit
-        assert int(svc["resources"]["limits"]["gpu"]) * nodes == max(cfg.tp, cfg.ep)
+        # the CRD: total GPUs = nodeCount x the GPU limit (x pp: the prefill's stages)
+        pp = s.prefill.pp if side == "prefill" else 1
+        assert int(svc["resources"]["limits"]["gpu"]) * nodes == max(cfg.tp, cfg.ep) * pp
         assert svc.get("multinode", {"nodeCount": 1})["nodeCount"] == nodes
         args = svc["extraPodSpec"]["mainContainer"]["args"]
         # the operator adds the rendezvous for a multi-node worker, the export does not
@@ -104,6 +106,8 @@ def test_dynamo_refusals_name_the_reason():
         dynamo_graph(_scenario_ds("cluster.decode_instances=2"), "vllm")
     with pytest.raises(ExportError, match="one of sglang, vllm"):
         dynamo_graph(_scenario(), "trtllm")
+    with pytest.raises(ExportError, match="dynamo-vllm: prefill pp 2 .* not exported for vLLM"):
+        dynamo_graph(_scenario("hardware.backend=nixl", "prefill.tp=4", "prefill.pp=2"), "vllm")
 
 
 # --------------------------------------------------------------------------- llm-d
@@ -140,6 +144,8 @@ def test_llmd_schema_refuses_what_the_chart_refuses():
 def test_llmd_refusals_name_the_reason():
     with pytest.raises(ExportError, match="--export llm-d: vLLM has no connector"):
         llmd_values(_scenario("hardware.backend=mooncake"))
+    with pytest.raises(ExportError, match="--export llm-d: prefill pp 2 .* not exported"):
+        llmd_values(_scenario("hardware.backend=nixl", "prefill.tp=4", "prefill.pp=2"))
     with pytest.raises(ExportError, match="--export llm-d: prefill TP16 spans nodes"):
         llmd_values(_scenario("hardware.backend=nixl", path="scenarios/llama3-70b-p16-d4.toml"))
 

@@ -34,6 +34,11 @@ add_cli_args` of PyPI sglang 0.5.23, by scripts/check_exports.py):
 * a side whose TP spans nodes (tp > cluster.gpus_per_node) runs each instance as
   `--nnodes K --node-rank R --dist-init-addr HEAD:PORT` (fields nnodes, node_rank,
   dist_init_addr), one line per node, the head's address a placeholder;
+* pipeline parallelism on the prefill side (`prefill.pp` > 1): `--pp-size N` (pp_size;
+  alias --pipeline-parallel-size), a server of tp x pp GPUs (x ep / tp with DP
+  attention) over as many nodes as that fills ([C] SGLang's PD prefill takes a PP size
+  with any decode TP: sgl-project/sglang PR #8846, "Support PD disaggregation with
+  Prefill PP");
 * expert parallelism: `--ep-size E` (ep_size); with DP attention (kvstage's ep > tp:
   ep / tp instances of TP tp share one expert group) one SGLang server spans the whole
   group: `--tp-size E --attn-dp-size E/tp --ep-size E` (tp_size is the server's GPUs,
@@ -64,6 +69,7 @@ __all__ = [
     "ROUTER_POLICY",
     "ExportError",
     "node_count",
+    "server_gpus",
     "servers",
     "sglang_commands",
     "sglang_flags",
@@ -86,10 +92,16 @@ class ExportError(ValueError):
     """A configuration the target cannot express: one line for a human."""
 
 
+def server_gpus(s: Scenario, side: str) -> int:
+    """GPUs of one server of `side`: its TP group, the expert group with DP attention,
+    times the prefill's pipeline stages (`prefill.pp`)."""
+    cfg = getattr(s, side)
+    return max(cfg.tp, cfg.ep) * (s.prefill.pp if side == "prefill" else 1)
+
+
 def node_count(s: Scenario, side: str) -> int:
     """Nodes one server of `side` spans (1 when its GPUs fit one node)."""
-    cfg = getattr(s, side)
-    gpus = max(cfg.tp, cfg.ep)
+    gpus = server_gpus(s, side)
     per = s.cluster.gpus_per_node
     if gpus <= per:
         return 1
@@ -135,6 +147,8 @@ def sglang_flags(s: Scenario, side: str) -> tuple[dict[str, str], list[str]]:
         flags += ["--tp-size", str(cfg.tp)]
         if cfg.ep > 1:
             flags += ["--ep-size", str(cfg.ep)]
+    if side == "prefill" and s.prefill.pp > 1:
+        flags += ["--pp-size", str(s.prefill.pp)]
     if side == "prefill":
         flags += ["--chunked-prefill-size", str(s.prefill.chunked_prefill_size)]
     flags += [
@@ -169,7 +183,8 @@ def sglang_commands(s: Scenario) -> str:
     line, as shell text."""
     c = s.cluster
     out = [
-        f"# kvstage plan winner: prefill {c.prefill_instances} x TP{s.prefill.tp}, decode "
+        f"# kvstage plan winner: prefill {c.prefill_instances} x TP{s.prefill.tp}"
+        f"{f' PP{s.prefill.pp}' if s.prefill.pp > 1 else ''}, decode "
         f"{c.decode_instances} x TP{s.decode.tp}, transfer path {s.transfer.path}, "
         f"router {c.router}",
     ]

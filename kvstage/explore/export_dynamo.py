@@ -41,7 +41,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstage.explore.export import ExportError, _model, node_count, servers, sglang_flags
+from kvstage.explore.export import (
+    ExportError,
+    _model,
+    node_count,
+    server_gpus,
+    servers,
+    sglang_flags,
+)
 from kvstage.explore.export_vllm import vllm_engine_flags
 
 if TYPE_CHECKING:
@@ -86,14 +93,13 @@ def _worker_args(s: Scenario, side: str, framework: str) -> tuple[dict[str, str]
 
 
 def _worker(s: Scenario, side: str, framework: str) -> dict[str, Any]:
-    cfg = getattr(s, side)
     nodes = node_count(s, side)
     env, args = _worker_args(s, side, framework)
     out: dict[str, Any] = {
         "componentType": "worker",
         "subComponentType": side,
         "replicas": servers(s, side),
-        "resources": {"limits": {"gpu": str(max(cfg.tp, cfg.ep) // nodes)}},
+        "resources": {"limits": {"gpu": str(server_gpus(s, side) // nodes)}},
     }
     if nodes > 1:
         out["multinode"] = {"nodeCount": nodes}

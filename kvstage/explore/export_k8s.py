@@ -29,6 +29,7 @@ from kvstage.explore.export import (
     SERVER_PORT,
     multinode_flags,
     node_count,
+    server_gpus,
     servers,
     sglang_flags,
 )
@@ -42,10 +43,9 @@ IMAGE_PLACEHOLDER = "SGLANG_IMAGE"
 
 
 def _pod_template(s: Scenario, side: str) -> dict[str, Any]:
-    cfg = getattr(s, side)
     env, flags = sglang_flags(s, side)
     nodes = node_count(s, side)
-    gpus = max(cfg.tp, cfg.ep) // nodes
+    gpus = server_gpus(s, side) // nodes
     args = [
         *flags,
         *multinode_flags(nodes, "$(LWS_WORKER_INDEX)", f"$(LWS_LEADER_ADDRESS):{DIST_PORT}"),

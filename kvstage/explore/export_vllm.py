@@ -92,6 +92,11 @@ def vllm_engine_flags(s: Scenario, side: str) -> list[str]:
         raise ExportError(
             f"{side} ep {cfg.ep} > tp {cfg.tp} (DP attention) is not exported for vLLM"
         )
+    if side == "prefill" and s.prefill.pp > 1:
+        raise ExportError(
+            f"prefill pp {s.prefill.pp} (pipeline stages) is not exported for vLLM: kvstage "
+            "models prefill PP as SGLang runs it in PD (use --export sglang, lws or dynamo-sglang)"
+        )
     flags = ["--enable-expert-parallel"] if cfg.ep > 1 else []
     flags += [
         "--gpu-memory-utilization",

@@ -232,6 +232,7 @@ def shape(row: dict[str, Any]) -> str:
     """`P 2xTP4 + D 1xTP4, pool 4096 MiB, chunk 8192`: a configuration in a few words
     (the router and the path when they are not round-robin and staging)."""
     pe = f" EP{row['prefill.ep']}" if (row.get("prefill.ep") or 1) > 1 else ""
+    pe += f" PP{row['prefill.pp']}" if (row.get("prefill.pp") or 1) > 1 else ""
     de = f" EP{row['decode.ep']}" if (row.get("decode.ep") or 1) > 1 else ""
     text = (
         f"P {row['cluster.prefill_instances']}xTP{row['prefill.tp']}{pe} + "

@@ -3,12 +3,13 @@
 `kvstage plan SCENARIO` takes the scenario's model, links profile, workload (rate or
 trace) and [slo] targets, and searches a grid of cluster shapes -- prefill TP, decode
 TP, prefill and decode instance counts, staging pool per decode rank, chunked prefill
-size, router, transfer path, expert-parallel size per side and the longest prompt
+size, router, transfer path, expert-parallel size per side, the longest prompt
 prefilled on its decode instance (conditional disaggregation,
-`cluster.max_local_prefill_length`; "off": none) (`KEYS`; the last seven default to
-the scenario's own; an EP above the TP is DP attention, ep / tp instances sharing one
-expert group)
--- for the configuration with the fewest GPUs (instances x TP on both sides) whose SLO
+`cluster.max_local_prefill_length`; "off": none) and the prefill's pipeline stages
+(`prefill.pp`) (`KEYS`; the last eight default to the scenario's own; an EP above the
+TP is DP attention, ep / tp instances sharing one expert group)
+-- for the configuration with the fewest GPUs (instances x TP on both sides, x PP on
+the prefill's) whose SLO
 attainment over the steady window (`kvstage.metrics.steady`: share of requests that
 finished and met every target) reaches a threshold, 0.9 by default: "TTFT p90 < 2 s"
 is a 2 s TTFT target met by at least 90% of the requests. Ties at the same GPU count
@@ -18,8 +19,11 @@ Candidates are the sweep's points (`kvstage.explore.sweep.plan_points`). Skipped
 anything runs, with the reason and what skipped it (`skipped_by`): a combination the
 scenario's own validation rejects ("scenario": a TP pair the rank mapping cannot
 express, a pool smaller than one chunk, decode memory that cannot hold the weights),
-one above `--max-gpus` ("max-gpus"), and with `screen` one whose offered load exceeds
-a stage's capacity in the bottleneck model ("capacity": kvstage/explore/screen.py).
+one above `--max-gpus` ("max-gpus"), with `screen` one whose offered load exceeds
+a stage's capacity in the bottleneck model ("capacity": kvstage/explore/screen.py),
+and one that passes all of those but that the simulator cannot run ("simulation":
+prefill pipeline stages, whose per-stage KV transfer the protocol does not map;
+`unsimulated`).
 
 The search (`run_plan`) runs every simulation on one executor (kvstage/explore/
 executor.py: local process pool or Ray) kept for the whole search:
@@ -77,6 +81,7 @@ from kvstage.explore.sweep import (
 )
 from kvstage.fmt import csv_cell, num, secs, share
 from kvstage.metrics.steady import quantile_name
+from kvstage.shared.cluster import pipeline_problem
 from kvstage.shared.scenario import DecodeConfig
 from kvstage.shared.scenario.cluster_table import ClusterConfig
 from kvstage.shared.scenario.schema import PrefillConfig, TransferConfig
@@ -113,6 +118,7 @@ KEYS = {
     "prefill.ep": "--prefill-ep",
     "decode.ep": "--decode-ep",
     "cluster.max_local_prefill_length": "--max-local-prefill",
+    "prefill.pp": "--prefill-pp",
 }
 # The axes that default to the scenario's own value (None here), and where that
 # value's default lives when the scenario does not set it.
@@ -124,6 +130,7 @@ OWN_DEFAULT = {
     "prefill.ep": (PrefillConfig, "ep"),
     "decode.ep": (DecodeConfig, "ep"),
     "cluster.max_local_prefill_length": (ClusterConfig, "max_local_prefill_length"),
+    "prefill.pp": (PrefillConfig, "pp"),
 }
 DEFAULT_GRID: dict[str, str | None] = {
     "prefill.tp": "1,2,4,8",
@@ -259,15 +266,35 @@ def plan_candidates(
             skipped.append(_row(p.settings, STATUS_SKIPPED, reason=why, skipped_by="capacity"))
             continue
         top = max(stages.values(), key=lambda v: v["utilization"], default=None)
+        why = unsimulated(p.scenario, stages, top)
+        if why is not None:
+            skipped.append(_row(p.settings, STATUS_SKIPPED, reason=why, skipped_by="simulation"))
+            continue
         busiest[p.index] = (None, 1) if top is None else (top["utilization"], top["servers"])
         full[p.index] = workload_load(p.scenario)["requests"]
         keep.append(p)
-    if not keep:
+    if not keep:  # the example: one that fits but is not simulated, where there is one
+        example = next((r for r in skipped if r["skipped_by"] == "simulation"), skipped[0])
         raise PlanError(
             f"no configuration to simulate: every one of the {len(points)} was skipped "
-            f"(e.g. {shape(skipped[0])}: {skipped[0]['reason']})"
+            f"(e.g. {shape(example)}: {example['reason']})"
         )
     return Candidates(varies, keep, skipped, targets, busiest, full)
+
+
+def unsimulated(s: Any, stages: dict[str, Any], top: dict[str, Any] | None) -> str | None:
+    """Why a configuration that fits and passes the screen is not simulated, with what
+    the screen says of it, else None: prefill pipeline stages (`prefill.pp` > 1), whose
+    per-stage KV transfer the protocol does not map (shared/cluster.py
+    `pipeline_problem`)."""
+    if pipeline_problem(s) is None:
+        return None
+    busiest = next((k for k, v in stages.items() if v is top), None)
+    screened = f"{busiest} at {share(top['utilization'])} of capacity" if top else "no rate"
+    return (
+        f"prefill.pp {s.prefill.pp}: fits and screens ({screened}) but is not simulated: each "
+        "stage sends only its layers' KV, which the transfer protocol does not map yet"
+    )
 
 
 def moe_problem(s: Any) -> str | None:

@@ -26,7 +26,7 @@ __all__ = ["busiest_stage", "figure_columns", "gpus_of", "run_plan_point"]
 def gpus_of(settings: dict[str, Any]) -> int:
     """GPUs of a configuration's settings, both sides (shared/serving/capacity.py `gpus`)."""
     keys = ("cluster.prefill_instances", "prefill.tp", "cluster.decode_instances", "decode.tp")
-    return sum(gpus(*(settings[k] for k in keys)))
+    return sum(gpus(*(settings[k] for k in keys), settings.get("prefill.pp", 1)))
 
 
 def figure_columns(attainment: float) -> tuple[str, ...]:

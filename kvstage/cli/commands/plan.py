@@ -397,6 +397,15 @@ def plan(
             "none; default: the scenario's), e.g. off,512,2048.",
         ),
     ] = None,
+    prefill_pp: Annotated[
+        str | None,
+        typer.Option(
+            metavar="V1,V2,...",
+            help="Pipeline-parallel stages of a prefill instance (prefill.pp; an instance is "
+            "TP x PP GPUs; default: the scenario's), e.g. 1,2 for a model one node cannot "
+            "hold: pp > 1 is screened on the serving model, not simulated.",
+        ),
+    ] = None,
     search: Annotated[
         str,
         typer.Option(
@@ -509,6 +518,7 @@ def plan(
             prefill_ep,
             decode_ep,
             max_local_prefill,
+            prefill_pp,
         )
         cands = plan_candidates(scenario, grid, sets, max_gpus, screen=screen)
         colo = (
