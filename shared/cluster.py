@@ -200,16 +200,18 @@ def least(keys: Sequence[tuple[int, ...]]) -> int:
 
 def pipeline_problem(scenario: Scenario) -> str | None:
     """Why the transfer of this scenario's KV cannot be run, or None: a prefill instance
-    of pipeline stages (`prefill.pp` > 1), each of whose TP ranks holds and would send
-    only its stage's layers, where the rank mapping (shared/layout.py `Geometry`) knows
-    TP ranks that hold every layer."""
+    of pipeline stages (`prefill.pp` > 1), each of whose TP ranks holds and sends only
+    its stage's layers. The layout maps them (shared/layout.py `Geometry.prefill_pp`:
+    the writers, their blocks and addresses), but these Sessions, the rank runtime, the
+    simulator's forwards (one per stage, pipelined) and hardware mode's KV pools and
+    kernels know ranks that hold every layer."""
     pp = scenario.prefill.pp
     if pp == 1:
         return None
     return (
-        f"prefill.pp = {pp}: each pipeline stage's TP ranks send only their own layers' KV, "
-        "and kvstage's transfer protocol (shared/layout.py) has no pipeline stages yet, so "
-        "neither the simulation nor hardware mode runs it; allowed: prefill.pp = 1 "
+        f"prefill.pp = {pp}: each pipeline stage's TP ranks send only their own layers' KV; "
+        "kvstage's layout maps that (shared/layout.py) but its rank runtime, simulator and "
+        "hardware mode do not run pipeline stages yet; allowed: prefill.pp = 1 "
         "(kvstage plan --prefill-pp screens pp > 1 on the serving model)"
     )
 

@@ -1,5 +1,13 @@
 """KV geometry under a tensor-parallel mismatch: who writes which heads where.
 
+With prefill pipeline stages (`prefill_pp` > 1) a prefill instance is pp stages of
+prefill_tp ranks each, rank p = stage x prefill_tp + TP rank; a stage's ranks hold and
+send only their stage's layers ([C] SGLang: each prefill PP stage writes its layers'
+KV into the decode's matching layers, disaggregation/common/conn.py
+`get_mha_kv_ptrs_with_pp` / `get_mla_kv_ptrs_with_pp` slicing the decode's per-layer
+pointers from the stage's `prefill_start_layer`). A decode rank's writers are then its
+TP writers in every stage, stage by stage, each block holding its stage's layers.
+
 Everything here is a pure function of integers, so the simulator, the hardware
 drivers, the CLI and the tests all agree on one mapping (docs/design.md, "Rank mapping"
 and "Head slices").
@@ -53,6 +61,8 @@ class WriterBlock:
     offset: int  # bytes from the region start
     nbytes: int
     heads: HeadSlice
+    layer_start: int = 0  # the first layer of the block (its writer's pipeline stage)
+    num_layers: int = 0  # layers in the block; 0: every layer of the model
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +181,25 @@ def head_slice(
 _cached_head_slice = lru_cache(maxsize=65536)(head_slice)
 
 
+def stage_layer_ranges(layers: int, pp: int) -> tuple[range, ...]:
+    """The layers of each pipeline stage, first to last: layers // pp each, the last
+    layers % pp stages one more ([C] SGLang python/sglang/srt/distributed/utils.py
+    `get_pp_indices`: "the last N partitions will have one extra layer, where N =
+    remainder")."""
+    if not isinstance(pp, int) or not 1 <= pp <= layers:
+        raise LayoutError(f"prefill_pp must be an integer in 1..layers ({layers}), got {pp!r}")
+    base, extra = divmod(layers, pp)
+    out, start = [], 0
+    for i in range(pp):
+        n = base + (1 if i >= pp - extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return tuple(out)
+
+
+_stage_ranges = lru_cache(maxsize=256)(stage_layer_ranges)
+
+
 def grid_pages(page_size: int, chunked_prefill_size: int = 8192) -> int:
     """Pages per chunk of the chunk grid."""
     return max(1, chunked_prefill_size // page_size)
@@ -225,6 +254,7 @@ class Geometry:
     page_size: int
     chunked_prefill_size: int = 8192
     attention: str = "mha"
+    prefill_pp: int = 1  # pipeline stages of a prefill instance, prefill_tp ranks each
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -241,6 +271,7 @@ class Geometry:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        stage_layer_ranges(self.layers, self.prefill_pp)  # raises if not 1..layers
 
     @property
     def mla(self) -> bool:
@@ -272,13 +303,36 @@ class Geometry:
         schedule_policy.py, and schedules none below a page)."""
         return self.grid_pages * self.page_size
 
+    @property
+    def prefill_ranks(self) -> int:
+        """Ranks of one prefill instance: prefill_tp in each of prefill_pp stages."""
+        return self.prefill_tp * self.prefill_pp
+
+    def writer_layers(self, prefill_rank: int) -> range:
+        """The layers `prefill_rank` holds and sends: its pipeline stage's (all of them
+        without stages)."""
+        if not 0 <= prefill_rank < self.prefill_ranks:
+            raise LayoutError(
+                f"prefill_rank={prefill_rank} out of range 0..{self.prefill_ranks - 1}"
+            )
+        return _stage_ranges(self.layers, self.prefill_pp)[prefill_rank // self.prefill_tp]
+
     def writers(self, decode_rank: int) -> list[int]:
+        """Prefill ranks that write to `decode_rank`, in writer order: its TP writers,
+        stage by stage."""
         if self.attention == "mla":
-            return mla_writers_of(decode_rank, self.prefill_tp, self.decode_tp)
-        return writers_of(decode_rank, self.prefill_tp, self.decode_tp)
+            local = mla_writers_of(decode_rank, self.prefill_tp, self.decode_tp)
+        else:
+            local = writers_of(decode_rank, self.prefill_tp, self.decode_tp)
+        if self.prefill_pp == 1:
+            return local
+        return [s * self.prefill_tp + p for s in range(self.prefill_pp) for p in local]
 
     def targets(self, prefill_rank: int) -> list[int]:
         """Decode ranks `prefill_rank` writes to; with MLA and P > D possibly none."""
+        if self.prefill_pp > 1:
+            self.writer_layers(prefill_rank)  # raises when out of range
+            prefill_rank %= self.prefill_tp
         if self.attention == "mla":
             return mla_targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
         return targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
@@ -286,12 +340,16 @@ class Geometry:
     def head_slice(self, prefill_rank: int, decode_rank: int) -> HeadSlice:
         if self.attention == "mla":
             # The whole latent, from and to local "head" 0, once paired.
-            if self.writers(decode_rank) != [prefill_rank]:
+            if prefill_rank not in self.writers(decode_rank):
                 raise LayoutError(
                     f"prefill rank {prefill_rank} does not write to decode rank {decode_rank} "
-                    f"(MLA: its one writer is prefill rank {decode_rank % self.prefill_tp})"
+                    f"(MLA: its one writer is prefill rank {decode_rank % self.prefill_tp}"
+                    f"{' in each stage' if self.prefill_pp > 1 else ''})"
                 )
             return HeadSlice(src_head_start=0, num_heads=1, dst_head_start=0)
+        if self.prefill_pp > 1:
+            self.writer_layers(prefill_rank)  # raises when out of range
+            prefill_rank %= self.prefill_tp
         return _cached_head_slice(
             self.prefill_tp, self.decode_tp, prefill_rank, decode_rank, self.total_kv_heads
         )
@@ -309,9 +367,16 @@ class Geometry:
         return self.kv_factor * self.layers * self.head_token_bytes(self.total_kv_heads)
 
     def block_bytes(self, num_tokens: int, heads: int) -> int:
-        """One writer block: [K layer 0..L-1, V layer 0..L-1] x [T][heads][head_dim]
-        (MLA: [latent layer 0..L-1] x [T][1][latent])."""
+        """One writer block of every layer: [K layer 0..L-1, V layer 0..L-1] x
+        [T][heads][head_dim] (MLA: [latent layer 0..L-1] x [T][1][latent])."""
         return self.kv_factor * self.layers * num_tokens * self.head_token_bytes(heads)
+
+    def writer_block_bytes(self, prefill_rank: int, num_tokens: int, heads: int) -> int:
+        """The block `prefill_rank` writes: `block_bytes` over its stage's layers only."""
+        if self.prefill_pp == 1:
+            return self.block_bytes(num_tokens, heads)
+        layers = len(self.writer_layers(prefill_rank))
+        return self.kv_factor * layers * num_tokens * self.head_token_bytes(heads)
 
     def staging_layout(self, decode_rank: int, num_pages: int) -> StagingLayout:
         """Writer blocks back to back for one chunk of `num_pages` pages on `decode_rank`."""
@@ -347,7 +412,7 @@ class Geometry:
             if self.slice_contiguous_pages(prefill_rank, decode_rank)
             else num_pages * self.page_size
         )
-        return self.kv_factor * self.layers * per_kv_layer
+        return self.kv_factor * len(self.writer_layers(prefill_rank)) * per_kv_layer
 
 
 @lru_cache(maxsize=4096)
@@ -358,8 +423,9 @@ def _staging_layout(g: Geometry, decode_rank: int, num_pages: int) -> StagingLay
     offset = 0
     for w, p in enumerate(g.writers(decode_rank)):
         hs = g.head_slice(p, decode_rank)
-        nbytes = g.block_bytes(tokens, hs.num_heads)
-        blocks.append(WriterBlock(w, p, offset, nbytes, hs))
+        layers = g.writer_layers(p)
+        nbytes = g.writer_block_bytes(p, tokens, hs.num_heads)
+        blocks.append(WriterBlock(w, p, offset, nbytes, hs, layers.start, len(layers)))
         offset += nbytes
     return StagingLayout(decode_rank, tokens, tuple(blocks), offset)
 
@@ -375,14 +441,18 @@ def staging_address(
 ) -> int:
     """Byte offset, from the region start, of element 0 of (writer, K/V, layer, token, head).
 
-    `kv` is 0 (K) or 1 (V); MLA has only plane 0, the latent."""
+    `kv` is 0 (K) or 1 (V); MLA has only plane 0, the latent. `layer` is the model's
+    layer, one of the writer's (its pipeline stage's)."""
     block = layout.blocks[writer]
     heads = block.heads.num_heads
     t = layout.num_tokens
     b = geometry.dtype_bytes
     d = geometry.head_dim
-    return (
-        block.offset
-        + (kv * geometry.layers + layer) * t * heads * d * b
-        + (token * heads + head) * d * b
-    )
+    layers = block.num_layers or geometry.layers
+    local = layer - block.layer_start
+    if not 0 <= local < layers:
+        raise LayoutError(
+            f"layer {layer} is not in writer {writer}'s block (layers {block.layer_start}.."
+            f"{block.layer_start + layers - 1})"
+        )
+    return block.offset + (kv * layers + local) * t * heads * d * b + (token * heads + head) * d * b

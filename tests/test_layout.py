@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 
@@ -12,6 +13,7 @@ from kvstage.shared.layout import (
     chunk_grid,
     head_slice,
     room_pages,
+    stage_layer_ranges,
     staging_address,
     targets_of,
     writers_of,
@@ -134,3 +136,89 @@ def test_slice_requests_counted_by_hand():
     # equal TP: whole rows on both sides, one request per page, layer, K/V
     g = Geometry(4, 4, 8, layers=3, head_dim=8, dtype_bytes=2, page_size=4)
     assert g.slice_requests(1, 1, num_pages=5) == 2 * 3 * 5
+
+
+# --------------------------------------------------------------------------- pipeline stages
+
+PIPELINES = [(p, d, pp) for p, d in ((1, 1), (2, 4), (4, 2), (8, 2), (2, 8), (16, 4))
+             for pp in (1, 2, 3, 4)]  # fmt: skip
+
+
+def _pp(p: int, d: int, pp: int, attention: str = "mha") -> Geometry:
+    heads = 1 if attention == "mla" else 8
+    return Geometry(p, d, heads, 10, 2, 1, 4, 16, attention, prefill_pp=pp)
+
+
+def test_stage_layer_ranges_cover_every_layer_once_as_sglang_splits():
+    assert [len(r) for r in stage_layer_ranges(61, 4)] == [15, 15, 15, 16]
+    for layers, pp in itertools.product((1, 10, 61, 80, 126), (1, 2, 3, 4, 8)):
+        if pp > layers:
+            with pytest.raises(LayoutError, match="prefill_pp"):
+                stage_layer_ranges(layers, pp)
+            continue
+        got = [x for r in stage_layer_ranges(layers, pp) for x in r]
+        assert got == list(range(layers))
+
+
+def _elements(g: Geometry, decode_rank: int) -> tuple[int, Counter]:
+    """(region bytes, how often each (K/V, layer, token, decode head) is written) of one
+    chunk of 3 pages, every element's address checked to be in the region and unique."""
+    lay = g.staging_layout(decode_rank, 3)
+    seen: set[int] = set()
+    written: Counter = Counter()
+    for w, b in enumerate(lay.blocks):
+        assert b.writer == w and g.writer_layers(b.prefill_rank) == range(
+            b.layer_start, b.layer_start + b.num_layers
+        )
+        assert b.offset == (lay.blocks[w - 1].offset + lay.blocks[w - 1].nbytes if w else 0)
+        for kv, layer, tok, h in itertools.product(
+            range(g.kv_factor), g.writer_layers(b.prefill_rank), range(lay.num_tokens),
+            range(b.heads.num_heads),
+        ):  # fmt: skip
+            at = staging_address(g, lay, w, kv, layer, tok, h)
+            assert 0 <= at < lay.region_bytes and at not in seen
+            seen.add(at)
+            written[kv, layer, tok, b.heads.dst_head_start + h] += 1
+    assert len(seen) * g.head_dim * g.dtype_bytes == lay.region_bytes  # covered once
+    return lay.region_bytes, written
+
+
+@pytest.mark.parametrize(("p", "d", "pp"), PIPELINES)
+def test_stage_blocks_cover_the_region_exactly_once(p, d, pp):
+    g, flat = _pp(p, d, pp), _pp(p, d, 1)
+    for dr in range(d):
+        assert len(g.staging_layout(dr, 3).blocks) == pp * len(flat.writers(dr))
+        # the same bytes per decode rank, and every element written as often as without
+        # stages: the stages' layers together are the model's
+        assert _elements(g, dr) == _elements(flat, dr)
+        assert set(_elements(g, dr)[1]) == set(
+            itertools.product(range(g.kv_factor), range(10), range(12), range(g.decode_heads))
+        )
+
+
+@pytest.mark.parametrize(("p", "d", "pp"), PIPELINES)
+def test_a_stage_rank_pairs_like_its_tp_rank(p, d, pp):
+    g, flat = _pp(p, d, pp), _pp(p, d, 1)
+    assert g.prefill_ranks == p * pp
+    for r in range(p * pp):
+        assert g.targets(r) == flat.targets(r % p)
+        for dr in g.targets(r):
+            assert g.head_slice(r, dr) == flat.head_slice(r % p, dr)
+            assert g.writers(dr).count(r) == 1
+    for dr in range(d):
+        want = sum(flat.slice_requests(w, dr, 3) for w in flat.writers(dr))
+        assert sum(g.slice_requests(w, dr, 3) for w in g.writers(dr)) == want
+    with pytest.raises(LayoutError, match="out of range"):
+        g.targets(p * pp)
+
+
+def test_mla_stages_each_send_their_latent_layers():
+    g = _pp(4, 2, 2, "mla")
+    assert g.writers(1) == [1, 5] and g.targets(5) == [1] and g.targets(6) == []
+    lay = g.staging_layout(1, 2)
+    assert [(b.layer_start, b.num_layers) for b in lay.blocks] == [(0, 5), (5, 5)]
+    assert lay.region_bytes == _pp(4, 2, 1, "mla").staging_layout(1, 2).region_bytes
+    with pytest.raises(LayoutError, match="in each stage"):
+        g.head_slice(2, 1)
+    with pytest.raises(LayoutError, match="not in writer 0's block"):
+        staging_address(g, lay, 0, 0, 5, 0, 0)

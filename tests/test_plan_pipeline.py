@@ -34,7 +34,7 @@ def test_pp_counts_its_gpus_and_is_screened_not_simulated():
     for r in staged:
         assert r["skipped_by"] == "simulation"
         assert "prefill.pp 2: fits and screens" in r["reason"]
-        assert "transfer protocol does not map" in r["reason"]
+        assert "rank runtime and the simulator do not run yet" in r["reason"]
         want = r["cluster.prefill_instances"] * r["prefill.tp"] * 2 + 8
         assert r["gpus"] == gpus_of(r) == want
 

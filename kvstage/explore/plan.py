@@ -293,7 +293,7 @@ def unsimulated(s: Any, stages: dict[str, Any], top: dict[str, Any] | None) -> s
     screened = f"{busiest} at {share(top['utilization'])} of capacity" if top else "no rate"
     return (
         f"prefill.pp {s.prefill.pp}: fits and screens ({screened}) but is not simulated: each "
-        "stage sends only its layers' KV, which the transfer protocol does not map yet"
+        "stage sends only its layers' KV, which the rank runtime and the simulator do not run yet"
     )
 
 

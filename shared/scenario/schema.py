@@ -858,6 +858,7 @@ class Scenario(_Table):
         base_dir = (info.context or {}).get("base_dir")
         self._base_dir = Path(base_dir) if base_dir is not None else None
         _check_tp_mapping(self.prefill.tp, self.decode.tp, self.model.kv_heads)
+        _check_pipeline(self)  # before any geometry: it holds the stages
         for side, cfg in (("prefill", self.prefill), ("decode", self.decode)):
             if cfg.gpu not in GPUS and cfg.gpu not in self.gpus:
                 own = f"; [gpus.NAME] tables: {', '.join(self.gpus)}" if self.gpus else ""
@@ -893,7 +894,6 @@ class Scenario(_Table):
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         _check_expert_parallel(self)  # shared/serving/compute.py
-        _check_pipeline(self)
         _check_memory(self)
         return self
 
@@ -910,6 +910,7 @@ class Scenario(_Table):
             page_size=self.decode.page_size,
             chunked_prefill_size=self.prefill.chunked_prefill_size,
             attention=self.model.attention,
+            prefill_pp=self.prefill.pp,
         )
 
     @property
@@ -1013,7 +1014,9 @@ def _scaled_geometry(geo: Geometry, sd: ScaleDown) -> Geometry:
     cps = geo.chunked_prefill_size
     if sd.chunked_prefill_size is not None:
         cps = min(cps, sd.chunked_prefill_size)
-    return replace(geo, layers=layers, chunked_prefill_size=cps)
+    # stages of at most a layer each ([hardware] refuses stages: shared/cluster.py)
+    pp = min(geo.prefill_pp, layers)
+    return replace(geo, layers=layers, chunked_prefill_size=cps, prefill_pp=pp)
 
 
 def _check_pool(geo: Geometry, pool_bytes: int, fields: dict[str, Any]) -> None:

@@ -39,9 +39,11 @@ instance's GPUs are tp x pp). What the serving model takes from it:
   pipeline an instance completes a chunk every stage-step: its throughput is one
   chunk per step (`capacity.prompt_forward_s` sums the steps).
 
-The decode side takes no PP (scenario schema: `decode.pp` is refused), and the KV
-transfer from N stages is not in the protocol core (shared/cluster.py
-`pipeline_problem`): this is the serving model the plan's screen reads.
+The decode side takes no PP (scenario schema: `decode.pp` is refused). The KV transfer
+from N stages is laid out in the protocol core (shared/layout.py: each stage's TP ranks
+write their layers' block to the decode ranks) but not run by the rank runtime and the
+drivers (shared/cluster.py `pipeline_problem`): this is the serving model the plan's
+screen reads.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from kvstage.shared.layout import stage_layer_ranges
 from kvstage.shared.serving.deepep import nic_Bps
 from kvstage.shared.serving.gpus import side_gpu
 
@@ -72,9 +75,9 @@ ACT_BYTES = 2  # [A] activations in BF16, as compute.py's
 
 def stage_layers(layers: int, pp: int) -> list[int]:
     """Layers of each stage, first to last: layers // pp, the last layers % pp one more
-    ([C] SGLang `get_pp_indices`)."""
-    base, extra = divmod(layers, pp)
-    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+    ([C] SGLang `get_pp_indices`; shared/layout.py `stage_layer_ranges`, the ranges
+    the transfer's blocks carry)."""
+    return [len(r) for r in stage_layer_ranges(layers, pp)]
 
 
 def stage_share(s: Scenario) -> float:
