@@ -154,3 +154,24 @@ def test_the_transfer_of_pipeline_stages_is_refused_not_pretended():
     assert out.returncode == 2
     assert out.stdout.count("\n") + out.stderr.count("\n") == 1
     assert "prefill.pp = 2" in out.stdout + out.stderr
+
+
+def test_validate_shows_each_stage_writers_layers_and_block():
+    from kvstage.analysis.layout_report import duplicate_share
+
+    sets = ["model.preset=llama-3.1-405b", "decode.gpu=h200", "decode.tp=8", "prefill.tp=16"]
+    wide = _s(*sets, "prefill.pp=2", path="scenarios/llama3-70b-p16-d4.toml")
+    assert duplicate_share(wide) == duplicate_share(
+        _s(*sets, path="scenarios/llama3-70b-p16-d4.toml")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstage.cli", "validate", LLAMA70, "--set", "prefill.pp=2",
+         "--set", "prefill.tp=4"],
+        capture_output=True, text=True, env={"COLUMNS": "300", "PATH": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "prefill TP4 PP2 -> decode TP2" in out.stdout
+    rows = [r for r in out.stdout.splitlines() if "40..79" in r]
+    # decode rank 0's writers 2, 3 and rank 1's 2, 3: stage 1's ranks, half the layers' bytes
+    assert len(rows) == 4 and all("40,960" in r for r in rows)
+    assert "1 prefill x TP4 PP2 + 1 decode x TP2 = 10 GPUs" in out.stdout

@@ -41,15 +41,17 @@ def request_costs(s: Scenario, prompt_tokens: int) -> dict[str, int]:
 def duplicate_share(s: Scenario) -> float:
     """The share of staged bytes that are copies of a head the same decode rank also
     gets from another writer: with prefill TP > KV heads, prefill_tp / kv_heads prefill
-    ranks hold each head, and every one of them writes it (and takes its staging space)."""
+    ranks hold each head, and every one of them writes it (and takes its staging space).
+    Counted in heads x layers: with pipeline stages a writer's block holds its stage's."""
     g = s.geometry()
     total = unique = 0
     for d in range(g.decode_tp):
-        heads: set[int] = set()
+        heads: set[tuple[int, int]] = set()
         for p in g.writers(d):
-            hs = g.head_slice(p, d)
-            total += hs.num_heads
-            heads.update(range(hs.dst_head_start, hs.dst_head_start + hs.num_heads))
+            hs, layers = g.head_slice(p, d), g.writer_layers(p)
+            total += hs.num_heads * len(layers)
+            dst = range(hs.dst_head_start, hs.dst_head_start + hs.num_heads)
+            heads.update((layer, h) for layer in layers for h in dst)
         unique += len(heads)
     return 1 - unique / total if total else 0.0
 
@@ -76,30 +78,27 @@ def _duplicates_row(s: Scenario) -> str:
     if not share:
         return "0%"
     p, h = s.prefill.tp, s.model.kv_heads
+    stage = " of a stage" if s.prefill.pp > 1 else ""
     return (
-        f"{share:.0%} (prefill TP{p} > {h} KV heads: {p // h} prefill ranks hold each head "
-        "and each writes it)"
+        f"{share:.0%} (prefill TP{p} > {h} KV heads: {p // h} prefill ranks{stage} hold each "
+        "head and each writes it)"
     )
 
 
 def _ranks_table(s: Scenario) -> Table:
     g = s.geometry()
     what = f"MLA latent of {g.head_dim}" if g.mla else f"{g.total_kv_heads} KV heads"
-    ranks = Table(title=f"rank mapping: prefill TP{g.prefill_tp} -> decode TP{g.decode_tp}, {what}")
-    for col in (
-        "decode rank",
-        "owns heads",
-        "writer",
-        "prefill rank",
-        "src heads",
-        "dst heads",
-        "block bytes/token",
-    ):
+    pp = f" PP{g.prefill_pp}" if g.prefill_pp > 1 else ""
+    ranks = Table(
+        title=f"rank mapping: prefill TP{g.prefill_tp}{pp} -> decode TP{g.decode_tp}, {what}"
+    )
+    cols = ["decode rank", "owns heads", "writer", "prefill rank", "src heads", "dst heads"]
+    for col in cols + (["layers"] if pp else []) + ["block bytes/token"]:
         ranks.add_column(col)
     for d in range(g.decode_tp):
         own = owned_heads(g.decode_tp, d, g.total_kv_heads)
         for w, p in enumerate(g.writers(d)):
-            hs = g.head_slice(p, d)
+            hs, layers = g.head_slice(p, d), g.writer_layers(p)
             ranks.add_row(
                 str(d) if w == 0 else "",
                 f"{own.start}..{own.stop - 1}" if w == 0 else "",
@@ -107,7 +106,8 @@ def _ranks_table(s: Scenario) -> Table:
                 str(p),
                 f"{hs.src_head_start}..{hs.src_head_start + hs.num_heads - 1}",
                 f"{hs.dst_head_start}..{hs.dst_head_start + hs.num_heads - 1}",
-                f"{g.block_bytes(1, hs.num_heads):,}",
+                *([f"{layers.start}..{layers.stop - 1}"] if pp else []),
+                f"{g.writer_block_bytes(p, 1, hs.num_heads):,}",
             )
     return ranks
 
@@ -167,7 +167,8 @@ def _cluster_table(s: Scenario) -> Table:
     gpus = sum(scenario_gpus(s))
     t.add_row(
         "instances",
-        f"{c.prefill_instances} prefill x TP{g.prefill_tp} + "
+        f"{c.prefill_instances} prefill x TP{g.prefill_tp}"
+        f"{f' PP{g.prefill_pp}' if g.prefill_pp > 1 else ''} + "
         f"{c.decode_instances} decode x TP{g.decode_tp} = {gpus} GPUs",
     )
     if not c.single:
