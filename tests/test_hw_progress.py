@@ -75,19 +75,24 @@ def test_on_a_terminal_it_is_a_live_bar():
 def test_a_hardware_run_reports_its_progress(tmp_path):
     """Real ranks beat to the rendezvous with their room counts: the launcher's log shows them."""
     from kvstage.run.hwrun import run_hardware
-    from kvstage.shared.scenario import load_scenario
+    from kvstage.shared.scenario import load_scenario, scaled
 
     require_engine("nixl")
-    s = load_scenario(
-        REPO / "scenarios/llama3-8b-p4-d2.toml",
-        overrides=[
-            "prefill.tp=2",
-            "decode.tp=1",
-            "workload.requests=8",
-            "workload.rate_per_s=2",
-            "workload.arrival=fixed",
-            "hardware.backend=nixl",
-        ],
+    # [hardware.scale_down] as `kvstage hw --scaled` applies it: 4 layers, 2k-token prompts
+    # (the progress lines are under test, not how many bytes a room moves)
+    s = scaled(
+        load_scenario(
+            REPO / "scenarios/llama3-8b-p4-d2.toml",
+            overrides=[
+                "prefill.tp=2",
+                "decode.tp=1",
+                "workload.requests=8",
+                "workload.rate_per_s=2",
+                "workload.arrival=fixed",
+                "hardware.backend=nixl",
+                "hardware.scale_down.enabled=true",
+            ],
+        )
     )
     out = io.StringIO()
     code, _ = run_hardware(
