@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -139,12 +140,19 @@ def main() -> int:
         rc = subprocess.call(["bash", "scripts/test.sh", *sys.argv[1:]], cwd=ROOT, env=env)
         wall = time.time() - t
         stop.set()
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the suite's processes, reaped
         events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     # the parallel part's workers are gw0..; the alone part runs in the main process
     _report("parallel part", [e for e in events if e["w"] != "main"], samples, begin=t)
     _report("alone part", [e for e in events if e["w"] == "main"], samples)
     load1 = os.getloadavg()
+    cpu = used.ru_utime + used.ru_stime
     print(f"\nwhole command: {wall:.1f} s (set-up included), exit {rc}")
+    print(
+        f"its own CPU: {cpu:.0f} s ({used.ru_utime:.0f} user + {used.ru_stime:.0f} sys), "
+        f"{100 * cpu / (wall * (os.cpu_count() or 1)):.0f}% of {os.cpu_count()} cores over "
+        f"its wall time (the rest: idle, or taken by other processes)"
+    )
     print(
         f"load average before {load0[0]:.2f} / {load0[1]:.2f}, after {load1[0]:.2f} / {load1[1]:.2f}"
     )
