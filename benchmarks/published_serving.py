@@ -23,7 +23,10 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    50,302 tokens/s per node at 1K / 2K / 4K prompts. Decode on 9 nodes, EP72, batch
    256 per GPU with 2,000 tokens of KV each: 22,282 tokens/s per node. Each phase was
    measured with the other given unlimited resources, so the prefill forward and the
-   decode step alone are compared. Decode as the post's reproduction runs it, DeepEP
+   decode step alone are compared. Prefill with two-batch overlap, as the post and its
+   reproduction ran it (`prefill.two_batch_overlap`, DeepEP normal mode, [C] the prefill
+   command in https://github.com/sgl-project/sglang/issues/6017: `--deepep-mode normal
+   ... --enable-two-batch-overlap`; added 2026-12-04). Decode as the post's reproduction runs it, DeepEP
    low-latency kernels and two-batch overlap ([C] `--deepep-mode low_latency
    --enable-two-batch-overlap`, https://github.com/sgl-project/sglang/issues/6017; both
    rows added to the setup with the model's two-batch overlap, 2026-12-03). Tolerance
@@ -237,8 +240,11 @@ def _node_prefill(s: Scenario, prompt: int, gpus: int) -> float:
 
 
 def lmsys_prefill(prompt: int) -> Callable[[], float]:
+    # the post's prefill ran two-batch overlap ("largely attributable to ... DeepGEMM and
+    # two-batch overlap"; [C] issue #6017's prefill command: --enable-two-batch-overlap)
     def run() -> float:
-        return _node_prefill(deepseek(), prompt, 8)  # per node of 8 GPUs
+        s = deepseek("prefill.two_batch_overlap=true")
+        return _node_prefill(s, prompt, 8)  # per node of 8 GPUs
 
     return run
 
@@ -414,8 +420,9 @@ def trt(prompt: int, batch: int, what: str) -> Callable[[], float]:
 # --------------------------------------------------------------------------- the table
 
 _TBO = (
-    "the model adds the all-to-all to the compute; SGLang's two-batch overlap hides "
-    "part of it (27-35% more prefill throughput in the same post)"
+    "two-batch overlap as scheduled (shared/serving/prefill_tbo.py) gains more than the "
+    "post's 27-35%: the post's kernels ran slower under overlap (SM and memory contention "
+    "between DeepEP's kernels and the GEMMs), which is not priced beyond DeepEP's 20 SMs"
 )
 _TBO_DECODE = (
     "two-batch overlap hides DeepEP's low-latency all-to-all (71 ms of the step, the "
@@ -432,8 +439,9 @@ _STEP = (
     "host work a step (shared/serving/engine_step.py) and the all-reduce latency by link"
 )
 _PACK = (
-    "the simulator forwards one prompt at a time, SGLang 16,384 tokens of prompts at once "
-    "(a larger forward's matmuls run at a higher MFU); " + _TBO
+    "two mechanisms left out, pulling opposite ways: the simulator forwards one prompt at "
+    "a time, SGLang 16,384 tokens of prompts at once (a larger forward's matmuls run at a "
+    "higher MFU: kvstage slower), and " + _TBO + " (kvstage faster)"
 )
 _PREFILL = (
     "the prefill's matmuls at this GPU, dtype and shape: a GPU's own GEMM table exists "

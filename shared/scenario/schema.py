@@ -54,6 +54,7 @@ from kvstage.shared.serving.gpus import (
     gpu_names,
 )
 from kvstage.shared.serving.memory import memory_problem
+from kvstage.shared.serving.prefill_tbo import DEEPEP_RESERVED_SMS
 
 __all__ = [
     "DecodeConfig",
@@ -335,6 +336,10 @@ class PrefillConfig(_Table):
     # `kvstage plan` take it; the transfer protocol does not (shared/cluster.py
     # `pipeline_problem`: simulation and hardware mode refuse pp > 1)
     pp: PipelineSize = 1
+    # two micro-batches a forward, one's DeepEP dispatch and combine under the other's
+    # compute ([C] SGLang's --enable-two-batch-overlap; shared/serving/prefill_tbo.py);
+    # needs the all-to-all (a MoE model with ep > tp): `_check_prefill_tbo`
+    two_batch_overlap: bool = False
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
 
@@ -894,6 +899,7 @@ class Scenario(_Table):
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         _check_expert_parallel(self)  # shared/serving/compute.py
+        _check_prefill_tbo(self)
         _check_memory(self)
         return self
 
@@ -994,6 +1000,27 @@ def _check_expert_parallel(s: Scenario) -> None:
                 "expert parallelism needs a MoE model with at least ep experts "
                 "(a dense model takes ep = 1)",
             )
+
+
+def _check_prefill_tbo(s: Scenario) -> None:
+    """Two-batch overlap hides an expert-parallel all-to-all ([C] SGLang refuses it
+    without one: "When enabling two batch overlap, moe_a2a_backend cannot be 'none'.")
+    and leaves DeepEP its SMs, which kvstage must know for the GPU."""
+    p = s.prefill
+    if not p.two_batch_overlap:
+        return
+    if not (s.model.experts and p.ep > p.tp):
+        raise _FieldProblem(
+            {"prefill.two_batch_overlap": True, "prefill.ep": p.ep, "prefill.tp": p.tp},
+            "two-batch overlap hides the expert-parallel all-to-all: it needs a MoE model "
+            "with prefill.ep > prefill.tp (DP attention + DeepEP); set it false here",
+        )
+    if p.gpu not in DEEPEP_RESERVED_SMS:
+        raise _FieldProblem(
+            {"prefill.two_batch_overlap": True, "prefill.gpu": p.gpu},
+            "two-batch overlap prices the SMs DeepEP's kernels take from the GPU's SM count, "
+            f"known for: {', '.join(DEEPEP_RESERVED_SMS)}",
+        )
 
 
 def _check_memory(s: Scenario) -> None:

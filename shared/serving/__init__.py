@@ -7,6 +7,7 @@
     sharding.py      what a TP group splits and what every rank holds whole
     deepep.py        DeepEP's low-latency all-to-all from its published table
     ep_balance.py    expert-parallel load imbalance: the busiest rank sets the layer
+    prefill_tbo.py   two-batch overlap in prefill: two micro-batches, comm under compute
     decode_model.py  a decode instance's KV capacity and step time
     prefix_cache.py  the prefill instance's prefix cache (Mooncake hash ids, LRU)
 

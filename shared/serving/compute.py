@@ -40,8 +40,8 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   scale-up link; a token crosses the NIC once per other node it has experts on
   (DeepEP's normal kernels forward over NVLink inside the node [C]
   https://github.com/deepseek-ai/DeepEP README), the NIC numbers from the links
-  profile. The all-to-all does not overlap compute in prefill (SGLang's two-batch
-  overlap there is left out);
+  profile. The all-to-all does not overlap compute in prefill unless
+  `prefill.two_batch_overlap` (below);
 - with experts placed by expert parallelism (ep > 1), the expert matmuls, the expert
   weights read and the all-to-all are the busiest EP rank's: its copies are the mean x
   `busiest_rank` (shared/serving/ep_balance.py: real routing's skew, with or without
@@ -85,7 +85,10 @@ to the GPU's time, or runs under it where the engine overlaps it.
 Pipeline parallelism on the prefill side (`prefill.pp`) takes these forwards a stage's
 share at a time: shared/serving/pipeline.py.
 
-Left out: two-batch overlap in prefill, KV-cache quantization scales.
+`prefill.two_batch_overlap` runs a prefill forward as two micro-batches, one's DeepEP
+dispatch and combine under the other's compute: shared/serving/prefill_tbo.py.
+
+Left out: KV-cache quantization scales.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ from kvstage.shared.serving.ep_balance import busiest_rank
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
+from kvstage.shared.serving.prefill_tbo import Piece, schedule_s, sm_share, split_halves
 from kvstage.shared.serving.sharding import per_rank_params
 
 if TYPE_CHECKING:
@@ -143,10 +147,21 @@ class Forward:
     alltoall_s: float
     mfu: float  # of the dense matmuls
     fixed_s: float = 0.0  # the kernels' fixed costs (shared/serving/kernels.py)
+    # two-batch overlap (shared/serving/prefill_tbo.py): the part of the two
+    # micro-batches' communication and compute that ran at once (the parts above are
+    # the two micro-batches' sums)
+    overlap_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.attention_s + self.allreduce_s + self.alltoall_s + self.fixed_s
+        return (
+            self.linear_s
+            + self.attention_s
+            + self.allreduce_s
+            + self.alltoall_s
+            + self.fixed_s
+            - self.overlap_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +318,24 @@ def _linear_s(
 ) -> tuple[float, float, float]:
     """(linear FLOPs on this GPU, their time, the dense matmuls' MFU) of a forward of
     `tokens` tokens of this instance in `sequences` sequences (all: every token is a
-    sequence's last, as in decode); `flat`: one MFU for every matmul (decode).
+    sequence's last, as in decode); `flat`: one MFU for every matmul (decode)."""
+    flops, t_dense, t_experts, mfu = linear_parts(s, side, tokens, sequences, flat)
+    return flops, t_dense + t_experts, mfu
+
+
+def linear_parts(
+    s: Scenario,
+    side: str,
+    tokens: float,
+    sequences: float | None = None,
+    flat: float | None = None,
+    sm_share: float = 1.0,
+) -> tuple[float, float, float, float]:
+    """(linear FLOPs on this GPU, the dense matmuls' time, the expert matmuls' time, the
+    dense matmuls' MFU) of a forward (`_linear_s`); `sm_share`: the share of the GPU's
+    SMs the matmuls run on (two-batch overlap leaves DeepEP its own,
+    shared/serving/prefill_tbo.py), slowing their FLOPs, not their weight reads. With
+    `prefill.tflops` the whole time is the dense part's ([A] no split given).
 
     The embedding is a lookup, no FLOPs; the LM head multiplies each sequence's last
     token only (an engine computes the logits it samples from)."""
@@ -319,9 +351,9 @@ def _linear_s(
     x_flops = 2.0 * m.experts_per_token * e * tokens / cfg.tp
     tflops = getattr(cfg, "tflops", None)
     if tflops is not None:  # prefill.tflops: sustained FLOP/s outright
-        return d_flops + x_flops, (d_flops + x_flops) / (tflops * 1e12), math.nan
+        return d_flops + x_flops, (d_flops + x_flops) / (tflops * 1e12 * sm_share), 0.0, math.nan
     gpu = side_gpu(s, side)
-    peak = gpu.peak_flops(m.weight_dtype)
+    peak = gpu.peak_flops(m.weight_dtype) * sm_share
     given = getattr(cfg, "mfu", None)  # prefill.mfu: one MFU for every matmul
 
     def share(rows: float, grouped: bool = False) -> float:
@@ -338,10 +370,10 @@ def _linear_s(
         dense_bytes, expert_bytes = weight_bytes(s, side, tokens)
         t_dense = max(t_dense, dense_bytes / hbm)
         t_experts = max(t_experts, expert_bytes / hbm)
-    return d_flops + x_flops, t_dense + t_experts, mfu
+    return d_flops + x_flops, t_dense, t_experts, mfu
 
 
-def _attention_s(s: Scenario, side: str, flops: float, keys: float) -> float:
+def attention_time_s(s: Scenario, side: str, flops: float, keys: float) -> float:
     """Seconds of `flops` attention FLOPs whose queries attend to `keys` keys each (the
     mean): at `Efficiency.attention_rate` (a kernel table's, or the default share)."""
     cfg = _cfg(s, side)
@@ -353,7 +385,13 @@ def _attention_s(s: Scenario, side: str, flops: float, keys: float) -> float:
 
 def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int = 1) -> Forward:
     """One prefill forward on one prefill GPU: `prompts` chunks of `tokens` tokens each,
-    each after `context` tokens already in its prompt's KV."""
+    each after `context` tokens already in its prompt's KV. With
+    `prefill.two_batch_overlap` (and an all-to-all to hide) the forward runs as two
+    micro-batches (shared/serving/prefill_tbo.py)."""
+    if s.prefill.two_batch_overlap and _dp_attention(s, "prefill"):
+        split = split_halves(tokens, context, prompts)
+        if split is not None:  # None: a forward of one token cannot split
+            return _two_batch_prefill(s, split)
     tp = s.prefill.tp
     total = tokens * prompts
     lin_flops, lin_s, mfu = _linear_s(s, "prefill", total, prompts)
@@ -364,12 +402,60 @@ def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int 
         linear_flops=lin_flops,
         attention_flops=att_flops,
         linear_s=lin_s,
-        attention_s=_attention_s(s, "prefill", att_flops, context + (tokens + 1) / 2),
+        attention_s=attention_time_s(s, "prefill", att_flops, context + (tokens + 1) / 2),
         allreduce_s=allreduce_s(s, "prefill", total),
         alltoall_s=alltoall_s(s, "prefill", total),
         mfu=mfu,
         fixed_s=kernel_floor_s(s),
     )
+
+
+def _prefill_half(s: Scenario, pieces: tuple[Piece, ...]) -> tuple[Forward, float, float]:
+    """One micro-batch of a two-batch forward (shared/serving/prefill_tbo.py): its parts,
+    its matmuls on the SMs DeepEP leaves, and (dense matmuls' time, dispatch's)."""
+    n = sum(p.total for p in pieces)
+    keys = sum(p.keys for p in pieces)
+    ends = sum(p.ends for p in pieces)
+    flops, dense, experts, mfu = linear_parts(
+        s, "prefill", n, ends, sm_share=sm_share(s.prefill.gpu)
+    )
+    att_flops = attention_flops(s, n, keys, decode=False) / s.prefill.tp
+    dispatch, combine = alltoall_parts(s, "prefill", n)
+    half = Forward(
+        linear_flops=flops,
+        attention_flops=att_flops,
+        linear_s=dense + experts,
+        attention_s=attention_time_s(s, "prefill", att_flops, keys / n),
+        allreduce_s=allreduce_s(s, "prefill", n),
+        alltoall_s=dispatch + combine,
+        mfu=mfu,
+        fixed_s=kernel_floor_s(s),
+    )
+    return half, dense, dispatch
+
+
+def _two_batch_prefill(s: Scenario, split: tuple[tuple[Piece, ...], ...]) -> Forward:
+    """A prefill forward as two overlapped micro-batches (shared/serving/prefill_tbo.py):
+    per layer each one's attention stage (attention, dense matmuls, the TP all-reduce,
+    half its kernels) and expert stage (routed experts, the other half) on SGLang's
+    schedule; the parts are the two micro-batches' sums, `overlap_s` what ran at once."""
+    layers = s.model.layers
+    halves = [_prefill_half(s, pieces) for pieces in split]
+    attn, moe, dispatch, combine = [], [], [], []
+    for f, dense, out in halves:
+        attn.append((f.attention_s + dense + f.allreduce_s + f.fixed_s / 2) / layers)
+        moe.append((f.linear_s - dense + f.fixed_s / 2) / layers)
+        dispatch.append(out / layers)
+        combine.append((f.alltoall_s - out) / layers)
+    took = schedule_s(attn, moe, dispatch, combine, layers)
+    (fa, _, _), (fb, _, _) = halves
+    parts = {
+        name: getattr(fa, name) + getattr(fb, name)
+        for name in ("linear_flops", "attention_flops", "linear_s", "attention_s",
+                     "allreduce_s", "alltoall_s", "fixed_s")
+    }  # fmt: skip
+    summed = Forward(**parts, mfu=fa.mfu)
+    return Forward(**parts, mfu=fa.mfu, overlap_s=summed.total_s - took)
 
 
 def prefill_forward_s(s: Scenario, tokens: int, context: int = 0) -> float:
@@ -498,7 +584,7 @@ def _one_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         flops, lin_s, _ = _linear_s(s, "decode", rows, flat=plateau)
         att = attention_flops(s, rows, kv_tokens * q, decode=True) / cfg.tp
         flops += att
-        att_s = _attention_s(s, "decode", att, kv_tokens / batch)
+        att_s = attention_time_s(s, "decode", att, kv_tokens / batch)
     return DecodeStep(
         weight_bytes=weights,
         kv_bytes=kv,

@@ -1,0 +1,184 @@
+"""Two-batch overlap in prefill (`prefill.two_batch_overlap`): a forward run as two
+micro-batches, one's expert-parallel all-to-all under the other's compute.
+
+What the engines do, and what kvstage takes from it:
+
+- **What it is.** [P] LMSYS, "Deploying DeepSeek with PD Disaggregation and Large-scale
+  Expert Parallelism on 96 H100 GPUs" (https://lmsys.org/blog/2025-05-05-large-scale-ep/,
+  "Two-batch Overlap"): the batch is split into two micro-batches so that one's
+  computation overlaps the other's communication (DeepSeek's design,
+  https://github.com/deepseek-ai/profile-data); it also halves the activations a
+  kernel holds (16,384 tokens a device ran with it, 8,192 without before running out
+  of memory). SGLang runs it with `--enable-two-batch-overlap`, and refuses it without
+  an all-to-all backend ([C] sgl-project/sglang python/sglang/srt/server_args.py: "When
+  enabling two batch overlap, moe_a2a_backend cannot be 'none'."), and in a prefill
+  batch whose DeepEP mode resolves to low-latency ([C] two_batch_overlap.py
+  `TboDPAttentionPreparer.prepare_all_gather`): prefill TBO runs DeepEP's normal
+  kernels, which kvstage's prefill prices (compute.py `alltoall_parts`). LMSYS's
+  prefill ran it so ([C] https://github.com/sgl-project/sglang/issues/6017, the
+  prefill command: `--enable-deepep-moe --deepep-mode normal ...
+  --enable-two-batch-overlap`).
+- **How a batch splits** ([C] SGLang python/sglang/srt/batch_overlap/
+  two_batch_overlap.py `compute_split_seq_index`, `_split_extend_seqs`): by whole
+  sequences where the two halves' token counts are closest
+  (`_split_array_by_balanced_sum`); when that leaves either half under
+  `tbo_token_distribution_threshold` of the tokens (server_args default 0.48), a
+  "two-chunk" split at half the tokens, the sequence there cut in two, its second
+  part attending to the first part's KV (`derive_fields_related_to_seq_len_for_two_chunk`).
+  So a one-prompt forward splits into its two halves of tokens. (LMSYS's May 2025
+  build split whole sequences only, `_split_array_by_half_sum`, and ran a one-sequence
+  batch without TBO; its 16,384-token forwards held 4 to 16 prompts.) A forward of one
+  token cannot split: it runs as one batch (`split_halves` returns None).
+- **What overlaps what** ([C] SGLang operations_strategy.py
+  `_compute_moe_deepseek_blog_prefill`, `tbo_delta_stages = 0`): each MoE layer of each
+  micro-batch in three stages, [attention, gate, launch dispatch] / [wait dispatch,
+  routed experts, launch combine] / [shared experts, wait combine, output] (the last
+  runs on into the next layer's attention), the two micro-batches' stages alternating
+  A, B, A, B on one compute stream (operations.py `execute_overlapped_operations`),
+  DeepEP's kernels on its one communication stream in launch order. A's dispatch runs
+  under B's attention, B's dispatch under A's experts, A's combine under B's experts,
+  B's combine under A's shared experts and next attention. kvstage replays that
+  schedule layer by layer (`schedule_s`; compute.py `_two_batch_prefill` prices the stages): two queues, each op starting when its queue
+  is free and what it waits for is done. [A] The shared experts and the rest of the
+  dense matmuls are counted with the attention stage, after the combine's wait (the
+  wait comes before the shared experts in SGLang: this hides a little less).
+- **The split's own cost.** Each micro-batch's matmuls have half the rows (a lower
+  MFU, `Efficiency.gemm_share`) and read the weights again (the roofline per matmul
+  kind); each pays its own kernels (twice the fixed cost); and the matmuls run on the
+  SMs DeepEP's normal kernels leave ([C] `_compute_moe_deepseek_blog_prefill`:
+  `deep_gemm_num_sms = multi_processor_count - DeepEPConfig.num_sms`, none on ROCm;
+  DeepEP's default `Buffer.num_sms = 20`, [C] deepseek-ai/DeepEP deep_ep/buffer.py,
+  which SGLang keeps unless `--deepep-config` sets it), [A] a matmul's FLOP rate in
+  proportion to its SMs, its weight reads not slowed. Attention runs at its own rate
+  ([A] no contention priced).
+- **Limits.** The overlap cannot hide more communication than there is compute: one
+  compute stream and one communication stream, so a forward is never shorter than all
+  its compute, nor than all its communication (nor than the FLOPs and HBM bounds of
+  the whole batch). With little to hide, the split's own cost makes it slower than
+  one batch, as SGLang notes ("may smartly disable TBO when batch size is too small b/c
+  it will slow down", two_batch_overlap.py) and LMSYS measured in decode (-27% at 32
+  tokens a device).
+
+Published effect ([P] the LMSYS post above, "Ablation Study: Two-batch Overlap"): in
+prefill, "a 27% to 35% throughput increase compared to the vanilla setup, even when
+processing the same token count per device", and 40.5% with the larger batch TBO's
+memory saving allows; per kernel, TBO's kernels ran slower than without it ("reduced
+streaming multiprocessors (SMs) with TBO, potential noisy neighbor effects"), and the
+communication kernels slower than DeepEP's unit tests, which "is achievable when
+disabling TBO". kvstage prices the SM reservation, not the contention (see
+docs/results/2026-12-04-published-serving-prefill-tbo.md for the comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEEPEP_NORMAL_SMS",
+    "DEEPEP_RESERVED_SMS",
+    "TOKEN_DISTRIBUTION_THRESHOLD",
+    "Piece",
+    "schedule_s",
+    "sm_share",
+    "split_halves",
+]
+
+DEEPEP_NORMAL_SMS = 20  # [C] DeepEP deep_ep/buffer.py `Buffer.num_sms`
+TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # [C] SGLang server_args `tbo_token_distribution_threshold`
+# (SMs of the GPU, SMs DeepEP's normal kernels hold while the matmuls run): [D] H100 SXM5
+# 132 SMs (https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/), the
+# H200 the same GH100 configuration (https://www.nvidia.com/en-us/data-center/h200/:
+# "the same Hopper architecture"), [P] H800 132 (DeepSeek-V3 technical report, section
+# 3.2.2, https://arxiv.org/abs/2412.19437: 20 "out of 132 SMs" for communication),
+# [D] A100 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper); [D] MI300X 304
+# compute units (AMD's datasheet, gpus.py's page), of which SGLang reserves none on
+# ROCm ([C] `deep_gemm_num_sms = None` under `_is_hip`). Other GPUs: refused
+# (shared/scenario/schema.py `_check_prefill_tbo`), their SM count not sourced here.
+DEEPEP_RESERVED_SMS: dict[str, tuple[int, int]] = {
+    "h100-sxm": (132, DEEPEP_NORMAL_SMS),
+    "h200": (132, DEEPEP_NORMAL_SMS),
+    "h800": (132, DEEPEP_NORMAL_SMS),
+    "a100-80g": (108, DEEPEP_NORMAL_SMS),
+    "mi300x": (304, 0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """`count` chunks of `tokens` tokens, each after `context` tokens of its prompt's KV;
+    `ends`: of them, those that end their prompt (the LM head's rows)."""
+
+    count: int
+    tokens: int
+    context: int
+    ends: int
+
+    @property
+    def total(self) -> int:
+        return self.count * self.tokens
+
+    @property
+    def keys(self) -> float:
+        """Keys its queries attend to: token i of a chunk to context + i + 1."""
+        return self.count * self.tokens * (self.context + (self.tokens + 1) / 2)
+
+
+def split_halves(
+    tokens: int, context: int, prompts: int
+) -> tuple[tuple[Piece, ...], tuple[Piece, ...]] | None:
+    """SGLang's split of a forward of `prompts` chunks of `tokens` tokens after `context`
+    (see above): whole prompts where the halves balance within the threshold, else
+    two chunks at half the tokens; None when it has fewer than two tokens."""
+    total = tokens * prompts
+    if total < 2:
+        return None
+    # the balanced split of equal lengths: half the prompts, the larger half first
+    best = (prompts + 1) // 2 if prompts > 1 else 0
+    share = best * tokens / total
+    if TOKEN_DISTRIBUTION_THRESHOLD <= share <= 1 - TOKEN_DISTRIBUTION_THRESHOLD:
+        return (Piece(best, tokens, context, best),), (
+            Piece(prompts - best, tokens, context, prompts - best),
+        )
+    half = total // 2
+    whole, cut = divmod(half, tokens)  # A: `whole` prompts and `cut` tokens of the next
+    rest = prompts - whole - (1 if cut else 0)
+    a = [Piece(whole, tokens, context, whole)]
+    b = [Piece(rest, tokens, context, rest)]
+    if cut:  # the cut prompt: its first part in A, the rest (and its end) in B
+        a.append(Piece(1, cut, context, 0))
+        b.insert(0, Piece(1, tokens - cut, context + cut, 1))
+    return tuple(p for p in a if p.count), tuple(p for p in b if p.count)
+
+
+def sm_share(gpu: str) -> float:
+    """The share of `gpu`'s SMs the matmuls of a TBO forward run on (see above)."""
+    sms, reserved = DEEPEP_RESERVED_SMS[gpu]
+    return (sms - reserved) / sms
+
+
+def schedule_s(
+    attn: Sequence[float],
+    moe: Sequence[float],
+    dispatch: Sequence[float],
+    combine: Sequence[float],
+    layers: int,
+) -> float:
+    """The forward's time as SGLang's prefill schedule runs the two micro-batches (see
+    above), every layer alike: per layer and micro-batch i an attention stage
+    (`attn[i]` seconds a layer) and an expert stage (`moe[i]`) on the compute stream,
+    its dispatch after the first and its combine after the second on the
+    communication stream; each stage waits for its own communication."""
+    compute = comm = 0.0  # when each stream is next free
+    combined = [0.0, 0.0]  # when each micro-batch's last combine lands
+    for _ in range(layers):
+        dispatched = [0.0, 0.0]
+        for i in (0, 1):
+            compute = max(compute, combined[i]) + attn[i]
+            comm = max(comm, compute) + dispatch[i]
+            dispatched[i] = comm
+        for i in (0, 1):
+            compute = max(compute, dispatched[i]) + moe[i]
+            comm = max(comm, compute) + combine[i]
+            combined[i] = comm
+    return max(compute, *combined)
