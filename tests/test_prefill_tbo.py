@@ -12,6 +12,7 @@ import pytest
 
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.serving.compute import prefill_forward, prefill_forward_s
+from kvstage.shared.serving.mixed import prefill_step_s
 from kvstage.shared.serving.prefill_tbo import split_halves
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +91,14 @@ def test_it_is_refused_where_it_cannot_apply():
         load_scenario(BASE, [*DSV3, "prefill.ep=1", "prefill.two_batch_overlap=true"])
     with pytest.raises(ScenarioError, match="known for: h100-sxm"):
         load_scenario(BASE, [*TBO, "prefill.gpu=h20", "decode.gpu=h20"])
+
+
+def test_a_colocated_forward_keeps_the_overlap():
+    """shared/serving/mixed.py prices a colocated instance's prompt chunks from the same
+    forward: its communication is what the overlap leaves exposed."""
+    tbo = load_scenario(BASE, TBO)
+    compute, fixed = prefill_step_s(tbo, [(4096, 0)])
+    assert compute + fixed == pytest.approx(prefill_forward(tbo, 4096).total_s)
+    compute_two, fixed_two = prefill_step_s(tbo, [(2048, 0), (2048, 0)])
+    plain = prefill_step_s(load_scenario(BASE, DSV3), [(2048, 0), (2048, 0)])
+    assert 0 <= fixed_two and compute_two + fixed_two < sum(plain)  # the all-to-all partly hidden

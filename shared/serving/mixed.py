@@ -22,8 +22,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.compute import (
-    allreduce_s,
-    alltoall_s,
     attention_flops,
     prefill_forward,
     vocab_params,
@@ -42,11 +40,14 @@ def _pieces(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float, f
     tokens at the MFU of that many rows (the LM head on each piece's last token),
     attention per chunk, the TP all-reduces and expert all-to-all of the tokens, and
     the forward's kernels (shared/serving/kernels.py). One piece alone:
-    shared/serving/compute.py `prefill_forward` exactly."""
+    shared/serving/compute.py `prefill_forward` exactly. With two-batch overlap
+    (`prefill.two_batch_overlap`) the communication is what the overlap leaves exposed
+    (`Forward.overlap_s` is never more than it), [A] the pieces' overlap that of one
+    forward of all their tokens."""
     total = sum(t for t, _ in pieces)
     if len(pieces) == 1:
         f = prefill_forward(s, pieces[0][0], pieces[0][1])
-        return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s, f.fixed_s
+        return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s - f.overlap_s, f.fixed_s
     f = prefill_forward(s, total, 0)
     keys = sum(t * (c + (t + 1) / 2) for t, c in pieces)
     att = attention_flops(s, total, keys, decode=False) / s.prefill.tp
@@ -54,7 +55,7 @@ def _pieces(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float, f
     per_linear = f.linear_s / f.linear_flops if f.linear_flops else 0.0
     table = vocab_params(s)[2]  # one more LM head row per further piece
     linear = f.linear_s + 2.0 * table * (len(pieces) - 1) / s.prefill.tp * per_linear
-    comm = allreduce_s(s, "prefill", total) + alltoall_s(s, "prefill", total)
+    comm = f.allreduce_s + f.alltoall_s - f.overlap_s  # the tokens' collectives
     return linear, att * per_flop, comm, f.fixed_s
 
 
