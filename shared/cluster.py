@@ -53,7 +53,8 @@ class Sessions:
         self.geometry = geometry
         self.prefill_instances = prefill_instances
         self.decode_instances = decode_instances
-        self.prefill_tp = geometry.prefill_tp
+        # ranks of one prefill instance: its TP group in each pipeline stage
+        self.prefill_tp = geometry.prefill_ranks
         self.decode_tp = geometry.decode_tp
         self.routes: dict[int, tuple[int, int]] = {}
         self._writers: dict[tuple[int, int], list[int]] = {}
@@ -199,29 +200,40 @@ def least(keys: Sequence[tuple[int, ...]]) -> int:
 
 
 def pipeline_problem(scenario: Scenario) -> str | None:
-    """Why the transfer of this scenario's KV cannot be run, or None: a prefill instance
-    of pipeline stages (`prefill.pp` > 1), each of whose TP ranks holds and sends only
-    its stage's layers. The layout maps them (shared/layout.py `Geometry.prefill_pp`:
-    the writers, their blocks and addresses), but these Sessions, the rank runtime, the
-    simulator's forwards (one per stage, pipelined) and hardware mode's KV pools and
-    kernels know ranks that hold every layer."""
+    """Why hardware mode cannot run this scenario's prefill pipeline stages
+    (`prefill.pp` > 1), or None. Each stage's TP ranks hold and send only their layers'
+    KV: the layout, the Sessions and the rank runtime map that (shared/layout.py
+    `Geometry.prefill_pp`), and the simulator runs it (sim/forward.py
+    `PipelineForward`), but hardware mode's KV pools, kernels and launch know ranks
+    that hold every layer."""
     pp = scenario.prefill.pp
     if pp == 1:
         return None
     return (
         f"prefill.pp = {pp}: each pipeline stage's TP ranks send only their own layers' KV; "
-        "kvstage's layout maps that (shared/layout.py) but its rank runtime, simulator and "
-        "hardware mode do not run pipeline stages yet; allowed: prefill.pp = 1 "
-        "(kvstage plan --prefill-pp screens pp > 1 on the serving model)"
+        "the simulator runs that (kvstage sim), hardware mode's KV pools and kernels do not "
+        "yet; allowed: prefill.pp = 1"
     )
 
 
+def simulated_pipeline_problem(scenario: Scenario) -> str | None:
+    """Why the simulator cannot run this scenario's prefill pipeline stages, or None:
+    its GPU model runs them (sim/forward.py `PipelineForward`); the cpu-loop host model
+    and an [engine]'s scheduler loops do not."""
+    pp = scenario.prefill.pp
+    if pp == 1:
+        return None
+    if scenario.links.resolved().host is not None:
+        why = "the cpu-loop host model (links.host) fills each rank's KV on its own loop"
+    elif scenario.engine.resolved():
+        why = "an [engine]'s scheduler loops (sim/engine_host.py) run one TP group"
+    else:
+        return None
+    return f"prefill.pp = {pp}: {why}, not pipeline stages; allowed: prefill.pp = 1 here"
+
+
 def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:
-    """The scenario's Sessions, with every route already decided when the router is static
-    (ValueError: a scenario whose transfer the protocol cannot map, `pipeline_problem`)."""
-    problem = pipeline_problem(scenario)
-    if problem:
-        raise ValueError(problem)
+    """The scenario's Sessions, with every route already decided when the router is static."""
     c = scenario.cluster
     sessions = Sessions(scenario.geometry(), c.prefill_instances, c.decode_instances)
     router = Router(c.router, c.prefill_instances, c.decode_instances)
@@ -234,6 +246,9 @@ def cluster_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[S
 def hardware_sessions(scenario: Scenario, requests: Sequence[Request]) -> tuple[Sessions, Router]:
     """Sessions for a hardware run, where every rank must compute the same routes on its
     own: only a static router (round-robin) can do that."""
+    problem = pipeline_problem(scenario)
+    if problem:
+        raise ValueError(problem)
     sessions, router = cluster_sessions(scenario, requests)
     if not router.static:
         raise ValueError(
@@ -253,6 +268,8 @@ def shard_problem(scenario: Scenario) -> str | None:
         )
     if scenario.links.resolved().host is not None:
         return "the cpu-loop host model shares one host's CPU between every rank"
+    if scenario.prefill.pp > 1:
+        return "the prefill's pipeline stages are simulated as one group (prefill.pp > 1)"
     return None
 
 
@@ -272,6 +289,8 @@ def fold_problem(scenario: Scenario) -> str | None:
         return "[faults] act on single ranks or messages, so the ranks are no longer alike"
     if scenario.links.resolved().host is not None:
         return "the cpu-loop host model shares one host's CPU between every rank"
+    if scenario.prefill.pp > 1:
+        return "the prefill's pipeline stages hold different layers (prefill.pp > 1)"
     g = scenario.geometry()
     if any(not g.targets(p) for p in range(g.prefill_tp)):
         return (

@@ -943,11 +943,15 @@ class PrefillMachine(MachineBase):
         key = (num_pages, heads.num_heads)
         nbytes = self._block_bytes_cache.get(key)
         if nbytes is None:
-            nbytes = self.geometry.block_bytes(num_pages * self.geometry.page_size, heads.num_heads)
+            tokens = num_pages * self.geometry.page_size  # this rank's layers (its stage's)
+            nbytes = self.geometry.writer_block_bytes(self.local, tokens, heads.num_heads)
             self._block_bytes_cache[key] = nbytes
         return nbytes
 
     def _block_offset(self, decode_rank: int, num_pages: int, writer: int) -> int:
+        if self.geometry.prefill_pp > 1:  # blocks of stages with unequal layers differ
+            d = decode_rank % self.sessions.decode_tp
+            return self.geometry.staging_layout(d, num_pages).blocks[writer].offset
         key = (decode_rank, num_pages)
         base = self._block_offset_cache.get(key)
         if base is None:

@@ -29,7 +29,7 @@ import simpy
 from simpy.events import NORMAL
 
 from kvstage.shared.admission import Limits, admit
-from kvstage.shared.cluster import Router, Sessions, cluster_sessions
+from kvstage.shared.cluster import Router, Sessions, cluster_sessions, simulated_pipeline_problem
 from kvstage.shared.events import (
     Arrive,
     Die,
@@ -69,7 +69,7 @@ from kvstage.sim.cluster import LiveLoads, cluster_nics
 from kvstage.sim.decode_batch import DecodeBatches
 from kvstage.sim.engine_host import EngineHost
 from kvstage.sim.fold import Fold
-from kvstage.sim.forward import GroupForward, HostFills
+from kvstage.sim.forward import GroupForward, HostFills, PipelineForward
 from kvstage.sim.gpu import GpuParams, SerialStream, copy_time
 from kvstage.sim.host import HostModel, scaled_link
 from kvstage.sim.links import Fabric
@@ -149,6 +149,9 @@ class Simulation:
         self.scenario = scenario
         self.shard = shard
         self.control, self.interval = control, interval
+        problem = simulated_pipeline_problem(scenario)
+        if problem:
+            raise ValueError(problem)
         self.geometry = g = scenario.geometry()
         self.env = simpy.Environment()
         self.config = protocol_config(scenario)
@@ -177,7 +180,7 @@ class Simulation:
         self.loads = (
             None
             if self.router.static
-            else LiveLoads(self.router, self.prefill, g.prefill_tp, self.decode, g.decode_tp)
+            else LiveLoads(self.router, self.prefill, g.prefill_ranks, self.decode, g.decode_tp)
         )
         self._ended = 0  # rooms ended, counted at each decode instance's first rank
         # a load-aware router gives ranks their rooms as they arrive: a rank with no
@@ -198,8 +201,9 @@ class Simulation:
         if self.host is not None:
             self._build_host()
         else:  # one forward stream per prefill instance
-            ranks = g.prefill_tp if self.fold is None else 1
-            self.group_forwards = [GroupForward(self, ranks) for _ in range(ss.prefill_instances)]
+            ranks = g.prefill_ranks if self.fold is None else 1
+            forward = GroupForward if g.prefill_pp == 1 else PipelineForward
+            self.group_forwards = [forward(self, ranks) for _ in range(ss.prefill_instances)]
             if self.engine is not None:  # [engine]: its scheduler loops (sim/engine_host.py)
                 self.group_forwards = self.engine.forwards(ranks)
 
@@ -219,7 +223,7 @@ class Simulation:
 
         blocks = cache_blocks(s)  # each prefill instance's prefix cache
         self.prefill = [
-            runtime("prefill", r, g.prefill_tp, pi, cache_blocks=blocks)
+            runtime("prefill", r, g.prefill_ranks, pi, cache_blocks=blocks)
             for r in range(ss.prefill_ranks)
         ]
         pages = self.decode_model.capacity_pages
@@ -263,7 +267,7 @@ class Simulation:
         elif lk.placement == "intra":
             # same node: every GPU has its own NVLink port
             self.prefill_nic = [
-                self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_tp)
+                self.fabric.add_nic(f"prefill{p}-nvlink", bw) for p in range(g.prefill_ranks)
             ]
             self.decode_nic = [
                 self.fabric.add_nic(f"decode{d}-nvlink", bw) for d in range(g.decode_tp)
@@ -272,10 +276,11 @@ class Simulation:
             # different nodes: gpus_per_nic GPUs share one RDMA NIC on each side
             per = lk.gpus_per_nic
             pn = [
-                self.fabric.add_nic(f"prefill-nic{i}", bw) for i in range(-(-g.prefill_tp // per))
+                self.fabric.add_nic(f"prefill-nic{i}", bw)
+                for i in range(-(-g.prefill_ranks // per))
             ]
             dn = [self.fabric.add_nic(f"decode-nic{i}", bw) for i in range(-(-g.decode_tp // per))]
-            self.prefill_nic = [pn[p // per] for p in range(g.prefill_tp)]
+            self.prefill_nic = [pn[p // per] for p in range(g.prefill_ranks)]
             self.decode_nic = [dn[d // per] for d in range(g.decode_tp)]
         ss = self.sessions
         self.gather_stream = [SerialStream() for _ in range(ss.prefill_ranks)]
@@ -572,7 +577,8 @@ class Simulation:
         if self.loads is not None:
             ss.routes[req.room] = self.loads.route(req)
         pi, di = ss.route(req.room)
-        prefill = [rt for rt in self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp] if rt]
+        n = g.prefill_ranks
+        prefill = [rt for rt in self.prefill[pi * n : (pi + 1) * n] if rt]
         decode = [rt for rt in self.decode[di * g.decode_tp : (di + 1) * g.decode_tp] if rt]
         if self.loads is not None:
             for rt in (*prefill, *decode):  # a local room is no prefill rank's (`assign`)

@@ -8,6 +8,8 @@ arrival order, chunk by chunk); these only decide how long it takes:
   (`chunk_forward_s`, shared/serving/compute.py), its attention over the context
   before it (chunked prefill). Every rank of the group asks for the same chunk; the
   first request plans it, the others join it.
+- `PipelineForward` (the GPU model with `prefill.pp` > 1): the same, through the
+  instance's pipeline stages, chunks in flight across them.
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
   its own chunks' KV pattern on its own loop, one chunk per loop turn.
 """
@@ -22,6 +24,7 @@ from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.layout import room_pages
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.serving.compute import chunk_forward_s
+from kvstage.shared.serving.pipeline import stage_step_s
 from kvstage.shared.trace import TraceRecord
 from kvstage.sim.gpu import SerialStream
 
@@ -58,10 +61,14 @@ class GroupForward:
         else:  # a rank asking late (a late session) finds what the group already did
             if f.chunk == 0 and job.started:
                 self.sim._at(0.0, self.sim._feed, rt, ForwardStarted(*key))
-            if job.done:
+            if self._done_for(rt, key, job):
                 self.sim._at(0.0, self._deliver_done, rt, key)
                 return
         job.ranks.append(rt)
+
+    def _done_for(self, rt: RankRuntime, key: tuple[int, int], job: _GroupChunk) -> bool:
+        """Whether the chunk's forward is done for this rank (the whole group's)."""
+        return job.done
 
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
         sim = self.sim
@@ -157,3 +164,75 @@ class HostFills:
         f, start = done
         self.sim._feed(rt, ForwardDone(f.room, f.chunk, start))
         self._turn(rt)
+
+
+class PipelineForward(GroupForward):
+    """The GPU model of a prefill instance in pipeline stages (`prefill.pp` > 1): a
+    chunk goes through the stages in turn, each stage one chunk at a time, one
+    stage-step each (shared/serving/pipeline.py `stage_step_s`: the slowest stage's
+    share of the forward and the hand-off); stage s's ranks get the chunk's
+    ForwardDone when stage s is done with it, and stage 0 takes the next chunk (of
+    this prompt or another) as soon as it is free, so chunks are in flight across the
+    stages: a prompt of n equal chunks ends after n + pp - 1 steps."""
+
+    def __init__(self, sim: Simulation, ranks: int) -> None:
+        super().__init__(sim, ranks)
+        g = sim.geometry
+        self.tp = g.prefill_tp
+        self.stages = [self.stream] + [SerialStream() for _ in range(g.prefill_pp - 1)]
+        self._spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        self._stages_done: dict[tuple[int, int], int] = {}
+
+    def _stage(self, rt: RankRuntime) -> int:
+        return (rt.rank % self.ranks) // self.tp
+
+    def _done_for(self, rt: RankRuntime, key: tuple[int, int], job: _GroupChunk) -> bool:
+        """Whether the rank's stage is done with the chunk."""
+        return self._stage(rt) < self._stages_done[key]
+
+    def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
+        sim = self.sim
+        start = self.stream.free_at(now)
+        job = _GroupChunk(start, last=self._streams_first(f))
+        if f.chunk == 0:  # the room opens when its first chunk enters stage 0
+            sim._at(start - now, self._started, key)
+        step = 0.0
+        if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
+            forward = chunk_forward_s(
+                sim.scenario, f.tokens, f.cached_tokens, f.page_start, sim.geometry.page_size
+            )
+            step = stage_step_s(sim.scenario, forward, f.tokens - f.cached_tokens)
+        spans, t = [], now
+        for stream in self.stages:
+            begin = stream.free_at(t)
+            t = stream.reserve(t, step) if step else begin
+            spans.append((begin, t))
+        self._spans[key], self._stages_done[key] = spans, 0
+        for s, (_, end) in enumerate(spans):
+            sim._at(end - now, self._stage_done, key, s)
+        return job
+
+    def _stage_done(self, key: tuple[int, int], stage: int, _ev=None) -> None:
+        job = self._chunks[key]
+        self._stages_done[key] = stage + 1
+        last = stage == len(self.stages) - 1
+        if last:
+            job.done = True
+            if job.last and job.ranks:  # decode.first_token = "prefill": out of the last stage
+                now = self.sim.env.now
+                self.sim._keep_record(
+                    TraceRecord(
+                        "prefill", job.ranks[0].rank, "first_token", now, now,
+                        room=key[0], chunk=key[1],
+                    )
+                )  # fmt: skip
+        for rt in [r for r in job.ranks if self._stage(r) == stage]:
+            self._deliver_done(rt, key)
+
+    def _deliver_done(self, rt: RankRuntime, key: tuple[int, int], _ev=None) -> None:
+        job = self._chunks[key]
+        begin = self._spans[key][self._stage(rt)][0]
+        self.sim._feed(rt, ForwardDone(key[0], key[1], begin))
+        job.delivered += 1
+        if job.delivered == self.ranks:
+            del self._chunks[key], self._spans[key], self._stages_done[key]

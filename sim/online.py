@@ -83,7 +83,7 @@ class OnlineSimulation(Simulation):
                 ss.routes[room] = self.router.static_route(room)
             pi, di = ss.route(room)
             ranks = (
-                *self.prefill[pi * g.prefill_tp : (pi + 1) * g.prefill_tp],
+                *self.prefill[pi * g.prefill_ranks : (pi + 1) * g.prefill_ranks],
                 *self.decode[di * g.decode_tp : (di + 1) * g.decode_tp],
             )
             for rt in ranks:

@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from kvstage.shared.cluster import cluster_sessions, pipeline_problem
+from kvstage.run.simrun import simulate
+from kvstage.shared.cluster import (
+    cluster_sessions,
+    hardware_sessions,
+    pipeline_problem,
+    simulated_pipeline_problem,
+)
 from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.serving.capacity import (
     prefill_stage,
@@ -28,6 +34,7 @@ from kvstage.shared.serving.pipeline import (
     stage_share,
     stages_cross_nodes,
 )
+from kvstage.sim.driver import Simulation
 
 LLAMA70 = "scenarios/llama3-70b-p8-d2.toml"
 
@@ -139,15 +146,64 @@ def test_decode_pp_is_refused_with_why():
         _s("prefill.pp=81")
 
 
-def test_the_transfer_of_pipeline_stages_is_refused_not_pretended():
+ONE = ["workload.requests=1", "workload.arrival=fixed", "workload.prompt=fixed",
+       "workload.output_tokens=0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [4096, 32768])
+def test_the_simulator_pipelines_a_prompts_chunks_as_the_model_does(pp, tokens):
+    # one prompt on an idle instance: its forwards from the first chunk entering stage 0
+    # to the last leaving the last stage are the serving model's n + pp - 1 steps
+    s = _s(*ONE, f"workload.prompt_tokens={tokens}", "prefill.tp=4", f"prefill.pp={pp}")
+    d = simulate(s).summary
+    assert d["requests_done"] == 1 and d["invariant_violations"] == 0
+    assert d["prefill_compute_s"]["p50"] == pytest.approx(prompt_latency_s(s, tokens), rel=1e-9)
+    flat = _s(*ONE, f"workload.prompt_tokens={tokens}", "prefill.tp=4")
+    if tokens <= s.geometry().chunk_tokens:  # one chunk: never below one group's compute
+        assert d["prefill_compute_s"]["p50"] >= prompt_forward_s(flat, tokens)
+
+
+CLUSTER = ("cluster.prefill_instances=2", "cluster.decode_instances=2",
+           "cluster.router=least-outstanding")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "sets", "flat"),
+    [(LLAMA70, ("prefill.tp=4", "prefill.pp=2"), ("prefill.tp=8",)),
+     (LLAMA70, ("prefill.tp=2", "prefill.pp=3", "transfer.path=slice"),  # 26, 27, 27 layers
+      ("prefill.tp=2", "transfer.path=slice", "prefill.gpu=h200")),
+     (LLAMA70, ("prefill.tp=8", "prefill.pp=2", *CLUSTER), ("prefill.tp=8", *CLUSTER)),
+     ("scenarios/mla/deepseek-v3-p16-d8.toml", ("prefill.tp=8", "prefill.pp=2"), ())],
+)  # fmt: skip
+def test_every_stage_sends_its_layers_and_every_byte_lands(path, sets, flat):
+    # the same decode side without stages receives the same payload
+    s = _s("workload.requests=12", *sets, path=path)
+    d = simulate(s).summary
+    f = simulate(_s("workload.requests=12", *flat, path=path)).summary
+    assert d["requests_done"] == 12 and d["requests_failed"] == 0
+    assert d["invariant_violations"] == 0
+    assert d["payload_bytes"] == f["payload_bytes"]  # the same KV reaches the decode
+
+
+def test_hardware_mode_refuses_stages_and_the_host_models_too():
     s = _s("prefill.tp=4", "prefill.pp=2")
-    assert pipeline_problem(_s("prefill.tp=4")) is None
+    assert pipeline_problem(_s("prefill.tp=4")) is None and simulated_pipeline_problem(s) is None
+    cluster_sessions(s, [])  # the Sessions map the stages
     why = pipeline_problem(s)
-    assert why is not None and "prefill.pp = 2" in why and "allowed: prefill.pp = 1" in why
-    with pytest.raises(ValueError, match="do not run pipeline stages yet"):
-        cluster_sessions(s, [])
+    assert why is not None and "hardware mode" in why and "allowed: prefill.pp = 1" in why
+    with pytest.raises(ValueError, match="hardware mode's KV pools"):
+        hardware_sessions(s, [])
+    host = _s("prefill.tp=4", "prefill.pp=2", 'links.host_model="cpu-loop"',
+              "links.host_cores=2", "links.engine_thread_cores=0.5", "links.event_us=40",
+              "links.fill_latency_us=200", "links.fill_bandwidth_gbs=2")  # fmt: skip
+    assert "cpu-loop host model" in simulated_pipeline_problem(host)
+    with pytest.raises(ValueError, match="cpu-loop host model"):
+        Simulation(host)
+    with pytest.raises(ScenarioError, match="cannot fold ranks: the prefill's pipeline stages"):
+        _s("prefill.tp=4", "prefill.pp=2", "cluster.fold=true")
     out = subprocess.run(
-        [sys.executable, "-m", "kvstage.cli", "sim", LLAMA70, "--set", "prefill.pp=2",
+        [sys.executable, "-m", "kvstage.cli", "hw", LLAMA70, "--set", "prefill.pp=2",
          "--set", "prefill.tp=4"],
         capture_output=True, text=True, env={"COLUMNS": "300", "PATH": ""},
     )  # fmt: skip

@@ -22,8 +22,7 @@ express, a pool smaller than one chunk, decode memory that cannot hold the weigh
 one above `--max-gpus` ("max-gpus"), with `screen` one whose offered load exceeds
 a stage's capacity in the bottleneck model ("capacity": kvstage/explore/screen.py),
 and one that passes all of those but that the simulator cannot run ("simulation":
-prefill pipeline stages, whose per-stage KV transfer the protocol does not map;
-`unsimulated`).
+prefill pipeline stages under the cpu-loop host model or an [engine]; `unsimulated`).
 
 The search (`run_plan`) runs every simulation on one executor (kvstage/explore/
 executor.py: local process pool or Ray) kept for the whole search:
@@ -81,7 +80,7 @@ from kvstage.explore.sweep import (
 )
 from kvstage.fmt import csv_cell, num, secs, share
 from kvstage.metrics.steady import quantile_name
-from kvstage.shared.cluster import pipeline_problem
+from kvstage.shared.cluster import simulated_pipeline_problem
 from kvstage.shared.scenario import DecodeConfig
 from kvstage.shared.scenario.cluster_table import ClusterConfig
 from kvstage.shared.scenario.schema import PrefillConfig, TransferConfig
@@ -284,17 +283,15 @@ def plan_candidates(
 
 def unsimulated(s: Any, stages: dict[str, Any], top: dict[str, Any] | None) -> str | None:
     """Why a configuration that fits and passes the screen is not simulated, with what
-    the screen says of it, else None: prefill pipeline stages (`prefill.pp` > 1), whose
-    per-stage KV transfer the protocol does not map (shared/cluster.py
-    `pipeline_problem`)."""
-    if pipeline_problem(s) is None:
+    the screen says of it, else None: prefill pipeline stages under the cpu-loop host
+    model or an [engine], which do not run them (shared/cluster.py
+    `simulated_pipeline_problem`)."""
+    why = simulated_pipeline_problem(s)
+    if why is None:
         return None
     busiest = next((k for k, v in stages.items() if v is top), None)
     screened = f"{busiest} at {share(top['utilization'])} of capacity" if top else "no rate"
-    return (
-        f"prefill.pp {s.prefill.pp}: fits and screens ({screened}) but is not simulated: each "
-        "stage sends only its layers' KV, which the rank runtime and the simulator do not run yet"
-    )
+    return f"fits and screens ({screened}) but is not simulated: {why}"
 
 
 def moe_problem(s: Any) -> str | None:

@@ -41,9 +41,9 @@ instance's GPUs are tp x pp). What the serving model takes from it:
 
 The decode side takes no PP (scenario schema: `decode.pp` is refused). The KV transfer
 from N stages is laid out in the protocol core (shared/layout.py: each stage's TP ranks
-write their layers' block to the decode ranks) but not run by the rank runtime and the
-drivers (shared/cluster.py `pipeline_problem`): this is the serving model the plan's
-screen reads.
+write their layers' block to the decode ranks) and run by the simulator, whose GPU
+model takes its stage-steps from here (sim/forward.py `PipelineForward`); hardware
+mode refuses it (shared/cluster.py `pipeline_problem`).
 """
 
 from __future__ import annotations

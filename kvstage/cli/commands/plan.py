@@ -80,7 +80,8 @@ def _front_table(result: Any) -> Table:
         )
         util = r.get("busiest_utilization")
         t.add_row(
-            f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}{_ep(r, 'prefill.ep')}",
+            f"{r['cluster.prefill_instances']} x TP{r['prefill.tp']}{_ep(r, 'prefill.ep')}"
+            f"{_ep(r, 'prefill.pp').replace('EP', 'PP')}",
             f"{r['cluster.decode_instances']} x TP{r['decode.tp']}{_ep(r, 'decode.ep')}{_local(r)}",
             f"{r['decode.staging_pool_mb']:g}",
             str(r["gpus"]),
@@ -402,8 +403,8 @@ def plan(
         typer.Option(
             metavar="V1,V2,...",
             help="Pipeline-parallel stages of a prefill instance (prefill.pp; an instance is "
-            "TP x PP GPUs; default: the scenario's), e.g. 1,2 for a model one node cannot "
-            "hold: pp > 1 is screened on the serving model, not simulated.",
+            "TP x PP GPUs, each stage sending its layers' KV; default: the scenario's), e.g. "
+            "1,2 for a model one node cannot hold.",
         ),
     ] = None,
     search: Annotated[

@@ -81,9 +81,9 @@ def sim(
     from kvstage.run.simrun import run_simulation
 
     s = _load(scenario, set_, seed)
-    from kvstage.shared.cluster import pipeline_problem
+    from kvstage.shared.cluster import simulated_pipeline_problem
 
-    if problem := pipeline_problem(s):  # before anything is written
+    if problem := simulated_pipeline_problem(s):  # before anything is written
         _fail(problem)
     if scaled:
         # the same scale-down `kvstage hw` applies, so the two runs compare
