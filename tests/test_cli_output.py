@@ -40,6 +40,21 @@ def test_a_scenario_error_is_one_literal_line(tmp_path):
     assert lines[0].startswith("error: ")
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_two_batch_overlap_on_a_dense_model_is_one_line(side):
+    res = kvstage(
+        "validate", "scenarios/llama3-8b-p4-d2.toml", "--set", f"{side}.two_batch_overlap=true"
+    )
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and not res.stdout
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(
+        f"error: scenarios/llama3-8b-p4-d2.toml: {side}.two_batch_overlap = true, {side}.ep = 1"
+    )
+    assert f"needs a MoE model with {side}.ep > {side}.tp" in lines[0]
+
+
 def test_several_problems_join_on_one_line():
     assert (
         one_line("f.toml: 2 problems:\n  a.b: bad\n  c: missing\n")

@@ -94,11 +94,32 @@ def test_two_batch_overlap_hides_communication_but_never_beats_compute_or_comm()
         assert compute >= one.gpu_s - one.alltoall_s  # the weights are read twice
         assert two.overlap_s > 0
         assert DecodeModel(tbo).step_time_s(kv, batch) == pytest.approx(two.total_s)
-    # with nothing to hide (no expert parallelism) the option changes nothing
-    dense = load_scenario(BASE, ["decode.two_batch_overlap=true"])
-    assert decode_step(dense, 64, 64 * 1000).total_s == pytest.approx(
-        decode_step(load_scenario(BASE), 64, 64 * 1000).total_s
+    # with nothing to hide (no expert parallelism) the option changes nothing, where a
+    # scenario holds it without validation (a loaded one is refused, below)
+    dense = load_scenario(BASE)
+    forced = dense.model_copy(update={"decode": dense.decode.model_copy(
+        update={"two_batch_overlap": True})})  # fmt: skip
+    assert decode_step(forced, 64, 64 * 1000).total_s == pytest.approx(
+        decode_step(dense, 64, 64 * 1000).total_s
     )
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],  # a dense model
+        [*DSV3, "decode.ep=1"],  # a MoE model, its experts split by TP
+        [*DSV3, "decode.tp=2", "decode.ep=2"],  # EP no wider than TP: no DP attention
+    ],
+)
+def test_two_batch_overlap_is_refused_without_an_all_to_all(sets):
+    """SGLang refuses it without an all-to-all backend (server_args.py), and the decode
+    step splits only where there is one (compute.py `decode_step`)."""
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(BASE, [*sets, "decode.two_batch_overlap=true"])
+    assert "decode.two_batch_overlap = true" in str(err.value)
+    assert "needs a MoE model with decode.ep > decode.tp" in str(err.value)
+    assert "set it false here" in str(err.value)
 
 
 def test_ngram_drafts_cost_no_gpu_forward_but_the_verify_is_paid():

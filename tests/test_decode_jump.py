@@ -51,7 +51,10 @@ CASES = {
         ["cluster.prefill_instances=2", "cluster.decode_instances=2", "cluster.fold=true"],
     ),
     "slice path": (P8D2, ['transfer.path="slice"']),
-    "two-batch overlap (a step not linear in its KV)": (P8D2, ["decode.two_batch_overlap=true"]),
+    "two-batch overlap (a step not linear in its KV)": (
+        P8D2,  # a MoE model with DP attention: the all-to-all the overlap hides
+        ['model.preset="mixtral-8x7b"', "decode.ep=4", "decode.two_batch_overlap=true"],
+    ),
 }
 
 

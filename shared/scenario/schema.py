@@ -338,7 +338,7 @@ class PrefillConfig(_Table):
     pp: PipelineSize = 1
     # two micro-batches a forward, one's DeepEP dispatch and combine under the other's
     # compute ([C] SGLang's --enable-two-batch-overlap; shared/serving/prefill_tbo.py);
-    # needs the all-to-all (a MoE model with ep > tp): `_check_prefill_tbo`
+    # needs the all-to-all (a MoE model with ep > tp): `_check_tbo`
     two_batch_overlap: bool = False
 
     _ep = model_validator(mode="after")(lambda self: _check_ep_tp(self))
@@ -470,7 +470,8 @@ class DecodeConfig(_Table):
     # low_latency for decode
     deepep_mode: Literal["low_latency", "normal"] = "low_latency"
     # two micro-batches, one's all-to-all under the other's compute ([C] SGLang's
-    # --enable-two-batch-overlap; shared/serving/compute.py `decode_step`)
+    # --enable-two-batch-overlap; shared/serving/compute.py `decode_step`); needs the
+    # all-to-all (a MoE model with ep > tp): `_check_tbo`
     two_batch_overlap: bool = False
     # which side streams a request's first token to the client: "decode" when the room
     # joins the decode's batch ([C] SGLang's PD: the prefill samples it and ships it with
@@ -899,7 +900,7 @@ class Scenario(_Table):
                 pool = min(self.pool_bytes, mib_to_bytes(sd.staging_pool_mb))
                 _check_pool(sgeo, pool, {"hardware.scale_down.staging_pool_mb": sd.staging_pool_mb})
         _check_expert_parallel(self)  # shared/serving/compute.py
-        _check_prefill_tbo(self)
+        _check_tbo(self)
         _check_memory(self)
         return self
 
@@ -1002,20 +1003,21 @@ def _check_expert_parallel(s: Scenario) -> None:
             )
 
 
-def _check_prefill_tbo(s: Scenario) -> None:
+def _check_tbo(s: Scenario) -> None:
     """Two-batch overlap hides an expert-parallel all-to-all ([C] SGLang refuses it
-    without one: "When enabling two batch overlap, moe_a2a_backend cannot be 'none'.")
-    and leaves DeepEP its SMs, which kvstage must know for the GPU."""
+    without one: "When enabling two batch overlap, moe_a2a_backend cannot be 'none'.";
+    kvstage's serving model splits a forward only where there is one, compute.py
+    `_dp_attention`), on either side; in prefill it also leaves DeepEP its SMs, which
+    kvstage must know for the GPU (the decode step prices no SM share)."""
+    for side, cfg in (("prefill", s.prefill), ("decode", s.decode)):
+        if cfg.two_batch_overlap and not (s.model.experts and cfg.ep > cfg.tp):
+            raise _FieldProblem(
+                {f"{side}.two_batch_overlap": True, f"{side}.ep": cfg.ep, f"{side}.tp": cfg.tp},
+                "two-batch overlap hides the expert-parallel all-to-all: it needs a MoE model "
+                f"with {side}.ep > {side}.tp (DP attention + DeepEP); set it false here",
+            )
     p = s.prefill
-    if not p.two_batch_overlap:
-        return
-    if not (s.model.experts and p.ep > p.tp):
-        raise _FieldProblem(
-            {"prefill.two_batch_overlap": True, "prefill.ep": p.ep, "prefill.tp": p.tp},
-            "two-batch overlap hides the expert-parallel all-to-all: it needs a MoE model "
-            "with prefill.ep > prefill.tp (DP attention + DeepEP); set it false here",
-        )
-    if p.gpu not in DEEPEP_RESERVED_SMS:
+    if p.two_batch_overlap and p.gpu not in DEEPEP_RESERVED_SMS:
         raise _FieldProblem(
             {"prefill.two_batch_overlap": True, "prefill.gpu": p.gpu},
             "two-batch overlap prices the SMs DeepEP's kernels take from the GPU's SM count, "

@@ -94,7 +94,7 @@ TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # [C] SGLang server_args `tbo_token_distrib
 # [D] A100 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper); [D] MI300X 304
 # compute units (AMD's datasheet, gpus.py's page), of which SGLang reserves none on
 # ROCm ([C] `deep_gemm_num_sms = None` under `_is_hip`). Other GPUs: refused
-# (shared/scenario/schema.py `_check_prefill_tbo`), their SM count not sourced here.
+# (shared/scenario/schema.py `_check_tbo`), their SM count not sourced here.
 DEEPEP_RESERVED_SMS: dict[str, tuple[int, int]] = {
     "h100-sxm": (132, DEEPEP_NORMAL_SMS),
     "h200": (132, DEEPEP_NORMAL_SMS),
