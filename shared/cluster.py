@@ -283,6 +283,7 @@ def fold_problem(scenario: Scenario) -> str | None:
         or f.match
         or f.abort
         or f.stall_scatter
+        or f.late_scatter
         or f.late_session
         or f.kill
     ):

@@ -2,7 +2,7 @@
 
 `FaultPlan` is a seeded, pure decision maker: drivers ask it, at the message and
 action boundary, what happens to a message (dropped, duplicated, delayed) and
-whether a room is aborted at a phase, a scatter stalls, a session starts late or
+whether a room is aborted at a phase, a scatter starts late or stalls, a session starts late or
 a rank dies (and is started again). Every rank has its own plan, drawn from the seed and the rank
 (`shared.runtime.fault_stream`), and asks it in its own event order, so a scenario
 injects the same faults on the same ranks in both modes.
@@ -82,6 +82,19 @@ class StallScatter(_Strict):
     seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
 
 
+class LateScatter(_Strict):
+    """The decode starts the scatter of (room, chunk) `seconds` after the chunk is
+    complete (every writer's CHUNK_READY in): the written region waits that long in the
+    staging ring, where any holder of the engine's address can still write it, before
+    the decode copies it out and checks it (transfer.verify_writes). On the slice path
+    (and for an OVERSIZED chunk) the check of its writer blocks in the KV pages starts
+    late instead. The window an attack on verify_writes has to land in, held open."""
+
+    room: Annotated[int, Field(ge=0)]
+    chunk: Annotated[int, Field(ge=0)] = 0
+    seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
+
+
 class LateSession(_Strict):
     prefill_rank: Annotated[int, Field(ge=0)]
     delay_s: Annotated[float, Field(gt=0, le=3600)]
@@ -122,8 +135,22 @@ class FaultsConfig(_Strict):
     match: list[MessageMatch] = Field(default_factory=list)
     abort: list[AbortAt] = Field(default_factory=list)
     stall_scatter: list[StallScatter] = Field(default_factory=list)
+    late_scatter: list[LateScatter] = Field(default_factory=list)
     late_session: list[LateSession] = Field(default_factory=list)
     kill: list[KillRank] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_late_scatter_per_chunk(self) -> FaultsConfig:
+        seen: set[tuple[int, int]] = set()
+        for entry in self.late_scatter:
+            key = (entry.room, entry.chunk)
+            if key in seen:
+                raise ValueError(
+                    f"faults.late_scatter names room {entry.room} chunk {entry.chunk} twice "
+                    f"(allowed: one entry per (room, chunk))"
+                )
+            seen.add(key)
+        return self
 
     @property
     def any_message_fault(self) -> bool:
@@ -145,6 +172,7 @@ class FaultPlan:
         self._match_left = [m.times for m in config.match]
         self._aborts = {(a.room, a.phase) for a in config.abort}
         self._stalls = {(s.room, s.chunk): s.seconds for s in config.stall_scatter}
+        self._late_scatters = {(s.room, s.chunk): s.seconds for s in config.late_scatter}
         self._late = {s.prefill_rank: s.delay_s for s in config.late_session}
         self.injected: dict[str, int] = {}
 
@@ -209,6 +237,13 @@ class FaultPlan:
         if stall:
             self.count("stall_scatter")
         return stall
+
+    def scatter_delay_s(self, room: int, chunk: int) -> float:
+        """How late the scatter (or slice check) of (room, chunk) starts: once, then 0."""
+        delay = self._late_scatters.pop((room, chunk), 0.0)
+        if delay:
+            self.count("late_scatter")
+        return delay
 
     def session_delay_s(self, prefill_rank: int) -> float:
         delay = self._late.get(prefill_rank, 0.0)

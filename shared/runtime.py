@@ -194,8 +194,8 @@ class _RoomMemory:
 class _Timer:
     due: float
     seq: int
-    send: Send | None = None
-    event: Event | None = None
+    action: Send | Scatter | CheckSlice | None = None  # handed to the driver when due
+    event: Event | None = None  # fed to the machine when due
 
     def __lt__(self, other: _Timer) -> bool:
         return (self.due, self.seq) < (other.due, other.seq)
@@ -524,7 +524,7 @@ class RankRuntime:
         for d in self.plan.on_send(a.msg):
             send = a if d.msg is a.msg else Send(a.dest, d.msg)
             if d.extra_delay_s > 0:
-                self._hold(now + d.extra_delay_s, send=send)
+                self._hold(now + d.extra_delay_s, action=send)
             else:
                 out.append(send)
 
@@ -549,7 +549,7 @@ class RankRuntime:
 
     def _route_scatter(self, a: Scatter, now: float, out: list[Action]) -> None:
         self._owed.add(("scatter", a.room, a.chunk))
-        out.append(a)
+        self._start_late(a, now, out)
         if self.plan.abort_at(a.room, "scatter"):
             self._feed(AbortRoom(a.room, "fault injection: aborted while scattering"), now, out)
 
@@ -599,7 +599,16 @@ class RankRuntime:
 
     def _route_check(self, a: CheckSlice, now: float, out: list[Action]) -> None:
         self._owed.add(("check", a.room, a.chunk))
-        out.append(a)
+        self._start_late(a, now, out)
+
+    def _start_late(self, a: Scatter | CheckSlice, now: float, out: list[Action]) -> None:
+        """Hand a scatter or slice check to the driver, `faults.late_scatter` late if the
+        scenario says so: its bytes wait in memory a peer can write, unchecked."""
+        late = self.plan.scatter_delay_s(a.room, a.chunk)
+        if late:
+            self._hold(now + late, action=a)
+        else:
+            out.append(a)
 
     def _route_release(self, a: ReleaseRoom, now: float, out: list[Action]) -> None:
         mem = self._memory.get(a.room)
@@ -826,15 +835,21 @@ class RankRuntime:
                 self._admit(now, out)
 
     # --- held deliveries ---------------------------------------------------------------------------
-    def _hold(self, due: float, *, send: Send | None = None, event: Event | None = None) -> None:
+    def _hold(
+        self,
+        due: float,
+        *,
+        action: Send | Scatter | CheckSlice | None = None,
+        event: Event | None = None,
+    ) -> None:
         self._seq += 1
-        heapq.heappush(self._timers, _Timer(due, self._seq, send, event))
+        heapq.heappush(self._timers, _Timer(due, self._seq, action, event))
 
     def _release_timers(self, now: float, out: list[Action]) -> None:
         while self._timers and self._timers[0].due <= now:
             t = heapq.heappop(self._timers)
-            if t.send is not None:
-                out.append(t.send)
+            if t.action is not None:
+                out.append(t.action)
             else:
                 self._feed(t.event, now, out)
 

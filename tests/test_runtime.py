@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstage.shared.events import Arrive, PeerLost, Tick
-from kvstage.shared.protocol import StagingReq
+import pytest
+
+from kvstage.shared.events import Arrive, CheckSlice, PeerLost, Scatter, Send, Tick
+from kvstage.shared.protocol import Bootstrap, ChunkReady, StagingReq, StagingRsp
 from kvstage.shared.runtime import RankRuntime
 from kvstage.shared.scenario import load_scenario
 from kvstage.shared.workload import Request
@@ -30,3 +32,38 @@ def test_room_failed_by_a_peer_before_it_arrives_frees_its_pages_on_arrival():
     rt.handle(Tick(), 1.0 + rt.config.abort_grace_s + 1)
     assert rt.settled, rt.holding()
     assert rt.free_kv_pages == 64  # every page back
+
+
+@pytest.mark.parametrize(("path", "kind"), [("staging", Scatter), ("slice", CheckSlice)])
+def test_a_late_scatter_starts_its_chunks_scatter_or_check_that_late(path, kind):
+    """faults.late_scatter: the chunk's Scatter (on the slice path, with the writes
+    checked, its CheckSlice) is handed out `seconds` after the chunk is complete, once;
+    the completion is owed from the start, so the rank does not settle meanwhile."""
+    s = load_scenario(
+        SCENARIO,
+        overrides=[
+            "faults.abort=[]",
+            f"transfer.path={path}",
+            "faults.late_scatter=[{room = 7, chunk = 0, seconds = 2.5}]",
+        ],
+    )
+    req = Request(room=7, arrival_s=1.0, prompt_tokens=200, prefix_tokens=16)
+    rt = RankRuntime(s, "decode", 0, requests=[req], kv_pages=64, check_writes=True)
+    writers = rt.geometry.writers(0)
+    out = rt.handle(Arrive(req), 1.0)
+    if path == "staging":
+        for p in writers:
+            out += rt.handle(StagingReq(7, 0, 4, p, 0), 1.0)
+    grant = StagingRsp if path == "staging" else Bootstrap
+    sent = [a.msg for a in out if type(a) is Send and type(a.msg) is grant]
+    grants = {m.prefill_rank: m.nonce for m in sent}
+    assert set(grants) == set(writers), out
+    out = []
+    for w, p in enumerate(writers):
+        out += rt.handle(ChunkReady(7, 0, 0, 4, p, w, 0, checksum=1, nonce=grants[p]), 1.1)
+    assert not [a for a in out if type(a) is kind]  # complete, not yet started
+    assert not [a for a in rt.handle(Tick(), 3.5) if type(a) is kind]
+    late = [a for a in rt.handle(Tick(), 3.6) if type(a) is kind]
+    assert [(a.room, a.chunk) for a in late] == [(7, 0)]
+    assert rt.plan.injected == {"late_scatter": 1}
+    assert not rt.settled and "completions owed" in rt.holding()

@@ -234,6 +234,21 @@ def test_faults_table_is_validated() -> None:
         scenario_from_dict(minimal(faults={"drop": {"WATERMARK": 1.5}}))
 
 
+def test_a_late_scatter_is_validated() -> None:
+    late = [{"room": 3, "chunk": 1, "seconds": 0.5}]
+    s = scenario_from_dict(minimal(faults={"late_scatter": late}))
+    assert (s.faults.late_scatter[0].room, s.faults.late_scatter[0].seconds) == (3, 0.5)
+    assert s.faults.late_scatter[0].chunk == 1
+    with pytest.raises(
+        ScenarioError, match=r"faults.late_scatter\[0\].seconds = 0: Input should be greater than 0"
+    ):
+        scenario_from_dict(minimal(faults={"late_scatter": [{"room": 3, "seconds": 0}]}))
+    with pytest.raises(ScenarioError, match=r"faults.late_scatter\[0\].room = -1"):
+        scenario_from_dict(minimal(faults={"late_scatter": [{"room": -1}]}))
+    with pytest.raises(ScenarioError, match=r"room 3 chunk 0 twice.*one entry per"):
+        scenario_from_dict(minimal(faults={"late_scatter": [{"room": 3}, {"room": 3}]}))
+
+
 # --------------------------------------------------------------------------- errors
 
 
