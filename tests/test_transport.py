@@ -24,6 +24,7 @@ import pytest
 from kvstage.hw.transport.base import (
     BACKENDS,
     EngineUnavailableError,
+    LaneBatch,
     PeerInfo,
     Region,
     TransferError,
@@ -469,6 +470,40 @@ def test_failure_raises_and_stays_raised() -> None:
             TransferError, match=r"memmove: write of 1 op\(s\), 8 B to peer 'b' failed: link down"
         ):
             a.poll(handle)
+
+
+class _LaneTransport(_MemmoveTransport):
+    """The memmove engine, each batch carried out on its peer's lane (as NIXL's, Mooncake's)."""
+
+    name = "lanes"
+
+    def _post(self, peer: PeerInfo, ops: Any) -> Any:
+        batch = LaneBatch()
+        self._on_lane(peer, batch, lambda _peer, _batch: _MemmoveTransport._post(self, peer, ops))
+        return batch
+
+    def _check(self, native: Any) -> bool:
+        return native.ended()
+
+
+def test_close_ends_the_lane_threads() -> None:
+    """A transport's lane threads (one per peer) end with it: a process that makes
+    transports one after another (a test's attacker, a tool) does not keep them all."""
+    import threading
+
+    import torch
+
+    a, b = _LaneTransport("a"), _LaneTransport("b")
+    src, dst = torch.full((64,), 7, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    a.add_peer("b", b.metadata())
+    a.wait(a.write("b", [(ra.addr, rb.addr, 64)]), 5.0, "one op")
+    assert bytes(dst) == bytes(src)
+    lanes = [t for t in threading.enumerate() if t.name == "lanes-lane-b"]
+    assert len(lanes) == 1
+    a.close()
+    lanes[0].join(5.0)
+    assert not lanes[0].is_alive()
 
 
 def test_register_checks_and_close() -> None:

@@ -344,7 +344,10 @@ class Transport(abc.ABC):
         if self.on_lane_start is not None:
             self.on_lane_start()
         while True:
-            batch, run = lane.get()
+            item = lane.get()
+            if item is None:  # the transport closed
+                return
+            batch, run = item
             guard = self.lane_guard
             try:
                 with guard() if guard is not None else contextlib.nullcontext():
@@ -568,6 +571,8 @@ class Transport(abc.ABC):
                 stuck = stuck or not (handle.done or handle.error)
                 log.warning("%s", e)
         self._closed = True
+        for lane in self._lanes.values():
+            lane.put(None)  # each lane thread ends once its batches are done
         try:
             self._close_native(in_flight=stuck)
         finally:
