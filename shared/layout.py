@@ -317,6 +317,13 @@ class Geometry:
             )
         return _stage_ranges(self.layers, self.prefill_pp)[prefill_rank // self.prefill_tp]
 
+    def _tp_rank(self, prefill_rank: int) -> int:
+        """`prefill_rank`'s rank in its stage's TP group (itself without stages)."""
+        if self.prefill_pp == 1:
+            return prefill_rank
+        self.writer_layers(prefill_rank)  # raises when out of range
+        return prefill_rank % self.prefill_tp
+
     def writers(self, decode_rank: int) -> list[int]:
         """Prefill ranks that write to `decode_rank`, in writer order: its TP writers,
         stage by stage."""
@@ -330,9 +337,7 @@ class Geometry:
 
     def targets(self, prefill_rank: int) -> list[int]:
         """Decode ranks `prefill_rank` writes to; with MLA and P > D possibly none."""
-        if self.prefill_pp > 1:
-            self.writer_layers(prefill_rank)  # raises when out of range
-            prefill_rank %= self.prefill_tp
+        prefill_rank = self._tp_rank(prefill_rank)
         if self.attention == "mla":
             return mla_targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
         return targets_of(prefill_rank, self.prefill_tp, self.decode_tp)
@@ -347,11 +352,12 @@ class Geometry:
                     f"{' in each stage' if self.prefill_pp > 1 else ''})"
                 )
             return HeadSlice(src_head_start=0, num_heads=1, dst_head_start=0)
-        if self.prefill_pp > 1:
-            self.writer_layers(prefill_rank)  # raises when out of range
-            prefill_rank %= self.prefill_tp
         return _cached_head_slice(
-            self.prefill_tp, self.decode_tp, prefill_rank, decode_rank, self.total_kv_heads
+            self.prefill_tp,
+            self.decode_tp,
+            self._tp_rank(prefill_rank),
+            decode_rank,
+            self.total_kv_heads,
         )
 
     def chunks(self, num_pages: int) -> list[Chunk]:
