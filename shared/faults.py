@@ -140,16 +140,22 @@ class FaultsConfig(_Strict):
     kill: list[KillRank] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _one_late_scatter_per_chunk(self) -> FaultsConfig:
-        seen: set[tuple[int, int]] = set()
-        for entry in self.late_scatter:
-            key = (entry.room, entry.chunk)
-            if key in seen:
-                raise ValueError(
-                    f"faults.late_scatter names room {entry.room} chunk {entry.chunk} twice "
-                    f"(allowed: one entry per (room, chunk))"
-                )
-            seen.add(key)
+    def _one_entry_per_chunk(self) -> FaultsConfig:
+        """stall_scatter and late_scatter hold one entry per (room, chunk): a second one
+        would silently replace the first."""
+        for key, entries in (
+            ("stall_scatter", self.stall_scatter),
+            ("late_scatter", self.late_scatter),
+        ):
+            seen: set[tuple[int, int]] = set()
+            for entry in entries:
+                chunk = (entry.room, entry.chunk)
+                if chunk in seen:
+                    raise ValueError(
+                        f"faults.{key} names room {entry.room} chunk {entry.chunk} twice "
+                        f"(allowed: one entry per (room, chunk))"
+                    )
+                seen.add(chunk)
         return self
 
     @property

@@ -249,6 +249,19 @@ def test_a_late_scatter_is_validated() -> None:
         scenario_from_dict(minimal(faults={"late_scatter": [{"room": 3}, {"room": 3}]}))
 
 
+def test_a_chunk_stalled_twice_is_refused() -> None:
+    """Two stall_scatter entries for one chunk: one names it, not the last silently."""
+    twice = [{"room": 2, "chunk": 1, "seconds": 0.5}, {"room": 2, "chunk": 1, "seconds": 2}]
+    with pytest.raises(
+        ScenarioError, match=r"faults.stall_scatter names room 2 chunk 1 twice.*one entry per"
+    ):
+        scenario_from_dict(minimal(faults={"stall_scatter": twice}))
+    other = [{"room": 2, "chunk": 1}, {"room": 2, "chunk": 2}]
+    assert (
+        len(scenario_from_dict(minimal(faults={"stall_scatter": other})).faults.stall_scatter) == 2
+    )
+
+
 # --------------------------------------------------------------------------- errors
 
 
