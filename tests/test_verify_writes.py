@@ -45,6 +45,7 @@ from conftest import require_engine
 from test_hw import write_scenario
 
 from kvstage.hw.launch.launcher import launch
+from kvstage.hw.rank.kvpool import PoolDesc
 from kvstage.hw.transport.base import TransferError, _unpack_metadata, make_transport
 from kvstage.hw.transport.placement import transport_options
 from kvstage.shared.invariants import check_records
@@ -63,9 +64,9 @@ PAUSE_S = 0.01  # between two of the attacker's writes: ~HOLD_S / PAUSE_S land i
 RING_MB = 8  # decode.staging_pool_mb: more than the workload's regions (one round)
 
 
-def _scenario(tmp_path, backend: str, kind: str):
+def _scenario(tmp_path, backend: str, kind: str, path: str = "staging"):
     late = f"late_scatter = [{{ room = {HELD}, chunk = 0, seconds = {HOLD_S} }}]"
-    path = write_scenario(tmp_path, 2, 1, 8, requests=REQUESTS, faults=late)
+    path = write_scenario(tmp_path, 2, 1, 8, requests=REQUESTS, faults=late, path=path)
     kinds = [] if kind == "mac" else [f"transfer.verify_writes={kind}"]  # "mac": the default
     s = load_scenario(
         path,
@@ -123,6 +124,44 @@ class _Insider:
 
     def close(self) -> None:
         self.t.close()
+
+
+class _CoWriter(_Insider):
+    """What a compromised prefill1 writes on the slice path, where every writer's head
+    slices land straight in the decode's KV pool (registered there): junk over its
+    co-writer prefill0's slices of room HELD's first chunk, one write per (K/V, layer,
+    token), through an engine of its own. The bytes and addresses are those prefill1's
+    own engine would write; its engine's name is not what the decode checks."""
+
+    def __init__(self, s, size: int) -> None:
+        g = s.geometry()
+        self.heads = g.head_slice(0, 0)  # prefill0's heads in decode0's pages
+        held = generate_requests(s)[HELD]
+        first = g.chunks(room_pages(held.prompt_tokens, held.prefix_tokens, g.page_size))[0]
+        # room HELD opens first on an empty pool, so its pages start at 0 (first fit,
+        # shared/pages.py; _assert_slice_caught checks the order): its chunk 0's tokens
+        self.tokens = first.num_pages * g.page_size
+        super().__init__(s, size)
+
+    def aim(self, table: dict) -> None:
+        super().aim(table)
+        pool = PoolDesc.from_wire(table["decode0"].extra["kv_pool"])
+        run = self.heads.num_heads * pool.token_bytes_per_head
+        assert run <= self.size
+        src = int(self.junk.data_ptr())
+        self.ops = [
+            (src, pool.addr(kv, layer, token, self.heads.dst_head_start), run)
+            for kv in range(pool.kv_planes)
+            for layer in range(pool.layers)
+            for token in range(self.tokens)
+        ]
+
+    def write(self) -> bool:
+        try:
+            self.t.wait(self.t.write(self.peer, self.ops), 10.0, "co-writer")
+        except TransferError:
+            return False
+        return True
 
 
 class _RawMooncake:
@@ -183,9 +222,9 @@ def _attack(attacker, table: dict, t0: float, stop: threading.Event, stats: dict
         stop.wait(PAUSE_S)
 
 
-def _run(tmp_path, backend: str, make_attacker, kind: str = "mac") -> tuple:
+def _run(tmp_path, backend: str, make_attacker, kind: str = "mac", path: str = "staging"):
     require_engine(backend)
-    s = _scenario(tmp_path, backend, kind)
+    s = _scenario(tmp_path, backend, kind, path)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
@@ -245,6 +284,42 @@ def _assert_rejected_not_scattered(s, result, stats: dict) -> None:
     assert dec["rooms_failed"] == 1 and dec["rooms_done"] == REQUESTS - 1, (stats, seen)
     assert dec["rooms_verified"] == dec["rooms_done"]
     assert not check_records(records, s.transfer.path)
+
+
+def _assert_slices_caught(s, result, stats: dict) -> None:
+    """The slice path: the attacked chunk's check (before the room is done) rejects
+    prefill0's block, exactly room HELD fails, and no done room holds a wrong byte."""
+    reports = result.reports
+    assert set(reports) == {"prefill0", "prefill1", "decode0"}, result.errors
+    dec = reports["decode0"]
+    seen = {k: dec.get(k) for k in ("writes_rejected", "rooms_done", "rooms_failed", "failures")}
+    records = [TraceRecord(*row) for row in dec["records"]]
+    opens = sorted((r.start, r.room) for r in records if r.phase == "room_open")
+    failed = [r.end for r in records if r.phase == "room_failed" and r.room == HELD]
+    # the attack aimed at pages [0, ...): room HELD's, as the first room opened on an
+    # empty pool (first fit); every other room opened before room HELD failed and freed
+    # them, so no other room's pages were ever under the attack
+    assert opens[0][1] == HELD and len(opens) == REQUESTS, opens
+    assert failed and all(start < failed[0] for start, _ in opens), (opens, failed)
+    assert stats["writes"] > 0, (stats, seen)
+    assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
+    assert dec["writes_rejected"] > 0 and dec["bytes_checksummed"] > 0, (stats, seen)
+    assert {int(room) for room in dec["failures"]} == {HELD}, (stats, seen)
+    why = str(dec["failures"][str(HELD)])
+    assert "write rejected" in why and "(prefill rank 0," in why, seen
+    assert dec["rooms_failed"] == 1 and dec["rooms_done"] == REQUESTS - 1, (stats, seen)
+    assert dec["rooms_verified"] == dec["rooms_done"]
+    every = [TraceRecord(*row) for r in reports.values() for row in r["records"]]
+    every.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+    assert not check_records(every, s.transfer.path)
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_co_writers_write_over_the_other_writers_slices_is_caught(tmp_path, backend):
+    """Issue 39: the slice path, default settings (transfer.verify_writes = "mac")."""
+    s, result, stats, _ = _run(tmp_path, backend, _CoWriter, path="slice")
+    assert s.transfer.path == "slice"
+    _assert_slices_caught(s, result, stats)
 
 
 @pytest.mark.parametrize(
