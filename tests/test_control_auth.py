@@ -591,36 +591,52 @@ def test_forged_control_messages_during_a_run_change_nothing(tmp_path):
     (run_dir / "scenario.toml").write_text(s.to_toml())
     sent = {"messages": 0, "ranks": []}
 
-    def forge(table: dict, t0: float) -> None:
-        # the launcher's whole table (on_table), to find the ranks: no rank has it
-        assert t0 is not None
-        liar = ControlPlane(secret=new_secret())
-        raws = {name: _push(info.control) for name, info in table.items()}
-        for name, info in table.items():
-            liar.connect(name, info.control, info.identity)
-        sent["ranks"] = sorted(table)
-        for i in range(60):
-            for name in table:
-                forged = [
-                    Watermark(round=1000 + i, tail=i, prefill_rank=p, decode_rank=0) for p in (0, 1)
-                ]
-                forged += [
-                    Abort(
-                        room=i % s.workload.requests, prefill_rank=p, decode_rank=0, reason="forged"
-                    )
-                    for p in (0, 1)
-                ]
-                for msg in forged:
-                    liar.send(name, msg)
-                    raws[name].send_multipart(encode(msg))
-                    sent["messages"] += 2
+    def forge_round(liar, socks: dict, names: list, i: int) -> None:
+        # never blocks: a plain PUSH that sends at once after connecting to a rank's
+        # CURVE inbox waits in its first send for ever (seen here, and alone with pyzmq),
+        # which hung this forger before it counted anything. A message that cannot be
+        # queued is tried, and lost.
+        for name in names:
+            forged = [
+                Watermark(round=1000 + i, tail=i, prefill_rank=p, decode_rank=0) for p in (0, 1)
+            ]
+            forged += [
+                Abort(room=i % s.workload.requests, prefill_rank=p, decode_rank=0, reason="forged")
+                for p in (0, 1)
+            ]
+            for msg in forged:
+                sealed, raw = socks[name]
+                for sock, frames in ((sealed, liar.seal(name, encode(msg))), (raw, encode(msg))):
+                    sent["messages"] += 1
+                    with contextlib.suppress(zmq.Again):
+                        sock.send_multipart(frames, zmq.NOBLOCK)
+
+    def forge_on(liar, socks: dict, names: list) -> None:
+        for i in range(1, 60):
+            forge_round(liar, socks, names, i)
             time.sleep(0.02)
         liar.close()
-        for sock in raws.values():
-            sock.close()
+        for pair in socks.values():
+            for sock in pair:
+                sock.close(linger=0)
 
     def on_table(table, t0):
-        threading.Thread(target=forge, args=(table, t0), daemon=True).start()
+        # the launcher's whole table, to find the ranks: no rank has it. The first round
+        # goes out here, before the launcher goes on: every rank has registered and the
+        # workload starts at t0 (0.5 s on), so it is tried while the ranks run, however
+        # late the thread that sends the rest gets the CPU.
+        assert t0 is not None
+        wrong = new_secret()
+        liar = ControlPlane(secret=wrong)  # signs with keys of another secret
+        for name, info in table.items():
+            liar.connect(name, info.control, info.identity)
+        # per rank: a CURVE client of the other secret, and a plain PUSH
+        socks = {
+            name: (_push(info.control, wrong), _push(info.control)) for name, info in table.items()
+        }
+        sent["ranks"] = names = sorted(table)
+        forge_round(liar, socks, names, 0)
+        threading.Thread(target=forge_on, args=(liar, socks, names), daemon=True).start()
 
     result = launch(
         run_dir / "scenario.toml",
