@@ -8,8 +8,9 @@ defaults (shared/serving/gpus.py `Efficiency`) are sourced from kernel and train
 measurements, never fitted to this table: a row that misses says why, from the
 mechanism it leaves out. A prefill throughput row is the prefill capacity the simulator
 realizes (shared/serving/capacity.py `prefill_capacity`, which bottleneck and the plan's
-screen report too): one prompt a forward, where SGLang packs prompts up to
-chunked_prefill_size into one.
+screen report too) at saturation: prompts packed into one forward up to
+chunked_prefill_size, as SGLang's scheduler packs them (shared/serving/prefill_batch.py;
+until 2026-12-04 one prompt a forward).
 
 Every TTFT row is a client's (docs/metrics.md): the serving stack's request path (HTTP,
 tokenization, the first streamed chunk: SGLang's measured 6.6 ms, shared/scenario/
@@ -231,12 +232,22 @@ def deepseek(*extra: str) -> Scenario:
     )
 
 
+# a saturated prefill instance's queue: enough equal prompts that every forward the
+# packing rule makes is full (64 = 16 x 4 = 8 x 8 = 4 x 16 = 2 x 32 prompts a forward at
+# the rows' chunk sizes and prompts)
+SATURATED = 64
+
+
 def _node_prefill(s: Scenario, prompt: int, gpus: int) -> float:
     """Input tokens/s of a node of `gpus` GPUs on prompts of `prompt` tokens: the
-    prefill capacity the simulator realizes (shared/serving/capacity.py, one prompt a
-    forward), over the GPUs of one instance."""
-    one = Request(room=0, arrival_s=0.0, prompt_tokens=prompt, prefix_tokens=0)
-    return prefill_capacity(s, [one]) * gpus / scenario_gpus(s)[0]
+    prefill capacity the simulator realizes when kept busy (shared/serving/capacity.py:
+    prompts packed up to chunked_prefill_size a forward), over the GPUs of one
+    instance."""
+    queue = [
+        Request(room=i, arrival_s=0.0, prompt_tokens=prompt, prefix_tokens=0)
+        for i in range(SATURATED)
+    ]
+    return prefill_capacity(s, queue) * gpus / scenario_gpus(s)[0]
 
 
 def lmsys_prefill(prompt: int) -> Callable[[], float]:
@@ -438,11 +449,7 @@ _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "
     "host work a step (shared/serving/engine_step.py) and the all-reduce latency by link"
 )
-_PACK = (
-    "two mechanisms left out, pulling opposite ways: the simulator forwards one prompt at "
-    "a time, SGLang 16,384 tokens of prompts at once (a larger forward's matmuls run at a "
-    "higher MFU: kvstage slower), and " + _TBO + " (kvstage faster)"
-)
+_PACK = _TBO + " (kvstage faster)"
 _PREFILL = (
     "the prefill's matmuls at this GPU, dtype and shape: a GPU's own GEMM table exists "
     "for H100/H200/H20 at FP8 only, and a TP8 MoE layer's ~50 rows per expert are "
@@ -508,7 +515,7 @@ ROWS = [
     Row("vLLM Mixtral-8x7B A100 TP2, B8 32/128", "tpot", 3643.84 / 128, "ms/token",
         VLLM_A100, vllm_latency("mixtral-8x7b", "a100-80g", 2), 0.20, _STEP),
     Row("Ant DeepSeek-R1 H20 prefill TP8, 4K", "prefill", 16500, "tok/s/node", ANT,
-        ant_prefill, 0.25, _PREFILL + "; two prompts a forward in SGLang, one in the simulator"),
+        ant_prefill, 0.25, _PREFILL),
     Row("Ant DeepSeek-R1 H20 decode EP16, B48", "decode", 714, "tok/s/GPU", ANT,
         ant_decode(48), 0.30, _MTP),
     Row("Ant DeepSeek-R1 H20 decode EP16, B32", "decode", 675, "tok/s/GPU", ANT,

@@ -6,7 +6,8 @@ numbers, so a wrong catalogue entry or formula in the code under test fails here
 
 - a decode step never beats its FLOP floor (2 x active params x B / tp / peak) nor its
   HBM floor (the weights it must read + the batch's KV, over the datasheet HBM);
-- a prefill forward never beats peak FLOPs; an all-reduce never beats the link;
+- a prefill forward, alone or packed with others, never beats peak FLOPs (nor a packed
+  one its weights' HBM floor); an all-reduce never beats the link;
 - weights never exceed memory in any configuration `validate` (and so `plan`) accepts;
 - attention makes a 126k-token prompt cost more per token than a 1k prompt;
 - a MoE model's decode step at batch 1 reads only the experts one token picks.
@@ -22,6 +23,7 @@ from kvstage.shared.scenario import ScenarioError, load_scenario
 from kvstage.shared.serving.compute import (
     allreduce_s,
     decode_step,
+    packed_forward,
     prefill_forward,
     prefill_forward_s,
 )
@@ -156,6 +158,22 @@ def test_a_prefill_forward_never_beats_peak_flops(model, gpu, tp, s):
         link = SHEET[gpu][4] * 1e9
         nbytes = 8192 * hidden * 2 * 2 * (tp - 1) / tp
         assert allreduce_s(s, "prefill", 8192) >= 2 * layers * nbytes / link
+
+
+@pytest.mark.parametrize(("model", "gpu", "tp", "s"), CASES, ids=lambda v: str(v)[:20])
+def test_a_packed_prefill_forward_never_beats_peak_flops_or_hbm(model, gpu, tp, s):
+    """Prompts packed into one forward (shared/serving/prefill_batch.py): its matmuls
+    never beat the peak over all its tokens, nor its weights the HBM (read at least
+    once: the active parameters of one token, all of a dense model's)."""
+    params, active, *_, dtype = MODELS[model]
+    per = 1 if dtype == "fp8" else 2
+    for chunks in ([(512, 0)] * 16, [(1024, 0), (256, 4096), (2048, 0), (96, 0)]):
+        tokens = sum(t for t, _ in chunks)
+        f = packed_forward(s, chunks)
+        assert f.total_s >= 2 * active * 1e9 * tokens / tp / _peak(gpu, dtype)
+        assert f.total_s >= active * 1e9 * per / tp / (SHEET[gpu][1] * 1e9)
+        if params == active:
+            assert f.total_s >= params * 1e9 * per / tp / (SHEET[gpu][1] * 1e9)
 
 
 def test_prefill_attention_is_quadratic_in_the_context():

@@ -9,26 +9,28 @@ Offered load (`offered_load`): requests per second over the arrival span ((n - 1
 prompt, computed prompt (less the decode's cached prefix) and output tokens a request.
 
 - prefill compute (`prefill_capacity`): the prompt tokens per second the prefill
-  instances compute, as the simulator computes them. Each request's prompt, from the
-  decode's cached prefix on, is forwarded in chunks of whole pages
-  (`Geometry.chunk_tokens`), one after the other, each attending to the tokens before
-  it: `prompt_forward_s` sums `chunk_forward_s` over the chunks the rank runtime
-  schedules (shared/runtime.py `_schedule_forwards`, the same `Geometry.chunks`), the
-  function sim/forward.py and hardware mode's `forward_delay` charge per chunk. An
-  instance forwards one prompt at a time, so it computes sum(computed tokens) /
-  sum(forward times) over the workload's requests, times the instances. [A] The prefill
-  prefix cache's hits (Mooncake hash ids) are not subtracted: the capacity of a cold
-  cache.
+  instances compute, as the simulator computes them when kept busy. Each request's
+  prompt, from the decode's cached prefix on, is forwarded in chunks of whole pages
+  (`Geometry.chunk_tokens`), each attending to the tokens before it: the chunks the
+  rank runtime schedules (shared/runtime.py `_schedule_forwards`, the same
+  `Geometry.chunks`: `prompt_chunks`). An instance with chunks waiting packs them into
+  one forward while their computed tokens fit chunk_tokens, as SGLang's scheduler
+  packs prompts up to chunked_prefill_size (shared/serving/prefill_batch.py, the rule
+  sim/forward.py applies too), each forward priced by shared/serving/compute.py
+  `packed_forward_s`. So it computes sum(computed tokens) / sum(forward times) over
+  the workload's requests packed in their order (`prefill_work`), times the instances:
+  the capacity at saturation, where the queue always holds the next chunks; a lightly
+  loaded instance forwards its prompts one by one, more slowly a token. With pipeline
+  stages (`prefill.pp` > 1) one chunk a stage-step (`prompt_forward_s`), unpacked. [A]
+  The prefill prefix cache's hits (Mooncake hash ids) are not subtracted: the
+  capacity of a cold cache.
 
   Three answers existed before, up to 30% apart: bottleneck and the screen took one
   full chunk at context 0 (chunk / forward(chunk)), i.e. one chunk-long prompt, whose
   attention is quadratic in the chunk (DeepSeek-V3, prefill TP1 EP32, 16,384-token
   chunks, 1K prompts: 3,858 tokens/s a GPU against the simulator's 4,834); the
-  benchmark packed 16,384 / prompt prompts into one forward (5,510: the simulator is
-  12% below it, since a 16K-token forward's matmuls run at a higher MFU than a 1K
-  one's).
-  Packing prompts into one forward is what SGLang's scheduler does; the simulator does
-  not (yet), so neither does its capacity.
+  benchmark packed 16,384 / prompt prompts into one forward (5,510: the simulator was
+  12% below it, forwarding one prompt at a time). Now all three pack as above.
 - decode compute (`decode_capacity`): the output tokens per second the decode
   instances generate within a TPOT target: the largest batch (at most
   `decode.max_running_requests`) whose step, each request holding the mean context,
@@ -47,9 +49,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstage.shared.layout import LayoutError, room_pages
-from kvstage.shared.serving.compute import chunk_forward_s
+from kvstage.shared.serving.compute import chunk_forward_s, packed_forward_s
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.serving.pipeline import pipeline_latency_s, stage_step_s
+from kvstage.shared.serving.prefill_batch import pack, packs
 from kvstage.shared.serving.prefix_cache import cached_in_chunk
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ __all__ = [
     "offered_load",
     "prefill_capacity",
     "prefill_work",
+    "prompt_chunks",
     "prompt_forward_s",
     "prompt_latency_s",
     "prompt_steps",
@@ -161,19 +165,31 @@ def prompt_steps(
 ) -> list[float]:
     """Each chunk's forward seconds (with pipeline stages: its stage-step), in order."""
     g = s.geometry()
+    steps = []
+    for tokens, cached, page in prompt_chunks(s, prompt_tokens, prefix_tokens, cached_tokens):
+        forward = chunk_forward_s(s, tokens, cached, page, g.page_size)
+        steps.append(stage_step_s(s, forward, tokens - cached))
+    return steps
+
+
+def prompt_chunks(
+    s: Scenario, prompt_tokens: int, prefix_tokens: int = 0, cached_tokens: int = 0
+) -> list[tuple[int, int, int]]:
+    """The chunks the rank runtime schedules for a prompt (shared/runtime.py
+    `_schedule_forwards`): each (tokens, of them cached in the prefill's prefix cache,
+    its first page within the prompt); none when the room fails at open."""
+    g = s.geometry()
     try:
         chunks = g.chunks(room_pages(prompt_tokens, prefix_tokens, g.page_size))
     except LayoutError:
         return []  # the room fails at open: nothing is forwarded
     first = prefix_tokens // g.page_size
-    steps = []
+    out = []
     for c in chunks:
         tokens = c.num_pages * g.page_size
         start = (first + c.page_start) * g.page_size
-        cached = cached_in_chunk(cached_tokens, start, tokens)
-        forward = chunk_forward_s(s, tokens, cached, first + c.page_start, g.page_size)
-        steps.append(stage_step_s(s, forward, tokens - cached))
-    return steps
+        out.append((tokens, cached_in_chunk(cached_tokens, start, tokens), first + c.page_start))
+    return out
 
 
 def remote_requests(s: Scenario, requests: Sequence[Request]) -> Sequence[Request]:
@@ -187,15 +203,36 @@ def remote_requests(s: Scenario, requests: Sequence[Request]) -> Sequence[Reques
 
 
 def prefill_work(s: Scenario, requests: Sequence[Request]) -> tuple[float, float]:
-    """(computed prompt tokens, seconds of forwards) of these requests on one instance."""
-    seconds: dict[tuple[int, int], float] = {}
-    tokens = total = 0.0
-    for r in requests:
+    """(computed prompt tokens, seconds of forwards) of these requests on one instance
+    kept busy: their chunks in order, packed into forwards as the simulator packs the
+    chunks waiting for it (shared/serving/prefill_batch.py `pack`; with pipeline stages
+    one chunk a stage-step, `prompt_forward_s`)."""
+    tokens = float(sum(max(0, r.prompt_tokens - r.prefix_tokens) for r in requests))
+    if not packs(s):
+        seconds: dict[tuple[int, int], float] = {}
+        total = 0.0
+        for r in requests:
+            key = (r.prompt_tokens, r.prefix_tokens)
+            if key not in seconds:
+                seconds[key] = prompt_forward_s(s, *key)
+            total += seconds[key]
+        return tokens, total
+    g = s.geometry()
+    chunks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    queue = []
+    for i, r in enumerate(requests):
         key = (r.prompt_tokens, r.prefix_tokens)
-        if key not in seconds:
-            seconds[key] = prompt_forward_s(s, *key)
-        tokens += max(0, r.prompt_tokens - r.prefix_tokens)
-        total += seconds[key]
+        if key not in chunks:
+            chunks[key] = prompt_chunks(s, *key)
+        for t, cached, page in chunks[key]:
+            queue.append((i, t - cached, page * g.page_size + cached))
+    priced: dict[tuple[tuple[int, int], ...], float] = {}
+    total = 0.0
+    for forward in pack(queue, g.chunk_tokens):
+        key = tuple(forward)
+        if key not in priced:
+            priced[key] = packed_forward_s(s, forward)
+        total += priced[key]
     return tokens, total
 
 

@@ -94,6 +94,7 @@ Left out: KV-cache quantization scales.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,13 @@ from kvstage.shared.serving.ep_balance import busiest_rank
 from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
-from kvstage.shared.serving.prefill_tbo import Piece, schedule_s, sm_share, split_halves
+from kvstage.shared.serving.prefill_tbo import (
+    Piece,
+    schedule_s,
+    sm_share,
+    split_chunks,
+    split_halves,
+)
 from kvstage.shared.serving.sharding import per_rank_params
 
 if TYPE_CHECKING:
@@ -121,6 +128,8 @@ __all__ = [
     "describe_efficiency",
     "distinct_experts",
     "efficiency_figures",
+    "packed_forward",
+    "packed_forward_s",
     "prefill_forward",
     "prefill_forward_s",
     "vocab_params",
@@ -392,17 +401,52 @@ def prefill_forward(s: Scenario, tokens: int, context: int = 0, *, prompts: int 
         split = split_halves(tokens, context, prompts)
         if split is not None:  # None: a forward of one token cannot split
             return _two_batch_prefill(s, split)
-    tp = s.prefill.tp
-    total = tokens * prompts
-    lin_flops, lin_s, mfu = _linear_s(s, "prefill", total, prompts)
     # each query token i of a chunk attends to context + i + 1 keys: c (p + (c + 1) / 2)
-    keys = prompts * tokens * (context + (tokens + 1) / 2)
-    att_flops = attention_flops(s, total, keys, decode=False) / tp
+    mean_keys = context + (tokens + 1) / 2
+    return _one_batch(s, tokens * prompts, prompts, prompts * tokens * mean_keys, mean_keys)
+
+
+def packed_forward(s: Scenario, chunks: Sequence[tuple[int, int]]) -> Forward:
+    """One prefill forward of unequal chunks packed together (shared/serving/
+    prefill_batch.py): each (tokens computed, context before them), each one sequence
+    (the LM head's row). The matmuls run over all the tokens at the MFU of that many
+    rows, each chunk's queries attend to its own prompt's keys (the attention kernel at
+    the mean keys a query sees), the collectives carry all the tokens, and the forward
+    pays its kernels once. Equal chunks: `prefill_forward(..., prompts=n)` exactly."""
+    if len({(t, c) for t, c in chunks}) == 1:
+        return prefill_forward(s, chunks[0][0], chunks[0][1], prompts=len(chunks))
+    if s.prefill.two_batch_overlap and _dp_attention(s, "prefill"):
+        split = split_chunks(chunks)
+        if split is not None:
+            return _two_batch_prefill(s, split)
+    total = sum(t for t, _ in chunks)
+    keys = sum(t * (c + (t + 1) / 2) for t, c in chunks)
+    return _one_batch(s, total, len(chunks), keys, keys / total)
+
+
+def packed_forward_s(s: Scenario, chunks: Sequence[tuple[int, int]]) -> float:
+    """Seconds of a packed forward (`packed_forward`; `prefill.tokens_per_s` overrides
+    it: the tokens over that rate). One chunk: `prefill_forward_s` exactly."""
+    chunks = [(t, c) for t, c in chunks if t > 0]
+    if len(chunks) == 1:
+        return prefill_forward_s(s, *chunks[0])
+    if not chunks:
+        return 0.0
+    if s.prefill.tokens_per_s is not None:
+        return sum(t for t, _ in chunks) / s.prefill.tokens_per_s
+    return packed_forward(s, chunks).total_s
+
+
+def _one_batch(s: Scenario, total: int, sequences: int, keys: float, mean_keys: float) -> Forward:
+    """A prefill forward as one batch: `total` tokens in `sequences` sequences whose
+    queries attend to `keys` keys in all (`mean_keys` each)."""
+    lin_flops, lin_s, mfu = _linear_s(s, "prefill", total, sequences)
+    att_flops = attention_flops(s, total, keys, decode=False) / s.prefill.tp
     return Forward(
         linear_flops=lin_flops,
         attention_flops=att_flops,
         linear_s=lin_s,
-        attention_s=attention_time_s(s, "prefill", att_flops, context + (tokens + 1) / 2),
+        attention_s=attention_time_s(s, "prefill", att_flops, mean_keys),
         allreduce_s=allreduce_s(s, "prefill", total),
         alltoall_s=alltoall_s(s, "prefill", total),
         mfu=mfu,

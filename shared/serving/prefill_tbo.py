@@ -81,6 +81,7 @@ __all__ = [
     "Piece",
     "schedule_s",
     "sm_share",
+    "split_chunks",
     "split_halves",
 ]
 
@@ -149,6 +150,43 @@ def split_halves(
         a.append(Piece(1, cut, context, 0))
         b.insert(0, Piece(1, tokens - cut, context + cut, 1))
     return tuple(p for p in a if p.count), tuple(p for p in b if p.count)
+
+
+def split_chunks(
+    chunks: Sequence[tuple[int, int]],
+) -> tuple[tuple[Piece, ...], tuple[Piece, ...]] | None:
+    """The split of a packed forward of unequal chunks (computed tokens, context before
+    them), each a sequence's end: equal chunks as `split_halves`; else by whole chunks
+    where the halves' tokens are closest (ties: the larger half first, as
+    `split_halves`), within the threshold, else at half the tokens, the chunk there cut
+    in two, its second part attending to the first; None when it has fewer than two
+    tokens. [A] the same rule as SGLang's `compute_split_seq_index` on unequal lengths
+    (see above), read from its description, not checked against it case by case."""
+    if len({(t, c) for t, c in chunks}) == 1:
+        return split_halves(chunks[0][0], chunks[0][1], len(chunks))
+    total = sum(t for t, _ in chunks)
+    if total < 2:
+        return None
+    best, left, gap, at = 0, 0, total, 0
+    for i, (t, _) in enumerate(chunks[:-1], start=1):
+        left += t
+        if abs(2 * left - total) <= gap:
+            best, gap, at = i, abs(2 * left - total), left
+    pieces = [Piece(1, t, c, 1) for t, c in chunks]
+    if best and TOKEN_DISTRIBUTION_THRESHOLD <= at / total <= 1 - TOKEN_DISTRIBUTION_THRESHOLD:
+        return tuple(pieces[:best]), tuple(pieces[best:])
+    half, a, b, seen = total // 2, [], [], 0
+    for p in pieces:
+        if seen + p.tokens <= half:
+            a.append(p)
+        elif seen >= half:
+            b.append(p)
+        else:  # the cut chunk: its first part in A, the rest (and its end) in B
+            cut = half - seen
+            a.append(Piece(1, cut, p.context, 0))
+            b.append(Piece(1, p.tokens - cut, p.context + cut, 1))
+        seen += p.tokens
+    return tuple(a), tuple(b)
 
 
 def sm_share(gpu: str) -> float:
