@@ -3,13 +3,19 @@
 The runtimes decide what to compute and in which order (`Forward` actions, in
 arrival order, chunk by chunk); these only decide how long it takes:
 
-- `GroupForward` (the GPU model): the prefill TP group computes together, one chunk
-  at a time, on one stream; each chunk's duration comes from the model's FLOPs
-  (`chunk_forward_s`, shared/serving/compute.py), its attention over the context
-  before it (chunked prefill). Every rank of the group asks for the same chunk; the
-  first request plans it, the others join it.
+- `GroupForward` (the GPU model): the prefill TP group computes together, one forward
+  at a time, on one stream. The chunks waiting for the stream share a forward as
+  SGLang's scheduler packs prompts (shared/serving/prefill_batch.py: in the runtime's
+  order while their computed tokens fit chunked_prefill_size, a full chunk alone); a
+  forward's duration comes from the model (shared/serving/compute.py
+  `packed_forward_s`: one chunk alone is `chunk_forward_s`), each chunk's attention
+  over the context before it (chunked prefill). Every chunk of a forward gets its
+  ForwardStarted (a room's first chunk) at the forward's start and its ForwardDone at
+  its end. Every rank of the group asks for the same chunk; the first request plans
+  it, the others join it.
 - `PipelineForward` (the GPU model with `prefill.pp` > 1): the same, through the
-  instance's pipeline stages, chunks in flight across them.
+  instance's pipeline stages, chunks in flight across them, one chunk a forward (not
+  packed: prefill_batch.py `packs`).
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
   its own chunks' KV pattern on its own loop, one chunk per loop turn.
 """
@@ -23,8 +29,9 @@ from typing import TYPE_CHECKING
 from kvstage.shared.events import Forward, ForwardDone, ForwardStarted
 from kvstage.shared.layout import room_pages
 from kvstage.shared.runtime import RankRuntime
-from kvstage.shared.serving.compute import chunk_forward_s
+from kvstage.shared.serving.compute import chunk_forward_s, packed_forward_s
 from kvstage.shared.serving.pipeline import stage_step_s
+from kvstage.shared.serving.prefill_batch import OpenForward
 from kvstage.shared.trace import TraceRecord
 from kvstage.sim.gpu import SerialStream
 
@@ -44,6 +51,20 @@ class _GroupChunk:
     last: bool = False  # the room's last chunk, whose end streams the first token
 
 
+@dataclass(slots=True)
+class _Packed:
+    """One forward on the group stream and the chunks packed into it; it takes more
+    chunks (prefill_batch.py `OpenForward`) until it starts, or one does not fit."""
+
+    start: float
+    end: float
+    rule: OpenForward
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens computed, context)
+    took: float = 0.0  # its duration
+    version: int = 0  # of its end event: a chunk that joins moves the end
+
+
 class GroupForward:
     """The GPU model: one forward stream for one prefill instance's TP group."""
 
@@ -52,6 +73,7 @@ class GroupForward:
         self.ranks = ranks  # the group's TP size: every rank asks for every chunk
         self.stream = SerialStream()
         self._chunks: dict[tuple[int, int], _GroupChunk] = {}
+        self._open: _Packed | None = None  # the last forward, while it may take chunks
 
     def submit(self, rt: RankRuntime, f: Forward, now: float) -> None:
         key = (f.room, f.chunk)
@@ -72,19 +94,55 @@ class GroupForward:
 
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
         sim = self.sim
+        g = sim.geometry
+        computed = f.tokens - f.cached_tokens if f.num_pages else 0
+        fwd = self._open
+        if fwd is not None and fwd.start >= now and fwd.rule.takes(f.room, computed):
+            return self._join(fwd, key, f, now)
+        self._open = None  # a chunk that does not fit closes the open forward
         start = self.stream.free_at(now)
         job = _GroupChunk(start, last=self._streams_first(f))
         if f.chunk == 0:  # the room opens when its first chunk's forward starts
             sim._at(start - now, self._started, key)
-        if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
+        if computed > 0:  # cached tokens are not computed
             forward = chunk_forward_s(
-                sim.scenario, f.tokens, f.cached_tokens, f.page_start, sim.geometry.page_size
+                sim.scenario, f.tokens, f.cached_tokens, f.page_start, g.page_size
             )
             end = self.stream.reserve(now, forward)
-        else:
-            end = start  # a room (or a chunk of a cached prefix) with nothing to compute
-        sim._at(end - now, self._done, key)
+            fwd = self._open = _Packed(start, end, OpenForward(g.chunk_tokens), took=forward)
+            fwd.rule.add(f.room, computed)
+            fwd.keys.append(key)
+            fwd.chunks.append((computed, f.page_start * g.page_size + f.cached_tokens))
+            sim._at(end - now, self._forward_done, fwd, 0)
+        else:  # a room (or a chunk of a cached prefix) with nothing to compute
+            sim._at(start - now, self._done, key)
         return job
+
+    def _join(self, fwd: _Packed, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
+        """Chunk `f` packed into the open forward `fwd` (not started, or starting now):
+        the forward takes longer, its end event moves."""
+        sim, g = self.sim, self.sim.geometry
+        computed = f.tokens - f.cached_tokens
+        fwd.rule.add(f.room, computed)
+        fwd.keys.append(key)
+        fwd.chunks.append((computed, f.page_start * g.page_size + f.cached_tokens))
+        job = _GroupChunk(fwd.start, last=self._streams_first(f))
+        if f.chunk == 0:
+            sim._at(fwd.start - now, self._started, key)
+        took = packed_forward_s(sim.scenario, fwd.chunks)
+        fwd.end = self.stream.lengthen(fwd.start, fwd.end, fwd.took, took)
+        fwd.took = took
+        fwd.version += 1
+        sim._at(fwd.end - now, self._forward_done, fwd, fwd.version)
+        return job
+
+    def _forward_done(self, fwd: _Packed, version: int, _ev=None) -> None:
+        if version != fwd.version:
+            return  # a chunk joined after this end was planned: the forward ends later
+        if self._open is fwd:
+            self._open = None
+        for key in fwd.keys:
+            self._done(key)
 
     def _streams_first(self, f: Forward) -> bool:
         """Whether this chunk's end streams the room's first token: decode.first_token is

@@ -207,8 +207,11 @@ def test_flagship_slice_path_far_more_requests_and_slower():
     assert staging["requests_done"] == sliced["requests_done"] == 6
     # staging: one bulk write per (writer, chunk); slice: one per (token, layer, K/V)
     assert sliced["transfer_requests"]["total"] > 10_000 * staging["transfer_requests"]["total"]
-    # slice: each prefill rank posts its requests on one posting thread (rdma-400g, NIXL)
-    assert sliced["transfer_latency_s"]["p50"] > 1.2 * staging["transfer_latency_s"]["p50"]
+    # slice: each prefill rank posts its requests on one posting thread (rdma-400g, NIXL);
+    # the wait after the forward (transfer_latency_s from the room's first forward holds
+    # the prefill compute too, which packed forwards share with other rooms)
+    kv = "kv_transfer_latency_s"
+    assert sliced[kv]["p50"] > 1.2 * staging[kv]["p50"]
     assert sliced["transfer_latency_s"]["p99"] > staging["transfer_latency_s"]["p99"]
 
 
