@@ -41,10 +41,7 @@ def _receiver(backend: str, conn) -> None:
             if backend == "nixl":
                 t._agent.remove_remote_agent("fence-send")
         elif step == "after per-peer teardown":
-            if backend == "nixl":
-                t._agent.deregister_memory(t._reg_descs[0])
-            else:
-                t._engine.unregister_memory(region.addr)
+            t.deregister(region)
         conn.send("torn down")
     conn.recv()
 

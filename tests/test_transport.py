@@ -340,6 +340,9 @@ class _MemmoveTransport(Transport):
     def _register_native(self, addr: int, nbytes: int) -> None:
         pass
 
+    def _deregister_native(self, addr: int, nbytes: int) -> None:
+        pass
+
     def _native_metadata(self) -> bytes:
         return b"blob:" + self.agent_name.encode()
 
@@ -521,3 +524,61 @@ def test_register_checks_and_close() -> None:
     assert t.closed_native is False
     with pytest.raises(TransferError, match="closed"):
         t.metadata()
+
+
+def test_a_deregistered_region_is_refused_as_a_source() -> None:
+    a, b, src, dst, ra, rb = _pair()
+    a.wait(a.write("b", [(ra.addr, rb.addr, 4096)]), 5.0)
+    a.deregister(ra)
+    assert a.regions == ()
+    with pytest.raises(TransferError, match="outside the regions registered by 'a'"):
+        a.write("b", [(ra.addr, rb.addr, 4096)])
+    with pytest.raises(ValueError, match=r"is not registered by agent 'a'; allowed: a region"):
+        a.deregister(ra)
+    again = a.register(src)  # and it can be registered again
+    a.wait(a.write("b", [(again.addr, rb.addr, 16384)]), 5.0)
+    assert bytes(dst.numpy()) == bytes(src.numpy())
+
+
+def test_a_region_a_posted_write_reads_from_is_not_deregistered() -> None:
+    a, b, src, dst, ra, rb = _pair()
+    a.mode = "never"
+    handle = a.write("b", [(ra.addr + 4096, rb.addr, 4096)])
+    with pytest.raises(TransferError, match=r"1 posted write\(s\) to \['b'\] still read from it"):
+        a.deregister(ra)
+    assert a.regions == (ra,)  # still registered
+    a.mode = "ok"
+    a.wait(handle, 5.0)
+    a.deregister(ra)
+    assert a.regions == ()
+
+
+@pytest.mark.hw
+@pytest.mark.timeout(120)
+def test_mooncake_refuses_a_read_of_a_deregistered_block() -> None:
+    """What a prefill's send block is to a process outside the run (issue 39, item 3):
+    readable through Mooncake's open port while registered, refused once deregistered."""
+    _require_engine("mooncake")
+    import numpy as np
+    import torch
+    from mooncake.engine import TransferEngine
+
+    t = make_transport("mooncake", "block-owner")
+    outsider = TransferEngine()
+    try:
+        assert outsider.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        into = np.zeros(4096, dtype=np.uint8)
+        assert outsider.register_memory(into.ctypes.data, into.nbytes) == 0
+        block = torch.full((4096,), 0x3C, dtype=torch.uint8)
+        region = t.register(block)
+        read = [t.session, [into.ctypes.data], [region.addr], [4096]]
+        assert outsider.batch_transfer_sync_read(*read) == 0
+        assert (into == 0x3C).all()
+        t.deregister(region)
+        into[:] = 0
+        assert outsider.batch_transfer_sync_read(*read) != 0
+        assert (into == 0).all()
+        outsider.unregister_memory(into.ctypes.data)
+    finally:
+        del outsider
+        t.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from kvstage.hw.transport.bandwidth import (
     probe_bytes,
     probe_pairs,
 )
-from kvstage.hw.transport.base import TransferError, XferHandle
+from kvstage.hw.transport.base import Region, TransferError, XferHandle
 from kvstage.shared.events import (
     Forward,
     ForwardDone,
@@ -91,6 +92,9 @@ class ByteArena:
         self._free = merged
 
 
+log = logging.getLogger("kvstage.hw.rank.process")
+
+
 @dataclass(slots=True)
 class _Pending:
     """A posted transfer and what to report when it completes."""
@@ -131,8 +135,12 @@ class PrefillRank(RankProcess):
         self.send_buf = torch.zeros(
             max(1, full * SEND_BUFFER_CHUNKS * len(targets)), dtype=torch.uint8, device=self.device
         )
-        self.transport.register(self.send_buf)
+        # Not registered as a whole: each block is registered with the engine for its own
+        # write only (`_write`, issue 39 item 3), so a peer reaches a block while its
+        # write is posted and nothing else of this buffer (docs/hardware-mode.md, "What a
+        # peer can reach"). send-buffer offset -> the Region of its write in flight
         self.arena = ByteArena(self.send_buf.numel())
+        self.exposed: dict[int, Region] = {}
         self.pending: list[_Pending] = []
         self.waiting_gathers: deque[Gather] = deque()
         self.slots: dict[
@@ -201,7 +209,7 @@ class PrefillRank(RankProcess):
         n = probe_bytes(self.s.pool_bytes)
         if n:
             source = torch.ones(n, dtype=torch.uint8, device=self.device)
-            self.transport.register(source)
+            probe_region = self.transport.register(source)
         offset = self.clock.offset_s if self.clock else 0.0  # launcher time = wall() + offset
         counters = (
             self.transport.requests_posted,
@@ -237,6 +245,8 @@ class PrefillRank(RankProcess):
                 "writes_s": [round(x, 6) for x in took],
                 "overran_slot": self.wall() > start + probe["slot_s"],
             }
+        if n:
+            self.transport.deregister(probe_region)  # every probe write was waited for
         # the probe's writes are not the run's: the counters the summary reports stay the run's
         t = self.transport
         t.requests_posted, t.writes_posted, t.bytes_posted = counters
@@ -259,6 +269,8 @@ class PrefillRank(RankProcess):
             held.append(
                 f"send buffer {self.arena.size - self.arena.free_bytes} of {self.arena.size} bytes"
             )
+        if self.exposed:  # a block its write's end did not take off the engine
+            held.append(f"{len(self.exposed)} send-buffer block(s) still registered")
         return held
 
     def _wait_s(self) -> float:
@@ -372,7 +384,7 @@ class PrefillRank(RankProcess):
             abandoned = self.slots.pop(key, None)  # no Write took it: its room failed meanwhile
             if abandoned is not None:
                 self.checksums.pop(key, None)
-                self.arena.free(*abandoned)
+                self._release_slot(abandoned)
                 self._retry_gathers()
 
     def _write(self, a: Write) -> None:
@@ -382,7 +394,25 @@ class PrefillRank(RankProcess):
         local = int(self.send_buf.data_ptr()) + slot[0]
         remote = int(peer.extra["ring_addr"]) + a.dst_offset
         done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=checksum)
+        try:  # the block reaches the engine for this write only (_release_slot ends it)
+            block = self.send_buf[slot[0] : slot[0] + slot[1]]
+            self.exposed[slot[0]] = self.transport.register(block)
+        except TransferError as exc:
+            self._post_failed(done, slot, exc)
+            return
         self._post(peer.agent, [(local, remote, a.nbytes)], done, slot)
+
+    def _release_slot(self, slot: tuple[int, int]) -> None:
+        """A send-buffer block is free again: off the engine (if its write registered it),
+        then back to the arena. A deregistration the engine refuses leaves the block
+        registered (logged), never the rank stopped."""
+        region = self.exposed.pop(slot[0], None)
+        if region is not None:
+            try:
+                self.transport.deregister(region)
+            except TransferError as exc:
+                log.warning("%s: send-buffer block stays registered: %s", self.name, exc)
+        self.arena.free(*slot)
 
     def _slice_write(self, a: SliceWrite) -> None:
         peer = self.peers[rank_name("decode", a.decode_rank)]
@@ -453,7 +483,7 @@ class PrefillRank(RankProcess):
 
     def _post_failed(self, done: WriteDone, slot: tuple[int, int] | None, exc: Exception) -> None:
         if slot:
-            self.arena.free(*slot)
+            self._release_slot(slot)
         self._feed(WriteDone(done.room, done.chunk, done.decode_rank, ok=False, error=str(exc)))
 
     def _posted(self, handle: XferHandle, done: WriteDone, slot: tuple[int, int] | None) -> None:
@@ -489,7 +519,7 @@ class PrefillRank(RankProcess):
         self.pending = still
         for p, error in finished:
             if p.slot:
-                self.arena.free(*p.slot)
+                self._release_slot(p.slot)
             done = (
                 p.done
                 if error is None

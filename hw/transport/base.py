@@ -105,6 +105,8 @@ class XferHandle:
     done: bool = False
     error: str | None = None
     owner: int = field(default=0, repr=False)  # id() of the transport that posted it
+    #: [first, end) of the local bytes its ops read: deregister() refuses a region in it
+    local_span: tuple[int, int] = field(default=(0, 0), repr=False)
 
 
 @dataclass(eq=False)
@@ -296,6 +298,10 @@ class Transport(abc.ABC):
         """Register [addr, addr+nbytes) on self.device with the engine."""
 
     @abc.abstractmethod
+    def _deregister_native(self, addr: int, nbytes: int) -> None:
+        """Take [addr, addr+nbytes), registered by _register_native, off the engine."""
+
+    @abc.abstractmethod
     def _native_metadata(self) -> bytes:
         """The engine's own blob a peer needs to reach us (after registration)."""
 
@@ -428,6 +434,42 @@ class Transport(abc.ABC):
         self._local_index = _RegionIndex(self._regions)
         return region
 
+    def deregister(self, region: Region) -> None:
+        """Take a region that register() returned off the engine again: no peer reaches
+        it through the engine any more, and no write may read from it. Refused while a
+        posted write still reads from it (wait for it first): the engine would read
+        memory it no longer holds. The tensor is no longer kept alive here."""
+        self._check_open()
+        try:
+            i = self._regions.index(region)
+        except ValueError:
+            raise ValueError(
+                f"{self.name}: {region} is not registered by agent {self.agent_name!r}; "
+                f"allowed: a region register() returned and not yet deregistered "
+                f"({len(self._regions)} registered)"
+            ) from None
+        busy = [
+            h
+            for h in self._outstanding.values()
+            if h.local_span[0] < region.end and region.addr < h.local_span[1]
+        ]
+        if busy:
+            raise TransferError(
+                f"{self.name}: cannot deregister {region.nbytes} B at {region.addr:#x}: "
+                f"{len(busy)} posted write(s) to {sorted({h.peer for h in busy})} still read "
+                f"from it (wait for them first)"
+            )
+        try:
+            self._deregister_native(region.addr, region.nbytes)
+        except Exception as e:
+            raise TransferError(
+                f"{self.name}: agent {self.agent_name!r} failed to deregister {region.nbytes} B "
+                f"at {region.addr:#x}: {e}"
+            ) from e
+        del self._regions[i]
+        del self._tensors[i]
+        self._local_index = _RegionIndex(self._regions)
+
     def used(self) -> dict[str, Any]:
         """What this engine chose to move the bytes (hw/transport/used.py), for the report."""
         return {"source": "not recorded by this engine"}
@@ -502,6 +544,7 @@ class Transport(abc.ABC):
         if len(arr) == 0:
             handle.done = True  # nothing to move; no engine round trip
             return handle
+        handle.local_span = (int(arr[:, 0].min()), int((arr[:, 0] + arr[:, 2]).max()))
         try:
             handle.native = self._post(peer, arr)
         except Exception as e:

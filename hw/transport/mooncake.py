@@ -108,6 +108,11 @@ class MooncakeTransport(Transport):
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")
 
+    def _deregister_native(self, addr: int, nbytes: int) -> None:
+        rc = self._engine.unregister_memory(addr)
+        if rc != 0:
+            raise RuntimeError(f"unregister_memory returned {rc}")
+
     def _native_metadata(self) -> bytes:
         return self.session.encode()
 

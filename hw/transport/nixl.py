@@ -94,6 +94,12 @@ class NixlTransport(Transport):
             enable_prog_thread=True,  # UCX progresses in the background between polls
             enable_listen_thread=False,  # we ship metadata ourselves; no port to pick
             backends=["UCX"],
+            # Without a listen thread NIXL's default is NIXL_THREAD_SYNC_NONE: no lock at
+            # all. A prefill registers and deregisters a send block per write on its loop
+            # (deregister) while lanes create and post transfers, so take NIXL's
+            # reader-writer lock (src/core/sync.h): transfers share it, a registration
+            # takes it alone, waiting for a post in progress (on CMA, its copy).
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         )
         delay_us = progress_delay_us()
         self.engine_threads_block = delay_us > 0  # at 0 the progress thread spins
@@ -109,7 +115,7 @@ class NixlTransport(Transport):
                 f"(plugins found: {self._agent.get_plugin_list()})"
             )
         self._mem_type = _MEM_TYPE[self.device_type]
-        self._reg_descs: list[Any] = []
+        self._reg_descs: list[tuple[int, int, Any]] = []  # (addr, nbytes, NIXL's descs)
         # True: write() makes the descriptors on the caller's thread, the lane only runs
         # transfer() (a prefill rank's hardware.posting = "loop"); batches so prepared
         self.prepare_inline = False
@@ -127,7 +133,12 @@ class NixlTransport(Transport):
             raise TransferError(
                 f"nixl: register_memory returned nothing for {nbytes} B at {addr:#x}"
             )
-        self._reg_descs.append(descs)
+        self._reg_descs.append((addr, nbytes, descs))
+
+    def _deregister_native(self, addr: int, nbytes: int) -> None:
+        i = next(i for i, (a, n, _) in enumerate(self._reg_descs) if (a, n) == (addr, nbytes))
+        self._agent.deregister_memory(self._reg_descs[i][2])
+        del self._reg_descs[i]
 
     def _native_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -206,7 +217,7 @@ class NixlTransport(Transport):
                 self._agent.remove_remote_agent(name)
             except Exception:
                 pass  # the peer may be gone already; nothing to undo
-        for descs in self._reg_descs:
+        for _, _, descs in self._reg_descs:
             self._agent.deregister_memory(descs)
         self._reg_descs.clear()
         del self._agent
