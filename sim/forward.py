@@ -14,8 +14,7 @@ arrival order, chunk by chunk); these only decide how long it takes:
   its end. Every rank of the group asks for the same chunk; the first request plans
   it, the others join it.
 - `PipelineForward` (the GPU model with `prefill.pp` > 1): the same, through the
-  instance's pipeline stages, chunks in flight across them, one chunk a forward (not
-  packed: prefill_batch.py `packs`).
+  instance's pipeline stages, forwards in flight across them.
 - `HostFills` (the cpu-loop host model): as in hardware mode, each prefill rank fills
   its own chunks' KV pattern on its own loop, one chunk per loop turn.
 """
@@ -130,7 +129,7 @@ class GroupForward:
         if f.chunk == 0:
             sim._at(fwd.start - now, self._started, key)
         took = packed_forward_s(sim.scenario, fwd.chunks)
-        fwd.end = self.stream.lengthen(fwd.start, fwd.end, fwd.took, took)
+        fwd.end = self.stream.retime_last(fwd.end, fwd.took, fwd.start, took)
         fwd.took = took
         fwd.version += 1
         sim._at(fwd.end - now, self._forward_done, fwd, fwd.version)
@@ -224,73 +223,139 @@ class HostFills:
         self._turn(rt)
 
 
+@dataclass(slots=True)
+class _Staged:
+    """One forward through the pipeline stages and the chunks packed into it; it takes
+    more chunks until it enters stage 0, or one does not fit."""
+
+    t0: float  # when it was planned
+    rule: OpenForward | None  # None: nothing to compute, it takes no chunk
+    before: list[float]  # each stage's free time before it was reserved
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (begin, end) a stage
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens computed, context)
+    step: float = 0.0  # its stage-step
+    stages_done: int = 0
+    version: int = 0  # of its stage-done events: a chunk that joins moves them
+
+
 class PipelineForward(GroupForward):
     """The GPU model of a prefill instance in pipeline stages (`prefill.pp` > 1): a
-    chunk goes through the stages in turn, each stage one chunk at a time, one
+    forward goes through the stages in turn, each stage one forward at a time, one
     stage-step each (shared/serving/pipeline.py `stage_step_s`: the slowest stage's
-    share of the forward and the hand-off); stage s's ranks get the chunk's
-    ForwardDone when stage s is done with it, and stage 0 takes the next chunk (of
-    this prompt or another) as soon as it is free, so chunks are in flight across the
-    stages: a prompt of n equal chunks ends after n + pp - 1 steps."""
+    share of the forward and the hand-off); stage s's ranks get a chunk's ForwardDone
+    when stage s is done with its forward, and stage 0 takes the next forward as soon
+    as it is free, so forwards are in flight across the stages: a prompt of n equal
+    chunks ends after n + pp - 1 steps. The chunks waiting for stage 0 share a forward
+    by the group forward's rule (shared/serving/prefill_batch.py), as SGLang's pipeline
+    scheduler builds each micro-batch with the same prefill adder."""
 
     def __init__(self, sim: Simulation, ranks: int) -> None:
         super().__init__(sim, ranks)
         g = sim.geometry
         self.tp = g.prefill_tp
         self.stages = [self.stream] + [SerialStream() for _ in range(g.prefill_pp - 1)]
-        self._spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        self._stages_done: dict[tuple[int, int], int] = {}
+        self._of: dict[tuple[int, int], _Staged] = {}
+        self._staged: _Staged | None = None  # the last forward, while it may take chunks
 
     def _stage(self, rt: RankRuntime) -> int:
         return (rt.rank % self.ranks) // self.tp
 
     def _done_for(self, rt: RankRuntime, key: tuple[int, int], job: _GroupChunk) -> bool:
         """Whether the rank's stage is done with the chunk."""
-        return self._stage(rt) < self._stages_done[key]
+        return self._stage(rt) < self._of[key].stages_done
 
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
-        sim = self.sim
+        sim, g = self.sim, self.sim.geometry
+        computed = f.tokens - f.cached_tokens if f.num_pages else 0
+        fwd = self._staged
+        if fwd is not None and fwd.spans[0][0] >= now and fwd.rule.takes(f.room, computed):
+            return self._join_staged(fwd, key, f, now)
+        self._staged = None  # a chunk that does not fit closes the open forward
         start = self.stream.free_at(now)
         job = _GroupChunk(start, last=self._streams_first(f))
         if f.chunk == 0:  # the room opens when its first chunk enters stage 0
             sim._at(start - now, self._started, key)
         step = 0.0
-        if f.num_pages and f.tokens > f.cached_tokens:  # cached tokens are not computed
+        if computed > 0:  # cached tokens are not computed
             forward = chunk_forward_s(
-                sim.scenario, f.tokens, f.cached_tokens, f.page_start, sim.geometry.page_size
+                sim.scenario, f.tokens, f.cached_tokens, f.page_start, g.page_size
             )
-            step = stage_step_s(sim.scenario, forward, f.tokens - f.cached_tokens)
-        spans, t = [], now
+            step = stage_step_s(sim.scenario, forward, computed)
+        before = [stream.free_at(0.0) for stream in self.stages]
+        fwd = _Staged(now, OpenForward(g.chunk_tokens) if computed > 0 else None, before)
+        t = now
         for stream in self.stages:
             begin = stream.free_at(t)
             t = stream.reserve(t, step) if step else begin
-            spans.append((begin, t))
-        self._spans[key], self._stages_done[key] = spans, 0
-        for s, (_, end) in enumerate(spans):
-            sim._at(end - now, self._stage_done, key, s)
+            fwd.spans.append((begin, t))
+        fwd.step = step
+        self._add(fwd, key, f, computed)
+        if fwd.rule is not None:
+            self._staged = fwd
+        for s, (_, end) in enumerate(fwd.spans):
+            sim._at(end - now, self._stage_done, fwd, s, 0)
         return job
 
-    def _stage_done(self, key: tuple[int, int], stage: int, _ev=None) -> None:
-        job = self._chunks[key]
-        self._stages_done[key] = stage + 1
+    def _add(self, fwd: _Staged, key: tuple[int, int], f: Forward, computed: int) -> None:
+        fwd.keys.append(key)
+        self._of[key] = fwd
+        if fwd.rule is not None:
+            fwd.rule.add(f.room, computed)
+            page = self.sim.geometry.page_size
+            fwd.chunks.append((computed, f.page_start * page + f.cached_tokens))
+
+    def _join_staged(
+        self, fwd: _Staged, key: tuple[int, int], f: Forward, now: float
+    ) -> _GroupChunk:
+        """Chunk `f` packed into the open forward `fwd` (not yet in stage 0, or entering
+        it now): its stage-step grows, its spans and stage-done events move."""
+        sim = self.sim
+        computed = f.tokens - f.cached_tokens
+        self._add(fwd, key, f, computed)
+        job = _GroupChunk(fwd.spans[0][0], last=self._streams_first(f))
+        if f.chunk == 0:
+            sim._at(fwd.spans[0][0] - now, self._started, key)
+        forward = packed_forward_s(sim.scenario, fwd.chunks)
+        step = stage_step_s(sim.scenario, forward, sum(t for t, _ in fwd.chunks))
+        spans, t = [], fwd.t0
+        for stream, free, (_, end) in zip(self.stages, fwd.before, fwd.spans, strict=True):
+            begin = max(free, t)
+            t = stream.retime_last(end, fwd.step, begin, step)
+            spans.append((begin, t))
+        fwd.spans, fwd.step = spans, step
+        fwd.version += 1
+        for s, (_, end) in enumerate(spans):
+            sim._at(end - now, self._stage_done, fwd, s, fwd.version)
+        return job
+
+    def _stage_done(self, fwd: _Staged, stage: int, version: int, _ev=None) -> None:
+        if version != fwd.version:
+            return  # a chunk joined after this was planned: the stage ends later
+        fwd.stages_done = stage + 1
         last = stage == len(self.stages) - 1
-        if last:
-            job.done = True
-            if job.last and job.ranks:  # decode.first_token = "prefill": out of the last stage
-                now = self.sim.env.now
-                self.sim._keep_record(
-                    TraceRecord(
-                        "prefill", job.ranks[0].rank, "first_token", now, now,
-                        room=key[0], chunk=key[1],
-                    )
-                )  # fmt: skip
-        for rt in [r for r in job.ranks if self._stage(r) == stage]:
-            self._deliver_done(rt, key)
+        if stage == 0 and self._staged is fwd:
+            self._staged = None
+        for key in list(fwd.keys):
+            job = self._chunks[key]
+            if last:
+                job.done = True
+                if job.last and job.ranks:  # decode.first_token = "prefill": out of the last stage
+                    now = self.sim.env.now
+                    self.sim._keep_record(
+                        TraceRecord(
+                            "prefill", job.ranks[0].rank, "first_token", now, now,
+                            room=key[0], chunk=key[1],
+                        )
+                    )  # fmt: skip
+            for rt in [r for r in job.ranks if self._stage(r) == stage]:
+                self._deliver_done(rt, key)
 
     def _deliver_done(self, rt: RankRuntime, key: tuple[int, int], _ev=None) -> None:
         job = self._chunks[key]
-        begin = self._spans[key][self._stage(rt)][0]
+        fwd = self._of[key]
+        begin = fwd.spans[self._stage(rt)][0]
         self.sim._feed(rt, ForwardDone(key[0], key[1], begin))
         job.delivered += 1
         if job.delivered == self.ranks:
-            del self._chunks[key], self._spans[key], self._stages_done[key]
+            del self._chunks[key], self._of[key]

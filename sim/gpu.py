@@ -55,10 +55,11 @@ class SerialStream:
         self.jobs += 1
         return self._free_at
 
-    def lengthen(self, start: float, end: float, took: float, duration: float) -> float:
-        """The last job, from `start` to `end` (`took` seconds of busy time), now
-        `duration` long (a prefill forward another chunk joined before it started); its
-        new end. Only the last job may change: nothing was reserved after it."""
+    def retime_last(self, end: float, took: float, start: float, duration: float) -> float:
+        """The last job, which ends at `end` after `took` seconds of busy time, now runs
+        from `start` for `duration` (a prefill forward another chunk joined before it
+        started); its new end. Only the last job may change: nothing was reserved after
+        it."""
         if self._free_at != end:
             raise ValueError(f"only the last job may change: it ends at {self._free_at}")
         self._free_at = start + duration

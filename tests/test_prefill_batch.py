@@ -18,6 +18,7 @@ from kvstage.shared.serving.compute import (
     prefill_forward,
     prefill_forward_s,
 )
+from kvstage.shared.serving.pipeline import stage_step_s
 from kvstage.shared.serving.prefill_batch import OpenForward, pack
 from kvstage.shared.serving.prefill_tbo import split_chunks
 from kvstage.shared.workload import Request
@@ -100,18 +101,23 @@ def test_the_capacity_packs_short_prompts_and_leaves_a_lone_prompt_alone():
     # 8 prompts of 1,024 tokens a forward of 8,192
     assert prefill_work(s, many) == (16 * 1024.0, 2 * prefill_forward(s, 1024, prompts=8).total_s)
     assert prefill_capacity(s, many) > prefill_capacity(s, one)
-    # with pipeline stages a forward is one chunk (sim/forward.py PipelineForward)
+    # with pipeline stages a packed forward is one stage-step (sim/forward.py PipelineForward)
     pp = _s("model.preset=llama-3-8b", "prefill.pp=2", "prefill.tp=2")
-    assert prefill_work(pp, many)[1] == pytest.approx(16 * prompt_forward_s(pp, 1024))
+    step = stage_step_s(pp, prefill_forward(pp, 1024, prompts=8).total_s, 8 * 1024)
+    assert prefill_work(pp, many) == (16 * 1024.0, 2 * step)
+    assert prefill_work(pp, one) == (1024.0, prompt_forward_s(pp, 1024))
 
 
-def test_a_saturated_stream_of_short_prompts_runs_at_the_capacity():
-    """128 prompts of 1,000 tokens arriving 0.1 ms apart, far faster than the instance
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_saturated_stream_of_short_prompts_runs_at_the_capacity(pp):
+    """512 prompts of 1,000 tokens arriving 0.1 ms apart, far faster than the instance
     forwards them: the simulator packs the waiting prompts 8 a forward (8,192-token
     chunks, 1,008 tokens a prompt in whole pages), so its prompt tokens per second over
-    the forwards' span is the capacity's. Tolerance 5%, chosen before running: the
-    first forward starts alone (the stream was idle, nothing else waited yet), one
-    forward in about 16, and the last may be short; never above the capacity."""
+    the forwards' span is the capacity's; with 2 pipeline stages, a packed forward a
+    stage-step. Tolerance 5%, chosen before running: the first forward starts alone (the
+    stream was idle, nothing else waited yet), one forward in about 64, the last may be
+    short, and a pipeline fills and drains (one stage-step more); never above the
+    capacity."""
     s = _s(
         "model.preset=llama-3.1-8b",
         'workload.prompt="fixed"',
@@ -119,19 +125,20 @@ def test_a_saturated_stream_of_short_prompts_runs_at_the_capacity():
         "workload.output_tokens=1",
         'workload.arrival="fixed"',
         "workload.rate_per_s=10000",
-        "workload.requests=128",
+        "workload.requests=512",
         "prefill.chunked_prefill_size=8192",
         "cluster.prefill_instances=1",
+        f"prefill.pp={pp}",
     )
     res = simulate(s)
     assert res.violations == []  # the live checker
     assert check_records(res.records, "slice") == []
     rooms = room_latencies(res.records)
-    assert len(rooms) == 128
+    assert len(rooms) == 512
     span = max(r["forward_end"] for r in rooms.values()) - min(
         r["forward_start"] for r in rooms.values()
     )
-    simulated = 128 * 1000 / span
+    simulated = 512 * 1000 / span
     capacity = prefill_capacity(s, res.requests)
     assert simulated <= capacity * (1 + 1e-9)
     assert simulated == pytest.approx(capacity, rel=0.05)

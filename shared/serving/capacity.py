@@ -21,7 +21,7 @@ prompt, computed prompt (less the decode's cached prefix) and output tokens a re
   the workload's requests packed in their order (`prefill_work`), times the instances:
   the capacity at saturation, where the queue always holds the next chunks; a lightly
   loaded instance forwards its prompts one by one, more slowly a token. With pipeline
-  stages (`prefill.pp` > 1) one chunk a stage-step (`prompt_forward_s`), unpacked. [A]
+  stages (`prefill.pp` > 1) one packed forward a stage-step. [A]
   The prefill prefix cache's hits (Mooncake hash ids) are not subtracted: the
   capacity of a cold cache.
 
@@ -52,7 +52,7 @@ from kvstage.shared.layout import LayoutError, room_pages
 from kvstage.shared.serving.compute import chunk_forward_s, packed_forward_s
 from kvstage.shared.serving.decode_model import DecodeModel
 from kvstage.shared.serving.pipeline import pipeline_latency_s, stage_step_s
-from kvstage.shared.serving.prefill_batch import pack, packs
+from kvstage.shared.serving.prefill_batch import pack
 from kvstage.shared.serving.prefix_cache import cached_in_chunk
 
 if TYPE_CHECKING:
@@ -205,18 +205,9 @@ def remote_requests(s: Scenario, requests: Sequence[Request]) -> Sequence[Reques
 def prefill_work(s: Scenario, requests: Sequence[Request]) -> tuple[float, float]:
     """(computed prompt tokens, seconds of forwards) of these requests on one instance
     kept busy: their chunks in order, packed into forwards as the simulator packs the
-    chunks waiting for it (shared/serving/prefill_batch.py `pack`; with pipeline stages
-    one chunk a stage-step, `prompt_forward_s`)."""
+    chunks waiting for it (shared/serving/prefill_batch.py `pack`); with pipeline stages
+    one stage-step a forward (shared/serving/pipeline.py `stage_step_s`)."""
     tokens = float(sum(max(0, r.prompt_tokens - r.prefix_tokens) for r in requests))
-    if not packs(s):
-        seconds: dict[tuple[int, int], float] = {}
-        total = 0.0
-        for r in requests:
-            key = (r.prompt_tokens, r.prefix_tokens)
-            if key not in seconds:
-                seconds[key] = prompt_forward_s(s, *key)
-            total += seconds[key]
-        return tokens, total
     g = s.geometry()
     chunks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     queue = []
@@ -231,7 +222,8 @@ def prefill_work(s: Scenario, requests: Sequence[Request]) -> tuple[float, float
     for forward in pack(queue, g.chunk_tokens):
         key = tuple(forward)
         if key not in priced:
-            priced[key] = packed_forward_s(s, forward)
+            computed = sum(t for t, _ in forward)
+            priced[key] = stage_step_s(s, packed_forward_s(s, forward), computed)
         total += priced[key]
     return tokens, total
 

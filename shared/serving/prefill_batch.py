@@ -53,8 +53,11 @@ a forward is decided:
   chunked_prefill_size in the deployments priced here (both 16,384 in LMSYS's); the KV
   pool is the admission's (shared/admission.py: a room waits until its pages fit).
 
-Left as they were: pipeline stages (`prefill.pp` > 1) forward one chunk at a time
-(`packs`); a scenario's `[engine]` preset batches by its own budget
+With pipeline stages (`prefill.pp` > 1) each packed forward goes through the stages as
+one micro-batch ([C] SGLang's pipeline loop takes each micro-batch from
+`get_next_batch_to_run`, so from the same adder: python/sglang/srt/managers/
+scheduler_pp_mixin.py `event_loop_pp`). Left as they were: a scenario's `[engine]`
+preset batches by its own budget
 (sim/engine_host.py `EngineForward`); hardware mode's `forward_delay` times each chunk
 alone.
 """
@@ -63,18 +66,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvstage.shared.scenario import Scenario
-
-__all__ = ["OpenForward", "pack", "packs"]
-
-
-def packs(s: Scenario) -> bool:
-    """Whether the prefill instance packs chunks into one forward: without pipeline
-    stages (`prefill.pp` = 1); with them a forward is one chunk."""
-    return s.prefill.pp == 1
+__all__ = ["OpenForward", "pack"]
 
 
 @dataclass(slots=True)
