@@ -4,7 +4,7 @@ the running decodes, as SGLang (`--enable-mixed-chunk`) and vLLM v1 schedule it.
 
 A step's time (`mixed_step_s`): with no prompt in it, the decode step of
 `DecodeModel.step_time_s` (shared/serving/compute.py `decode_step`); with no decode, the
-prefill forward of its chunks (shared/serving/compute.py: linear FLOPs over all the chunks'
+prefill forward of its chunks (shared/serving/compute.py `packed_forward`: linear FLOPs over all the chunks'
 tokens at the MFU of that many rows, attention per chunk over its context, TP
 all-reduces, expert all-to-all, the kernels' fixed costs), as a prefill instance
 computes them; mixed, one forward that reads the weights once: its weight matmuls
@@ -21,11 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstage.shared.serving.compute import (
-    attention_flops,
-    prefill_forward,
-    vocab_params,
-)
+from kvstage.shared.serving.compute import packed_forward
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -36,27 +32,12 @@ __all__ = ["mixed_step_s", "prefill_step_s"]
 
 def _pieces(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float, float, float]:
     """(matmul s, attention s, communication s, kernels' fixed s) of a forward of prompt
-    chunks `pieces` (tokens computed, context before them): linear FLOPs over all their
-    tokens at the MFU of that many rows (the LM head on each piece's last token),
-    attention per chunk, the TP all-reduces and expert all-to-all of the tokens, and
-    the forward's kernels (shared/serving/kernels.py). One piece alone:
-    shared/serving/compute.py `prefill_forward` exactly. With two-batch overlap
-    (`prefill.two_batch_overlap`) the communication is what the overlap leaves exposed
-    (`Forward.overlap_s` is never more than it), [A] the pieces' overlap that of one
-    forward of all their tokens."""
-    total = sum(t for t, _ in pieces)
-    if len(pieces) == 1:
-        f = prefill_forward(s, pieces[0][0], pieces[0][1])
-        return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s - f.overlap_s, f.fixed_s
-    f = prefill_forward(s, total, 0)
-    keys = sum(t * (c + (t + 1) / 2) for t, c in pieces)
-    att = attention_flops(s, total, keys, decode=False) / s.prefill.tp
-    per_flop = f.attention_s / f.attention_flops if f.attention_flops else 0.0
-    per_linear = f.linear_s / f.linear_flops if f.linear_flops else 0.0
-    table = vocab_params(s)[2]  # one more LM head row per further piece
-    linear = f.linear_s + 2.0 * table * (len(pieces) - 1) / s.prefill.tp * per_linear
-    comm = f.allreduce_s + f.alltoall_s - f.overlap_s  # the tokens' collectives
-    return linear, att * per_flop, comm, f.fixed_s
+    chunks `pieces` (tokens computed, context before them), as a prefill forward packs
+    them: shared/serving/compute.py `packed_forward` (one piece alone: `prefill_forward`
+    exactly). With two-batch overlap (`prefill.two_batch_overlap`) the communication is
+    what the overlap leaves exposed (`Forward.overlap_s` is never more than it)."""
+    f = packed_forward(s, [(t, c) for t, c in pieces if t > 0])
+    return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s - f.overlap_s, f.fixed_s
 
 
 def prefill_step_s(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float]:
