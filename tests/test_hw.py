@@ -67,9 +67,31 @@ seed = 3
     return f
 
 
-def run(tmp_path: Path, backend: str, scenario_file: Path, **kw) -> tuple[int, Path]:
-    s = load_scenario(scenario_file, overrides=[f"hardware.backend={backend}"])
+def run(tmp_path: Path, backend: str, scenario_file: Path, overrides=(), **kw) -> tuple[int, Path]:
+    s = load_scenario(scenario_file, overrides=[f"hardware.backend={backend}", *overrides])
     return run_hardware(s, out=tmp_path / "run", timeout_s=300, console=Console(width=120), **kw)
+
+
+def expected_bytes(s) -> int:
+    """Every byte of every room's KV on every decode rank: what a run verifies."""
+    from kvstage.shared.layout import room_pages
+    from kvstage.shared.workload import generate_requests
+
+    g = s.geometry()
+    expected = 0
+    for req in generate_requests(s):
+        pages = room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size)
+        expected += (
+            g.decode_tp
+            * pages
+            * g.page_size
+            * 2
+            * g.layers
+            * g.decode_heads
+            * g.head_dim
+            * g.dtype_bytes
+        )
+    return expected
 
 
 GEOMETRIES = {
@@ -93,24 +115,7 @@ def test_every_byte_lands(tmp_path, backend, path, case):
     assert summary["requests_done"] == 3 and summary["requests_failed"] == 0
     assert summary["bytes_wrong"] == 0
     # every transferred byte of every room on every decode rank was checked
-    s = load_scenario(run_dir / "scenario.toml")
-    g = s.geometry()
-    expected = 0
-    from kvstage.shared.layout import room_pages
-    from kvstage.shared.workload import generate_requests
-
-    for req in generate_requests(s):
-        pages = room_pages(req.prompt_tokens, req.prefix_tokens, g.page_size)
-        expected += (
-            g.decode_tp
-            * pages
-            * g.page_size
-            * 2
-            * g.layers
-            * g.decode_heads
-            * g.head_dim
-            * g.dtype_bytes
-        )
+    expected = expected_bytes(load_scenario(run_dir / "scenario.toml"))
     assert summary["bytes_verified"] == expected
     # the write tag (transfer.verify_writes = "mac", the default) on both paths: every
     # writer block checked (replicated heads: once per writer), none rejected
@@ -236,6 +241,60 @@ def test_hw_trace_reads_like_a_sim_trace(tmp_path):
     assert {r.room for r in records if r.phase == "room_done"} == {
         r.room for r in sim_records if r.phase == "room_done"
     }
+
+
+def _forwards(records) -> dict[int, list[tuple[float, float, frozenset[int]]]]:
+    """Each prefill rank's forwards from its "compute" rows (start: the forward's start,
+    end: its chunks' ForwardDone), in order: (start, end, the rooms in it)."""
+    spans: dict[tuple[int, float, float], set[int]] = {}
+    for r in records:
+        if r.phase == "compute" and r.role == "prefill":
+            spans.setdefault((r.rank, r.start, r.end), set()).add(r.room)
+    out: dict[int, list[tuple[float, float, frozenset[int]]]] = {}
+    for (rank, start, end), rooms in sorted(spans.items()):
+        out.setdefault(rank, []).append((start, end, frozenset(rooms)))
+    return out
+
+
+def test_forward_delay_packs_queued_short_prompts_as_the_simulator(tmp_path):
+    """hardware.forward_delay: the chunks queued when a forward starts share it by the
+    simulator's rule (shared/serving/prefill_batch.py): room 0's full chunk alone, then
+    the six short prompts that arrived during it, four a forward (16 computed tokens
+    each, chunk_tokens 64) and the last two; every byte lands right."""
+    require_engine("nixl")
+    from kvstage.run.simrun import run_simulation
+
+    trace = tmp_path / "arrivals.csv"
+    # room 0: one full chunk (64 tokens computed past the 16-token prefix), alone
+    # whatever else is queued, 1 s at 64 tokens/s; the six short ones arrive 0.05 s in,
+    # all fed in one loop turn (hw/rank/process.py), before that forward can end
+    trace.write_text("arrival_s,prompt_tokens\n0.0,80\n" + "0.05,20\n" * 6)
+    overrides = [
+        'workload.arrival="trace"',
+        'workload.prompt="trace"',
+        f'workload.trace="{trace}"',
+        "hardware.forward_delay=true",
+        "prefill.tokens_per_s=64",
+    ]
+    f = write_scenario(tmp_path, 2, 1, 8, requests=7)
+    code, run_dir = run(tmp_path, "nixl", f, overrides)
+    summary = read_summary(run_dir)
+    assert code == 0, summary.get("errors")
+    assert summary["requests_done"] == 7 and summary["requests_failed"] == 0
+    assert summary["bytes_wrong"] == 0
+    s = load_scenario(f, overrides=overrides)
+    assert summary["bytes_verified"] == expected_bytes(s)
+    _, records = read_records(run_dir)
+    assert not check_records(records)
+    assert summary["invariant_violations"] == 0
+    assert run_simulation(s, out=tmp_path / "sim", progress=False, console=Console(width=120)) == 0
+    _, sim_records = read_records(tmp_path / "sim")
+    hw, sim = _forwards(records), _forwards(sim_records)
+    packs = [frozenset({0}), frozenset({1, 2, 3, 4}), frozenset({5, 6})]
+    for forwards in (*hw.values(), *sim.values()):
+        # each chunk of a forward has the forward's start and end: one row a forward
+        assert [rooms for _, _, rooms in forwards] == packs, forwards
+    assert sorted(hw) == sorted(sim) == [0, 1]
 
 
 def test_lost_and_duplicated_messages_on_real_engines(tmp_path):

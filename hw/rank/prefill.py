@@ -39,7 +39,8 @@ from kvstage.shared.events import (
     Write,
     WriteDone,
 )
-from kvstage.shared.serving.compute import chunk_forward_s
+from kvstage.shared.serving.compute import packed_forward_s
+from kvstage.shared.serving.prefill_batch import OpenForward
 
 # Niceness added to the forward thread on a CPU device. There the forward's fill stands in
 # for GPU compute, which on real hardware takes no CPU from the transfer engine; at equal
@@ -106,11 +107,11 @@ class _Pending:
 
 @dataclass(slots=True)
 class _Computing:
-    """The forward running on the compute thread."""
+    """The forward running on the compute thread: its chunks' fills, one job each."""
 
-    job: Future
+    jobs: list[Future]
     not_before: float  # with hardware.forward_delay: the modeled forward time
-    forward: Forward
+    forwards: list[Forward]  # the chunks packed into it, in order
     start: float
 
 
@@ -277,7 +278,7 @@ class PrefillRank(RankProcess):
         c = self.computing
         if self.forwards and c is None:
             return 0.0  # a forward queued this turn starts next turn
-        if c is not None and c.job.done():
+        if c is not None and c.jobs[-1].done():  # one compute thread: the fills in order
             return max(0.0, c.not_before - self.now())  # hardware.forward_delay: its modeled end
         if self.pending and not self.transport.signals_completion:
             return BUSY_POLL_S  # the engine completes writes silently: look again soon
@@ -294,45 +295,92 @@ class PrefillRank(RankProcess):
         self.forwards.append(f)
 
     def _forward_step(self) -> None:
-        """Finish the running forward when its fill is done, then start the next one.
-        The fill runs on the compute thread, like a kernel on a GPU stream: torch
-        releases the GIL, so the loop keeps answering messages and polling transfers."""
+        """Finish the running forward when its fills are done, then start the next one.
+        The fills run on the compute thread, like kernels on a GPU stream: torch
+        releases the GIL, so the loop keeps answering messages and polling transfers.
+        With hardware.forward_delay the forward packs the chunks queued when it starts
+        as the simulator's group forward does (`_packed`) and ends no sooner than the
+        modeled time of the packed forward."""
         c = self.computing
         if c is not None:
-            if not c.job.done() or self.now() < c.not_before:
+            if not c.jobs[-1].done() or self.now() < c.not_before:
                 return
             self.computing = None
-            c.job.result()  # a failed fill is a bug: raise it here, in the loop
-            self._feed(ForwardDone(c.forward.room, c.forward.chunk, c.start))
+            for job in c.jobs:
+                job.result()  # a failed fill is a bug: raise it here, in the loop
+            end = self.now()  # one end for every chunk of the forward
+            for f in c.forwards:
+                self._feed(ForwardDone(f.room, f.chunk, c.start), end)
         while self.computing is None and self.forwards:
             f = self.forwards.popleft()
             if not self.runtime.forward_wanted(f):  # its room failed before its turn
                 self._feed(ForwardDone(f.room, f.chunk, self.now()))
                 continue
+            packed = self._packed(f)
             start = self.now()
-            self._feed(ForwardStarted(f.room, f.chunk))
-            if not f.num_pages:
-                self._feed(ForwardDone(f.room, f.chunk, start))
+            for p in packed:
+                self._feed(ForwardStarted(p.room, p.chunk), start)
+            if not f.num_pages:  # a room that only opens: alone, nothing to fill
+                self._feed(ForwardDone(f.room, f.chunk, start), start)
                 continue
-            fill = self.job_cpu.wrap(
-                "fill", fill_pattern, f.tokens * self.g.block_bytes(1, self.g.prefill_heads)
-            )
-            job = self.compute_thread.submit(
-                fill,
-                self.pool,
-                f.first_page + f.page_start,
-                f.num_pages,
-                f.room,
-                f.page_start * self.g.page_size,
-                self.global_heads,
-            )
-            job.add_done_callback(self._wake)
-            delay = 0.0
-            if self.s.hardware.forward_delay:  # the simulator's price of this chunk
-                delay = chunk_forward_s(
-                    self.s, f.tokens, f.cached_tokens, f.page_start, self.g.page_size
+            jobs = []
+            for p in packed:
+                fill = self.job_cpu.wrap(
+                    "fill", fill_pattern, p.tokens * self.g.block_bytes(1, self.g.prefill_heads)
                 )
-            self.computing = _Computing(job, start + delay, f, start)
+                job = self.compute_thread.submit(
+                    fill,
+                    self.pool,
+                    p.first_page + p.page_start,
+                    p.num_pages,
+                    p.room,
+                    p.page_start * self.g.page_size,
+                    self.global_heads,
+                )
+                job.add_done_callback(self._wake)
+                jobs.append(job)
+            delay = 0.0
+            if self.s.hardware.forward_delay:  # the simulator's price of this forward
+                page = self.g.page_size
+                delay = packed_forward_s(
+                    self.s,
+                    [(self._computed(p), p.page_start * page + p.cached_tokens) for p in packed],
+                )  # one chunk: chunk_forward_s (shared/serving/compute.py)
+            self.computing = _Computing(jobs, start + delay, packed, start)
+
+    @staticmethod
+    def _computed(f: Forward) -> int:
+        """The tokens a chunk computes: none where it only opens its room or all of it
+        is in the prefix cache (sim/forward.py `GroupForward._plan`)."""
+        return f.tokens - f.cached_tokens if f.num_pages else 0
+
+    def _packed(self, f: Forward) -> list[Forward]:
+        """`f` and the chunks queued behind it that share its forward. With
+        hardware.forward_delay, SGLang's prefill batch as the simulator packs it
+        (shared/serving/prefill_batch.py `OpenForward`): the queued chunks in order
+        while the rule takes them, one chunk a room; a chunk with nothing to compute
+        runs alone and closes the forward. A queued chunk whose room failed before its
+        turn is reported done and skipped, as when it starts alone. Without
+        forward_delay each forward is one chunk, its fill the real CPU time of that
+        chunk (the simulator's cpu-loop host model, sim/forward.py `HostFills`, alike)."""
+        computed = self._computed(f)
+        if not self.s.hardware.forward_delay or computed <= 0:
+            return [f]
+        rule = OpenForward(self.g.chunk_tokens)
+        rule.add(f.room, computed)
+        packed = [f]
+        while self.forwards:
+            nxt = self.forwards[0]
+            if not self.runtime.forward_wanted(nxt):
+                self.forwards.popleft()
+                self._feed(ForwardDone(nxt.room, nxt.chunk, self.now()))
+                continue
+            tokens = self._computed(nxt)
+            if not rule.takes(nxt.room, tokens):
+                break  # it does not fit, or has nothing to compute: the next forward
+            rule.add(nxt.room, tokens)
+            packed.append(self.forwards.popleft())
+        return packed
 
     # --- gather and writes ----------------------------------------------------------------------
     def _gather(self, a: Gather) -> None:

@@ -547,8 +547,9 @@ class RankProcess:
         """Seconds since the run start, on the launcher's clock."""
         return self.wall() + self.clock_offset_s - self.t0
 
-    def _feed(self, event) -> None:
-        for action in self.runtime.handle(event, self.now()):
+    def _feed(self, event, now: float | None = None) -> None:
+        """`event` to the runtime at `now` (default: this moment)."""
+        for action in self.runtime.handle(event, self.now() if now is None else now):
             self._carry(action)
 
     def _carry(self, a) -> None:

@@ -1,9 +1,10 @@
 """Which prompt chunks share one prefill forward: the engines' prefill batch, as kvstage
 packs it. One home for the rule: the simulator's group forward (sim/forward.py
-`GroupForward`) packs the chunks waiting for it with `OpenForward`, and the prefill
-capacity (shared/serving/capacity.py `prefill_work`, which bottleneck, the plan's screen
-and the benchmarks share) packs a request mix with `pack`, the same rule on the queue
-of a saturated instance.
+`GroupForward`) and hardware mode's forward with `hardware.forward_delay`
+(hw/rank/prefill.py `PrefillRank._packed`) pack the chunks waiting for them with
+`OpenForward`, and the prefill capacity (shared/serving/capacity.py `prefill_work`,
+which bottleneck, the plan's screen and the benchmarks share) packs a request mix with
+`pack`, the same rule on the queue of a saturated instance.
 
 How SGLang builds a prefill batch ([C] sgl-project/sglang at commit 00550cd,
 python/sglang/srt/managers/scheduler.py `get_new_batch_prefill` (its body
@@ -58,8 +59,8 @@ one micro-batch ([C] SGLang's pipeline loop takes each micro-batch from
 `get_next_batch_to_run`, so from the same adder: python/sglang/srt/managers/
 scheduler_pp_mixin.py `event_loop_pp`). Left as they were: a scenario's `[engine]`
 preset batches by its own budget
-(sim/engine_host.py `EngineForward`); hardware mode's `forward_delay` times each chunk
-alone.
+(sim/engine_host.py `EngineForward`); hardware mode without `forward_delay` fills one
+chunk a forward (its real CPU time, as the cpu-loop host model's `HostFills`).
 """
 
 from __future__ import annotations
