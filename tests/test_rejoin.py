@@ -503,7 +503,7 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
     def on_started(address, spawned):
         procs.update(spawned)
         victim = spawned["prefill1"]
-        threading.Thread(
+        box["thread"] = threading.Thread(
             target=_restart_and_replay,
             daemon=True,
             args=(
@@ -515,7 +515,8 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
                 -4.0,
                 box,
             ),
-        ).start()
+        )
+        box["thread"].start()
 
     try:
         code, run_dir = run(
@@ -527,6 +528,10 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
             rejoin_grace_s=60,
         )
         assert box["proc"].wait(timeout=60) == 0  # the rank started by hand finished and exited
+        # the replay thread's last steps (the frame, closing its sockets) may still run
+        # when the run ends: its outcome is read once it is over, not while it goes on
+        box["thread"].join(timeout=60)
+        assert not box["thread"].is_alive(), "the restart-and-replay thread did not end"
     finally:
         if "proc" in box and box["proc"].poll() is None:
             box["proc"].kill()
