@@ -326,6 +326,16 @@ class Forward:
     # a context of page_start * page_size + cached_tokens tokens
     cached_tokens: int = 0
 
+    @property
+    def computed(self) -> int:
+        """The tokens this chunk computes: none where it only opens its room or all of it
+        is in the prefix cache."""
+        return self.tokens - self.cached_tokens if self.num_pages else 0
+
+    def context(self, page_size: int) -> int:
+        """The tokens before the computed ones, which they attend to."""
+        return self.page_start * page_size + self.cached_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Verify:

@@ -94,7 +94,7 @@ class GroupForward:
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
         sim = self.sim
         g = sim.geometry
-        computed = f.tokens - f.cached_tokens if f.num_pages else 0
+        computed = f.computed
         fwd = self._open
         if fwd is not None and fwd.start >= now and fwd.rule.takes(f.room, computed):
             return self._join(fwd, key, f, now)
@@ -111,7 +111,7 @@ class GroupForward:
             fwd = self._open = _Packed(start, end, OpenForward(g.chunk_tokens), took=forward)
             fwd.rule.add(f.room, computed)
             fwd.keys.append(key)
-            fwd.chunks.append((computed, f.page_start * g.page_size + f.cached_tokens))
+            fwd.chunks.append((computed, f.context(g.page_size)))
             sim._at(end - now, self._forward_done, fwd, 0)
         else:  # a room (or a chunk of a cached prefix) with nothing to compute
             sim._at(start - now, self._done, key)
@@ -121,10 +121,10 @@ class GroupForward:
         """Chunk `f` packed into the open forward `fwd` (not started, or starting now):
         the forward takes longer, its end event moves."""
         sim, g = self.sim, self.sim.geometry
-        computed = f.tokens - f.cached_tokens
+        computed = f.computed
         fwd.rule.add(f.room, computed)
         fwd.keys.append(key)
-        fwd.chunks.append((computed, f.page_start * g.page_size + f.cached_tokens))
+        fwd.chunks.append((computed, f.context(g.page_size)))
         job = _GroupChunk(fwd.start, last=self._streams_first(f))
         if f.chunk == 0:
             sim._at(fwd.start - now, self._started, key)
@@ -267,7 +267,7 @@ class PipelineForward(GroupForward):
 
     def _plan(self, key: tuple[int, int], f: Forward, now: float) -> _GroupChunk:
         sim, g = self.sim, self.sim.geometry
-        computed = f.tokens - f.cached_tokens if f.num_pages else 0
+        computed = f.computed
         fwd = self._staged
         if fwd is not None and fwd.spans[0][0] >= now and fwd.rule.takes(f.room, computed):
             return self._join_staged(fwd, key, f, now)
@@ -302,8 +302,7 @@ class PipelineForward(GroupForward):
         self._of[key] = fwd
         if fwd.rule is not None:
             fwd.rule.add(f.room, computed)
-            page = self.sim.geometry.page_size
-            fwd.chunks.append((computed, f.page_start * page + f.cached_tokens))
+            fwd.chunks.append((computed, f.context(self.sim.geometry.page_size)))
 
     def _join_staged(
         self, fwd: _Staged, key: tuple[int, int], f: Forward, now: float
@@ -311,7 +310,7 @@ class PipelineForward(GroupForward):
         """Chunk `f` packed into the open forward `fwd` (not yet in stage 0, or entering
         it now): its stage-step grows, its spans and stage-done events move."""
         sim = self.sim
-        computed = f.tokens - f.cached_tokens
+        computed = f.computed
         self._add(fwd, key, f, computed)
         job = _GroupChunk(fwd.spans[0][0], last=self._streams_first(f))
         if f.chunk == 0:

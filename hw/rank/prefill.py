@@ -343,16 +343,9 @@ class PrefillRank(RankProcess):
             if self.s.hardware.forward_delay:  # the simulator's price of this forward
                 page = self.g.page_size
                 delay = packed_forward_s(
-                    self.s,
-                    [(self._computed(p), p.page_start * page + p.cached_tokens) for p in packed],
+                    self.s, [(p.computed, p.context(page)) for p in packed]
                 )  # one chunk: chunk_forward_s (shared/serving/compute.py)
             self.computing = _Computing(jobs, start + delay, packed, start)
-
-    @staticmethod
-    def _computed(f: Forward) -> int:
-        """The tokens a chunk computes: none where it only opens its room or all of it
-        is in the prefix cache (sim/forward.py `GroupForward._plan`)."""
-        return f.tokens - f.cached_tokens if f.num_pages else 0
 
     def _packed(self, f: Forward) -> list[Forward]:
         """`f` and the chunks queued behind it that share its forward. With
@@ -363,7 +356,7 @@ class PrefillRank(RankProcess):
         turn is reported done and skipped, as when it starts alone. Without
         forward_delay each forward is one chunk, its fill the real CPU time of that
         chunk (the simulator's cpu-loop host model, sim/forward.py `HostFills`, alike)."""
-        computed = self._computed(f)
+        computed = f.computed
         if not self.s.hardware.forward_delay or computed <= 0:
             return [f]
         rule = OpenForward(self.g.chunk_tokens)
@@ -375,7 +368,7 @@ class PrefillRank(RankProcess):
                 self.forwards.popleft()
                 self._feed(ForwardDone(nxt.room, nxt.chunk, self.now()))
                 continue
-            tokens = self._computed(nxt)
+            tokens = nxt.computed
             if not rule.takes(nxt.room, tokens):
                 break  # it does not fit, or has nothing to compute: the next forward
             rule.add(nxt.room, tokens)
