@@ -57,9 +57,9 @@ fi
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
 # gather / scatter bandwidth as a share of a device-to-device copy (goal: >= 0.8)
 "$PY" benchmarks/gpu_kernels.py --layers 16 --tokens 8192
-# the write tag (transfer.verify_writes = "mac", the default) on GPU blocks, beside a
+# the write tag (transfer.verify_writes = "mac", the default; NH on the device) on GPU blocks, beside a
 # NIXL write of the same block and the line rate (bar: x_line >= 20, /model <= 5%)
-"$PY" benchmarks/checksum_cost.py --device cuda --reps 10
+"$PY" benchmarks/checksum_cost.py --device cuda --reps 10 --parts
 # the serving engine's per-descriptor costs (build, prepare, post) and the GIL, NIXL on host
 # memory then on GPU memory, each fit with its R^2 (hw/probes/descriptors.py): the numbers the
 # [engine] presets take from the VM (shared/scenario/engines.py), here on a GPU host

@@ -64,6 +64,31 @@ def test_gather_scatter_verify_on_the_gpu(P, D, H):
         )
 
 
+@pytest.mark.parametrize("nbytes", [4, 1000, 32768, 32768 * 3 + 6, 16 << 20])
+def test_the_write_tag_kernel_is_the_definition(nbytes):
+    """The NH kernel (Triton) on a GPU block gives the digest of the definition
+    (numpy, on the host) and of the torch form on the same GPU; the block's "mac" tag
+    is the device tag, and a flipped byte on the GPU changes it."""
+    from kvstage.hw.rank import nhash
+    from kvstage.hw.rank.writemac import block_tag, device_mac, mac_key, tag_and_copy
+
+    key = mac_key(bytes(range(32)))
+    block = torch.randint(0, 256, (nbytes + 3,), dtype=torch.uint8, device="cuda")[3:]
+    want = nhash.nh_reference(bytes(block.cpu().numpy()), key)
+    assert nhash.kernel_available(block), "Triton does not import beside this CUDA torch"
+    assert nhash.nh_digest(block, key) == want
+    assert nhash.nh_torch(block, key).cpu().numpy().astype("<i8").tobytes() == want
+    tag = block_tag("mac", key, 1, 2, 3, block)
+    assert tag == device_mac(key, 1, 2, 3, block.cpu())  # the same function on the host
+    copy = torch.zeros(nbytes + 4, dtype=torch.uint8, device="cuda")[4:]
+    assert tag_and_copy("mac", key, 1, 2, 3, block, copy) == tag  # one pass: copied, tagged
+    assert torch.equal(copy, block)
+    odd = torch.zeros(nbytes + 1, dtype=torch.uint8, device="cuda")[1:]  # not word-aligned
+    assert tag_and_copy("mac", key, 1, 2, 3, block, odd) == tag and torch.equal(odd, block)
+    block[-1] ^= 1
+    assert block_tag("mac", key, 1, 2, 3, block) != tag
+
+
 def mooncake_cuda_problem() -> str | None:
     """Why Mooncake cannot move GPU memory here, or None."""
     from importlib.metadata import PackageNotFoundError, version

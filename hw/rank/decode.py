@@ -23,7 +23,7 @@ from kvstage.hw.control.rendezvous import RankInfo
 from kvstage.hw.rank.kernels import gather, scatter, wait_for_stream
 from kvstage.hw.rank.kvpool import verify
 from kvstage.hw.rank.process import RankProcess
-from kvstage.hw.rank.writemac import block_tag, tag_key
+from kvstage.hw.rank.writemac import block_tag, tag_and_copy, tag_key
 from kvstage.shared.events import CheckSlice, Scatter, ScatterDone, SliceChecked, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
 
@@ -95,14 +95,20 @@ class DecodeRank(RankProcess):
         job = self.job_cpu.wrap("scatter", partial(self._scatter_job, keys=keys), a.nbytes)
         self._submit(job, a)
 
-    def _block_rejected(self, a: Scatter | CheckSlice, b, block, keys: dict[int, bytes]) -> str:
-        """Why writer block `b` (a WriterBlock; `block`: its private bytes) fails its
+    def _block_rejected(
+        self, a: Scatter | CheckSlice, b, block, keys: dict[int, bytes], copy_to=None
+    ) -> str:
+        """Why writer block `b` (a WriterBlock; `block`: its private bytes, or with
+        `copy_to` bytes a peer may write, copied there as they are tagged) fails its
         writer's tag ('' if it passes)."""
         tags = {w: (p, t, n) for w, p, t, n in a.checksums}
         p, want, nonce = tags.get(b.writer, (b.prefill_rank, 0, 0))
         if not want:
             return f"writer {b.writer} (prefill rank {p}) sent no write tag"
-        got = block_tag(self.verify_writes, keys[p], a.room, a.chunk, nonce, block)
+        if copy_to is None:
+            got = block_tag(self.verify_writes, keys[p], a.room, a.chunk, nonce, block)
+        else:
+            got = tag_and_copy(self.verify_writes, keys[p], a.room, a.chunk, nonce, block, copy_to)
         self.bytes_checksummed += b.nbytes
         if got != want:
             return (
@@ -111,11 +117,15 @@ class DecodeRank(RankProcess):
             )
         return ""
 
-    def _rejected(self, a: Scatter, region: torch.Tensor, keys: dict[int, bytes]) -> str:
-        """Why the region's copy fails its writers' tags ('' if it passes)."""
-        host = region.cpu().numpy()
+    def _rejected(
+        self, a: Scatter, region: torch.Tensor, private: torch.Tensor, keys: dict[int, bytes]
+    ) -> str:
+        """Copy each writer block of the ring's `region` into `private`, tagging the bytes
+        copied (where they live: on the GPU a CUDA region), and say why one fails its
+        writer's tag ('' if all pass)."""
         for b in self.scatter_layout(a.num_pages).blocks:
-            why = self._block_rejected(a, b, host[b.offset : b.offset + b.nbytes], keys)
+            span = slice(b.offset, b.offset + b.nbytes)
+            why = self._block_rejected(a, b, region[span], keys, copy_to=private[span])
             if why:
                 return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
         return ""
@@ -141,11 +151,12 @@ class DecodeRank(RankProcess):
 
     def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
-        if keys is not None:
-            region = region.clone()  # what is checked is what is scattered
-            why = self._rejected(a, region, keys)
+        if keys is not None:  # what is checked is what is scattered: a private copy
+            private = torch.empty_like(region)
+            why = self._rejected(a, region, private, keys)
             if why:
                 return why
+            region = private
         scatter(
             self.pool,
             a.dst_page_base + a.page_start,

@@ -20,7 +20,7 @@ from kvstage.hw.rank.kernels import gather, slice_ops, wait_for_stream
 from kvstage.hw.rank.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank.preflight import SEND_BUFFER_CHUNKS
 from kvstage.hw.rank.process import BUSY_POLL_S, IDLE_POLL_S, RankProcess
-from kvstage.hw.rank.writemac import block_tag, tag_key
+from kvstage.hw.rank.writemac import block_tag, tag_and_copy, tag_key
 from kvstage.hw.transport.bandwidth import (
     GB,
     PROBE_MIN_BYTES,
@@ -401,8 +401,11 @@ class PrefillRank(RankProcess):
         # tagged where no peer can write (the pool is not registered on the staging path),
         # then copied into the registered send buffer
         block = self._private_block(first_page, a.num_pages, a.heads, a.nbytes)
-        tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
-        out.copy_(block)
+        if block.is_cuda:  # one pass on the GPU: tagged as it is copied
+            tag = tag_and_copy(self.verify_writes, key, a.room, a.chunk, a.nonce, block, out)
+        else:
+            tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+            out.copy_(block)
         wait_for_stream(self.device)
         return tag
 

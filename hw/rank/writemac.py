@@ -19,6 +19,20 @@ transfer.verify_writes names the function (docs/design.md, "The write tag"):
   message-authentication code", FSE 2005, Theorem 3.3: at most 8 * ceil(L/16) / 2^106
   for messages of L bytes), or, when it does not, by guessing a 63-bit PRF output at an
   input it never saw (2^-63). For a 16 MiB block: 2^-83 + 2^-63, about 2^-63.
+
+  A block on a CUDA device is first compressed where it lives: NH, UMAC's inner hash,
+  under two keys expanded from K, one kernel over the block (hw/rank/nhash.py), so
+  that only its digest D (16 bytes a 32 KiB chunk) is copied to the host; then
+
+      k_N   = BLAKE2b(key = K, person = "kvs-nh-poly", N | room | chunk)
+      h     = Poly1305(k_N, D)
+      tag   = BLAKE2b(key = K, person = "kvs-nh-tag", N | room | chunk | |M| | h)
+
+  Forgery bound, per attempt: 2^-64 (the digests of M != M' of one length collide)
+  + 8 * ceil(|D| / 16) / 2^106 + 2^-63, about 2^-62. The two forms have their own
+  personalisations, so a tag of one is never a tag of the other; the ranks of a run
+  keep their KV on one kind of device (the launcher passes one --device to all), and
+  a writer and its decode on different kinds fail every tagged block, by name.
 - "checksum": keyed BLAKE2b over the whole block (the check before "mac"), salted with
   (room, chunk): a PRF, about 5-15x slower than "mac" on a CPU core.
 - "none": no tag (an explicit opt-out).
@@ -38,6 +52,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from kvstage.hw.control.keys import CHECKSUM_MASK, block_checksum, write_key
 from kvstage.hw.control.keys import _hkdf as hkdf
+from kvstage.hw.rank.nhash import nh_digest
 
 KINDS = ("none", "checksum", "mac")
 _MAC = b"kvstage write mac v1"
@@ -71,17 +86,52 @@ def block_mac(key: bytes, room: int, chunk: int, nonce: int, data) -> int:
     return (int.from_bytes(digest, "big") & CHECKSUM_MASK) or 1
 
 
+def device_mac(
+    key: bytes,
+    room: int,
+    chunk: int,
+    nonce: int,
+    block: torch.Tensor,
+    copy_to: torch.Tensor | None = None,
+) -> int:
+    """The "mac" tag of a writer block on a CUDA device: NH on the device, then Poly1305
+    and BLAKE2b over its digest on the host (the module's docstring). With `copy_to`,
+    the block is copied there by the same pass (what is tagged is what was copied)."""
+    bind = _BIND.pack(nonce, room, chunk)
+    one_time = hashlib.blake2b(bind, key=key, digest_size=32, person=b"kvs-nh-poly").digest()
+    h = Poly1305.generate_tag(one_time, nh_digest(block, key, copy_to))
+    digest = hashlib.blake2b(
+        bind + _LEN.pack(block.numel()) + h, key=key, digest_size=8, person=b"kvs-nh-tag"
+    ).digest()
+    return (int.from_bytes(digest, "big") & CHECKSUM_MASK) or 1
+
+
 def host_bytes(block: torch.Tensor) -> np.ndarray:
-    """A flat uint8 block as host bytes to hash (a CUDA block is copied to the host: the
-    tag is computed on the CPU; a hash on the GPU is not built)."""
+    """A flat uint8 block as host bytes to hash (a CUDA block is copied to the host)."""
     return block.detach().reshape(-1).cpu().numpy()
 
 
 def block_tag(kind: str, key: bytes, room: int, chunk: int, nonce: int, block) -> int:
-    """`kind`'s tag of one writer block (a flat uint8 tensor or a bytes-like object)."""
+    """`kind`'s tag of one writer block (a flat uint8 tensor or a bytes-like object). A
+    CUDA block's "mac" is `device_mac`, computed where it lives."""
+    if kind == "mac" and isinstance(block, torch.Tensor) and block.is_cuda:
+        return device_mac(key, room, chunk, nonce, block.detach().reshape(-1))
     data = host_bytes(block) if isinstance(block, torch.Tensor) else block
     if kind == "mac":
         return block_mac(key, room, chunk, nonce, data)
     if kind == "checksum":
         return block_checksum(key, room, chunk, data)
     raise ValueError(f"transfer.verify_writes = {kind!r} makes no tag (allowed: checksum, mac)")
+
+
+def tag_and_copy(
+    kind: str, key: bytes, room: int, chunk: int, nonce: int, src: torch.Tensor, dst: torch.Tensor
+) -> int:
+    """Copy `src` into `dst` (flat uint8 tensors of one size) and return `kind`'s tag of
+    the bytes copied. A CUDA block's "mac" does both in one pass, each byte read once,
+    so a `src` that a peer can write (the decode's ring) is safe to pass; elsewhere the
+    copy is made first and tagged after."""
+    if kind == "mac" and src.is_cuda:
+        return device_mac(key, room, chunk, nonce, src.detach().reshape(-1), dst)
+    dst.copy_(src.reshape(-1))
+    return block_tag(kind, key, room, chunk, nonce, dst)

@@ -1,0 +1,232 @@
+"""The write tag's universal hash where the block lives on a GPU: NH, UMAC's inner hash,
+run as one kernel over the block, so that only a digest 1/2048 of its size leaves the
+device (docs/design.md, "The write tag").
+
+For a block M (bytes, zero-padded to whole chunks) of n chunks of `CHUNK_WORDS`
+little-endian 32-bit words m_0 .. m_{W-1}, and two keys K_0, K_1 of W words each:
+
+    NH_K(chunk) = sum_{i < W/2} ((m_i + K_i) mod 2^32) * ((m_{i+W/2} + K_{i+W/2}) mod 2^32)
+                  mod 2^64
+
+and the digest is NH_{K_0}(c_1) | NH_{K_1}(c_1) | ... | NH_{K_1}(c_n), 8 bytes each,
+little-endian: 16 bytes per 32 KiB chunk.
+
+Why it is a universal hash: for two distinct messages of the same length, NH under a
+uniformly random key collides with probability at most 2^-32 (Black, Halevi, Krawczyk,
+Krovetz, Rogaway, "UMAC: Fast and Secure Message Authentication", CRYPTO 1999, Theorem
+3.2 / section 3.3: NH over w = 32-bit words is 2^-w almost-universal; the proof holds
+for any pairing of distinct word positions, here i with i + W/2, which keeps a kernel's
+loads contiguous). The digests of M != M' collide only if the first chunk where they
+differ collides under both keys; the keys are independent, so at most 2^-64. Messages
+of different lengths are told apart by the tag's PRF input, which holds the length.
+The keys are expanded from the write MAC's key K by keyed BLAKE2b in counter mode
+(a PRF), and never leave the rank.
+
+The kernel (Triton, where it imports and the block is on a CUDA device) and the torch
+form (any device, int64 arithmetic, which wraps modulo 2^64 as two's complement) compute
+the same function; `nh_reference` is the same in numpy's unsigned arithmetic, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+import torch
+
+CHUNK_WORDS = 8192  # 32 KiB a chunk
+CHUNK_BYTES = 4 * CHUNK_WORDS
+KEYS = 2  # independent NH keys: 2^-64 a collision
+_HALF = CHUNK_WORDS // 2
+_MASK32 = 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=256)
+def nh_key_words(key: bytes) -> np.ndarray:
+    """The NH keys (KEYS x CHUNK_WORDS uint32) expanded from the write MAC's key."""
+    need = KEYS * CHUNK_BYTES
+    out = b"".join(
+        hashlib.blake2b(
+            i.to_bytes(8, "big"), key=key, digest_size=64, person=b"kvs-nh-key"
+        ).digest()
+        for i in range(need // 64)
+    )
+    return np.frombuffer(out, dtype="<u4").reshape(KEYS, CHUNK_WORDS).copy()
+
+
+_DEVICE_KEYS: dict[tuple[bytes, str], torch.Tensor] = {}
+
+
+def _device_key(key: bytes, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The NH keys on `device` (int32 bit patterns for the kernel, int64 for torch)."""
+    slot = (key, f"{device}:{dtype}")
+    got = _DEVICE_KEYS.get(slot)
+    if got is None:
+        words = nh_key_words(key)
+        host = (
+            torch.from_numpy(words.view(np.int32).copy())
+            if dtype == torch.int32
+            else torch.from_numpy(words.astype(np.int64))
+        )
+        got = host.to(device)
+        if len(_DEVICE_KEYS) >= 256:
+            _DEVICE_KEYS.pop(next(iter(_DEVICE_KEYS)))
+        _DEVICE_KEYS[slot] = got
+    return got
+
+
+def nh_reference(data: bytes, key: bytes) -> bytes:
+    """The digest, in numpy's unsigned (wrapping) arithmetic: the definition."""
+    n = max(1, -(-len(data) // CHUNK_BYTES))
+    padded = np.zeros(n * CHUNK_BYTES, dtype=np.uint8)
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    words = padded.view("<u4").reshape(n, CHUNK_WORDS)
+    keys = nh_key_words(key)
+    out = np.empty((n, KEYS), dtype="<u8")
+    with np.errstate(over="ignore"):
+        for j in range(KEYS):
+            a = (words + keys[j]).astype(np.uint64)  # uint32 + uint32 wraps mod 2^32
+            out[:, j] = (a[:, :_HALF] * a[:, _HALF:]).sum(axis=1, dtype=np.uint64)
+    return out.tobytes()
+
+
+def _words(block: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 block as int32 words (a copy, zero-padded, only where its length or
+    its alignment does not allow a view)."""
+    flat = block.reshape(-1)
+    if flat.numel() % 4 or flat.storage_offset() % 4:
+        padded = torch.zeros(-(-flat.numel() // 4) * 4, dtype=torch.uint8, device=flat.device)
+        padded[: flat.numel()] = flat
+        flat = padded
+    return flat.view(torch.int32)
+
+
+_TORCH_CHUNKS = 512  # chunks a step of the torch form (16 MiB: bounds its int64 copies)
+
+
+def nh_torch(block: torch.Tensor, key: bytes) -> torch.Tensor:
+    """The digest as (chunks, KEYS) int64, in torch on the block's device."""
+    words = _words(block)
+    n = max(1, -(-words.numel() // CHUNK_WORDS))
+    keys = _device_key(key, words.device, torch.int64)
+    out = torch.empty((n, KEYS), dtype=torch.int64, device=words.device)
+    for first in range(0, n, _TORCH_CHUNKS):
+        m = min(_TORCH_CHUNKS, n - first)
+        part = words[first * CHUNK_WORDS : (first + m) * CHUNK_WORDS]
+        w = torch.zeros(m * CHUNK_WORDS, dtype=torch.int64, device=words.device)
+        w[: part.numel()] = part.to(torch.int64) & _MASK32
+        w = w.view(m, CHUNK_WORDS)
+        for j in range(KEYS):
+            a = (w + keys[j]) & _MASK32
+            out[first : first + m, j] = (a[:, :_HALF] * a[:, _HALF:]).sum(dim=1)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The NH kernel (Triton), made on first use: None where Triton does not import (the
+    CPU build of torch ships without it). Under TRITON_INTERPRET=1 it runs on CPU
+    tensors, in numpy, which is how the tests hold it to the definition without a GPU."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def nh_kernel(
+        words, keys, out, dst, n_words, W: tl.constexpr, TILE: tl.constexpr, COPY: tl.constexpr
+    ):
+        c = tl.program_id(0)
+        base = c.to(tl.int64) * W
+        half: tl.constexpr = W // 2
+        acc0 = tl.zeros([TILE], dtype=tl.uint64)
+        acc1 = tl.zeros([TILE], dtype=tl.uint64)
+        for t in range(0, half, TILE):
+            i = t + tl.arange(0, TILE)
+            lo = base + i
+            hi = lo + half
+            a = tl.load(words + lo, mask=lo < n_words, other=0)
+            b = tl.load(words + hi, mask=hi < n_words, other=0)
+            if COPY:  # the words hashed are the words copied: each is read once
+                tl.store(dst + lo, a, mask=lo < n_words)
+                tl.store(dst + hi, b, mask=hi < n_words)
+            a = a.to(tl.uint32, bitcast=True)
+            b = b.to(tl.uint32, bitcast=True)
+            k0a = tl.load(keys + i).to(tl.uint32, bitcast=True)
+            k0b = tl.load(keys + half + i).to(tl.uint32, bitcast=True)
+            k1a = tl.load(keys + W + i).to(tl.uint32, bitcast=True)
+            k1b = tl.load(keys + W + half + i).to(tl.uint32, bitcast=True)
+            acc0 += (a + k0a).to(tl.uint64) * (b + k0b).to(tl.uint64)
+            acc1 += (a + k1a).to(tl.uint64) * (b + k1b).to(tl.uint64)
+        tl.store(out + 2 * c, tl.sum(acc0, axis=0).to(tl.int64, bitcast=True))
+        tl.store(out + 2 * c + 1, tl.sum(acc1, axis=0).to(tl.int64, bitcast=True))
+
+    return nh_kernel
+
+
+def kernel_available(block: torch.Tensor) -> bool:
+    return block.is_cuda and _kernel() is not None
+
+
+def launch(
+    words: torch.Tensor,
+    key: bytes,
+    dst: torch.Tensor | None = None,
+    tile: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:
+    """The kernel over int32 `words` (copied into int32 `dst` if given): the digest as
+    (chunks, KEYS) int64 on their device."""
+    n = max(1, -(-words.numel() // CHUNK_WORDS))
+    out = torch.empty((n, KEYS), dtype=torch.int64, device=words.device)
+    keys = _device_key(key, words.device, torch.int32)
+    args = (words, keys, out, words if dst is None else dst, words.numel())
+    shape = {"W": CHUNK_WORDS, "TILE": tile or TILE, "COPY": dst is not None}
+    kernel = _kernel()
+    if not words.is_cuda:  # the interpreter (tests)
+        kernel[(n,)](*args, **shape)
+    elif words.device.index == torch.cuda.current_device():
+        kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
+    else:
+        with torch.cuda.device(words.device):
+            kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
+    return out
+
+
+# the kernel's shape: TILE word pairs a step, WARPS warps a chunk (benchmarks/checksum_cost.py
+# --device cuda --parts measures the choices on the GPU at hand)
+TILE, WARPS = 1024, 8
+
+
+def _aligned_words(block: torch.Tensor) -> bool:
+    return block.numel() % 4 == 0 and block.storage_offset() % 4 == 0
+
+
+def nh_device(
+    block: torch.Tensor,
+    key: bytes,
+    copy_to: torch.Tensor | None = None,
+    tile: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:
+    """The digest as (chunks, KEYS) int64 on the block's device: the kernel on a CUDA
+    block where Triton imports, else the torch form. With `copy_to` (a flat uint8 tensor
+    of the block's size on its device) the block is also copied there, by the same
+    kernel where it can: what is hashed is what was copied."""
+    if copy_to is not None and copy_to.numel() != block.numel():
+        raise ValueError(f"copy_to holds {copy_to.numel()} bytes, the block {block.numel()}")
+    fused = copy_to is not None and _aligned_words(block) and _aligned_words(copy_to)
+    if not kernel_available(block) or (copy_to is not None and not fused):
+        if copy_to is not None:
+            copy_to.copy_(block.reshape(-1))
+            block = copy_to
+        return nh_torch(block, key)
+    words = _words(block)
+    return launch(words, key, copy_to.view(torch.int32) if fused else None, tile, warps)
+
+
+def nh_digest(block: torch.Tensor, key: bytes, copy_to: torch.Tensor | None = None) -> bytes:
+    """The digest's bytes on the host (the one copy off the device: 16 bytes a chunk)."""
+    return nh_device(block, key, copy_to).cpu().numpy().astype("<i8").tobytes()

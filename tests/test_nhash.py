@@ -1,0 +1,170 @@
+"""The write tag's device hash (hw/rank/nhash.py) and the tag built on it
+(writemac.device_mac): the torch form equals the definition in numpy's unsigned
+arithmetic, on every length and alignment, and the tag is bound to every byte and every
+input. The Triton kernel is held to the same definition on a GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvstage.hw.rank.nhash import (
+    CHUNK_BYTES,
+    CHUNK_WORDS,
+    KEYS,
+    nh_digest,
+    nh_key_words,
+    nh_reference,
+    nh_torch,
+)
+from kvstage.hw.rank.writemac import block_mac, block_tag, device_mac, mac_key, tag_and_copy
+
+KEY = mac_key(bytes(range(32)))
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "n", [1, 3, 4, 1000, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 6, 3 * CHUNK_BYTES + 4]
+)
+def test_the_torch_form_is_the_definition(n):
+    data = os.urandom(n)
+    got = nh_digest(_tensor(data), KEY)
+    assert got == nh_reference(data, KEY)
+    assert len(got) == 8 * KEYS * max(1, -(-n // CHUNK_BYTES))
+
+
+def test_a_block_at_any_offset_hashes_as_its_bytes():
+    buf = _tensor(os.urandom(3 * CHUNK_BYTES))
+    for start in (1, 2, 3, 5):
+        part = buf[start : start + 2 * CHUNK_BYTES + 7]
+        assert nh_digest(part, KEY) == nh_reference(bytes(part.numpy()), KEY)
+
+
+def test_the_definition_is_nh():
+    """One chunk by hand, in Python integers: the pairing i with i + W/2, the 32-bit
+    additions, the 64-bit sum."""
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, CHUNK_WORDS, dtype=np.uint64)
+    keys = nh_key_words(KEY)
+    want = b""
+    for j in range(KEYS):
+        k = [int(x) for x in keys[j]]
+        m = [int(x) for x in words]
+        h = CHUNK_WORDS // 2
+        total = sum(((m[i] + k[i]) % 2**32) * ((m[i + h] + k[i + h]) % 2**32) for i in range(h))
+        want += (total % 2**64).to_bytes(8, "little")
+    data = words.astype("<u4").tobytes()
+    assert nh_reference(data, KEY) == want
+    assert nh_digest(_tensor(data), KEY) == want
+
+
+def test_every_word_and_every_key_moves_the_digest():
+    data = bytearray(os.urandom(2 * CHUNK_BYTES + 100))
+    base = nh_reference(bytes(data), KEY)
+    for at in (0, 1, CHUNK_BYTES // 2, CHUNK_BYTES - 1, CHUNK_BYTES, len(data) - 1):
+        changed = bytearray(data)
+        changed[at] ^= 0x40
+        assert nh_reference(bytes(changed), KEY) != base, at
+    assert nh_reference(bytes(data), mac_key(bytes(32))) != base
+    assert not np.array_equal(nh_key_words(KEY), nh_key_words(mac_key(bytes(32))))
+
+
+def test_the_device_tag_is_bound_to_every_input_and_kept_apart_from_the_host_tag():
+    data = os.urandom(CHUNK_BYTES + 10)
+    block = _tensor(data)
+    tag = device_mac(KEY, 4, 5, 6, block)
+    assert 0 < tag < 2**63
+    assert device_mac(KEY, 4, 5, 6, _tensor(data)) == tag
+    others = [
+        device_mac(KEY, 3, 5, 6, block),
+        device_mac(KEY, 4, 4, 6, block),
+        device_mac(KEY, 4, 5, 7, block),
+        device_mac(mac_key(bytes(32)), 4, 5, 6, block),
+        device_mac(KEY, 4, 5, 6, block[:-1]),  # one byte shorter
+        device_mac(KEY, 4, 5, 6, torch.cat([block, torch.zeros(1, dtype=torch.uint8)])),
+        block_mac(KEY, 4, 5, 6, data),  # the host form: its own personalisation
+    ]
+    assert tag not in others
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    assert device_mac(KEY, 4, 5, 6, _tensor(bytes(flipped))) != tag
+
+
+def test_a_zero_padded_block_is_not_its_shorter_self():
+    """The digest of a block and of the same block with zeros appended can be equal
+    (NH pads with zeros); the tag holds the length, so the tags differ."""
+    data = os.urandom(100)
+    assert nh_reference(data, KEY) == nh_reference(data + bytes(4), KEY)
+    assert device_mac(KEY, 1, 2, 3, _tensor(data)) != device_mac(
+        KEY, 1, 2, 3, _tensor(data + bytes(4))
+    )
+
+
+def test_the_torch_form_wraps_as_unsigned_arithmetic():
+    """Words and keys near 2^32 make products near 2^64 and sums far past it: the int64
+    form's two's-complement wrap must give the unsigned result."""
+    data = b"\xff" * (2 * CHUNK_BYTES)
+    assert nh_digest(_tensor(data), KEY) == nh_reference(data, KEY)
+    out = nh_torch(_tensor(data), KEY)
+    assert out.dtype == torch.int64 and out.shape == (2, KEYS)
+
+
+def test_tag_and_copy_copies_the_bytes_it_tags():
+    src = _tensor(os.urandom(CHUNK_BYTES + 12))
+    dst = torch.zeros_like(src)
+    for kind in ("mac", "checksum"):
+        dst.zero_()
+        tag = tag_and_copy(kind, KEY, 1, 2, 3, src, dst)
+        assert torch.equal(dst, src)
+        assert tag == block_tag(kind, KEY, 1, 2, 3, src)
+    with pytest.raises(ValueError, match="copy_to holds"):
+        device_mac(KEY, 1, 2, 3, src, torch.zeros(5, dtype=torch.uint8))
+
+
+_INTERPRETED = """
+import os, sys, torch
+from kvstage.hw.rank import nhash
+assert nhash._kernel() is not None, "Triton did not import"
+key = bytes(range(32))
+for n in (4, 1000, nhash.CHUNK_BYTES, 3 * nhash.CHUNK_BYTES + 8, 200_000):
+    for fill in ("random", "ones"):
+        block = (torch.randint(0, 256, (n,), dtype=torch.uint8) if fill == "random"
+                 else torch.full((n,), 255, dtype=torch.uint8))
+        want = nhash.nh_reference(bytes(block.numpy()), key)
+        words = nhash._words(block)
+        for tile in (512, 1024, 2048):
+            got = nhash.launch(words, key, tile=tile)
+            assert got.numpy().astype("<i8").tobytes() == want, (n, fill, tile)
+        dst = torch.zeros_like(words)
+        got = nhash.launch(words, key, dst=dst)
+        assert got.numpy().astype("<i8").tobytes() == want, (n, fill, "copy")
+        assert torch.equal(dst, words), (n, fill, "the copy")
+print("kernel == definition")
+"""
+
+
+def test_the_gpu_kernel_is_the_definition_under_tritons_interpreter():
+    """The Triton kernel itself (every tile shape, with and without its copy, a partial
+    last chunk, words at 2^32 - 1), run by Triton's interpreter on the CPU, gives the
+    digest of the definition: the same kernel source a GPU compiles. tests/test_gpu.py
+    holds the compiled kernel to it on a GPU."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        if os.environ.get("CI"):
+            pytest.fail("triton must be importable in CI (the dev extra pins it)")
+        pytest.skip("triton is not installed here (the dev extra pins it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "kernel == definition" in run.stdout
