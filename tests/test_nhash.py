@@ -168,3 +168,37 @@ def test_the_gpu_kernel_is_the_definition_under_tritons_interpreter():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "kernel == definition" in run.stdout
+
+
+def test_a_writer_and_a_decode_that_tag_by_different_forms_are_refused_at_the_table():
+    """A GPU rank's "mac" is hashed on the device, a host rank's on the host: a run that
+    mixes them is refused when the table arrives, naming both ranks, instead of failing
+    every room on a rejected write."""
+    from types import SimpleNamespace
+
+    from kvstage.hw.control.membership import RankInfo
+    from kvstage.hw.rank.process import RankError, RankProcess
+
+    def rank(role: str, cuda: bool, verify: str = "mac"):
+        me = SimpleNamespace(
+            role=role,
+            name=f"{role}0",
+            pool=SimpleNamespace(bytes=SimpleNamespace(is_cuda=cuda)),
+            s=SimpleNamespace(transfer=SimpleNamespace(verify_writes=verify)),
+        )
+        me._tag_form = lambda: RankProcess._tag_form(me)
+        return me
+
+    def info(role: str, form: str) -> RankInfo:
+        fields = {f: None for f in RankInfo.__dataclass_fields__}
+        fields.update(role=role, rank=0, extra={"tag_form": form})
+        return RankInfo(**fields)
+
+    table = {"prefill0": info("prefill", "device"), "decode0": info("decode", "host")}
+    with pytest.raises(RankError, match=r"decode0 keeps its KV in host memory and prefill0"):
+        RankProcess._check_tag_forms(rank("decode", cuda=False), table)
+    with pytest.raises(RankError, match=r"prefill0 keeps its KV in device memory and decode0"):
+        RankProcess._check_tag_forms(rank("prefill", cuda=True), table)
+    RankProcess._check_tag_forms(rank("decode", cuda=True), table)  # same form as its writer
+    RankProcess._check_tag_forms(rank("decode", cuda=False, verify="checksum"), table)
+    assert RankProcess._tag_form(rank("decode", cuda=True)) == "device"

@@ -264,8 +264,30 @@ class RankProcess:
         self.transport.register(self.pool.tensor)
 
     def _rank_extra(self) -> dict[str, Any]:
-        """What peers need to know about this rank's memory (the rendezvous carries it)."""
-        return {"kv_pool": self.pool.desc.to_wire()}
+        """What peers need to know about this rank's memory (the rendezvous carries it),
+        and the form of its write tags (hw/rank/writemac.py: a GPU block's "mac" is
+        hashed on the device, a host block's on the host)."""
+        return {"kv_pool": self.pool.desc.to_wire(), "tag_form": self._tag_form()}
+
+    def _tag_form(self) -> str:
+        return "device" if self.pool.bytes.is_cuda else "host"
+
+    def _check_tag_forms(self, table: dict[str, RankInfo]) -> None:
+        """Writer and decode must tag a block by the same form, or every tagged block
+        fails: refuse the run at the table, naming the ranks and their memory."""
+        if self.s.transfer.verify_writes != "mac":
+            return
+        mine = self._tag_form()
+        other = "decode" if self.role == "prefill" else "prefill"
+        for info in table.values():
+            theirs = info.extra.get("tag_form", mine)
+            if info.role == other and theirs != mine:
+                raise RankError(
+                    f"{self.name} keeps its KV in {mine} memory and {info.name} in {theirs} "
+                    f'memory: their write tags (transfer.verify_writes = "mac") would never '
+                    f"match. Run every rank on one kind of device (--device), or set "
+                    f'transfer.verify_writes = "checksum" (one form on both)'
+                )
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         raise NotImplementedError
@@ -341,6 +363,7 @@ class RankProcess:
         if client.rejoin is not None:
             self._rejoin(client.rejoin)
         self.peers = table
+        self._check_tag_forms(table)
         self._connect_peers(table)
         self.control.gate.seal()  # every peer's key admitted: any other is refused at once
         if client.probe is not None and client.rejoin is None:  # a rejoin finds the rings in use

@@ -31,8 +31,9 @@ transfer.verify_writes names the function (docs/design.md, "The write tag"):
   Forgery bound, per attempt: 2^-64 (the digests of M != M' of one length collide)
   + 8 * ceil(|D| / 16) / 2^106 + 2^-63, about 2^-62. The two forms have their own
   personalisations, so a tag of one is never a tag of the other; the ranks of a run
-  keep their KV on one kind of device (the launcher passes one --device to all), and
-  a writer and its decode on different kinds fail every tagged block, by name.
+  keep their KV on one kind of device (the launcher passes one --device to all); a
+  run that mixes them is refused when the table arrives, naming both ranks
+  (hw/rank/process.py `_check_tag_forms`).
 - "checksum": keyed BLAKE2b over the whole block (the check before "mac"), salted with
   (room, chunk): a PRF, about 5-15x slower than "mac" on a CPU core.
 - "none": no tag (an explicit opt-out).
