@@ -10,6 +10,9 @@ heads per prefill rank, head_dim 128, bf16, 8192 tokens by default) is gathered 
 paged pool into a contiguous buffer, and scattered back into another pool, each timed
 with CUDA events over several repetitions after a warm-up; the baseline is
 `dst.copy_(src)` of the same number of bytes. Goal (issue 12): at least 0.8 of the copy.
+On a GPU with Triton, also the moves that carry the write tag's hash in their own pass
+(hw/rank/kernels.py `gather_hashed`, `scatter_hashed`; the scatter of one writer block):
+what the default `transfer.verify_writes = "mac"` runs on GPU pools.
 
     python benchmarks/gpu_kernels.py [--layers 8] [--tokens 8192] [--heads 8] [--reps 20]
 """
@@ -22,7 +25,14 @@ import time
 
 import torch
 
-from kvstage.hw.rank.kernels import block_bytes, gather, scatter
+from kvstage.hw.rank.kernels import (
+    block_bytes,
+    fused_tag_possible,
+    gather,
+    gather_hashed,
+    scatter,
+    scatter_hashed,
+)
 from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
 from kvstage.shared.layout import Geometry
 
@@ -91,6 +101,23 @@ def main() -> None:
         ("gather", gather_s, nbytes),
         ("scatter", scatter_s, scatter_bytes),
     ]
+    if cuda and fused_tag_possible(src, block):  # the write tag's hash inside the move
+        key = bytes(range(32))
+        first = layout.blocks[0]
+        heads = (first.heads.dst_head_start, first.heads.num_heads)
+        blk = region[first.offset : first.offset + first.nbytes]
+        rows += [
+            (
+                "gather+tag",
+                timed(lambda: gather_hashed(src, 4, pages, 0, args.heads, key, block), args.reps),
+                nbytes,
+            ),
+            (
+                "scatter+tag",
+                timed(lambda: scatter_hashed(dst, 4, pages, blk, *heads, key), args.reps),
+                first.nbytes,
+            ),
+        ]
     if not cuda:  # the CPU-side work of a hw run: the prefill's forward and the decode's check
         heads = list(range(args.heads))
         rows.append(

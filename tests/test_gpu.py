@@ -89,6 +89,40 @@ def test_the_write_tag_kernel_is_the_definition(nbytes):
     assert block_tag("mac", key, 1, 2, 3, block) != tag
 
 
+def test_the_moves_that_carry_the_write_tag_hash_what_they_move():
+    """Compiled on the GPU: `gather_hashed` and `scatter_hashed` move the bytes `gather`
+    moves and give the digest of the definition over the block (as under Triton's
+    interpreter in tests/test_nhash.py)."""
+    from kvstage.hw.rank import nhash
+    from kvstage.hw.rank.kernels import (
+        block_bytes,
+        fused_tag_possible,
+        gather_hashed,
+        scatter_hashed,
+    )
+
+    key = bytes(range(32))
+    pool = KVPool(LAYERS, 12, PAGE, 8, HEAD_DIM, "bf16", device="cuda")
+    pool.bytes.copy_(torch.randint(0, 256, pool.bytes.shape, dtype=torch.uint8, device="cuda"))
+    n = block_bytes(pool, 5, 3)
+    want = torch.empty(n, dtype=torch.uint8, device="cuda")
+    gather(pool, 2, 5, 4, 3, want)
+    out = torch.zeros_like(want)
+    assert fused_tag_possible(pool, out)
+    digest = gather_hashed(pool, 2, 5, 4, 3, key, out)
+    ref = nhash.nh_reference(bytes(want.cpu().numpy()), key)
+    assert digest.cpu().numpy().astype("<i8").tobytes() == ref
+    assert torch.equal(out, want)
+    block = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    digest = scatter_hashed(pool, 6, 5, block, 1, 3, key)
+    assert digest.cpu().numpy().astype("<i8").tobytes() == nhash.nh_reference(
+        bytes(block.cpu().numpy()), key
+    )
+    back = torch.empty_like(block)
+    gather(pool, 6, 5, 1, 3, back)
+    assert torch.equal(back, block)
+
+
 def mooncake_cuda_problem() -> str | None:
     """Why Mooncake cannot move GPU memory here, or None."""
     from importlib.metadata import PackageNotFoundError, version

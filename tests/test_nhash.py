@@ -154,20 +154,7 @@ def test_the_gpu_kernel_is_the_definition_under_tritons_interpreter():
     last chunk, words at 2^32 - 1), run by Triton's interpreter on the CPU, gives the
     digest of the definition: the same kernel source a GPU compiles. tests/test_gpu.py
     holds the compiled kernel to it on a GPU."""
-    import importlib.util
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        if os.environ.get("CI"):
-            pytest.fail("triton must be importable in CI (the dev extra pins it)")
-        pytest.skip("triton is not installed here (the dev extra pins it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "kernel == definition" in run.stdout
+    _interpret(_INTERPRETED, "kernel == definition")
 
 
 def test_a_writer_and_a_decode_that_tag_by_different_forms_are_refused_at_the_table():
@@ -202,3 +189,122 @@ def test_a_writer_and_a_decode_that_tag_by_different_forms_are_refused_at_the_ta
     RankProcess._check_tag_forms(rank("decode", cuda=True), table)  # same form as its writer
     RankProcess._check_tag_forms(rank("decode", cuda=False, verify="checksum"), table)
     assert RankProcess._tag_form(rank("decode", cuda=True)) == "device"
+
+
+_INTERPRETED_MOVES = """
+import torch
+from kvstage.hw.rank import nhash
+from kvstage.hw.rank.kernels import block_bytes, gather, gather_hashed, scatter_hashed
+from kvstage.hw.rank.kvpool import KVPool
+key = bytes(range(32))
+for planes, heads, head_dim, first, pages, h0, nh in (
+    (2, 4, 8, 1, 3, 1, 2),    # K and V, a head slice, pages after the first
+    (2, 2, 64, 0, 2, 0, 2),   # every head
+    (1, 1, 72, 2, 2, 0, 1),   # an MLA latent
+):
+    pool = KVPool(3, 6, 16, heads, head_dim, "bf16", kv_planes=planes)
+    pool.bytes.copy_(torch.randint(0, 256, pool.bytes.shape, dtype=torch.uint8))
+    n = block_bytes(pool, pages, nh)
+    want_block = torch.empty(n, dtype=torch.uint8)
+    gather(pool, first, pages, h0, nh, want_block)
+    want = nhash.nh_reference(bytes(want_block.numpy()), key)
+    out = torch.zeros(n, dtype=torch.uint8)
+    got = gather_hashed(pool, first, pages, h0, nh, key, out)
+    assert got.numpy().astype("<i8").tobytes() == want, ("gather", planes, heads)
+    assert torch.equal(out, want_block), ("gathered bytes", planes, heads)
+    got = gather_hashed(pool, first, pages, h0, nh, key)  # the hash only
+    assert got.numpy().astype("<i8").tobytes() == want, ("hash only", planes, heads)
+    before = pool.bytes.clone()
+    block = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    got = scatter_hashed(pool, first, pages, block, h0, nh, key)
+    assert got.numpy().astype("<i8").tobytes() == nhash.nh_reference(bytes(block.numpy()), key)
+    back = torch.empty(n, dtype=torch.uint8)
+    gather(pool, first, pages, h0, nh, back)
+    assert torch.equal(back, block), ("scattered bytes", planes, heads)
+    ps = pool.page_size
+    touched = torch.zeros(pool.bytes.shape, dtype=torch.bool)
+    touched[:, :, first * ps : (first + pages) * ps, h0 : h0 + nh] = True
+    assert torch.equal(pool.bytes[~touched], before[~touched]), ("outside", planes, heads)
+print("moves == definition")
+"""
+
+
+def test_the_fused_gather_and_scatter_hash_what_they_move_under_tritons_interpreter():
+    """The kernel that gathers (or scatters) a writer block and hashes it in one pass
+    gives the digest of the definition over the block as `gather` makes it, moves the
+    same bytes as `gather`, and writes nothing outside the room's pages and heads: K and
+    V or an MLA latent, a head slice or every head, pages after the first."""
+    _interpret(_INTERPRETED_MOVES, "moves == definition")
+
+
+_INTERPRETED_DECODE = """
+from types import SimpleNamespace
+import torch
+from kvstage.hw.rank.decode import DecodeRank
+from kvstage.hw.rank.kernels import gather
+from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
+from kvstage.hw.rank.writemac import device_mac, mac_key
+from kvstage.shared.layout import Geometry, owned_heads
+
+P, D, H, LAYERS, HEAD_DIM, PAGE, pages = 4, 2, 8, 2, 16, 16, 3
+g = Geometry(P, D, H, LAYERS, HEAD_DIM, 2, PAGE)
+d = 1
+layout = g.staging_layout(d, pages)
+keys = {p: mac_key(bytes([p]) * 32) for p in range(P)}
+region = torch.zeros(layout.region_bytes, dtype=torch.uint8)
+checksums = []
+for b in layout.blocks:
+    src = KVPool(LAYERS, 8, PAGE, g.prefill_heads, HEAD_DIM, "bf16")
+    fill_pattern(src, 2, pages, 7, 0, list(owned_heads(P, b.prefill_rank, H)))
+    block = region[b.offset : b.offset + b.nbytes]
+    gather(src, 2, pages, b.heads.src_head_start, b.heads.num_heads, block)
+    tag = device_mac(keys[b.prefill_rank], 7, 0, 99, block)  # the writer's GPU form
+    checksums.append((b.writer, b.prefill_rank, tag, 99))
+
+def decode():
+    me = SimpleNamespace(pool=KVPool(LAYERS, 8, PAGE, g.decode_heads, HEAD_DIM, "bf16"),
+                         bytes_checksummed=0)
+    me.scatter_layout = lambda n: g.staging_layout(d, n)
+    me._block_rejected = lambda *args: DecodeRank._block_rejected(me, *args)
+    return me
+
+a = SimpleNamespace(room=7, chunk=0, num_pages=pages, dst_page_base=1, page_start=0,
+                    checksums=checksums)
+me = decode()
+assert DecodeRank._scattered_rejected(me, a, region, keys) == ""
+checked, wrong = verify(me.pool, 1, pages, 7, 0, list(owned_heads(D, d, H)))
+assert wrong == 0 and checked > 0, (checked, wrong)
+assert me.bytes_checksummed == layout.region_bytes
+last = layout.blocks[-1]
+region[last.offset + 5] ^= 1  # a peer's byte in the last block
+why = DecodeRank._scattered_rejected(decode(), a, region, keys)
+assert f"block of writer {last.writer} (prefill rank {last.prefill_rank}" in why, why
+print("decode checks as it scatters")
+"""
+
+
+def test_the_decode_checks_each_block_as_it_scatters_it_under_tritons_interpreter():
+    """The decode's GPU path (DecodeRank._scattered_rejected), run by Triton's
+    interpreter on host pools: a P4 -> D2 region whose blocks carry their writers' device
+    tags lands whole in the room's pages and passes; one flipped byte fails exactly its
+    writer's block, named."""
+    _interpret(_INTERPRETED_DECODE, "decode checks as it scatters")
+
+
+def _interpret(script: str, done: str) -> None:
+    """Run `script` with Triton's interpreter (TRITON_INTERPRET=1: the kernels' own
+    source, executed in numpy on the CPU) in a process of its own; it prints `done`."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        if os.environ.get("CI"):
+            pytest.fail("triton must be importable in CI (the dev extra pins it)")
+        pytest.skip("triton is not installed here (the dev extra pins it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert done in run.stdout

@@ -20,10 +20,17 @@ import torch
 
 from kvstage.hw.control.plane import rank_name
 from kvstage.hw.control.rendezvous import RankInfo
-from kvstage.hw.rank.kernels import gather, scatter, wait_for_stream
+from kvstage.hw.rank.kernels import (
+    fused_tag_possible,
+    gather,
+    gather_hashed,
+    scatter,
+    scatter_hashed,
+    wait_for_stream,
+)
 from kvstage.hw.rank.kvpool import verify
 from kvstage.hw.rank.process import RankProcess
-from kvstage.hw.rank.writemac import block_tag, tag_and_copy, tag_key
+from kvstage.hw.rank.writemac import block_tag, digest_tag, tag_and_copy, tag_key
 from kvstage.shared.events import CheckSlice, Scatter, ScatterDone, SliceChecked, Verify, VerifyDone
 from kvstage.shared.layout import StagingLayout
 
@@ -95,20 +102,15 @@ class DecodeRank(RankProcess):
         job = self.job_cpu.wrap("scatter", partial(self._scatter_job, keys=keys), a.nbytes)
         self._submit(job, a)
 
-    def _block_rejected(
-        self, a: Scatter | CheckSlice, b, block, keys: dict[int, bytes], copy_to=None
-    ) -> str:
-        """Why writer block `b` (a WriterBlock; `block`: its private bytes, or with
-        `copy_to` bytes a peer may write, copied there as they are tagged) fails its
-        writer's tag ('' if it passes)."""
+    def _block_rejected(self, a: Scatter | CheckSlice, b, keys: dict[int, bytes], tag_of) -> str:
+        """Why writer block `b` (a WriterBlock) fails its writer's tag ('' if it passes):
+        `tag_of(key, nonce)` computes the tag of the block's bytes as this rank uses
+        them (a private copy, or the pass that moves them)."""
         tags = {w: (p, t, n) for w, p, t, n in a.checksums}
         p, want, nonce = tags.get(b.writer, (b.prefill_rank, 0, 0))
         if not want:
             return f"writer {b.writer} (prefill rank {p}) sent no write tag"
-        if copy_to is None:
-            got = block_tag(self.verify_writes, keys[p], a.room, a.chunk, nonce, block)
-        else:
-            got = tag_and_copy(self.verify_writes, keys[p], a.room, a.chunk, nonce, block, copy_to)
+        got = tag_of(keys[p], nonce)
         self.bytes_checksummed += b.nbytes
         if got != want:
             return (
@@ -117,15 +119,42 @@ class DecodeRank(RankProcess):
             )
         return ""
 
+    def _fused(self, *flat: torch.Tensor) -> bool:
+        """The tag's hash rides in the scatter or gather itself (a CUDA pool, "mac")."""
+        return self.verify_writes == "mac" and fused_tag_possible(self.pool, *flat)
+
     def _rejected(
         self, a: Scatter, region: torch.Tensor, private: torch.Tensor, keys: dict[int, bytes]
     ) -> str:
         """Copy each writer block of the ring's `region` into `private`, tagging the bytes
-        copied (where they live: on the GPU a CUDA region), and say why one fails its
-        writer's tag ('' if all pass)."""
+        copied, and say why one fails its writer's tag ('' if all pass)."""
+        kind = self.verify_writes
         for b in self.scatter_layout(a.num_pages).blocks:
             span = slice(b.offset, b.offset + b.nbytes)
-            why = self._block_rejected(a, b, region[span], keys, copy_to=private[span])
+            copy = partial(tag_and_copy, kind, src=region[span], dst=private[span])
+            why = self._block_rejected(
+                a, b, keys, lambda k, n, copy=copy: copy(k, a.room, a.chunk, n)
+            )
+            if why:
+                return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
+        return ""
+
+    def _scattered_rejected(self, a: Scatter, region: torch.Tensor, keys: dict[int, bytes]) -> str:
+        """Scatter each writer block of the ring's `region` into the room's pages, hashing
+        the bytes as they move (hw/rank/kernels.py `scatter_hashed`: each read once, so
+        what is checked is what landed, with no private copy), and say why one fails its
+        writer's tag ('' if all pass). A rejected block's bytes are in the room's own
+        pages, which a failed room never serves."""
+        first = a.dst_page_base + a.page_start
+
+        def tag_of(b, k: bytes, nonce: int) -> int:
+            block = region[b.offset : b.offset + b.nbytes]
+            heads = (b.heads.dst_head_start, b.heads.num_heads)
+            digest = scatter_hashed(self.pool, first, a.num_pages, block, *heads, k)
+            return digest_tag(k, a.room, a.chunk, nonce, digest, b.nbytes)
+
+        for b in self.scatter_layout(a.num_pages).blocks:
+            why = self._block_rejected(a, b, keys, partial(tag_of, b))
             if why:
                 return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
         return ""
@@ -137,20 +166,38 @@ class DecodeRank(RankProcess):
         self._submit(job, a)
 
     def _check_slice_job(self, a: CheckSlice, keys: dict[int, bytes]) -> str:
-        """Each writer's block as it landed in the KV pages, gathered into a private copy
-        and checked against its tag ('' if all pass)."""
+        """Each writer's block as it landed in the KV pages, checked against its tag ('' if
+        all pass): hashed as it is read out of the pages (a CUDA pool), else gathered
+        into a private copy and tagged."""
         first = a.dst_page_base + a.page_start
+        fused = self._fused()
         for b in self.scatter_layout(a.num_pages).blocks:
-            block = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-            gather(self.pool, first, a.num_pages, b.heads.dst_head_start, b.heads.num_heads, block)
-            wait_for_stream(self.device)
-            why = self._block_rejected(a, b, block, keys)
+            heads = (b.heads.dst_head_start, b.heads.num_heads)
+            if fused:
+
+                def tag_of(k: bytes, nonce: int, heads=heads, n=b.nbytes) -> int:
+                    digest = gather_hashed(self.pool, first, a.num_pages, *heads, k)
+                    return digest_tag(k, a.room, a.chunk, nonce, digest, n)
+
+            else:
+                block = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+                gather(self.pool, first, a.num_pages, *heads, block)
+                wait_for_stream(self.device)
+
+                def tag_of(k: bytes, nonce: int, block=block) -> int:
+                    return block_tag(self.verify_writes, k, a.room, a.chunk, nonce, block)
+
+            why = self._block_rejected(a, b, keys, tag_of)
             if why:
                 return why
         return ""
 
     def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
+        if keys is not None and self._fused(region):  # checked as it is scattered
+            why = self._scattered_rejected(a, region, keys)
+            wait_for_stream(self.device)  # finished before the runtime frees its region
+            return why
         if keys is not None:  # what is checked is what is scattered: a private copy
             private = torch.empty_like(region)
             why = self._rejected(a, region, private, keys)

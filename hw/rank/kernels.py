@@ -81,6 +81,28 @@ def block_bytes(pool: KVPool, num_pages: int, num_heads: int) -> int:
     )
 
 
+def _check_block(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    head_start: int,
+    num_heads: int,
+    block: torch.Tensor | None,
+    side: str,
+) -> None:
+    """A writer block's pages and heads inside the pool, and `block` (if any) a flat
+    uint8 tensor of exactly its size."""
+    pool.check_pages(first_page, num_pages)
+    _check_heads(pool, head_start, num_heads, side)
+    if block is None:
+        return
+    _check_flat(block, "out" if side == "source" else "block", pool)
+    need = block_bytes(pool, num_pages, num_heads)
+    if block.numel() != need:
+        what = "out" if side == "source" else "the block"
+        raise ValueError(f"{what} holds {block.numel()} bytes, the writer block needs {need}")
+
+
 def gather(
     pool: KVPool,
     first_page: int,
@@ -94,12 +116,7 @@ def gather(
     `out` is the flat uint8 slice of a (registered) staging buffer holding exactly one
     writer block; after the copy it holds [K/V][layer][token][head][head_dim].
     """
-    pool.check_pages(first_page, num_pages)
-    _check_heads(pool, src_head_start, num_heads, "source")
-    _check_flat(out, "out", pool)
-    need = block_bytes(pool, num_pages, num_heads)
-    if out.numel() != need:
-        raise ValueError(f"out holds {out.numel()} bytes, the writer block needs {need}")
+    _check_block(pool, first_page, num_pages, src_head_start, num_heads, out, "source")
     ps = pool.page_size
     size, dtype = _word(pool.token_bytes_per_head, out)
     src = _pool_words(pool, dtype, size)[
@@ -156,6 +173,79 @@ def scatter(
             :, :, tokens, hs.dst_head_start : hs.dst_head_start + hs.num_heads
         ]
         dst.copy_(src.view(dtype).view(dst.shape))
+
+
+# --- the write tag inside the move (hw/rank/nhash.py) ----------------------------
+
+
+def fused_tag_possible(pool: KVPool, *flat: torch.Tensor) -> bool:
+    """Whether the pool's gathers and scatters can carry the write tag's hash in their own
+    pass: a CUDA pool, Triton importable, head rows and buffers in whole 32-bit words."""
+    from kvstage.hw.rank import nhash
+
+    return (
+        pool.bytes.is_cuda
+        and nhash._kernel() is not None
+        and pool.token_bytes_per_head % 4 == 0
+        and all(t.numel() % 4 == 0 and t.data_ptr() % 4 == 0 for t in flat)
+    )
+
+
+def gather_hashed(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    src_head_start: int,
+    num_heads: int,
+    key: bytes,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gather` into `out` (None: nowhere, the hash only) and the NH digest of the
+    writer block (hw/rank/nhash.py) in the same pass, each pool word read once: the
+    digest of exactly the bytes gathered, as (chunks, KEYS) int64 on the pool's device.
+    Needs `fused_tag_possible`."""
+    _check_block(pool, first_page, num_pages, src_head_start, num_heads, out, "source")
+    words = None if out is None else out.view(torch.int32)
+    return _hashed_move(pool, first_page, num_pages, src_head_start, num_heads, words, key)
+
+
+def scatter_hashed(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    block: torch.Tensor,
+    dst_head_start: int,
+    num_heads: int,
+    key: bytes,
+) -> torch.Tensor:
+    """Scatter one writer block into the pool's pages, heads [dst_head_start,
+    +num_heads), and return the NH digest of the bytes it wrote, in the same pass (each
+    block word read once, so a block a peer writes meanwhile is hashed as it landed).
+    Needs `fused_tag_possible`."""
+    _check_block(pool, first_page, num_pages, dst_head_start, num_heads, block, "destination")
+    words = block.view(torch.int32)
+    return _hashed_move(pool, first_page, num_pages, dst_head_start, num_heads, words, key, True)
+
+
+def _hashed_move(
+    pool: KVPool,
+    first_page: int,
+    num_pages: int,
+    head_start: int,
+    num_heads: int,
+    block: torch.Tensor | None,
+    key: bytes,
+    scatter: bool = False,
+) -> torch.Tensor:
+    """The pool's slice of a writer block, moved to or from `block` (int32 words) by the
+    NH kernel as it hashes (hw/rank/nhash.py `launch_strided`)."""
+    from kvstage.hw.rank.nhash import launch_strided
+
+    ps = pool.page_size
+    tokens = slice(first_page * ps, (first_page + num_pages) * ps)
+    heads = slice(head_start, head_start + num_heads)
+    words = _pool_words(pool, torch.int32, 4)
+    return launch_strided(words, block, key, tokens, heads, scatter=scatter)
 
 
 def _scatter_tiled(

@@ -126,8 +126,13 @@ def nh_torch(block: torch.Tensor, key: bytes) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """The NH kernel (Triton), made on first use: None where Triton does not import (the
-    CPU build of torch ships without it). Under TRITON_INTERPRET=1 it runs on CPU
-    tensors, in numpy, which is how the tests hold it to the definition without a GPU."""
+    CPU build of torch ships without it). It hashes a writer block in block order while
+    it moves it between the block and a pool's slice [planes, layers, tokens t0..,
+    heads h0.., words]: SCATTER, block -> pool; else pool -> block (stored if STORE).
+    Either way the words hashed are the words moved, each read once. A contiguous
+    block is the slice of a pool of one row (`launch`). Under TRITON_INTERPRET=1 it
+    runs on CPU tensors, in numpy: how the tests hold it to the definition without a
+    GPU."""
     try:
         import triton
         import triton.language as tl
@@ -135,8 +140,26 @@ def _kernel():
         return None
 
     @triton.jit
-    def nh_kernel(
-        words, keys, out, dst, n_words, W: tl.constexpr, TILE: tl.constexpr, COPY: tl.constexpr
+    def strided_nh(
+        block,
+        pool,
+        keys,
+        out,
+        n_words,
+        hw,
+        nh,
+        T,
+        layers,
+        S0,
+        S1,
+        S2,
+        S3,
+        t0,
+        h0,
+        W: tl.constexpr,
+        TILE: tl.constexpr,
+        SCATTER: tl.constexpr,
+        STORE: tl.constexpr,
     ):
         c = tl.program_id(0)
         base = c.to(tl.int64) * W
@@ -147,11 +170,31 @@ def _kernel():
             i = t + tl.arange(0, TILE)
             lo = base + i
             hi = lo + half
-            a = tl.load(words + lo, mask=lo < n_words, other=0)
-            b = tl.load(words + hi, mask=hi < n_words, other=0)
-            if COPY:  # the words hashed are the words copied: each is read once
-                tl.store(dst + lo, a, mask=lo < n_words)
-                tl.store(dst + hi, b, mask=hi < n_words)
+            mlo = lo < n_words
+            mhi = hi < n_words
+            # block word -> pool word, [plane, layer, token, head, word] of the slice,
+            # written out twice (the interpreter does not see a helper beside the kernel)
+            r = lo // hw
+            tok = r // nh
+            lay = tok // T
+            plo = (lay // layers) * S0 + (lay % layers) * S1 + (t0 + tok % T) * S2
+            plo += (h0 + r % nh) * S3 + lo % hw
+            r = hi // hw
+            tok = r // nh
+            lay = tok // T
+            phi = (lay // layers) * S0 + (lay % layers) * S1 + (t0 + tok % T) * S2
+            phi += (h0 + r % nh) * S3 + hi % hw
+            if SCATTER:
+                a = tl.load(block + lo, mask=mlo, other=0)
+                b = tl.load(block + hi, mask=mhi, other=0)
+                tl.store(pool + plo, a, mask=mlo)
+                tl.store(pool + phi, b, mask=mhi)
+            else:
+                a = tl.load(pool + plo, mask=mlo, other=0)
+                b = tl.load(pool + phi, mask=mhi, other=0)
+                if STORE:
+                    tl.store(block + lo, a, mask=mlo)
+                    tl.store(block + hi, b, mask=mhi)
             a = a.to(tl.uint32, bitcast=True)
             b = b.to(tl.uint32, bitcast=True)
             k0a = tl.load(keys + i).to(tl.uint32, bitcast=True)
@@ -163,7 +206,49 @@ def _kernel():
         tl.store(out + 2 * c, tl.sum(acc0, axis=0).to(tl.int64, bitcast=True))
         tl.store(out + 2 * c + 1, tl.sum(acc1, axis=0).to(tl.int64, bitcast=True))
 
-    return nh_kernel
+    return strided_nh
+
+
+def launch_strided(
+    pool_words: torch.Tensor,
+    block_words: torch.Tensor | None,
+    key: bytes,
+    tokens: slice,
+    heads: slice,
+    scatter: bool,
+    tile: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:
+    """NH of the writer block that is `pool_words[:, :, tokens, heads]` (int32, a pool as
+    [planes, layers, tokens, heads, words]) in block order, moving it as it hashes:
+    scatter, `block_words` -> pool; else gather, pool -> `block_words` (None: hash
+    only). The digest as (chunks, KEYS) int64, as `launch` gives for the gathered
+    block."""
+    planes, layers, _, _, hw = pool_words.shape
+    T, nh = tokens.stop - tokens.start, heads.stop - heads.start
+    n_words = planes * layers * T * nh * hw
+    if block_words is not None and block_words.numel() != n_words:
+        raise ValueError(f"the block holds {block_words.numel()} words, the slice {n_words}")
+    if block_words is None and scatter:
+        raise ValueError("a scatter needs the block it scatters")
+    n = max(1, -(-n_words // CHUNK_WORDS))
+    out = torch.empty((n, KEYS), dtype=torch.int64, device=pool_words.device)
+    keys = _device_key(key, pool_words.device, torch.int32)
+    S0, S1, S2, S3, _ = pool_words.stride()
+    block = pool_words if block_words is None else block_words  # None: never stored to
+    args = (block, pool_words, keys, out, n_words, hw, nh, T, layers, S0, S1, S2, S3)
+    args += (tokens.start, heads.start)
+    shape = {"W": CHUNK_WORDS, "TILE": tile or TILE, "SCATTER": scatter}
+    shape["STORE"] = block_words is not None
+    kernel = _kernel()
+    if not pool_words.is_cuda:  # the interpreter (tests)
+        kernel[(n,)](*args, **shape)
+    elif pool_words.device.index == torch.cuda.current_device():
+        kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
+    else:
+        with torch.cuda.device(pool_words.device):
+            kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
+    return out
 
 
 def kernel_available(block: torch.Tensor) -> bool:
@@ -177,22 +262,11 @@ def launch(
     tile: int | None = None,
     warps: int | None = None,
 ) -> torch.Tensor:
-    """The kernel over int32 `words` (copied into int32 `dst` if given): the digest as
-    (chunks, KEYS) int64 on their device."""
-    n = max(1, -(-words.numel() // CHUNK_WORDS))
-    out = torch.empty((n, KEYS), dtype=torch.int64, device=words.device)
-    keys = _device_key(key, words.device, torch.int32)
-    args = (words, keys, out, words if dst is None else dst, words.numel())
-    shape = {"W": CHUNK_WORDS, "TILE": tile or TILE, "COPY": dst is not None}
-    kernel = _kernel()
-    if not words.is_cuda:  # the interpreter (tests)
-        kernel[(n,)](*args, **shape)
-    elif words.device.index == torch.cuda.current_device():
-        kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
-    else:
-        with torch.cuda.device(words.device):
-            kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
-    return out
+    """The kernel over contiguous int32 `words` (copied into int32 `dst` if given): the
+    digest as (chunks, KEYS) int64 on their device."""
+    row = words.reshape(1, 1, 1, 1, -1)  # a pool of one row: block word i is word i
+    one = slice(0, 1)
+    return launch_strided(row, dst, key, one, one, scatter=False, tile=tile, warps=warps)
 
 
 # the kernel's shape: TILE word pairs a step, WARPS warps a chunk (benchmarks/checksum_cost.py

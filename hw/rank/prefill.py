@@ -16,11 +16,17 @@ import torch
 
 from kvstage.hw.control.plane import rank_name
 from kvstage.hw.control.rendezvous import RankInfo
-from kvstage.hw.rank.kernels import gather, slice_ops, wait_for_stream
+from kvstage.hw.rank.kernels import (
+    fused_tag_possible,
+    gather,
+    gather_hashed,
+    slice_ops,
+    wait_for_stream,
+)
 from kvstage.hw.rank.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank.preflight import SEND_BUFFER_CHUNKS
 from kvstage.hw.rank.process import BUSY_POLL_S, IDLE_POLL_S, RankProcess
-from kvstage.hw.rank.writemac import block_tag, tag_and_copy, tag_key
+from kvstage.hw.rank.writemac import block_tag, digest_tag, tag_and_copy, tag_key
 from kvstage.hw.transport.bandwidth import (
     GB,
     PROBE_MIN_BYTES,
@@ -398,6 +404,10 @@ class PrefillRank(RankProcess):
             )
             wait_for_stream(self.device)  # the write must not read a half-gathered block
             return 0
+        heads = (a.heads.src_head_start, a.heads.num_heads)
+        if self._fused(out):  # hashed as the pool's words are gathered into the buffer
+            digest = gather_hashed(self.pool, first_page, a.num_pages, *heads, key, out)
+            return digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)  # syncs
         # tagged where no peer can write (the pool is not registered on the staging path),
         # then copied into the registered send buffer
         block = self._private_block(first_page, a.num_pages, a.heads, a.nbytes)
@@ -408,6 +418,11 @@ class PrefillRank(RankProcess):
             out.copy_(block)
         wait_for_stream(self.device)
         return tag
+
+    def _fused(self, *flat: torch.Tensor) -> bool:
+        """The tag's hash rides in the gather itself (a CUDA pool, "mac"): the words hashed
+        are the words read from the pool, which no peer can write on the staging path."""
+        return self.verify_writes == "mac" and fused_tag_possible(self.pool, *flat)
 
     def _private_block(self, first_page: int, num_pages: int, heads, nbytes: int) -> torch.Tensor:
         """A writer block (`heads`: a HeadSlice) gathered from the pool into memory of this
@@ -473,7 +488,12 @@ class PrefillRank(RankProcess):
         )
         tag = 0
         key = self._tag_key(a.decode_rank)
-        if key is not None:  # the slice the decode will check, as it leaves the pool
+        if key is not None and self._fused():  # the slice, hashed as read from the pool
+            first = self.runtime.page_base(a.room) + a.src_page
+            heads = (a.heads.src_head_start, a.heads.num_heads)
+            digest = gather_hashed(self.pool, first, a.num_pages, *heads, key)
+            tag = digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)
+        elif key is not None:  # the slice the decode will check, as it leaves the pool
             first = self.runtime.page_base(a.room) + a.src_page
             block = self._private_block(first, a.num_pages, a.heads, a.nbytes)
             tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)

@@ -53,7 +53,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from kvstage.hw.control.keys import CHECKSUM_MASK, block_checksum, write_key
 from kvstage.hw.control.keys import _hkdf as hkdf
-from kvstage.hw.rank.nhash import nh_digest
+from kvstage.hw.rank.nhash import nh_device
 
 KINDS = ("none", "checksum", "mac")
 _MAC = b"kvstage write mac v1"
@@ -98,13 +98,21 @@ def device_mac(
     """The "mac" tag of a writer block on a CUDA device: NH on the device, then Poly1305
     and BLAKE2b over its digest on the host (the module's docstring). With `copy_to`,
     the block is copied there by the same pass (what is tagged is what was copied)."""
+    return digest_tag(key, room, chunk, nonce, nh_device(block, key, copy_to), block.numel())
+
+
+def digest_tag(
+    key: bytes, room: int, chunk: int, nonce: int, digest: torch.Tensor, nbytes: int
+) -> int:
+    """The "mac" tag of an `nbytes` writer block from its NH digest (`nh_device`, or a
+    gather or scatter that hashed as it moved: hw/rank/kernels.py)."""
     bind = _BIND.pack(nonce, room, chunk)
     one_time = hashlib.blake2b(bind, key=key, digest_size=32, person=b"kvs-nh-poly").digest()
-    h = Poly1305.generate_tag(one_time, nh_digest(block, key, copy_to))
-    digest = hashlib.blake2b(
-        bind + _LEN.pack(block.numel()) + h, key=key, digest_size=8, person=b"kvs-nh-tag"
+    h = Poly1305.generate_tag(one_time, digest.cpu().numpy().astype("<i8").tobytes())
+    tag = hashlib.blake2b(
+        bind + _LEN.pack(nbytes) + h, key=key, digest_size=8, person=b"kvs-nh-tag"
     ).digest()
-    return (int.from_bytes(digest, "big") & CHECKSUM_MASK) or 1
+    return (int.from_bytes(tag, "big") & CHECKSUM_MASK) or 1
 
 
 def host_bytes(block: torch.Tensor) -> np.ndarray:
