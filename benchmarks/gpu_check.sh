@@ -8,7 +8,10 @@
 # each backend of BACKENDS (default: nixl, and mooncake where its CUDA wheel,
 # mooncake-transfer-engine, is installed). Needs a CUDA torch and nixl; PY names the
 # interpreter (default: the project's venv). The run directories and raw.json land in
-# $OUT (default runs/gpu-check).
+# $OUT (default runs/gpu-check). Where nixl is not installed (a lent machine with only a
+# CUDA torch: carry the wheels benchmarks/gpu_wheels.sh downloads, install them with
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`, then run with
+# PY=python3 PYTHONPATH=/tmp/site:$PWD) it stops after the kernels and the write tag.
 #
 # Before that (and on a machine without a GPU: CPU_ONLY=1 stops after it), what the
 # runs will use: the affinity table (each local rank's GPU, NUMA node and rail NIC,
@@ -45,8 +48,14 @@ else
     echo "rdma: no RDMA device (/sys/class/infiniband empty or absent): NIXL and Mooncake use TCP between hosts"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi topo -m || echo "nvidia-smi: absent (no GPU topology)"
-UCX_INFO=$(find "$("$PY" -c 'import nixl, os; print(os.path.dirname(os.path.dirname(nixl.__file__)))')" -name ucx_info -type f 2>/dev/null | head -1)
-if [[ -n $UCX_INFO ]]; then "$UCX_INFO" -d | grep -E "Transport|Device" | paste - - | sort -u | head -20; else echo "ucx_info: not bundled with nixl (UCX's choice per rank: summary.json transport_used)"; fi
+HAVE_NIXL=1
+"$PY" -c 'import nixl' 2>/dev/null || HAVE_NIXL=
+if [[ -n $HAVE_NIXL ]]; then
+    UCX_INFO=$(find "$("$PY" -c 'import nixl, os; print(os.path.dirname(os.path.dirname(nixl.__file__)))')" -name ucx_info -type f 2>/dev/null | head -1)
+    if [[ -n $UCX_INFO ]]; then "$UCX_INFO" -d | grep -E "Transport|Device" | paste - - | sort -u | head -20; else echo "ucx_info: not bundled with nixl (UCX's choice per rank: summary.json transport_used)"; fi
+else
+    echo "nixl: not importable by $PY: the kernels and the write tag run below, the engine runs do not"
+fi
 if [[ -n ${CPU_ONLY:-} ]]; then exit 0; fi
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 if [[ -z ${BACKENDS:-} ]]; then
@@ -60,6 +69,11 @@ fi
 # the write tag (transfer.verify_writes = "mac", the default; NH on the device) on GPU blocks, beside a
 # NIXL write of the same block and the line rate (bar: x_line >= 20, /model <= 5%)
 "$PY" benchmarks/checksum_cost.py --device cuda --reps 10 --parts
+# without an engine, the rest cannot run
+if [[ -z $HAVE_NIXL ]]; then
+    echo "nixl: not importable: the descriptor probe, the raw writes and the hw runs are skipped"
+    exit 0
+fi
 # the serving engine's per-descriptor costs (build, prepare, post) and the GIL, NIXL on host
 # memory then on GPU memory, each fit with its R^2 (hw/probes/descriptors.py): the numbers the
 # [engine] presets take from the VM (shared/scenario/engines.py), here on a GPU host
