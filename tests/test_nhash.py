@@ -308,3 +308,33 @@ def _interpret(script: str, done: str) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert done in run.stdout
+
+
+_INTERPRETED_WARM = """
+import torch
+from kvstage.hw.rank import kernels
+from kvstage.hw.rank.kvpool import KVPool
+calls = []
+for name in ("gather_hashed", "scatter_hashed"):
+    real = getattr(kernels, name)
+    setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+kernels.fused_tag_possible = lambda pool, *flat: True  # as on a GPU
+pool = KVPool(2, 4, 16, 2, 64, "bf16", kv_planes=2)
+before = pool.bytes.clone()
+kernels.warm_hashed_moves(pool)
+assert calls == ["gather_hashed", "gather_hashed", "scatter_hashed"], calls
+assert torch.equal(pool.bytes, before), "the warm-up wrote into the rank's own pool"
+print("warmed on a scratch pool")
+"""
+
+
+def test_the_tag_kernels_compile_before_the_run_on_a_scratch_pool():
+    """A GPU rank compiles the three moves at start (Triton's first launch compiles), on
+    a scratch pool of its rows: its own pool is not touched. On a host pool nothing is
+    made."""
+    from kvstage.hw.rank.kernels import warm_hashed_moves
+    from kvstage.hw.rank.kvpool import KVPool
+
+    pool = KVPool(2, 4, 16, 2, 64, "bf16")
+    warm_hashed_moves(pool)  # a host pool: returns at once
+    _interpret(_INTERPRETED_WARM, "warmed on a scratch pool")

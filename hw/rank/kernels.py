@@ -191,6 +191,29 @@ def fused_tag_possible(pool: KVPool, *flat: torch.Tensor) -> bool:
     )
 
 
+def warm_hashed_moves(pool: KVPool) -> None:
+    """Compile the moves that carry the write tag (gather into a buffer, gather to hash
+    only, scatter) on a scratch pool of the same rows, so that Triton's compiles happen
+    before the run, not in its first chunks. A no-op where they cannot run."""
+    if not fused_tag_possible(pool):
+        return
+    scratch = KVPool(
+        pool.layers,
+        1,
+        pool.page_size,
+        pool.heads,
+        pool.head_dim,
+        pool.dtype,
+        device=pool.device,
+        kv_planes=pool.kv_planes,
+    )
+    block = torch.zeros(block_bytes(scratch, 1, 1), dtype=torch.uint8, device=pool.device)
+    key = bytes(32)
+    gather_hashed(scratch, 0, 1, 0, 1, key, block)
+    gather_hashed(scratch, 0, 1, 0, 1, key)
+    scatter_hashed(scratch, 0, 1, block, 0, 1, key).cpu()
+
+
 def gather_hashed(
     pool: KVPool,
     first_page: int,

@@ -139,7 +139,9 @@ def _kernel():
     except ImportError:
         return None
 
-    @triton.jit
+    # the pool's shape, strides and offsets vary by room and rank: not compiled in (a
+    # kernel a value), only n_words is (its divisibility lets the block's loads widen)
+    @triton.jit(do_not_specialize=["hw", "nh", "T", "layers", "S0", "S1", "S2", "S3", "t0", "h0"])
     def strided_nh(
         block,
         pool,

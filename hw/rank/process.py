@@ -50,6 +50,7 @@ from typing import Any
 from kvstage.hw.control.plane import LOOP_STATS_ENV, ControlPlane, rank_name
 from kvstage.hw.control.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
 from kvstage.hw.launch.launcher import check_launcher
+from kvstage.hw.rank.kernels import warm_hashed_moves
 from kvstage.hw.rank.kvpool import KVPool
 from kvstage.hw.rank.priority import LoopPriority, WritePriority, thread_ids
 from kvstage.hw.transport import affinity
@@ -219,6 +220,8 @@ class RankProcess:
             kv_planes=g.kv_factor,
             device=self.device,
         )
+        if scenario.transfer.verify_writes == "mac":
+            warm_hashed_moves(self.pool)  # Triton's compiles before the run (a GPU pool)
         # clock_skew_s: an artificial error of this rank's clock (tests: the offset measured
         # at the rendezvous must undo it); clock_offset_s: that measured offset
         self.clock_skew_s = clock_skew_s
