@@ -324,13 +324,22 @@ before = pool.bytes.clone()
 kernels.warm_hashed_moves(pool)
 assert calls == ["gather_hashed", "gather_hashed", "scatter_hashed"], calls
 assert torch.equal(pool.bytes, before), "the warm-up wrote into the rank's own pool"
+assert kernels.nhash.kernel_ready()
+def broken(*a, **k):
+    raise RuntimeError("no such instruction on this GPU")
+kernels.gather_hashed = broken  # a kernel that does not run here: the torch form instead
+kernels.warm_hashed_moves(pool)
+assert not kernels.nhash.kernel_ready()
+assert "no such instruction" in kernels.nhash._refused
 print("warmed on a scratch pool")
 """
 
 
 def test_the_tag_kernels_compile_before_the_run_on_a_scratch_pool():
     """A GPU rank compiles the three moves at start (Triton's first launch compiles), on
-    a scratch pool of its rows: its own pool is not touched. On a host pool nothing is
+    a scratch pool of its rows, and checks the kernel's digest against the torch form's:
+    its own pool is not touched, and a kernel that fails there is refused for the
+    process (the torch form, the same digest, takes over). On a host pool nothing is
     made."""
     from kvstage.hw.rank.kernels import warm_hashed_moves
     from kvstage.hw.rank.kvpool import KVPool

@@ -18,13 +18,17 @@ geometry's plane count, so the latent moves once per token per layer.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvstage.hw.rank import nhash
 from kvstage.hw.rank.kvpool import KVPool, PoolDesc
 from kvstage.shared.layout import Geometry, StagingLayout
+
+log = logging.getLogger(__name__)
 
 # Widest integer dtype per element width: copying 8-byte words instead of bytes lets
 # the copy kernel move larger units on both CPU and CUDA.
@@ -181,11 +185,9 @@ def scatter(
 def fused_tag_possible(pool: KVPool, *flat: torch.Tensor) -> bool:
     """Whether the pool's gathers and scatters can carry the write tag's hash in their own
     pass: a CUDA pool, Triton importable, head rows and buffers in whole 32-bit words."""
-    from kvstage.hw.rank import nhash
-
     return (
         pool.bytes.is_cuda
-        and nhash._kernel() is not None
+        and nhash.kernel_ready()
         and pool.token_bytes_per_head % 4 == 0
         and all(t.numel() % 4 == 0 and t.data_ptr() % 4 == 0 for t in flat)
     )
@@ -207,11 +209,22 @@ def warm_hashed_moves(pool: KVPool) -> None:
         device=pool.device,
         kv_planes=pool.kv_planes,
     )
+    scratch.bytes.copy_(torch.randint(0, 256, scratch.bytes.shape, dtype=torch.uint8))
     block = torch.zeros(block_bytes(scratch, 1, 1), dtype=torch.uint8, device=pool.device)
     key = bytes(32)
-    gather_hashed(scratch, 0, 1, 0, 1, key, block)
-    gather_hashed(scratch, 0, 1, 0, 1, key)
-    scatter_hashed(scratch, 0, 1, block, 0, 1, key).cpu()
+    try:
+        got = gather_hashed(scratch, 0, 1, 0, 1, key, block)
+        gather_hashed(scratch, 0, 1, 0, 1, key)
+        scatter_hashed(scratch, 0, 1, block, 0, 1, key).cpu()
+        if not torch.equal(got.cpu(), nhash.nh_torch(block, key).cpu()):
+            raise RuntimeError("its digest differs from the torch form's on this GPU")
+    except Exception as exc:  # a GPU or Triton it does not run on: the torch form instead
+        nhash.refuse_kernel(f"{type(exc).__name__}: {exc}")
+        log.warning(
+            "the write tag's Triton kernel does not run here (%s): tags are hashed by the "
+            "torch form, with private copies",
+            nhash._refused,
+        )
 
 
 def gather_hashed(
@@ -262,13 +275,11 @@ def _hashed_move(
 ) -> torch.Tensor:
     """The pool's slice of a writer block, moved to or from `block` (int32 words) by the
     NH kernel as it hashes (hw/rank/nhash.py `launch_strided`)."""
-    from kvstage.hw.rank.nhash import launch_strided
-
     ps = pool.page_size
     tokens = slice(first_page * ps, (first_page + num_pages) * ps)
     heads = slice(head_start, head_start + num_heads)
     words = _pool_words(pool, torch.int32, 4)
-    return launch_strided(words, block, key, tokens, heads, scatter=scatter)
+    return nhash.launch_strided(words, block, key, tokens, heads, scatter=scatter)
 
 
 def _scatter_tiled(

@@ -253,8 +253,24 @@ def launch_strided(
     return out
 
 
+# why the kernel is not used in this process (None: it is, where Triton imports): set when
+# it failed to compile or run on this GPU (hw/rank/kernels.py `warm_hashed_moves`); the
+# torch form computes the same digest, so a rank that falls back still agrees with peers
+_refused: str | None = None
+
+
+def refuse_kernel(why: str) -> None:
+    global _refused
+    _refused = why
+
+
+def kernel_ready() -> bool:
+    """Whether the Triton kernel can be used in this process."""
+    return _refused is None and _kernel() is not None
+
+
 def kernel_available(block: torch.Tensor) -> bool:
-    return block.is_cuda and _kernel() is not None
+    return block.is_cuda and kernel_ready()
 
 
 def launch(
