@@ -336,3 +336,31 @@ def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     _assert_rejected_not_scattered(s, result, stats)
     assert raw.probes["pool_write_rc"] != 0, "a write into the unregistered KV pool landed"
     assert raw.probes["prefill_pool_read_rc"] != 0, "a read of a prefill's unregistered pool worked"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["staging", "slice"])
+def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monkeypatch, path):
+    """The GPU path's code in a whole run, where no GPU is: every rank runs the moves
+    that carry the write tag (the writer's gather into its send buffer or, on the slice
+    path, out of its pool; the decode's scatter out of the ring or its read of the
+    pages) by Triton's interpreter on host pools (KVSTAGE_TAG_KERNEL_ON_HOST). The same
+    attackers as above are caught the same way: 0 bytes wrong, exactly the held room
+    failed on a rejected write, every other room done and verified, and the decode's
+    checked bytes were all hashed by the moves themselves."""
+    import importlib.util
+    import os
+
+    from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
+
+    if importlib.util.find_spec("triton") is None:
+        if os.environ.get("CI"):
+            pytest.fail("triton must be importable in CI (the dev extra pins it)")
+        pytest.skip("triton is not installed here (the dev extra pins it)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(HOST_KERNEL_ENV, "1")
+    attacker = _CoWriter if path == "slice" else _Insider
+    s, result, stats, _ = _run(tmp_path, "nixl", attacker, path=path)
+    (_assert_slices_caught if path == "slice" else _assert_rejected_not_scattered)(s, result, stats)
+    dec = result.reports["decode0"]
+    assert dec["bytes_hashed_in_moves"] == dec["bytes_checksummed"] > 0, dec

@@ -53,6 +53,7 @@ class DecodeRank(RankProcess):
         self.verify_writes = scenario.transfer.verify_writes  # "none": nothing checked
         self.writes_rejected = 0  # regions or slices whose write tag failed: not used
         self.bytes_checksummed = 0
+        self.bytes_hashed_in_moves = 0  # of them, hashed by the scatter or gather itself
 
     def _register_memory(self) -> None:
         """The staging ring, and the KV pool only where a peer's write lands in it: on
@@ -151,6 +152,7 @@ class DecodeRank(RankProcess):
             block = region[b.offset : b.offset + b.nbytes]
             heads = (b.heads.dst_head_start, b.heads.num_heads)
             digest = scatter_hashed(self.pool, first, a.num_pages, block, *heads, k)
+            self.bytes_hashed_in_moves += b.nbytes
             return digest_tag(k, a.room, a.chunk, nonce, digest, b.nbytes)
 
         for b in self.scatter_layout(a.num_pages).blocks:
@@ -177,6 +179,7 @@ class DecodeRank(RankProcess):
 
                 def tag_of(k: bytes, nonce: int, heads=heads, n=b.nbytes) -> int:
                     digest = gather_hashed(self.pool, first, a.num_pages, *heads, k)
+                    self.bytes_hashed_in_moves += n
                     return digest_tag(k, a.room, a.chunk, nonce, digest, n)
 
             else:
@@ -266,6 +269,7 @@ class DecodeRank(RankProcess):
             "wrong_rooms": self.wrong_rooms,
             "writes_rejected": self.writes_rejected,
             "bytes_checksummed": self.bytes_checksummed,
+            "bytes_hashed_in_moves": self.bytes_hashed_in_moves,
         }
 
     _EXECUTORS = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,11 +183,17 @@ def scatter(
 # --- the write tag inside the move (hw/rank/nhash.py) ----------------------------
 
 
+# Tests only: "1" runs the tag-carrying moves on host pools too, under Triton's
+# interpreter (with TRITON_INTERPRET=1), so that a whole hardware run exercises the GPU
+# path's code where no GPU is (tests/test_nhash.py). Slow; never set in production.
+HOST_KERNEL_ENV = "KVSTAGE_TAG_KERNEL_ON_HOST"
+
+
 def fused_tag_possible(pool: KVPool, *flat: torch.Tensor) -> bool:
     """Whether the pool's gathers and scatters can carry the write tag's hash in their own
     pass: a CUDA pool, Triton importable, head rows and buffers in whole 32-bit words."""
     return (
-        pool.bytes.is_cuda
+        (pool.bytes.is_cuda or os.environ.get(HOST_KERNEL_ENV) == "1")
         and nhash.kernel_ready()
         and pool.token_bytes_per_head % 4 == 0
         and all(t.numel() % 4 == 0 and t.data_ptr() % 4 == 0 for t in flat)
