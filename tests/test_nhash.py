@@ -263,7 +263,7 @@ for b in layout.blocks:
 
 def decode():
     me = SimpleNamespace(pool=KVPool(LAYERS, 8, PAGE, g.decode_heads, HEAD_DIM, "bf16"),
-                         bytes_checksummed=0)
+                         bytes_checksummed=0, bytes_hashed_in_moves=0)
     me.scatter_layout = lambda n: g.staging_layout(d, n)
     me._block_rejected = lambda *args: DecodeRank._block_rejected(me, *args)
     return me
@@ -274,7 +274,7 @@ me = decode()
 assert DecodeRank._scattered_rejected(me, a, region, keys) == ""
 checked, wrong = verify(me.pool, 1, pages, 7, 0, list(owned_heads(D, d, H)))
 assert wrong == 0 and checked > 0, (checked, wrong)
-assert me.bytes_checksummed == layout.region_bytes
+assert me.bytes_checksummed == me.bytes_hashed_in_moves == layout.region_bytes
 last = layout.blocks[-1]
 region[last.offset + 5] ^= 1  # a peer's byte in the last block
 why = DecodeRank._scattered_rejected(decode(), a, region, keys)

@@ -175,17 +175,27 @@ def _kernel():
             mlo = lo < n_words
             mhi = hi < n_words
             # block word -> pool word, [plane, layer, token, head, word] of the slice,
-            # written out twice (the interpreter does not see a helper beside the kernel)
-            r = lo // hw
+            # written out twice (the interpreter does not see a helper beside the kernel).
+            # The divisions in 32 bits (a block under 2^31 words, checked on the host: a
+            # 64-bit division costs a GPU several times more), the address in 64.
+            r = lo.to(tl.int32) // hw
+            w = lo.to(tl.int32) - r * hw
             tok = r // nh
+            h = r - tok * nh
             lay = tok // T
-            plo = (lay // layers) * S0 + (lay % layers) * S1 + (t0 + tok % T) * S2
-            plo += (h0 + r % nh) * S3 + lo % hw
-            r = hi // hw
+            t = tok - lay * T
+            pl = lay // layers
+            plo = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
+            plo += (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
+            r = hi.to(tl.int32) // hw
+            w = hi.to(tl.int32) - r * hw
             tok = r // nh
+            h = r - tok * nh
             lay = tok // T
-            phi = (lay // layers) * S0 + (lay % layers) * S1 + (t0 + tok % T) * S2
-            phi += (h0 + r % nh) * S3 + hi % hw
+            t = tok - lay * T
+            pl = lay // layers
+            phi = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
+            phi += (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
             if SCATTER:
                 a = tl.load(block + lo, mask=mlo, other=0)
                 b = tl.load(block + hi, mask=mhi, other=0)
@@ -233,6 +243,8 @@ def launch_strided(
         raise ValueError(f"the block holds {block_words.numel()} words, the slice {n_words}")
     if block_words is None and scatter:
         raise ValueError("a scatter needs the block it scatters")
+    if n_words + CHUNK_WORDS >= 2**31:
+        raise ValueError(f"a block of {4 * n_words} bytes: the kernel takes under 8 GiB")
     n = max(1, -(-n_words // CHUNK_WORDS))
     out = torch.empty((n, KEYS), dtype=torch.int64, device=pool_words.device)
     keys = _device_key(key, pool_words.device, torch.int32)
