@@ -220,8 +220,6 @@ class RankProcess:
             kv_planes=g.kv_factor,
             device=self.device,
         )
-        if scenario.transfer.verify_writes == "mac":
-            warm_hashed_moves(self.pool)  # Triton's compiles before the run (a GPU pool)
         # clock_skew_s: an artificial error of this rank's clock (tests: the offset measured
         # at the rendezvous must undo it); clock_offset_s: that measured offset
         self.clock_skew_s = clock_skew_s
@@ -330,6 +328,8 @@ class RankProcess:
             self.rendezvous_address, watch=check_launcher, credential=self.credential
         )
         client.on_wait = lambda note: print(f"{self.name}: {note}", file=sys.stderr, flush=True)
+        if self.s.transfer.verify_writes == "mac":
+            warm_hashed_moves(self.pool)  # Triton's compiles before the run (a GPU pool)
         while register_at is not None and time.time() < register_at:
             check_launcher()
             time.sleep(min(0.1, max(0.0, register_at - time.time())))
