@@ -441,9 +441,11 @@ _TBO_DECODE = (
     "compute; the post's measured EPLB skew is its own, kvstage's TensorRT-LLM's"
 )
 _MTP = (
-    "MTP's draft and verify (a one-layer draft head, draft_tokens queries a request) and "
-    "the post's single-batch overlap; EPLB's busiest rank priced from TensorRT-LLM's "
-    "measured skew (the post reports only '>70% balance')"
+    "a step of 43 ms published at batch 1 (1.85 / 43 tok/s) against 29 simulated: weights "
+    "15, kernels' fixed cost 9.5, host 2.0, attention 1.3, all-to-all 1.0, draft 0.7; no "
+    "sourced figure found for the rest (DeepEP low-latency kernels at 1-2 tokens a rank, "
+    "H20's small-M grouped GEMMs, the post's B1 point coming from its MTP chart), "
+    "docs/results/2026-12-04-published-serving-ant-decode.md"
 )
 _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "

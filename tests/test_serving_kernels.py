@@ -79,6 +79,40 @@ def test_fp8_attention_runs_at_flashattention3s_fp8_ratio():
     )
 
 
+def test_h20_attention_runs_at_flashmlas_measured_share_of_its_peak():
+    # FlashMLA's BF16 decode on H20 at DeepSeek's DP-attention MTP shape (b 128, s_q 2,
+    # 4,096 keys, 128 heads): 123 of 148 TFLOP/s (deepseek-ai/FlashMLA issue #30)
+    from kvstage.shared.serving.compute import attention_flops
+    from kvstage.shared.serving.gpus import DEFAULT_EFFICIENCY, GPUS
+
+    h20 = GPUS["h20"]
+    assert DEFAULT_EFFICIENCY.attention_rate(h20, "bf16", 4864) == pytest.approx(123e12)
+    # FP8 attention on it: that rate x FlashAttention-3's FP8 ratio, never below BF16
+    fp8 = DEFAULT_EFFICIENCY.attention_rate(h20, "fp8", 4864)
+    assert fp8 == pytest.approx(123e12 * 1200 / 740)
+    # a GPU without a curve of its own keeps the default share
+    h100 = GPUS["h100-sxm"]
+    assert DEFAULT_EFFICIENCY.attention_rate(h100, "bf16", 4864) == pytest.approx(0.5 * 989e12)
+    # and a decode step prices its MLA attention at that rate
+    s = load_scenario(
+        BASE,
+        [
+            'transfer.path="slice"',
+            "model.preset=deepseek-v3",
+            "model.weight_dtype=fp8",
+            "prefill.gpu=h20",
+            "prefill.tp=1",
+            "prefill.ep=16",
+            "decode.gpu=h20",
+            "decode.tp=1",
+            "decode.ep=16",
+        ],
+    )
+    step = decode_step(s, 32, 32 * 4864)
+    flops = attention_flops(s, 32, 32 * 4864, decode=True)
+    assert step.attention_s == pytest.approx(flops / 123e12)
+
+
 def test_a_speculative_step_costs_draft_plus_verify():
     plain = load()
     spec = load('decode.speculative.method="eagle"', "decode.speculative.draft_tokens=4",

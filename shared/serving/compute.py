@@ -25,8 +25,9 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   2 x (d_qk + d_v): 4 x layers x heads x head_dim x c x (p + c/2) / tp for MHA/GQA;
   MLA prefill runs in its MHA form (d_qk = qk_nope + qk_rope = 192, d_v = 128 in
   DeepSeek-V3) [C] SGLang's DeepseekV2 attention, forward_normal; at the BF16 peak x
-  `attention_mfu`, x `attention_fp8_gain` with an FP8 KV cache on a GPU with FP8
-  tensor cores (FP8 attention);
+  `attention_mfu` (the GPU's own `attention_tables` curve where a kernel benchmark of
+  it was published: H20's), x `attention_fp8_gain` with an FP8 KV cache on a GPU with
+  FP8 tensor cores (FP8 attention);
 - two TP all-reduces per layer of c x hidden x 2 B (bf16 activations), ring
   2 (n-1)/n of it over the scale-up link: up to 8 MiB the engines' custom all-reduce
   at `allreduce` of the link plus the group's latency (shared/serving/kernels.py:
@@ -667,7 +668,7 @@ def efficiency_figures(s: Scenario) -> dict[str, object]:
         "prefill_mfu_at_chunk": (
             p.mfu if p.mfu is not None else eff.gemm_share(p.gpu, s.model.weight_dtype, chunk)
         ),
-        "attention_mfu": eff.attention_mfu,
+        "attention_mfu": eff.attention_share(p.gpu, "bf16", chunk) or eff.attention_mfu,
         "decode_hbm_efficiency": eff.decode_hbm,
         "decode_mfu": eff.gemm_plateau(d.gpu, s.model.weight_dtype),
         "step_overhead_ms": engine_step(s).host_s * 1e3,

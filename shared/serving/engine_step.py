@@ -16,6 +16,16 @@ Per engine, the host time per step and whether it overlaps:
   around a 2.632 ms busy-wait forward, one request); overlapped, [C] SGLang's overlap
   scheduler is on unless `--disable-overlap-schedule`
   (https://lmsys.org/blog/2024-12-04-sglang-v0-4/, "zero-overhead batch scheduler").
+- sglang with `decode.speculative` "mtp" or "eagle": 1.96 ms, not hidden. [C] SGLang's
+  EAGLE worker (NEXTN, DeepSeek's MTP, runs in it) has no overlap scheduler: "Speculative
+  decoding currently does not support overlap scheduling due to the sequential logic
+  between the draft and target models" (https://github.com/sgl-project/sglang/pull/9588,
+  2025-08); the overlapped speculative worker came after, opt-in (`SGLANG_ENABLE_SPEC_V2`,
+  https://github.com/sgl-project/sglang/pull/11821). [P] What overlapping it hid on
+  DeepSeek-R1, TP8 H200, EAGLE, one request: 512 tokens in 3.644 s without, 3.206 s with,
+  accept length 2.296 (https://github.com/sgl-project/sglang/pull/12128): 0.438 s over
+  512 / 2.296 = 223 steps, 1.96 ms of host work a step the GPU waited for. [A] "ngram"
+  keeps the plain figure (no measurement of its host work found).
 - trtllm: overlapped, [D] TensorRT-LLM's PyExecutor overlap scheduler is enabled by
   default (https://nvidia.github.io/TensorRT-LLM/features/overlap-scheduler.html); [A]
   SGLang's 0.31 ms of host work (the same Python executor loop: schedule, forward,
@@ -44,7 +54,7 @@ from kvstage.shared.serving.gpus import efficiency
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
 
-__all__ = ["DECODE_ENGINES", "EngineStep", "engine_step"]
+__all__ = ["DECODE_ENGINES", "SGLANG_SPECULATIVE", "EngineStep", "engine_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,8 @@ DECODE_ENGINES: dict[str, EngineStep] = {
     "vllm-v1": EngineStep(0.16e-3, False, "vllm-v1"),
     "vllm-v0": EngineStep(4e-3, False, "vllm-v0"),
 }
+# SGLang's EAGLE worker (MTP, EAGLE): no overlap scheduler, its host work a step (above)
+SGLANG_SPECULATIVE = EngineStep(0.438 / (512 / 2.296), False, "sglang")
 
 
 def _family(preset: str | None) -> str | None:
@@ -82,4 +94,7 @@ def engine_step(s: Scenario) -> EngineStep:
     name = s.decode.engine or _family(s.engine.preset)
     if name is None:
         return EngineStep(efficiency(s).step_overhead_s, False)
+    spec = s.decode.speculative
+    if name == "sglang" and spec is not None and spec.method in ("mtp", "eagle"):
+        return SGLANG_SPECULATIVE
     return DECODE_ENGINES[name]

@@ -192,6 +192,8 @@ _HOPPER_BF16 = ((16, 50.48 / 989), (512, 558.99 / 989), (4096, 711.45 / 989), (1
 # Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312 TFLOP/s (CUDA 12.1),
 # MI300X 781.9 (ROCm 6.2) of our 1,307.4; the plateau only, so [A] the default curve's
 # shape below it (`Efficiency.prefill_mfu`: 0.25 and 0.475 of the plateau at 64 and 128)
+# [P] FlashMLA's BF16 decode on H20, 123 of 148 TFLOP/s (`Efficiency.attention_tables`)
+_H20_ATTENTION_BF16 = ((4096, 123 / 148),)
 _A100_BF16 = ((64, 0.25 * 267.9 / 312), (128, 0.475 * 267.9 / 312), (4096, 267.9 / 312))
 _MI300X_BF16 = ((64, 0.25 * 781.9 / 1307.4), (128, 0.475 * 781.9 / 1307.4), (4096, 781.9 / 1307.4))
 
@@ -246,6 +248,18 @@ class Efficiency:
     `prefill_mfu`, 0.40 ([P] as there). Not the small-M points: DeepGEMM's M = 64 and
     128 rows run at 1.5-2.7 TB/s, memory bound, and the decode step's bytes-read term
     already charges that.
+    attention_tables: per (GPU, KV dtype), where an attention kernel benchmark of that
+    GPU was published, the share of the BF16 peak attention reaches by keys per query;
+    it replaces `attention_mfu` there. [P] h20 at BF16: FlashMLA's decode kernel on H20
+    (deepseek-ai/FlashMLA tests/test_flash_mla.py, which counts FLOPs as kvstage does,
+    2 (d_qk + d_v) heads x keys a query) at the shape of DeepSeek decode with DP
+    attention and one MTP draft token: b = 128, s_q = 2, mean_sk = 4,096, h_q = 128,
+    d = 576, dv = 512: 123 TFLOP/s, 0.83 of 148
+    (https://github.com/deepseek-ai/FlashMLA/issues/30; s_q = 3: 127, h_q = 64, s_q =
+    3, mean_sk = 8,192: 129). Corroborated by FlashAttention-3's forward on H20, head
+    dim 128, 2,048 tokens: 126 TFLOP/s, 0.85
+    (https://github.com/Dao-AILab/flash-attention/issues/1310): a compute-poor GPU's
+    attention kernels, as its GEMMs (DeepGEMM's 0.84 below), reach most of its peak.
     attention_fp8_gain: how much faster attention runs on FP8 Q/K/V (an FP8 KV cache on
     a GPU with FP8 tensor cores) than on BF16. [P] FlashAttention-3 on H100: up to 740
     TFLOP/s in FP16, close to 1.2 PFLOP/s in FP8 (https://arxiv.org/abs/2407.08608,
@@ -289,8 +303,10 @@ class Efficiency:
         ("mi300x", "bf16", _MI300X_BF16),
     )
     # per (GPU, KV dtype): the share of the BF16 peak attention reaches by keys per
-    # query, from a user's kernel table (shared/serving/kernel_table.py); none by default
-    attention_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = ()
+    # query; a user's kernel table (shared/serving/kernel_table.py) comes first
+    attention_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
+        ("h20", "bf16", _H20_ATTENTION_BF16),
+    )
     attention_mfu: float = 0.5
     attention_fp8_gain: float = 1200 / 740
     decode_mfu: float = 0.40
@@ -329,17 +345,26 @@ class Efficiency:
         pts = self.gemm_table(gpu, dtype)
         return self.decode_mfu if pts is None else pts[-1][1]
 
+    def attention_share(self, gpu: str, dtype: str, keys: int) -> float | None:
+        """The share of the BF16 peak the first `attention_tables` curve of (`gpu`,
+        `dtype`) gives at `keys` keys a query, or None where there is none."""
+        for name, dt, pts in self.attention_tables:
+            if name == gpu and dt == dtype:
+                return _interpolate(pts, keys)
+        return None
+
     def attention_rate(self, gpu: Gpu, kv_dtype: str, keys: float) -> float:
         """FLOP/s of attention on `gpu` with a `kv_dtype` KV cache, each query attending
         to `keys` keys: the kernel table's where it has (GPU, dtype), else the BF16 peak
         x `attention_mfu` (x `attention_fp8_gain` for an FP8 KV on a GPU with FP8
-        tensor cores: FP8 attention)."""
+        tensor cores: FP8 attention). FP8 without a table of its own takes the BF16
+        table's rate x `attention_fp8_gain` where the GPU has one."""
         fp8 = kv_dtype == "fp8" and gpu.fp8_tflops is not None
-        dtype = "fp8" if fp8 else "bf16"
-        for name, dt, pts in self.attention_tables:
-            if name == gpu.name and dt == dtype:
-                return gpu.peak_flops("bf16") * _interpolate(pts, max(1, round(keys)))
-        rate = gpu.peak_flops("bf16") * self.attention_mfu
+        peak, n = gpu.peak_flops("bf16"), max(1, round(keys))
+        if fp8 and (own := self.attention_share(gpu.name, "fp8", n)) is not None:
+            return peak * own
+        base = self.attention_share(gpu.name, "bf16", n)
+        rate = peak * (self.attention_mfu if base is None else base)
         return rate * self.attention_fp8_gain if fp8 else rate
 
 
@@ -385,5 +410,5 @@ def efficiency(s: Scenario) -> Efficiency:
                 "kernel table comes from load_scenario or scenario_from_dict"
             )
         changes["gemm_tables"] = table.gemm + DEFAULT_EFFICIENCY.gemm_tables
-        changes["attention_tables"] = table.attention
+        changes["attention_tables"] = table.attention + DEFAULT_EFFICIENCY.attention_tables
     return replace(DEFAULT_EFFICIENCY, **changes) if changes else DEFAULT_EFFICIENCY

@@ -2,7 +2,7 @@
 
 The defaults price a matmul at the share of the GPU's peak a published kernel benchmark
 reached (shared/serving/gpus.py `Efficiency.gemm_tables`, `prefill_mfu`) and attention
-at `attention_mfu` of the BF16 peak. A user who profiled their own GPU (as
+at `attention_mfu` of the BF16 peak (or `attention_tables`' curve of the GPU). A user who profiled their own GPU (as
 AIConfigurator and Vidur keep profiling databases) gives the times instead, and they
 override the defaults for the (GPU, dtype) pairs the file names, in prefill and decode
 alike.
