@@ -13,10 +13,11 @@ little-endian: 16 bytes per 32 KiB chunk.
 
 Why it is a universal hash: for two distinct messages of the same length, NH under a
 uniformly random key collides with probability at most 2^-32 (Black, Halevi, Krawczyk,
-Krovetz, Rogaway, "UMAC: Fast and Secure Message Authentication", CRYPTO 1999, Theorem
-3.2 / section 3.3: NH over w = 32-bit words is 2^-w almost-universal; the proof holds
-for any pairing of distinct word positions, here i with i + W/2, which keeps a kernel's
-loads contiguous). The digests of M != M' collide only if the first chunk where they
+Krovetz, Rogaway, "UMAC: Fast and Secure Message Authentication", CRYPTO 1999, section
+3: NH over w-bit words is 2^-w almost-universal on equal-length strings). UMAC pairs
+neighbouring words; pairing i with i + W/2 (which keeps a kernel's loads contiguous) is
+NH of the words in a fixed other order under the key in that order, so the bound
+holds unchanged. The digests of M != M' collide only if the first chunk where they
 differ collides under both keys; the keys are independent, so at most 2^-64. Messages
 of different lengths are told apart by the tag's PRF input, which holds the length.
 The keys are expanded from the write MAC's key K by keyed BLAKE2b in counter mode
