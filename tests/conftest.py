@@ -33,6 +33,18 @@ def require_engine(backend: str) -> None:
     pytest.skip(f"{backend} engine not importable here: {why}")
 
 
+def require_triton() -> None:
+    """Skip a test of the write tag's Triton kernel (run by Triton's CPU interpreter) when
+    Triton is not installed, but never in CI, where the dev extra pins it."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        return
+    if IN_CI:
+        pytest.fail("triton must be importable in CI (the dev extra pins it)")
+    pytest.skip("triton is not installed here (the dev extra pins it)")
+
+
 def start_by_hand(cmd: list[str], log: Path):
     """A rank a test starts by hand (`python -m kvstage.hw.rank.main ...`, what `kvstage
     hw-rank` runs), its output appended to `log`: forked from this process's fork server

@@ -23,9 +23,6 @@ MIN_ALLOWLIST_DOCSTRING_LINES = 5
 # "path/from/root.py::qualified.name" -> why it may be long (a documented algorithm).
 ALLOWED_LONG: dict[str, str] = {
     "sim/links.py::Fabric._waterfill": "max-min fair water-filling (progressive filling)",
-    "hw/rank/nhash.py::_kernel": "the write tag's NH kernel: one Triton program that moves "
-    "a writer block between a pool's slice and a buffer and hashes each word it moves "
-    "(UMAC's NH, defined in the module docstring); a Triton kernel is one function",
 }
 
 

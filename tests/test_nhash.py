@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import require_triton
 
 from kvstage.hw.rank.nhash import (
     CHUNK_BYTES,
@@ -294,14 +295,10 @@ def test_the_decode_checks_each_block_as_it_scatters_it_under_tritons_interprete
 def _interpret(script: str, done: str) -> None:
     """Run `script` with Triton's interpreter (TRITON_INTERPRET=1: the kernels' own
     source, executed in numpy on the CPU) in a process of its own; it prints `done`."""
-    import importlib.util
     import subprocess
     import sys
 
-    if importlib.util.find_spec("triton") is None:
-        if os.environ.get("CI"):
-            pytest.fail("triton must be importable in CI (the dev extra pins it)")
-        pytest.skip("triton is not installed here (the dev extra pins it)")
+    require_triton()
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240

@@ -41,7 +41,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import require_engine
+from conftest import require_engine, require_triton
 from test_hw import write_scenario
 
 from kvstage.hw.launch.launcher import launch
@@ -348,15 +348,9 @@ def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monk
     attackers as above are caught the same way: 0 bytes wrong, exactly the held room
     failed on a rejected write, every other room done and verified, and the decode's
     checked bytes were all hashed by the moves themselves."""
-    import importlib.util
-    import os
-
     from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
 
-    if importlib.util.find_spec("triton") is None:
-        if os.environ.get("CI"):
-            pytest.fail("triton must be importable in CI (the dev extra pins it)")
-        pytest.skip("triton is not installed here (the dev extra pins it)")
+    require_triton()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(HOST_KERNEL_ENV, "1")
     attacker = _CoWriter if path == "slice" else _Insider

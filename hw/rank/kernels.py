@@ -247,9 +247,7 @@ def gather_hashed(
     writer block (hw/rank/nhash.py) in the same pass, each pool word read once: the
     digest of exactly the bytes gathered, as (chunks, KEYS) int64 on the pool's device.
     Needs `fused_tag_possible`."""
-    _check_block(pool, first_page, num_pages, src_head_start, num_heads, out, "source")
-    words = None if out is None else out.view(torch.int32)
-    return _hashed_move(pool, first_page, num_pages, src_head_start, num_heads, words, key)
+    return _hashed_move(pool, first_page, num_pages, src_head_start, num_heads, out, key)
 
 
 def scatter_hashed(
@@ -265,9 +263,7 @@ def scatter_hashed(
     +num_heads), and return the NH digest of the bytes it wrote, in the same pass (each
     block word read once, so a block a peer writes meanwhile is hashed as it landed).
     Needs `fused_tag_possible`."""
-    _check_block(pool, first_page, num_pages, dst_head_start, num_heads, block, "destination")
-    words = block.view(torch.int32)
-    return _hashed_move(pool, first_page, num_pages, dst_head_start, num_heads, words, key, True)
+    return _hashed_move(pool, first_page, num_pages, dst_head_start, num_heads, block, key, True)
 
 
 def _hashed_move(
@@ -280,13 +276,17 @@ def _hashed_move(
     key: bytes,
     scatter: bool = False,
 ) -> torch.Tensor:
-    """The pool's slice of a writer block, moved to or from `block` (int32 words) by the
-    NH kernel as it hashes (hw/rank/nhash.py `launch_strided`)."""
+    """The pool's slice of a writer block, moved to or from `block` (flat uint8; None:
+    not moved, hashed only) by the NH kernel as it hashes (hw/rank/nhash.py
+    `launch_strided`)."""
+    side = "destination" if scatter else "source"
+    _check_block(pool, first_page, num_pages, head_start, num_heads, block, side)
     ps = pool.page_size
     tokens = slice(first_page * ps, (first_page + num_pages) * ps)
     heads = slice(head_start, head_start + num_heads)
-    words = _pool_words(pool, torch.int32, 4)
-    return nhash.launch_strided(words, block, key, tokens, heads, scatter=scatter)
+    words = None if block is None else block.view(torch.int32)
+    pool_words = _pool_words(pool, torch.int32, 4)
+    return nhash.launch_strided(pool_words, words, key, tokens, heads, scatter=scatter)
 
 
 def _scatter_tiled(

@@ -126,99 +126,12 @@ def nh_torch(block: torch.Tensor, key: bytes) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    """The NH kernel (Triton), made on first use: None where Triton does not import (the
-    CPU build of torch ships without it). It hashes a writer block in block order while
-    it moves it between the block and a pool's slice [planes, layers, tokens t0..,
-    heads h0.., words]: SCATTER, block -> pool; else pool -> block (stored if STORE).
-    Either way the words hashed are the words moved, each read once. A contiguous
-    block is the slice of a pool of one row (`launch`). Under TRITON_INTERPRET=1 it
-    runs on CPU tensors, in numpy: how the tests hold it to the definition without a
-    GPU."""
+    """The NH kernel (hw/rank/nhash_kernel.py), imported on first use: None where Triton
+    does not import (the CPU build of torch ships without it)."""
     try:
-        import triton
-        import triton.language as tl
+        from kvstage.hw.rank.nhash_kernel import strided_nh
     except ImportError:
         return None
-
-    # the pool's shape, strides and offsets vary by room and rank: not compiled in (a
-    # kernel a value), only n_words is (its divisibility lets the block's loads widen)
-    @triton.jit(do_not_specialize=["hw", "nh", "T", "layers", "S0", "S1", "S2", "S3", "t0", "h0"])
-    def strided_nh(
-        block,
-        pool,
-        keys,
-        out,
-        n_words,
-        hw,
-        nh,
-        T,
-        layers,
-        S0,
-        S1,
-        S2,
-        S3,
-        t0,
-        h0,
-        W: tl.constexpr,
-        TILE: tl.constexpr,
-        SCATTER: tl.constexpr,
-        STORE: tl.constexpr,
-    ):
-        c = tl.program_id(0)
-        base = c.to(tl.int64) * W
-        half: tl.constexpr = W // 2
-        acc0 = tl.zeros([TILE], dtype=tl.uint64)
-        acc1 = tl.zeros([TILE], dtype=tl.uint64)
-        for t in range(0, half, TILE):
-            i = t + tl.arange(0, TILE)
-            lo = base + i
-            hi = lo + half
-            mlo = lo < n_words
-            mhi = hi < n_words
-            # block word -> pool word, [plane, layer, token, head, word] of the slice,
-            # written out twice (the interpreter does not see a helper beside the kernel).
-            # The divisions in 32 bits (a block under 2^31 words, checked on the host: a
-            # 64-bit division costs a GPU several times more), the address in 64.
-            r = lo.to(tl.int32) // hw
-            w = lo.to(tl.int32) - r * hw
-            tok = r // nh
-            h = r - tok * nh
-            lay = tok // T
-            t = tok - lay * T
-            pl = lay // layers
-            plo = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
-            plo += (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
-            r = hi.to(tl.int32) // hw
-            w = hi.to(tl.int32) - r * hw
-            tok = r // nh
-            h = r - tok * nh
-            lay = tok // T
-            t = tok - lay * T
-            pl = lay // layers
-            phi = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
-            phi += (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
-            if SCATTER:
-                a = tl.load(block + lo, mask=mlo, other=0)
-                b = tl.load(block + hi, mask=mhi, other=0)
-                tl.store(pool + plo, a, mask=mlo)
-                tl.store(pool + phi, b, mask=mhi)
-            else:
-                a = tl.load(pool + plo, mask=mlo, other=0)
-                b = tl.load(pool + phi, mask=mhi, other=0)
-                if STORE:
-                    tl.store(block + lo, a, mask=mlo)
-                    tl.store(block + hi, b, mask=mhi)
-            a = a.to(tl.uint32, bitcast=True)
-            b = b.to(tl.uint32, bitcast=True)
-            k0a = tl.load(keys + i).to(tl.uint32, bitcast=True)
-            k0b = tl.load(keys + half + i).to(tl.uint32, bitcast=True)
-            k1a = tl.load(keys + W + i).to(tl.uint32, bitcast=True)
-            k1b = tl.load(keys + W + half + i).to(tl.uint32, bitcast=True)
-            acc0 += (a + k0a).to(tl.uint64) * (b + k0b).to(tl.uint64)
-            acc1 += (a + k1a).to(tl.uint64) * (b + k1b).to(tl.uint64)
-        tl.store(out + 2 * c, tl.sum(acc0, axis=0).to(tl.int64, bitcast=True))
-        tl.store(out + 2 * c + 1, tl.sum(acc1, axis=0).to(tl.int64, bitcast=True))
-
     return strided_nh
 
 

@@ -26,7 +26,7 @@ from kvstage.hw.rank.kernels import (
 from kvstage.hw.rank.kvpool import PoolDesc, fill_pattern
 from kvstage.hw.rank.preflight import SEND_BUFFER_CHUNKS
 from kvstage.hw.rank.process import BUSY_POLL_S, IDLE_POLL_S, RankProcess
-from kvstage.hw.rank.writemac import block_tag, digest_tag, tag_and_copy, tag_key
+from kvstage.hw.rank.writemac import block_tag, digest_tag, tag_key
 from kvstage.hw.transport.bandwidth import (
     GB,
     PROBE_MIN_BYTES,
@@ -404,19 +404,23 @@ class PrefillRank(RankProcess):
             )
             wait_for_stream(self.device)  # the write must not read a half-gathered block
             return 0
-        heads = (a.heads.src_head_start, a.heads.num_heads)
-        if self._fused(out):  # hashed as the pool's words are gathered into the buffer
+        tag = self._pool_tag(a, first_page, key, out)
+        wait_for_stream(self.device)  # the write must not read a half-gathered block
+        return tag
+
+    def _pool_tag(self, a: Gather | SliceWrite, first_page: int, key: bytes, out=None) -> int:
+        """The write tag of `a`'s writer block as it leaves the pool (and, with `out`, the
+        send buffer's slot, lands there): hashed by the gather itself (a CUDA pool, "mac"),
+        else gathered into memory of this process alone (the pool is not registered on
+        the staging path), tagged there, then copied into the slot."""
+        if self._fused(*([] if out is None else [out])):
+            heads = (a.heads.src_head_start, a.heads.num_heads)
             digest = gather_hashed(self.pool, first_page, a.num_pages, *heads, key, out)
-            return digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)  # syncs
-        # tagged where no peer can write (the pool is not registered on the staging path),
-        # then copied into the registered send buffer
+            return digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)
         block = self._private_block(first_page, a.num_pages, a.heads, a.nbytes)
-        if block.is_cuda:  # one pass on the GPU: tagged as it is copied
-            tag = tag_and_copy(self.verify_writes, key, a.room, a.chunk, a.nonce, block, out)
-        else:
-            tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+        tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+        if out is not None:
             out.copy_(block)
-        wait_for_stream(self.device)
         return tag
 
     def _fused(self, *flat: torch.Tensor) -> bool:
@@ -488,15 +492,8 @@ class PrefillRank(RankProcess):
         )
         tag = 0
         key = self._tag_key(a.decode_rank)
-        if key is not None and self._fused():  # the slice, hashed as read from the pool
-            first = self.runtime.page_base(a.room) + a.src_page
-            heads = (a.heads.src_head_start, a.heads.num_heads)
-            digest = gather_hashed(self.pool, first, a.num_pages, *heads, key)
-            tag = digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)
-        elif key is not None:  # the slice the decode will check, as it leaves the pool
-            first = self.runtime.page_base(a.room) + a.src_page
-            block = self._private_block(first, a.num_pages, a.heads, a.nbytes)
-            tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
+        if key is not None:  # the slice the decode will check, as it leaves the pool
+            tag = self._pool_tag(a, self.runtime.page_base(a.room) + a.src_page, key)
         done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=tag)
         self._post(peer.agent, build, done, None)
 
