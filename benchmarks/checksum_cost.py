@@ -28,6 +28,11 @@ cuda adds 64 and 256 MiB blocks):
 - `--parts` (cuda): the NH kernel alone by kernel shape, the launch's host time, the
   digest's trip to the host, and the fused copy's rate.
 
+On GPU pools the ranks no longer make those two copies: the hash rides inside the
+writer's gather and the decode's scatter (hw/rank/kernels.py `gather_hashed`,
+`scatter_hashed`). What that costs on a block's path, against the same wire time, is
+printed by benchmarks/gpu_kernels.py (its "write tag on a block's path" lines).
+
 Run on a quiet host; `uptime` is printed with the figures.
 
     .venv/bin/python benchmarks/checksum_cost.py            # 64 KiB .. 16 MiB blocks

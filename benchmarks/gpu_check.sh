@@ -68,7 +68,9 @@ fi
 "$PY" benchmarks/gpu_kernels.py --layers 16 --tokens 8192
 # the write tag (transfer.verify_writes = "mac", the default; NH on the device) on GPU blocks, beside a
 # NIXL write of the same block and the line rate (bar: x_line >= 20, /model <= 5%)
-"$PY" benchmarks/checksum_cost.py --device cuda --reps 10 --parts
+NOWRITE=()
+[[ -n $HAVE_NIXL ]] || NOWRITE=(--no-write)
+"$PY" benchmarks/checksum_cost.py --device cuda --reps 10 --parts "${NOWRITE[@]}"
 # without an engine, the rest cannot run
 if [[ -z $HAVE_NIXL ]]; then
     echo "nixl: not importable: the descriptor probe, the raw writes and the hw runs are skipped"
