@@ -16,6 +16,7 @@ from kvstage.hw.rank.nhash import (
     CHUNK_BYTES,
     CHUNK_WORDS,
     KEYS,
+    magic,
     nh_digest,
     nh_key_words,
     nh_reference,
@@ -105,6 +106,27 @@ def test_a_zero_padded_block_is_not_its_shorter_self():
     assert device_mac(KEY, 1, 2, 3, _tensor(data)) != device_mac(
         KEY, 1, 2, 3, _tensor(data + bytes(4))
     )
+
+
+def test_the_kernels_magic_pairs_divide_exactly():
+    """The kernel divides block positions (0 .. 2^31 - 1) by a pool's row width, head
+    count, token count and layer count through `magic` pairs: for small, power-of-two,
+    odd and huge divisors, at both ends of the range and at random, the pair gives the
+    quotient, in the uint32 arithmetic the kernel runs."""
+    rng = np.random.default_rng(5)
+    divisors = [*range(1, 130), 192, 256, 1000, 4096, 65535, 65536, 2**30 + 7, 2**31 - 1]
+    divisors += [int(d) for d in rng.integers(1, 2**31, 200)]
+    for d in divisors:
+        x = np.concatenate(
+            [[0, 1, d - 1, d, d + 1, 2**31 - 2, 2**31 - 1], rng.integers(0, 2**31, 500)]
+        ).astype(np.uint64)
+        x = x[x < 2**31]
+        m, s = magic(d)
+        hi = (x * np.uint64(m % 2**32)) >> np.uint64(32)  # umulhi in uint32
+        assert np.array_equal((hi + x) >> np.uint64(s), x // np.uint64(d)), d
+        assert -(2**31) <= m < 2**31 and 0 <= s <= 31
+    with pytest.raises(ValueError, match="divides by 1"):
+        magic(0)
 
 
 def test_the_torch_form_wraps_as_unsigned_arithmetic():

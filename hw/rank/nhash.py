@@ -124,6 +124,19 @@ def nh_torch(block: torch.Tensor, key: bytes) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def magic(d: int) -> tuple[int, int]:
+    """The pair (m, s) with x // d == (umulhi(x, m) + x) >> s for every 0 <= x < 2^31
+    (Granlund and Montgomery, PLDI 1994; PyTorch's IntDivider): s the least with
+    2^s >= d, m = 2^32 (2^s - d) // d + 1 < 2^32, given as a signed 32-bit value (the
+    kernel reinterprets it)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"a divisor of {d}: the kernel divides by 1 .. 2^31 - 1")
+    s = (d - 1).bit_length()
+    m = (2**32 * (2**s - d)) // d + 1
+    return (m - 2**32 if m >= 2**31 else m), s
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """The NH kernel (hw/rank/nhash_kernel.py), imported on first use: None where Triton
@@ -164,8 +177,10 @@ def launch_strided(
     keys = _device_key(key, pool_words.device, torch.int32)
     S0, S1, S2, S3, _ = pool_words.stride()
     block = pool_words if block_words is None else block_words  # None: never stored to
-    args = (block, pool_words, keys, out, n_words, hw, nh, T, layers, S0, S1, S2, S3)
-    args += (tokens.start, heads.start)
+    args = (block, pool_words, keys, out, n_words)
+    for d in (hw, nh, T, layers):
+        args += (d, *magic(d))
+    args += (S0, S1, S2, S3, tokens.start, heads.start)
     shape = {"W": CHUNK_WORDS, "TILE": tile or TILE, "SCATTER": scatter}
     shape["STORE"] = block_words is not None
     kernel = _kernel()

@@ -17,24 +17,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _pool_word(pos, hw, nh, T, layers, S0, S1, S2, S3, t0, h0):
+def _div(x, d_m, d_s):
+    """x // d for 0 <= x < 2^31 by d's magic pair (`nhash.magic`): a high multiply, an
+    add and a shift, where a division by a value known only at run time costs a GPU
+    tens of instructions (the method PyTorch's IntDivider uses, Granlund and
+    Montgomery, PLDI 1994)."""
+    t = tl.umulhi(x, d_m.to(tl.uint32, bitcast=True))
+    return ((t + x) >> d_s.to(tl.uint32)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pool_word(pos, shape, t0, h0, S0, S1, S2, S3):
     """Block word `pos` -> its pool word, [plane, layer, token, head, word] of the slice.
-    The divisions in 32 bits (a block under 2^31 words, checked on the host: a 64-bit
-    division costs a GPU several times more), the address in 64."""
-    r = pos.to(tl.int32) // hw
+    The divisions in 32 bits by magic pairs (a block under 2^31 words, checked on the
+    host), the address in 64."""
+    hw, hw_m, hw_s, nh, nh_m, nh_s, T, T_m, T_s, layers, ly_m, ly_s = shape
+    x = pos.to(tl.int32).to(tl.uint32, bitcast=True)
+    r = _div(x, hw_m, hw_s)
     w = pos.to(tl.int32) - r * hw
-    tok = r // nh
+    tok = _div(r.to(tl.uint32, bitcast=True), nh_m, nh_s)
     h = r - tok * nh
-    lay = tok // T
+    lay = _div(tok.to(tl.uint32, bitcast=True), T_m, T_s)
     t = tok - lay * T
-    pl = lay // layers
+    pl = _div(lay.to(tl.uint32, bitcast=True), ly_m, ly_s)
     at = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
     return at + (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
 
 
 # the pool's shape, strides and offsets vary by room and rank: not compiled in (a kernel
-# a value), only n_words is (its divisibility lets the block's loads widen)
-@triton.jit(do_not_specialize=["hw", "nh", "T", "layers", "S0", "S1", "S2", "S3", "t0", "h0"])
+# a value), only n_words is (its divisibility lets the block's loads widen); a divisor
+# comes with its magic pair, both signed 32-bit (the pair's multiplier reinterpreted),
+# so that no value changes the kernel's signature
+@triton.jit(
+    do_not_specialize=[
+        "hw", "hw_m", "hw_s", "nh", "nh_m", "nh_s", "T", "T_m", "T_s",
+        "layers", "ly_m", "ly_s", "S0", "S1", "S2", "S3", "t0", "h0",
+    ]
+)  # fmt: skip
 def strided_nh(
     block,
     pool,
@@ -42,9 +61,17 @@ def strided_nh(
     out,
     n_words,
     hw,
+    hw_m,
+    hw_s,
     nh,
+    nh_m,
+    nh_s,
     T,
+    T_m,
+    T_s,
     layers,
+    ly_m,
+    ly_s,
     S0,
     S1,
     S2,
@@ -56,6 +83,7 @@ def strided_nh(
     SCATTER: tl.constexpr,
     STORE: tl.constexpr,
 ):
+    shape = (hw, hw_m, hw_s, nh, nh_m, nh_s, T, T_m, T_s, layers, ly_m, ly_s)
     c = tl.program_id(0)
     base = c.to(tl.int64) * W
     half: tl.constexpr = W // 2
@@ -67,8 +95,8 @@ def strided_nh(
         hi = lo + half
         mlo = lo < n_words
         mhi = hi < n_words
-        plo = _pool_word(lo, hw, nh, T, layers, S0, S1, S2, S3, t0, h0)
-        phi = _pool_word(hi, hw, nh, T, layers, S0, S1, S2, S3, t0, h0)
+        plo = _pool_word(lo, shape, t0, h0, S0, S1, S2, S3)
+        phi = _pool_word(hi, shape, t0, h0, S0, S1, S2, S3)
         if SCATTER:
             a = tl.load(block + lo, mask=mlo, other=0)
             b = tl.load(block + hi, mask=mhi, other=0)
