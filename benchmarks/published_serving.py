@@ -440,12 +440,21 @@ _TBO_DECODE = (
     "busiest EP rank's under EPLB, shared/serving/ep_balance.py) under the other half's "
     "compute; the post's measured EPLB skew is its own, kvstage's TensorRT-LLM's"
 )
+# 2026-12-04 (docs/results/2026-12-04-published-serving-ep-decode-latency.md): the post's
+# draft names its second B1 / B32 setting MTP 3 1 4 (3 steps, 4 draft tokens, accept
+# 2.9-3.3): 52 and 554 tok/s, a 59.6 and 179 ms step at accept 3.1; the model gives 34.7
+# ms (1.72x) and 181 ms (0.99x). Two more draft forwards cost 16.6 ms published at B1
+# against 5.6 simulated.
 _MTP = (
     "a step of 43 ms published at batch 1 (1.85 / 43 tok/s) against 29 simulated: weights "
-    "15, kernels' fixed cost 9.5, host 2.0, attention 1.3, all-to-all 1.0, draft 0.7; no "
-    "sourced figure found for the rest (DeepEP low-latency kernels at 1-2 tokens a rank, "
-    "H20's small-M grouped GEMMs, the post's B1 point coming from its MTP chart), "
-    "docs/results/2026-12-04-published-serving-ant-decode.md"
+    "15, kernels' fixed cost 9.5, host 2.0, attention 1.3, all-to-all 1.0, draft 0.7. The "
+    "rest is not DeepEP's or the GEMMs' as far as published figures go: DeepGEMM's masked "
+    "GEMM reads only the experts that get rows, as priced, and the post's swapAB kernel "
+    "reads them at 2.9-3.1 of H20's 4 TB/s (DeepGEMM PR 192); no DeepEP low-latency "
+    "timing below 128 tokens a rank was found. The post's 3-step MTP point (52 tok/s at "
+    "B1) puts ~5 ms on each extra draft forward, 0.7 priced: a per-forward cost of the "
+    "speculative DP-attention step, not found in a source, "
+    "docs/results/2026-12-04-published-serving-ep-decode-latency.md"
 )
 _STEP = (
     "a small-batch decode step: the kernels' fixed cost ([A] 5 us each), the engine's "
