@@ -201,3 +201,7 @@ def test_every_byte_lands_between_gpu_pools(tmp_path, backend, device, path):
         for r in generate_requests(s)
     )
     assert summary["bytes_verified"] == expected
+    # the write tag, on by default, hashed by the GPU moves themselves: every byte the
+    # decode checked was hashed as the scatter (or the page read) moved it
+    assert summary["verify_writes"] == "mac" and summary["writes_rejected"] == 0
+    assert summary["bytes_hashed_in_moves"] == summary["bytes_checksummed"] >= expected

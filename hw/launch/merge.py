@@ -113,6 +113,8 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         "verify_writes": scenario.transfer.verify_writes,
         "writes_rejected": total("writes_rejected"),
         "bytes_checksummed": total("bytes_checksummed"),
+        # of them, hashed by the moves themselves (a GPU pool's gather and scatter)
+        "bytes_hashed_in_moves": total("bytes_hashed_in_moves"),
         "transfer_requests_posted": total("requests_posted"),
         "malformed_messages": total("malformed"),
         "unauthenticated_messages": total(
