@@ -432,8 +432,11 @@ def trt(prompt: int, batch: int, what: str) -> Callable[[], float]:
 
 _TBO = (
     "two-batch overlap as scheduled (shared/serving/prefill_tbo.py) gains more than the "
-    "post's 27-35%: the post's kernels ran slower under overlap (SM and memory contention "
-    "between DeepEP's kernels and the GEMMs), which is not priced beyond DeepEP's 20 SMs"
+    "post's 27-35%, with DeepEP's 20 SMs and the contention beside its kernels priced "
+    "(matmuls x1.056 as in DeepSeek's own H800 trace, attention on the SMs DeepEP leaves: "
+    "-1.7 to -1.9% on these forwards); left out: DeepEP's own kernels slower beside "
+    "compute (the post: slower than its unit tests under TBO; not sized by a source with "
+    "known bytes) and the forward's memory-bound kernels (norms, casts, activations)"
 )
 _TBO_DECODE = (
     "two-batch overlap hides DeepEP's low-latency all-to-all (71 ms of the step, the "
@@ -466,7 +469,7 @@ _STEP = (
 _PACK = (
     "prompts packed 16,384 tokens a forward as SGLang packs them, and "
     + _TBO
-    + ": the modeled overlap gains 1.58-1.61x on these forwards, the post measured 1.27-1.35x"
+    + ": the modeled overlap gains 1.56-1.58x on these forwards, the post measured 1.27-1.35x"
     " (kvstage faster)"
 )
 _PREFILL = (

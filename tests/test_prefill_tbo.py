@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvstage.shared.scenario import ScenarioError, load_scenario
+from kvstage.shared.serving import compute
 from kvstage.shared.serving.compute import prefill_forward, prefill_forward_s
 from kvstage.shared.serving.mixed import prefill_step_s
-from kvstage.shared.serving.prefill_tbo import split_halves
+from kvstage.shared.serving.prefill_tbo import schedule_s, split_halves
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "scenarios" / "llama3-8b-p4-d2.toml"
@@ -102,3 +103,33 @@ def test_a_colocated_forward_keeps_the_overlap():
     compute_two, fixed_two = prefill_step_s(tbo, [(2048, 0), (2048, 0)])
     plain = prefill_step_s(load_scenario(BASE, DSV3), [(2048, 0), (2048, 0)])
     assert 0 <= fixed_two and compute_two + fixed_two < sum(plain)  # the all-to-all partly hidden
+
+
+def test_a_stage_slows_only_while_communication_runs_beside_it():
+    # one layer, every op 1 s: A attention [0, 1] alone, its dispatch [1, 2]; B attention
+    # from 1, beside that dispatch until 2 (twice slower: half its work), the other
+    # half alone: ends 2.5; its dispatch [2.5, 3.5]; A experts from 2.5, beside it until
+    # 3.5, ends 4; A combine [4, 5]; B experts from 4, beside it until 5, ends 5.5; B
+    # combine [5.5, 6.5]. Without the slowdown: 5 s.
+    ones = (1.0, 1.0)
+    assert schedule_s(ones, ones, ones, ones, 1) == pytest.approx(5.0)
+    assert schedule_s(ones, ones, ones, ones, 1, (2.0, 2.0), (2.0, 2.0)) == pytest.approx(6.5)
+    # nothing to communicate: nothing beside the compute, nothing slowed
+    zeros = (0.0, 0.0)
+    assert schedule_s(ones, ones, zeros, zeros, 3, (2.0, 2.0), (2.0, 2.0)) == pytest.approx(12.0)
+
+
+def test_the_contention_beside_deepep_costs_at_most_the_parts_stretch(monkeypatch):
+    tbo = load_scenario(BASE, TBO)
+    slowed = prefill_forward(tbo, 1024, prompts=16)
+    monkeypatch.setitem(compute.GEMM_CONTENTION, "h100-sxm", 1.0)
+    monkeypatch.setattr(compute, "attention_contention", lambda gpu: 1.0)
+    free = prefill_forward(tbo, 1024, prompts=16)
+    # the parts alone are the same; the stretch shows as less saved by the overlap
+    assert slowed.linear_s == free.linear_s and slowed.attention_s == free.attention_s
+    assert slowed.total_s > free.total_s
+    # [P] x1.056 a matmul (DeepSeek's trace), [C] 132 / 112 the attention (20 SMs held):
+    # no more than every matmul and all the attention slowed the whole time
+    stretch = 0.056 * slowed.linear_s + (132 / 112 - 1) * slowed.attention_s
+    assert slowed.total_s - free.total_s <= stretch
+    assert slowed.overlap_s > 0

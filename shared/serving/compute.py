@@ -107,7 +107,9 @@ from kvstage.shared.serving.gpus import WEIGHT_BYTES, efficiency, side_gpu
 from kvstage.shared.serving.kernels import allreduce_latency_s, kernel_floor_s, kernels_per_layer
 from kvstage.shared.serving.memory import expert_split, side_memory
 from kvstage.shared.serving.prefill_tbo import (
+    GEMM_CONTENTION,
     Piece,
+    attention_contention,
     schedule_s,
     sm_share,
     split_chunks,
@@ -483,16 +485,24 @@ def _two_batch_prefill(s: Scenario, split: tuple[tuple[Piece, ...], ...]) -> For
     """A prefill forward as two overlapped micro-batches (shared/serving/prefill_tbo.py):
     per layer each one's attention stage (attention, dense matmuls, the TP all-reduce,
     half its kernels) and expert stage (routed experts, the other half) on SGLang's
-    schedule; the parts are the two micro-batches' sums, `overlap_s` what ran at once."""
+    schedule, the matmuls and the attention slower while DeepEP's kernels run beside
+    them; the parts are the two micro-batches' sums alone, `overlap_s` what the overlap
+    saved (the communication hidden, less the compute's slowdown beside it)."""
     layers = s.model.layers
+    gemm, att = GEMM_CONTENTION.get(s.prefill.gpu, 1.0), attention_contention(s.prefill.gpu)
     halves = [_prefill_half(s, pieces) for pieces in split]
-    attn, moe, dispatch, combine = [], [], [], []
+    attn, moe, dispatch, combine, attn_slow, moe_slow = [], [], [], [], [], []
     for f, dense, out in halves:
-        attn.append((f.attention_s + dense + f.allreduce_s + f.fixed_s / 2) / layers)
-        moe.append((f.linear_s - dense + f.fixed_s / 2) / layers)
+        rest = f.allreduce_s + f.fixed_s / 2  # not slowed
+        stage = f.attention_s + dense + rest
+        attn.append(stage / layers)
+        attn_slow.append((f.attention_s * att + dense * gemm + rest) / stage if stage else 1.0)
+        experts, half_fixed = f.linear_s - dense, f.fixed_s / 2
+        moe.append((experts + half_fixed) / layers)
+        moe_slow.append((experts * gemm + half_fixed) / (experts + half_fixed) if experts else 1.0)
         dispatch.append(out / layers)
         combine.append((f.alltoall_s - out) / layers)
-    took = schedule_s(attn, moe, dispatch, combine, layers)
+    took = schedule_s(attn, moe, dispatch, combine, layers, attn_slow, moe_slow)
     (fa, _, _), (fb, _, _) = halves
     parts = {
         name: getattr(fa, name) + getattr(fb, name)

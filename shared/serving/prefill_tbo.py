@@ -49,8 +49,34 @@ What the engines do, and what kvstage takes from it:
   `deep_gemm_num_sms = multi_processor_count - DeepEPConfig.num_sms`, none on ROCm;
   DeepEP's default `Buffer.num_sms = 20`, [C] deepseek-ai/DeepEP deep_ep/buffer.py,
   which SGLang keeps unless `--deepep-config` sets it), [A] a matmul's FLOP rate in
-  proportion to its SMs, its weight reads not slowed. Attention runs at its own rate
-  ([A] no contention priced).
+  proportion to its SMs, its weight reads not slowed.
+- **Contention beside the communication.** While a DeepEP kernel runs on the
+  communication stream, the compute stream's kernels share the GPU with it:
+  - the matmuls (already on the SMs DeepEP leaves) run slower still, HBM, L2 and power
+    shared: [P] DeepSeek's own trace, https://github.com/deepseek-ai/profile-data
+    (commit 4496024) `train.json` (H800, EP64, DeepEP's internode kernels on 20 SMs,
+    their FP8 GEMMs launched on the other 112 whether or not a DeepEP kernel runs): the
+    same GEMM at the same place of the chunk's four layers (balanced routing, so the
+    same shapes), alone on the GPU and under a DeepEP dispatch or combine, at ten
+    places: 3,062 us alone, 3,234 us under (x1.056; the FP8 GEMMs x1.03-1.07 each, a
+    small cuBLAS BF16 GEMM x1.16; the forward pass's three FP8 GEMMs alone x1.059).
+    benchmarks/overlap_contention.py reads it.
+    `GEMM_CONTENTION` holds it for the Hopper GPUs (H800 measured; H100 and H200 the
+    same GH100, above); [A] none on A100 and MI300X, where it was not measured;
+  - the attention runs on the SMs DeepEP's kernels leave: it is not DeepGEMM, so
+    SGLang gives it no SM count, and a DeepEP block holds nearly all its SM's
+    registers ([P] the same trace: internode dispatch 20 blocks of 512 threads at 113
+    registers, combine 20 of 800 at 72: 57,856 and 57,600 of an SM's 65,536), so no attention
+    block fits beside it: its rate x `sm_share` while overlapped, [A] no contention
+    beyond that (none measured for it: the trace's attention always ran overlapped);
+  - the rest (the kernels' fixed costs, the TP all-reduce) is not slowed.
+  A stage slows only while the communication stream is busy (`schedule_s`: a stage
+  starting at t beside communication queued until c runs at 1 / its slowdown until c,
+  at full rate after), [A] its slowdown the blend of its parts' (a stage's kernels run
+  in order, the slowdown spread over them evenly). The same trace's memory-bound
+  kernels (casts, norms, transposes) ran x1.24 slower under DeepEP; kvstage prices none
+  of them in a prefill forward beyond their launch cost (kernels.py), so nothing to
+  slow here.
 - **Limits.** The overlap cannot hide more communication than there is compute: one
   compute stream and one communication stream, so a forward is never shorter than all
   its compute, nor than all its communication (nor than the FLOPs and HBM bounds of
@@ -65,8 +91,10 @@ processing the same token count per device", and 40.5% with the larger batch TBO
 memory saving allows; per kernel, TBO's kernels ran slower than without it ("reduced
 streaming multiprocessors (SMs) with TBO, potential noisy neighbor effects"), and the
 communication kernels slower than DeepEP's unit tests, which "is achievable when
-disabling TBO". kvstage prices the SM reservation, not the contention (see
-docs/results/2026-12-04-published-serving-prefill-tbo.md for the comparison).
+disabling TBO". kvstage prices the SM reservation and the contention measured in
+DeepSeek's trace (above), not the post's own figures (see
+docs/results/2026-12-04-published-serving-prefill-tbo.md and
+docs/results/2026-12-04-published-serving-tbo-contention.md).
 """
 
 from __future__ import annotations
@@ -77,8 +105,10 @@ from dataclasses import dataclass
 __all__ = [
     "DEEPEP_NORMAL_SMS",
     "DEEPEP_RESERVED_SMS",
+    "GEMM_CONTENTION",
     "TOKEN_DISTRIBUTION_THRESHOLD",
     "Piece",
+    "attention_contention",
     "schedule_s",
     "sm_share",
     "split_chunks",
@@ -103,6 +133,11 @@ DEEPEP_RESERVED_SMS: dict[str, tuple[int, int]] = {
     "a100-80g": (108, DEEPEP_NORMAL_SMS),
     "mi300x": (304, 0),
 }
+# A matmul's time under a DeepEP normal kernel over its time alone, both on the SMs
+# DeepEP leaves: [P] deepseek-ai/profile-data train.json, 3,234 / 3,062 us, DeepSeek's
+# GEMMs at ten places on H800 (see above; benchmarks/overlap_contention.py); H100 and
+# H200 the same GH100 die. Other GPUs: not measured, none priced.
+GEMM_CONTENTION: dict[str, float] = {"h100-sxm": 1.056, "h200": 1.056, "h800": 1.056}
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,28 +230,49 @@ def sm_share(gpu: str) -> float:
     return (sms - reserved) / sms
 
 
+def attention_contention(gpu: str) -> float:
+    """How much longer `gpu`'s attention takes beside a DeepEP kernel: on the SMs it
+    leaves (see above)."""
+    return 1.0 / sm_share(gpu)
+
+
+def _beside(start: float, busy: float, work: float, slow: float) -> float:
+    """When a stage of `work` seconds alone, starting at `start`, ends: `slow` times
+    slower while the communication stream is busy (until `busy`), at full rate after."""
+    window = max(0.0, busy - start)
+    if work * slow <= window:
+        return start + work * slow
+    return start + window + work - window / slow
+
+
 def schedule_s(
     attn: Sequence[float],
     moe: Sequence[float],
     dispatch: Sequence[float],
     combine: Sequence[float],
     layers: int,
+    attn_slow: Sequence[float] = (1.0, 1.0),
+    moe_slow: Sequence[float] = (1.0, 1.0),
 ) -> float:
     """The forward's time as SGLang's prefill schedule runs the two micro-batches (see
     above), every layer alike: per layer and micro-batch i an attention stage
-    (`attn[i]` seconds a layer) and an expert stage (`moe[i]`) on the compute stream,
-    its dispatch after the first and its combine after the second on the
-    communication stream; each stage waits for its own communication."""
+    (`attn[i]` seconds a layer alone) and an expert stage (`moe[i]`) on the compute
+    stream, its dispatch after the first and its combine after the second on the
+    communication stream; each stage waits for its own communication, and runs
+    `attn_slow[i]` (`moe_slow[i]`) times slower while communication runs beside it.
+    Every communication kernel a stage can meet was queued before it starts (its own
+    comes after it), back to back: the stream is busy from the stage's start until
+    `comm`."""
     compute = comm = 0.0  # when each stream is next free
     combined = [0.0, 0.0]  # when each micro-batch's last combine lands
     for _ in range(layers):
         dispatched = [0.0, 0.0]
         for i in (0, 1):
-            compute = max(compute, combined[i]) + attn[i]
+            compute = _beside(max(compute, combined[i]), comm, attn[i], attn_slow[i])
             comm = max(comm, compute) + dispatch[i]
             dispatched[i] = comm
         for i in (0, 1):
-            compute = max(compute, dispatched[i]) + moe[i]
+            compute = _beside(max(compute, dispatched[i]), comm, moe[i], moe_slow[i])
             comm = max(comm, compute) + combine[i]
             combined[i] = comm
     return max(compute, *combined)
