@@ -8,10 +8,12 @@
 # each backend of BACKENDS (default: nixl, and mooncake where its CUDA wheel,
 # mooncake-transfer-engine, is installed). Needs a CUDA torch and nixl; PY names the
 # interpreter (default: the project's venv). The run directories and raw.json land in
-# $OUT (default runs/gpu-check). Where nixl is not installed (a lent machine with only a
-# CUDA torch: carry the wheels benchmarks/gpu_wheels.sh downloads, install them with
-# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`, then run with
-# PY=python3 PYTHONPATH=/tmp/site:$PWD) it stops after the kernels and the write tag.
+# $OUT (default runs/gpu-check). A lent machine with only a CUDA torch: carry .whl and
+# .nx, made here by benchmarks/gpu_wheels.sh (the wheels, and NIXL's CUDA build cut to
+# 13 MB), install them with `pip install --no-index --no-deps --target /tmp/site
+# .whl/*.whl` and `tar xJf .nx/nixl-min.tar.xz -C /tmp/site`, then run with
+# PY=python3 PYTHONPATH=/tmp/site:$PWD. Where nixl is not importable it stops after the
+# kernels and the write tag.
 #
 # Before that (and on a machine without a GPU: CPU_ONLY=1 stops after it), what the
 # runs will use: the affinity table (each local rank's GPU, NUMA node and rail NIC,
