@@ -253,6 +253,25 @@ def test_the_summary_names_the_gpus_and_efficiencies_it_used():
     assert fig["decode_hbm_efficiency"] == 0.7 and fig["step_overhead_ms"] == 1.0
 
 
+def test_an_ada_fp8_forward_runs_at_its_gpus_measured_gemm_rate():
+    """FP8 weights on an L40S / L40: the dense matmuls at the GPU's own published FP8
+    GEMM rate (cuBLASLt on an L40S at Llama 2 7B's shapes, 373.4 TFLOP/s from 512 rows,
+    vLLM PR 6677; SGLang's CUTLASS kernel on an L40, 281.0 TFLOP/s from 2,048 rows,
+    sglang PR 3047), under the datasheet's FP8 peak; a MoE's grouped GEMMs keep the
+    default curve (a dense GEMM's rate is not a grouped one's)."""
+    from kvstage.shared.serving.gpus import efficiency
+
+    for gpu, tflops in (("l40s", 373.4), ("l40", 281.0)):
+        s = scenario("llama-3-8b", gpu, 1, "model.weight_dtype=fp8")
+        eff = efficiency(s)
+        share = eff.gemm_share(gpu, "fp8", 16384)
+        assert share * _peak(gpu, "fp8") == pytest.approx(tflops * 1e12)
+        assert share < 1 and eff.gemm_share(gpu, "fp8", 16384, grouped=True) == eff.mfu(16384)
+        f = prefill_forward(s, 2048, prompts=8)
+        assert f.linear_flops / f.linear_s == pytest.approx(tflops * 1e12)
+        assert f.total_s > f.linear_flops / _peak(gpu, "fp8")
+
+
 P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 
 

@@ -195,6 +195,26 @@ _HOPPER_BF16 = ((16, 50.48 / 989), (512, 558.99 / 989), (4096, 711.45 / 989), (1
 # [P] FlashMLA's BF16 decode on H20, 123 of 148 TFLOP/s (`Efficiency.attention_tables`)
 _H20_ATTENTION_BF16 = ((4096, 123 / 148),)
 _A100_BF16 = ((64, 0.25 * 267.9 / 312), (128, 0.475 * 267.9 / 312), (4096, 267.9 / 312))
+# [P] FP8 GEMMs on Ada (FP8 inputs, FP32 accumulation, as every sm89 FP8 GEMM runs:
+# `Efficiency.dense_gemm_tables`), TFLOP/s of the dtype's dense peak by rows M.
+# L40S: torch._scaled_mm (cuBLASLt), the best of fast accumulation on and off, at Llama 2
+# 7B's four TP1 shapes, 64 to 512 rows; the mean over the shapes (at 512 the two the
+# thread lists) of 204.5 / 252.8 / 301.3 / 373.4 TFLOP/s of 733
+# (https://github.com/vllm-project/vllm/pull/6677, the pytorch column)
+_L40S_FP8 = ((64, 204.5 / 733), (128, 252.8 / 733), (256, 301.3 / 733), (512, 373.4 / 733))
+# L40: SGLang's CUTLASS sm89 FP8 kernel (float accumulator), N = 6,144, K = 4,096
+# (Llama 3.1 8B's QKV projection), 64 to 2,048 rows: 53.7 / 96.1 / 146.8 / 169.3 / 258.8 /
+# 281.0 TFLOP/s of 362 (https://github.com/sgl-project/sglang/pull/3047, "GPU: sm89-L40",
+# the sglang-fp8-bf16 column; its benchmark prints 2 M N K x 4 B (the float32 input's
+# element size) / s, so a quarter of the figure is FLOP/s)
+_L40_FP8 = (
+    (64, 53.7 / 362),
+    (128, 96.1 / 362),
+    (256, 146.8 / 362),
+    (512, 169.3 / 362),
+    (1024, 258.8 / 362),
+    (2048, 281.0 / 362),
+)
 _MI300X_BF16 = ((64, 0.25 * 781.9 / 1307.4), (128, 0.475 * 781.9 / 1307.4), (4096, 781.9 / 1307.4))
 
 
@@ -241,8 +261,20 @@ class Efficiency:
     of stas00/ml-engineering (the best shape of a brute-force search: 267.9 of 312, 781.9
     of 1,307.4), a plateau under which [A] `prefill_mfu`'s shape; a best shape's rate, so
     ~10% above a serving shape's where both are known (H100: 80% against vLLM's 72%);
-    dense GEMMs only. The other GPUs and dtypes keep `prefill_mfu` (no per-GPU GEMM
-    table found).
+    dense GEMMs only. [P] l40s and l40 at FP8 (Ada, sm89): every FP8 GEMM there
+    accumulates in FP32 (cuBLASLt's FP8 matmul refuses CUBLAS_COMPUTE_16F,
+    https://forums.developer.nvidia.com/t/fp8-fp16-accumulation-on-ada-rtx-4090/294400,
+    which cites the Ada whitepaper's half-rate FP32 accumulation on GeForce; [C] SGLang's
+    and vLLM's CUTLASS sm89 kernels take a float accumulator), the rate the datasheets'
+    dense FP8 figures give: L40S 733 (full rate), L40 362 (half the L40S's on the same
+    142 SMs). Measured at serving shapes: L40S, cuBLASLt at Llama 2 7B's shapes, 0.28 /
+    0.34 / 0.41 / 0.51 of 733 at M = 64 / 128 / 256 / 512 (`_L40S_FP8`; SGLang's CUTLASS
+    kernel on an L40S reaches 362 TFLOP/s, 0.49, at M = 2,048, N = 6,144, K = 4,096,
+    https://github.com/sgl-project/sglang/pull/6756, the same plateau at 4x the rows);
+    L40, SGLang's CUTLASS kernel, 0.15 / 0.27 / 0.41 / 0.47 / 0.71 / 0.78 of 362 at M =
+    64 to 2,048 (`_L40_FP8`). Small-M points of both ran with the weights in the 96 MB
+    L2 (above the GDDR6's 864 GB/s); the weights-read roofline prices that. Dense GEMMs
+    only. The other GPUs and dtypes keep `prefill_mfu` (no per-GPU GEMM table found).
     decode_mfu: the share of peak FLOP/s a decode step's matmuls reach when the step
     is compute bound, on a GPU and dtype without a table of its own: the plateau of
     `prefill_mfu`, 0.40 ([P] as there). Not the small-M points: DeepGEMM's M = 64 and
@@ -301,6 +333,8 @@ class Efficiency:
         ("h200", "bf16", _HOPPER_BF16),
         ("a100-80g", "bf16", _A100_BF16),
         ("mi300x", "bf16", _MI300X_BF16),
+        ("l40s", "fp8", _L40S_FP8),
+        ("l40", "fp8", _L40_FP8),
     )
     # per (GPU, KV dtype): the share of the BF16 peak attention reaches by keys per
     # query; a user's kernel table (shared/serving/kernel_table.py) comes first
