@@ -100,7 +100,9 @@ Sources and setups ([A] marks what the source does not say and the row assumes):
    8 prompts packed (`prefill_forward(..., prompts=8)`). [A] the context phase of the
    batch is one forward; [A] "Mixed" is FP16 weights and activations; [A] Llama 2 70B
    is Llama 3 70B's shape with a 32,000-token vocabulary and 68.98 B parameters.
-   Tolerance 25%. Chosen with source 7 before either was run.
+   Tolerance 25%. Chosen with source 7 before either was run. The L40 / L40S rows' FP8
+   GEMMs run at each GPU's own published FP8 GEMM rate since 2026-12-04 (shared/serving/
+   gpus.py `_L40S_FP8`, `_L40_FP8`; docs/results/2026-12-04-published-serving-ada.md).
 9. DistServe's own per-request measurements (the alignment data of its simulator,
    https://github.com/LLMServe/DistServe, simdistserve/benchmarks/alignment/
    data-ground-truth, commit 20a1633): OPT-13B FP16 on A100-SXM4-80GB, ShareGPT (its
@@ -660,6 +662,45 @@ _TRT_SET = (
 )
 
 
+def ada_why(model: str, gpu: str, tp: int) -> Callable[[float], str]:
+    """Why an Ada row (L40 / L40S, FP8) misses: the simulated forward's parts, the GEMM
+    rate the published figure implies, and at TP4 the all-reduce time it leaves once the
+    GEMMs run at the GPU's measured FP8 rate (shared/serving/gpus.py `_L40S_FP8`,
+    `_L40_FP8`)."""
+
+    def why(published: float) -> str:
+        s = _dli(model, gpu, tp, "fp8")
+        f = prefill_forward(s, 2048, prompts=8)
+        ms = 8 * 2048 / published * 1e3
+        parts = (
+            f"{ms:,.0f} ms published against {f.total_s * 1e3:,.0f} simulated: GEMMs "
+            f"{f.linear_s * 1e3:,.0f} at the GPU's measured FP8 GEMM table ({f.mfu:.2f} of "
+            f"the datasheet's FP8 peak), attention {f.attention_s * 1e3:,.0f}"
+        )
+        if tp == 1:
+            implied = f.mfu * f.linear_s * 1e3 / (ms - (f.attention_s + f.fixed_s) * 1e3)
+            return (
+                f"{parts}; the published forward implies {implied:.2f} for TensorRT-LLM "
+                "0.9's FP8 GEMMs (its attention as priced), the table is SGLang's 2025 "
+                "CUTLASS kernel on an L40 (sglang PR 3047): no TensorRT-LLM 0.9 sm89 GEMM "
+                "rate is published; the L40S's table (cuBLASLt) lands within 5% of its row"
+            )
+        n = 2 * s.model.layers  # two all-reduces a layer
+        nbytes = 8 * 2048 * s.model.hidden * 2  # BF16 activations
+        left = ms - (f.linear_s + f.attention_s + f.fixed_s) * 1e3
+        busbw = 2 * (tp - 1) / tp * nbytes / (left / n / 1e3)
+        return (
+            f"{parts}, PCIe all-reduces {f.allreduce_s * 1e3:,.0f} ({n} of "
+            f"{nbytes / 1e6:,.0f} MB at the link x 0.8, 25.6 GB/s of bus bandwidth): the "
+            f"published figure leaves {left:,.0f} ms for them, {busbw / 1e9:.1f} GB/s; "
+            "NCCL's ring over PCIe Gen4 without NVLink is priced at the link's share, no "
+            "published 4-GPU L40 / L40S nccl-tests curve found; before 2026-12-04 the "
+            "default GEMM curve's 0.40 hid it"
+        )
+
+    return why
+
+
 def dli_rows() -> list[Row]:
     """The two NVIDIA DLI sets' rows (sources 7 and 8 of the module docstring)."""
     rows = []
@@ -672,7 +713,8 @@ def dli_rows() -> list[Row]:
         name = f"TRT 0.9 {model} {gpu} TP{tp} {prec} B8x2048"
         fn = dli_prefill(model, gpu, tp, prec)
         pub = 8 * 2048 / (ms / 1e3)
-        rows.append(Row(name, "prefill", pub, "tok/s/inst", DLI_TRT, fn, 0.25, _TRT_BATCH))
+        note = ada_why(model, gpu, tp) if gpu in ("l40", "l40s") else _TRT_BATCH
+        rows.append(Row(name, "prefill", pub, "tok/s/inst", DLI_TRT, fn, 0.25, note))
     return rows
 
 
