@@ -13,7 +13,12 @@ from kvstage.analysis.layout_report import duplicate_share
 from kvstage.cli.main import app
 from kvstage.shared.scenario import ScenarioError, load_scenario, scaled
 from kvstage.shared.scenario.presets import PRESETS
-from kvstage.shared.serving.compute import prefill_forward, prefill_forward_s
+from kvstage.shared.serving.compute import (
+    elementwise_bytes,
+    elementwise_s,
+    prefill_forward,
+    prefill_forward_s,
+)
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "llama3-8b-p4-d2.toml"
 WIDE = {"COLUMNS": "300"}
@@ -73,7 +78,17 @@ def test_moe_forward_uses_active_parameters():
     attention = 4 * 32 * 32 * 128 * c * (c + 1) / 2 / tp / (peak * 0.5)
     allreduce = 2 * 32 * (c * 4096 * 2 * 2 * 3 / 4 / (450e9 * 0.8))
     fixed = 32 * 14 * 5e-6
-    total = linear + attention + allreduce + fixed
+    # issue 35: the memory-bound kernels between the dense matmuls (priced from a GEMM
+    # table, so they are not in it), 16-bit elements a token and layer: two fused
+    # add + RMSNorms, 8 x 4,096 on every rank; rotary and the KV write, 2 x (4,096 + 2 x
+    # 1,024) / 4; the dense MLP's activation, the dense parameters a layer beyond the
+    # attention's (the router's) / 4,096 / 4; at 0.8 of the H100's 3.35 TB/s (the
+    # grouped experts' activation keeps the default curve, which holds it)
+    attn_params = 4096 * 6144 + 4096 * 4096
+    dense_mlp = (d - 2 * table) / 32 - attn_params
+    per_layer = 8 * 4096 + (2 * 6144 + dense_mlp / 4096) / tp
+    elementwise = c * 32 * per_layer * 2 / (3350e9 * 0.8)
+    total = linear + attention + allreduce + fixed + elementwise
     assert prefill_forward_s(moe, 8192) == pytest.approx(total, rel=1e-3)
     # every expert's FLOPs as active: the linear FLOPs grow 3.6x (46.7 / 12.9), all of
     # them dense matmuls now (a higher MFU than the grouped ones), the rest the same
@@ -83,6 +98,30 @@ def test_moe_forward_uses_active_parameters():
     # a dense preset, or a preset whose params_b is given explicitly: FLOPs from params_b
     assert load().model.flops_params_b == 8.0
     assert load("model.preset=mixtral-8x7b", "model.params_b=40").model.flops_params_b == 40
+
+
+def test_the_norms_and_activations_move_their_bytes():
+    """Issue 35: a forward's memory-bound kernels between the matmuls (fused add +
+    RMSNorm twice, rotary and the KV write, SiLU-and-mul), by their bytes at 0.8 of HBM,
+    where the matmuls are priced from a GEMM kernel table."""
+    one = load("model.preset=llama-3-8b", "prefill.tp=1")
+    # Llama 3 8B (params_b 8.0): a layer's MLP = (8.0e9 - 2 x 128,256 x 4,096) / 32 less
+    # the attention's 4,096 x 6,144 + 4,096^2; 16-bit elements a token and layer: 8 x
+    # 4,096 (norms) + 2 x 6,144 (q, k, v in and out) + the MLP's parameters / 4,096
+    table = 128256 * 4096
+    mlp = (8.0e9 - 2 * table) / 32 - (4096 * 6144 + 4096 * 4096)
+    per_token = 32 * 2 * (8 * 4096 + 2 * 6144 + mlp / 4096)
+    assert elementwise_bytes(one, "prefill", 1000) == pytest.approx((1000 * per_token, 0.0))
+    # the H100's BF16 GEMM table times the GEMMs alone: the bytes at 0.8 of 3.35 TB/s
+    assert elementwise_s(one, "prefill", 1000) == pytest.approx(1000 * per_token / 2.68e12)
+    assert prefill_forward(one, 1000).elementwise_s == elementwise_s(one, "prefill", 1000)
+    # the norms run on the whole residual stream on every rank: TP4 divides the rest only
+    four = load("model.preset=llama-3-8b", "prefill.tp=4")
+    split = 32 * 2 * (8 * 4096 + (2 * 6144 + mlp / 4096) / 4)
+    assert elementwise_bytes(four, "prefill", 1000)[0] == pytest.approx(1000 * split)
+    # the default curve (Llama 3's end-to-end MFU) and a given MFU already hold them
+    assert elementwise_s(load("prefill.gpu=l40s", "decode.gpu=l40s"), "prefill", 1000) == 0
+    assert elementwise_s(load("prefill.mfu=0.5"), "prefill", 1000) == 0
 
 
 def test_active_parameters_are_checked_scaled_and_kept():

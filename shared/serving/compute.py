@@ -49,7 +49,14 @@ Prefill forward of a chunk of c tokens after p tokens already in the prompt's KV
   EPLB, and the batch's randomness), its distinct experts 1 - (1 - k/E)^(tokens x
   that), out of its share;
 - the kernels' fixed costs: layers x kernels per layer x `kernel_launch_s`
-  (shared/serving/kernels.py).
+  (shared/serving/kernels.py);
+- the memory-bound kernels between the matmuls by their bytes (`elementwise_s`: two
+  fused add + RMSNorms on the whole residual stream of every TP rank, rotary and the
+  KV write, the MLP's activation) at `Efficiency.elementwise_hbm` of HBM, where the
+  matmuls are priced from a GEMM kernel table (which times the GEMMs alone; the
+  default curve is an end-to-end MFU that holds them). Left out of a decode step,
+  whose tokens are its batch: Llama 3 8B at TP2 moves 3.9 MB a token there, 250 MB at
+  batch 64 against 7.5 GB of weights a rank (3%).
 
 Decode step of a batch of B requests holding K tokens of KV in all. Its kernels run one
 after another, each overlapping its own reads and FLOPs (a roofline per kernel, not
@@ -115,7 +122,7 @@ from kvstage.shared.serving.prefill_tbo import (
     split_chunks,
     split_halves,
 )
-from kvstage.shared.serving.sharding import per_rank_params
+from kvstage.shared.serving.sharding import _Q_LORA_DEFAULT, per_rank_params
 
 if TYPE_CHECKING:
     from kvstage.shared.scenario import Scenario
@@ -163,6 +170,9 @@ class Forward:
     # micro-batches' communication and compute that ran at once (the parts above are
     # the two micro-batches' sums)
     overlap_s: float = 0.0
+    # the memory-bound kernels between the matmuls (norms, residual adds, rotary and
+    # the KV write, the MLP's activation) by their bytes (`elementwise_s`)
+    elementwise_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -172,6 +182,7 @@ class Forward:
             + self.allreduce_s
             + self.alltoall_s
             + self.fixed_s
+            + self.elementwise_s
             - self.overlap_s
         )
 
@@ -385,6 +396,79 @@ def linear_parts(
     return d_flops + x_flops, t_dense, t_experts, mfu
 
 
+def _attention_shape(s: Scenario) -> tuple[float, float]:
+    """(the q, k and v widths a token's attention computes, the attention's projection
+    parameters) of one layer, whole (before TP splits them). GQA: q = heads x head_dim,
+    k and v kv_heads x head_dim, the QKV and O projections; MLA in its prefill (MHA)
+    form: q and k of qk_nope + qk_rope a head, v of v_head_dim, and its five projections
+    (q_a, q_b, kv_a, kv_b, O)."""
+    m = s.model
+    h = m.hidden
+    if m.attention != "mla":
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        return q + 2 * kv, h * (q + 2 * kv) + q * h
+    nope, rope, v, lora = m.mla_widths or _MLA_DEFAULT
+    q_lora, heads = m.mla_q_lora_rank or _Q_LORA_DEFAULT, m.heads
+    params = (
+        h * q_lora
+        + q_lora * heads * (nope + rope)
+        + h * (lora + rope)
+        + lora * heads * (nope + v)
+        + heads * v * h
+    )
+    return heads * (2 * (nope + rope) + v), params
+
+
+def elementwise_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
+    """(around the dense matmuls, after the routed experts') bytes one GPU's memory-bound
+    kernels between the matmuls move in a forward of `tokens` tokens ([C] the kernels of
+    vLLM's LlamaDecoderLayer and TensorRT-LLM's Llama, shared/serving/kernels.py), at
+    the activations' 16 bits, per layer and token:
+
+    - two fused residual-add + RMSNorms, each reading the hidden state and the residual
+      and writing both: 8 x hidden elements, on every rank of the TP group (the
+      residual stream is whole on each after the all-reduce);
+    - the attention's preprocessing (rotary on q and k, K and V written to the cache):
+      reads and writes q, k and v, 2 x their widths / tp;
+    - the MLP's activation: a gated one (SiLU-and-mul) reads 2 I and writes I, 3 I = its
+      3 h I parameters / h; an ungated one reads and writes I, 2 I = its 2 h I / h:
+      either way the MLP's parameters a token passes through / hidden, / tp. The dense
+      MLP (and shared experts) in the first figure, the k routed experts' in the second.
+
+    Left out: MLA's two latent norms (q_lora + kv_lora wide, under 4% of the rest in
+    DeepSeek-V3) and FP8 activation quantization, which TensorRT-LLM fuses into the
+    kernel writing the GEMM's input ([A] the same bytes, 16-bit, for every weight
+    dtype)."""
+    m, tp = s.model, _cfg(s, side).tp
+    dense, e = expert_split(s)
+    embed, head, _ = vocab_params(s)
+    qkv, attention = _attention_shape(s)
+    dense_mlp = max(0.0, (dense - embed - head) / m.layers - attention)
+    routed = m.experts_per_token * e / m.layers
+    per_layer = 8 * m.hidden + (2 * qkv + dense_mlp / m.hidden) / tp
+    scale = tokens * m.layers * ACT_BYTES
+    return scale * per_layer, scale * routed / m.hidden / tp
+
+
+def elementwise_s(s: Scenario, side: str, tokens: float) -> float:
+    """Seconds of `elementwise_bytes` at `Efficiency.elementwise_hbm` of the GPU's HBM,
+    each part where the matmuls it sits between are priced from a kernel table of the
+    GPU's own (gpus.py `gemm_tables`, `dense_gemm_tables`, a user's `serving.kernels`;
+    the routed experts' from a table a grouped GEMM may take): those time the GEMM
+    kernels alone. The default curve (`prefill_mfu`, Llama 3's end-to-end training
+    MFU) and a scenario's `prefill.mfu` / `prefill.tflops` already hold what a forward
+    loses outside its matmuls: nothing is added there."""
+    cfg, eff = _cfg(s, side), efficiency(s)
+    if getattr(cfg, "tflops", None) is not None or getattr(cfg, "mfu", None) is not None:
+        return 0.0
+    gpu, dtype = side_gpu(s, side), s.model.weight_dtype
+    around_dense, after_experts = elementwise_bytes(s, side, tokens)
+    moved = around_dense if eff.gemm_table(gpu.name, dtype) is not None else 0.0
+    if after_experts and eff.gemm_table(gpu.name, dtype, grouped=True) is not None:
+        moved += after_experts
+    return moved / (gpu.hbm_Bps * eff.elementwise_hbm)
+
+
 def attention_time_s(s: Scenario, side: str, flops: float, keys: float) -> float:
     """Seconds of `flops` attention FLOPs whose queries attend to `keys` keys each (the
     mean): at `Efficiency.attention_rate` (a kernel table's, or the default share)."""
@@ -454,6 +538,7 @@ def _one_batch(s: Scenario, total: int, sequences: int, keys: float, mean_keys: 
         alltoall_s=alltoall_s(s, "prefill", total),
         mfu=mfu,
         fixed_s=kernel_floor_s(s),
+        elementwise_s=elementwise_s(s, "prefill", total),
     )
 
 
@@ -477,6 +562,7 @@ def _prefill_half(s: Scenario, pieces: tuple[Piece, ...]) -> tuple[Forward, floa
         alltoall_s=dispatch + combine,
         mfu=mfu,
         fixed_s=kernel_floor_s(s),
+        elementwise_s=elementwise_s(s, "prefill", n),
     )
     return half, dense, dispatch
 
@@ -493,7 +579,9 @@ def _two_batch_prefill(s: Scenario, split: tuple[tuple[Piece, ...], ...]) -> For
     halves = [_prefill_half(s, pieces) for pieces in split]
     attn, moe, dispatch, combine, attn_slow, moe_slow = [], [], [], [], [], []
     for f, dense, out in halves:
-        rest = f.allreduce_s + f.fixed_s / 2  # not slowed
+        # [A] the memory-bound kernels (`elementwise_s`) all with the attention stage and,
+        # as the collectives, not slowed beside DeepEP (its slowdowns are the matmuls')
+        rest = f.allreduce_s + f.elementwise_s + f.fixed_s / 2  # not slowed
         stage = f.attention_s + dense + rest
         attn.append(stage / layers)
         attn_slow.append((f.attention_s * att + dense * gemm + rest) / stage if stage else 1.0)
@@ -507,7 +595,7 @@ def _two_batch_prefill(s: Scenario, split: tuple[tuple[Piece, ...], ...]) -> For
     parts = {
         name: getattr(fa, name) + getattr(fb, name)
         for name in ("linear_flops", "attention_flops", "linear_s", "attention_s",
-                     "allreduce_s", "alltoall_s", "fixed_s")
+                     "allreduce_s", "alltoall_s", "fixed_s", "elementwise_s")
     }  # fmt: skip
     summed = Forward(**parts, mfu=fa.mfu)
     return Forward(**parts, mfu=fa.mfu, overlap_s=summed.total_s - took)

@@ -318,6 +318,18 @@ class Efficiency:
     kernel_launch_s: the fixed cost of one kernel (a copy kernel; each kernel of a
     forward, shared/serving/kernels.py). [A] 5 us, CUDA launch plus a small kernel's
     ramp (the figure kvstage's profiles carried).
+    elementwise_hbm: the share of HBM bandwidth a forward's memory-bound kernels
+    between its matmuls reach (fused residual-add + RMSNorm, rotary and the KV write,
+    SiLU-and-mul; shared/serving/compute.py `elementwise_s`). [P] vLLM's
+    fused_add_rms_norm at Llama prefill shapes, 2,048 tokens x 4,096 (Llama 3 8B) and x
+    8,192 (70B) in FP16: 17.95 and 34.82 us for 67.1 and 134.2 MB read and written,
+    3.74 and 3.85 TB/s (https://github.com/tile-ai/TileOPs/pull/2097, its comparison
+    table; [A] on the H200 the series' PRs name, e.g. #2110's environment table: 0.78
+    and 0.80 of its 4.8 TB/s). Measured on a lent H200 (2026-12-04,
+    benchmarks/profile_elementwise.py, torch 2.11 Inductor kernels, Llama 3 8B and 70B
+    at 2,048 and 7,000 tokens, docs/results/2026-12-04-published-serving-ttft.md):
+    add + RMSNorm 0.75-0.83, SiLU-and-mul 0.87-0.91, rotary + KV copy 0.54-0.69, a
+    plain copy 0.85-0.87; 0.79-0.81 over Llama 3 8B's bytes of a layer. 0.8.
     """
 
     prefill_mfu: tuple[tuple[int, float], ...] = ((64, 0.10), (128, 0.19), (4096, 0.40))
@@ -349,6 +361,7 @@ class Efficiency:
     allreduce: float = 0.8
     copy_hbm: float = 0.85
     kernel_launch_s: float = 5e-6
+    elementwise_hbm: float = 0.8
 
     def mfu(self, tokens: int) -> float:
         """MFU of a matmul of `tokens` rows by the default table (`prefill_mfu`)."""

@@ -31,13 +31,16 @@ __all__ = ["mixed_step_s", "prefill_step_s"]
 
 
 def _pieces(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float, float, float]:
-    """(matmul s, attention s, communication s, kernels' fixed s) of a forward of prompt
-    chunks `pieces` (tokens computed, context before them), as a prefill forward packs
-    them: shared/serving/compute.py `packed_forward` (one piece alone: `prefill_forward`
-    exactly). With two-batch overlap (`prefill.two_batch_overlap`) the communication is
-    what the overlap leaves exposed (`Forward.overlap_s` is never more than it)."""
+    """(matmul s, attention and memory-bound kernels' s, communication s, kernels' fixed
+    s) of a forward of prompt chunks `pieces` (tokens computed, context before them), as
+    a prefill forward packs them: shared/serving/compute.py `packed_forward` (one piece
+    alone: `prefill_forward` exactly; its `elementwise_s`, the norms' and activations'
+    bytes, with the attention: neither hides under the decode's weight reads). With
+    two-batch overlap (`prefill.two_batch_overlap`) the communication is what the
+    overlap leaves exposed (`Forward.overlap_s` is never more than it)."""
     f = packed_forward(s, [(t, c) for t, c in pieces if t > 0])
-    return f.linear_s, f.attention_s, f.allreduce_s + f.alltoall_s - f.overlap_s, f.fixed_s
+    comm = f.allreduce_s + f.alltoall_s - f.overlap_s
+    return f.linear_s, f.attention_s + f.elementwise_s, comm, f.fixed_s
 
 
 def prefill_step_s(s: Scenario, pieces: list[tuple[int, int]]) -> tuple[float, float]:
