@@ -64,13 +64,18 @@ PAUSE_S = 0.01  # between two of the attacker's writes: ~HOLD_S / PAUSE_S land i
 RING_MB = 8  # decode.staging_pool_mb: more than the workload's regions (one round)
 
 
-def _scenario(tmp_path, backend: str, kind: str, path: str = "staging"):
+def _scenario(tmp_path, backend: str, kind: str, path: str = "staging", extra=()):
     late = f"late_scatter = [{{ room = {HELD}, chunk = 0, seconds = {HOLD_S} }}]"
     path = write_scenario(tmp_path, 2, 1, 8, requests=REQUESTS, faults=late, path=path)
     kinds = [] if kind == "mac" else [f"transfer.verify_writes={kind}"]  # "mac": the default
     s = load_scenario(
         path,
-        overrides=[f"hardware.backend={backend}", f"decode.staging_pool_mb={RING_MB}", *kinds],
+        overrides=[
+            f"hardware.backend={backend}",
+            f"decode.staging_pool_mb={RING_MB}",
+            *kinds,
+            *extra,
+        ],
     )
     assert s.transfer.verify_writes == kind
     return s
@@ -222,9 +227,9 @@ def _attack(attacker, table: dict, t0: float, stop: threading.Event, stats: dict
         stop.wait(PAUSE_S)
 
 
-def _run(tmp_path, backend: str, make_attacker, kind: str = "mac", path: str = "staging"):
+def _run(tmp_path, backend: str, make_attacker, kind: str = "mac", path: str = "staging", extra=()):
     require_engine(backend)
-    s = _scenario(tmp_path, backend, kind, path)
+    s = _scenario(tmp_path, backend, kind, path, extra)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "scenario.toml").write_text(s.to_toml())
@@ -354,7 +359,12 @@ def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monk
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(HOST_KERNEL_ENV, "1")
     attacker = _CoWriter if path == "slice" else _Insider
-    s, result, stats, _ = _run(tmp_path, "nixl", attacker, path=path)
+    # the kernels run in numpy under the interpreter, about 1 s per 512 KiB moved: on a
+    # loaded two-core CI host a room's chunks outlast the default 30 s deadline (3-6
+    # rooms timed out there waiting for their scatter); the deadline is liveness, and
+    # this test is about what the moves catch
+    slow = ("transfer.room_timeout_s=150",)
+    s, result, stats, _ = _run(tmp_path, "nixl", attacker, path=path, extra=slow)
     (_assert_slices_caught if path == "slice" else _assert_rejected_not_scattered)(s, result, stats)
     dec = result.reports["decode0"]
     assert dec["bytes_hashed_in_moves"] == dec["bytes_checksummed"] > 0, dec
