@@ -302,8 +302,8 @@ def nim_why(prompt: int) -> Callable[[float], str]:
         implied = f.mfu * f.linear_s / max(1e-9, published_ms / 1e3 - rest)
         return (
             f"the measured TTFT implies a linear MFU of {implied:.0%} at {prompt:,} tokens "
-            f"against the default's {f.mfu:.0%} (the 40% plateau is Llama 3's BF16 training "
-            "MFU, its shape DeepGEMM's): TensorRT-LLM's FP8 GEMMs do better on these shapes"
+            f"against the {f.mfu:.0%} kvstage prices (per-tensor FP8: cuBLASLt at Llama 3's "
+            "shapes measured on an H200, gpus.py `_HOPPER_FP8_TENSOR`)"
         )
 
     return why
@@ -634,15 +634,12 @@ _NIM_TTFT = (
     "2,000 to 7,000 tokens no kernel measurement found shows, "
     "docs/results/2026-12-03-published-serving-ttft.md)"
 )
-# the FP8 rows: their GEMMs priced from DeepGEMM's H800 rates over DeepSeek-V3's shapes
-# (gpus.py `_HOPPER_FP8`), log2 between 128 and 4,096 rows: 0.47 of the FP8 peak at 2,000
+# the FP8 rows: per-tensor FP8 checkpoints, their dense GEMMs priced from kvstage's
+# cuBLASLt measurement on an H200 at Llama 3's shapes (gpus.py `_HOPPER_FP8_TENSOR`)
 _NIM_FP8 = (
-    "a TensorRT-LLM engine's FP8 prefill: kvstage's FP8 GEMMs at 2,000 rows run at 0.47 "
-    "of the FP8 peak (DeepGEMM's published H800 rates over DeepSeek-V3's shapes, log2 "
-    "between 128 and 4,096 rows), where cuBLASLt ran Llama 3's shapes at 0.51-0.64 at "
-    "2,048 rows on an H200 (docs/results/2026-12-04-kernel-table-h200.md; the default "
-    "kept, the other FP8 rows sitting on it); with the norms' and activations' bytes "
-    "priced (2026-12-04) the 2,000-token TP1 row is the one they leave above"
+    "a TensorRT-LLM engine's FP8 prefill: kvstage prices a per-tensor FP8 checkpoint's "
+    "GEMMs at cuBLASLt's rate at Llama 3's shapes measured on an H200 (0.58 of the FP8 "
+    "peak at 2,048 rows, docs/results/2026-12-04-kernel-table-h200.md), no engine's own"
 )
 _TRT_BATCH = (
     "a TensorRT-LLM 0.9 context phase of 8 x 2,048 tokens at this GPU, dtype and TP "

@@ -272,6 +272,49 @@ def test_an_ada_fp8_forward_runs_at_its_gpus_measured_gemm_rate():
         assert f.total_s > f.linear_flops / _peak(gpu, "fp8")
 
 
+def test_fp8_gemms_take_the_table_of_their_scaling():
+    """A per-tensor FP8 checkpoint's dense matmuls on an H100 / H200 run at kvstage's
+    measured cuBLASLt rate (benchmarks/data/kernels/, 0.606 of the peak at 4,096 rows);
+    DeepSeek-V3's block-scaled FP8 (its preset: config.json weight_block_size) at
+    DeepGEMM's (0.533), grouped or dense; a per-tensor MoE's grouped GEMMs, with no
+    per-tensor grouped measurement, take DeepGEMM's; both under the FP8 peak."""
+    from kvstage.shared.serving.compute import gemm_dtype
+    from kvstage.shared.serving.gpus import efficiency
+
+    llama = scenario("llama-3-8b", "h100-sxm", 1, "model.weight_dtype=fp8")
+    ds = scenario("deepseek-v3", "h200", 8)
+    assert llama.model.fp8_scaling == "tensor" and ds.model.fp8_scaling == "block"
+    assert gemm_dtype(llama) == "fp8" and gemm_dtype(ds) == "fp8-block"
+    eff = efficiency(llama)
+    for gpu in ("h100-sxm", "h200"):
+        tensor, block = eff.gemm_share(gpu, "fp8", 4096), eff.gemm_share(gpu, "fp8-block", 4096)
+        assert tensor == pytest.approx(0.606) and block == pytest.approx(1054 / 1979)
+        assert eff.gemm_share(gpu, "fp8", 4096, grouped=True) == block
+        assert eff.gemm_share(gpu, "fp8-block", 4096, grouped=True) == block
+        assert max(tensor, block) < 1
+    f = prefill_forward(llama, 4096)
+    assert f.linear_flops / f.linear_s <= 0.606 * _peak("h100-sxm", "fp8") * (1 + 1e-9)
+    own = scenario("deepseek-v3", "h200", 8, "model.fp8_scaling=tensor")
+    assert own.model.fp8_scaling == "tensor"  # a checkpoint of one's own
+    with pytest.raises(ScenarioError, match="fp8_scaling") as bad:
+        load_scenario(ROOT / "scenarios" / "llama3-8b-p4-d2.toml", ["model.fp8_scaling=row"])
+    assert "tensor" in str(bad.value) and "block" in str(bad.value)  # what is allowed
+
+
+def test_a_users_fp8_kernel_table_prices_block_scaled_fp8_too(tmp_path):
+    """`[serving] kernels` rows of dtype fp8 are the user's GPU's FP8 GEMMs: a
+    block-scaled model takes them before DeepGEMM's default."""
+    from kvstage.shared.serving.gpus import efficiency
+
+    csv = tmp_path / "k.csv"
+    csv.write_text(
+        "op,gpu,dtype,M,N,K,time_us,source\ngemm,h200,fp8,4096,4096,4096,200,a test's own figure\n"
+    )
+    s = scenario("deepseek-v3", "h200", 8, f'serving.kernels="{csv}"')
+    want = 2 * 4096**3 / 200e-6 / _peak("h200", "fp8")
+    assert efficiency(s).gemm_share("h200", "fp8-block", 4096) == pytest.approx(want)
+
+
 P8D2 = ROOT / "scenarios" / "llama3-70b-p8-d2.toml"
 
 

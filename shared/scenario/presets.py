@@ -48,6 +48,11 @@ class ModelPreset:
     # matrix, counted once in params_b); 0: unknown (every parameter is a matmul's)
     vocab_size: int = 0
     tied_embeddings: bool = False
+    # how the published FP8 checkpoint scales its weights: "tensor" (one scale a tensor,
+    # the usual FP8 release) or "block" (a scale per 128 x 128 block, config.json
+    # quantization_config.weight_block_size): the engines run different FP8 GEMMs for
+    # them (shared/serving/gpus.py `Efficiency.gemm_table`)
+    fp8_scaling: str = "tensor"
 
     @property
     def latent_dim(self) -> int | None:
@@ -135,6 +140,11 @@ PRESETS: dict[str, ModelPreset] = {
         active_params_b=37.0,
         source="deepseek-ai/DeepSeek-V3",
         attention="mla",
+        # config.json quantization_config: fmt e4m3, weight_block_size [128, 128],
+        # activation_scheme dynamic; the DeepSeek-V3 technical report, section 3.3
+        # (https://arxiv.org/abs/2412.19437): 128 x 128 weight blocks, 1 x 128 tiles of
+        # activations; DeepGEMM runs them
+        fp8_scaling="block",
     ),
     # DistServe's model (arXiv 2401.09670): facebook/opt-13b config.json,
     # num_hidden_layers 40, num_attention_heads 40, hidden_size 5120 (head_dim 128,

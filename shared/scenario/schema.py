@@ -100,6 +100,10 @@ class ModelConfig(_Table):
     # cache's (what is transferred); `dtype = X` is the old spelling of both = X
     weight_dtype: WeightDtype = "bf16"
     kv_dtype: Dtype = "bf16"
+    # FP8 weights only: one scale per tensor ("tensor") or per 128 x 128 block
+    # ("block", DeepSeek-V3's checkpoint): the engines' FP8 GEMMs differ (their rates:
+    # shared/serving/gpus.py `Efficiency.gemm_table`); a preset gives its checkpoint's
+    fp8_scaling: Literal["tensor", "block"] = "tensor"
     # the transformer's width and query heads (attention FLOPs, all-reduce bytes,
     # activations); absent: attention_heads = kv_heads, hidden_size = heads x head_dim
     hidden_size: PosInt | None = None
@@ -144,6 +148,8 @@ class ModelConfig(_Table):
             base |= {"experts": p.experts, "experts_per_token": p.experts_per_token}
         if p.context_tokens:
             base["context_tokens"] = p.context_tokens
+        if p.fp8_scaling != "tensor":
+            base["fp8_scaling"] = p.fp8_scaling
         return _mla_geometry({**base, **data})
 
     @model_validator(mode="after")

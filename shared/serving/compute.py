@@ -138,6 +138,7 @@ __all__ = [
     "describe_efficiency",
     "distinct_experts",
     "efficiency_figures",
+    "gemm_dtype",
     "packed_forward",
     "packed_forward_s",
     "prefill_forward",
@@ -382,7 +383,7 @@ def linear_parts(
     def share(rows: float, grouped: bool = False) -> float:
         if flat or given:
             return flat or given
-        return eff.gemm_share(gpu.name, m.weight_dtype, max(1, round(rows)), grouped)
+        return eff.gemm_share(gpu.name, gemm_dtype(s), max(1, round(rows)), grouped)
 
     mfu = share(tokens)
     t_dense = d_flops / (peak * mfu)
@@ -461,12 +462,20 @@ def elementwise_s(s: Scenario, side: str, tokens: float) -> float:
     cfg, eff = _cfg(s, side), efficiency(s)
     if getattr(cfg, "tflops", None) is not None or getattr(cfg, "mfu", None) is not None:
         return 0.0
-    gpu, dtype = side_gpu(s, side), s.model.weight_dtype
+    gpu, dtype = side_gpu(s, side), gemm_dtype(s)
     around_dense, after_experts = elementwise_bytes(s, side, tokens)
     moved = around_dense if eff.gemm_table(gpu.name, dtype) is not None else 0.0
     if after_experts and eff.gemm_table(gpu.name, dtype, grouped=True) is not None:
         moved += after_experts
     return moved / (gpu.hbm_Bps * eff.elementwise_hbm)
+
+
+def gemm_dtype(s: Scenario) -> str:
+    """The kind of GEMM the model's matmuls run, as `Efficiency.gemm_table` keys it: the
+    weight dtype, and "fp8-block" for FP8 weights scaled per 128 x 128 block
+    (`model.fp8_scaling`; a different kernel from a per-tensor FP8 GEMM)."""
+    m = s.model
+    return "fp8-block" if m.weight_dtype == "fp8" and m.fp8_scaling == "block" else m.weight_dtype
 
 
 def attention_time_s(s: Scenario, side: str, flops: float, keys: float) -> float:
@@ -714,14 +723,14 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
 
 
 def _one_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
-    m, cfg, eff = s.model, s.decode, efficiency(s)
+    cfg, eff = s.decode, efficiency(s)
     gpu, host = side_gpu(s, "decode"), engine_step(s)
     q = cfg.speculative.draft_tokens if cfg.speculative else 1
     rows = batch * q
     weights = _weights_read(s, rows)
     kv = kv_tokens * side_memory(s, "decode").kv_bytes_per_token
     hbm = gpu.hbm_Bps * eff.decode_hbm
-    plateau = eff.gemm_plateau(gpu.name, m.weight_dtype)
+    plateau = eff.gemm_plateau(gpu.name, gemm_dtype(s))
     lin_s = att_s = flops = 0.0
     if batch > 0:
         flops, lin_s, _ = _linear_s(s, "decode", rows, flat=plateau)
@@ -764,11 +773,11 @@ def efficiency_figures(s: Scenario) -> dict[str, object]:
         "decode_ep": d.ep,
         "chunk_tokens": chunk,
         "prefill_mfu_at_chunk": (
-            p.mfu if p.mfu is not None else eff.gemm_share(p.gpu, s.model.weight_dtype, chunk)
+            p.mfu if p.mfu is not None else eff.gemm_share(p.gpu, gemm_dtype(s), chunk)
         ),
         "attention_mfu": eff.attention_share(p.gpu, "bf16", chunk) or eff.attention_mfu,
         "decode_hbm_efficiency": eff.decode_hbm,
-        "decode_mfu": eff.gemm_plateau(d.gpu, s.model.weight_dtype),
+        "decode_mfu": eff.gemm_plateau(d.gpu, gemm_dtype(s)),
         "step_overhead_ms": engine_step(s).host_s * 1e3,
         "step_overhead_hidden": engine_step(s).overlapped,
         "decode_engine": engine_step(s).engine,

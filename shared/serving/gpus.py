@@ -181,8 +181,23 @@ def gpu_names() -> str:
     return ", ".join(GPUS)
 
 
-# [P] DeepGEMM on H800 (see Efficiency.gemm_tables): 272, 489, 1,054 of 1,979 TFLOP/s
+# [P] DeepGEMM on H800 (see Efficiency.gemm_tables): 272, 489, 1,054 of 1,979 TFLOP/s;
+# block-scaled FP8 (128 x 128 weight blocks), DeepSeek-V3's shapes
 _HOPPER_FP8 = ((64, 272 / 1979), (128, 489 / 1979), (4096, 1054 / 1979))
+# [K] per-tensor FP8 (cuBLASLt through torch._scaled_mm) on an H200, the mean share at
+# each M over the per-rank GEMMs of Llama-3 8B (TP1-8) and 70B (TP2-8):
+# benchmarks/data/kernels/kernels-h200-llama3-{8b,70b}.csv, read by
+# shared/serving/kernel_table.py's rule (docs/results/2026-12-04-kernel-table-h200.md);
+# the H100 SXM has the H200's SMs, clocks and FP8 peak
+_HOPPER_FP8_TENSOR = (
+    (512, 0.470),
+    (1024, 0.543),
+    (2048, 0.583),
+    (4096, 0.606),
+    (7000, 0.626),
+    (8192, 0.610),
+    (16384, 0.619),
+)
 # [P] torch BF16 matmul (cuBLAS) on H100 80GB HBM3, DeepSeek-V3's N = 2,112, K = 7,168:
 # 50.5, 559.0, 711.4, 714.8 TFLOP/s at M = 16, 512, 4,096, 16,384 of 989
 # (https://github.com/vllm-project/vllm/pull/23939, the benchmark's torch-bf16 column)
@@ -245,10 +260,17 @@ class Efficiency:
     gemm_tables: per (GPU, weight dtype), where a kernel benchmark of that GPU and
     dtype was published, the share of the dtype's peak a GEMM of M rows reaches; it
     replaces `prefill_mfu` there, in prefill and in a compute-bound decode step alike.
-    [P] h100-sxm / h200 at FP8: DeepGEMM's own rates on H800 (the H100's SMs and FP8
-    peak) over the six DeepSeek-V3 shapes, mean 272 / 489 / 1,054 TFLOP/s at M = 64 /
-    128 / 4,096 (the table `prefill_mfu` takes its shape from): 0.137, 0.247, 0.533 of
-    1,979. [P] h20 at FP8: DeepGEMM's masked grouped GEMM on H20, 32 groups of 64 rows,
+    [P] h100-sxm / h200 at block-scaled FP8 ("fp8-block", `model.fp8_scaling`: a scale
+    per 128 x 128 weight block, DeepSeek-V3's checkpoint): DeepGEMM's own rates on H800
+    (the H100's SMs and FP8 peak) over the six DeepSeek-V3 shapes, mean 272 / 489 /
+    1,054 TFLOP/s at M = 64 / 128 / 4,096 (the table `prefill_mfu` takes its shape
+    from): 0.137, 0.247, 0.533 of 1,979. [K] h100-sxm / h200 at per-tensor FP8 (the
+    usual FP8 checkpoint; `dense_gemm_tables`): cuBLASLt through torch._scaled_mm on an
+    H200 at Llama-3 8B and 70B's per-rank shapes (benchmarks/profile_kernels.py,
+    benchmarks/data/kernels/), 0.47 / 0.58 / 0.61 / 0.62 at M = 512 / 2,048 / 4,096 /
+    16,384: a per-tensor GEMM scales once per output tile, where DeepGEMM promotes its
+    block-scaled partial sums on the CUDA cores every 128 of K (its README); dense GEMMs
+    only. [P] h20 at FP8: DeepGEMM's masked grouped GEMM on H20, 32 groups of 64 rows,
     N = 4,096, K = 7,168: 248 TFLOP/s, 0.84 of its 296
     (https://github.com/deepseek-ai/DeepGEMM/issues/114): a compute-poor GPU's GEMMs
     reach most of its peak already at 64 rows. [P] h100-sxm / h200 at BF16 (and FP16,
@@ -334,13 +356,15 @@ class Efficiency:
 
     prefill_mfu: tuple[tuple[int, float], ...] = ((64, 0.10), (128, 0.19), (4096, 0.40))
     gemm_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
-        ("h100-sxm", "fp8", _HOPPER_FP8),
-        ("h200", "fp8", _HOPPER_FP8),
-        ("h20", "fp8", ((64, 0.84),)),
+        ("h100-sxm", "fp8-block", _HOPPER_FP8),
+        ("h200", "fp8-block", _HOPPER_FP8),
+        ("h20", "fp8-block", ((64, 0.84),)),
     )
     # tables measured on dense GEMMs only: the grouped (MoE) GEMMs keep `gemm_tables` or
     # the default curve, a grouped kernel's rate not being a dense one's
     dense_gemm_tables: tuple[tuple[str, str, tuple[tuple[int, float], ...]], ...] = (
+        ("h100-sxm", "fp8", _HOPPER_FP8_TENSOR),
+        ("h200", "fp8", _HOPPER_FP8_TENSOR),
         ("h100-sxm", "bf16", _HOPPER_BF16),
         ("h200", "bf16", _HOPPER_BF16),
         ("a100-80g", "bf16", _A100_BF16),
@@ -370,11 +394,13 @@ class Efficiency:
     def gemm_table(
         self, gpu: str, dtype: str, grouped: bool = False
     ) -> tuple[tuple[int, float], ...] | None:
-        """The GPU's own table for `dtype` (FP16 takes BF16's where it has none of its
-        own: the same tensor-core rate), or None; a grouped (MoE) GEMM skips the tables
-        measured on dense GEMMs only."""
+        """The GPU's own table for `dtype` (compute.py `gemm_dtype`: the weight dtype,
+        or "fp8-block" for FP8 scaled per 128 x 128 block), or None. FP16 takes BF16's
+        where it has none of its own (the same tensor-core rate), and an FP8 GEMM of one
+        scaling the other's; a grouped (MoE) GEMM skips the tables measured on dense
+        GEMMs only."""
         tables = self.gemm_tables if grouped else self.gemm_tables + self.dense_gemm_tables
-        for want in (dtype, "bf16") if dtype == "fp16" else (dtype,):
+        for want in _GEMM_FALLBACK.get(dtype, (dtype,)):
             for name, dt, pts in tables:
                 if name == gpu and dt == want:
                     return pts
@@ -413,6 +439,16 @@ class Efficiency:
         base = self.attention_share(gpu.name, "bf16", n)
         rate = peak * (self.attention_mfu if base is None else base)
         return rate * self.attention_fp8_gain if fp8 else rate
+
+
+# the tables a GEMM kind takes, in order, where the GPU has none of its own kind: FP16
+# BF16's (the same tensor-core rate); an FP8 GEMM of one scaling the other's (the one
+# measurement of the GPU's FP8 there is)
+_GEMM_FALLBACK = {
+    "fp16": ("fp16", "bf16"),
+    "fp8": ("fp8", "fp8-block"),
+    "fp8-block": ("fp8-block", "fp8"),
+}
 
 
 def _interpolate(pts: tuple[tuple[int, float], ...], tokens: int) -> float:
@@ -456,6 +492,8 @@ def efficiency(s: Scenario) -> Efficiency:
                 f"serving.kernels = {s.serving.kernels!r} was not read: a scenario with a "
                 "kernel table comes from load_scenario or scenario_from_dict"
             )
-        changes["gemm_tables"] = table.gemm + DEFAULT_EFFICIENCY.gemm_tables
+        # a user's FP8 rows are their GPU's FP8 GEMMs, whatever the model's scaling
+        fp8 = tuple((g, "fp8-block", pts) for g, d, pts in table.gemm if d == "fp8")
+        changes["gemm_tables"] = table.gemm + fp8 + DEFAULT_EFFICIENCY.gemm_tables
         changes["attention_tables"] = table.attention + DEFAULT_EFFICIENCY.attention_tables
     return replace(DEFAULT_EFFICIENCY, **changes) if changes else DEFAULT_EFFICIENCY
