@@ -12,6 +12,9 @@ and in tests/test_verify_writes.py.
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 from protocol_harness import World
 
@@ -161,3 +164,71 @@ def test_the_default_is_the_mac():
     from kvstage.shared.scenario.schema import TransferConfig
 
     assert TransferConfig().verify_writes == "mac"
+
+
+def _late(results, lands: bool):
+    """A decode rank's state as `_checked` reads it, and a check that answers
+    `results` one after another (then the last for ever), counting bytes as the real
+    ones do."""
+    from types import SimpleNamespace
+
+    me = SimpleNamespace(
+        transport=SimpleNamespace(lands_on_completion=lands),
+        bytes_checksummed=0,
+        bytes_hashed_in_moves=0,
+        late_landings=0,
+        name="decode0",
+    )
+    answers = iter(results)
+    last = [results[-1]]
+
+    def check() -> str:
+        me.calls = getattr(me, "calls", 0) + 1
+        me.bytes_checksummed += 100
+        me.bytes_hashed_in_moves += 100
+        last[0] = next(answers, last[0])
+        return last[0]
+
+    return me, check
+
+
+def test_a_block_that_lands_late_passes_on_a_recheck_and_junk_still_fails(monkeypatch):
+    """Mooncake's TCP completion is the writer's alone (the bytes handed to a socket):
+    a decode that checks at once may see an honest block half landed. On such an engine
+    a failing check is run again after short waits: the honest block passes on a
+    re-check (counted once, and as a late landing); a block that never matches is
+    rejected once the grace is over; an engine whose completion is the peer's is never
+    re-checked."""
+    from kvstage.hw.rank import decode
+
+    monkeypatch.setattr(decode, "LANDING_GRACE_S", 0.05)
+    me, check = _late(["bad", "bad", ""], lands=False)
+    assert decode.DecodeRank._checked(me, check) == ""
+    assert me.late_landings == 1 and me.bytes_checksummed == me.bytes_hashed_in_moves == 100
+    me, check = _late(["junk"], lands=False)
+    t = time.perf_counter()
+    assert decode.DecodeRank._checked(me, check) == "junk"
+    assert time.perf_counter() - t >= 0.05 and me.late_landings == 0
+    assert me.calls <= 2 + math.log2(0.05 / 0.001) + 1  # waits that double from 1 ms
+    assert me.bytes_checksummed == 100
+    me, check = _late(["bad", ""], lands=True)
+    assert decode.DecodeRank._checked(me, check) == "bad"  # no second look
+
+
+def test_mooncake_over_tcp_says_its_writes_may_land_after_completion():
+    from conftest import require_engine
+
+    from kvstage.hw.transport.base import make_transport
+
+    require_engine("mooncake")
+    t = make_transport("mooncake", "landing-probe")
+    try:
+        assert t.lands_on_completion is False
+    finally:
+        t.close()
+    require_engine("nixl")
+    n = make_transport("nixl", "landing-probe-nixl")
+    try:
+        assert n.lands_on_completion is True
+    finally:
+        n.close()

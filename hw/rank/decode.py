@@ -11,7 +11,9 @@ in (CheckSlice) before its chunk counts as complete."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -36,6 +38,12 @@ from kvstage.shared.layout import StagingLayout
 
 log = logging.getLogger("kvstage.hw.rank.process")
 
+# [A] How long a block that fails its write tag is re-checked, on an engine whose write
+# completion is not the peer's (`Transport.lands_on_completion`), before it is rejected:
+# the time the peer's engine thread may wait for a core on a loaded host, with room to
+# spare under the 30 s room deadline; a rejected write is reported this much later
+LANDING_GRACE_S = 1.0
+
 
 class DecodeRank(RankProcess):
     role = "decode"
@@ -54,6 +62,7 @@ class DecodeRank(RankProcess):
         self.writes_rejected = 0  # regions or slices whose write tag failed: not used
         self.bytes_checksummed = 0
         self.bytes_hashed_in_moves = 0  # of them, hashed by the scatter or gather itself
+        self.late_landings = 0  # checks that passed only on a re-check (`_checked`)
 
     def _register_memory(self) -> None:
         """The staging ring, and the KV pool only where a peer's write lands in it: on
@@ -120,6 +129,30 @@ class DecodeRank(RankProcess):
             )
         return ""
 
+    def _checked(self, check: Callable[[], str]) -> str:
+        """`check()` ('' when every block passes its write tag), run again after short
+        waits, up to LANDING_GRACE_S in all, while it fails on an engine whose write
+        completion does not mean the bytes landed here (`Transport.lands_on_completion`:
+        Mooncake over TCP). An honest writer's late bytes pass on a re-check; bytes that
+        are not its (junk, an attacker's) fail every one, and the block is rejected after
+        the grace. The counters count one check."""
+        counted = (self.bytes_checksummed, self.bytes_hashed_in_moves)
+        start = time.monotonic()
+        why, pause = check(), 0.001
+        while why and not self.transport.lands_on_completion:
+            left = start + LANDING_GRACE_S - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(pause, left))
+            pause *= 2
+            self.bytes_checksummed, self.bytes_hashed_in_moves = counted
+            why = check()
+            if not why:
+                self.late_landings += 1
+                later = time.monotonic() - start
+                log.warning("%s: a write tag passed on a re-check %.3f s later", self.name, later)
+        return why
+
     def _fused(self, *flat: torch.Tensor) -> bool:
         """The tag's hash rides in the scatter or gather itself (a CUDA pool, "mac")."""
         return self.verify_writes == "mac" and fused_tag_possible(self.pool, *flat)
@@ -164,7 +197,8 @@ class DecodeRank(RankProcess):
     def _check_slice(self, a: CheckSlice) -> None:
         keys = self._tag_keys(a)
         nbytes = self.scatter_layout(a.num_pages).region_bytes
-        job = self.job_cpu.wrap("check", partial(self._check_slice_job, keys=keys), nbytes)
+        check = partial(self._check_slice_job, keys=keys)
+        job = self.job_cpu.wrap("check", lambda a: self._checked(partial(check, a)), nbytes)
         self._submit(job, a)
 
     def _check_slice_job(self, a: CheckSlice, keys: dict[int, bytes]) -> str:
@@ -198,12 +232,12 @@ class DecodeRank(RankProcess):
     def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         if keys is not None and self._fused(region):  # checked as it is scattered
-            why = self._scattered_rejected(a, region, keys)
+            why = self._checked(partial(self._scattered_rejected, a, region, keys))
             wait_for_stream(self.device)  # finished before the runtime frees its region
             return why
         if keys is not None:  # what is checked is what is scattered: a private copy
             private = torch.empty_like(region)
-            why = self._rejected(a, region, private, keys)
+            why = self._checked(partial(self._rejected, a, region, private, keys))
             if why:
                 return why
             region = private
@@ -270,6 +304,7 @@ class DecodeRank(RankProcess):
             "writes_rejected": self.writes_rejected,
             "bytes_checksummed": self.bytes_checksummed,
             "bytes_hashed_in_moves": self.bytes_hashed_in_moves,
+            "late_landings": self.late_landings,
         }
 
     _EXECUTORS = {

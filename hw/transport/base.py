@@ -255,6 +255,11 @@ class Transport(abc.ABC):
     #: False when the engine's threads may be raised only together with the lanes (they
     #: share a lock: a raised thread would wait on, or spin for, a lane that cannot run)
     engine_alone: ClassVar[bool] = True
+    #: False when a write the engine reports complete may not have landed in the peer's
+    #: memory yet (its completion is the initiator's: the bytes handed to a socket);
+    #: the decode then re-checks a block that fails its write tag before rejecting it
+    #: (hw/rank/decode.py `_checked`)
+    lands_on_completion: bool = True
 
     def __init__(self, agent_name: str, device: str = "cpu") -> None:
         if not isinstance(agent_name, str) or not agent_name.strip():

@@ -76,6 +76,12 @@ class MooncakeTransport(Transport):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
         mod = self._import_engine()
         self.protocol = protocol
+        # [C] Mooncake's TCP transport (kvcache-ai/Mooncake, tcp_transport.cpp,
+        # ClientSession::writeBody): a write is COMPLETED once its last chunk is written
+        # to the socket, with no word from the peer, whose server session copies the
+        # bytes from its socket into the buffer afterwards. RDMA's completion comes
+        # after the peer's NIC placed them.
+        self.lands_on_completion = protocol != "tcp"
         self._engine = mod.TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
