@@ -220,15 +220,10 @@ def test_mooncake_over_tcp_says_its_writes_may_land_after_completion():
 
     from kvstage.hw.transport.base import make_transport
 
-    require_engine("mooncake")
-    t = make_transport("mooncake", "landing-probe")
-    try:
-        assert t.lands_on_completion is False
-    finally:
-        t.close()
-    require_engine("nixl")
-    n = make_transport("nixl", "landing-probe-nixl")
-    try:
-        assert n.lands_on_completion is True
-    finally:
-        n.close()
+    for backend, lands in (("mooncake", False), ("nixl", True)):
+        require_engine(backend)
+        t = make_transport(backend, f"landing-probe-{backend}")
+        try:
+            assert t.lands_on_completion is lands, backend
+        finally:
+            t.close()
