@@ -252,12 +252,15 @@ print("moves == definition")
 """
 
 
-def test_the_fused_gather_and_scatter_hash_what_they_move_under_tritons_interpreter():
+@pytest.mark.parametrize("magic", [True, False], ids=["magic-pairs", "plain-division"])
+def test_the_fused_gather_and_scatter_hash_what_they_move_under_tritons_interpreter(magic):
     """The kernel that gathers (or scatters) a writer block and hashes it in one pass
     gives the digest of the definition over the block as `gather` makes it, moves the
     same bytes as `gather`, and writes nothing outside the room's pages and heads: K and
-    V or an MLA latent, a head slice or every head, pages after the first."""
-    _interpret(_INTERPRETED_MOVES, "moves == definition")
+    V or an MLA latent, a head slice or every head, pages after the first. Both forms
+    of its address divisions: the magic pairs a GPU runs, the plain ones whole
+    interpreted runs take (faster in numpy)."""
+    _interpret(_INTERPRETED_MOVES, "moves == definition", magic=magic)
 
 
 _INTERPRETED_DECODE = """
@@ -314,14 +317,17 @@ def test_the_decode_checks_each_block_as_it_scatters_it_under_tritons_interprete
     _interpret(_INTERPRETED_DECODE, "decode checks as it scatters")
 
 
-def _interpret(script: str, done: str) -> None:
+def _interpret(script: str, done: str, magic: bool = True) -> None:
     """Run `script` with Triton's interpreter (TRITON_INTERPRET=1: the kernels' own
-    source, executed in numpy on the CPU) in a process of its own; it prints `done`."""
+    source, executed in numpy on the CPU) in a process of its own; it prints `done`.
+    `magic`: the kernel divides by magic pairs, as on a GPU (nhash.MAGIC_ON_HOST_ENV)."""
     import subprocess
     import sys
 
+    from kvstage.hw.rank.nhash import MAGIC_ON_HOST_ENV
+
     require_triton()
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", MAGIC_ON_HOST_ENV: "1" if magic else "0"}
     run = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
     )

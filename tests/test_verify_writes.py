@@ -343,7 +343,11 @@ def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     assert raw.probes["prefill_pool_read_rc"] != 0, "a read of a prefill's unregistered pool worked"
 
 
+# alone: the interpreted kernels hold the GIL in long stretches; beside the parallel
+# part's tests on a two-core CI host a prefill's loop missed its heartbeats for 3 s
+# (15 rooms failed, "prefill rank 0 stopped answering", clean-clone run of fb508f0)
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("path", ["staging", "slice"])
 def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monkeypatch, path):
     """The GPU path's code in a whole run, where no GPU is: every rank runs the moves

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import numpy as np
 import torch
@@ -124,6 +125,10 @@ def nh_torch(block: torch.Tensor, key: bytes) -> torch.Tensor:
     return out
 
 
+# tests only: "1" runs the kernel's magic-pair divisions under Triton's interpreter too
+MAGIC_ON_HOST_ENV = "KVSTAGE_TAG_KERNEL_MAGIC_ON_HOST"
+
+
 @functools.lru_cache(maxsize=256)
 def magic(d: int) -> tuple[int, int]:
     """The pair (m, s) with x // d == (umulhi(x, m) + x) >> s for every 0 <= x < 2^31
@@ -183,6 +188,9 @@ def launch_strided(
     args += (S0, S1, S2, S3, tokens.start, heads.start)
     shape = {"W": CHUNK_WORDS, "TILE": tile or TILE, "SCATTER": scatter}
     shape["STORE"] = block_words is not None
+    # on a GPU the divisions by magic pairs; under the interpreter plain ones, faster in
+    # numpy, unless MAGIC_ON_HOST_ENV is "1" (tests of the pairs' path)
+    shape["MAGIC"] = pool_words.is_cuda or os.environ.get(MAGIC_ON_HOST_ENV) == "1"
     kernel = _kernel()
     if not pool_words.is_cuda:  # the interpreter (tests)
         kernel[(n,)](*args, **shape)

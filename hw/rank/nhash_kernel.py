@@ -17,29 +17,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _div(x, d_m, d_s):
-    """x // d for 0 <= x < 2^31 by d's magic pair (`nhash.magic`): a high multiply, an
-    add and a shift, where a division by a value known only at run time costs a GPU
-    tens of instructions (the method PyTorch's IntDivider uses, Granlund and
-    Montgomery, PLDI 1994)."""
-    t = tl.umulhi(x, d_m.to(tl.uint32, bitcast=True))
-    return ((t + x) >> d_s.to(tl.uint32)).to(tl.int32, bitcast=True)
+def _div(x, d, d_m, d_s, MAGIC: tl.constexpr):
+    """x // d for 0 <= x < 2^31 (uint32 x). MAGIC: by d's magic pair (`nhash.magic`), a
+    high multiply, an add and a shift, where a division by a value known only at run
+    time costs a GPU tens of instructions (the method PyTorch's IntDivider uses,
+    Granlund and Montgomery, PLDI 1994); else one division, which numpy, under Triton's
+    interpreter, does in one pass where the pair takes four."""
+    if MAGIC:
+        t = tl.umulhi(x, d_m.to(tl.uint32, bitcast=True))
+        return ((t + x) >> d_s.to(tl.uint32)).to(tl.int32, bitcast=True)
+    else:
+        return x.to(tl.int32, bitcast=True) // d
 
 
 @triton.jit
-def _pool_word(pos, shape, t0, h0, S0, S1, S2, S3):
+def _pool_word(pos, shape, t0, h0, S0, S1, S2, S3, MAGIC: tl.constexpr):
     """Block word `pos` -> its pool word, [plane, layer, token, head, word] of the slice.
-    The divisions in 32 bits by magic pairs (a block under 2^31 words, checked on the
-    host), the address in 64."""
+    The divisions in 32 bits (a block under 2^31 words, checked on the host), the
+    address in 64."""
     hw, hw_m, hw_s, nh, nh_m, nh_s, T, T_m, T_s, layers, ly_m, ly_s = shape
     x = pos.to(tl.int32).to(tl.uint32, bitcast=True)
-    r = _div(x, hw_m, hw_s)
+    r = _div(x, hw, hw_m, hw_s, MAGIC)
     w = pos.to(tl.int32) - r * hw
-    tok = _div(r.to(tl.uint32, bitcast=True), nh_m, nh_s)
+    tok = _div(r.to(tl.uint32, bitcast=True), nh, nh_m, nh_s, MAGIC)
     h = r - tok * nh
-    lay = _div(tok.to(tl.uint32, bitcast=True), T_m, T_s)
+    lay = _div(tok.to(tl.uint32, bitcast=True), T, T_m, T_s, MAGIC)
     t = tok - lay * T
-    pl = _div(lay.to(tl.uint32, bitcast=True), ly_m, ly_s)
+    pl = _div(lay.to(tl.uint32, bitcast=True), layers, ly_m, ly_s, MAGIC)
     at = pl.to(tl.int64) * S0 + (lay - pl * layers).to(tl.int64) * S1
     return at + (t0 + t).to(tl.int64) * S2 + (h0 + h).to(tl.int64) * S3 + w
 
@@ -82,6 +86,7 @@ def strided_nh(
     TILE: tl.constexpr,
     SCATTER: tl.constexpr,
     STORE: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     shape = (hw, hw_m, hw_s, nh, nh_m, nh_s, T, T_m, T_s, layers, ly_m, ly_s)
     c = tl.program_id(0)
@@ -95,8 +100,8 @@ def strided_nh(
         hi = lo + half
         mlo = lo < n_words
         mhi = hi < n_words
-        plo = _pool_word(lo, shape, t0, h0, S0, S1, S2, S3)
-        phi = _pool_word(hi, shape, t0, h0, S0, S1, S2, S3)
+        plo = _pool_word(lo, shape, t0, h0, S0, S1, S2, S3, MAGIC)
+        phi = _pool_word(hi, shape, t0, h0, S0, S1, S2, S3, MAGIC)
         if SCATTER:
             a = tl.load(block + lo, mask=mlo, other=0)
             b = tl.load(block + hi, mask=mhi, other=0)
