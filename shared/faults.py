@@ -4,14 +4,19 @@
 action boundary, what happens to a message (dropped, duplicated, delayed) and
 whether a room is aborted at a phase, a scatter starts late or stalls, a session starts late or
 a rank dies (and is started again). Every rank has its own plan, drawn from the seed and the rank
-(`shared.runtime.fault_stream`), and asks it in its own event order, so a scenario
-injects the same faults on the same ranks in both modes.
+(`shared.runtime.fault_stream`). A message's fate is drawn from its identity (type,
+room, chunk, ranks, writer) and how many times this rank sent that identity before, not
+from its place in the rank's sending order: the order of a rank's messages depends on
+timing in hardware mode, so an order-keyed stream dropped different messages there than
+in the simulator (a STAGING_RSP and its three resends dropped in a row, a room lost, in
+one hardware run of drop-rsp-watermark whose simulation lost none). So a scenario
+injects the same faults on the same messages in both modes.
 The schema (`FaultsConfig`) is the scenario's `[faults]` table.
 """
 
 from __future__ import annotations
 
-import random
+import hashlib
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -171,10 +176,16 @@ class Delivery:
     msg: Message
 
 
+# the fields that make a message's identity for its fault draw (those it has): not its
+# nonce, tag, offset or watermark position, which differ between modes and runs
+_IDENTITY = ("room", "chunk", "prefill_rank", "decode_rank", "writer", "from_decode")
+
+
 class FaultPlan:
     def __init__(self, config: FaultsConfig, seed: int, stream: int = 0) -> None:
         self.config = config
-        self.rng = random.Random(f"{config.seed if config.seed is not None else seed}:{stream}")
+        self._key = f"{config.seed if config.seed is not None else seed}:{stream}"
+        self._sent: dict[tuple, int] = {}  # a message identity -> times sent so far
         self._match_left = [m.times for m in config.match]
         self._aborts = {(a.room, a.phase) for a in config.abort}
         self._stalls = {(s.room, s.chunk): s.seconds for s in config.stall_scatter}
@@ -193,8 +204,10 @@ class FaultPlan:
             return [Delivery(0.0, msg)]
         name = MESSAGE_NAMES[type(msg)]
         action = self._exact(name, msg)
+        ident = (name, *(getattr(msg, f, None) for f in _IDENTITY))
+        n = self._sent[ident] = self._sent.get(ident, -1) + 1
         if action is None:
-            r = self.rng.random()
+            r = self._draw(ident, n, "fate")
             p_drop, p_dup, p_delay = (
                 c.drop.get(name, 0.0),
                 c.duplicate.get(name, 0.0),
@@ -212,8 +225,14 @@ class FaultPlan:
         if action == "drop":
             return []
         if action == "duplicate":
-            return [Delivery(0.0, msg), Delivery(c.delay_s * self.rng.random(), msg)]
+            return [Delivery(0.0, msg), Delivery(c.delay_s * self._draw(ident, n, "delay"), msg)]
         return [Delivery(c.delay_s, msg)]
+
+    def _draw(self, ident: tuple, n: int, what: str) -> float:
+        """A uniform draw in [0, 1) for the `n`-th send of message identity `ident`:
+        keyed BLAKE2b of the plan's seed and stream, the identity, `n` and `what`."""
+        h = hashlib.blake2b(repr((self._key, ident, n, what)).encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "big") / 2**64
 
     def _exact(self, name: str, msg: Message) -> str | None:
         for i, m in enumerate(self.config.match):

@@ -126,3 +126,49 @@ def test_abort_at_rsp_fires_on_every_prefill_rank_that_gets_the_answer():
     by_rank = {r.name: r.faults_injected for r in result.ranks if r.faults_injected}
     g = s.geometry()
     assert by_rank == {f"prefill{p}": {"abort:rsp": 1} for p in range(g.prefill_tp)}
+
+
+def test_a_message_fate_does_not_depend_on_the_order_a_rank_sends_in():
+    """A rank's sending order depends on timing in hardware mode: the same messages sent
+    interleaved otherwise (each identity's sends in their own order: a resend after the
+    send) meet the same fates (dropped, duplicated, passed), each resend its own draw,
+    so a scenario drops the same messages in both modes."""
+    import random
+
+    from kvstage.shared.faults import FaultPlan, FaultsConfig
+    from kvstage.shared.protocol import StagingRsp, Watermark
+
+    cfg = FaultsConfig(drop={"STAGING_RSP": 0.3, "WATERMARK": 0.3}, duplicate={"STAGING_RSP": 0.2})
+    msgs = [
+        StagingRsp(room, chunk, 4096 * chunk, 0, 0, False, p, 0)
+        for room in range(6)
+        for chunk in range(4)
+        for p in range(2)
+    ]
+    msgs += msgs[:10]  # resends: the same identities again
+    msgs += [Watermark(r, 0, p, 0) for r in range(5) for p in range(2)]
+
+    def ident(m):
+        return (type(m).__name__, getattr(m, "room", None), getattr(m, "chunk", None),
+                m.prefill_rank, m.decode_rank)  # fmt: skip
+
+    def fates(order):
+        plan, count, out = FaultPlan(cfg, seed=7, stream=4096), {}, {}
+        for m in order:
+            n = count[ident(m)] = count.get(ident(m), -1) + 1
+            out[(ident(m), n)] = len(plan.on_send(m))
+        return out
+
+    # another interleaving: the identities' turns shuffled, each one's sends in order
+    turns = [ident(m) for m in msgs]
+    random.Random(3).shuffle(turns)
+    queues: dict = {}
+    for m in msgs:
+        queues.setdefault(ident(m), []).append(m)
+    other = [queues[k].pop(0) for k in turns]
+    assert sorted(map(repr, other)) == sorted(map(repr, msgs)) and other != msgs
+    a = fates(msgs)
+    assert a == fates(other)
+    assert {0, 1, 2} <= set(a.values())  # dropped, passed, duplicated: every fate drawn
+    resent = [k for k in a if k[1] == 1]
+    assert resent and any(a[k] != a[(k[0], 0)] for k in resent)  # a resend draws anew
