@@ -46,6 +46,8 @@ import argparse
 import multiprocessing as mp
 import subprocess
 import time
+import tomllib
+from pathlib import Path
 
 import torch
 
@@ -54,10 +56,13 @@ from kvstage.hw.rank.writemac import block_mac, block_tag, host_bytes, tag_and_c
 from kvstage.hw.transport.base import make_transport
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
-RDMA_400G_BPS = 370e9 / 8  # [A] scenarios/profiles/rdma-400g.toml inter_bandwidth_gbps
+# the default profile's line rate (370 Gb/s), bytes a second, read from the profile itself
+_PROFILE = Path(__file__).resolve().parent.parent / "scenarios/profiles/rdma-400g.toml"
+RDMA_400G_BPS = tomllib.loads(_PROFILE.read_text())["inter_bandwidth_gbps"] * 1e9 / 8
 
 
-def _best(fn, reps: int) -> float:
+def best_wall(fn, reps: int) -> float:
+    """Fewest wall-clock seconds of `fn` over `reps` runs."""
     took = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -94,7 +99,7 @@ def _write_times(reps: int) -> dict[int, float]:
                 t.wait(t.write("ck-recv", [(local.addr, remote.addr, n)]), 30.0, "bench write")
 
             write()  # warm-up: connection set-up
-            out[n] = _best(write, reps)
+            out[n] = best_wall(write, reps)
         t.close()
         return out
     finally:
@@ -125,11 +130,11 @@ def _parts(key: bytes, sizes: list[int], reps: int) -> None:
             torch.cuda.synchronize()
             rates.append(n * reps / (t0.elapsed_time(t1) * 1e-3) / 1e9)
         torch.cuda.synchronize()
-        launch = _best(lambda data=data: nh_device(data, key), reps)
+        launch = best_wall(lambda data=data: nh_device(data, key), reps)
         torch.cuda.synchronize()
         out = nh_device(data, key)
         torch.cuda.synchronize()
-        fetch = _best(lambda out=out: out.cpu(), reps)
+        fetch = best_wall(lambda out=out: out.cpu(), reps)
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         for _ in range(reps):
@@ -175,11 +180,15 @@ def main() -> None:
             data.clone()
             sync()
 
-        mac = _best(lambda: tag("mac"), args.reps)
-        tc = _best(lambda d=data, o=dst: tag_and_copy("mac", keys["mac"], 1, 2, 3, d, o), args.reps)
-        host = _best(lambda data=data: block_mac(keys["mac"], 1, 2, 3, host_bytes(data)), args.reps)
-        b2 = _best(lambda: tag("checksum"), args.reps)
-        c = _best(copy, args.reps)
+        mac = best_wall(lambda: tag("mac"), args.reps)
+        tc = best_wall(
+            lambda d=data, o=dst: tag_and_copy("mac", keys["mac"], 1, 2, 3, d, o), args.reps
+        )
+        host = best_wall(
+            lambda data=data: block_mac(keys["mac"], 1, 2, 3, host_bytes(data)), args.reps
+        )
+        b2 = best_wall(lambda: tag("checksum"), args.reps)
+        c = best_wall(copy, args.reps)
         w, m = writes.get(n, float("nan")), n / RDMA_400G_BPS
         print(
             f"{n >> 10:>7}Ki {mac:>9.6f} {n / mac / 1e9:>7.2f} {tc:>9.6f} {c:>9.6f} {host:>9.6f} "

@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from checksum_cost import RDMA_400G_BPS, best_wall  # benchmarks/, beside this script
 
 from kvstage.hw.rank.kernels import (
     block_bytes,
@@ -36,18 +37,6 @@ from kvstage.hw.rank.kernels import (
 from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
 from kvstage.hw.rank.writemac import digest_tag
 from kvstage.shared.layout import Geometry
-
-RDMA_400G_BPS = 370e9 / 8  # [A] scenarios/profiles/rdma-400g.toml inter_bandwidth_gbps
-
-
-def best_wall(fn, reps: int) -> float:
-    """Fewest wall-clock seconds of `fn` over `reps` runs (host work)."""
-    took = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        took.append(time.perf_counter() - t)
-    return min(took)
 
 
 def timed(fn, reps: int, cuda: bool = True) -> float:
@@ -180,7 +169,7 @@ def main() -> None:
         print(
             f"the write tag on a block's path (digest to the host and its finish: "
             f"{finish_s * 1e3:.3f} ms a block), against the bytes' time on the wire at "
-            f"370 Gb/s (rdma-400g) (bar: <= 5%):"
+            f"{RDMA_400G_BPS * 8 / 1e9:.0f} Gb/s (rdma-400g) (bar: <= 5%):"
         )
         for side, extra, n in bar:
             wire = n / RDMA_400G_BPS
