@@ -446,9 +446,12 @@ _TBO = (
     "known bytes) and the forward's memory-bound kernels (norms, casts, activations)"
 )
 _TBO_DECODE = (
-    "two-batch overlap hides DeepEP's low-latency all-to-all (71 ms of the step, the "
-    "busiest EP rank's under EPLB, shared/serving/ep_balance.py) under the other half's "
-    "compute; the post's measured EPLB skew is its own, kvstage's TensorRT-LLM's"
+    "two-batch overlap on SGLang's decode schedule (shared/serving/decode_tbo.py): each "
+    "half's DeepEP low-latency dispatch in flight over its shared experts and the other "
+    "half's attention preparation, its combine over the other's attention core, the "
+    "routed experts overlapping nothing (71 ms of all-to-all a step, the busiest EP "
+    "rank's under EPLB, shared/serving/ep_balance.py); the post's measured EPLB skew is "
+    "its own, kvstage's TensorRT-LLM's"
 )
 # 2026-12-04 (docs/results/2026-12-04-published-serving-ep-decode-latency.md): the post's
 # draft names its second B1 / B32 setting MTP 3 1 4 (3 steps, 4 draft tokens, accept

@@ -86,8 +86,8 @@ counted as a MoE layer ([A] DeepSeek-V3's first 3 of 61 are dense: the all-to-al
 
 In a decode step the all-to-all is DeepEP's low-latency kernels by default
 (shared/serving/deepep.py, `decode.deepep_mode`), and `decode.two_batch_overlap` runs
-the step as two micro-batches, one's communication under the other's compute
-(`_two_batch_step`). The engine's host work a step (shared/serving/engine_step.py) adds
+the step as two micro-batches on SGLang's decode schedule, one's communication under
+the other's attention (`_two_batch_step`, shared/serving/decode_tbo.py). The engine's host work a step (shared/serving/engine_step.py) adds
 to the GPU's time, or runs under it where the engine overlaps it.
 
 Pipeline parallelism on the prefill side (`prefill.pp`) takes these forwards a stage's
@@ -103,10 +103,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvstage.shared.serving.allreduce import allreduce_one_s
+from kvstage.shared.serving.decode_tbo import HalfStages
+from kvstage.shared.serving.decode_tbo import schedule_s as decode_schedule_s
 from kvstage.shared.serving.deepep import low_latency_layer_s, nic_Bps
 from kvstage.shared.serving.engine_step import engine_step
 from kvstage.shared.serving.ep_balance import busiest_rank
@@ -397,6 +399,23 @@ def linear_parts(
     return d_flops + x_flops, t_dense, t_experts, mfu
 
 
+def _attention_projections(s: Scenario) -> tuple[float, float]:
+    """(the projections before the attention kernel, those after it) of one layer, in
+    parameters, whole (before TP splits them). GQA: QKV before, O after. MLA: q_a, q_b,
+    kv_a and kv_b's key half (absorbed into the query in decode, w_kc) before, kv_b's
+    value half (w_vc) and O after ([C] SGLang deepseek_v2.py `forward_absorb_prepare`,
+    `forward_absorb_core`)."""
+    m = s.model
+    h = m.hidden
+    if m.attention != "mla":
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        return h * (q + 2 * kv), q * h
+    nope, rope, v, lora = m.mla_widths or _MLA_DEFAULT
+    q_lora, heads = m.mla_q_lora_rank or _Q_LORA_DEFAULT, m.heads
+    before = h * q_lora + q_lora * heads * (nope + rope) + h * (lora + rope) + lora * heads * nope
+    return before, lora * heads * v + heads * v * h
+
+
 def _attention_shape(s: Scenario) -> tuple[float, float]:
     """(the q, k and v widths a token's attention computes, the attention's projection
     parameters) of one layer, whole (before TP splits them). GQA: q = heads x head_dim,
@@ -404,20 +423,12 @@ def _attention_shape(s: Scenario) -> tuple[float, float]:
     form: q and k of qk_nope + qk_rope a head, v of v_head_dim, and its five projections
     (q_a, q_b, kv_a, kv_b, O)."""
     m = s.model
-    h = m.hidden
+    before, after = _attention_projections(s)
     if m.attention != "mla":
         q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-        return q + 2 * kv, h * (q + 2 * kv) + q * h
-    nope, rope, v, lora = m.mla_widths or _MLA_DEFAULT
-    q_lora, heads = m.mla_q_lora_rank or _Q_LORA_DEFAULT, m.heads
-    params = (
-        h * q_lora
-        + q_lora * heads * (nope + rope)
-        + h * (lora + rope)
-        + lora * heads * (nope + v)
-        + heads * v * h
-    )
-    return heads * (2 * (nope + rope) + v), params
+        return q + 2 * kv, before + after
+    nope, rope, v, _ = m.mla_widths or _MLA_DEFAULT
+    return m.heads * (2 * (nope + rope) + v), before + after
 
 
 def elementwise_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, float]:
@@ -693,23 +704,36 @@ def decode_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
 
 
 def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
-    """Two-batch overlap ([C] SGLang's --enable-two-batch-overlap, two_batch_overlap.py,
-    and DeepEP's README figure of it): the batch split in two halves; in every layer one
-    half's attention runs while the other's combine is in flight, and one half's MLP
-    while the other's dispatch is. A layer of the pair takes, per half,
-    max(attention, combine) + max(MLP, dispatch): never less than the two halves'
-    compute, nor their communication. Each half reads the weights it touches again and
-    pays its own kernels (half of their fixed cost counted with the attention, half
-    with the MLP; [A] the draft, if any, with the MLP)."""
+    """Two-batch overlap ([C] SGLang's --enable-two-batch-overlap): the batch split in
+    two halves run on SGLang's decode schedule (shared/serving/decode_tbo.py), each
+    half's dispatch in flight over its shared experts and the other's attention
+    preparation, its combine over the other's attention core, the routed experts
+    overlapping nothing. Each half reads the weights it touches again, each matmul kind
+    the longer of its reads and its FLOPs, and pays its own kernels."""
     halves = (batch // 2, batch - batch // 2)
-    parts = [_one_batch_step(s, h, kv_tokens * h / batch) for h in halves]
     q = s.decode.speculative.draft_tokens if s.decode.speculative else 1
-    took = 0.0
-    for h, p in zip(halves, parts, strict=True):
+    parts, stages = [], []
+    for h in halves:
+        p = _one_batch_step(s, h, kv_tokens * h / batch)
+        dense, experts = _matmul_kinds(s, h * q)
+        p = replace(p, linear_s=dense + experts)
+        before, after, head = _dense_shares(s)
         dispatch, combine = alltoall_parts(s, "decode", h * q)
-        attention = max(p.kv_memory_s, p.attention_s) + p.fixed_s / 2 + p.allreduce_s
-        mlp = p.linear_s + p.fixed_s / 2 + p.draft_s
-        took += max(attention, combine) + max(mlp, dispatch)
+        layers, quarter = s.model.layers, p.fixed_s / 4
+        stages.append(
+            HalfStages(
+                prepare=dense * before / layers + quarter / layers,
+                core=(max(p.kv_memory_s, p.attention_s) + dense * after + p.allreduce_s) / layers
+                + quarter / layers,
+                shared=dense * (1 - before - after - head) / layers + quarter / layers,
+                experts=(experts + quarter) / layers,
+                dispatch=dispatch / layers,
+                combine=combine / layers,
+                tail=dense * head + p.draft_s,
+            )
+        )
+        parts.append(p)
+    took = decode_schedule_s(stages, s.model.layers)
     a, b = parts
     summed = ("weight_bytes", "kv_bytes", "flops", "memory_s", "compute_s", "allreduce_s",
               "alltoall_s", "linear_s", "kv_memory_s", "attention_s", "fixed_s", "draft_s")  # fmt: skip
@@ -720,6 +744,30 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         host_overlapped=a.host_overlapped,
         overlap_s=a.gpu_s + b.gpu_s - took,
     )
+
+
+def _matmul_kinds(s: Scenario, rows: float) -> tuple[float, float]:
+    """(dense, expert) matmul seconds of a decode forward of `rows` rows, each kind the
+    longer of its weight reads and its FLOPs (as a prefill's roofline per matmul kind)."""
+    eff, gpu = efficiency(s), side_gpu(s, "decode")
+    plateau = eff.gemm_plateau(gpu.name, gemm_dtype(s))
+    _, dense_f, experts_f, _ = linear_parts(s, "decode", rows, flat=plateau)
+    dense_b, experts_b = weight_bytes(s, "decode", rows)
+    hbm = gpu.hbm_Bps * eff.decode_hbm
+    return max(dense_b / hbm, dense_f), max(experts_b / hbm, experts_f)
+
+
+def _dense_shares(s: Scenario) -> tuple[float, float, float]:
+    """Shares of the dense matmuls' parameters (the embedding apart): the attention's
+    projections before its kernel, those after it, and the LM head; the rest are the
+    shared experts, dense MLPs and router. [A] Time in proportion to parameters, the
+    parts sharded alike."""
+    dense, _ = expert_split(s)
+    embed, head, _ = vocab_params(s)
+    matmuls = max(1.0, dense - embed)
+    before, after = _attention_projections(s)
+    layers = s.model.layers
+    return before * layers / matmuls, after * layers / matmuls, head / matmuls
 
 
 def _one_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
