@@ -441,9 +441,11 @@ _TBO = (
     "two-batch overlap as scheduled (shared/serving/prefill_tbo.py) gains more than the "
     "post's 27-35%, with DeepEP's 20 SMs and the contention beside its kernels priced "
     "(matmuls x1.056 as in DeepSeek's own H800 trace, attention on the SMs DeepEP leaves: "
-    "-1.7 to -1.9% on these forwards); left out: DeepEP's own kernels slower beside "
-    "compute (the post: slower than its unit tests under TBO; not sized by a source with "
-    "known bytes) and the forward's memory-bound kernels (norms, casts, activations)"
+    "-1.7 to -1.9% on these forwards), and the forward's memory-bound kernels (norms, "
+    "activations, FP8 casts before each block-scaled GEMM, DeepEP normal mode's "
+    "permutation: compute.py `elementwise_bytes`); left out: DeepEP's own kernels slower "
+    "beside compute (the post: slower than its unit tests under TBO; not sized by a "
+    "source with known bytes)"
 )
 _TBO_DECODE = (
     "two-batch overlap on SGLang's decode schedule (shared/serving/decode_tbo.py): each "
@@ -479,7 +481,7 @@ _STEP = (
 _PACK = (
     "prompts packed 16,384 tokens a forward as SGLang packs them, and "
     + _TBO
-    + ": the modeled overlap gains 1.56-1.58x on these forwards, the post measured 1.27-1.35x"
+    + ": the modeled overlap gains 1.50-1.58x on these forwards, the post measured 1.27-1.35x"
     " (kvstage faster)"
 )
 _PREFILL = (

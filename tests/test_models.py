@@ -124,6 +124,48 @@ def test_the_norms_and_activations_move_their_bytes():
     assert elementwise_s(load("prefill.mfu=0.5"), "prefill", 1000) == 0
 
 
+def test_block_scaled_fp8_pays_its_casts_and_deepep_normal_its_permutation():
+    """Issue 35: block-scaled FP8 GEMMs take inputs quantized per 128-element group by a
+    kernel of their own (SGLang's `sglang_per_token_group_quant_fp8`: 2 B read, 1 B and a
+    4 B scale a group written), and DeepEP normal mode's MoE copies each arrival to a row
+    per local expert and gathers the outputs back (`ep_scatter`, `ep_gather`). DeepSeek-V3
+    from its config.json: hidden 7,168, 128 heads, v 128, kv_lora 512, q_lora 1,536, 256
+    experts of which 8 a token, 671B / 37B parameters, vocabulary 129,280, 61 layers."""
+    h, layers, k = 7168, 61, 8
+    e = (671e9 - 37e9) / (256 - 8)  # one expert's parameters, all layers
+    dense = 37e9 - k * e
+    attention = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    dense_mlp = (dense - 2 * 129280 * 7168) / layers - attention  # shared experts, dense MLPs
+    quant = 2 + 1 + 4 / 128
+    # TP8 on H200s, the experts split by TP: O's and the down projections' inputs / 8
+    cast_in = (h + 1536 + 512 + 128 * 128 / 8) + (h + dense_mlp / (3 * h) / 8) + h  # a token's
+    cast_copy = k * (e / layers) / (3 * h) / 8  # each copy's down projection input
+    sets = [
+        'transfer.path="slice"',
+        "model.preset=deepseek-v3",
+        "model.weight_dtype=fp8",
+        "prefill.gpu=h200",
+        "decode.gpu=h200",
+        "decode.tp=8",
+    ]
+    block = load(*sets, "prefill.tp=8")
+    tensor = load(*sets, "prefill.tp=8", 'model.fp8_scaling="tensor"')
+    (ba, bx), (ta, tx) = (elementwise_bytes(x, "prefill", 1000) for x in (block, tensor))
+    assert ba - ta == pytest.approx(1000 * layers * quant * cast_in)
+    assert bx - tx == pytest.approx(1000 * layers * quant * cast_copy)
+    # TP1 x EP32 with DP attention: each token arrives at 32 (1 - (31/32)^8) ranks, FP8
+    # rows (1 + 4/128 B an element) copied per expert, BF16 outputs gathered per arrival
+    arrivals = 32 * (1 - (31 / 32) ** 8)
+    perm = h * ((arrivals + k) * (1 + 4 / 128) + (k + arrivals) * 2)
+    act = 2 * 3 * k * (e / layers) / (3 * h)  # SiLU-and-mul, 16-bit (as before)
+    ep = load(*sets, "prefill.tp=1", "prefill.ep=32")
+    after = 1000 * layers * (act + quant * cast_copy * 8 + perm)
+    assert elementwise_bytes(ep, "prefill", 1000)[1] == pytest.approx(after)
+    # the permutation is the prefill's DeepEP normal mode: the decode side (TP8) has none
+    decode = 1000 * layers * (act / 8 + quant * cast_copy)
+    assert elementwise_bytes(ep, "decode", 1000)[1] == pytest.approx(decode)
+
+
 def test_active_parameters_are_checked_scaled_and_kept():
     with pytest.raises(ScenarioError, match="active_params_b"):
         load("model.preset=mixtral-8x7b", "model.active_params_b=50")

@@ -447,9 +447,21 @@ def elementwise_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, flo
       either way the MLP's parameters a token passes through / hidden, / tp. The dense
       MLP (and shared experts) in the first figure, the k routed experts' in the second.
 
+    Block-scaled FP8 (`gemm_dtype` "fp8-block", DeepGEMM's GEMMs) adds the kernels that
+    feed it: each matmul's input quantized per 128-element group by a kernel of its own,
+    reading 16 bits and writing 8 and a 32-bit scale a group ([C] SGLang
+    fp8_utils.py `deepgemm_w8a8_block_fp8_linear_with_fallback`: `sglang_per_token_group_quant_fp8`
+    before each GEMM; ep_moe/layer.py `forward_deepgemm_contiguous`: before the experts'
+    down projection): `_quantized_inputs`. A prefill's expert-parallel MoE on DeepEP's
+    normal kernels adds their layout change ([C] the same `forward_deepgemm_contiguous`;
+    [P] LMSYS's post, "DeepGEMM Integration": "a permutation is needed"): `ep_scatter`
+    copies each received row (FP8 and its scales) to one row per local expert, and
+    `ep_gather` reads the experts' BF16 outputs back into one row per received token:
+    `_permuted_rows`.
+
     Left out: MLA's two latent norms (q_lora + kv_lora wide, under 4% of the rest in
-    DeepSeek-V3) and FP8 activation quantization, which TensorRT-LLM fuses into the
-    kernel writing the GEMM's input ([A] the same bytes, 16-bit, for every weight
+    DeepSeek-V3) and per-tensor FP8 activation quantization, which TensorRT-LLM fuses into
+    the kernel writing the GEMM's input ([A] the same bytes, 16-bit, for every weight
     dtype)."""
     m, tp = s.model, _cfg(s, side).tp
     dense, e = expert_split(s)
@@ -459,7 +471,51 @@ def elementwise_bytes(s: Scenario, side: str, tokens: float) -> tuple[float, flo
     routed = m.experts_per_token * e / m.layers
     per_layer = 8 * m.hidden + (2 * qkv + dense_mlp / m.hidden) / tp
     scale = tokens * m.layers * ACT_BYTES
-    return scale * per_layer, scale * routed / m.hidden / tp
+    around, after = scale * per_layer, scale * routed / m.hidden / tp
+    if gemm_dtype(s) == "fp8-block":
+        dense_in, expert_in = _quantized_inputs(s, tp, dense_mlp, routed)
+        around += tokens * m.layers * QUANT_BYTES * dense_in
+        after += tokens * m.layers * QUANT_BYTES * expert_in
+    if side == "prefill" and _dp_attention(s, side) and m.experts:
+        after += tokens * m.layers * _permuted_rows(s)
+    return around, after
+
+
+# [C] a per-128-group FP8 quantization (SGLang `sglang_per_token_group_quant_fp8`): reads
+# BF16, writes FP8 and one FP32 scale a group of 128, bytes an element
+QUANT_BYTES = 2 + 1 + 4 / 128
+FP8_ROW = 1 + 4 / 128  # an FP8 element and its share of the group's scale
+
+
+def _quantized_inputs(s: Scenario, tp: int, dense_mlp: float, routed: float) -> tuple[float, float]:
+    """(per token, per token's expert copies) elements a layer quantizes for block-scaled
+    FP8 matmuls: the attention's projection inputs (MLA's fused q_a/kv_a on the hidden
+    state, q_b on q_lora, kv_b on the latent, O on heads x v / tp; GQA's QKV and O), the
+    dense MLP's or shared experts' (gate-up on the hidden state, down on I / tp, gated:
+    3 h I parameters), the routed experts' input once a token (quantized before its
+    dispatch) and each copy's down projection input (I / tp)."""
+    m, h = s.model, s.model.hidden
+    if m.attention == "mla":
+        _, _, v, lora = m.mla_widths or _MLA_DEFAULT
+        q_lora = m.mla_q_lora_rank or 0
+        attention = h * (1 if q_lora else 2) + q_lora + lora + m.heads * v / tp
+    else:
+        attention = h + m.heads * m.head_dim / tp
+    mlp = h + dense_mlp / (3 * h) / tp if dense_mlp else 0.0
+    experts_in = h if m.experts else 0.0
+    return attention + mlp + experts_in, routed / (3 * h) / tp
+
+
+def _permuted_rows(s: Scenario) -> float:
+    """Bytes a token's rows move a layer through DeepEP normal mode's layout change (see
+    `elementwise_bytes`): it arrives once at each EP rank holding one of its k experts
+    (E(1 - (1 - 1/E)^k) ranks of E, experts spread evenly, [A] independently) and is
+    copied to one row per expert there, FP8 with scales, read and written; the experts'
+    BF16 outputs are read and summed into one row per arrival."""
+    m, ep = s.model, s.prefill.ep
+    k = m.experts_per_token
+    arrivals = ep * (1.0 - (1.0 - 1.0 / ep) ** k)
+    return m.hidden * ((arrivals + k) * FP8_ROW + (k + arrivals) * ACT_BYTES)
 
 
 def elementwise_s(s: Scenario, side: str, tokens: float) -> float:
