@@ -440,7 +440,14 @@ class RankRuntime:
         """Whether a forward handed out is still worth computing: an executor that has
         not started it yet asks, and reports a ForwardDone at once if not (the room
         failed before its turn, as an aborted request leaves the prefill queue)."""
-        mem = self._memory.get(f.room)
+        return self.pages_held(f.room)
+
+    def pages_held(self, room: int) -> bool:
+        """Whether `room` still holds its KV pages for work handed out: a room that
+        failed lets them go (at once, or once its abort grace is over) whatever it still
+        owes, so an executor that has not started a forward or a gather yet asks before
+        it reads them, and reports the work done at once if not."""
+        mem = self._memory.get(room)
         return mem is not None and not mem.released
 
     def page_base(self, room: int) -> int:

@@ -383,6 +383,9 @@ class PrefillRank(RankProcess):
 
     # --- gather and writes ----------------------------------------------------------------------
     def _gather(self, a: Gather) -> None:
+        if not self.runtime.pages_held(a.room):  # its room failed while it waited for space
+            self._feed(GatherDone(a.room, a.chunk, a.decode_rank))
+            return
         slot = self.arena.alloc(a.nbytes)
         if slot is None:
             self.waiting_gathers.append(a)  # retried when a write frees send-buffer space

@@ -20,6 +20,10 @@ What the engine does, and what kvstage takes from it:
      (`op_combine_a`);
   5. the combine's receive (`op_combine_b`).
 
+  Qwen3's MoE layers run the same five ([C] `_compute_moe_qwen3_decode`, no shared
+  experts: stage 3 is the send alone); a model without shared experts has little in
+  stage 3 here too.
+
 - **How the two interleave** ([C] operations.py `execute_overlapped_operations`): the
   first micro-batch runs `delta` stages alone, then the two alternate stage by stage
   (A, B, A, B, ...) on one compute stream, and the second finishes its last `delta`
