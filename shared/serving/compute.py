@@ -820,10 +820,10 @@ def _dense_shares(s: Scenario) -> tuple[float, float, float]:
     parts sharded alike."""
     dense, _ = expert_split(s)
     embed, head, _ = vocab_params(s)
-    matmuls = max(1.0, dense - embed)
-    before, after = _attention_projections(s)
-    layers = s.model.layers
-    return before * layers / matmuls, after * layers / matmuls, head / matmuls
+    before, after = (p * s.model.layers for p in _attention_projections(s))
+    # a model whose stated parameters hold fewer than its shapes imply: the shapes' parts
+    matmuls = max(1.0, dense - embed, before + after + head)
+    return before / matmuls, after / matmuls, head / matmuls
 
 
 def _one_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
