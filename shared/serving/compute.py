@@ -87,8 +87,9 @@ counted as a MoE layer ([A] DeepSeek-V3's first 3 of 61 are dense: the all-to-al
 In a decode step the all-to-all is DeepEP's low-latency kernels by default
 (shared/serving/deepep.py, `decode.deepep_mode`), and `decode.two_batch_overlap` runs
 the step as two micro-batches on SGLang's decode schedule, one's communication under
-the other's attention (`_two_batch_step`, shared/serving/decode_tbo.py). The engine's host work a step (shared/serving/engine_step.py) adds
-to the GPU's time, or runs under it where the engine overlaps it.
+the other's attention (`_two_batch_step`, shared/serving/decode_tbo.py). The engine's
+host work a step (shared/serving/engine_step.py) adds to the GPU's time, or runs under
+it where the engine overlaps it.
 
 Pipeline parallelism on the prefill side (`prefill.pp`) takes these forwards a stage's
 share at a time: shared/serving/pipeline.py.
@@ -768,14 +769,15 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
     the longer of its reads and its FLOPs, and pays its own kernels."""
     halves = (batch // 2, batch - batch // 2)
     q = s.decode.speculative.draft_tokens if s.decode.speculative else 1
+    before, after, head = _dense_shares(s)
+    layers = s.model.layers
     parts, stages = [], []
     for h in halves:
         p = _one_batch_step(s, h, kv_tokens * h / batch)
         dense, experts = _matmul_kinds(s, h * q)
         p = replace(p, linear_s=dense + experts)
-        before, after, head = _dense_shares(s)
         dispatch, combine = alltoall_parts(s, "decode", h * q)
-        layers, quarter = s.model.layers, p.fixed_s / 4
+        quarter = p.fixed_s / 4
         stages.append(
             HalfStages(
                 prepare=dense * before / layers + quarter / layers,
@@ -789,7 +791,7 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
             )
         )
         parts.append(p)
-    took = decode_schedule_s(stages, s.model.layers)
+    took = decode_schedule_s(stages, layers)
     a, b = parts
     summed = ("weight_bytes", "kv_bytes", "flops", "memory_s", "compute_s", "allreduce_s",
               "alltoall_s", "linear_s", "kv_memory_s", "attention_s", "fixed_s", "draft_s")  # fmt: skip
