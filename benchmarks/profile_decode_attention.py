@@ -53,16 +53,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    print(f"{'batch':>5} {'tokens':>6} {'time':>9} {'TB/s':>6} {'of HBM':>6}")
-    for batch in (1, 8, 50, 100, 250):
-        for tokens in (256, 700, 1200, 4096, 7500):
-            if batch * tokens * 8 * 128 * 4 > 40e9:  # K and V under 40 GB
-                continue
-            t, nbytes = rate(batch, tokens, args.reps)
-            tbps = nbytes / t / 1e12
-            print(
-                f"{batch:>5} {tokens:>6} {t * 1e6:>7.1f}us {tbps:>6.2f} {tbps / args.hbm_tbps:>6.2f}"
-            )
+    print(f"{'kernel':9} {'batch':>5} {'tokens':>6} {'time':>9} {'TB/s':>6} {'of HBM':>6}")
+    for backend in BACKENDS:
+        for batch in (1, 8, 50, 100, 250):
+            for tokens in (256, 700, 1200, 4096, 7500):
+                if batch * tokens * 8 * 128 * 4 > 40e9:  # K and V under 40 GB
+                    continue
+                try:
+                    t, nbytes = rate(batch, tokens, args.reps, backend)
+                except RuntimeError as exc:  # the backend refuses the shape
+                    print(f"{backend:9} {batch:>5} {tokens:>6} refused: {str(exc)[:60]}")
+                    continue
+                tbps = nbytes / t / 1e12
+                share = tbps / args.hbm_tbps
+                print(
+                    f"{backend:9} {batch:>5} {tokens:>6} {t * 1e6:>7.1f}us {tbps:>6.2f} {share:>6.2f}"
+                )
 
 
 if __name__ == "__main__":
