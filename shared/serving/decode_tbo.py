@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 __all__ = ["DELTA_STAGES", "HalfStages", "schedule_s"]
 
@@ -79,39 +80,48 @@ class HalfStages:
     tail: float = 0.0
 
 
-# the five stages of a layer: ops in order, ("compute", part), ("send" | "recv", transfer)
-_STAGES: tuple[tuple[tuple[str, str], ...], ...] = (
-    (("compute", "prepare"),),
-    (("compute", "core"),),
-    (("send", "dispatch"), ("compute", "shared")),
-    (("recv", "dispatch"), ("compute", "experts"), ("send", "combine")),
-    (("recv", "combine"),),
+# the five stages of a layer, each its ops in order: (kind, part), kind COMPUTE, SEND or
+# RECV, part an index into HalfStages' first six fields (prepare, core, shared, experts,
+# dispatch, combine)
+COMPUTE, SEND, RECV = 0, 1, 2
+_PREPARE, _CORE, _SHARED, _EXPERTS, _DISPATCH, _COMBINE = range(6)
+_STAGES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((COMPUTE, _PREPARE),),
+    ((COMPUTE, _CORE),),
+    ((SEND, _DISPATCH), (COMPUTE, _SHARED)),
+    ((RECV, _DISPATCH), (COMPUTE, _EXPERTS), (SEND, _COMBINE)),
+    ((RECV, _COMBINE),),
 )
+
+
+@cache
+def _order(layers: int) -> tuple[tuple[int, int, int], ...]:
+    """Every op of the step in SGLang's order, as (micro-batch, kind, part): the first
+    micro-batch's first DELTA_STAGES stages alone, then the two alternating stage by
+    stage, then the second's last DELTA_STAGES."""
+    flat = [stage for _ in range(layers) for stage in _STAGES]
+    n, ops = len(flat), []
+    for i in range(n + DELTA_STAGES):
+        if i < n:
+            ops.extend((0, kind, part) for kind, part in flat[i])
+        if i >= DELTA_STAGES:
+            ops.extend((1, kind, part) for kind, part in flat[i - DELTA_STAGES])
+    return tuple(ops)
 
 
 def schedule_s(halves: Sequence[HalfStages], layers: int) -> float:
     """The step's time as SGLang runs the two micro-batches' stages (see above): one
     compute stream in the interleaved order, each transfer in flight from its send,
     each receive waiting for its transfer to land."""
-    order: list[tuple[int, tuple[tuple[str, str], ...]]] = []
-    stages = [_STAGES] * layers
-    flat = [stage for layer in stages for stage in layer]
-    n = len(flat)
-    for i in range(n + DELTA_STAGES):
-        if i < n:
-            order.append((0, flat[i]))
-        if i >= DELTA_STAGES:
-            order.append((1, flat[i - DELTA_STAGES]))
+    costs = [(h.prepare, h.core, h.shared, h.experts, h.dispatch, h.combine) for h in halves]
     stream = network = 0.0  # when the compute stream and the network are next free
-    lands = [{"dispatch": 0.0, "combine": 0.0}, {"dispatch": 0.0, "combine": 0.0}]
-    for who, stage in order:
-        h = halves[who]
-        for op, part in stage:
-            if op == "compute":
-                stream += getattr(h, part)
-            elif op == "send":
-                network = max(network, stream) + getattr(h, part)
-                lands[who][part] = network
-            else:
-                stream = max(stream, lands[who][part])
+    lands = [[0.0] * 6, [0.0] * 6]  # when each micro-batch's last transfer of a kind lands
+    for who, kind, part in _order(layers):
+        if kind == COMPUTE:
+            stream += costs[who][part]
+        elif kind == SEND:
+            network = max(network, stream) + costs[who][part]
+            lands[who][part] = network
+        elif lands[who][part] > stream:
+            stream = lands[who][part]
     return stream + sum(h.tail for h in halves)
