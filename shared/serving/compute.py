@@ -357,11 +357,14 @@ def linear_parts(
     sequences: float | None = None,
     flat: float | None = None,
     sm_share: float = 1.0,
+    roofline: bool | None = None,
 ) -> tuple[float, float, float, float]:
     """(linear FLOPs on this GPU, the dense matmuls' time, the expert matmuls' time, the
     dense matmuls' MFU) of a forward (`_linear_s`); `sm_share`: the share of the GPU's
     SMs the matmuls run on (two-batch overlap leaves DeepEP its own,
-    shared/serving/prefill_tbo.py), slowing their FLOPs, not their weight reads. With
+    shared/serving/prefill_tbo.py), slowing their FLOPs, not their weight reads;
+    `roofline`: each kind no faster than streaming its weights (default: where no `flat`
+    MFU is given; a one-batch decode step applies it to the whole step instead). With
     `prefill.tflops` the whole time is the dense part's ([A] no split given).
 
     The embedding is a lookup, no FLOPs; the LM head multiplies each sequence's last
@@ -392,7 +395,7 @@ def linear_parts(
     t_dense = d_flops / (peak * mfu)
     t_experts = x_flops / (peak * share(expert_rows, grouped=True)) if x_flops else 0.0
     t_experts *= busiest_rank(s, side, tokens)  # the busiest EP rank's copies (ep_balance.py)
-    if flat is None:  # a roofline per matmul kind: no faster than streaming its weights
+    if flat is None if roofline is None else roofline:  # a roofline per matmul kind
         hbm = gpu.hbm_Bps * eff.decode_hbm
         dense_bytes, expert_bytes = weight_bytes(s, side, tokens)
         t_dense = max(t_dense, dense_bytes / hbm)
@@ -498,8 +501,8 @@ def _quantized_inputs(s: Scenario, tp: int, dense_mlp: float, routed: float) -> 
     m, h = s.model, s.model.hidden
     if m.attention == "mla":
         _, _, v, lora = m.mla_widths or _MLA_DEFAULT
-        q_lora = m.mla_q_lora_rank or 0
-        attention = h * (1 if q_lora else 2) + q_lora + lora + m.heads * v / tp
+        q_lora = m.mla_q_lora_rank or _Q_LORA_DEFAULT  # as sharding.py and the FLOPs
+        attention = h + q_lora + lora + m.heads * v / tp
     else:
         attention = h + m.heads * m.head_dim / tp
     mlp = h + dense_mlp / (3 * h) / tp if dense_mlp else 0.0
@@ -777,14 +780,15 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
         dense, experts = _matmul_kinds(s, h * q)
         p = replace(p, linear_s=dense + experts)
         dispatch, combine = alltoall_parts(s, "decode", h * q)
-        quarter = p.fixed_s / 4
+        per = dense / layers  # a layer's dense matmuls
+        kernels = p.fixed_s / 4 / layers  # a quarter of a layer's fixed cost a stage
+        attention = (max(p.kv_memory_s, p.attention_s) + p.allreduce_s) / layers
         stages.append(
             HalfStages(
-                prepare=dense * before / layers + quarter / layers,
-                core=(max(p.kv_memory_s, p.attention_s) + dense * after + p.allreduce_s) / layers
-                + quarter / layers,
-                shared=dense * (1 - before - after - head) / layers + quarter / layers,
-                experts=(experts + quarter) / layers,
+                prepare=per * before + kernels,
+                core=attention + per * after + kernels,
+                shared=per * (1 - before - after - head) + kernels,
+                experts=experts / layers + kernels,
                 dispatch=dispatch / layers,
                 combine=combine / layers,
                 tail=dense * head + p.draft_s,
@@ -805,14 +809,11 @@ def _two_batch_step(s: Scenario, batch: int, kv_tokens: float) -> DecodeStep:
 
 
 def _matmul_kinds(s: Scenario, rows: float) -> tuple[float, float]:
-    """(dense, expert) matmul seconds of a decode forward of `rows` rows, each kind the
-    longer of its weight reads and its FLOPs (as a prefill's roofline per matmul kind)."""
-    eff, gpu = efficiency(s), side_gpu(s, "decode")
-    plateau = eff.gemm_plateau(gpu.name, gemm_dtype(s))
-    _, dense_f, experts_f, _ = linear_parts(s, "decode", rows, flat=plateau)
-    dense_b, experts_b = weight_bytes(s, "decode", rows)
-    hbm = gpu.hbm_Bps * eff.decode_hbm
-    return max(dense_b / hbm, dense_f), max(experts_b / hbm, experts_f)
+    """(dense, expert) matmul seconds of a decode forward of `rows` rows at the decode
+    plateau, each kind the longer of its weight reads and its FLOPs."""
+    plateau = efficiency(s).gemm_plateau(side_gpu(s, "decode").name, gemm_dtype(s))
+    _, dense, experts, _ = linear_parts(s, "decode", rows, flat=plateau, roofline=True)
+    return dense, experts
 
 
 def _dense_shares(s: Scenario) -> tuple[float, float, float]:
