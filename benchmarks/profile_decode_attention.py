@@ -3,8 +3,8 @@
 One decode step's attention: `batch` queries of one token, each attending to its own
 `tokens` keys and values (GQA: 32 query heads over 8 KV heads of 128, Llama 3 8B's
 layer; BF16), through PyTorch's scaled_dot_product_attention (its flash or
-memory-efficient kernel, whichever it picks), timed with CUDA events after a warm-up,
-best of `--reps`. Printed: the time, the KV bytes read over it (TB/s) and their share of
+memory-efficient kernel), timed as benchmarks/profile_kernels.py times a kernel (10
+calls in a CUDA graph, the median of `--reps` replays: no launch cost). Printed: the time, the KV bytes read over it (TB/s) and their share of
 the GPU's HBM bandwidth (`--hbm-tbps`, the datasheet's; H200: 4.8).
 
 It tests a reading of benchmarks/nim_concurrency_itl.py: that decode attention over a few
@@ -18,9 +18,11 @@ kernel exists, not which one an engine ran.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from profile_kernels import _median_s  # benchmarks/: a graph of 10 calls, replayed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -32,19 +34,8 @@ def rate(batch: int, tokens: int, reps: int, backend: str) -> tuple[float, float
     k = torch.randn(batch, 8, tokens, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     with sdpa_kernel(BACKENDS[backend]):
-        for _ in range(3):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-    return best, 2 * k.numel() * k.element_size()
+        step = partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+        return _median_s(step, reps, cuda=True), 2 * k.numel() * k.element_size()
 
 
 def main() -> None:
