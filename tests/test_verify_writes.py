@@ -212,6 +212,42 @@ class _RawMooncake:
         del self.engine  # its threads and listener go with it
 
 
+class _RawReader(_RawMooncake):
+    """Mooncake's own engine, no kvstage code and no secret, reading the decode's ring
+    through its open port: room HELD's first region, every PAUSE_S (the attack's act is
+    this read), while the region waits HOLD_S there before its scatter."""
+
+    def __init__(self, s, size: int) -> None:
+        super().__init__(s, size)
+        self.junk[:] = 0
+        self.seen: list[np.ndarray] = []  # each read that found bytes written there
+
+    def write(self) -> bool:
+        self.junk[:] = 0
+        rc = self.engine.batch_transfer_sync_read(
+            self.session, [self.junk.ctypes.data], [self.ring], [self.size]
+        )
+        if rc == 0 and self.junk.any() and len(self.seen) < 64:
+            self.seen.append(self.junk.copy())
+        return rc == 0
+
+
+def _kv_rows(read: np.ndarray, row_bytes: int) -> int:
+    """How many rows of KV a read of a staging region holds. Every row of a room's KV
+    (`kvstage.hw.rank.kvpool.pattern_bits`: a row is its 32-bit row hash repeated, XOR a
+    mask of the room's) has the same shape, its words XOR its first word; so the rows of
+    the read that share the commonest shape among its written rows. Ciphertext rows are
+    noise: no two share a shape (224 bits here), so this counts at most 1."""
+    words = read.view("<u4").reshape(-1, row_bytes // 4)
+    words = words[words.any(axis=1)]  # rows written there
+    if not len(words):
+        return 0
+    shapes = words[:, 1:] ^ words[:, :1]
+    _, counts = np.unique(shapes, axis=0, return_counts=True)
+    top = int(counts.max())
+    return top if top > 1 else 0
+
+
 def _attack(attacker, table: dict, t0: float, stop: threading.Event, stats: dict) -> None:
     """Aim at the decode's ring, then write junk over room HELD's region every PAUSE_S
     until the run ends: how many writes landed, and from when."""
@@ -372,3 +408,37 @@ def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monk
     (_assert_slices_caught if path == "slice" else _assert_rejected_not_scattered)(s, result, stats)
     dec = result.reports["decode0"]
     assert dec["bytes_hashed_in_moves"] == dec["bytes_checksummed"] > 0, dec
+
+
+@pytest.mark.parametrize("cipher", ["chacha20", "none"])
+def test_a_raw_read_of_the_ring_through_mooncakes_open_port_finds_no_kv(tmp_path, cipher):
+    """Issue 39, item 3: Mooncake serves the registered ring to any process that reaches
+    its port, so the ring holds ciphertext (transfer.encrypt_writes, the default
+    "chacha20"). A process with no secret reads room HELD's region over and over while
+    it waits there: by default it finds no row of KV in what it read, and the run is
+    whole (every room done and verified, 0 bytes wrong, no invariant violated). With
+    encrypt_writes = "none" the same reads find the region's KV rows: the attack and the
+    count are real."""
+    extra = () if cipher == "chacha20" else ("transfer.encrypt_writes=none",)
+    s, result, stats, reader = _run(tmp_path, "mooncake", _RawReader, extra=extra)
+    assert s.transfer.encrypt_writes == cipher
+    reports = result.reports
+    assert set(reports) == {"prefill0", "prefill1", "decode0"}, result.errors
+    dec = reports["decode0"]
+    assert dec["rooms_done"] == REQUESTS and dec["rooms_verified"] == REQUESTS, dec["failures"]
+    assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
+    assert dec["writes_rejected"] == 0
+    records = sorted(
+        (TraceRecord(*row) for r in reports.values() for row in r["records"]),
+        key=lambda r: (r.end, r.start, r.role, r.rank),
+    )
+    assert not check_records(records, s.transfer.path)
+    assert stats["writes"] > 0 and reader.seen, ("no read found written bytes", stats)
+    g = s.geometry()
+    rows = [_kv_rows(read, g.head_dim * g.dtype_bytes) for read in reader.seen]
+    if cipher == "none":
+        assert max(rows) > 0, rows
+        assert dec["bytes_decrypted"] == 0
+    else:
+        assert max(rows) == 0, rows  # no row of KV in any read
+        assert dec["bytes_decrypted"] == sum(map(sum, _chunk_regions(s)))

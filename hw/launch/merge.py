@@ -111,6 +111,10 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         # writer blocks that failed their write tag (hw/rank/writemac.py): never scattered,
         # their rooms failed; and the bytes the decodes checked against tags
         "verify_writes": scenario.transfer.verify_writes,
+        # staging blocks encrypted in the ring (hw/rank/cipher.py): the cipher, and the
+        # bytes the decodes decrypted out of their rings
+        "encrypt_writes": scenario.transfer.encrypt_writes,
+        "bytes_decrypted": total("bytes_decrypted"),
         "writes_rejected": total("writes_rejected"),
         "bytes_checksummed": total("bytes_checksummed"),
         # of them, hashed by the moves themselves (a GPU pool's gather and scatter)

@@ -22,6 +22,7 @@ import torch
 
 from kvstage.hw.control.plane import rank_name
 from kvstage.hw.control.rendezvous import RankInfo
+from kvstage.hw.rank.cipher import cipher_key, xor_keystream
 from kvstage.hw.rank.kernels import (
     fused_tag_possible,
     gather,
@@ -59,6 +60,8 @@ class DecodeRank(RankProcess):
         self.rooms_verified = 0
         self.wrong_rooms: list[int] = []
         self.verify_writes = scenario.transfer.verify_writes  # "none": nothing checked
+        self.encrypt_writes = scenario.transfer.encrypt_writes  # "none": plaintext in the ring
+        self.bytes_decrypted = 0
         self.writes_rejected = 0  # regions or slices whose write tag failed: not used
         self.bytes_checksummed = 0
         self.bytes_hashed_in_moves = 0  # of them, hashed by the scatter or gather itself
@@ -107,20 +110,30 @@ class DecodeRank(RankProcess):
             for _, p, _, _ in a.checksums
         }
 
+    def _cipher_keys(self, a: Scatter) -> dict[int, bytes] | None:
+        """The cipher key of each writer of `a` (None: encrypt_writes = "none"), made on
+        the loop thread."""
+        if self.encrypt_writes == "none":
+            return None
+        return {
+            p: cipher_key(self.control.pair_key(rank_name("prefill", p), to_peer=False))
+            for _, p, _, _ in a.checksums
+        }
+
     def _scatter(self, a: Scatter) -> None:
-        keys = self._tag_keys(a)
-        job = self.job_cpu.wrap("scatter", partial(self._scatter_job, keys=keys), a.nbytes)
+        scatter_job = partial(self._scatter_job, keys=self._tag_keys(a), seals=self._cipher_keys(a))
+        job = self.job_cpu.wrap("scatter", scatter_job, a.nbytes)
         self._submit(job, a)
 
-    def _block_rejected(self, a: Scatter | CheckSlice, b, keys: dict[int, bytes], tag_of) -> str:
+    def _block_rejected(self, a: Scatter | CheckSlice, b, tag_of) -> str:
         """Why writer block `b` (a WriterBlock) fails its writer's tag ('' if it passes):
-        `tag_of(key, nonce)` computes the tag of the block's bytes as this rank uses
-        them (a private copy, or the pass that moves them)."""
+        `tag_of(prefill_rank, nonce)` computes the tag of the block's bytes as this rank
+        uses them (a private copy, or the pass that moves them)."""
         tags = {w: (p, t, n) for w, p, t, n in a.checksums}
         p, want, nonce = tags.get(b.writer, (b.prefill_rank, 0, 0))
         if not want:
             return f"writer {b.writer} (prefill rank {p}) sent no write tag"
-        got = tag_of(keys[p], nonce)
+        got = tag_of(p, nonce)
         self.bytes_checksummed += b.nbytes
         if got != want:
             return (
@@ -158,38 +171,74 @@ class DecodeRank(RankProcess):
         return self.verify_writes == "mac" and fused_tag_possible(self.pool, *flat)
 
     def _rejected(
-        self, a: Scatter, region: torch.Tensor, private: torch.Tensor, keys: dict[int, bytes]
+        self,
+        a: Scatter,
+        region: torch.Tensor,
+        private: torch.Tensor,
+        keys: dict[int, bytes],
+        seals: dict[int, bytes] | None,
     ) -> str:
-        """Copy each writer block of the ring's `region` into `private`, tagging the bytes
-        copied, and say why one fails its writer's tag ('' if all pass)."""
+        """Copy each writer block of the ring's `region` into `private` (decrypted, with
+        `seals`), tagging the bytes copied, and say why one fails its writer's tag ('' if
+        all pass)."""
         kind = self.verify_writes
         for b in self.scatter_layout(a.num_pages).blocks:
-            span = slice(b.offset, b.offset + b.nbytes)
-            copy = partial(tag_and_copy, kind, src=region[span], dst=private[span])
-            why = self._block_rejected(
-                a, b, keys, lambda k, n, copy=copy: copy(k, a.room, a.chunk, n)
+            src, dst = (
+                region[b.offset : b.offset + b.nbytes],
+                private[b.offset : b.offset + b.nbytes],
             )
+
+            def tag_of(p: int, nonce: int, src=src, dst=dst) -> int:
+                if seals is None:
+                    return tag_and_copy(kind, keys[p], a.room, a.chunk, nonce, src, dst)
+                xor_keystream(seals[p], a.room, a.chunk, nonce, src, dst)
+                return block_tag(kind, keys[p], a.room, a.chunk, nonce, dst)
+
+            why = self._block_rejected(a, b, tag_of)
             if why:
                 return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
         return ""
 
-    def _scattered_rejected(self, a: Scatter, region: torch.Tensor, keys: dict[int, bytes]) -> str:
+    def _opened(self, a: Scatter, region: torch.Tensor, seals: dict[int, bytes]) -> torch.Tensor:
+        """Each writer block of the ring's `region` decrypted into a private copy (no write
+        tag: verify_writes = "none")."""
+        private = torch.empty_like(region)
+        nonces = {w: (p, n) for w, p, _, n in a.checksums}
+        for b in self.scatter_layout(a.num_pages).blocks:
+            p, nonce = nonces.get(b.writer, (b.prefill_rank, 0))
+            span = slice(b.offset, b.offset + b.nbytes)
+            xor_keystream(seals[p], a.room, a.chunk, nonce, region[span], private[span])
+        return private
+
+    def _scattered_rejected(
+        self,
+        a: Scatter,
+        region: torch.Tensor,
+        keys: dict[int, bytes],
+        seals: dict[int, bytes] | None,
+    ) -> str:
         """Scatter each writer block of the ring's `region` into the room's pages, hashing
         the bytes as they move (hw/rank/kernels.py `scatter_hashed`: each read once, so
-        what is checked is what landed, with no private copy), and say why one fails its
-        writer's tag ('' if all pass). A rejected block's bytes are in the room's own
-        pages, which a failed room never serves."""
+        what is checked is what landed), and say why one fails its writer's tag ('' if
+        all pass). With `seals`, each block is first decrypted into a private copy, and
+        that is what is scattered. A rejected block's bytes are in the room's own pages,
+        which a failed room never serves."""
         first = a.dst_page_base + a.page_start
+        private = None if seals is None else torch.empty_like(region)
 
-        def tag_of(b, k: bytes, nonce: int) -> int:
+        def tag_of(b, p: int, nonce: int) -> int:
             block = region[b.offset : b.offset + b.nbytes]
+            if private is not None:
+                opened = private[b.offset : b.offset + b.nbytes]
+                xor_keystream(seals[p], a.room, a.chunk, nonce, block, opened)
+                block = opened
             heads = (b.heads.dst_head_start, b.heads.num_heads)
-            digest = scatter_hashed(self.pool, first, a.num_pages, block, *heads, k)
+            digest = scatter_hashed(self.pool, first, a.num_pages, block, *heads, keys[p])
             self.bytes_hashed_in_moves += b.nbytes
-            return digest_tag(k, a.room, a.chunk, nonce, digest, b.nbytes)
+            return digest_tag(keys[p], a.room, a.chunk, nonce, digest, b.nbytes)
 
         for b in self.scatter_layout(a.num_pages).blocks:
-            why = self._block_rejected(a, b, keys, partial(tag_of, b))
+            why = self._block_rejected(a, b, partial(tag_of, b))
             if why:
                 return f"{why} (bytes [{b.offset}, +{b.nbytes}) of the region)"
         return ""
@@ -211,36 +260,48 @@ class DecodeRank(RankProcess):
             heads = (b.heads.dst_head_start, b.heads.num_heads)
             if fused:
 
-                def tag_of(k: bytes, nonce: int, heads=heads, n=b.nbytes) -> int:
-                    digest = gather_hashed(self.pool, first, a.num_pages, *heads, k)
+                def tag_of(p: int, nonce: int, heads=heads, n=b.nbytes) -> int:
+                    digest = gather_hashed(self.pool, first, a.num_pages, *heads, keys[p])
                     self.bytes_hashed_in_moves += n
-                    return digest_tag(k, a.room, a.chunk, nonce, digest, n)
+                    return digest_tag(keys[p], a.room, a.chunk, nonce, digest, n)
 
             else:
                 block = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
                 gather(self.pool, first, a.num_pages, *heads, block)
                 wait_for_stream(self.device)
 
-                def tag_of(k: bytes, nonce: int, block=block) -> int:
-                    return block_tag(self.verify_writes, k, a.room, a.chunk, nonce, block)
+                def tag_of(p: int, nonce: int, block=block) -> int:
+                    return block_tag(self.verify_writes, keys[p], a.room, a.chunk, nonce, block)
 
-            why = self._block_rejected(a, b, keys, tag_of)
+            why = self._block_rejected(a, b, tag_of)
             if why:
                 return why
         return ""
 
-    def _scatter_job(self, a: Scatter, keys: dict[int, bytes] | None = None) -> str:
+    def _scatter_job(
+        self,
+        a: Scatter,
+        keys: dict[int, bytes] | None = None,
+        seals: dict[int, bytes] | None = None,
+    ) -> str:
+        """Scatter the chunk's staging region into the room's pages: each writer block
+        decrypted out of the ring (`seals`) and checked against its tag (`keys`) first,
+        where they are on."""
         region = self.ring_buf[a.offset : a.offset + a.nbytes]
         if keys is not None and self._fused(region):  # checked as it is scattered
-            why = self._checked(partial(self._scattered_rejected, a, region, keys))
+            why = self._checked(partial(self._scattered_rejected, a, region, keys, seals))
             wait_for_stream(self.device)  # finished before the runtime frees its region
+            if not why and seals is not None:
+                self.bytes_decrypted += a.nbytes
             return why
         if keys is not None:  # what is checked is what is scattered: a private copy
             private = torch.empty_like(region)
-            why = self._checked(partial(self._rejected, a, region, private, keys))
+            why = self._checked(partial(self._rejected, a, region, private, keys, seals))
             if why:
                 return why
             region = private
+        elif seals is not None:
+            region = self._opened(a, region, seals)
         scatter(
             self.pool,
             a.dst_page_base + a.page_start,
@@ -249,6 +310,8 @@ class DecodeRank(RankProcess):
             self.scatter_layout(a.num_pages),
         )
         wait_for_stream(self.device)  # finished before the runtime frees its region
+        if seals is not None:
+            self.bytes_decrypted += a.nbytes
         return ""
 
     def _verify(self, a: Verify) -> None:
@@ -304,6 +367,7 @@ class DecodeRank(RankProcess):
             "writes_rejected": self.writes_rejected,
             "bytes_checksummed": self.bytes_checksummed,
             "bytes_hashed_in_moves": self.bytes_hashed_in_moves,
+            "bytes_decrypted": self.bytes_decrypted,
             "late_landings": self.late_landings,
         }
 

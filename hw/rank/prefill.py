@@ -16,6 +16,7 @@ import torch
 
 from kvstage.hw.control.plane import rank_name
 from kvstage.hw.control.rendezvous import RankInfo
+from kvstage.hw.rank.cipher import cipher_key, xor_keystream
 from kvstage.hw.rank.kernels import (
     fused_tag_possible,
     gather,
@@ -183,6 +184,9 @@ class PrefillRank(RankProcess):
         # by its WriteDone into CHUNK_READY (hw/rank/writemac.py)
         self.verify_writes = scenario.transfer.verify_writes
         self.checksums: dict[tuple[int, int, int], int] = {}  # (room, chunk, d) -> tag
+        # transfer.encrypt_writes ("chacha20"; "none": off): a staging block enters the
+        # send buffer as ciphertext, before it is registered for its write (cipher.py)
+        self.encrypt_writes = scenario.transfer.encrypt_writes
 
     def _register_memory(self) -> None:
         """The KV pool only where it is the source of a write: on the slice path, or where
@@ -199,6 +203,12 @@ class PrefillRank(RankProcess):
             return None
         pair = self.control.pair_key(rank_name("decode", decode_rank), to_peer=True)
         return tag_key(self.verify_writes, pair)
+
+    def _cipher_key(self, decode_rank: int) -> bytes | None:
+        """The key of this rank's staging blocks to `decode_rank` (None: not encrypted)."""
+        if self.encrypt_writes == "none":
+            return None
+        return cipher_key(self.control.pair_key(rank_name("decode", decode_rank), to_peer=True))
 
     def _connect_peers(self, table: dict[str, RankInfo]) -> None:
         for d in self.sessions.all_targets(self.rank):
@@ -392,37 +402,48 @@ class PrefillRank(RankProcess):
             return
         self.slots[(a.room, a.chunk, a.decode_rank)] = (slot, a.nbytes)
         first = self.runtime.page_base(a.room) + a.src_page
-        key = self._tag_key(a.decode_rank)
+        keys = (self._tag_key(a.decode_rank), self._cipher_key(a.decode_rank))
         job = self.copy_thread.submit(
-            self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot, key
+            self.job_cpu.wrap("gather", self._gather_job, a.nbytes), a, first, slot, *keys
         )
         job.add_done_callback(self._wake)
         self.gathers.append((job, a))
 
-    def _gather_job(self, a: Gather, first_page: int, slot: int, key: bytes | None) -> int:
+    def _gather_job(
+        self, a: Gather, first_page: int, slot: int, key: bytes | None, seal: bytes | None
+    ) -> int:
+        """Gather `a`'s block into its send-buffer slot (not registered yet: no peer
+        reaches it until its write), tagged over the plaintext, then encrypted in place."""
         out = self.send_buf[slot : slot + a.nbytes]
-        if key is None:
-            gather(
-                self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out
-            )
+        if key is not None:
+            tag = self._pool_tag(a, first_page, key, out, seal)
             wait_for_stream(self.device)  # the write must not read a half-gathered block
-            return 0
-        tag = self._pool_tag(a, first_page, key, out)
-        wait_for_stream(self.device)  # the write must not read a half-gathered block
-        return tag
+            return tag
+        gather(self.pool, first_page, a.num_pages, a.heads.src_head_start, a.heads.num_heads, out)
+        if seal is not None:
+            xor_keystream(seal, a.room, a.chunk, a.nonce, out, out)
+        wait_for_stream(self.device)
+        return 0
 
-    def _pool_tag(self, a: Gather | SliceWrite, first_page: int, key: bytes, out=None) -> int:
+    def _pool_tag(
+        self, a: Gather | SliceWrite, first_page: int, key: bytes, out=None, seal=None
+    ) -> int:
         """The write tag of `a`'s writer block as it leaves the pool (and, with `out`, the
-        send buffer's slot, lands there): hashed by the gather itself (a CUDA pool, "mac"),
-        else gathered into memory of this process alone (the pool is not registered on
-        the staging path), tagged there, then copied into the slot."""
+        send buffer's slot, lands there, encrypted under `seal` if given): hashed by the
+        gather itself (a CUDA pool, "mac"), else gathered into memory of this process
+        alone (the pool is not registered on the staging path), tagged there, then copied
+        (or encrypted) into the slot. The tag is always of the plaintext."""
         if self._fused(*([] if out is None else [out])):
             heads = (a.heads.src_head_start, a.heads.num_heads)
             digest = gather_hashed(self.pool, first_page, a.num_pages, *heads, key, out)
+            if seal is not None:
+                xor_keystream(seal, a.room, a.chunk, a.nonce, out, out)
             return digest_tag(key, a.room, a.chunk, a.nonce, digest, a.nbytes)
         block = self._private_block(first_page, a.num_pages, a.heads, a.nbytes)
         tag = block_tag(self.verify_writes, key, a.room, a.chunk, a.nonce, block)
-        if out is not None:
+        if out is not None and seal is not None:
+            xor_keystream(seal, a.room, a.chunk, a.nonce, block, out)
+        elif out is not None:
             out.copy_(block)
         return tag
 

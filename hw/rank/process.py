@@ -50,6 +50,7 @@ from typing import Any
 from kvstage.hw.control.plane import LOOP_STATS_ENV, ControlPlane, rank_name
 from kvstage.hw.control.rendezvous import RANK_BEAT_S, ClockOffset, RankInfo, RendezvousClient
 from kvstage.hw.launch.launcher import check_launcher
+from kvstage.hw.rank.cipher import warm_device_cipher
 from kvstage.hw.rank.kernels import warm_hashed_moves
 from kvstage.hw.rank.kvpool import KVPool
 from kvstage.hw.rank.priority import LoopPriority, WritePriority, thread_ids
@@ -330,6 +331,8 @@ class RankProcess:
         client.on_wait = lambda note: print(f"{self.name}: {note}", file=sys.stderr, flush=True)
         if self.s.transfer.verify_writes == "mac":
             warm_hashed_moves(self.pool)  # Triton's compiles before the run (a GPU pool)
+        if self.s.transfer.encrypt_writes != "none" and self.s.transfer.path == "staging":
+            warm_device_cipher(self.pool.device)  # the same for the write cipher
         while register_at is not None and time.time() < register_at:
             check_launcher()
             time.sleep(min(0.1, max(0.0, register_at - time.time())))

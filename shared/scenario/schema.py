@@ -532,6 +532,12 @@ class TransferConfig(_Table):
     # "checksum": keyed BLAKE2b of the whole block (slower); "none": opt out
     # (docs/hardware-mode.md). The simulator moves no bytes and checks none.
     verify_writes: Literal["none", "checksum", "mac"] = "mac"
+    # Hardware mode, staging path: each writer block is ChaCha20 ciphertext from before
+    # it is registered for its write until the decode opens it into memory of its own,
+    # under a key of that writer and decode alone (hw/rank/cipher.py), so a process that
+    # reads the ring through an engine's port reads no KV. "none": plaintext (opt out).
+    # The slice path and OVERSIZED chunks move KV pool to KV pool and are not encrypted.
+    encrypt_writes: Literal["none", "chacha20"] = "chacha20"
 
 
 class LinksConfig(_ProfileNumbers):

@@ -1,0 +1,75 @@
+"""The write cipher (transfer.encrypt_writes, hw/rank/cipher.py): its definition, held
+to `cryptography`'s ChaCha20 (RFC 8439), and what each key is bound to. The whole runs
+(a reader of the ring through Mooncake's open port) are in tests/test_verify_writes.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+from kvstage.hw.rank.cipher import block_key, cipher_key, xor_keystream
+from kvstage.hw.rank.writemac import mac_key
+from kvstage.shared.scenario import load_scenario
+
+
+def _block(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_the_keystream_is_chacha20_under_the_blocks_own_key():
+    """C = M XOR ChaCha20(k_N, counter 0, nonce 0), with k_N = BLAKE2b(K, N | room |
+    chunk) under its own personalisation (the module's definition, worked here with
+    hashlib and cryptography directly)."""
+    pair = bytes(range(32))
+    key = cipher_key(pair)
+    bind = (7).to_bytes(8, "big") + (3).to_bytes(8, "big") + (1).to_bytes(8, "big")
+    k = hashlib.blake2b(bind, key=key, digest_size=32, person=b"kvs-chacha-key").digest()
+    assert block_key(key, room=3, chunk=1, nonce=7) == k
+    m = _block(100_003)
+    want = Cipher(algorithms.ChaCha20(k, bytes(16)), None).encryptor().update(m.numpy().tobytes())
+    out = torch.empty_like(m)
+    xor_keystream(key, 3, 1, 7, m, out)
+    assert out.numpy().tobytes() == want
+    back = out.clone()
+    xor_keystream(key, 3, 1, 7, back, back)  # in place, and its own inverse
+    assert torch.equal(back, m)
+
+
+def test_each_block_and_each_pair_has_its_own_keystream():
+    """No two blocks share a keystream: another nonce, room, chunk or pair key gives
+    another key; the cipher's key is not the write tag's (their own HKDF labels)."""
+    key = cipher_key(bytes(32))
+    keys = {
+        block_key(key, 1, 2, 3),
+        block_key(key, 1, 2, 4),
+        block_key(key, 1, 3, 3),
+        block_key(key, 2, 2, 3),
+        block_key(cipher_key(bytes([1]) + bytes(31)), 1, 2, 3),
+    }
+    assert len(keys) == 5
+    assert cipher_key(bytes(32)) != mac_key(bytes(32))
+    zeros = torch.zeros(4096, dtype=torch.uint8)
+    a, b = torch.empty_like(zeros), torch.empty_like(zeros)
+    xor_keystream(key, 1, 2, 3, zeros, a)
+    xor_keystream(key, 1, 2, 4, zeros, b)
+    assert not torch.equal(a, b)
+
+
+def test_a_block_into_a_buffer_of_another_size_is_refused():
+    with pytest.raises(ValueError, match="one size, one device"):
+        xor_keystream(bytes(32), 0, 0, 0, _block(64), torch.empty(65, dtype=torch.uint8))
+
+
+def test_encrypt_writes_is_on_by_default_and_names_its_choices(tmp_path):
+    from test_hw import write_scenario
+
+    path = write_scenario(tmp_path, 2, 1, 8)
+    assert load_scenario(path).transfer.encrypt_writes == "chacha20"
+    off = load_scenario(path, overrides=["transfer.encrypt_writes=none"])
+    assert off.transfer.encrypt_writes == "none"
+    with pytest.raises(Exception, match="chacha20"):
+        load_scenario(path, overrides=["transfer.encrypt_writes=aes"])
