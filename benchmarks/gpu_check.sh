@@ -73,6 +73,8 @@ fi
 NOWRITE=()
 [[ -n $HAVE_NIXL ]] || NOWRITE=(--no-write)
 "$PY" benchmarks/checksum_cost.py --device cuda --reps 10 --parts "${NOWRITE[@]}"
+echo "== the write cipher on the GPU (transfer.encrypt_writes: ChaCha20, a Triton kernel)"
+"$PY" benchmarks/cipher_cost.py --device cuda --reps 10
 # without an engine, the rest cannot run
 if [[ -z $HAVE_NIXL ]]; then
     echo "nixl: not importable: the descriptor probe, the raw writes and the hw runs are skipped"

@@ -73,3 +73,51 @@ def test_encrypt_writes_is_on_by_default_and_names_its_choices(tmp_path):
     assert off.transfer.encrypt_writes == "none"
     with pytest.raises(Exception, match="chacha20"):
         load_scenario(path, overrides=["transfer.encrypt_writes=aes"])
+
+
+_INTERPRETED = """
+import os
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from kvstage.hw.rank import cipher
+from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
+
+assert os.environ[HOST_KERNEL_ENV] == "1" and cipher._kernel() is not None
+key = cipher.cipher_key(bytes(range(32)))
+g = torch.Generator().manual_seed(5)
+for n in (4, 68, 65536 + 4, 3 * 65536):
+    m = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=g)[4 : 4 + n]
+    k = cipher.block_key(key, 9, 2, 77)
+    want = Cipher(algorithms.ChaCha20(k, bytes(16)), None).encryptor().update(m.numpy().tobytes())
+    out = torch.zeros(n, dtype=torch.uint8)
+    cipher.xor_keystream(key, 9, 2, 77, m, out)  # the kernel, interpreted
+    assert out.numpy().tobytes() == want, n
+    cipher._refused = "a test: the host trip"
+    again = torch.zeros(n, dtype=torch.uint8)
+    cipher.xor_keystream(key, 9, 2, 77, m, again)
+    assert torch.equal(again, out), n
+    cipher._refused = None
+print("kernel == host form")
+"""
+
+
+def test_the_device_form_is_the_host_form():
+    """The kernel (hw/rank/chacha_kernel.py) as the cipher calls it, under Triton's
+    interpreter on host tensors (KVSTAGE_TAG_KERNEL_ON_HOST, as whole runs of the GPU
+    path's code do), and the host trip a refused kernel falls back to: both equal
+    cryptography's ChaCha20 under the block's key, offsets and odd sizes included."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import require_triton
+
+    from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
+
+    require_triton()
+    env = {**os.environ, "TRITON_INTERPRET": "1", HOST_KERNEL_ENV: "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "kernel == host form" in run.stdout

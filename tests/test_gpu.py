@@ -89,6 +89,29 @@ def test_the_write_tag_kernel_is_the_definition(nbytes):
     assert block_tag("mac", key, 1, 2, 3, block) != tag
 
 
+@pytest.mark.parametrize("nbytes", [4, 1000, 16 << 20])
+def test_the_write_cipher_kernel_is_chacha20(nbytes):
+    """The write cipher's Triton kernel (hw/rank/chacha_kernel.py), compiled, on a GPU
+    block: cryptography's ChaCha20 under the block's key, in place and into another
+    buffer; the rank's start-up check accepts it."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    from kvstage.hw.rank import cipher
+
+    cipher.warm_device_cipher("cuda")
+    assert cipher._refused is None and cipher._kernel() is not None, cipher._refused
+    key = cipher.cipher_key(bytes(range(32)))
+    block = torch.randint(0, 256, (nbytes + 4,), dtype=torch.uint8, device="cuda")[4:]
+    k = cipher.block_key(key, 1, 2, 3)
+    plain = bytes(block.cpu().numpy())
+    want = Cipher(algorithms.ChaCha20(k, bytes(16)), None).encryptor().update(plain)
+    out = torch.zeros_like(block)
+    cipher.xor_keystream(key, 1, 2, 3, block, out)
+    assert bytes(out.cpu().numpy()) == want
+    cipher.xor_keystream(key, 1, 2, 3, out, out)
+    assert bytes(out.cpu().numpy()) == plain
+
+
 def test_the_moves_that_carry_the_write_tag_hash_what_they_move():
     """Compiled on the GPU: `gather_hashed` and `scatter_hashed` move the bytes `gather`
     moves and give the digest of the definition over the block (as under Triton's
