@@ -266,6 +266,7 @@ def test_the_fused_gather_and_scatter_hash_what_they_move_under_tritons_interpre
 _INTERPRETED_DECODE = """
 from types import SimpleNamespace
 import torch
+from kvstage.hw.rank.cipher import cipher_key, xor_keystream
 from kvstage.hw.rank.decode import DecodeRank
 from kvstage.hw.rank.kernels import gather
 from kvstage.hw.rank.kvpool import KVPool, fill_pattern, verify
@@ -297,14 +298,26 @@ def decode():
 a = SimpleNamespace(room=7, chunk=0, num_pages=pages, dst_page_base=1, page_start=0,
                     checksums=checksums)
 me = decode()
-assert DecodeRank._scattered_rejected(me, a, region, keys) == ""
+assert DecodeRank._scattered_rejected(me, a, region, keys, None) == ""
 checked, wrong = verify(me.pool, 1, pages, 7, 0, list(owned_heads(D, d, H)))
 assert wrong == 0 and checked > 0, (checked, wrong)
 assert me.bytes_checksummed == me.bytes_hashed_in_moves == layout.region_bytes
+# the same region as the ring holds it by default: each block encrypted by its writer
+seals = {p: cipher_key(bytes([p]) * 32) for p in range(P)}
+sealed = region.clone()
+for b in layout.blocks:
+    span = sealed[b.offset : b.offset + b.nbytes]
+    xor_keystream(seals[b.prefill_rank], 7, 0, 99, span, span)
+assert not torch.equal(sealed, region)
+me = decode()
+assert DecodeRank._scattered_rejected(me, a, sealed, keys, seals) == ""
+checked, wrong = verify(me.pool, 1, pages, 7, 0, list(owned_heads(D, d, H)))
+assert wrong == 0 and checked > 0, (checked, wrong)
 last = layout.blocks[-1]
-region[last.offset + 5] ^= 1  # a peer's byte in the last block
-why = DecodeRank._scattered_rejected(decode(), a, region, keys)
-assert f"block of writer {last.writer} (prefill rank {last.prefill_rank}" in why, why
+for ring, opened in ((region, None), (sealed, seals)):
+    ring[last.offset + 5] ^= 1  # a peer's byte in the last block
+    why = DecodeRank._scattered_rejected(decode(), a, ring, keys, opened)
+    assert f"block of writer {last.writer} (prefill rank {last.prefill_rank}" in why, why
 print("decode checks as it scatters")
 """
 
@@ -312,8 +325,9 @@ print("decode checks as it scatters")
 def test_the_decode_checks_each_block_as_it_scatters_it_under_tritons_interpreter():
     """The decode's GPU path (DecodeRank._scattered_rejected), run by Triton's
     interpreter on host pools: a P4 -> D2 region whose blocks carry their writers' device
-    tags lands whole in the room's pages and passes; one flipped byte fails exactly its
-    writer's block, named."""
+    tags lands whole in the room's pages and passes, in plaintext and encrypted by each
+    writer (transfer.encrypt_writes: decrypted into a private copy, then scattered); one
+    flipped byte fails exactly its writer's block, named."""
     _interpret(_INTERPRETED_DECODE, "decode checks as it scatters")
 
 
