@@ -76,46 +76,45 @@ def test_encrypt_writes_is_on_by_default_and_names_its_choices(tmp_path):
 
 
 _INTERPRETED = """
-import os
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from kvstage.hw.rank import cipher
-from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
 
-assert os.environ[HOST_KERNEL_ENV] == "1" and cipher._kernel() is not None
+assert cipher._kernel() is not None
 key = cipher.cipher_key(bytes(range(32)))
 g = torch.Generator().manual_seed(5)
-for n in (4, 68, 65536 + 4, 3 * 65536):
+for n in (4, 68, 65536 + 4, (1 << 20) + 64 + 8):  # the last: two programs
     m = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=g)[4 : 4 + n]
     k = cipher.block_key(key, 9, 2, 77)
     want = Cipher(algorithms.ChaCha20(k, bytes(16)), None).encryptor().update(m.numpy().tobytes())
+    host = torch.zeros(n, dtype=torch.uint8)
+    cipher.xor_keystream(key, 9, 2, 77, m, host)  # host memory: cryptography
+    assert host.numpy().tobytes() == want, n
     out = torch.zeros(n, dtype=torch.uint8)
-    cipher.xor_keystream(key, 9, 2, 77, m, out)  # the kernel, interpreted
-    assert out.numpy().tobytes() == want, n
+    cipher._device_xor(m, out, k)  # a CUDA block's path: the kernel, interpreted
+    assert torch.equal(out, host), n
     cipher._refused = "a test: the host trip"
     again = torch.zeros(n, dtype=torch.uint8)
-    cipher.xor_keystream(key, 9, 2, 77, m, again)
-    assert torch.equal(again, out), n
+    cipher._device_xor(m, again, k)
+    assert torch.equal(again, host), n
     cipher._refused = None
 print("kernel == host form")
 """
 
 
 def test_the_device_form_is_the_host_form():
-    """The kernel (hw/rank/chacha_kernel.py) as the cipher calls it, under Triton's
-    interpreter on host tensors (KVSTAGE_TAG_KERNEL_ON_HOST, as whole runs of the GPU
-    path's code do), and the host trip a refused kernel falls back to: both equal
-    cryptography's ChaCha20 under the block's key, offsets and odd sizes included."""
+    """The kernel (hw/rank/chacha_kernel.py) as the cipher calls it for a CUDA block,
+    under Triton's interpreter on host tensors, and the host trip a refused kernel falls
+    back to: both equal the host form, cryptography's ChaCha20 under the block's key,
+    offsets, odd sizes and a block of two programs included."""
     import os
     import subprocess
     import sys
 
     from conftest import require_triton
 
-    from kvstage.hw.rank.kernels import HOST_KERNEL_ENV
-
     require_triton()
-    env = {**os.environ, "TRITON_INTERPRET": "1", HOST_KERNEL_ENV: "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=240
     )

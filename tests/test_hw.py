@@ -122,6 +122,11 @@ def test_every_byte_lands(tmp_path, backend, path, case):
     assert summary["verify_writes"] == "mac"
     assert summary["writes_rejected"] == 0 and summary["bytes_checksummed"] >= expected
     assert all(v == 0 for v in summary["ring_used_at_end"].values())
+    # the write cipher (transfer.encrypt_writes = "chacha20", the default): every staged
+    # byte decrypted out of the ring; the slice path moves pool to pool, in plaintext
+    cipher = {"staging": "chacha20", "slice": "none"}[path]
+    assert summary["encrypt_writes"] == cipher
+    assert (summary["bytes_decrypted"] > 0) == (path == "staging"), summary["bytes_decrypted"]
     if path == "slice":
         assert summary["transfer_requests"]["total"] > 10 * 3 * D
     # every rank says what its engine chose: on one host, NIXL's UCX writes with CMA and

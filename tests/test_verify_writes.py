@@ -408,7 +408,7 @@ def test_the_gpu_path_checks_as_it_moves_and_catches_the_attacker(tmp_path, monk
     (_assert_slices_caught if path == "slice" else _assert_rejected_not_scattered)(s, result, stats)
     dec = result.reports["decode0"]
     assert dec["bytes_hashed_in_moves"] == dec["bytes_checksummed"] > 0, dec
-    if path == "staging":  # decrypted by the cipher's kernel, interpreted
+    if path == "staging":  # decrypted, by the host form (the kernel: tests/test_cipher.py)
         assert dec["bytes_decrypted"] > 0, dec
 
 

@@ -111,9 +111,12 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         # writer blocks that failed their write tag (hw/rank/writemac.py): never scattered,
         # their rooms failed; and the bytes the decodes checked against tags
         "verify_writes": scenario.transfer.verify_writes,
-        # staging blocks encrypted in the ring (hw/rank/cipher.py): the cipher, and the
-        # bytes the decodes decrypted out of their rings
-        "encrypt_writes": scenario.transfer.encrypt_writes,
+        # staging blocks encrypted in the ring (hw/rank/cipher.py): the cipher ("none" on
+        # the slice path, which moves pool to pool), and the bytes the decodes decrypted
+        # out of their rings
+        "encrypt_writes": (
+            scenario.transfer.encrypt_writes if scenario.transfer.path == "staging" else "none"
+        ),
         "bytes_decrypted": total("bytes_decrypted"),
         "writes_rejected": total("writes_rejected"),
         "bytes_checksummed": total("bytes_checksummed"),
