@@ -230,8 +230,15 @@ def test_the_run_secret_alone_registers_as_no_rank(tmp_path, backend):
         target=_impostor, args=(secret, f"127.0.0.1:{port}", started, said), daemon=True
     )
     impostor.start()  # before the launcher: its hellos wait for the rendezvous to listen
+    # the impostor's connection admitted as a tool's (--tool-connections): what is left to
+    # refuse it is the credential (by default the handshake itself refuses it)
     result = _launch_p2_d1(
-        run_dir, backend, secret=secret, port=port, on_started=lambda *_: started.set()
+        run_dir,
+        backend,
+        secret=secret,
+        port=port,
+        on_started=lambda *_: started.set(),
+        tool_connections=2,
     )
     impostor.join(30)
     assert result.ok, result.errors

@@ -44,6 +44,7 @@ from kvstage.hw.control.plane import (
     write_secret_file,
 )
 from kvstage.hw.control.rendezvous import (
+    MAX_TOOL_CONNECTIONS,
     RankInfo,
     RendezvousClient,
     RendezvousError,
@@ -423,9 +424,40 @@ def _hello(role: str, rank: int, /, **change) -> dict:
     }
 
 
+def test_by_default_the_run_secret_alone_opens_no_connection_to_the_rendezvous():
+    """Issue 39, item 4: the rendezvous's ZAP handler admits only the ranks' own keys
+    unless tools are asked for (`kvstage hw --tool-connections`): a holder of the run
+    secret alone is refused at the handshake, before a byte of it is queued (so not even
+    a message of endless frames), and told why in one line; a rank holding its
+    credential registers as ever."""
+    secret = new_secret()
+    server = RendezvousServer(["prefill0"], secret=secret)
+    tool = RendezvousClient(server.address, secret=secret)
+    rank = RendezvousClient(server.address, secret=secret, credential=server.credential("prefill0"))
+    try:
+        with serving(server):
+            # refused at the handshake, before it asks anything (libzmq may not connect
+            # again: a send then finds no connection, and must not wait for ever); libzmq
+            # reports it as a refused key, or as a closed connection, or not at all: each
+            # way the tool is told, naming the setting
+            _until(lambda: server.gate.refused >= 1)
+            with pytest.raises(RendezvousError, match="started with --tool-connections"):
+                tool.query(5)
+            me = RankInfo("prefill", 0, "tcp://127.0.0.1:5000", "agent-prefill0", b"m", key=KEY)
+            table, t0 = rank.hello(me, timeout_s=20)
+            assert sorted(table) == ["prefill0"] and t0 == server.t0
+            assert server.gate.others_admitted == 0
+    finally:
+        tool.close()
+        rank.close()
+    with pytest.raises(ValueError, match="allowed 0 .* to 16"):
+        RendezvousServer(["prefill0"], secret=secret, tools=17)
+
+
 def test_rendezvous_refuses_strangers_and_still_serves_honest_ranks():
     secret = new_secret()
-    server = RendezvousServer(["prefill0", "decode0"], secret=secret)
+    # tools admitted (--tool-connections): what the run secret alone may then say
+    server = RendezvousServer(["prefill0", "decode0"], secret=secret, tools=MAX_TOOL_CONNECTIONS)
     stranger = RendezvousClient(
         server.address, secret=secret
     )  # holds the secret, registers nothing
@@ -787,6 +819,8 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, sig):
                 str(out),
                 "--port",
                 str(port),
+                "--tool-connections",  # _wait_registered asks as a tool
+                "1",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

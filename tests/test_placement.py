@@ -184,7 +184,7 @@ def test_mooncake_protocol_and_devices_from_the_scenario(tmp_path):
 
 def test_clock_offset_measured_at_the_rendezvous():
     secret = new_secret()
-    server = RendezvousServer(["prefill0"], secret=secret, advertise="127.0.0.1")
+    server = RendezvousServer(["prefill0"], secret=secret, advertise="127.0.0.1", tools=1)
     stop = threading.Event()
     thread = threading.Thread(
         target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)], daemon=True

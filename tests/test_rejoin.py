@@ -30,6 +30,7 @@ from test_hw import run, write_scenario
 
 from kvstage.hw.control.plane import ControlPlane, new_secret, read_secret_file
 from kvstage.hw.control.rendezvous import (
+    MAX_TOOL_CONNECTIONS,
     RankInfo,
     RendezvousClient,
     RendezvousError,
@@ -244,7 +245,9 @@ def _register(
 
 def test_rendezvous_lets_a_restarted_prefill_rank_rejoin_and_refuses_the_rest():
     secret = new_secret()
-    server = RendezvousServer(["prefill0", "decode0"], secret=secret, rejoin_grace_s=30)
+    server = RendezvousServer(
+        ["prefill0", "decode0"], secret=secret, rejoin_grace_s=30, tools=MAX_TOOL_CONNECTIONS
+    )
     clients: list[RendezvousClient] = []
     try:
         with serving(server) as on_server:
@@ -526,6 +529,7 @@ def test_a_killed_prefill_rank_started_again_rejoins_nixl(tmp_path):
             on_started=on_started,
             on_table=lambda table, t0: box.update(table=table),
             rejoin_grace_s=60,
+            tool_connections=1,  # the replay thread asks for the rejoins as a tool
         )
         assert box["proc"].wait(timeout=60) == 0  # the rank started by hand finished and exited
         # the replay thread's last steps (the frame, closing its sockets) may still run
@@ -563,6 +567,8 @@ class _NoSpawnRun:
                 "--no-spawn",
                 "--port",
                 str(port),
+                "--tool-connections",  # start_ranks (t0) and the replay thread ask as tools
+                "2",
                 "--out",
                 str(self.run_dir),
                 *flags,

@@ -56,8 +56,10 @@ FLOOD_CONNECTIONS = 64
 # it serves until every rank reported, and prints what it saw as the last line.
 SERVER = """
 import json, sys, time
-from kvstage.hw.control.rendezvous import RendezvousServer
-server = RendezvousServer(["prefill0", "decode0"], secret=bytes.fromhex(sys.argv[1]))
+from kvstage.hw.control.rendezvous import MAX_TOOL_CONNECTIONS, RendezvousServer
+server = RendezvousServer(
+    ["prefill0", "decode0"], secret=bytes.fromhex(sys.argv[1]), tools=MAX_TOOL_CONNECTIONS
+)
 creds = {n: server.credential(n).hex() for n in ("prefill0", "decode0")}
 print(json.dumps({"address": server.address, "credentials": creds}), flush=True)
 while not server.all_reported:

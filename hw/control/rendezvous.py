@@ -84,9 +84,17 @@ class RendezvousRetry(RendezvousError):
 
 # how often a hello refused for now is sent again (RendezvousClient.hello)
 RETRY_S = 0.5
+# [A] how long a send to the rendezvous may wait for a connection to queue it on: it
+# queues at once on one being made; only a connection whose handshake was refused, and not
+# made again, leaves none (RendezvousClient.send)
+SEND_TIMEOUT_MS = 10_000
 # Connections the rendezvous admits, all together over a run, of keys that are no rank's
-# (tools that hold only the run secret: tests, diagnostics; no rank needs one): one
-# sender, held to 16 x RENDEZVOUS_RCVHWM x MAX_RENDEZVOUS_BYTES = 64 MiB queued.
+# (tools that hold only the run secret: diagnostics, tests; no rank needs one). None by
+# default (`tools`, `kvstage hw --tool-connections`): ZAP then admits only the ranks'
+# own keys, so holding the run secret alone opens no connection, and no message of a
+# non-rank is queued at all (libzmq holds an admitted peer's message of endless small
+# frames whole: docs/hardware-mode.md). At most MAX_TOOL_CONNECTIONS when asked for:
+# one sender, held to 16 x RENDEZVOUS_RCVHWM x MAX_RENDEZVOUS_BYTES = 64 MiB queued.
 MAX_TOOL_CONNECTIONS = 16
 # the characters of a report's JSON text in one `report_part`: escaped as a JSON string
 # (a quote or backslash takes 2 bytes) with its envelope, within MAX_RENDEZVOUS_BYTES
@@ -164,15 +172,19 @@ class RendezvousClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_TABLE_BYTES)
+        # a DEALER blocks a send while it has no connection to queue it on: after a refused
+        # handshake libzmq may not connect again, and a send would wait for ever
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         # a rank connects with the key of its credential (the rendezvous counts its
         # connections); a tool with a key of its own, drawn here
         curve_client(self.sock, secret, curve_keys(credential) if credential else None)
         if not address.startswith("tcp://"):
             address = f"tcp://{address}"
         # connection events: a rendezvous that closes every connection before the CURVE
-        # handshake completes does not hold this rank's run secret
+        # handshake completes does not hold this rank's run secret; one whose ZAP handler
+        # refused this connection's key (hw/control/zap.py) does not admit it
         self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
         self._handshakes = self._refused_handshakes = 0
         self.sock.connect(address)
@@ -210,10 +222,17 @@ class RendezvousClient:
                 f"the rendezvous's bound of {MAX_RENDEZVOUS_BYTES} bytes a message (a report "
                 f"goes in parts; a hello's transfer metadata must fit)"
             )
+        self._check_handshakes()  # a refusal already seen is said, not sent into
         try:
             self.sock.send_multipart(frames, 0 if block else zmq.NOBLOCK)
         except zmq.Again:
-            pass
+            if block:
+                self._check_handshakes()
+                raise RendezvousError(
+                    f"could not send to the rendezvous at {self.address} within "
+                    f"{SEND_TIMEOUT_MS / 1000:.0f}s: no connection to it is open (its "
+                    f"handshake was refused, or it is gone)" + self._tool_hint()
+                ) from None
 
     def send_report(self, report: dict[str, Any]) -> None:
         """`report` as one message if it fits, else in parts of at most
@@ -246,6 +265,16 @@ class RendezvousClient:
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshakes += 1
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not self._credential:
+                # the secret is right (CURVE got as far as asking ZAP); a tool's key is not
+                # let in. (A rank's key may be refused for now: a restarted rank that
+                # connects before its old incarnation was seen down; it tries again.)
+                raise RendezvousError(
+                    f"the rendezvous at {self.address} refused this connection's key: "
+                    "holding the run secret but no rank's credential, this is a tool, and "
+                    "the rendezvous admits tools only when its launcher was started with "
+                    "--tool-connections (none by default), that many"
+                )
             elif event == zmq.EVENT_DISCONNECTED and not self._handshakes:
                 self._refused_handshakes += 1
         if not self._handshakes and self._refused_handshakes >= REFUSED_HANDSHAKES:
@@ -253,14 +282,20 @@ class RendezvousClient:
                 f"the rendezvous at {self.address} refused this rank's connection "
                 f"{self._refused_handshakes} times before its handshake: this rank cannot "
                 f"authenticate: this rank's run secret is not the launcher's (check "
-                f"--secret-file / ${SECRET_ENV})"
-                + (
-                    ""
-                    if self._credential
-                    else f", or, holding no rank's credential, it came after the "
-                    f"{MAX_TOOL_CONNECTIONS} connections the rendezvous admits of tools"
-                )
+                f"--secret-file / ${SECRET_ENV})" + self._tool_hint()
             )
+
+    def _tool_hint(self) -> str:
+        """For a client with no rank's credential that never completed a handshake: the
+        other reason it may have been refused (libzmq does not always report a refused
+        key as such, nor connect again after one)."""
+        if self._credential or self._handshakes:
+            return ""
+        return (
+            "; or, holding no rank's credential, this is a tool, and the rendezvous admits "
+            "tools only when its launcher was started with --tool-connections (none by "
+            "default), that many"
+        )
 
     def _pump(self, timeout_ms: int) -> None:
         """Take in what the rendezvous sent (waiting up to `timeout_ms` for the first):
@@ -306,7 +341,7 @@ class RendezvousClient:
                 raise RendezvousError(
                     f"no answer from the rendezvous at {self.address} within {timeout_s:.0f}s "
                     f"while waiting for {what}: is its launcher (kvstage hw) running "
-                    f"there, and the address right?"
+                    f"there, and the address right?" + self._tool_hint()
                 )
             if self.on_wait is not None and now >= say_at:
                 self.on_wait(
@@ -455,6 +490,15 @@ class RendezvousClient:
         self.sock.close(linger=1000)
 
 
+def check_tool_connections(tools: int) -> None:
+    """A bad `tools` (--tool-connections) in one line: what it was and what is allowed."""
+    if not 0 <= tools <= MAX_TOOL_CONNECTIONS:
+        raise ValueError(
+            f"tool connections = {tools}: allowed 0 (the default: only ranks connect) to "
+            f"{MAX_TOOL_CONNECTIONS}"
+        )
+
+
 class RendezvousServer:
     """The launcher's side: collects hellos and reports of `expected` ranks.
 
@@ -497,7 +541,8 @@ class RendezvousServer:
     list over it is refused unread), at most RENDEZVOUS_RCVHWM of them queued per
     connection; a rank connects with the CURVE key of its credential, admitted a few times
     (`gate`, hw/control/zap.py), and its report comes in parts held up to MAX_REPORT_BYTES
-    for it alone; keys of no rank (tools) share MAX_TOOL_CONNECTIONS connections."""
+    for it alone; keys of no rank (tools) share `tools` connections (none by default, at
+    most MAX_TOOL_CONNECTIONS)."""
 
     def __init__(
         self,
@@ -513,7 +558,9 @@ class RendezvousServer:
         grace_s: dict[str, float] | None = None,
         probe_slots: int = 0,
         peers: dict[str, set[str]] | None = None,
+        tools: int = 0,
     ) -> None:
+        check_tool_connections(tools)
         secret = self._secret = run_secret(secret)
         self._down = FrameMac(secret, TO_RANK)
         self.credentials = Credentials()
@@ -527,8 +574,8 @@ class RendezvousServer:
         self.sock.setsockopt(zmq.RCVHWM, RENDEZVOUS_RCVHWM)
         curve_server(self.sock, secret)  # a stranger gets no connection: nothing buffered
         # per sender: each rank's key (of its credential) a few connections, tools together
-        # MAX_TOOL_CONNECTIONS (hw/control/zap.py)
-        self.gate = Gate(others=MAX_TOOL_CONNECTIONS)
+        # `tools` (hw/control/zap.py)
+        self.gate = Gate(others=tools)
         self._curve_keys = {name: curve_keys(self.credentials.of(name))[0] for name in expected}
         for key in self._curve_keys.values():
             self.gate.admit(key)

@@ -164,6 +164,7 @@ def launch(
     probe_slots: int = 0,
     on_affinity: Callable[[dict[str, Any]], None] | None = None,
     on_table: Callable[[dict[str, RankInfo], float], None] | None = None,
+    tool_connections: int = 0,
 ) -> LaunchResult:
     """Run every rank of a scenario on this machine (or, spawn=False, wait for external ones).
 
@@ -178,6 +179,8 @@ def launch(
     `on_affinity(rank -> its NIC, GPU, NUMA node)`: once every rank registered (hw/transport/affinity.py).
     `on_table(every rank's RankInfo by name, t0)`: once every rank registered, in this
     process only (no rank gets the whole table: each gets its peers', table_peers).
+    `tool_connections`: connections the rendezvous admits of keys of no rank (tools
+    holding the run secret alone; default none: hw/control/rendezvous.py).
 
     Call it from the thread that lives as long as the run: the ranks' parent-death
     signal fires when the thread that spawned them ends."""
@@ -198,6 +201,7 @@ def launch(
         grace_s={name: max(d) + RESPAWN_GRACE_S for name, d in restarts.items()},
         probe_slots=probe_slots,
         peers=table_peers(scenario_path, prefill_tp, decode_tp),
+        tools=tool_connections,
     )
     # key files first: a task that waits for run.secret finds its key file with it
     by_hand = [n for n in names if not spawn or (rejoin_grace_s > 0 and n.startswith("prefill"))]

@@ -85,6 +85,7 @@ def launch_run(
     ceiling: bool = False,
     on_affinity: Callable[[dict], None] | None = None,
     on_table: Callable[[dict, float], None] | None = None,
+    tool_connections: int = 0,
     **placement: str | None,
 ) -> RunResult:
     """Run `scenario` on real transfers, the ranks' logs and scenario.toml in `run_dir`
@@ -92,7 +93,8 @@ def launch_run(
     (hw.launch.launch); `rejoin_grace_s`: how long a dead prefill rank may take to rejoin;
     `ceiling`: measure each pair's raw write ceiling before the first room (hw/transport/bandwidth.py);
     `on_affinity`: each rank's NIC, GPU and NUMA node, once every rank registered;
-    `on_table`: the whole rank table and t0, then (launch's: no rank gets it whole)."""
+    `on_table`: the whole rank table and t0, then (launch's: no rank gets it whole);
+    `tool_connections`: connections the rendezvous admits of tools (default none)."""
     hw = scenario.hardware
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
@@ -123,6 +125,7 @@ def launch_run(
         probe_slots=probe_slots,
         on_affinity=on_affinity,
         on_table=on_table,
+        tool_connections=tool_connections,
         **placement,
     )
     records = merge_records(result.reports)

@@ -158,6 +158,14 @@ def hw(
             help="Seconds a prefill rank that died (or went silent) may take to rejoin, started again with hw-rank, before it fails the run (0: a dead rank fails it).",
         ),
     ] = 0.0,
+    tool_connections: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=16,
+            help="Connections the rendezvous admits, all together, of tools that hold the run secret but no rank's credential (a script that asks it for t0 or the rejoins). Default 0: only the ranks connect, and a copy of the secret alone opens none.",
+        ),
+    ] = 0,
     ceiling: Annotated[
         bool,
         typer.Option(
@@ -243,6 +251,7 @@ def hw(
         bind=bind,
         advertise=advertise,
         rejoin_grace_s=rejoin_grace,
+        tool_connections=tool_connections,
         ceiling=ceiling,
         target=target,
         baseline=baseline,
