@@ -98,15 +98,13 @@ def launch_run(
     hw = scenario.hardware
     scenario_path = Path(run_dir) / "scenario.toml"
     scenario_path.write_text(scenario.to_toml())
-    write_environment(
-        Path(run_dir)
-    )  # versions, GPUs, NICs, engine variables (hw/launch/environment.py)
+    # versions, GPUs, NICs, engine variables (hw/launch/environment.py)
+    write_environment(Path(run_dir))
     before = conditions.sample()  # how busy the host was during the run (kvstage/run/conditions.py)
     requests = generate_requests(scenario)
     rooms = len(requests)
-    rejected = admit(requests, context_limits(scenario))[
-        1
-    ]  # never reach a rank (hw/rank/process.py)
+    # requests that can never fit: they never reach a rank (hw/rank/process.py)
+    rejected = admit(requests, context_limits(scenario))[1]
     probe_slots = len(probe_pairs(hardware_sessions(scenario, requests)[0])) if ceiling else 0
     result = launch(
         scenario_path,
