@@ -43,7 +43,6 @@ from kvstage.hw.control.keys import _hkdf as hkdf
 
 log = logging.getLogger("kvstage.hw.rank.process")
 
-KINDS = ("none", "chacha20")
 _LABEL = b"kvstage write cipher v1"
 _BIND = struct.Struct("!QQQ")  # nonce, room, chunk
 _ZERO_NONCE = bytes(16)  # cryptography's ChaCha20 nonce: counter 0 (4 bytes LE) + nonce 0
@@ -110,7 +109,7 @@ def _device_xor(src: torch.Tensor, dst: torch.Tensor, k: bytes) -> None:
         kernel(src, dst, k, blocks=None if src.is_cuda else wide)
         return
     # no kernel here: a trip through host memory of this process (slow, the same bytes)
-    host = src.cpu().clone() if src.is_cuda else src.clone()
+    host = src.cpu() if src.is_cuda else src.clone()  # .cpu() of a CUDA tensor is a copy
     enc = Cipher(algorithms.ChaCha20(k, _ZERO_NONCE), None).encryptor()
     enc.update_into(host.numpy(), host.numpy())
     dst.copy_(host)
