@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from kvstage.hw.rank.cipher import block_key, cipher_key, xor_keystream
 from kvstage.hw.rank.writemac import mac_key
-from kvstage.shared.scenario import load_scenario
+from kvstage.shared.scenario import ScenarioError, load_scenario
 
 
 def _block(n: int, seed: int = 0) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_encrypt_writes_is_on_by_default_and_names_its_choices(tmp_path):
     assert load_scenario(path).transfer.encrypt_writes == "chacha20"
     off = load_scenario(path, overrides=["transfer.encrypt_writes=none"])
     assert off.transfer.encrypt_writes == "none"
-    with pytest.raises(Exception, match="chacha20"):
+    with pytest.raises(ScenarioError, match="chacha20"):
         load_scenario(path, overrides=["transfer.encrypt_writes=aes"])
 
 

@@ -114,9 +114,7 @@ def hardware_figures(scenario: Scenario, by_rank: dict[str, dict]) -> dict[str, 
         # staging blocks encrypted in the ring (hw/rank/cipher.py): the cipher ("none" on
         # the slice path, which moves pool to pool), and the bytes the decodes decrypted
         # out of their rings
-        "encrypt_writes": (
-            scenario.transfer.encrypt_writes if scenario.transfer.path == "staging" else "none"
-        ),
+        "encrypt_writes": scenario.transfer.ring_cipher,
         "bytes_decrypted": total("bytes_decrypted"),
         "writes_rejected": total("writes_rejected"),
         "bytes_checksummed": total("bytes_checksummed"),

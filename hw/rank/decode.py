@@ -98,30 +98,23 @@ class DecodeRank(RankProcess):
         future.add_done_callback(self._wake)  # the loop sleeps until then
         self.jobs.append((future, a))
 
+    def _writer_keys(self, a: Scatter | CheckSlice, derive) -> dict[int, bytes]:
+        """`derive(pair key)` for each writer of `a`, made on the loop thread: the control
+        plane is its own."""
+        return {
+            p: derive(self.control.pair_key(rank_name("prefill", p), to_peer=False))
+            for _, p, _, _ in a.checksums
+        }
+
     def _tag_keys(self, a: Scatter | CheckSlice) -> dict[int, bytes] | None:
-        """The tag key of each writer of `a` (None: verify_writes = "none"), made on the
-        loop thread: the control plane is its own."""
+        """The tag key of each writer of `a` (None: verify_writes = "none")."""
         if self.verify_writes == "none":
             return None
-        return {
-            p: tag_key(
-                self.verify_writes, self.control.pair_key(rank_name("prefill", p), to_peer=False)
-            )
-            for _, p, _, _ in a.checksums
-        }
-
-    def _cipher_keys(self, a: Scatter) -> dict[int, bytes] | None:
-        """The cipher key of each writer of `a` (None: encrypt_writes = "none"), made on
-        the loop thread."""
-        if self.encrypt_writes == "none":
-            return None
-        return {
-            p: cipher_key(self.control.pair_key(rank_name("prefill", p), to_peer=False))
-            for _, p, _, _ in a.checksums
-        }
+        return self._writer_keys(a, partial(tag_key, self.verify_writes))
 
     def _scatter(self, a: Scatter) -> None:
-        scatter_job = partial(self._scatter_job, keys=self._tag_keys(a), seals=self._cipher_keys(a))
+        seals = None if self.encrypt_writes == "none" else self._writer_keys(a, cipher_key)
+        scatter_job = partial(self._scatter_job, keys=self._tag_keys(a), seals=seals)
         job = self.job_cpu.wrap("scatter", scatter_job, a.nbytes)
         self._submit(job, a)
 

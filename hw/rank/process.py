@@ -331,7 +331,7 @@ class RankProcess:
         client.on_wait = lambda note: print(f"{self.name}: {note}", file=sys.stderr, flush=True)
         if self.s.transfer.verify_writes == "mac":
             warm_hashed_moves(self.pool)  # Triton's compiles before the run (a GPU pool)
-        if self.s.transfer.encrypt_writes != "none" and self.s.transfer.path == "staging":
+        if self.s.transfer.ring_cipher != "none":
             warm_device_cipher(self.pool.device)  # the same for the write cipher
         while register_at is not None and time.time() < register_at:
             check_launcher()

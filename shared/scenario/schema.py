@@ -539,6 +539,12 @@ class TransferConfig(_Table):
     # The slice path and OVERSIZED chunks move KV pool to KV pool and are not encrypted.
     encrypt_writes: Literal["none", "chacha20"] = "chacha20"
 
+    @property
+    def ring_cipher(self) -> str:
+        """The cipher of the blocks in a staging ring: `encrypt_writes` on the staging
+        path, "none" on the slice path (nothing goes through a ring there)."""
+        return self.encrypt_writes if self.path == "staging" else "none"
+
 
 class LinksConfig(_ProfileNumbers):
     """[links]: a named hardware profile plus optional per-field overrides.

@@ -161,8 +161,6 @@ def hw(
     tool_connections: Annotated[
         int,
         typer.Option(
-            min=0,
-            max=16,
             help="Connections the rendezvous admits, all together, of tools that hold the run secret but no rank's credential (a script that asks it for t0 or the rejoins). Default 0: only the ranks connect, and a copy of the secret alone opens none.",
         ),
     ] = 0,
@@ -229,6 +227,12 @@ def hw(
     )
     if problem:
         _fail(problem)
+    from kvstage.hw.control.rendezvous import check_tool_connections
+
+    try:
+        check_tool_connections(tool_connections)
+    except ValueError as exc:
+        _fail(f"--tool-connections: {exc}")
     extra = {}
     if secret_file is not None:
         from kvstage.hw.control.plane import RunSecretError, read_secret_file
