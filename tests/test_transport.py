@@ -16,6 +16,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import random
+import time
 import traceback
 from typing import Any
 
@@ -553,17 +554,65 @@ def test_a_region_a_posted_write_reads_from_is_not_deregistered() -> None:
     assert a.regions == ()
 
 
+def test_a_region_between_the_regions_a_write_reads_can_be_deregistered() -> None:
+    """The slice path's pages (hw/rank/prefill.py `SourceRuns`): one write reads runs of
+    the pool on both sides of another write's runs. When the registered regions are
+    disjoint, a region counts as busy only if a posted write reads inside it, not if it
+    merely lies between the bytes that write reads; regions that overlap fall back to
+    the span of the write."""
+    import torch
+
+    a, b = _MemmoveTransport("a"), _MemmoveTransport("b")
+    pool = torch.zeros(3 * 4096, dtype=torch.uint8)
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    rb = b.register(dst)
+    a.add_peer("b", b.metadata())
+    first, middle, last = (a.register(pool[k * 4096 : (k + 1) * 4096]) for k in range(3))
+    a.mode = "never"
+    handle = a.write("b", [(first.addr, rb.addr, 4096), (last.addr, rb.addr + 4096, 4096)])
+    assert handle.reads == frozenset({first, last})
+    a.deregister(middle)  # inside the write's span, read by none of its ops
+    for busy in (first, last):
+        with pytest.raises(TransferError, match=r"1 posted write\(s\) to \['b'\] still read"):
+            a.deregister(busy)
+    a.mode = "ok"
+    a.wait(handle, 5.0)
+    a.deregister(first)
+    # overlapping regions: which one an op reads is not known, so the whole span counts
+    whole, inner = a.register(pool), a.register(pool[4096:8192])
+    a.mode = "never"
+    handle = a.write("b", [(whole.addr, rb.addr, 4096), (last.addr, rb.addr + 4096, 4096)])
+    assert handle.reads is None
+    with pytest.raises(TransferError, match="still read"):
+        a.deregister(inner)
+    # an op across two regions that adjoin lies in both
+    a.mode = "ok"
+    a.wait(handle, 5.0)
+    a.deregister(whole)
+    a.deregister(inner)
+    left, right = a.register(pool[:4096]), a.register(pool[4096:8192])
+    a.mode = "never"
+    handle = a.write("b", [(left.addr + 2048, rb.addr, 4096)])  # 2 KiB in each
+    assert handle.reads is None
+    with pytest.raises(TransferError, match="still read"):
+        a.deregister(right)
+    a.deregister(last)  # outside the write's span
+
+
 @pytest.mark.hw
 @pytest.mark.timeout(120)
 def test_mooncake_refuses_a_read_of_a_deregistered_block() -> None:
-    """What a prefill's send block is to a process outside the run (issue 39, item 3):
-    readable through Mooncake's open port while registered, refused once deregistered."""
+    """What registered memory is to a process outside the run (issue 39, item 3):
+    readable through Mooncake's open port while registered, refused once deregistered.
+    A source (a prefill's send block, a slice write's pages: register(source=True)) is
+    never given to Mooncake over TCP, which sends a write's source from its address: no
+    outsider reads or writes it while it is registered, and the write from it lands."""
     _require_engine("mooncake")
     import numpy as np
     import torch
     from mooncake.engine import TransferEngine
 
-    t = make_transport("mooncake", "block-owner")
+    t, peer = make_transport("mooncake", "block-owner"), make_transport("mooncake", "ring")
     outsider = TransferEngine()
     try:
         assert outsider.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -578,7 +627,26 @@ def test_mooncake_refuses_a_read_of_a_deregistered_block() -> None:
         into[:] = 0
         assert outsider.batch_transfer_sync_read(*read) != 0
         assert (into == 0).all()
+        # a source: kvstage checks writes against it, Mooncake's port serves nothing of it
+        assert not t.sources_on_engine
+        ring = torch.zeros(4096, dtype=torch.uint8)
+        peer.register(ring)
+        t.add_peer("ring", peer.metadata())
+        source = t.register(block, source=True)
+        assert outsider.batch_transfer_sync_read(*read) != 0
+        assert outsider.batch_transfer_sync_write(*read) != 0
+        assert (into == 0).all() and (block == 0x3C).all()
+        t.wait(t.write("ring", [(source.addr, int(ring.data_ptr()), 4096)]), 10.0, "source")
+        deadline = time.monotonic() + 10  # over TCP complete means sent, not yet landed
+        while not (ring == 0x3C).all() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (ring == 0x3C).all()
+        with pytest.raises(TransferError, match="outside the regions registered"):
+            t.write("ring", [(source.addr + 4096, int(ring.data_ptr()), 1)])
+        t.deregister(source)
+        assert t.regions == ()
         outsider.unregister_memory(into.ctypes.data)
     finally:
         del outsider
         t.close()
+        peer.close()

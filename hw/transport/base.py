@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
+import itertools
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ import queue
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -107,6 +109,10 @@ class XferHandle:
     owner: int = field(default=0, repr=False)  # id() of the transport that posted it
     #: [first, end) of the local bytes its ops read: deregister() refuses a region in it
     local_span: tuple[int, int] = field(default=(0, 0), repr=False)
+    #: the registered regions its ops read, where the transport's regions are disjoint
+    #: (None: any region in local_span counts), so that a region of one write can be taken
+    #: off while another write reads regions on both sides of it (the slice path's spans)
+    reads: frozenset[Region] | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -144,6 +150,9 @@ class _RegionIndex:
                 merged.append([r.addr, r.end])
         self.starts = np.array([m[0] for m in merged], dtype=np.int64)
         self.ends = np.array([m[1] for m in merged], dtype=np.int64)
+        self.ordered = tuple(sorted(regions, key=lambda r: r.addr))
+        self.disjoint = all(a.end <= b.addr for a, b in itertools.pairwise(self.ordered))
+        self.region_starts = np.array([r.addr for r in self.ordered], dtype=np.int64)
 
     def outside(self, addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Indices of the ranges that are not inside any region."""
@@ -154,6 +163,19 @@ class _RegionIndex:
         safe = np.where(inside, slot, 0)
         inside &= addrs + nbytes <= self.ends[safe]
         return np.flatnonzero(~inside)
+
+    def containing(self, addrs: np.ndarray, nbytes: np.ndarray) -> frozenset[Region] | None:
+        """The regions that ranges inside them (outside() found none outside) lie in, when
+        the regions are disjoint; None when they overlap, or a range runs across two that
+        adjoin (it lies in more than one)."""
+        if not self.disjoint or len(addrs) == 0:
+            return None
+        first = np.searchsorted(self.region_starts, addrs, side="right") - 1
+        last = np.searchsorted(self.region_starts, addrs + nbytes - 1, side="right") - 1
+        if (first != last).any():
+            return None
+        runs = first[np.flatnonzero(np.diff(first, prepend=-1))]  # ops come in address runs
+        return frozenset(self.ordered[int(i)] for i in np.unique(runs))
 
 
 # ---------------------------------------------------------------------------
@@ -260,6 +282,10 @@ class Transport(abc.ABC):
     #: the decode then re-checks a block that fails its write tag before rejecting it
     #: (hw/rank/decode.py `_checked`)
     lands_on_completion: bool = True
+    #: False when the engine reads a write's source without it being registered (Mooncake
+    #: over TCP: a send from the address), so memory only written from is never given to
+    #: the engine, which serves what is registered to any peer (register_many `source`)
+    sources_on_engine: bool = True
 
     def __init__(self, agent_name: str, device: str = "cpu") -> None:
         if not isinstance(agent_name, str) or not agent_name.strip():
@@ -275,6 +301,10 @@ class Transport(abc.ABC):
         # Strong references: the engine holds raw pointers, so the tensors must outlive
         # their registration (until close()).
         self._tensors: list[torch.Tensor] = []
+        # the memory of regions taken off, kept until close (storage address -> storage):
+        # an engine may still write there (deregister())
+        self._retired: dict[int, Any] = {}
+        self._off_engine: set[Region] = set()  # sources kvstage checks, the engine not given
         self._peers: dict[str, PeerInfo] = {}
         self._outstanding: dict[int, XferHandle] = {}
         self._closed = False
@@ -305,6 +335,23 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _deregister_native(self, addr: int, nbytes: int) -> None:
         """Take [addr, addr+nbytes), registered by _register_native, off the engine."""
+
+    def _register_native_many(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Register several (addr, nbytes) spans, all or none: one at a time unless the
+        engine takes a list in one call (an adapter overrides this)."""
+        done: list[tuple[int, int]] = []
+        try:
+            for addr, nbytes in spans:
+                self._register_native(addr, nbytes)
+                done.append((addr, nbytes))
+        except BaseException:
+            self._deregister_native_many(done)
+            raise
+
+    def _deregister_native_many(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Take several spans off the engine: one at a time unless the engine takes a list."""
+        for addr, nbytes in spans:
+            self._deregister_native(addr, nbytes)
 
     @abc.abstractmethod
     def _native_metadata(self) -> bytes:
@@ -411,9 +458,43 @@ class Transport(abc.ABC):
         """What add_peer learned about ``peer_name`` (its regions, device)."""
         return self._peer(peer_name)
 
-    def register(self, tensor: torch.Tensor) -> Region:
-        """Register a contiguous tensor on this transport's device; keep it alive."""
+    def register(self, tensor: torch.Tensor, *, source: bool = False) -> Region:
+        """Register a contiguous tensor on this transport's device; keep it alive.
+        `source`: memory only this transport's own writes read (register_many)."""
+        return self.register_many([tensor], source=source)[0]
+
+    def register_many(
+        self, tensors: Sequence[torch.Tensor], *, source: bool = False
+    ) -> list[Region]:
+        """register() for several tensors, all or none, in one engine call where the
+        engine has one (the slice path's runs of pages: hw/rank/prefill.py). With
+        `source`, memory no peer needs to reach, only this transport's writes read (a
+        send block, a slice write's pages): the engine is given it only where it needs it
+        (`sources_on_engine`); write() checks ops against it either way."""
         self._check_open()
+        regions = [self._region_of(t) for t in tensors]
+        what = f"{sum(r.nbytes for r in regions)} B in {len(regions)} region(s)"
+        if len(regions) == 1:
+            what = f"{regions[0].nbytes} B at {regions[0].addr:#x}"
+        try:
+            if source and not self.sources_on_engine:
+                self._off_engine.update(regions)
+            else:
+                self._register_native_many([(r.addr, r.nbytes) for r in regions])
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(
+                f"{self.name}: agent {self.agent_name!r} failed to register {what} on "
+                f"{self.device}: {e}"
+            ) from e
+        self._tensors.extend(tensors)
+        self._regions.extend(regions)
+        self._local_index = _RegionIndex(self._regions)
+        return regions
+
+    def _region_of(self, tensor: torch.Tensor) -> Region:
+        """The region of a tensor register() may take, or ValueError naming what is wrong."""
         if not tensor.is_contiguous():
             raise ValueError(f"{self.name}: only contiguous tensors can be registered")
         nbytes = tensor.numel() * tensor.element_size()
@@ -424,55 +505,66 @@ class Transport(abc.ABC):
             raise ValueError(
                 f"{self.name}: tensor on {dev} cannot be registered by a transport on {self.device}"
             )
-        region = Region(int(tensor.data_ptr()), int(nbytes))
-        try:
-            self._register_native(region.addr, region.nbytes)
-        except TransferError:
-            raise
-        except Exception as e:
-            raise TransferError(
-                f"{self.name}: agent {self.agent_name!r} failed to register {region.nbytes} B "
-                f"at {region.addr:#x} on {self.device}: {e}"
-            ) from e
-        self._tensors.append(tensor)
-        self._regions.append(region)
-        self._local_index = _RegionIndex(self._regions)
-        return region
+        return Region(int(tensor.data_ptr()), int(nbytes))
 
     def deregister(self, region: Region) -> None:
         """Take a region that register() returned off the engine again: no peer reaches
         it through the engine any more, and no write may read from it. Refused while a
         posted write still reads from it (wait for it first): the engine would read
-        memory it no longer holds. The tensor is no longer kept alive here."""
+        memory it no longer holds. The tensor's memory stays allocated until close():
+        an engine may still write into it, as Mooncake over TCP does with a request whose
+        header it accepted before (docs/results/2026-12-04-mooncake-inflight.md), and
+        freed memory is whatever the process puts there next."""
+        self.deregister_many([region])
+
+    def deregister_many(self, regions: Sequence[Region]) -> None:
+        """deregister() for several regions, all or none, in one engine call where the
+        engine has one."""
         self._check_open()
-        try:
-            i = self._regions.index(region)
-        except ValueError:
+        gone = Counter(regions)
+        have = Counter(self._regions)
+        missing = [r for r, n in gone.items() if have[r] < n]
+        if missing:
             raise ValueError(
-                f"{self.name}: {region} is not registered by agent {self.agent_name!r}; "
+                f"{self.name}: {missing[0]} is not registered by agent {self.agent_name!r}; "
                 f"allowed: a region register() returned and not yet deregistered "
                 f"({len(self._regions)} registered)"
-            ) from None
-        busy = [
-            h
-            for h in self._outstanding.values()
-            if h.local_span[0] < region.end and region.addr < h.local_span[1]
-        ]
-        if busy:
-            raise TransferError(
-                f"{self.name}: cannot deregister {region.nbytes} B at {region.addr:#x}: "
-                f"{len(busy)} posted write(s) to {sorted({h.peer for h in busy})} still read "
-                f"from it (wait for them first)"
             )
+        for region in gone:
+            busy = [
+                h
+                for h in self._outstanding.values()
+                if h.local_span[0] < region.end
+                and region.addr < h.local_span[1]
+                and (h.reads is None or region in h.reads)
+            ]
+            if busy:
+                raise TransferError(
+                    f"{self.name}: cannot deregister {region.nbytes} B at {region.addr:#x}: "
+                    f"{len(busy)} posted write(s) to {sorted({h.peer for h in busy})} still "
+                    f"read from it (wait for them first)"
+                )
         try:
-            self._deregister_native(region.addr, region.nbytes)
+            on = [(r.addr, r.nbytes) for r in regions if r not in self._off_engine]
+            if on:
+                self._deregister_native_many(on)
         except Exception as e:
+            what = f"{len(regions)} region(s)" if len(regions) > 1 else f"{regions[0].nbytes} B"
             raise TransferError(
-                f"{self.name}: agent {self.agent_name!r} failed to deregister {region.nbytes} B "
-                f"at {region.addr:#x}: {e}"
+                f"{self.name}: agent {self.agent_name!r} failed to deregister {what} "
+                f"at {regions[0].addr:#x}: {e}"
             ) from e
-        del self._regions[i]
-        del self._tensors[i]
+        keep = []
+        for region, tensor in zip(self._regions, self._tensors, strict=True):
+            if gone[region]:
+                gone[region] -= 1
+                storage = tensor.untyped_storage()  # views of one buffer: kept once
+                self._retired.setdefault(storage.data_ptr(), storage)
+            else:
+                keep.append((region, tensor))
+        self._regions = [r for r, _ in keep]
+        self._tensors = [t for _, t in keep]
+        self._off_engine.intersection_update(self._regions)
         self._local_index = _RegionIndex(self._regions)
 
     def used(self) -> dict[str, Any]:
@@ -487,7 +579,7 @@ class Transport(abc.ABC):
             "agent": self.agent_name,
             "device_type": self.device_type,
             "device_id": self.device_id,
-            "regions": [[r.addr, r.nbytes] for r in self._regions],
+            "regions": [[r.addr, r.nbytes] for r in self._regions if r not in self._off_engine],
         }
         return _pack_metadata(header, self._native_metadata())
 
@@ -550,6 +642,7 @@ class Transport(abc.ABC):
             handle.done = True  # nothing to move; no engine round trip
             return handle
         handle.local_span = (int(arr[:, 0].min()), int((arr[:, 0] + arr[:, 2]).max()))
+        handle.reads = self._local_index.containing(arr[:, 0], arr[:, 2])
         try:
             handle.native = self._post(peer, arr)
         except Exception as e:
@@ -634,6 +727,7 @@ class Transport(abc.ABC):
                 )
             else:
                 self._tensors.clear()
+                self._retired.clear()
             self._peers.clear()
 
     def __enter__(self) -> Transport:

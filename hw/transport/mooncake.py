@@ -82,6 +82,11 @@ class MooncakeTransport(Transport):
         # bytes from its socket into the buffer afterwards. RDMA's completion comes
         # after the peer's NIC placed them.
         self.lands_on_completion = protocol != "tcp"
+        # [M] over TCP the engine sends a write's source from its address, registered or
+        # not (tests/test_transport.py: a write from memory never registered lands), and
+        # serves registered memory to any peer that reaches its port: a source stays off
+        # it. RDMA needs the source's memory key.
+        self.sources_on_engine = protocol != "tcp"
         self._engine = mod.TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -108,16 +113,23 @@ class MooncakeTransport(Transport):
         return dict(self._used)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
-        # "*" lets the engine find the memory's NUMA node; on GPU name the device.
-        location = "*" if self.device_type == "cpu" else f"cuda:{self.device_id}"
-        rc = self._engine.register_memory(addr, nbytes, location)
-        if rc != 0:
-            raise RuntimeError(f"register_memory returned {rc}")
+        self._register_native_many([(addr, nbytes)])
 
     def _deregister_native(self, addr: int, nbytes: int) -> None:
-        rc = self._engine.unregister_memory(addr)
+        self._deregister_native_many([(addr, nbytes)])
+
+    def _register_native_many(self, spans) -> None:
+        # "*" lets the engine find the memory's NUMA node; on GPU name the device.
+        location = "*" if self.device_type == "cpu" else f"cuda:{self.device_id}"
+        addrs, sizes = [a for a, _ in spans], [n for _, n in spans]
+        rc = self._engine.batch_register_memory(addrs, sizes, location)
         if rc != 0:
-            raise RuntimeError(f"unregister_memory returned {rc}")
+            raise RuntimeError(f"batch_register_memory of {len(spans)} span(s) returned {rc}")
+
+    def _deregister_native_many(self, spans) -> None:
+        rc = self._engine.batch_unregister_memory([a for a, _ in spans])
+        if rc != 0:
+            raise RuntimeError(f"batch_unregister_memory of {len(spans)} span(s) returned {rc}")
 
     def _native_metadata(self) -> bytes:
         return self.session.encode()

@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,7 @@ class NixlTransport(Transport):
                 f"(plugins found: {self._agent.get_plugin_list()})"
             )
         self._mem_type = _MEM_TYPE[self.device_type]
-        self._reg_descs: list[tuple[int, int, Any]] = []  # (addr, nbytes, NIXL's descs)
+        self._reg_spans: Counter[tuple[int, int]] = Counter()  # (addr, nbytes) registered
         # True: write() makes the descriptors on the caller's thread, the lane only runs
         # transfer() (a prefill rank's hardware.posting = "loop"); batches so prepared
         self.prepare_inline = False
@@ -128,17 +129,29 @@ class NixlTransport(Transport):
         return read_ucx_log(Path(path) if path else None)
 
     def _register_native(self, addr: int, nbytes: int) -> None:
-        descs = self._agent.register_memory([(addr, nbytes, self.device_id, "")], self._mem_type)
+        self._register_native_many([(addr, nbytes)])
+
+    def _register_native_many(self, spans) -> None:
+        """One registerMem call for every span (a descriptor list)."""
+        descs = self._agent.register_memory(self._descs(spans), self._mem_type)
         if descs is None:
             raise TransferError(
-                f"nixl: register_memory returned nothing for {nbytes} B at {addr:#x}"
+                f"nixl: register_memory returned nothing for {len(spans)} span(s), the first "
+                f"{spans[0][1]} B at {spans[0][0]:#x}"
             )
-        self._reg_descs.append((addr, nbytes, descs))
+        self._reg_spans.update(spans)
 
     def _deregister_native(self, addr: int, nbytes: int) -> None:
-        i = next(i for i, (a, n, _) in enumerate(self._reg_descs) if (a, n) == (addr, nbytes))
-        self._agent.deregister_memory(self._reg_descs[i][2])
-        del self._reg_descs[i]
+        self._deregister_native_many([(addr, nbytes)])
+
+    def _deregister_native_many(self, spans) -> None:
+        """One deregisterMem call; NIXL finds each descriptor among those registered."""
+        self._agent.deregister_memory(self._agent.get_reg_descs(self._descs(spans), self._mem_type))
+        self._reg_spans.subtract(spans)
+        self._reg_spans = +self._reg_spans  # without the spans no longer registered
+
+    def _descs(self, spans) -> list[tuple[int, int, int, str]]:
+        return [(addr, nbytes, self.device_id, "") for addr, nbytes in spans]
 
     def _native_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -217,7 +230,6 @@ class NixlTransport(Transport):
                 self._agent.remove_remote_agent(name)
             except Exception:
                 pass  # the peer may be gone already; nothing to undo
-        for _, _, descs in self._reg_descs:
-            self._agent.deregister_memory(descs)
-        self._reg_descs.clear()
+        if self._reg_spans:
+            self._deregister_native_many(list(self._reg_spans.elements()))
         del self._agent
