@@ -63,16 +63,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def sender(backend: str, reps: int, conn: Any) -> list[dict[str, Any]]:
-    import torch
-
+def connect(backend: str, conn: Any):
+    """The sender's transport with the receiver as its peer, and the ring's address;
+    the receiver is told "done" if that fails."""
     from kvstage.hw.transport.base import make_transport
 
     t = make_transport(backend, "reg-send")
-    rows = []
     try:
         t.add_peer("reg-recv", _recv(conn, "metadata"))
-        ring = t.peer("reg-recv").regions[0].addr
+    except BaseException:
+        conn.send("done")
+        t.close()
+        raise
+    return t, t.peer("reg-recv").regions[0].addr
+
+
+def sender(backend: str, reps: int, conn: Any) -> list[dict[str, Any]]:
+    import torch
+
+    t, ring = connect(backend, conn)
+    rows = []
+    try:
         for size in SIZES:
             whole = torch.randint(0, 256, (2 * size,), dtype=torch.uint8)
             once = whole[:size]  # the baseline's block: registered for the whole run
@@ -102,28 +113,33 @@ def sender(backend: str, reps: int, conn: Any) -> list[dict[str, Any]]:
                 base.append(_timed(lambda once=once, write=write: write(once)))
                 each.append(_timed(per_write))
             t.deregister(whole_region)
-            rows.append(
-                {
-                    "size": size,
-                    "base_s": statistics.median(base),
-                    "each_s": statistics.median(each),
-                    "reg_s": statistics.median(reg_s),
-                    "dereg_s": statistics.median(dereg_s),
-                }
-            )
+            rows.append({"size": size, **medians(base, each, reg_s, dereg_s)})
     finally:
         conn.send("done")
         t.close()
     return rows
 
 
-def run(backend: str, reps: int) -> list[dict[str, Any]]:
+def medians(base, each, reg_s, dereg_s) -> dict[str, float]:
+    """A row's timings: the medians of the baseline, the per-write whole, and the
+    register and deregister calls alone."""
+    return {
+        "base_s": statistics.median(base),
+        "each_s": statistics.median(each),
+        "reg_s": statistics.median(reg_s),
+        "dereg_s": statistics.median(dereg_s),
+    }
+
+
+def run(backend: str, reps: int, send=sender, ring_bytes: int = max(SIZES), *args):
+    """`send(backend, reps, *args, conn)` in this process against a receiver process
+    that registered a ring of `ring_bytes`."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(backend, max(SIZES), child), daemon=True)
+    proc = ctx.Process(target=receiver, args=(backend, ring_bytes, child), daemon=True)
     proc.start()
     try:
-        return sender(backend, reps, parent)
+        return send(backend, reps, *args, parent)
     finally:
         proc.join(30)
         if proc.is_alive():

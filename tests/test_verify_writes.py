@@ -232,6 +232,51 @@ class _RawReader(_RawMooncake):
         return rc == 0
 
 
+class _RawPrefillPool(_RawMooncake):
+    """Mooncake's own engine, no kvstage code and no secret, aimed at prefill0's KV pool
+    on the slice path, where the pool is the source of the writes: a write and a read
+    at the table (before t0), then junk over room HELD's first chunk's pages of K, layer
+    0 (room HELD opens first on an empty pool: its pages start at 0) every PAUSE_S, each
+    followed by a read of them, until the run ends."""
+
+    def __init__(self, s, size: int) -> None:
+        super().__init__(s, size)
+        g = s.geometry()
+        held = generate_requests(s)[HELD]
+        self.pages = g.chunks(room_pages(held.prompt_tokens, held.prefix_tokens, g.page_size))[0]
+        self.reader = np.zeros(size, dtype=np.uint8)
+        assert self.engine.register_memory(self.reader.ctypes.data, self.reader.nbytes) == 0
+        self.landed = self.read = 0
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.reader.ctypes.data)
+        super().close()
+
+    def aim(self, table: dict) -> None:
+        info = table["prefill0"]
+        header, blob = _unpack_metadata(info.metadata)
+        self.session = blob.decode()
+        self.probes["published_regions"] = len(header["regions"])  # what a peer may write
+        pool = PoolDesc.from_wire(info.extra["kv_pool"])
+        self.at, n = pool.page_runs(0, self.pages.num_pages)[0]
+        self.n = min(n, self.size)
+        self.probes["pool_write_rc"] = self._write()
+        self.probes["pool_read_rc"] = self._read()
+
+    def _write(self) -> int:
+        local = self.junk.ctypes.data
+        return self.engine.batch_transfer_sync_write(self.session, [local], [self.at], [self.n])
+
+    def _read(self) -> int:
+        local = self.reader.ctypes.data
+        return self.engine.batch_transfer_sync_read(self.session, [local], [self.at], [self.n])
+
+    def write(self) -> bool:
+        self.landed += self._write() == 0
+        self.read += self._read() == 0
+        return True  # refused or not, it keeps trying until the run ends
+
+
 def _kv_rows(read: np.ndarray, row_bytes: int) -> int:
     """How many rows of KV a read of a staging region holds. Every row of a room's KV
     (`kvstage.hw.rank.kvpool.pattern_bits`: a row is its 32-bit row hash repeated, XOR a
@@ -377,6 +422,37 @@ def test_a_raw_write_through_mooncakes_open_port_is_never_scattered(tmp_path):
     _assert_rejected_not_scattered(s, result, stats)
     assert raw.probes["pool_write_rc"] != 0, "a write into the unregistered KV pool landed"
     assert raw.probes["prefill_pool_read_rc"] != 0, "a read of a prefill's unregistered pool worked"
+
+
+def test_on_the_slice_path_a_prefills_pool_is_on_the_engine_only_while_written(tmp_path):
+    """Issue 39, item 3: on the slice path a prefill's KV pool is the writes' source. Its
+    pages are registered after their tag is taken, for the write that reads them only,
+    and only where the engine needs a source registered (hw/rank/prefill.py `SourceRuns`,
+    `Transport.sources_on_engine`): Mooncake over TCP sends from the address, so there
+    the pool is never given to the engine. A process with no secret that writes and
+    reads the pool through Mooncake's open port is refused at the table (the whole pool
+    was registered there before: checked) and on every try through the run; 0 bytes
+    wrong, and every room done."""
+    s, result, stats, raw = _run(tmp_path, "mooncake", _RawPrefillPool, path="slice")
+    assert s.transfer.path == "slice"
+    assert raw.probes["pool_write_rc"] != 0, "a write into a prefill's pool at t0 landed"
+    assert raw.probes["pool_read_rc"] != 0, "a read of a prefill's pool at t0 worked"
+    assert raw.probes["published_regions"] == 0  # its metadata offers no memory to a peer
+    reports = result.reports
+    assert set(reports) == {"prefill0", "prefill1", "decode0"}, result.errors
+    dec = reports["decode0"]
+    seen = {"attempts": stats["writes"], "landed": raw.landed, "read": raw.read}
+    seen.update({k: dec.get(k) for k in ("writes_rejected", "rooms_failed", "failures")})
+    assert stats["writes"] > 1, (
+        seen
+    )  # it kept trying through the run (a refusal takes Mooncake ~1 s)
+    assert raw.landed == 0 and raw.read == 0, seen  # never on Mooncake's port
+    assert sum(r.get("bytes_wrong", 0) for r in reports.values()) == 0
+    assert dec["rooms_done"] == dec["rooms_verified"] == REQUESTS, seen
+    every = [TraceRecord(*row) for r in reports.values() for row in r["records"]]
+    every.sort(key=lambda r: (r.end, r.start, r.role, r.rank))
+    assert not check_records(every, s.transfer.path)
+    print(seen)
 
 
 # alone: the interpreted kernels hold the GIL in long stretches; beside the parallel

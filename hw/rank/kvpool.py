@@ -94,6 +94,18 @@ class PoolDesc:
         row = ((kv * self.layers + layer) * self.num_tokens + token) * self.heads + head
         return self.base_addr + row * self.token_bytes_per_head
 
+    def page_runs(self, first_page: int, num_pages: int) -> list[tuple[int, int]]:
+        """The bytes of pages [first_page, first_page + num_pages), every head: one
+        (address, nbytes) run per (K/V, layer), in address order."""
+        tokens = num_pages * self.page_size
+        n = tokens * self.heads * self.token_bytes_per_head
+        first = first_page * self.page_size
+        return [
+            (self.addr(kv, layer, first, 0), n)
+            for kv in range(self.kv_planes)
+            for layer in range(self.layers)
+        ]
+
     def to_wire(self) -> dict[str, int]:
         return {
             "base_addr": self.base_addr,

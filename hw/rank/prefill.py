@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -100,6 +101,59 @@ class ByteArena:
         self._free = merged
 
 
+class SourceRuns:
+    """The KV pool's bytes on the engine while a write reads them, and only then (the
+    slice path, OVERSIZED chunks; issue 39, item 3): a write's pages are registered after
+    its tag is taken, one region per (K/V, layer) run in one engine call, shared by the
+    chunk's writes to several decode ranks, and taken off when the last of those writes
+    ends. Bytes a peer writes into the pool before the tag meet an unregistered pool;
+    after it, they are not the tagged bytes, and the decode's check rejects them."""
+
+    def __init__(self, transport, pool: torch.Tensor, desc: PoolDesc) -> None:
+        self.transport = transport
+        self.flat = pool.view(-1)  # the pool's bytes (uint8), desc.base_addr at 0
+        self.desc = desc
+        self.groups: dict[tuple[int, int], list[Region]] = {}  # (first, pages) -> regions
+        self.refs: Counter[tuple[int, int]] = Counter()
+        self.writes: dict[int, tuple[int, int]] = {}  # token -> its pages
+        self.stuck: list[Region] = []  # taking off refused by the engine (logged)
+        self._next = 0
+
+    def open(self, first_page: int, num_pages: int) -> int:
+        """Register the pages a write reads, unless another write holds them: a token
+        for close(). Raises TransferError, having registered nothing."""
+        pages = (first_page, num_pages)
+        if not self.refs[pages]:
+            base = self.desc.base_addr
+            runs = self.desc.page_runs(first_page, num_pages)
+            views = [self.flat[a - base : a - base + n] for a, n in runs]
+            self.groups[pages] = self.transport.register_many(views, source=True)
+        self.refs[pages] += 1
+        self._next += 1
+        self.writes[self._next] = pages
+        return self._next
+
+    def close(self, token: int) -> None:
+        """The write of `token` ended: its pages, unless another write holds them, go
+        off the engine."""
+        pages = self.writes.pop(token)
+        self.refs[pages] -= 1
+        if self.refs[pages]:
+            return
+        del self.refs[pages]
+        regions = self.groups.pop(pages)
+        try:
+            self.transport.deregister_many(regions)
+        except TransferError as exc:
+            log.warning("KV pool pages stay registered: %s", exc)
+            self.stuck.extend(regions)
+
+    @property
+    def held(self) -> int:
+        """Regions of the pool on the engine now."""
+        return sum(map(len, self.groups.values())) + len(self.stuck)
+
+
 log = logging.getLogger("kvstage.hw.rank.process")
 
 
@@ -109,7 +163,8 @@ class _Pending:
 
     handle: XferHandle
     done: WriteDone
-    slot: tuple[int, int] | None  # send-buffer bytes to release
+    release: Callable[[], None] | None  # gives back what the write held (its send-buffer
+    # block, or its pages on the engine)
 
 
 @dataclass(slots=True)
@@ -149,6 +204,8 @@ class PrefillRank(RankProcess):
         # peer can reach"). send-buffer offset -> the Region of its write in flight
         self.arena = ByteArena(self.send_buf.numel())
         self.exposed: dict[int, Region] = {}
+        # the KV pool, the source of slice writes, likewise: a write's pages for that write
+        self.sources = SourceRuns(self.transport, self.pool.bytes, self.pool.desc)
         self.pending: list[_Pending] = []
         self.waiting_gathers: deque[Gather] = deque()
         self.slots: dict[
@@ -166,7 +223,7 @@ class PrefillRank(RankProcess):
             if self.posting == "worker"
             else None
         )
-        self.posts: deque[tuple[Future, WriteDone, tuple[int, int] | None]] = deque()
+        self.posts: deque[tuple[Future, WriteDone, Callable[[], None]]] = deque()
         self.forwards: deque[Forward] = deque()
         self.computing: _Computing | None = None
         self.compute_thread = ThreadPoolExecutor(
@@ -189,13 +246,10 @@ class PrefillRank(RankProcess):
         self.encrypt_writes = scenario.transfer.encrypt_writes
 
     def _register_memory(self) -> None:
-        """The KV pool only where it is the source of a write: on the slice path, or where
-        a full chunk is larger than the ring (an OVERSIZED chunk takes the slice path).
-        On the staging path a peer reaches only the send buffer, whose blocks are tagged
-        before they enter it (docs/hardware-mode.md, "What a peer can reach")."""
-        s = self.s
-        if s.transfer.path == "slice" or self.g.chunk_bytes() > s.pool_bytes:
-            self.transport.register(self.pool.tensor)
+        """Nothing for the whole run: a send-buffer block is registered for its write
+        (`_write`), and the KV pool's pages for the slice write that reads them
+        (`SourceRuns`), each after its tag is taken (docs/hardware-mode.md, "What a peer
+        can reach")."""
 
     def _tag_key(self, decode_rank: int) -> bytes | None:
         """The key of this rank's write tags to `decode_rank` (None: verify_writes = "none")."""
@@ -226,7 +280,7 @@ class PrefillRank(RankProcess):
         n = probe_bytes(self.s.pool_bytes)
         if n:
             source = torch.ones(n, dtype=torch.uint8, device=self.device)
-            probe_region = self.transport.register(source)
+            probe_region = self.transport.register(source, source=True)
         offset = self.clock.offset_s if self.clock else 0.0  # launcher time = wall() + offset
         counters = (
             self.transport.requests_posted,
@@ -288,6 +342,8 @@ class PrefillRank(RankProcess):
             )
         if self.exposed:  # a block its write's end did not take off the engine
             held.append(f"{len(self.exposed)} send-buffer block(s) still registered")
+        if self.sources.held:  # pages a slice write's end did not take off the engine
+            held.append(f"{self.sources.held} run(s) of KV pool pages still registered")
         return held
 
     def _wait_s(self) -> float:
@@ -481,13 +537,14 @@ class PrefillRank(RankProcess):
         local = int(self.send_buf.data_ptr()) + slot[0]
         remote = int(peer.extra["ring_addr"]) + a.dst_offset
         done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=checksum)
+        release = partial(self._release_slot, slot)
         try:  # the block reaches the engine for this write only (_release_slot ends it)
             block = self.send_buf[slot[0] : slot[0] + slot[1]]
-            self.exposed[slot[0]] = self.transport.register(block)
+            self.exposed[slot[0]] = self.transport.register(block, source=True)
         except TransferError as exc:
-            self._post_failed(done, slot, exc)
+            self._post_failed(done, release, exc)
             return
-        self._post(peer.agent, [(local, remote, a.nbytes)], done, slot)
+        self._post(peer.agent, [(local, remote, a.nbytes)], done, release)
 
     def _release_slot(self, slot: tuple[int, int]) -> None:
         """A send-buffer block is free again: off the engine (if its write registered it),
@@ -515,11 +572,17 @@ class PrefillRank(RankProcess):
             a.num_pages,
         )
         tag = 0
+        first = self.runtime.page_base(a.room) + a.src_page
         key = self._tag_key(a.decode_rank)
         if key is not None:  # the slice the decode will check, as it leaves the pool
-            tag = self._pool_tag(a, self.runtime.page_base(a.room) + a.src_page, key)
+            tag = self._pool_tag(a, first, key)
         done = WriteDone(a.room, a.chunk, a.decode_rank, checksum=tag)
-        self._post(peer.agent, build, done, None)
+        try:  # the pages reach the engine after the tag, for this write only
+            token = self.sources.open(first, a.num_pages)
+        except TransferError as exc:
+            self._post_failed(done, None, exc)
+            return
+        self._post(peer.agent, build, done, partial(self.sources.close, token))
 
     # --- posting (hardware.posting) ---------------------------------------------------------
     # "lane" (the default, the behaviour before the option): the loop thread builds the ops
@@ -542,37 +605,39 @@ class PrefillRank(RankProcess):
             self.posted_on[name] += 1
             self.post_s[name] += time.perf_counter() - t0
 
-    def _post(self, agent: str, ops, done: WriteDone, slot: tuple[int, int] | None) -> None:
+    def _post(self, agent: str, ops, done: WriteDone, release: Callable[[], None]) -> None:
         if self.post_thread is not None:  # hardware.posting = "worker"
             job = self.post_thread.submit(self._post_job, agent, ops)
             job.add_done_callback(self._wake)
-            self.posts.append((job, done, slot))
+            self.posts.append((job, done, release))
             return
         try:
             handle = self._post_job(agent, ops)
         except TransferError as exc:
-            self._post_failed(done, slot, exc)
+            self._post_failed(done, release, exc)
             return
-        self._posted(handle, done, slot)
+        self._posted(handle, done, release)
 
     def _posts_done(self) -> None:
         """The posting thread's finished posts, in order: their handles to poll."""
         while self.posts and self.posts[0][0].done():
-            job, done, slot = self.posts.popleft()
+            job, done, release = self.posts.popleft()
             try:
                 handle = job.result()  # a failed slice_ops is a bug: raised here, in the loop
             except TransferError as exc:
-                self._post_failed(done, slot, exc)
+                self._post_failed(done, release, exc)
                 continue
-            self._posted(handle, done, slot)
+            self._posted(handle, done, release)
 
-    def _post_failed(self, done: WriteDone, slot: tuple[int, int] | None, exc: Exception) -> None:
-        if slot:
-            self._release_slot(slot)
+    def _post_failed(
+        self, done: WriteDone, release: Callable[[], None] | None, exc: Exception
+    ) -> None:
+        if release is not None:
+            release()
         self._feed(WriteDone(done.room, done.chunk, done.decode_rank, ok=False, error=str(exc)))
 
-    def _posted(self, handle: XferHandle, done: WriteDone, slot: tuple[int, int] | None) -> None:
-        self.pending.append(_Pending(handle, done, slot))
+    def _posted(self, handle: XferHandle, done: WriteDone, release: Callable[[], None]) -> None:
+        self.pending.append(_Pending(handle, done, release))
         # NIXL's CMA writes complete inside write(): report them now rather than a loop
         # turn (up to BUSY_POLL_S of waiting for messages) later.
         self._poll_transfers()
@@ -603,8 +668,7 @@ class PrefillRank(RankProcess):
                 finished.append((p, str(exc)))
         self.pending = still
         for p, error in finished:
-            if p.slot:
-                self._release_slot(p.slot)
+            p.release()
             done = (
                 p.done
                 if error is None
