@@ -107,7 +107,8 @@ class SourceRuns:
     its tag is taken, one region per (K/V, layer) run in one engine call, shared by the
     chunk's writes to several decode ranks, and taken off when the last of those writes
     ends. Bytes a peer writes into the pool before the tag meet an unregistered pool;
-    after it, they are not the tagged bytes, and the decode's check rejects them."""
+    after it, they are not the tagged bytes, and the decode's check rejects them. As
+    sources (`Transport.sources_on_engine`): Mooncake over TCP is given none of it."""
 
     def __init__(self, transport, pool: torch.Tensor, desc: PoolDesc) -> None:
         self.transport = transport
@@ -163,8 +164,8 @@ class _Pending:
 
     handle: XferHandle
     done: WriteDone
-    release: Callable[[], None] | None  # gives back what the write held (its send-buffer
-    # block, or its pages on the engine)
+    release: Callable[[], None]  # gives back what the write held (its send-buffer block,
+    # or its pages on the engine)
 
 
 @dataclass(slots=True)
@@ -505,7 +506,7 @@ class PrefillRank(RankProcess):
 
     def _fused(self, *flat: torch.Tensor) -> bool:
         """The tag's hash rides in the gather itself (a CUDA pool, "mac"): the words hashed
-        are the words read from the pool, which no peer can write on the staging path."""
+        are the words read from the pool, which is on no engine then (`SourceRuns`)."""
         return self.verify_writes == "mac" and fused_tag_possible(self.pool, *flat)
 
     def _private_block(self, first_page: int, num_pages: int, heads, nbytes: int) -> torch.Tensor:

@@ -558,8 +558,9 @@ class Transport(abc.ABC):
         for region, tensor in zip(self._regions, self._tensors, strict=True):
             if gone[region]:
                 gone[region] -= 1
-                storage = tensor.untyped_storage()  # views of one buffer: kept once
-                self._retired.setdefault(storage.data_ptr(), storage)
+                if region not in self._off_engine:  # what the engine never had it cannot write
+                    storage = tensor.untyped_storage()  # views of one buffer: kept once
+                    self._retired.setdefault(storage.data_ptr(), storage)
             else:
                 keep.append((region, tensor))
         self._regions = [r for r, _ in keep]
