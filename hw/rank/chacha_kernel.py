@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstage.hw.rank.nhash import run_kernel
+
 
 @triton.jit
 def _rotl(x, n: tl.constexpr):
@@ -217,13 +219,7 @@ def chacha20_xor(
     args += (counter - 2**32 if counter >= 2**31 else counter,)
     args += struct.unpack("<3i", nonce)
     grid = (-(-n_blocks // tile),)
-    if not src.is_cuda:  # the interpreter (tests)
-        chacha20_xor_kernel[grid](*args, BLOCKS=tile)
-    elif src.device.index == torch.cuda.current_device():
-        chacha20_xor_kernel[grid](*args, BLOCKS=tile, num_warps=warps or WARPS)
-    else:
-        with torch.cuda.device(src.device):
-            chacha20_xor_kernel[grid](*args, BLOCKS=tile, num_warps=warps or WARPS)
+    run_kernel(chacha20_xor_kernel, grid, src, args, warps or WARPS, BLOCKS=tile)
 
 
 def _length(value: object) -> str:

@@ -191,15 +191,21 @@ def launch_strided(
     # on a GPU the divisions by magic pairs; under the interpreter plain ones, faster in
     # numpy, unless MAGIC_ON_HOST_ENV is "1" (tests of the pairs' path)
     shape["MAGIC"] = pool_words.is_cuda or os.environ.get(MAGIC_ON_HOST_ENV) == "1"
-    kernel = _kernel()
-    if not pool_words.is_cuda:  # the interpreter (tests)
-        kernel[(n,)](*args, **shape)
-    elif pool_words.device.index == torch.cuda.current_device():
-        kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
-    else:
-        with torch.cuda.device(pool_words.device):
-            kernel[(n,)](*args, **shape, num_warps=warps or WARPS)
+    run_kernel(_kernel(), (n,), pool_words, args, warps or WARPS, **shape)
     return out
+
+
+def run_kernel(kernel, grid: tuple[int, ...], on: torch.Tensor, args: tuple, warps: int, **meta):
+    """Run a Triton kernel where `on` lives: a CPU tensor under the interpreter (tests),
+    as it is; on a GPU with `warps` warps, from that device even where another is
+    current (a rank's kernels and the cipher's)."""
+    if not on.is_cuda:  # the interpreter (tests)
+        kernel[grid](*args, **meta)
+    elif on.device.index == torch.cuda.current_device():
+        kernel[grid](*args, **meta, num_warps=warps)
+    else:
+        with torch.cuda.device(on.device):
+            kernel[grid](*args, **meta, num_warps=warps)
 
 
 # why the kernel is not used in this process (None: it is, where Triton imports): set when
