@@ -75,8 +75,13 @@ def xor_keystream(
     if src.is_cuda:
         _device_xor(src.view(-1), dst.view(-1), k)
         return
+    _host_xor(k, src.view(-1), dst.view(-1))
+
+
+def _host_xor(k: bytes, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst = src XOR ChaCha20(k) on host tensors, by `cryptography` (in place if one)."""
     enc = Cipher(algorithms.ChaCha20(k, _ZERO_NONCE), None).encryptor()
-    enc.update_into(src.view(-1).numpy(), dst.view(-1).numpy())
+    enc.update_into(src.numpy(), dst.numpy())
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,8 +115,7 @@ def _device_xor(src: torch.Tensor, dst: torch.Tensor, k: bytes) -> None:
         return
     # no kernel here: a trip through host memory of this process (slow, the same bytes)
     host = src.cpu() if src.is_cuda else src.clone()  # .cpu() of a CUDA tensor is a copy
-    enc = Cipher(algorithms.ChaCha20(k, _ZERO_NONCE), None).encryptor()
-    enc.update_into(host.numpy(), host.numpy())
+    _host_xor(k, host, host)
     dst.copy_(host)
 
 
@@ -125,8 +129,7 @@ def warm_device_cipher(device: torch.device | str) -> None:
     key = bytes(range(32))
     data = torch.randint(0, 256, (4096 + 68,), dtype=torch.uint8)
     want = data.clone()
-    enc = Cipher(algorithms.ChaCha20(key, _ZERO_NONCE), None).encryptor()
-    enc.update_into(want.numpy(), want.numpy())
+    _host_xor(key, want, want)
     try:
         got = data.to(device)
         _kernel()(got, got, key)

@@ -473,9 +473,6 @@ class Transport(abc.ABC):
         (`sources_on_engine`); write() checks ops against it either way."""
         self._check_open()
         regions = [self._region_of(t) for t in tensors]
-        what = f"{sum(r.nbytes for r in regions)} B in {len(regions)} region(s)"
-        if len(regions) == 1:
-            what = f"{regions[0].nbytes} B at {regions[0].addr:#x}"
         try:
             if source and not self.sources_on_engine:
                 self._off_engine.update(regions)
@@ -484,6 +481,9 @@ class Transport(abc.ABC):
         except TransferError:
             raise
         except Exception as e:
+            what = f"{sum(r.nbytes for r in regions)} B in {len(regions)} region(s)"
+            if len(regions) == 1:
+                what = f"{regions[0].nbytes} B at {regions[0].addr:#x}"
             raise TransferError(
                 f"{self.name}: agent {self.agent_name!r} failed to register {what} on "
                 f"{self.device}: {e}"
